@@ -1,0 +1,498 @@
+#pragma once
+// The host backend: every rank is a thread of one process, collectives read
+// each other's buffers through shared memory. It exists so that every parallel
+// configuration can be tested without a GPU.
+//
+//   fived::host::run(8, [](fived::host::Comm& world) { ... });
+//
+// Results are deterministic: reductions add contributions in group-rank order,
+// so every rank gets bit-identical values, run after run.
+//
+// Misuse never hangs. Each collective is a rendezvous on its group; the last
+// rank to arrive checks that all ranks called the same collective with fitting
+// sizes. A mismatch, an exception escaping a rank's function, a deadlock (every
+// live rank waiting on a rendezvous that cannot complete) or a timeout aborts
+// the run: every rank that waits or calls a collective afterwards gets a
+// CommError naming itself, the collective, the group and the cause.
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "fived/comm/communicator.hpp"
+#include "fived/comm/types.hpp"
+
+namespace fived::host {
+
+struct RunOptions {
+  // Longest a rank waits in one collective before the run is aborted. The
+  // deadlock detector catches most hangs at once; this covers a rank stuck in
+  // its own computation. FIVED_HOST_TIMEOUT_S overrides it.
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+};
+
+namespace detail {
+
+// What one rank brings to a rendezvous.
+struct Post {
+  std::string op;
+  DType dtype = DType::u8;
+  std::size_t count = 0;  // elements sent (meaning depends on op)
+  int root = -1;
+  ReduceOp reduce = ReduceOp::sum;
+  const void* send = nullptr;
+  std::span<const std::size_t> send_counts{}, recv_counts{};  // all_to_all_v
+  int color = 0, key = 0;                                 // split
+};
+
+struct Group;
+
+// One message in flight between two ranks of a group (point-to-point).
+struct Message {
+  DType dtype;
+  std::vector<std::byte> bytes;
+};
+
+struct Group {
+  std::string name;
+  std::vector<int> members;  // world ranks; index = rank in this group
+  // rendezvous state
+  std::vector<Post> posts;
+  int arrived = 0, departed = 0;
+  bool ready = false;
+  std::uint64_t generation = 0;
+  std::vector<std::shared_ptr<Group>> split_result;  // per group rank
+  std::map<std::pair<int, int>, std::deque<Message>> mailbox;  // (src, dst) group ranks
+
+  std::string describe() const {
+    std::string s = name + " {";
+    for (std::size_t i = 0; i < members.size(); ++i) s += (i ? "," : "") + std::to_string(members[i]);
+    return s + "}";
+  }
+};
+
+// Shared state of one run: one mutex guards everything, which keeps the
+// deadlock check exact (it sees every rank's wait at once).
+struct World {
+  explicit World(int n, RunOptions o) : size(n), opts(o), waiting(n), finished(n, false) {}
+
+  struct Wait {
+    bool active = false;
+    std::string what;             // "all_reduce on group tp {0,1}"
+    std::function<bool()> done;   // the condition it waits for
+  };
+
+  int size;
+  RunOptions opts;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Wait> waiting;
+  std::vector<bool> finished;
+  std::string abort_reason;  // empty while healthy
+
+  // Marks the run failed and wakes everyone. Keeps the first reason.
+  void abort(std::string reason) {
+    if (abort_reason.empty()) abort_reason = std::move(reason);
+    cv.notify_all();
+  }
+
+  // Called with `mu` held whenever a rank starts waiting or finishes: if every
+  // live rank waits on a condition that is false, nothing can make progress.
+  void check_deadlock() {
+    if (!abort_reason.empty()) return;
+    int live = 0;
+    for (int r = 0; r < size; ++r) {
+      if (finished[r]) continue;
+      ++live;
+      if (!waiting[r].active || waiting[r].done()) return;
+    }
+    if (live == 0) return;
+    std::string why = "deadlock: every running rank waits for a peer that will never come:";
+    for (int r = 0; r < size; ++r)
+      why += "\n  rank " + std::to_string(r) + (finished[r] ? " has returned from its function" : " waits in " + waiting[r].what);
+    abort(why);
+  }
+
+  // Blocks rank `r` until `done()` holds; throws CommError on abort or timeout.
+  void wait(std::unique_lock<std::mutex>& lk, int r, const std::string& what, std::function<bool()> done) {
+    if (!abort_reason.empty()) throw_aborted(r, what);
+    if (done()) return;
+    waiting[r] = {true, what, done};
+    check_deadlock();
+    const auto deadline = std::chrono::steady_clock::now() + opts.timeout;
+    bool timed_out = false;
+    while (abort_reason.empty() && !done()) {
+      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && !done()) {
+        timed_out = true;
+        break;
+      }
+    }
+    waiting[r] = {};
+    if (timed_out)
+      abort("rank " + std::to_string(r) + " timed out after " + std::to_string(opts.timeout.count()) +
+            " ms waiting in " + what + " (a peer is stuck or never calls it; FIVED_HOST_TIMEOUT_S sets the limit)");
+    if (!abort_reason.empty()) throw_aborted(r, what);
+  }
+
+  [[noreturn]] void throw_aborted(int r, const std::string& what) const {
+    throw CommError("fived host backend: rank " + std::to_string(r) + " in " + what + ": the run was aborted: " +
+                    abort_reason);
+  }
+};
+
+inline RunOptions options_from_env(RunOptions o) {
+  if (const char* s = std::getenv("FIVED_HOST_TIMEOUT_S"); s && *s)
+    o.timeout = std::chrono::milliseconds(static_cast<long long>(std::atof(s) * 1000));
+  return o;
+}
+
+template <class T>
+T combine(T a, T b, ReduceOp op) {
+  return op == ReduceOp::max ? std::max(a, b) : static_cast<T>(a + b);
+}
+
+}  // namespace detail
+
+// A communicator over one group of the run. Cheap to copy; all copies are the
+// same rank of the same group.
+class Comm {
+ public:
+  Comm(std::shared_ptr<detail::World> w, std::shared_ptr<detail::Group> g, int rank)
+      : world_(std::move(w)), group_(std::move(g)), rank_(rank) {}
+
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(group_->members.size()); }
+  std::string name() const { return group_->name; }
+  int world_rank() const { return group_->members[rank_]; }
+  const std::vector<int>& members() const { return group_->members; }
+
+  template <CommElement T>
+  void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, ReduceOp op = ReduceOp::sum) {
+    require(send.size() == recv.size(), "all_reduce", "send and recv hold " + std::to_string(send.size()) + " and " +
+                                                          std::to_string(recv.size()) + " elements; they must match");
+    std::vector<T> out(send.size());
+    rendezvous({.op = "all_reduce", .dtype = dtype_of<T>, .count = send.size(), .reduce = op, .send = send.data()},
+               [&](const std::vector<detail::Post>& p) {
+                 reduce_into<T>(out, p, 0, op);
+               });
+    std::copy(out.begin(), out.end(), recv.begin());
+  }
+  template <CommElement T>
+  void all_reduce(std::span<T> buf, ReduceOp op = ReduceOp::sum) {
+    all_reduce<T>(buf, buf, op);
+  }
+
+  template <CommElement T>
+  void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, ReduceOp op = ReduceOp::sum) {
+    require(send.size() == recv.size() * size(), "reduce_scatter",
+            "send holds " + std::to_string(send.size()) + " elements but must hold group size " +
+                std::to_string(size()) + " x recv size " + std::to_string(recv.size()));
+    std::vector<T> out(recv.size());
+    rendezvous({.op = "reduce_scatter", .dtype = dtype_of<T>, .count = send.size(), .reduce = op, .send = send.data()},
+               [&](const std::vector<detail::Post>& p) { reduce_into<T>(out, p, rank_ * recv.size(), op); });
+    std::copy(out.begin(), out.end(), recv.begin());
+  }
+
+  template <CommElement T>
+  void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
+    require(recv.size() == send.size() * size(), "all_gather",
+            "recv holds " + std::to_string(recv.size()) + " elements but must hold group size " +
+                std::to_string(size()) + " x send size " + std::to_string(send.size()));
+    std::vector<T> out(recv.size());
+    rendezvous({.op = "all_gather", .dtype = dtype_of<T>, .count = send.size(), .send = send.data()},
+               [&](const std::vector<detail::Post>& p) {
+                 for (int r = 0; r < size(); ++r)
+                   std::copy_n(static_cast<const T*>(p[r].send), send.size(), out.begin() + r * send.size());
+               });
+    std::copy(out.begin(), out.end(), recv.begin());
+  }
+
+  // Equal blocks: block j of `send` goes to rank j, block i of `recv` comes from rank i.
+  template <CommElement T>
+  void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
+    require(send.size() == recv.size() && send.size() % size() == 0, "all_to_all",
+            "send and recv must have the same size, a multiple of the group size " + std::to_string(size()) +
+                " (they hold " + std::to_string(send.size()) + " and " + std::to_string(recv.size()) + ")");
+    const std::vector<std::size_t> counts(size(), send.size() / size());
+    all_to_all_v<T>(send, counts, recv, counts);
+  }
+
+  // Per-peer counts (elements); blocks are packed in rank order on both sides.
+  template <CommElement T>
+  void all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::size_t> send_counts, std::span<T> recv,
+                    std::span<const std::size_t> recv_counts) {
+    const auto n = static_cast<std::size_t>(size());
+    require(send_counts.size() == n && recv_counts.size() == n, "all_to_all_v",
+            "send_counts and recv_counts need one entry per rank of the group (" + std::to_string(n) + ")");
+    require(sum(send_counts) == send.size() && sum(recv_counts) == recv.size(), "all_to_all_v",
+            "the counts add up to " + std::to_string(sum(send_counts)) + " sent / " + std::to_string(sum(recv_counts)) +
+                " received but the buffers hold " + std::to_string(send.size()) + " / " + std::to_string(recv.size()));
+    std::vector<T> out(recv.size());
+    rendezvous({.op = "all_to_all_v", .dtype = dtype_of<T>, .count = send.size(), .send = send.data(),
+                .send_counts = send_counts, .recv_counts = recv_counts},
+               [&](const std::vector<detail::Post>& p) {
+                 std::size_t at = 0;
+                 for (std::size_t src = 0; src < n; ++src) {
+                   const auto* base = static_cast<const T*>(p[src].send) + offset(p[src].send_counts, rank_);
+                   std::copy_n(base, recv_counts[src], out.begin() + at);
+                   at += recv_counts[src];
+                 }
+               });
+    std::copy(out.begin(), out.end(), recv.begin());
+  }
+
+  // Grouped point-to-point: all sends are posted before any receive waits, so
+  // exchanges in both directions (ring, pipeline) do not deadlock.
+  template <CommElement T>
+  void send_recv(std::span<const SendOp<T>> sends, std::span<const RecvOp<T>> recvs) {
+    // Arguments first (a bad peer is this rank's own error), then the abort
+    // check, which send-only calls would otherwise skip; no message is posted
+    // unless the whole call is valid.
+    for (const auto& s : sends) check_peer(s.peer, "send_recv");
+    for (const auto& r : recvs) check_peer(r.peer, "send_recv");
+    std::unique_lock lk(world_->mu);
+    if (!world_->abort_reason.empty()) world_->throw_aborted(world_rank(), where("send_recv"));
+    for (const auto& s : sends) {
+      check_peer(s.peer, "send_recv");
+      const auto* b = reinterpret_cast<const std::byte*>(s.buf.data());
+      group_->mailbox[{rank_, s.peer}].push_back({dtype_of<T>, std::vector<std::byte>(b, b + s.buf.size_bytes())});
+    }
+    world_->cv.notify_all();
+    for (const auto& r : recvs) {
+      check_peer(r.peer, "send_recv");
+      auto& box = group_->mailbox[{r.peer, rank_}];
+      world_->wait(lk, world_rank(), "send_recv (receive from rank " + std::to_string(r.peer) + ") on group " +
+                                         group_->describe(),
+                   [&box] { return !box.empty(); });
+      detail::Message m = std::move(box.front());
+      box.pop_front();
+      if (m.dtype != dtype_of<T> || m.bytes.size() != r.buf.size_bytes()) {
+        const std::string why = "send_recv on group " + group_->describe() + ": rank " + std::to_string(r.peer) +
+                                " sent " + std::to_string(m.bytes.size()) + " bytes of " +
+                                std::string(dtype_name(m.dtype)) + " but rank " + std::to_string(rank_) +
+                                " expects " + std::to_string(r.buf.size_bytes()) + " bytes of " +
+                                std::string(dtype_name(dtype_of<T>));
+        world_->abort(why);
+        world_->throw_aborted(world_rank(), "send_recv on group " + group_->describe());
+      }
+      std::memcpy(r.buf.data(), m.bytes.data(), m.bytes.size());
+    }
+  }
+
+  template <CommElement T>
+  void broadcast(std::span<T> buf, int root) {
+    check_peer(root, "broadcast");
+    std::vector<T> out(buf.size());
+    rendezvous({.op = "broadcast", .dtype = dtype_of<T>, .count = buf.size(), .root = root, .send = buf.data()},
+               [&](const std::vector<detail::Post>& p) {
+                 std::copy_n(static_cast<const T*>(p[root].send), buf.size(), out.begin());
+               });
+    std::copy(out.begin(), out.end(), buf.begin());
+  }
+
+  void barrier() { rendezvous({.op = "barrier"}, [](const auto&) {}); }
+
+  // One communicator per color; ranks ordered by key, then by rank here.
+  Comm split(int color, int key, std::string name) {
+    require(color >= 0, "split", "color must be >= 0");
+    std::shared_ptr<detail::Group> mine;
+    rendezvous({.op = "split", .color = color, .key = key}, [&](const auto&) { mine = group_->split_result[rank_]; },
+               [this, name](detail::Group& g) { make_split(g, name); });
+    const auto& m = mine->members;
+    const int r = static_cast<int>(std::find(m.begin(), m.end(), world_rank()) - m.begin());
+    return Comm(world_, std::move(mine), r);
+  }
+
+ private:
+  std::shared_ptr<detail::World> world_;
+  std::shared_ptr<detail::Group> group_;
+  int rank_;
+
+  std::string where(std::string_view op) const {
+    return std::string(op) + " on group " + group_->describe();
+  }
+
+  void require(bool ok, std::string_view op, const std::string& why) const {
+    if (!ok)
+      throw CommError("fived host backend: rank " + std::to_string(world_rank()) + " in " + where(op) + ": " + why);
+  }
+  void check_peer(int peer, std::string_view op) const {
+    require(peer >= 0 && peer < size(), op,
+            "peer " + std::to_string(peer) + " is not a rank of this group of " + std::to_string(size()));
+  }
+
+  static std::size_t sum(std::span<const std::size_t> c) {
+    std::size_t s = 0;
+    for (auto v : c) s += v;
+    return s;
+  }
+  static std::size_t offset(std::span<const std::size_t> c, int upto) {
+    std::size_t s = 0;
+    for (int i = 0; i < upto; ++i) s += c[i];
+    return s;
+  }
+
+  // out[i] = reduction over ranks (in rank order) of send_r[base + i].
+  template <class T>
+  void reduce_into(std::vector<T>& out, const std::vector<detail::Post>& p, std::size_t base, ReduceOp op) const {
+    std::copy_n(static_cast<const T*>(p[0].send) + base, out.size(), out.begin());
+    for (int r = 1; r < size(); ++r) {
+      const T* in = static_cast<const T*>(p[r].send) + base;
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = detail::combine(out[i], in[i], op);
+    }
+    if (op == ReduceOp::avg)
+      for (auto& v : out) v = static_cast<T>(v / static_cast<T>(size()));
+  }
+
+  // Called by the last rank to arrive: all ranks must have made the same call.
+  std::string mismatch(const detail::Group& g) const {
+    const auto& p = g.posts;
+    auto who = [&](int r) { return "rank " + std::to_string(g.members[r]); };
+    for (int r = 1; r < size(); ++r) {
+      if (p[r].op != p[0].op)
+        return "the ranks called different collectives: " + who(0) + " called " + p[0].op + ", " + who(r) +
+               " called " + p[r].op;
+      if (p[r].dtype != p[0].dtype)
+        return who(0) + " passed " + std::string(dtype_name(p[0].dtype)) + " but " + who(r) + " passed " +
+               std::string(dtype_name(p[r].dtype));
+      if (p[r].reduce != p[0].reduce)
+        return who(0) + " reduces with " + std::string(reduce_op_name(p[0].reduce)) + " but " + who(r) + " with " +
+               std::string(reduce_op_name(p[r].reduce));
+      if (p[r].root != p[0].root)
+        return who(0) + " names root " + std::to_string(p[0].root) + " but " + who(r) + " names root " +
+               std::to_string(p[r].root);
+      if (p[0].op != "all_to_all_v" && p[r].count != p[0].count)
+        return who(0) + " passed " + std::to_string(p[0].count) + " elements but " + who(r) + " passed " +
+               std::to_string(p[r].count);
+    }
+    if (p[0].op == "all_to_all_v")
+      for (int s = 0; s < size(); ++s)
+        for (int d = 0; d < size(); ++d)
+          if (p[s].send_counts[d] != p[d].recv_counts[s])
+            return who(s) + " sends " + std::to_string(p[s].send_counts[d]) + " elements to " + who(d) +
+                   ", which expects " + std::to_string(p[d].recv_counts[s]);
+    return {};
+  }
+
+  void make_split(detail::Group& g, const std::string& name) const {
+    std::map<int, std::vector<std::pair<int, int>>> by_color;  // color -> (key, group rank)
+    for (int r = 0; r < size(); ++r) by_color[g.posts[r].color].push_back({g.posts[r].key, r});
+    g.split_result.assign(size(), nullptr);
+    for (auto& [color, ranks] : by_color) {
+      std::sort(ranks.begin(), ranks.end());
+      auto sub = std::make_shared<detail::Group>();
+      sub->name = name;
+      for (auto [key, r] : ranks) sub->members.push_back(g.members[r]);
+      for (auto [key, r] : ranks) g.split_result[r] = sub;
+    }
+  }
+
+  // Arrive, let the last arrival validate (and run `on_complete`), read the
+  // peers' posts with `read` (no lock held: the buffers stay valid until every
+  // rank has departed), depart. Writes into this rank's own output happen after
+  // it returns, so in-place calls are safe.
+  template <class Read>
+  void rendezvous(detail::Post post, Read&& read, std::function<void(detail::Group&)> on_complete = {}) {
+    auto& g = *group_;
+    auto& w = *world_;
+    const std::string what = where(post.op);
+    const int me = world_rank();
+    {
+      std::unique_lock lk(w.mu);
+      if (!w.abort_reason.empty()) w.throw_aborted(me, what);
+      if (g.posts.size() != g.members.size()) g.posts.resize(g.members.size());
+      g.posts[rank_] = std::move(post);
+      if (++g.arrived == size()) {
+        if (auto why = mismatch(g); !why.empty()) {
+          w.abort(where(g.posts[0].op) + ": " + why);
+          w.throw_aborted(me, what);
+        }
+        if (on_complete) on_complete(g);
+        g.ready = true;
+        w.cv.notify_all();
+      } else {
+        w.wait(lk, me, what, [&g] { return g.ready; });
+      }
+    }
+    read(g.posts);
+    {
+      std::unique_lock lk(w.mu);
+      if (++g.departed == size()) {
+        g.arrived = g.departed = 0;
+        g.ready = false;
+        ++g.generation;
+        w.cv.notify_all();
+      } else {
+        const auto gen = g.generation;
+        w.wait(lk, me, what, [&g, gen] { return g.generation != gen; });
+      }
+    }
+  }
+};
+
+// Runs fn(world) on n threads, one per rank, and waits for all of them. If any
+// rank throws, the run is aborted (peers blocked in collectives get a
+// CommError) and, once every thread has ended, the first rank's exception in
+// rank order whose cause is not another rank's failure is rethrown.
+template <class F>
+void run(int n, F&& fn, RunOptions opts = {}) {
+  if (n < 1) throw std::invalid_argument("fived::host::run needs at least one rank, got " + std::to_string(n));
+  auto world = std::make_shared<detail::World>(n, detail::options_from_env(opts));
+  auto group = std::make_shared<detail::Group>();
+  group->name = "world";
+  for (int r = 0; r < n; ++r) group->members.push_back(r);
+
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<bool> origin(n, false);  // this rank's error is the cause, not a consequence
+  std::vector<std::thread> threads;
+  threads.reserve(n);
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      Comm comm(world, group, r);
+      try {
+        fn(comm);
+      } catch (const CommError& e) {
+        errors[r] = std::current_exception();
+        std::lock_guard lk(world->mu);
+        origin[r] = world->abort_reason.empty();
+        world->abort("rank " + std::to_string(r) + " failed: " + e.what());
+      } catch (const std::exception& e) {
+        errors[r] = std::current_exception();
+        std::lock_guard lk(world->mu);
+        origin[r] = true;
+        world->abort("rank " + std::to_string(r) + " threw: " + e.what());
+      } catch (...) {
+        errors[r] = std::current_exception();
+        std::lock_guard lk(world->mu);
+        origin[r] = true;
+        world->abort("rank " + std::to_string(r) + " threw an exception that is not a std::exception");
+      }
+      std::lock_guard lk(world->mu);
+      world->finished[r] = true;
+      world->check_deadlock();
+      world->cv.notify_all();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r)
+    if (errors[r] && origin[r]) std::rethrow_exception(errors[r]);
+  for (int r = 0; r < n; ++r)
+    if (errors[r]) std::rethrow_exception(errors[r]);
+}
+
+static_assert(Communicator<Comm>);
+
+}  // namespace fived::host

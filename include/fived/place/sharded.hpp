@@ -1,0 +1,69 @@
+#pragma once
+// Sharded<T, Layout>: one rank's piece of a distributed tensor, in host memory,
+// with the layout that says where it belongs.
+
+#include <cstdint>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fived/place/layout.hpp"
+
+namespace fived {
+
+template <class T, class Layout>
+class Sharded {
+ public:
+  using value_type = T;
+  using layout_type = Layout;
+  using placements = typename Layout::placements;
+
+  Sharded(Layout layout, std::vector<T> local) : layout_(std::move(layout)), local_(std::move(local)) {
+    if (static_cast<std::int64_t>(local_.size()) != layout_.local_size())
+      throw std::invalid_argument("Sharded: the local buffer holds " + std::to_string(local_.size()) +
+                                  " elements but the layout's local shape needs " + std::to_string(layout_.local_size()));
+  }
+
+  // This rank's piece of a global tensor (row-major). On a Partial axis the
+  // rank with coordinate 0 holds the value and the others hold zeros, which is
+  // one valid way to write a sum.
+  static Sharded slice_of(Layout layout, std::span<const T> global) {
+    if (static_cast<std::int64_t>(global.size()) != layout.global_size())
+      throw std::invalid_argument("Sharded::slice_of: the global buffer holds " + std::to_string(global.size()) +
+                                  " elements but the global shape needs " + std::to_string(layout.global_size()));
+    std::vector<T> local(layout.local_size());
+    if (holds_partial_value(layout.coord())) {
+      const auto g = layout.global_shape(), l = layout.local_shape(), o = layout.offset();
+      for (std::int64_t i = 0; i < layout.local_size(); ++i) {
+        std::int64_t rest = i, gi = 0, stride = 1;
+        for (std::size_t d = Layout::rank; d-- > 0;) {
+          gi += (o[d] + rest % l[d]) * stride;
+          rest /= l[d];
+          stride *= g[d];
+        }
+        local[i] = global[gi];
+      }
+    }
+    return Sharded(std::move(layout), std::move(local));
+  }
+
+  const Layout& layout() const { return layout_; }
+  std::span<T> local() { return local_; }
+  std::span<const T> local() const { return local_; }
+  std::vector<T>& storage() { return local_; }
+  const std::vector<T>& storage() const { return local_; }
+
+ private:
+  static bool holds_partial_value(const Coord& c) {
+    for (Axis a : world_axes)
+      if (Layout::placements::partial(a) && c[a] != 0) return false;
+    return true;
+  }
+
+  Layout layout_;
+  std::vector<T> local_;
+};
+
+}  // namespace fived
