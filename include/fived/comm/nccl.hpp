@@ -1,0 +1,516 @@
+#pragma once
+// fived::nccl::Comm — the production communicator: NCCL on a stream of its own.
+//
+// Ordering. Every call records an event on the compute stream, makes the
+// communication stream wait for it, enqueues the NCCL operation on the
+// communication stream, then makes the compute stream wait for that. A
+// collective therefore sees everything issued before it on the compute stream,
+// and work issued after it sees its result: correct by default, as if it ran on
+// the compute stream. (APIs that let computation overlap communication can be
+// added on top of the same two streams.)
+//
+// The compute stream defaults to cudaStreamPerThread: each host thread's
+// default stream, which also synchronises with the legacy stream 0. Code that
+// computes on a stream of its own passes it to set_compute_stream().
+//
+// Buffers are device memory. Calls return before the data has moved; kernels
+// on the compute stream see the result, the host sees it after synchronize(),
+// barrier() or a synchronisation of the compute stream.
+//
+// Errors. Arguments that cannot be right (sizes, peers, overlapping buffers,
+// host memory, a thread on another device) throw CommError before NCCL is
+// called and leave the communicator usable. A failed CUDA or NCCL call, an
+// asynchronous NCCL error or a wait longer than FIVED_NCCL_TIMEOUT_S seconds
+// (default 600; a peer that died or stopped calling collectives) aborts the
+// communicator — so no rank hangs on it — and throws CommError naming the
+// rank, the collective, the group and NCCL's own explanation. Asynchronous
+// errors surface in synchronize() and barrier(), which poll for them.
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <utility>
+
+#include "fived/comm/communicator.hpp"
+#include "fived/comm/types.hpp"
+
+namespace fived::nccl {
+
+namespace detail {
+
+constexpr ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::f32: return ncclFloat32;
+    case DType::f64: return ncclFloat64;
+    case DType::i32: return ncclInt32;
+    case DType::i64: return ncclInt64;
+    case DType::u8: return ncclUint8;
+  }
+  return ncclFloat32;
+}
+
+constexpr ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::avg: return ncclAvg;
+    case ReduceOp::max: return ncclMax;
+  }
+  return ncclSum;
+}
+
+// "all_reduce on group 'tp' (rank 1 of 4)": the start of every message.
+inline std::string context(std::string_view what, std::string_view group, int rank, int size) {
+  return "fived::nccl: " + std::string(what) + " on group '" + std::string(group) + "' (rank " +
+         std::to_string(rank) + " of " + std::to_string(size) + ")";
+}
+
+inline std::string nccl_message(ncclResult_t r, const char* call, ncclComm_t comm) {
+  std::string m = std::string(call) + " failed: " + ncclGetErrorString(r);
+  const char* last = ncclGetLastError(comm);
+  if (last != nullptr && *last != '\0') m += " (" + std::string(last) + ")";
+  return m + "; run with NCCL_DEBUG=WARN for NCCL's log";
+}
+
+inline std::string cuda_message(cudaError_t e, const char* call) {
+  return std::string(call) + " failed: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
+}
+
+// FIVED_NCCL_TIMEOUT_S: how long synchronize() and barrier() wait.
+inline std::chrono::duration<double> timeout_from_env() {
+  const char* v = std::getenv("FIVED_NCCL_TIMEOUT_S");
+  if (v == nullptr || *v == '\0') return std::chrono::duration<double>(600.0);
+  char* end = nullptr;
+  double s = std::strtod(v, &end);
+  if (end == v || *end != '\0' || !(s > 0))
+    throw CommError("fived::nccl: FIVED_NCCL_TIMEOUT_S='" + std::string(v) +
+                    "' is not a positive number of seconds: fix or unset it (default 600)");
+  return std::chrono::duration<double>(s);
+}
+
+inline std::string seconds(std::chrono::duration<double> d) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", d.count());
+  return buf;
+}
+
+inline bool overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) {
+  auto pa = reinterpret_cast<std::uintptr_t>(a), pb = reinterpret_cast<std::uintptr_t>(b);
+  return a_bytes != 0 && b_bytes != 0 && pa < pb + b_bytes && pb < pa + a_bytes;
+}
+
+}  // namespace detail
+
+class Comm {
+ public:
+  // Joins rank `rank` of a world of `world_size` ranks. `id` comes from
+  // ncclGetUniqueId and is the same on every rank (init_world() in
+  // nccl_bootstrap.hpp gets it from the launch environment). Select this
+  // rank's GPU with cudaSetDevice before calling: the communicator, its stream
+  // and its events belong to the current device. Collective: every rank calls
+  // it, and it returns when all have joined.
+  static Comm init(int world_size, int rank, ncclUniqueId id, std::string name = "world") {
+    if (world_size < 1 || rank < 0 || rank >= world_size)
+      throw CommError(detail::context("init", name, rank, world_size) +
+                      ": the rank must lie in [0, world_size) and world_size must be positive");
+    const auto timeout = detail::timeout_from_env();
+    ncclComm_t c = nullptr;
+    if (ncclResult_t r = ncclCommInitRank(&c, world_size, id, rank); r != ncclSuccess)
+      throw CommError(detail::context("init", name, rank, world_size) + ": " +
+                      detail::nccl_message(r, "ncclCommInitRank", c));
+    return Comm(c, std::move(name), cudaStreamPerThread, timeout);
+  }
+
+  Comm(Comm&& o) noexcept { take(o); }
+  Comm& operator=(Comm&& o) noexcept {
+    if (this != &o) {
+      release();
+      take(o);
+    }
+    return *this;
+  }
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+  ~Comm() { release(); }
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  const std::string& name() const noexcept { return name_; }
+  int device() const noexcept { return device_; }
+  ncclComm_t handle() const noexcept { return comm_; }
+  cudaStream_t stream() const noexcept { return stream_; }  // where NCCL runs
+  cudaStream_t compute_stream() const noexcept { return compute_; }
+  // The stream collectives are ordered against (see the top of this file).
+  void set_compute_stream(cudaStream_t s) noexcept { compute_ = s; }
+
+  // ---- collectives (shapes as in communicator.hpp) --------------------------------
+
+  template <CommElement T>
+  void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, ReduceOp op = ReduceOp::sum) {
+    constexpr std::string_view what = "all_reduce";
+    expect(send.size() == recv.size(), what, "send has " + std::to_string(send.size()) +
+                                                 " elements but recv has " + std::to_string(recv.size()) +
+                                                 ": they must be equal");
+    expect_in_place_or_apart(what, send, recv, 0, "recv == send");
+    expect_device(what, "send", send), expect_device(what, "recv", recv);
+    if (recv.empty()) return;
+    enqueue(what, [&] {
+      check(ncclAllReduce(send.data(), recv.data(), recv.size(), type<T>, detail::nccl_op(op), comm_, stream_),
+            what, "ncclAllReduce");
+    });
+  }
+
+  // In place: buf is both send and recv.
+  template <CommElement T>
+  void all_reduce(std::span<T> buf, ReduceOp op = ReduceOp::sum) {
+    all_reduce<T>(std::span<const T>(buf), buf, op);
+  }
+
+  template <CommElement T>
+  void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, ReduceOp op = ReduceOp::sum) {
+    constexpr std::string_view what = "reduce_scatter";
+    expect(send.size() == recv.size() * size_, what,
+           "send has " + std::to_string(send.size()) + " elements, expected size() * recv.size() = " +
+               std::to_string(size_) + " * " + std::to_string(recv.size()));
+    expect_in_place_or_apart(what, send, recv, recv.size() * rank_, "recv == send + rank() * recv.size()");
+    expect_device(what, "send", send), expect_device(what, "recv", recv);
+    if (recv.empty()) return;
+    enqueue(what, [&] {
+      check(ncclReduceScatter(send.data(), recv.data(), recv.size(), type<T>, detail::nccl_op(op), comm_, stream_),
+            what, "ncclReduceScatter");
+    });
+  }
+
+  template <CommElement T>
+  void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
+    constexpr std::string_view what = "all_gather";
+    expect(recv.size() == send.size() * size_, what,
+           "recv has " + std::to_string(recv.size()) + " elements, expected size() * send.size() = " +
+               std::to_string(size_) + " * " + std::to_string(send.size()));
+    expect_in_place_or_apart(what, recv, send, send.size() * rank_, "send == recv + rank() * send.size()");
+    expect_device(what, "send", send), expect_device(what, "recv", recv);
+    if (send.empty()) return;
+    enqueue(what, [&] {
+      check(ncclAllGather(send.data(), recv.data(), send.size(), type<T>, comm_, stream_), what, "ncclAllGather");
+    });
+  }
+
+  // Equal blocks: block j of send goes to rank j, block i of recv comes from rank i.
+  template <CommElement T>
+  void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
+    constexpr std::string_view what = "all_to_all";
+    expect(send.size() == recv.size() && send.size() % size_ == 0, what,
+           "send has " + std::to_string(send.size()) + " and recv " + std::to_string(recv.size()) +
+               " elements: they must be equal and a multiple of size() = " + std::to_string(size_));
+    expect_apart(what, send, recv);
+    expect_device(what, "send", send), expect_device(what, "recv", recv);
+    const std::size_t block = send.size() / size_;
+    if (block == 0) return;
+    enqueue(what, [&] {
+      grouped(what, [&](auto&& add) {
+        for (int peer = 0; peer < size_; ++peer) {
+          add(ncclSend(send.data() + peer * block, block, type<T>, peer, comm_, stream_), "ncclSend");
+          add(ncclRecv(recv.data() + peer * block, block, type<T>, peer, comm_, stream_), "ncclRecv");
+        }
+      });
+    });
+  }
+
+  // Per-peer counts (elements): send_counts[j] go to rank j, recv_counts[i]
+  // come from rank i, blocks packed in rank order, the counts adding up to the
+  // buffer sizes. A zero count sends or receives nothing. Unlike the host
+  // backend, peers' counts cannot be compared without an exchange: only the
+  // block this rank sends itself is checked.
+  template <CommElement T>
+  void all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::size_t> send_counts,
+                    std::span<T> recv, std::span<const std::size_t> recv_counts) {
+    constexpr std::string_view what = "all_to_all_v";
+    const auto n = static_cast<std::size_t>(size_);
+    expect(send_counts.size() == n && recv_counts.size() == n, what,
+           "send_counts has " + std::to_string(send_counts.size()) + " and recv_counts " +
+               std::to_string(recv_counts.size()) + " entries: give one per rank, size() = " + std::to_string(n));
+    std::size_t send_total = 0, recv_total = 0;
+    for (std::size_t i = 0; i < n; ++i) send_total += send_counts[i], recv_total += recv_counts[i];
+    expect(send_total == send.size() && recv_total == recv.size(), what,
+           "the counts add up to " + std::to_string(send_total) + " sent / " + std::to_string(recv_total) +
+               " received but the buffers hold " + std::to_string(send.size()) + " / " +
+               std::to_string(recv.size()) + ": pass spans of exactly the packed blocks");
+    expect(send_counts[rank_] == recv_counts[rank_], what,
+           "this rank sends itself " + std::to_string(send_counts[rank_]) + " elements but expects to receive " +
+               std::to_string(recv_counts[rank_]) + ": send_counts[rank()] and recv_counts[rank()] must agree");
+    expect_apart(what, send, recv);
+    expect_device(what, "send", send), expect_device(what, "recv", recv);
+    if (send_total == 0 && recv_total == 0) return;
+    enqueue(what, [&] {
+      grouped(what, [&](auto&& add) {
+        std::size_t s = 0, r = 0;
+        for (int peer = 0; peer < size_; ++peer) {
+          if (send_counts[peer] != 0)
+            add(ncclSend(send.data() + s, send_counts[peer], type<T>, peer, comm_, stream_), "ncclSend");
+          if (recv_counts[peer] != 0)
+            add(ncclRecv(recv.data() + r, recv_counts[peer], type<T>, peer, comm_, stream_), "ncclRecv");
+          s += send_counts[peer], r += recv_counts[peer];
+        }
+      });
+    });
+  }
+
+  // Grouped point-to-point: all sends and receives progress together, so a
+  // ring exchange (send right, receive left) cannot deadlock. Empty buffers
+  // are skipped (the peer's matching operation is empty too).
+  template <CommElement T>
+  void send_recv(std::span<const SendOp<T>> sends, std::span<const RecvOp<T>> recvs) {
+    constexpr std::string_view what = "send_recv";
+    for (const auto& s : sends) expect_peer(what, "send", s.peer), expect_device(what, "send", s.buf);
+    for (const auto& r : recvs) expect_peer(what, "recv", r.peer), expect_device(what, "recv", r.buf);
+    enqueue(what, [&] {
+      grouped(what, [&](auto&& add) {
+        for (const auto& s : sends)
+          if (!s.buf.empty()) add(ncclSend(s.buf.data(), s.buf.size(), type<T>, s.peer, comm_, stream_), "ncclSend");
+        for (const auto& r : recvs)
+          if (!r.buf.empty()) add(ncclRecv(r.buf.data(), r.buf.size(), type<T>, r.peer, comm_, stream_), "ncclRecv");
+      });
+    });
+  }
+
+  template <CommElement T>
+  void broadcast(std::span<T> buf, int root) {
+    constexpr std::string_view what = "broadcast";
+    expect_peer(what, "root", root);
+    expect_device(what, "buf", buf);
+    if (buf.empty()) return;
+    enqueue(what, [&] {
+      check(ncclBroadcast(buf.data(), buf.data(), buf.size(), type<T>, root, comm_, stream_), what, "ncclBroadcast");
+    });
+  }
+
+  // Returns when every rank has reached the barrier and all work issued
+  // before it, on this rank's compute and communication streams, is done.
+  void barrier() {
+    constexpr std::string_view what = "barrier";
+    enqueue(what, [&] { check(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_), what, "ncclAllReduce"); });
+    wait(what);
+  }
+
+  // Returns when the communication issued so far on this rank has completed.
+  void synchronize() { wait("synchronize"); }
+
+  // A communicator per color, ranks ordered by key (ties by rank here).
+  // Collective over this communicator. Inherits the compute stream and timeout.
+  Comm split(int color, int key, std::string name) {
+    expect(color >= 0, "split", "color " + std::to_string(color) + " is negative: every rank must join a group");
+    usable("split");
+    ncclComm_t c = nullptr;
+    check(ncclCommSplit(comm_, color, key, &c, nullptr), "split", "ncclCommSplit");
+    return Comm(c, std::move(name), compute_, timeout_);
+  }
+
+ private:
+  template <class T> static constexpr ncclDataType_t type = detail::nccl_type(dtype_of<T>);
+
+  // Takes ownership of `c` and creates the stream, events and scratch on its device.
+  Comm(ncclComm_t c, std::string name, cudaStream_t compute, std::chrono::duration<double> timeout)
+      : comm_(c), compute_(compute), timeout_(timeout), name_(std::move(name)) {
+    try {
+      check(ncclCommUserRank(comm_, &rank_), "init", "ncclCommUserRank");
+      check(ncclCommCount(comm_, &size_), "init", "ncclCommCount");
+      check(ncclCommCuDevice(comm_, &device_), "init", "ncclCommCuDevice");
+      int current = 0;
+      check(cudaGetDevice(&current), "init", "cudaGetDevice");
+      struct Restore {
+        int device;
+        ~Restore() { cudaSetDevice(device); }
+      } restore{current};
+      check(cudaSetDevice(device_), "init", "cudaSetDevice");
+      // Highest priority, so communication kernels are not queued behind compute kernels.
+      int least = 0, greatest = 0;
+      check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "init", "cudaDeviceGetStreamPriorityRange");
+      check(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest), "init", "cudaStreamCreateWithPriority");
+      check(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "init", "cudaEventCreateWithFlags");
+      check(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "init", "cudaEventCreateWithFlags");
+      check(cudaMalloc(reinterpret_cast<void**>(&scratch_), sizeof(int)), "init", "cudaMalloc");
+      check(cudaMemset(scratch_, 0, sizeof(int)), "init", "cudaMemset");
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+
+  void take(Comm& o) noexcept {
+    comm_ = std::exchange(o.comm_, nullptr);
+    stream_ = std::exchange(o.stream_, nullptr);
+    compute_ = o.compute_;
+    ready_ = std::exchange(o.ready_, nullptr);
+    done_ = std::exchange(o.done_, nullptr);
+    scratch_ = std::exchange(o.scratch_, nullptr);
+    rank_ = o.rank_, size_ = o.size_, device_ = o.device_;
+    timeout_ = o.timeout_;
+    name_ = std::move(o.name_);
+    error_ = std::move(o.error_);
+  }
+
+  // Never throws: waits for outstanding work (bounded by the timeout), then
+  // destroys the communicator, or aborts it when that wait failed.
+  void release() noexcept {
+    if (comm_ != nullptr) {
+      try {
+        wait("destroy");
+      } catch (...) {  // wait() has aborted the communicator
+      }
+      if (comm_ != nullptr) ncclCommDestroy(comm_);
+      comm_ = nullptr;
+    }
+    if (scratch_ != nullptr) cudaFree(scratch_);
+    if (ready_ != nullptr) cudaEventDestroy(ready_);
+    if (done_ != nullptr) cudaEventDestroy(done_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    scratch_ = nullptr, ready_ = done_ = nullptr, stream_ = nullptr;
+  }
+
+  // ---- errors --------------------------------------------------------------
+
+  std::string where(std::string_view what) const { return detail::context(what, name_, rank_, size_); }
+
+  // A misuse: throws, the communicator stays usable.
+  void expect(bool ok, std::string_view what, const std::string& why) const {
+    if (!ok) throw CommError(where(what) + ": " + why);
+  }
+
+  // A failure: aborts the communicator so no rank waits on it, then throws.
+  [[noreturn]] void fail(std::string_view what, const std::string& why) {
+    if (error_.empty()) error_ = where(what) + ": " + why;
+    if (comm_ != nullptr) ncclCommAbort(std::exchange(comm_, nullptr));
+    throw CommError(where(what) + ": " + why);
+  }
+
+  void check(ncclResult_t r, std::string_view what, const char* call) {
+    if (r != ncclSuccess) fail(what, detail::nccl_message(r, call, comm_));
+  }
+  void check(cudaError_t e, std::string_view what, const char* call) {
+    if (e != cudaSuccess) fail(what, detail::cuda_message(e, call));
+  }
+
+  void usable(std::string_view what) const {
+    if (comm_ != nullptr) return;
+    throw CommError(where(what) + ": " +
+                    (error_.empty() ? std::string("this communicator was moved from")
+                                    : "the communicator was aborted after an earlier error: " + error_));
+  }
+
+  void expect_peer(std::string_view what, const char* role, int peer) const {
+    expect(peer >= 0 && peer < size_, what,
+           std::string(role) + " rank " + std::to_string(peer) + " is outside the group [0, " +
+               std::to_string(size_) + ")");
+  }
+
+  // NCCL reads and writes device memory; a host pointer would fault in a kernel.
+  template <class T>
+  void expect_device(std::string_view what, const char* role, std::span<T> buf) const {
+    if (buf.empty()) return;
+    cudaPointerAttributes a{};
+    cudaError_t e = cudaPointerGetAttributes(&a, buf.data());
+    if (e != cudaSuccess) (void)cudaGetLastError();  // not a pointer CUDA knows: clear the error
+    expect(e == cudaSuccess && a.type != cudaMemoryTypeUnregistered, what,
+           std::string(role) + " buffer is not device memory: the NCCL communicator moves memory from cudaMalloc "
+                               "(use fived::host::Comm for host buffers)");
+  }
+
+  // NCCL's only in-place layouts: `small` starts at element `at` of `big`;
+  // anything else must not overlap.
+  template <class A, class B>
+  void expect_in_place_or_apart(std::string_view what, std::span<A> big, std::span<B> small, std::size_t at,
+                                const char* layout) const {
+    const void* in_place = big.data() + at;
+    expect(static_cast<const void*>(small.data()) == in_place ||
+               !detail::overlap(big.data(), big.size_bytes(), small.data(), small.size_bytes()),
+           what, std::string("send and recv overlap other than in NCCL's in-place layout (") + layout + ")");
+  }
+
+  template <class A, class B>
+  void expect_apart(std::string_view what, std::span<A> send, std::span<B> recv) const {
+    expect(!detail::overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()), what,
+           "send and recv overlap: this collective has no in-place form, use separate buffers");
+  }
+
+  // ---- issuing and waiting -------------------------------------------------
+
+  // Orders `issue` (which enqueues NCCL work on stream_) between the compute
+  // stream's past and future work.
+  template <class F>
+  void enqueue(std::string_view what, F&& issue) {
+    usable(what);
+    int current = -1;
+    check(cudaGetDevice(&current), what, "cudaGetDevice");
+    expect(current == device_, what,
+           "the calling thread's current CUDA device is " + std::to_string(current) + " but this communicator is on device " +
+               std::to_string(device_) + ": call cudaSetDevice(" + std::to_string(device_) + ") in this thread first");
+    check(cudaEventRecord(ready_, compute_), what, "cudaEventRecord (compute stream)");
+    check(cudaStreamWaitEvent(stream_, ready_, 0), what, "cudaStreamWaitEvent (communication stream)");
+    issue();
+    check(cudaEventRecord(done_, stream_), what, "cudaEventRecord (communication stream)");
+    check(cudaStreamWaitEvent(compute_, done_, 0), what, "cudaStreamWaitEvent (compute stream)");
+  }
+
+  // Runs `body(add)` between ncclGroupStart and ncclGroupEnd; the group is
+  // always closed, and the first failing call is reported.
+  template <class F>
+  void grouped(std::string_view what, F&& body) {
+    check(ncclGroupStart(), what, "ncclGroupStart");
+    ncclResult_t first = ncclSuccess;
+    const char* first_call = "";
+    body([&](ncclResult_t r, const char* call) {
+      if (r != ncclSuccess && first == ncclSuccess) first = r, first_call = call;
+    });
+    ncclResult_t end = ncclGroupEnd();
+    check(first, what, first_call);
+    check(end, what, "ncclGroupEnd");
+  }
+
+  // Polls the communication stream and NCCL's asynchronous error state, so a
+  // failed peer or a network error becomes an exception instead of a hang.
+  void wait(std::string_view what) {
+    usable(what);
+    const auto start = std::chrono::steady_clock::now();
+    // Spin (yielding) while the wait is short, so small collectives return
+    // promptly; then poll every 100 us so a long wait costs no CPU.
+    for (int polls = 0;; ++polls) {
+      cudaError_t e = cudaStreamQuery(stream_);
+      if (e == cudaSuccess) return;
+      if (e != cudaErrorNotReady) check(e, what, "cudaStreamQuery");
+      ncclResult_t async = ncclSuccess;
+      check(ncclCommGetAsyncError(comm_, &async), what, "ncclCommGetAsyncError");
+      if (async != ncclSuccess && async != ncclInProgress) check(async, what, "an asynchronous NCCL operation");
+      if (std::chrono::steady_clock::now() - start > timeout_)
+        fail(what, "no progress after " + detail::seconds(timeout_) +
+                       " s (a rank may have died or not issued the same collectives); "
+                       "raise FIVED_NCCL_TIMEOUT_S to wait longer");
+      if (polls < 10000)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  cudaStream_t compute_ = cudaStreamPerThread;
+  cudaEvent_t ready_ = nullptr, done_ = nullptr;
+  int* scratch_ = nullptr;  // barrier's one element
+  int rank_ = 0, size_ = 0, device_ = 0;
+  std::chrono::duration<double> timeout_{600.0};
+  std::string name_;
+  std::string error_;  // the failure that aborted the communicator
+};
+
+static_assert(Communicator<Comm>);
+
+}  // namespace fived::nccl

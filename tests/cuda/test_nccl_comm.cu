@@ -1,0 +1,171 @@
+// fived::nccl::Comm in a world of one process: every collective, split, the
+// bootstrap, and the errors that misuse gets. Exits 77 (skipped) without a GPU.
+// Several ranks are covered by nccl_ranks_check.cpp + run_nccl_ranks.sh.
+
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "collective_checks.hpp"
+#include "fived/comm/nccl.hpp"
+#include "fived/comm/nccl_bootstrap.hpp"
+#include "gpu_support.hpp"
+
+using fived::CommError;
+using fived::ReduceOp;
+using fived::nccl::Comm;
+using fived::test::DeviceBuffer;
+
+namespace {
+
+Comm world_of_one(std::string name = "world") {
+  ncclUniqueId id{};
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  return Comm::init(1, 0, id, std::move(name));
+}
+
+}  // namespace
+
+TEST_CASE("a world of one runs every collective") {
+  Comm world = world_of_one();
+  CHECK(world.rank() == 0);
+  CHECK(world.size() == 1);
+  CHECK(world.name() == "world");
+  CHECK_NOTHROW(fived::test::check_collectives(world));
+}
+
+TEST_CASE("split") {
+  Comm world = world_of_one();
+  CHECK_NOTHROW(fived::test::check_split(world));
+  CHECK_THROWS_WITH_AS(world.split(-1, 0, "none"),
+                       "fived::nccl: split on group 'world' (rank 0 of 1): color -1 is negative: every rank must join "
+                       "a group",
+                       CommError);
+}
+
+TEST_CASE("init_world without a launcher is a world of one") {
+  Comm world = fived::nccl::init_world(fived::LaunchEnv{}, "solo");
+  CHECK(world.size() == 1);
+  CHECK(world.name() == "solo");
+  CHECK_NOTHROW(world.barrier());
+}
+
+TEST_CASE("misuse is reported before NCCL is called and the communicator stays usable") {
+  Comm c = world_of_one("tp");
+  const cudaStream_t s = c.compute_stream();
+  DeviceBuffer<float> a(std::vector<float>(6, 1.f), s), b(std::vector<float>(4, 0.f), s);
+  const std::vector<std::size_t> two{2, 2}, one{6}, six{6};
+  const std::string at = "fived::nccl: ";
+  const std::string where = " on group 'tp' (rank 0 of 1): ";
+
+  CHECK_THROWS_WITH_AS(c.all_reduce(a.cspan(), b.span()),
+                       (at + "all_reduce" + where + "send has 6 elements but recv has 4: they must be equal").c_str(),
+                       CommError);
+  CHECK_THROWS_WITH_AS(c.reduce_scatter(a.cspan(), b.span()),
+                       (at + "reduce_scatter" + where +
+                        "send has 6 elements, expected size() * recv.size() = 1 * 4")
+                           .c_str(),
+                       CommError);
+  CHECK_THROWS_WITH_AS(c.all_gather(b.cspan(), a.span()),
+                       (at + "all_gather" + where + "recv has 6 elements, expected size() * send.size() = 1 * 4").c_str(),
+                       CommError);
+  CHECK_THROWS_WITH_AS(c.all_to_all(a.cspan(), b.span()),
+                       (at + "all_to_all" + where +
+                        "send has 6 and recv 4 elements: they must be equal and a multiple of size() = 1")
+                           .c_str(),
+                       CommError);
+  CHECK_THROWS_WITH_AS(c.all_to_all_v(a.cspan(), two, b.span(), one),
+                       (at + "all_to_all_v" + where +
+                        "send_counts has 2 and recv_counts 1 entries: give one per rank, size() = 1")
+                           .c_str(),
+                       CommError);
+  CHECK_THROWS_WITH_AS(c.all_to_all_v(a.cspan(), six, b.span(), six),
+                       (at + "all_to_all_v" + where +
+                        "the counts add up to 6 sent / 6 received but the buffers hold 6 / 4: pass spans of exactly "
+                        "the packed blocks")
+                           .c_str(),
+                       CommError);
+  CHECK_THROWS_WITH_AS(c.broadcast(a.span(), 1),
+                       (at + "broadcast" + where + "root rank 1 is outside the group [0, 1)").c_str(), CommError);
+  const fived::SendOp<float> to_two[] = {{a.cspan(), 2}};
+  CHECK_THROWS_WITH_AS(c.send_recv(std::span<const fived::SendOp<float>>(to_two), {}),
+                       (at + "send_recv" + where + "send rank 2 is outside the group [0, 1)").c_str(), CommError);
+
+  std::vector<float> host(4, 0.f);
+  CHECK_THROWS_WITH_AS(c.all_reduce(b.cspan(), std::span<float>(host)),
+                       (at + "all_reduce" + where +
+                        "recv buffer is not device memory: the NCCL communicator moves memory from cudaMalloc (use "
+                        "fived::host::Comm for host buffers)")
+                           .c_str(),
+                       CommError);
+  CHECK_THROWS_WITH_AS(c.all_reduce(a.cspan().first(4), a.span().subspan(1, 4)),
+                       (at + "all_reduce" + where +
+                        "send and recv overlap other than in NCCL's in-place layout (recv == send)")
+                           .c_str(),
+                       CommError);
+  CHECK_THROWS_WITH_AS(c.all_to_all(a.cspan(), a.span()),
+                       (at + "all_to_all" + where +
+                        "send and recv overlap: this collective has no in-place form, use separate buffers")
+                           .c_str(),
+                       CommError);
+
+  // None of that reached NCCL: the communicator still works.
+  c.all_reduce(a.span(), ReduceOp::max);
+  CHECK_NOTHROW(c.barrier());
+  CHECK(a.download(s) == std::vector<float>(6, 1.f));
+}
+
+TEST_CASE("a moved-from communicator says so") {
+  Comm c = world_of_one();
+  Comm d = std::move(c);
+  CHECK_THROWS_WITH_AS(c.barrier(), doctest::Contains("this communicator was moved from"), CommError);
+  CHECK_NOTHROW(d.barrier());
+  c = std::move(d);
+  CHECK_NOTHROW(c.barrier());
+}
+
+TEST_CASE("collectives are ordered against a compute stream of the caller's") {
+  Comm c = world_of_one();
+  cudaStream_t mine = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&mine, cudaStreamNonBlocking) == cudaSuccess);
+  c.set_compute_stream(mine);
+  CHECK(c.compute_stream() == mine);
+  {
+    const std::vector<std::int32_t> values{1, 2, 3, 4};
+    DeviceBuffer<std::int32_t> buf(std::vector<std::int32_t>(4, 0), mine);
+    DeviceBuffer<std::int32_t> out(std::vector<std::int32_t>(4, 0), mine);
+    // Not synchronised: the collective must wait for this copy on `mine`.
+    REQUIRE(cudaMemcpyAsync(buf.span().data(), values.data(), sizeof(std::int32_t) * 4, cudaMemcpyHostToDevice, mine) ==
+            cudaSuccess);
+    c.all_reduce(buf.cspan(), out.span());
+    CHECK(out.download(mine) == values);
+  }
+  CHECK(cudaStreamDestroy(mine) == cudaSuccess);
+}
+
+TEST_CASE("bad arguments to init and a bad timeout are refused") {
+  ncclUniqueId id{};
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  CHECK_THROWS_WITH_AS(Comm::init(2, 2, id, "w"),
+                       "fived::nccl: init on group 'w' (rank 2 of 2): the rank must lie in [0, world_size) and "
+                       "world_size must be positive",
+                       CommError);
+  ::setenv("FIVED_NCCL_TIMEOUT_S", "soon", 1);
+  CHECK_THROWS_WITH_AS(world_of_one(),
+                       "fived::nccl: FIVED_NCCL_TIMEOUT_S='soon' is not a positive number of seconds: fix or unset it "
+                       "(default 600)",
+                       CommError);
+  ::unsetenv("FIVED_NCCL_TIMEOUT_S");
+}
+
+int main(int argc, char** argv) {
+  if (fived::test::gpu_count() == 0) {
+    std::puts("test_nccl_comm: no CUDA device found, skipping (exit 77)");
+    return fived::test::skip_code;
+  }
+  doctest::Context context(argc, argv);
+  return context.run();
+}
