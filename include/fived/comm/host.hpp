@@ -79,7 +79,10 @@ struct Group {
 
   std::string describe() const {
     std::string s = name + " {";
-    for (std::size_t i = 0; i < members.size(); ++i) s += (i ? "," : "") + std::to_string(members[i]);
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      if (i) s += ',';
+      s += std::to_string(members[i]);
+    }
     return s + "}";
   }
 };
@@ -127,9 +130,11 @@ struct World {
   }
 
   // Blocks rank `r` until `done()` holds; throws CommError on abort or timeout.
+  // A wait whose condition already holds completes even after an abort, so a
+  // collective that finished is reported as finished; the next call throws.
   void wait(std::unique_lock<std::mutex>& lk, int r, const std::string& what, std::function<bool()> done) {
-    if (!abort_reason.empty()) throw_aborted(r, what);
     if (done()) return;
+    if (!abort_reason.empty()) throw_aborted(r, what);
     waiting[r] = {true, what, done};
     check_deadlock();
     const auto deadline = std::chrono::steady_clock::now() + opts.timeout;
@@ -144,7 +149,7 @@ struct World {
     if (timed_out)
       abort("rank " + std::to_string(r) + " timed out after " + std::to_string(opts.timeout.count()) +
             " ms waiting in " + what + " (a peer is stuck or never calls it; FIVED_HOST_TIMEOUT_S sets the limit)");
-    if (!abort_reason.empty()) throw_aborted(r, what);
+    if (!abort_reason.empty() && !done()) throw_aborted(r, what);
   }
 
   [[noreturn]] void throw_aborted(int r, const std::string& what) const {
@@ -274,15 +279,15 @@ class Comm {
     for (const auto& r : recvs) {
       check_peer(r.peer, "send_recv");
       auto& box = group_->mailbox[{r.peer, rank_}];
-      world_->wait(lk, world_rank(), "send_recv (receive from rank " + std::to_string(r.peer) + ") on group " +
+      world_->wait(lk, world_rank(), "send_recv (receive from rank " + std::to_string(group_->members[r.peer]) + ") on group " +
                                          group_->describe(),
                    [&box] { return !box.empty(); });
       detail::Message m = std::move(box.front());
       box.pop_front();
       if (m.dtype != dtype_of<T> || m.bytes.size() != r.buf.size_bytes()) {
-        const std::string why = "send_recv on group " + group_->describe() + ": rank " + std::to_string(r.peer) +
-                                " sent " + std::to_string(m.bytes.size()) + " bytes of " +
-                                std::string(dtype_name(m.dtype)) + " but rank " + std::to_string(rank_) +
+        const std::string why = "send_recv on group " + group_->describe() + ": rank " +
+                                std::to_string(group_->members[r.peer]) + " sent " + std::to_string(m.bytes.size()) +
+                                " bytes of " + std::string(dtype_name(m.dtype)) + " but rank " + std::to_string(world_rank()) +
                                 " expects " + std::to_string(r.buf.size_bytes()) + " bytes of " +
                                 std::string(dtype_name(dtype_of<T>));
         world_->abort(why);

@@ -87,11 +87,10 @@ struct BasicMesh {
   // "Mesh<DP<2>, TP<4>>"-style name for messages; extents of 1 are left out.
   static std::string name() {
     std::string s = "Mesh<";
-    bool first = true;
     auto add = [&](const char* tag, int n) {
       if (n == 1) return;
-      s += (first ? "" : ", ") + std::string(tag) + "<" + std::to_string(n) + ">";
-      first = false;
+      if (s.size() > 5) s += ", ";
+      s.append(tag).append("<").append(std::to_string(n)).append(">");
     };
     add("TP", tp), add("CP", cp), add("DP", dp), add("PP", pp), add("EP", ep);
     return s + ">";
@@ -156,8 +155,11 @@ struct AxisGroup {
   }
   static std::string name() {
     std::string s;
-    for (Axis a : world_axes)
-      if (in(a)) s += (s.empty() ? "" : "*") + std::string(axis_name(a));
+    for (Axis a : world_axes) {
+      if (!in(a)) continue;
+      if (!s.empty()) s += '*';
+      s += axis_name(a);
+    }
     return s.empty() ? "self" : s;
   }
 

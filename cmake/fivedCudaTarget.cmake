@@ -1,0 +1,29 @@
+# Defines fived::cuda (fived::fived + CUDA runtime + cuBLASLt + NCCL) when the
+# CUDA toolkit and NCCL are found, and fived::mpi (fived::cuda + MPI, for the
+# MPI bootstrap of the NCCL communicator) when MPI is found too. Used by fived's
+# own build and by fivedConfig.cmake for consumers; does nothing when a
+# dependency is missing.
+if(TARGET fived::cuda)
+  return()
+endif()
+find_package(CUDAToolkit QUIET)
+list(APPEND CMAKE_MODULE_PATH "${CMAKE_CURRENT_LIST_DIR}")
+find_package(NCCL QUIET)
+if(NOT CUDAToolkit_FOUND OR NOT NCCL_FOUND)
+  message(STATUS "fived: fived::cuda not available (CUDA toolkit found: ${CUDAToolkit_FOUND}, NCCL found: ${NCCL_FOUND})")
+  return()
+endif()
+add_library(fived_cuda INTERFACE IMPORTED GLOBAL)
+target_link_libraries(fived_cuda INTERFACE fived::fived CUDA::cudart CUDA::cublasLt NCCL::nccl)
+target_compile_definitions(fived_cuda INTERFACE FIVED_WITH_CUDA=1)
+add_library(fived::cuda ALIAS fived_cuda)
+
+if(NOT TARGET MPI::MPI_CXX)
+  find_package(MPI COMPONENTS CXX QUIET)
+endif()
+if(TARGET MPI::MPI_CXX)
+  add_library(fived_mpi INTERFACE IMPORTED GLOBAL)
+  target_link_libraries(fived_mpi INTERFACE fived::cuda MPI::MPI_CXX)
+  target_compile_definitions(fived_mpi INTERFACE FIVED_WITH_MPI=1)
+  add_library(fived::mpi ALIAS fived_mpi)
+endif()

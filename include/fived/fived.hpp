@@ -1,0 +1,21 @@
+#pragma once
+// Everything fived offers, in one include. The CUDA parts (NCCL communicator
+// and bootstrap) come in when FIVED_WITH_CUDA is defined, which linking
+// fived::cuda does.
+
+#include "fived/comm/bootstrap.hpp"
+#include "fived/comm/communicator.hpp"
+#include "fived/comm/host.hpp"
+#include "fived/comm/types.hpp"
+#include "fived/mesh/axis.hpp"
+#include "fived/mesh/context.hpp"
+#include "fived/mesh/mesh.hpp"
+#include "fived/place/layout.hpp"
+#include "fived/place/placement.hpp"
+#include "fived/place/redistribute.hpp"
+#include "fived/place/sharded.hpp"
+
+#if defined(FIVED_WITH_CUDA)
+#include "fived/comm/nccl.hpp"
+#include "fived/comm/nccl_bootstrap.hpp"
+#endif
