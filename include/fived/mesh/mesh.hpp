@@ -122,11 +122,22 @@ concept MeshType = requires {
   { M::coord(0) } -> std::same_as<Coord>;
 };
 
+// What every group type derives from its member(color, index): the ranks of
+// a rank's group, in index order.
+template <class G>
+struct GroupMembers {
+  static constexpr auto members(int rank) {
+    std::array<int, G::size> m{};
+    for (int i = 0; i < G::size; ++i) m[i] = G::member(G::color(rank), i);
+    return m;
+  }
+};
+
 // The group of ranks that differ only on the axes in S. A rank's index in its
 // group is its mixed-radix coordinate over S (canonical order), which is also
 // the order of increasing world rank; its color numbers the groups.
 template <class M, AxisSet S>
-struct AxisGroup {
+struct AxisGroup : GroupMembers<AxisGroup<M, S>> {
   static_assert((S & axis_bit(Axis::ep)) == 0,
                 "EP is not a world axis: use Mesh::expert_group / expert_data_group for the expert view");
   static constexpr bool in(Axis a) { return (S & axis_bit(a)) != 0; }
@@ -147,11 +158,6 @@ struct AxisGroup {
         if (in(a) == inside) c[a] = v % M::extent(a), v /= M::extent(a);
     }
     return M::rank(c);
-  }
-  static constexpr std::array<int, size> members(int rank) {
-    std::array<int, size> m{};
-    for (int i = 0; i < size; ++i) m[i] = member(color(rank), i);
-    return m;
   }
   static std::string name() {
     std::string s;
@@ -187,35 +193,25 @@ struct ExpertView {
 
 // Ranks holding different experts of the same layer: all-to-all of tokens.
 template <class M>
-struct ExpertParallel {
+struct ExpertParallel : GroupMembers<ExpertParallel<M>> {
   using V = ExpertView<M>;
   static constexpr int size = M::ep;
   static constexpr int count = M::size / size;
   static constexpr int index(int rank) { return V::ep_coord(rank); }
   static constexpr int color(int rank) { return V::stage(rank) * V::edp + V::edp_coord(rank); }
   static constexpr int member(int color, int index) { return V::rank_of(color / V::edp, index, color % V::edp); }
-  static constexpr std::array<int, size> members(int rank) {
-    std::array<int, size> m{};
-    for (int i = 0; i < size; ++i) m[i] = member(color(rank), i);
-    return m;
-  }
   static std::string name() { return "ep"; }
 };
 
 // Ranks holding the same experts: expert gradients reduce over this group.
 template <class M>
-struct ExpertDataParallel {
+struct ExpertDataParallel : GroupMembers<ExpertDataParallel<M>> {
   using V = ExpertView<M>;
   static constexpr int size = V::edp;
   static constexpr int count = M::size / size;
   static constexpr int index(int rank) { return V::edp_coord(rank); }
   static constexpr int color(int rank) { return V::stage(rank) * M::ep + V::ep_coord(rank); }
   static constexpr int member(int color, int index) { return V::rank_of(color / M::ep, color % M::ep, index); }
-  static constexpr std::array<int, size> members(int rank) {
-    std::array<int, size> m{};
-    for (int i = 0; i < size; ++i) m[i] = member(color(rank), i);
-    return m;
-  }
   static std::string name() { return "edp"; }
 };
 

@@ -83,25 +83,22 @@ struct BlockView {
   }
 };
 
-// out = [n][outer][block] from in = [outer][n][block]
-template <class T, std::size_t R>
-std::vector<T> split_blocks(std::span<const T> in, const std::array<std::int64_t, R>& shape, int d, int n) {
-  const BlockView<R> v(shape, d, n);
-  std::vector<T> out(in.size());
-  for (int k = 0; k < n; ++k)
-    for (std::int64_t o = 0; o < v.outer; ++o)
-      std::copy_n(in.begin() + (o * n + k) * v.block, v.block, out.begin() + (k * v.outer + o) * v.block);
-  return out;
-}
+// Cuts a tensor around dimension d into its n blocks ([outer][n][block] ->
+// [n][outer][block], so block k is contiguous: what a collective sends to or
+// receives from rank k), or joins them back (the inverse). `shape` is the
+// shape of the joined tensor.
+enum class Blocks { split, join };
 
-// out = [outer][n][block] from in = [n][outer][block]; shape is the joined shape.
 template <class T, std::size_t R>
-std::vector<T> join_blocks(std::span<const T> in, const std::array<std::int64_t, R>& shape, int d, int n) {
+std::vector<T> regroup(Blocks how, std::span<const T> in, const std::array<std::int64_t, R>& shape, int d, int n) {
   const BlockView<R> v(shape, d, n);
   std::vector<T> out(in.size());
   for (int k = 0; k < n; ++k)
-    for (std::int64_t o = 0; o < v.outer; ++o)
-      std::copy_n(in.begin() + (k * v.outer + o) * v.block, v.block, out.begin() + (o * n + k) * v.block);
+    for (std::int64_t o = 0; o < v.outer; ++o) {
+      const std::int64_t joined = (o * n + k) * v.block, split = (k * v.outer + o) * v.block;
+      const auto from = how == Blocks::split ? joined : split, to = how == Blocks::split ? split : joined;
+      std::copy_n(in.begin() + from, v.block, out.begin() + to);
+    }
   return out;
 }
 
@@ -160,24 +157,24 @@ Sharded<T, redistributed_layout_t<L, A, To>> redistribute(const Sharded<T, L>& x
   } else if constexpr (op == Collective::all_reduce) {
     comm.all_reduce(in, std::span<T>(out), ReduceOp::sum);
   } else if constexpr (op == Collective::reduce_scatter) {
-    const auto packed = detail::split_blocks(in, in_shape, To::dim, n);
+    const auto packed = detail::regroup(detail::Blocks::split, in, in_shape, To::dim, n);
     comm.reduce_scatter(std::span<const T>(packed), std::span<T>(out), ReduceOp::sum);
   } else if constexpr (op == Collective::all_gather) {
     std::vector<T> gathered(out.size());
     comm.all_gather(in, std::span<T>(gathered));
-    out = detail::join_blocks(std::span<const T>(gathered), out_shape, From::dim, n);
+    out = detail::regroup(detail::Blocks::join, std::span<const T>(gathered), out_shape, From::dim, n);
   } else if constexpr (op == Collective::all_to_all) {
-    const auto packed = detail::split_blocks(in, in_shape, To::dim, n);
+    const auto packed = detail::regroup(detail::Blocks::split, in, in_shape, To::dim, n);
     std::vector<T> received(packed.size());
     comm.all_to_all(std::span<const T>(packed), std::span<T>(received));
-    out = detail::join_blocks(std::span<const T>(received), out_shape, From::dim, n);
+    out = detail::regroup(detail::Blocks::join, std::span<const T>(received), out_shape, From::dim, n);
   } else if constexpr (op == Collective::slice) {
-    const auto blocks = detail::split_blocks(in, in_shape, To::dim, n);
+    const auto blocks = detail::regroup(detail::Blocks::split, in, in_shape, To::dim, n);
     std::copy_n(blocks.begin() + me * out.size(), out.size(), out.begin());
   } else {  // pad: own block in place, zeros elsewhere
     std::vector<T> blocks(out.size(), T{});
     std::copy(in.begin(), in.end(), blocks.begin() + me * in.size());
-    out = detail::join_blocks(std::span<const T>(blocks), out_shape, From::dim, n);
+    out = detail::regroup(detail::Blocks::join, std::span<const T>(blocks), out_shape, From::dim, n);
   }
   return Sharded<T, Out>(std::move(out_layout), std::move(out));
 }
