@@ -6,7 +6,7 @@ using mesh = Mesh<DP<2>, TP<4>>;                         // 8 ranks, TP fastest
 static_assert(mesh::tp_group::members(5)[0] == 4);       // groups are compile-time
 
 int main() {
-  host::run(mesh::size, [](host::Comm& world) {          // or nccl::init_world() on GPUs
+  host::run(mesh::size, [](host::Comm& world) {          // 8 ranks as threads
     auto ctx = make_mesh_context<mesh>(world);           // checks world size, splits groups
 
     // a [rows, cols] tensor whose columns are split over TP

@@ -114,6 +114,13 @@ TEST_CASE("rendezvous address") {
     CHECK(e.source == "mpirun");
     CHECK(e.master_addr == "127.0.0.1");
     CHECK(e.master_port == 1234);
+    CHECK_FALSE(e.master_port_taken);
+  }
+  SUBCASE("under real torchrun its store holds MASTER_PORT") {
+    LaunchEnv e = read({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29500"},
+                        {"TORCHELASTIC_RUN_ID", "none"}});
+    CHECK(e.master_port == 29500);
+    CHECK(e.master_port_taken);
   }
 }
 

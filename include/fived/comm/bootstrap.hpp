@@ -30,6 +30,9 @@ struct LaunchEnv {
   std::string master_addr;   // host of rank 0 for the NCCL rendezvous; empty if not given
   int master_port = 0;       // 0 if not given
   std::string source;        // "torchrun", "mpirun", "srun" or "single process"
+  // torchrun's own rendezvous store already listens on MASTER_PORT (it sets
+  // TORCHELASTIC_RUN_ID), so NCCL's bootstrap must use another port.
+  bool master_port_taken = false;
 };
 
 namespace detail {
@@ -167,6 +170,7 @@ inline LaunchEnv launch_env_from(const std::function<const char*(const char*)>& 
     if (env->master_port > 65535)
       throw std::runtime_error("MASTER_PORT=" + std::to_string(env->master_port) +
                                " is not a TCP port: choose a free port from 1024 to 65535");
+    env->master_port_taken = env_value(getenv, "TORCHELASTIC_RUN_ID").has_value();
   }
   return *env;
 }

@@ -105,6 +105,20 @@ struct World {
   std::vector<Wait> waiting;
   std::vector<bool> finished;
   std::string abort_reason;  // empty while healthy
+  std::vector<std::shared_ptr<Group>> groups;  // every group of the run, for the end-of-run check
+
+  // Messages still in a mailbox when the run ends were sent and never
+  // received: a later receive would have taken a stale message.
+  std::string undelivered() const {
+    std::string why;
+    for (const auto& g : groups)
+      for (const auto& [route, box] : g->mailbox)
+        if (!box.empty())
+          why += "\n  rank " + std::to_string(g->members[route.first]) + " sent " + std::to_string(box.size()) +
+                 " message(s) to rank " + std::to_string(g->members[route.second]) + " on group " + g->describe() +
+                 " that were never received";
+    return why;
+  }
 
   // Marks the run failed and wakes everyone. Keeps the first reason.
   void abort(std::string reason) {
@@ -150,6 +164,14 @@ struct World {
       abort("rank " + std::to_string(r) + " timed out after " + std::to_string(opts.timeout.count()) +
             " ms waiting in " + what + " (a peer is stuck or never calls it; FIVED_HOST_TIMEOUT_S sets the limit)");
     if (!abort_reason.empty() && !done()) throw_aborted(r, what);
+  }
+
+  // Blocks until `done()` holds, whatever happens elsewhere. Used where peers
+  // are still reading this rank's buffers: leaving early (and freeing them)
+  // would be a use-after-free. The peers cannot block while reading, so this
+  // ends in bounded time; the caller reports an abort afterwards.
+  void wait_uninterruptible(std::unique_lock<std::mutex>& lk, const std::function<bool()>& done) {
+    cv.wait(lk, done);
   }
 
   [[noreturn]] void throw_aborted(int r, const std::string& what) const {
@@ -399,6 +421,7 @@ class Comm {
     for (auto& [color, ranks] : by_color) {
       std::sort(ranks.begin(), ranks.end());
       auto sub = std::make_shared<detail::Group>();
+      world_->groups.push_back(sub);
       sub->name = name;
       for (auto [key, r] : ranks) sub->members.push_back(g.members[r]);
       for (auto [key, r] : ranks) g.split_result[r] = sub;
@@ -432,7 +455,13 @@ class Comm {
         w.wait(lk, me, what, [&g] { return g.ready; });
       }
     }
-    read(g.posts);
+    // Depart even if reading fails: peers may still be reading this rank's buffers.
+    std::exception_ptr failed;
+    try {
+      read(g.posts);
+    } catch (...) {
+      failed = std::current_exception();
+    }
     {
       std::unique_lock lk(w.mu);
       if (++g.departed == size()) {
@@ -442,13 +471,15 @@ class Comm {
         w.cv.notify_all();
       } else {
         const auto gen = g.generation;
-        w.wait(lk, me, what, [&g, gen] { return g.generation != gen; });
+        w.wait_uninterruptible(lk, [&g, gen] { return g.generation != gen; });
       }
     }
+    if (failed) std::rethrow_exception(failed);
   }
 };
 
-// Runs fn(world) on n threads, one per rank, and waits for all of them. If any
+// Runs fn(world) on n threads, one per rank, and waits for all of them. A
+// message sent and never received makes it throw CommError at the end. If any
 // rank throws, the run is aborted (peers blocked in collectives get a
 // CommError) and, once every thread has ended, the first rank's exception in
 // rank order whose cause is not another rank's failure is rethrown.
@@ -457,6 +488,7 @@ void run(int n, F&& fn, RunOptions opts = {}) {
   if (n < 1) throw std::invalid_argument("fived::host::run needs at least one rank, got " + std::to_string(n));
   auto world = std::make_shared<detail::World>(n, detail::options_from_env(opts));
   auto group = std::make_shared<detail::Group>();
+  world->groups.push_back(group);
   group->name = "world";
   for (int r = 0; r < n; ++r) group->members.push_back(r);
 
@@ -492,6 +524,10 @@ void run(int n, F&& fn, RunOptions opts = {}) {
     });
   }
   for (auto& t : threads) t.join();
+  if (std::none_of(errors.begin(), errors.end(), [](const auto& e) { return e != nullptr; }))
+    if (auto why = world->undelivered(); !why.empty())
+      throw CommError("fived host backend: the run ended with point-to-point messages nobody received "
+                      "(every send needs a matching receive):" + why);
   for (int r = 0; r < n; ++r)
     if (errors[r] && origin[r]) std::rethrow_exception(errors[r]);
   for (int r = 0; r < n; ++r)

@@ -102,8 +102,14 @@ inline Comm init_world(const LaunchEnv& env, std::string name = "world") {
   if (env.world_size == 1 || (user_comm_id != nullptr && *user_comm_id != '\0'))
     return Comm::init(env.world_size, env.rank, detail::local_unique_id(env), std::move(name));
   if (!env.master_addr.empty()) {
+    // Under torchrun its store holds MASTER_PORT: NCCL's root listens on the
+    // next port (export NCCL_COMM_ID=<addr>:<port> to choose another).
+    const int port = env.master_port + (env.master_port_taken ? 1 : 0);
+    if (port > 65535)
+      throw CommError(detail::init_context(env) + ": MASTER_PORT=65535 leaves no port for NCCL next to torchrun's "
+                                                  "store: choose a lower MASTER_PORT or export NCCL_COMM_ID=<addr>:<port>");
     // Must stay set through ncclCommInitRank, where rank 0 starts listening.
-    detail::ScopedEnv comm_id("NCCL_COMM_ID", detail::comm_id_address(env.master_addr, env.master_port));
+    detail::ScopedEnv comm_id("NCCL_COMM_ID", detail::comm_id_address(env.master_addr, port));
     return Comm::init(env.world_size, env.rank, detail::local_unique_id(env), std::move(name));
   }
 #if defined(FIVED_WITH_MPI)

@@ -26,8 +26,10 @@ class MeshContext {
   using groups = std::tuple<typename M::tp_group, typename M::cp_group, typename M::dp_group, typename M::pp_group,
                             typename M::grad_group, typename M::expert_group, typename M::expert_data_group>;
 
-  explicit MeshContext(C world) : world_(check_size(std::move(world))), coord_(M::coord(world_.rank())),
-                                  comms_(split_all(world_, std::make_index_sequence<std::tuple_size_v<groups>>{})) {}
+  // Takes the world communicator by value: pass std::move(world) for a
+  // move-only one (nccl::Comm).
+  explicit MeshContext(C world)
+      : world_(check_size(std::move(world))), coord_(M::coord(world_.rank())), comms_(split_all(world_, group_indices{})) {}
 
   int rank() const { return world_.rank(); }
   const Coord& coord() const { return coord_; }
@@ -45,7 +47,22 @@ class MeshContext {
     return comm<typename M::template over<A>>();
   }
 
+  // Calls f on the world communicator and on every group communicator, e.g.
+  // to order all of them against one compute stream.
+  template <class F>
+  void for_each_comm(F&& f) {
+    f(world_);
+    std::apply([&](auto&... c) { (f(c), ...); }, comms_);
+  }
+
  private:
+  using group_indices = std::make_index_sequence<std::tuple_size_v<groups>>;
+  template <class Seq> struct one_per_group;
+  template <std::size_t... I> struct one_per_group<std::index_sequence<I...>> {
+    using type = std::tuple<std::enable_if_t<(I >= 0), C>...>;
+  };
+  using comm_tuple = typename one_per_group<group_indices>::type;
+
   template <class G, std::size_t I = 0>
   static constexpr std::size_t index_of() {
     static_assert(I < std::tuple_size_v<groups>,
@@ -64,21 +81,17 @@ class MeshContext {
   }
 
   template <std::size_t... I>
-  static auto split_all(C& world, std::index_sequence<I...>) {
+  static comm_tuple split_all(C& world, std::index_sequence<I...>) {
     const int r = world.rank();
-    // Splits are collectives: every rank makes them in the same order.
-    return std::tuple<std::enable_if_t<(I >= 0), C>...>{
-        world.split(std::tuple_element_t<I, groups>::color(r), std::tuple_element_t<I, groups>::index(r),
-                    std::tuple_element_t<I, groups>::name())...};
+    // Splits are collectives: every rank makes them in the same order (braced
+    // initialisation evaluates left to right).
+    return comm_tuple{world.split(std::tuple_element_t<I, groups>::color(r), std::tuple_element_t<I, groups>::index(r),
+                                  std::tuple_element_t<I, groups>::name())...};
   }
 
   C world_;
   Coord coord_;
-  template <class Seq> struct one_per_group;
-  template <std::size_t... I> struct one_per_group<std::index_sequence<I...>> {
-    using type = std::tuple<std::enable_if_t<(I >= 0), C>...>;
-  };
-  typename one_per_group<std::make_index_sequence<std::tuple_size_v<groups>>>::type comms_;
+  comm_tuple comms_;
 };
 
 template <MeshType M, Communicator C>
