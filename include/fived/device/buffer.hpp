@@ -1,0 +1,47 @@
+#pragma once
+// Device policies and owning buffers.
+//
+//   Buffer<float, Host>   host memory (this header)
+//   Buffer<bf16, Cuda>    device memory (device/cuda_buffer.hpp, needs CUDA)
+//
+// A buffer owns its memory (RAII, move-only) and knows its size in elements;
+// shapes live with the code that uses it (layouts are compile-time there).
+// No managed memory: host and device buffers are distinct types, so a host
+// pointer cannot reach a CUDA kernel by accident.
+
+#include <algorithm>
+#include <cstddef>
+#include <memory>
+#include <span>
+
+namespace fived {
+
+struct Host {};
+struct Cuda {};
+
+template <class T, class Device = Host>
+class Buffer;
+
+template <class T>
+class Buffer<T, Host> {
+ public:
+  Buffer() = default;
+  explicit Buffer(std::size_t n) : data_(std::make_unique<T[]>(n)), size_(n) {}  // value-initialised (zeros)
+  Buffer(Buffer&&) noexcept = default;
+  Buffer& operator=(Buffer&&) noexcept = default;
+
+  T* data() { return data_.get(); }
+  const T* data() const { return data_.get(); }
+  std::size_t size() const { return size_; }
+  std::span<T> span() { return {data_.get(), size_}; }
+  std::span<const T> span() const { return {data_.get(), size_}; }
+  T& operator[](std::size_t i) { return data_[i]; }
+  const T& operator[](std::size_t i) const { return data_[i]; }
+  void zero() { std::fill_n(data_.get(), size_, T{}); }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  std::size_t size_ = 0;
+};
+
+}  // namespace fived
