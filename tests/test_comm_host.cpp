@@ -22,6 +22,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "fived/comm/host.hpp"
@@ -188,6 +189,27 @@ void every_collective(Comm& c, Log& log, const std::string& label) {
     c.reduce_scatter<T>(send, recv, op);
     log.expect(where + "reduce_scatter " + std::string(reduce_op_name(op)), recv,
                reference<T>(n, op, m, [&](int s, int i) { return val<T>(s, r * m + i); }));
+  }
+
+  for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max}) {
+    // reduce_scatter in place, NCCL's layout: recv is block r of send
+    const int m = 3;
+    std::vector<T> buf(n * m);
+    for (int j = 0; j < n * m; ++j) buf[j] = val<T>(r, j);
+    c.reduce_scatter<T>(std::span<const T>(buf), std::span<T>(buf).subspan(r * m, m), op);
+    log.expect(where + "reduce_scatter " + std::string(reduce_op_name(op)) + " in place",
+               std::vector<T>(buf.begin() + r * m, buf.begin() + (r + 1) * m),
+               reference<T>(n, op, m, [&](int s, int i) { return val<T>(s, r * m + i); }));
+  }
+
+  {  // all_gather in place, NCCL's layout: send is block r of recv
+    const int m = 3;
+    std::vector<T> buf(n * m, T(99)), want(n * m);
+    for (int i = 0; i < m; ++i) buf[r * m + i] = val<T>(r, i);
+    for (int s = 0; s < n; ++s)
+      for (int i = 0; i < m; ++i) want[s * m + i] = val<T>(s, i);
+    c.all_gather<T>(std::span<const T>(buf).subspan(r * m, m), buf);
+    log.expect(where + "all_gather in place", buf, want);
   }
 
   {  // all_gather: block s from rank s
@@ -690,6 +712,20 @@ TEST_CASE("misuse: ranks call different collectives") {
   });
   CHECK(contains(o.msg[1], "rank 0 called all_reduce"));
 
+  // all_to_all is not all_to_all_v, even though the blocks would fit
+  auto v = run_misuse(n, [](Comm& w) {
+    std::vector<std::int32_t> a(3, w.rank()), b(3);
+    const std::vector<std::size_t> ones{1, 1, 1};
+    if (w.rank() == 1) w.all_to_all_v<std::int32_t>(a, ones, b, ones);
+    else w.all_to_all<std::int32_t>(a, b);
+  });
+  check_run_threw_comm_error(v);
+  check_errors(v, all_ranks(n), [&](int r) {
+    return std::vector<std::string>{(r == 1 ? "all_to_all_v on group " : "all_to_all on group ") + world_text(n),
+                                    "different collectives", "rank 1 called all_to_all_v"};
+  });
+  CHECK(contains(v.msg[2], "rank 0 called all_to_all,"));
+
   // barrier against broadcast against split, with four ranks
   auto p = run_misuse(4, [](Comm& w) {
     std::vector<std::int32_t> a(2);
@@ -743,6 +779,18 @@ TEST_CASE("misuse: different sizes") {
   check_errors(v, all_ranks(3), [](int) {
     return std::vector<std::string>{"all_to_all_v", world_text(3), "rank 0 sends 1 elements to rank 2, which expects 2"};
   });
+
+  // all_to_all names itself, not the all_to_all_v it is built on
+  auto a = run_misuse(3, [](Comm& w) {
+    std::vector<std::int32_t> send(w.rank() == 0 ? 6 : 3), recv(send.size());
+    w.all_to_all<std::int32_t>(send, recv);
+  });
+  check_run_threw_comm_error(a);
+  check_errors(a, all_ranks(3), [](int) {
+    return std::vector<std::string>{"all_to_all on group " + world_text(3), "rank 0 passed 6 elements",
+                                    "rank 1 passed 3"};
+  });
+  for (int r = 0; r < 3; ++r) CHECK_FALSE(contains(a.msg[r], "all_to_all_v"));
 }
 
 TEST_CASE("misuse: different dtypes") {
@@ -977,56 +1025,103 @@ TEST_CASE("misuse: argument errors throw on the calling rank, before any rendezv
     std::function<void(Comm&)> call;
   };
   const std::vector<Case> cases{
-      {"all_reduce sizes", {"all_reduce", "4 and 3"},
+      {"all_reduce sizes", {"all_reduce", "send has 4 elements but recv has 3: they must be equal"},
        [](Comm& w) {
          std::vector<std::int32_t> s(4), r(3);
          w.all_reduce<std::int32_t>(s, r);
        }},
-      {"reduce_scatter sizes", {"reduce_scatter", "must hold group size 3 x recv size 2"},
+      {"reduce_scatter sizes", {"reduce_scatter", "send has 5 elements but must have size() * recv.size() = 3 * 2 = 6"},
        [](Comm& w) {
          std::vector<std::int32_t> s(5), r(2);
          w.reduce_scatter<std::int32_t>(s, r);
        }},
-      {"all_gather sizes", {"all_gather", "must hold group size 3 x send size 2"},
+      {"all_gather sizes", {"all_gather", "recv has 5 elements but must have size() * send.size() = 3 * 2 = 6"},
        [](Comm& w) {
          std::vector<float> s(2), r(5);
          w.all_gather<float>(s, r);
        }},
-      {"all_to_all sizes", {"all_to_all", "multiple of the group size 3"},
+      {"all_to_all sizes", {"all_to_all on group", "send has 4 and recv 4 elements: they must be equal and a multiple of size() = 3"},
        [](Comm& w) {
          std::vector<std::uint8_t> s(4), r(4);
          w.all_to_all<std::uint8_t>(s, r);
        }},
-      {"all_to_all_v count entries", {"all_to_all_v", "one entry per rank"},
+      {"all_to_all_v count entries", {"all_to_all_v", "send_counts has 2 and recv_counts 2 entries: give one per rank, size() = 3"},
        [](Comm& w) {
          std::vector<std::size_t> c{1, 1};
          std::vector<double> s(2), r(2);
          w.all_to_all_v<double>(s, c, r, c);
        }},
-      {"all_to_all_v count sums", {"all_to_all_v", "add up to 3 sent"},
+      {"all_to_all_v count sums", {"all_to_all_v", "the counts add up to 3 sent / 3 received but the buffers hold 4 / 3"},
        [](Comm& w) {
          std::vector<std::size_t> c{1, 1, 1};
          std::vector<double> s(4), r(3);
          w.all_to_all_v<double>(s, c, r, c);
        }},
-      {"send to a peer out of range", {"send_recv", "peer 3 is not a rank"},
+      {"send to a peer out of range", {"send_recv", "send peer 3 is not a rank of this group of 3"},
        [](Comm& w) {
          std::vector<std::int64_t> b(1);
          const std::array<SendOp<std::int64_t>, 1> s{SendOp<std::int64_t>{b, 3}};
          w.send_recv<std::int64_t>(s, {});
        }},
-      {"receive from a negative peer", {"send_recv", "peer -1 is not a rank"},
+      {"receive from a negative peer", {"send_recv", "recv peer -1 is not a rank of this group of 3"},
        [](Comm& w) {
          std::vector<std::int64_t> b(1);
          const std::array<RecvOp<std::int64_t>, 1> r{RecvOp<std::int64_t>{b, -1}};
          w.send_recv<std::int64_t>({}, r);
        }},
-      {"broadcast root out of range", {"broadcast", "peer 3 is not a rank"},
+      {"broadcast root out of range", {"broadcast", "root 3 is not a rank of this group of 3"},
        [](Comm& w) {
          std::vector<float> b(1);
          w.broadcast<float>(b, 3);
        }},
-      {"split with a negative color", {"split", "color must be >= 0"}, [](Comm& w) { (void)w.split(-1, 0, "x"); }},
+      {"split with a negative color", {"split", "color -1 is negative"}, [](Comm& w) { (void)w.split(-1, 0, "x"); }},
+      {"all_to_all_v self counts", {"all_to_all_v", "sends itself 1 elements but expects to receive 2"},
+       [](Comm& w) {
+         std::vector<std::size_t> s{1, 1, 1}, rc{2, 2, 2};
+         std::vector<double> a(3), b(6);
+         w.all_to_all_v<double>(a, s, b, rc);
+       }},
+      // NCCL's aliasing rules, enforced here too
+      {"all_to_all in place", {"all_to_all on group", "send and recv overlap: all_to_all has no in-place form"},
+       [](Comm& w) {
+         std::vector<float> b(6);
+         w.all_to_all<float>(b, b);
+       }},
+      {"all_to_all_v overlapping", {"all_to_all_v", "send and recv overlap: all_to_all_v has no in-place form"},
+       [](Comm& w) {
+         std::vector<std::size_t> c{1, 1, 1};
+         std::vector<float> b(6);
+         w.all_to_all_v<float>(std::span<const float>(b).first(3), c, std::span<float>(b).subspan(2, 3), c);
+       }},
+      {"all_reduce partly overlapping", {"all_reduce", "overlap without being the same buffer"},
+       [](Comm& w) {
+         std::vector<std::int32_t> b(5);
+         w.all_reduce<std::int32_t>(std::span<const std::int32_t>(b).first(4), std::span<std::int32_t>(b).subspan(1, 4));
+       }},
+      {"reduce_scatter in place at the wrong offset",
+       {"reduce_scatter", "recv must start at element rank() * recv.size() ="},
+       [](Comm& w) {  // rank r's block starts at element 2r; recv starts at 1
+         std::vector<std::int32_t> b(6);
+         w.reduce_scatter<std::int32_t>(b, std::span<std::int32_t>(b).subspan(1, 2));
+       }},
+      {"all_gather in place at the wrong offset", {"all_gather", "send must start at element rank() * send.size() ="},
+       [](Comm& w) {  // rank r's block starts at element 2r; send starts at 1
+         std::vector<std::int32_t> b(6);
+         w.all_gather<std::int32_t>(std::span<const std::int32_t>(b).subspan(1, 2), b);
+       }},
+      {"send_recv receiving into a send buffer", {"send_recv", "overlaps the send buffer to peer 0"},
+       [](Comm& w) {
+         std::vector<std::int32_t> b(4);
+         const std::array<SendOp<std::int32_t>, 1> s{SendOp<std::int32_t>{std::span<const std::int32_t>(b).first(2), 0}};
+         const std::array<RecvOp<std::int32_t>, 1> r{RecvOp<std::int32_t>{std::span<std::int32_t>(b).subspan(1, 2), 2}};
+         w.send_recv<std::int32_t>(s, r);
+       }},
+      {"send_recv receiving twice into one buffer", {"send_recv", "receive buffers from peers 0 and 2", "overlap"},
+       [](Comm& w) {
+         std::vector<std::int32_t> b(2);
+         const std::array<RecvOp<std::int32_t>, 2> r{RecvOp<std::int32_t>{b, 0}, RecvOp<std::int32_t>{b, 2}};
+         w.send_recv<std::int32_t>({}, r);
+       }},
   };
   for (const auto& c : cases) {
     CAPTURE(c.name);
@@ -1038,7 +1133,10 @@ TEST_CASE("misuse: argument errors throw on the calling rank, before any rendezv
       v.push_back(world_text(n));
       return v;
     });
-    for (int r = 0; r < n; ++r) CHECK_FALSE(contains(o.msg[r], "aborted"));
+    for (int r = 0; r < n; ++r) {
+      CHECK_FALSE(contains(o.msg[r], "aborted"));
+      CHECK(o.msg[r].rfind("fived host backend: rank " + str(r) + " in ", 0) == 0);
+    }
 
     // only rank 1 makes it, the others a barrier: rank 1's own error is the
     // cause (run() rethrows it), the others see the run aborted
@@ -1109,6 +1207,84 @@ TEST_CASE("misuse: a rank stuck in its own work times out the others") {
     check_errors(o, {0}, [](int) { return std::vector<std::string>{"barrier on group world {0,1,2}", "timed out"}; });
     CHECK(o.at[0] >= sleep_s - 0.05);
   }
+}
+
+TEST_CASE("FIVED_HOST_TIMEOUT_S is parsed strictly and never overrides RunOptions::timeout") {
+  struct EnvGuard {  // restores the variable whatever the test does
+    ~EnvGuard() { unsetenv("FIVED_HOST_TIMEOUT_S"); }
+  } guard;
+
+  // values that are not a positive number of seconds: run() refuses them
+  // before any rank starts (atof made "abc" a 0 ms timeout: every wait aborted)
+  for (const char* bad : {"abc", "5s", "1.5.2", "0", "-3", "inf", "nan", " "}) {
+    CAPTURE(bad);
+    setenv("FIVED_HOST_TIMEOUT_S", bad, 1);
+    std::atomic<int> started{0};
+    std::string msg;
+    try {
+      host::run(2, [&](Comm&) { started.fetch_add(1); });
+    } catch (const std::invalid_argument& e) {
+      msg = e.what();
+    }
+    CHECK(started.load() == 0);
+    CHECK(msg.rfind("FIVED_HOST_TIMEOUT_S=" + std::string(bad) + " is not a", 0) == 0);
+    CHECK(contains(msg, "number of seconds"));
+    CHECK(contains(msg, "unset it for the default (300 s)"));
+  }
+  setenv("FIVED_HOST_TIMEOUT_S", "abc", 1);
+  CHECK_THROWS_WITH_AS(util::env_seconds("FIVED_HOST_TIMEOUT_S", 300),
+                       "FIVED_HOST_TIMEOUT_S=abc is not a number of seconds: set it to a positive number of seconds "
+                       "such as 300, or unset it for the default (300 s)",
+                       std::invalid_argument);
+  // good values, blanks around them allowed; empty or unset is the default
+  for (auto [text, want] : {std::pair{"2.5", 2.5}, {" 7 ", 7.0}, {"1e-3", 1e-3}, {"", 300.0}}) {
+    CAPTURE(text);
+    setenv("FIVED_HOST_TIMEOUT_S", text, 1);
+    CHECK(util::env_seconds("FIVED_HOST_TIMEOUT_S", 300).count() == want);
+  }
+  unsetenv("FIVED_HOST_TIMEOUT_S");
+  CHECK(util::env_seconds("FIVED_HOST_TIMEOUT_S", 300).count() == 300.0);
+
+  // the variable applies when RunOptions::timeout is unset...
+  const double sleep_s = 0.6;
+  auto sleepy_barrier = [&](Comm& w) {
+    if (w.rank() == 0) std::this_thread::sleep_for(std::chrono::duration<double>(sleep_s));
+    w.barrier();
+  };
+  setenv("FIVED_HOST_TIMEOUT_S", "0.2", 1);
+  auto env = run_misuse(2, sleepy_barrier);
+  INFO("run() threw: " << env.run_msg);
+  CHECK(env.run_kind == comm_error);
+  CHECK(contains(env.run_msg, "timed out after 200 ms"));
+  check_errors(env, {1}, [](int) { return std::vector<std::string>{"barrier on group world {0,1}", "timed out"}; });
+
+  // ...but an explicit timeout wins: the same run, given 5 s, succeeds
+  auto given = run_misuse(2, sleepy_barrier, host::RunOptions{.timeout = std::chrono::seconds(5)});
+  INFO("run() threw: " << given.run_msg);
+  CHECK(given.run_kind == none);
+  CHECK(given.seconds >= sleep_s - 0.05);
+
+  // and an explicit short one is not lengthened by a long variable
+  setenv("FIVED_HOST_TIMEOUT_S", "100", 1);
+  auto short_one = run_misuse(2, sleepy_barrier, host::RunOptions{.timeout = std::chrono::milliseconds(150)});
+  CHECK(short_one.run_kind == comm_error);
+  CHECK(contains(short_one.run_msg, "timed out after 150 ms"));
+
+  // an explicit timeout must be positive
+  CHECK_THROWS_AS(host::run(2, [](Comm&) {}, host::RunOptions{.timeout = std::chrono::milliseconds(0)}),
+                  std::invalid_argument);
+}
+
+TEST_CASE("synchronize is a no-op and name() is the group's name by reference") {
+  static_assert(std::is_same_v<decltype(std::declval<const Comm&>().name()), const std::string&>);
+  std::vector<int> done(3, 0);
+  host::run(3, [&](Comm& w) {
+    std::vector<std::int32_t> b(2, w.rank());
+    w.all_reduce<std::int32_t>(std::span<std::int32_t>(b));
+    w.synchronize();  // the result is there already; nothing to wait for
+    done[w.rank()] = b[0] == 3 && w.name() == "world";
+  });
+  CHECK(done == std::vector<int>(3, 1));
 }
 
 TEST_CASE("misuse: after an abort every call fails at once") {

@@ -5,8 +5,13 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "collective_checks.hpp"
@@ -41,8 +46,8 @@ TEST_CASE("split") {
   Comm world = world_of_one();
   CHECK_NOTHROW(fived::test::check_split(world));
   CHECK_THROWS_WITH_AS(world.split(-1, 0, "none"),
-                       "fived::nccl: split on group 'world' (rank 0 of 1): color -1 is negative: every rank must join "
-                       "a group",
+                       "fived::nccl: rank 0 of 1 in split on group 'world': color -1 is negative: every rank must "
+                       "join a group, pass a color >= 0",
                        CommError);
 }
 
@@ -58,19 +63,21 @@ TEST_CASE("misuse is reported before NCCL is called and the communicator stays u
   const cudaStream_t s = c.compute_stream();
   DeviceBuffer<float> a(std::vector<float>(6, 1.f), s), b(std::vector<float>(4, 0.f), s);
   const std::vector<std::size_t> two{2, 2}, one{6}, six{6};
-  const std::string at = "fived::nccl: ";
-  const std::string where = " on group 'tp' (rank 0 of 1): ";
+  // "fived::nccl: rank 0 of 1 in <op> on group 'tp': <what is wrong>"
+  const std::string at = "fived::nccl: rank 0 of 1 in ";
+  const std::string where = " on group 'tp': ";
 
   CHECK_THROWS_WITH_AS(c.all_reduce(a.cspan(), b.span()),
                        (at + "all_reduce" + where + "send has 6 elements but recv has 4: they must be equal").c_str(),
                        CommError);
   CHECK_THROWS_WITH_AS(c.reduce_scatter(a.cspan(), b.span()),
                        (at + "reduce_scatter" + where +
-                        "send has 6 elements, expected size() * recv.size() = 1 * 4")
+                        "send has 6 elements but must have size() * recv.size() = 1 * 4 = 4")
                            .c_str(),
                        CommError);
   CHECK_THROWS_WITH_AS(c.all_gather(b.cspan(), a.span()),
-                       (at + "all_gather" + where + "recv has 6 elements, expected size() * send.size() = 1 * 4").c_str(),
+                       (at + "all_gather" + where + "recv has 6 elements but must have size() * send.size() = 1 * 4 = 4")
+                           .c_str(),
                        CommError);
   CHECK_THROWS_WITH_AS(c.all_to_all(a.cspan(), b.span()),
                        (at + "all_to_all" + where +
@@ -89,10 +96,14 @@ TEST_CASE("misuse is reported before NCCL is called and the communicator stays u
                            .c_str(),
                        CommError);
   CHECK_THROWS_WITH_AS(c.broadcast(a.span(), 1),
-                       (at + "broadcast" + where + "root rank 1 is outside the group [0, 1)").c_str(), CommError);
+                       (at + "broadcast" + where + "root 1 is not a rank of this group of 1: pass a group rank in [0, 1)")
+                           .c_str(),
+                       CommError);
   const fived::SendOp<float> to_two[] = {{a.cspan(), 2}};
   CHECK_THROWS_WITH_AS(c.send_recv(std::span<const fived::SendOp<float>>(to_two), {}),
-                       (at + "send_recv" + where + "send rank 2 is outside the group [0, 1)").c_str(), CommError);
+                       (at + "send_recv" + where + "send peer 2 is not a rank of this group of 1: pass a group rank in [0, 1)")
+                           .c_str(),
+                       CommError);
 
   std::vector<float> host(4, 0.f);
   CHECK_THROWS_WITH_AS(c.all_reduce(b.cspan(), std::span<float>(host)),
@@ -103,14 +114,23 @@ TEST_CASE("misuse is reported before NCCL is called and the communicator stays u
                        CommError);
   CHECK_THROWS_WITH_AS(c.all_reduce(a.cspan().first(4), a.span().subspan(1, 4)),
                        (at + "all_reduce" + where +
-                        "send and recv overlap other than in NCCL's in-place layout (recv == send)")
+                        "send and recv overlap without being the same buffer: pass recv == send for an in-place "
+                        "all_reduce, or buffers that do not overlap")
                            .c_str(),
                        CommError);
   CHECK_THROWS_WITH_AS(c.all_to_all(a.cspan(), a.span()),
                        (at + "all_to_all" + where +
-                        "send and recv overlap: this collective has no in-place form, use separate buffers")
+                        "send and recv overlap: all_to_all has no in-place form, use buffers that do not overlap")
                            .c_str(),
                        CommError);
+
+  const fived::RecvOp<float> twice[] = {{b.span(), 0}, {b.span().first(2), 0}};
+  CHECK_THROWS_WITH_AS(c.send_recv(std::span<const fived::SendOp<float>>{}, std::span<const fived::RecvOp<float>>(twice)),
+                       doctest::Contains("receive buffers from peers 0 and 0"), CommError);
+
+  // NCCL's in-place layouts are accepted (for rank 0 of 1: recv == send).
+  CHECK_NOTHROW(c.reduce_scatter(b.cspan(), b.span()));
+  CHECK_NOTHROW(c.all_gather(b.cspan(), b.span()));
 
   // None of that reached NCCL: the communicator still works.
   c.all_reduce(a.span(), ReduceOp::max);
@@ -150,16 +170,34 @@ TEST_CASE("bad arguments to init and a bad timeout are refused") {
   ncclUniqueId id{};
   REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
   CHECK_THROWS_WITH_AS(Comm::init(2, 2, id, "w"),
-                       "fived::nccl: init on group 'w' (rank 2 of 2): the rank must lie in [0, world_size) and "
+                       "fived::nccl: rank 2 of 2 in init on group 'w': the rank must lie in [0, world_size) and "
                        "world_size must be positive",
                        CommError);
   ::setenv("FIVED_NCCL_TIMEOUT_S", "soon", 1);
   CHECK_THROWS_WITH_AS(world_of_one(),
-                       "fived::nccl: FIVED_NCCL_TIMEOUT_S='soon' is not a positive number of seconds: fix or unset it "
-                       "(default 600)",
+                       "fived::nccl: FIVED_NCCL_TIMEOUT_S=soon is not a number of seconds: set it to a positive "
+                       "number of seconds such as 600, or unset it for the default (600 s)",
                        CommError);
+  ::setenv("FIVED_NCCL_TIMEOUT_S", "0", 1);
+  CHECK_THROWS_WITH_AS(world_of_one(), doctest::Contains("FIVED_NCCL_TIMEOUT_S=0 is not a positive"), CommError);
   ::unsetenv("FIVED_NCCL_TIMEOUT_S");
 }
+
+TEST_CASE("a communicator destroyed while an exception unwinds is aborted, not waited for") {
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    Comm c = world_of_one();
+    c.barrier();
+    throw std::runtime_error("this rank failed");
+  } catch (const std::runtime_error&) {
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30));
+  CHECK_NOTHROW(world_of_one().barrier());  // NCCL is still usable afterwards
+}
+
+// Generic code can synchronize any Communicator.
+static_assert(fived::Communicator<Comm>);
+static_assert(std::is_same_v<decltype(std::declval<const Comm&>().name()), const std::string&>);
 
 int main(int argc, char** argv) {
   if (fived::test::gpu_count() == 0) {

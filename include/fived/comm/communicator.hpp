@@ -13,7 +13,13 @@
 //   send_recv(sends, recvs)           grouped point-to-point, completes as one
 //   broadcast(buf, root)
 //   barrier()
+//   synchronize()                     returns when this rank's communication so far has
+//                                     completed (a no-op where calls complete on return)
 //   split(color, key, name)           a communicator per color, ordered by key
+//   name()                            the group's name, as const std::string&
+//
+// Which buffers may overlap, and every other argument rule, is in
+// comm/arguments.hpp; all backends enforce the same rules.
 
 #include <concepts>
 #include <span>
@@ -29,7 +35,7 @@ concept Communicator = requires(C& c, const C& cc, std::span<const float> in, st
                                 std::span<const RecvOp<float>> recvs, ReduceOp op, int i, std::string name) {
   { cc.rank() } -> std::same_as<int>;
   { cc.size() } -> std::same_as<int>;
-  { cc.name() } -> std::convertible_to<std::string>;
+  { cc.name() } -> std::same_as<const std::string&>;
   c.all_reduce(in, out, op);
   c.reduce_scatter(in, out, op);
   c.all_gather(in, out);
@@ -38,6 +44,7 @@ concept Communicator = requires(C& c, const C& cc, std::span<const float> in, st
   c.send_recv(sends, recvs);
   c.broadcast(out, i);
   c.barrier();
+  c.synchronize();
   { c.split(i, i, name) } -> std::same_as<C>;
 };
 

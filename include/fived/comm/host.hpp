@@ -14,6 +14,13 @@
 // live rank waiting on a rendezvous that cannot complete) or a timeout aborts
 // the run: every rank that waits or calls a collective afterwards gets a
 // CommError naming itself, the collective, the group and the cause.
+//
+// Arguments are checked by the rules in comm/arguments.hpp, the same ones the
+// NCCL backend applies, aliasing included: a call this backend accepts is not
+// refused by NCCL for its buffers' layout.
+//
+// Messages name ranks by world rank: "fived host backend: rank 3 in all_reduce
+// on group tp {2,3}: ...".
 
 #include <algorithm>
 #include <chrono>
@@ -26,22 +33,28 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "fived/comm/arguments.hpp"
 #include "fived/comm/communicator.hpp"
 #include "fived/comm/types.hpp"
+#include "fived/util/env.hpp"
 
 namespace fived::host {
 
 struct RunOptions {
   // Longest a rank waits in one collective before the run is aborted. The
   // deadlock detector catches most hangs at once; this covers a rank stuck in
-  // its own computation. FIVED_HOST_TIMEOUT_S overrides it.
-  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  // its own computation. Set: used as given (it must be positive), whatever
+  // the environment says. Unset: FIVED_HOST_TIMEOUT_S (seconds, strictly
+  // parsed: run() throws std::invalid_argument for a value that is not a
+  // positive number), or 300 s when that is unset or empty.
+  std::optional<std::chrono::milliseconds> timeout{};
 };
 
 namespace detail {
@@ -90,7 +103,7 @@ struct Group {
 // Shared state of one run: one mutex guards everything, which keeps the
 // deadlock check exact (it sees every rank's wait at once).
 struct World {
-  explicit World(int n, RunOptions o) : size(n), opts(o), waiting(n), finished(n, false) {}
+  World(int n, std::chrono::milliseconds t) : size(n), timeout(t), waiting(n), finished(n, false) {}
 
   struct Wait {
     bool active = false;
@@ -99,7 +112,7 @@ struct World {
   };
 
   int size;
-  RunOptions opts;
+  std::chrono::milliseconds timeout;  // per wait, resolved from RunOptions / the environment
   std::mutex mu;
   std::condition_variable cv;
   std::vector<Wait> waiting;
@@ -151,7 +164,7 @@ struct World {
     if (!abort_reason.empty()) throw_aborted(r, what);
     waiting[r] = {true, what, done};
     check_deadlock();
-    const auto deadline = std::chrono::steady_clock::now() + opts.timeout;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
     bool timed_out = false;
     while (abort_reason.empty() && !done()) {
       if (cv.wait_until(lk, deadline) == std::cv_status::timeout && !done()) {
@@ -161,8 +174,9 @@ struct World {
     }
     waiting[r] = {};
     if (timed_out)
-      abort("rank " + std::to_string(r) + " timed out after " + std::to_string(opts.timeout.count()) +
-            " ms waiting in " + what + " (a peer is stuck or never calls it; FIVED_HOST_TIMEOUT_S sets the limit)");
+      abort("rank " + std::to_string(r) + " timed out after " + std::to_string(timeout.count()) +
+            " ms waiting in " + what +
+            " (a peer is stuck or never calls it; RunOptions::timeout or FIVED_HOST_TIMEOUT_S sets the limit)");
     if (!abort_reason.empty() && !done()) throw_aborted(r, what);
   }
 
@@ -180,10 +194,17 @@ struct World {
   }
 };
 
-inline RunOptions options_from_env(RunOptions o) {
-  if (const char* s = std::getenv("FIVED_HOST_TIMEOUT_S"); s && *s)
-    o.timeout = std::chrono::milliseconds(static_cast<long long>(std::atof(s) * 1000));
-  return o;
+// RunOptions::timeout if set, else FIVED_HOST_TIMEOUT_S, else 300 s.
+inline std::chrono::milliseconds resolve_timeout(const RunOptions& o) {
+  if (o.timeout) {
+    if (o.timeout->count() <= 0)
+      throw std::invalid_argument("fived::host::run: RunOptions::timeout is " + std::to_string(o.timeout->count()) +
+                                  " ms: it must be positive (leave it unset for FIVED_HOST_TIMEOUT_S or 300 s)");
+    return *o.timeout;
+  }
+  const auto s = util::env_seconds("FIVED_HOST_TIMEOUT_S", 300.0);
+  // at least 1 ms: a sub-millisecond value must not become a timeout of zero
+  return std::max(std::chrono::milliseconds(1), std::chrono::ceil<std::chrono::milliseconds>(s));
 }
 
 template <class T>
@@ -202,14 +223,13 @@ class Comm {
 
   int rank() const { return rank_; }
   int size() const { return static_cast<int>(group_->members.size()); }
-  std::string name() const { return group_->name; }
+  const std::string& name() const { return group_->name; }
   int world_rank() const { return group_->members[rank_]; }
   const std::vector<int>& members() const { return group_->members; }
 
   template <CommElement T>
   void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, ReduceOp op = ReduceOp::sum) {
-    require(send.size() == recv.size(), "all_reduce", "send and recv hold " + std::to_string(send.size()) + " and " +
-                                                          std::to_string(recv.size()) + " elements; they must match");
+    require("all_reduce", args::all_reduce(rank_, size(), send, recv));
     std::vector<T> out(send.size());
     rendezvous({.op = "all_reduce", .dtype = dtype_of<T>, .count = send.size(), .reduce = op, .send = send.data()},
                [&](const std::vector<detail::Post>& p) {
@@ -224,9 +244,7 @@ class Comm {
 
   template <CommElement T>
   void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, ReduceOp op = ReduceOp::sum) {
-    require(send.size() == recv.size() * size(), "reduce_scatter",
-            "send holds " + std::to_string(send.size()) + " elements but must hold group size " +
-                std::to_string(size()) + " x recv size " + std::to_string(recv.size()));
+    require("reduce_scatter", args::reduce_scatter(rank_, size(), send, recv));
     std::vector<T> out(recv.size());
     rendezvous({.op = "reduce_scatter", .dtype = dtype_of<T>, .count = send.size(), .reduce = op, .send = send.data()},
                [&](const std::vector<detail::Post>& p) { reduce_into<T>(out, p, rank_ * recv.size(), op); });
@@ -235,9 +253,7 @@ class Comm {
 
   template <CommElement T>
   void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
-    require(recv.size() == send.size() * size(), "all_gather",
-            "recv holds " + std::to_string(recv.size()) + " elements but must hold group size " +
-                std::to_string(size()) + " x send size " + std::to_string(send.size()));
+    require("all_gather", args::all_gather(rank_, size(), send, recv));
     std::vector<T> out(recv.size());
     rendezvous({.op = "all_gather", .dtype = dtype_of<T>, .count = send.size(), .send = send.data()},
                [&](const std::vector<detail::Post>& p) {
@@ -250,35 +266,17 @@ class Comm {
   // Equal blocks: block j of `send` goes to rank j, block i of `recv` comes from rank i.
   template <CommElement T>
   void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
-    require(send.size() == recv.size() && send.size() % size() == 0, "all_to_all",
-            "send and recv must have the same size, a multiple of the group size " + std::to_string(size()) +
-                " (they hold " + std::to_string(send.size()) + " and " + std::to_string(recv.size()) + ")");
+    require("all_to_all", args::all_to_all(rank_, size(), send, recv));
     const std::vector<std::size_t> counts(size(), send.size() / size());
-    all_to_all_v<T>(send, counts, recv, counts);
+    exchange<T>("all_to_all", send, counts, recv, counts);
   }
 
   // Per-peer counts (elements); blocks are packed in rank order on both sides.
   template <CommElement T>
   void all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::size_t> send_counts, std::span<T> recv,
                     std::span<const std::size_t> recv_counts) {
-    const auto n = static_cast<std::size_t>(size());
-    require(send_counts.size() == n && recv_counts.size() == n, "all_to_all_v",
-            "send_counts and recv_counts need one entry per rank of the group (" + std::to_string(n) + ")");
-    require(sum(send_counts) == send.size() && sum(recv_counts) == recv.size(), "all_to_all_v",
-            "the counts add up to " + std::to_string(sum(send_counts)) + " sent / " + std::to_string(sum(recv_counts)) +
-                " received but the buffers hold " + std::to_string(send.size()) + " / " + std::to_string(recv.size()));
-    std::vector<T> out(recv.size());
-    rendezvous({.op = "all_to_all_v", .dtype = dtype_of<T>, .count = send.size(), .send = send.data(),
-                .send_counts = send_counts, .recv_counts = recv_counts},
-               [&](const std::vector<detail::Post>& p) {
-                 std::size_t at = 0;
-                 for (std::size_t src = 0; src < n; ++src) {
-                   const auto* base = static_cast<const T*>(p[src].send) + offset(p[src].send_counts, rank_);
-                   std::copy_n(base, recv_counts[src], out.begin() + at);
-                   at += recv_counts[src];
-                 }
-               });
-    std::copy(out.begin(), out.end(), recv.begin());
+    require("all_to_all_v", args::all_to_all_v(rank_, size(), send, send_counts, recv, recv_counts));
+    exchange<T>("all_to_all_v", send, send_counts, recv, recv_counts);
   }
 
   // Grouped point-to-point: all sends are posted before any receive waits, so
@@ -288,18 +286,15 @@ class Comm {
     // Arguments first (a bad peer is this rank's own error), then the abort
     // check, which send-only calls would otherwise skip; no message is posted
     // unless the whole call is valid.
-    for (const auto& s : sends) check_peer(s.peer, "send_recv");
-    for (const auto& r : recvs) check_peer(r.peer, "send_recv");
+    require("send_recv", args::send_recv<T>(rank_, size(), sends, recvs));
     std::unique_lock lk(world_->mu);
     if (!world_->abort_reason.empty()) world_->throw_aborted(world_rank(), where("send_recv"));
     for (const auto& s : sends) {
-      check_peer(s.peer, "send_recv");
       const auto* b = reinterpret_cast<const std::byte*>(s.buf.data());
       group_->mailbox[{rank_, s.peer}].push_back({dtype_of<T>, std::vector<std::byte>(b, b + s.buf.size_bytes())});
     }
     world_->cv.notify_all();
     for (const auto& r : recvs) {
-      check_peer(r.peer, "send_recv");
       auto& box = group_->mailbox[{r.peer, rank_}];
       world_->wait(lk, world_rank(), "send_recv (receive from rank " + std::to_string(group_->members[r.peer]) + ") on group " +
                                          group_->describe(),
@@ -321,7 +316,7 @@ class Comm {
 
   template <CommElement T>
   void broadcast(std::span<T> buf, int root) {
-    check_peer(root, "broadcast");
+    require("broadcast", args::broadcast(rank_, size(), root));
     std::vector<T> out(buf.size());
     rendezvous({.op = "broadcast", .dtype = dtype_of<T>, .count = buf.size(), .root = root, .send = buf.data()},
                [&](const std::vector<detail::Post>& p) {
@@ -332,9 +327,13 @@ class Comm {
 
   void barrier() { rendezvous({.op = "barrier"}, [](const auto&) {}); }
 
+  // Host collectives have completed when they return: nothing to wait for.
+  // Here so that code generic over Communicator can call it on every backend.
+  void synchronize() {}
+
   // One communicator per color; ranks ordered by key, then by rank here.
   Comm split(int color, int key, std::string name) {
-    require(color >= 0, "split", "color must be >= 0");
+    require("split", args::split(color));
     std::shared_ptr<detail::Group> mine;
     rendezvous({.op = "split", .color = color, .key = key}, [&](const auto&) { mine = group_->split_result[rank_]; },
                [this, name](detail::Group& g) { make_split(g, name); });
@@ -348,23 +347,34 @@ class Comm {
   std::shared_ptr<detail::Group> group_;
   int rank_;
 
+  // all_to_all and all_to_all_v, with arguments already checked; `op` is the
+  // collective's own name, for messages and the mismatch check.
+  template <class T>
+  void exchange(const char* op, std::span<const T> send, std::span<const std::size_t> send_counts, std::span<T> recv,
+                std::span<const std::size_t> recv_counts) {
+    const auto n = static_cast<std::size_t>(size());
+    std::vector<T> out(recv.size());
+    rendezvous({.op = op, .dtype = dtype_of<T>, .count = send.size(), .send = send.data(),
+                .send_counts = send_counts, .recv_counts = recv_counts},
+               [&](const std::vector<detail::Post>& p) {
+                 std::size_t at = 0;
+                 for (std::size_t src = 0; src < n; ++src) {
+                   const auto* base = static_cast<const T*>(p[src].send) + offset(p[src].send_counts, rank_);
+                   std::copy_n(base, recv_counts[src], out.begin() + at);
+                   at += recv_counts[src];
+                 }
+               });
+    std::copy(out.begin(), out.end(), recv.begin());
+  }
+
   std::string where(std::string_view op) const {
     return std::string(op) + " on group " + group_->describe();
   }
 
-  void require(bool ok, std::string_view op, const std::string& why) const {
-    if (!ok)
+  // `why` is what comm/arguments.hpp said: empty when the call is valid.
+  void require(std::string_view op, const std::string& why) const {
+    if (!why.empty())
       throw CommError("fived host backend: rank " + std::to_string(world_rank()) + " in " + where(op) + ": " + why);
-  }
-  void check_peer(int peer, std::string_view op) const {
-    require(peer >= 0 && peer < size(), op,
-            "peer " + std::to_string(peer) + " is not a rank of this group of " + std::to_string(size()));
-  }
-
-  static std::size_t sum(std::span<const std::size_t> c) {
-    std::size_t s = 0;
-    for (auto v : c) s += v;
-    return s;
   }
   static std::size_t offset(std::span<const std::size_t> c, int upto) {
     std::size_t s = 0;
@@ -482,11 +492,13 @@ class Comm {
 // message sent and never received makes it throw CommError at the end. If any
 // rank throws, the run is aborted (peers blocked in collectives get a
 // CommError) and, once every thread has ended, the first rank's exception in
-// rank order whose cause is not another rank's failure is rethrown.
+// rank order whose cause is not another rank's failure is rethrown. A bad
+// RunOptions::timeout or FIVED_HOST_TIMEOUT_S throws std::invalid_argument
+// before any rank starts.
 template <class F>
 void run(int n, F&& fn, RunOptions opts = {}) {
   if (n < 1) throw std::invalid_argument("fived::host::run needs at least one rank, got " + std::to_string(n));
-  auto world = std::make_shared<detail::World>(n, detail::options_from_env(opts));
+  auto world = std::make_shared<detail::World>(n, detail::resolve_timeout(opts));
   auto group = std::make_shared<detail::Group>();
   world->groups.push_back(group);
   group->name = "world";

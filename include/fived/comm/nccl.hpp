@@ -17,14 +17,34 @@
 // on the compute stream see the result, the host sees it after synchronize(),
 // barrier() or a synchronisation of the compute stream.
 //
-// Errors. Arguments that cannot be right (sizes, peers, overlapping buffers,
-// host memory, a thread on another device) throw CommError before NCCL is
-// called and leave the communicator usable. A failed CUDA or NCCL call, an
-// asynchronous NCCL error or a wait longer than FIVED_NCCL_TIMEOUT_S seconds
-// (default 600; a peer that died or stopped calling collectives) aborts the
-// communicator — so no rank hangs on it — and throws CommError naming the
-// rank, the collective, the group and NCCL's own explanation. Asynchronous
-// errors surface in synchronize() and barrier(), which poll for them.
+// Errors. Arguments that cannot be right throw CommError before NCCL is
+// called and leave the communicator usable: sizes, peers and overlapping
+// buffers by the rules shared with the host backend (comm/arguments.hpp),
+// host memory and a thread on another device here. A failed CUDA or NCCL
+// call, an asynchronous NCCL error seen by a poll, or a poll that sees no
+// progress for FIVED_NCCL_TIMEOUT_S seconds (default 600; a peer that died or
+// stopped calling collectives) aborts the communicator (ncclCommAbort) and
+// throws CommError. Messages read "fived::nccl: rank 1 of 4 in all_reduce on
+// group 'tp': ..." (NCCL knows only the rank in the group) and end with
+// NCCL's own explanation where there is one.
+//
+// What is bounded, and what is not. The communicator is blocking (NCCL's
+// default), and only the polls are under the timeout:
+//   - bounded: synchronize() and barrier(), which poll the communication
+//     stream and ncclCommGetAsyncError; the destructor, which polls the same
+//     way before ncclCommDestroy (and aborts at once instead when the rank is
+//     unwinding from an exception or the communicator has failed).
+//   - not bounded: Comm::init (ncclCommInitRank) and split (ncclCommSplit)
+//     block until every rank of the group has called them; an enqueueing call
+//     can block inside NCCL, notably the first collective or point-to-point
+//     exchange between two ranks, which sets up the connection with the peer
+//     (lazy connection setup) and waits for it; a host synchronisation of the
+//     compute stream (cudaStreamSynchronize, a blocking cudaMemcpy, ...) waits
+//     for the collective however long it takes and never looks at NCCL's
+//     error state: with a dead peer it hangs. Call synchronize() (or
+//     barrier()) before such a synchronisation when a peer may fail.
+// Bounding those too needs non-blocking communicators (ncclConfig_t with
+// blocking = 0, polling ncclInProgress); this backend does not use them yet.
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -34,15 +54,19 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <type_traits>
 #include <utility>
 
+#include "fived/comm/arguments.hpp"
 #include "fived/comm/communicator.hpp"
 #include "fived/comm/types.hpp"
+#include "fived/util/env.hpp"
 
 namespace fived::nccl {
 
@@ -68,10 +92,11 @@ constexpr ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
-// "all_reduce on group 'tp' (rank 1 of 4)": the start of every message.
+// "fived::nccl: rank 1 of 4 in all_reduce on group 'tp'": the start of every
+// message about a communicator (NCCL knows the rank in the group, not in the world).
 inline std::string context(std::string_view what, std::string_view group, int rank, int size) {
-  return "fived::nccl: " + std::string(what) + " on group '" + std::string(group) + "' (rank " +
-         std::to_string(rank) + " of " + std::to_string(size) + ")";
+  return "fived::nccl: rank " + std::to_string(rank) + " of " + std::to_string(size) + " in " + std::string(what) +
+         " on group '" + std::string(group) + "'";
 }
 
 inline std::string nccl_message(ncclResult_t r, const char* call, ncclComm_t comm) {
@@ -85,27 +110,21 @@ inline std::string cuda_message(cudaError_t e, const char* call) {
   return std::string(call) + " failed: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
 }
 
-// FIVED_NCCL_TIMEOUT_S: how long synchronize() and barrier() wait.
+// FIVED_NCCL_TIMEOUT_S: how long the polls (synchronize, barrier, the
+// destructor) wait without progress. Strictly parsed (util/env.hpp); a bad
+// value is a CommError from init.
 inline std::chrono::duration<double> timeout_from_env() {
-  const char* v = std::getenv("FIVED_NCCL_TIMEOUT_S");
-  if (v == nullptr || *v == '\0') return std::chrono::duration<double>(600.0);
-  char* end = nullptr;
-  double s = std::strtod(v, &end);
-  if (end == v || *end != '\0' || !(s > 0))
-    throw CommError("fived::nccl: FIVED_NCCL_TIMEOUT_S='" + std::string(v) +
-                    "' is not a positive number of seconds: fix or unset it (default 600)");
-  return std::chrono::duration<double>(s);
+  try {
+    return util::env_seconds("FIVED_NCCL_TIMEOUT_S", 600.0);
+  } catch (const std::invalid_argument& e) {
+    throw CommError("fived::nccl: " + std::string(e.what()));
+  }
 }
 
 inline std::string seconds(std::chrono::duration<double> d) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%g", d.count());
   return buf;
-}
-
-inline bool overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) {
-  auto pa = reinterpret_cast<std::uintptr_t>(a), pb = reinterpret_cast<std::uintptr_t>(b);
-  return a_bytes != 0 && b_bytes != 0 && pa < pb + b_bytes && pb < pa + a_bytes;
 }
 
 }  // namespace detail
@@ -130,7 +149,7 @@ class Comm {
     return Comm(c, std::move(name), cudaStreamPerThread, timeout);
   }
 
-  Comm(Comm&& o) noexcept { take(o); }
+  Comm(Comm&& o) noexcept : uncaught_(std::uncaught_exceptions()) { take(o); }
   Comm& operator=(Comm&& o) noexcept {
     if (this != &o) {
       release();
@@ -157,10 +176,7 @@ class Comm {
   template <CommElement T>
   void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, ReduceOp op = ReduceOp::sum) {
     constexpr std::string_view what = "all_reduce";
-    expect(send.size() == recv.size(), what, "send has " + std::to_string(send.size()) +
-                                                 " elements but recv has " + std::to_string(recv.size()) +
-                                                 ": they must be equal");
-    expect_in_place_or_apart(what, send, recv, 0, "recv == send");
+    expect(what, args::all_reduce(rank_, size_, send, recv));
     expect_device(what, "send", send), expect_device(what, "recv", recv);
     if (recv.empty()) return;
     enqueue(what, [&] {
@@ -178,10 +194,7 @@ class Comm {
   template <CommElement T>
   void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, ReduceOp op = ReduceOp::sum) {
     constexpr std::string_view what = "reduce_scatter";
-    expect(send.size() == recv.size() * size_, what,
-           "send has " + std::to_string(send.size()) + " elements, expected size() * recv.size() = " +
-               std::to_string(size_) + " * " + std::to_string(recv.size()));
-    expect_in_place_or_apart(what, send, recv, recv.size() * rank_, "recv == send + rank() * recv.size()");
+    expect(what, args::reduce_scatter(rank_, size_, send, recv));
     expect_device(what, "send", send), expect_device(what, "recv", recv);
     if (recv.empty()) return;
     enqueue(what, [&] {
@@ -193,10 +206,7 @@ class Comm {
   template <CommElement T>
   void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
     constexpr std::string_view what = "all_gather";
-    expect(recv.size() == send.size() * size_, what,
-           "recv has " + std::to_string(recv.size()) + " elements, expected size() * send.size() = " +
-               std::to_string(size_) + " * " + std::to_string(send.size()));
-    expect_in_place_or_apart(what, recv, send, send.size() * rank_, "send == recv + rank() * send.size()");
+    expect(what, args::all_gather(rank_, size_, send, recv));
     expect_device(what, "send", send), expect_device(what, "recv", recv);
     if (send.empty()) return;
     enqueue(what, [&] {
@@ -208,10 +218,7 @@ class Comm {
   template <CommElement T>
   void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
     constexpr std::string_view what = "all_to_all";
-    expect(send.size() == recv.size() && send.size() % size_ == 0, what,
-           "send has " + std::to_string(send.size()) + " and recv " + std::to_string(recv.size()) +
-               " elements: they must be equal and a multiple of size() = " + std::to_string(size_));
-    expect_apart(what, send, recv);
+    expect(what, args::all_to_all(rank_, size_, send, recv));
     expect_device(what, "send", send), expect_device(what, "recv", recv);
     const std::size_t block = send.size() / size_;
     if (block == 0) return;
@@ -234,22 +241,9 @@ class Comm {
   void all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::size_t> send_counts,
                     std::span<T> recv, std::span<const std::size_t> recv_counts) {
     constexpr std::string_view what = "all_to_all_v";
-    const auto n = static_cast<std::size_t>(size_);
-    expect(send_counts.size() == n && recv_counts.size() == n, what,
-           "send_counts has " + std::to_string(send_counts.size()) + " and recv_counts " +
-               std::to_string(recv_counts.size()) + " entries: give one per rank, size() = " + std::to_string(n));
-    std::size_t send_total = 0, recv_total = 0;
-    for (std::size_t i = 0; i < n; ++i) send_total += send_counts[i], recv_total += recv_counts[i];
-    expect(send_total == send.size() && recv_total == recv.size(), what,
-           "the counts add up to " + std::to_string(send_total) + " sent / " + std::to_string(recv_total) +
-               " received but the buffers hold " + std::to_string(send.size()) + " / " +
-               std::to_string(recv.size()) + ": pass spans of exactly the packed blocks");
-    expect(send_counts[rank_] == recv_counts[rank_], what,
-           "this rank sends itself " + std::to_string(send_counts[rank_]) + " elements but expects to receive " +
-               std::to_string(recv_counts[rank_]) + ": send_counts[rank()] and recv_counts[rank()] must agree");
-    expect_apart(what, send, recv);
+    expect(what, args::all_to_all_v(rank_, size_, send, send_counts, recv, recv_counts));
     expect_device(what, "send", send), expect_device(what, "recv", recv);
-    if (send_total == 0 && recv_total == 0) return;
+    if (send.empty() && recv.empty()) return;
     enqueue(what, [&] {
       grouped(what, [&](auto&& add) {
         std::size_t s = 0, r = 0;
@@ -270,8 +264,9 @@ class Comm {
   template <CommElement T>
   void send_recv(std::span<const SendOp<T>> sends, std::span<const RecvOp<T>> recvs) {
     constexpr std::string_view what = "send_recv";
-    for (const auto& s : sends) expect_peer(what, "send", s.peer), expect_device(what, "send", s.buf);
-    for (const auto& r : recvs) expect_peer(what, "recv", r.peer), expect_device(what, "recv", r.buf);
+    expect(what, args::send_recv<T>(rank_, size_, sends, recvs));
+    for (const auto& s : sends) expect_device(what, "send", s.buf);
+    for (const auto& r : recvs) expect_device(what, "recv", r.buf);
     enqueue(what, [&] {
       grouped(what, [&](auto&& add) {
         for (const auto& s : sends)
@@ -285,7 +280,7 @@ class Comm {
   template <CommElement T>
   void broadcast(std::span<T> buf, int root) {
     constexpr std::string_view what = "broadcast";
-    expect_peer(what, "root", root);
+    expect(what, args::broadcast(rank_, size_, root));
     expect_device(what, "buf", buf);
     if (buf.empty()) return;
     enqueue(what, [&] {
@@ -307,7 +302,7 @@ class Comm {
   // A communicator per color, ranks ordered by key (ties by rank here).
   // Collective over this communicator. Inherits the compute stream and timeout.
   Comm split(int color, int key, std::string name) {
-    expect(color >= 0, "split", "color " + std::to_string(color) + " is negative: every rank must join a group");
+    expect("split", args::split(color));
     usable("split");
     ncclComm_t c = nullptr;
     check(ncclCommSplit(comm_, color, key, &c, nullptr), "split", "ncclCommSplit");
@@ -358,16 +353,31 @@ class Comm {
     error_ = std::move(o.error_);
   }
 
-  // Never throws: waits for outstanding work (bounded by the timeout), then
-  // destroys the communicator, or aborts it when that wait failed.
+  // Never throws. Normally waits for outstanding work (bounded by the
+  // timeout), then destroys the communicator, or aborts it when that wait
+  // failed. Aborts at once, without waiting, when this rank is unwinding from
+  // an exception (more uncaught exceptions than when this object was made: its
+  // peers may never issue the matching collectives) or when NCCL already
+  // reports an asynchronous error: a context of many communicators then exits
+  // promptly instead of waiting out the timeout once per communicator.
   void release() noexcept {
     if (comm_ != nullptr) {
-      try {
-        wait("destroy");
-      } catch (...) {  // wait() has aborted the communicator
+      bool abort_now = std::uncaught_exceptions() > uncaught_;
+      if (!abort_now) {
+        ncclResult_t async = ncclSuccess;
+        abort_now = ncclCommGetAsyncError(comm_, &async) != ncclSuccess ||
+                    (async != ncclSuccess && async != ncclInProgress);
       }
-      if (comm_ != nullptr) ncclCommDestroy(comm_);
-      comm_ = nullptr;
+      if (abort_now) {
+        ncclCommAbort(std::exchange(comm_, nullptr));
+      } else {
+        try {
+          wait("destroy");
+        } catch (...) {  // wait() has aborted the communicator
+        }
+        if (comm_ != nullptr) ncclCommDestroy(comm_);
+        comm_ = nullptr;
+      }
     }
     if (scratch_ != nullptr) cudaFree(scratch_);
     if (ready_ != nullptr) cudaEventDestroy(ready_);
@@ -383,6 +393,10 @@ class Comm {
   // A misuse: throws, the communicator stays usable.
   void expect(bool ok, std::string_view what, const std::string& why) const {
     if (!ok) throw CommError(where(what) + ": " + why);
+  }
+  // `why` is what comm/arguments.hpp said: empty when the call is valid.
+  void expect(std::string_view what, const std::string& why) const {
+    if (!why.empty()) throw CommError(where(what) + ": " + why);
   }
 
   // A failure: aborts the communicator so no rank waits on it, then throws.
@@ -406,12 +420,6 @@ class Comm {
                                     : "the communicator was aborted after an earlier error: " + error_));
   }
 
-  void expect_peer(std::string_view what, const char* role, int peer) const {
-    expect(peer >= 0 && peer < size_, what,
-           std::string(role) + " rank " + std::to_string(peer) + " is outside the group [0, " +
-               std::to_string(size_) + ")");
-  }
-
   // NCCL reads and writes device memory; a host pointer would fault in a kernel.
   template <class T>
   void expect_device(std::string_view what, const char* role, std::span<T> buf) const {
@@ -422,23 +430,6 @@ class Comm {
     expect(e == cudaSuccess && a.type != cudaMemoryTypeUnregistered, what,
            std::string(role) + " buffer is not device memory: the NCCL communicator moves memory from cudaMalloc "
                                "(use fived::host::Comm for host buffers)");
-  }
-
-  // NCCL's only in-place layouts: `small` starts at element `at` of `big`;
-  // anything else must not overlap.
-  template <class A, class B>
-  void expect_in_place_or_apart(std::string_view what, std::span<A> big, std::span<B> small, std::size_t at,
-                                const char* layout) const {
-    const void* in_place = big.data() + at;
-    expect(static_cast<const void*>(small.data()) == in_place ||
-               !detail::overlap(big.data(), big.size_bytes(), small.data(), small.size_bytes()),
-           what, std::string("send and recv overlap other than in NCCL's in-place layout (") + layout + ")");
-  }
-
-  template <class A, class B>
-  void expect_apart(std::string_view what, std::span<A> send, std::span<B> recv) const {
-    expect(!detail::overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()), what,
-           "send and recv overlap: this collective has no in-place form, use separate buffers");
   }
 
   // ---- issuing and waiting -------------------------------------------------
@@ -509,6 +500,7 @@ class Comm {
   std::chrono::duration<double> timeout_{600.0};
   std::string name_;
   std::string error_;  // the failure that aborted the communicator
+  int uncaught_ = std::uncaught_exceptions();  // at construction: more at release means unwinding
 };
 
 static_assert(Communicator<Comm>);
