@@ -1,0 +1,136 @@
+#pragma once
+// Host fused softmax cross-entropy, ready for a vocabulary split over tensor-parallel
+// ranks (Megatron's vocab-parallel loss).
+//
+// logits are [N, Vs]: columns [offset, offset+Vs) of the padded vocabulary. A column
+// whose global index is >= V (padding up to a multiple of TP, or of 64/128 for
+// speed) never counts: it acts as -inf, it never wins the max, contributes nothing
+// to the sum and gets dlogits 0. targets are global ids in [0, V).
+//
+// Three steps, so the vocab-parallel caller needs only three all-reduces of [N]:
+//   1. logits_max:            local max over valid columns (-inf if there is none);
+//                             all-reduce(max) -> global max m.
+//   2. crossentropy_partials: sumexp = sum_valid exp(logit - m), target_logit = the
+//                             target's logit if it lies in this shard, else 0;
+//                             all-reduce(sum) both.
+//   3. crossentropy_backward: loss_i = log(sumexp_i) + m_i - target_logit_i and
+//                             dlogits = dloss * (softmax - onehot) on valid columns,
+//                             0 on padding. dlogits may alias logits: each element is
+//                             read before it is written, so the probabilities are
+//                             never stored next to the logits.
+// crossentropy_forward_backward is the single-shard convenience (offset 0, Vs = Vp).
+// losses are float (for reporting; a double gradient check should form the loss from
+// the acc_t partials, as log(sumexp) + max - target_logit, to keep double precision).
+// losses or dlogits may be nullptr to skip that output (e.g. evaluation only).
+
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "fived/device/bf16.hpp"
+
+namespace fived::kernels::host {
+
+namespace detail_ce {
+inline void check_sizes(const char* what, int N, int Vs, int offset, int V) {
+  if (N < 0 || Vs < 0 || offset < 0 || V <= 0)
+    throw std::invalid_argument(std::string("fived::kernels::host::") + what +
+                                ": needs N >= 0, Vs >= 0, offset >= 0 and a vocabulary V >= 1 (got N=" +
+                                std::to_string(N) + ", Vs=" + std::to_string(Vs) + ", offset=" + std::to_string(offset) +
+                                ", V=" + std::to_string(V) + ")");
+}
+inline void check_target(const char* what, int target, int row, int V) {
+  if (target < 0 || target >= V)
+    throw std::invalid_argument(std::string("fived::kernels::host::") + what + ": target " + std::to_string(target) +
+                                " of row " + std::to_string(row) + " is outside the vocabulary [0, " +
+                                std::to_string(V) + ")");
+}
+// Number of local columns whose global index is < V.
+inline std::size_t valid_columns(int Vs, int offset, int V) {
+  if (offset >= V) return 0;
+  const long long n = static_cast<long long>(V) - offset;
+  return static_cast<std::size_t>(n < Vs ? n : Vs);
+}
+}  // namespace detail_ce
+
+template <class T>
+void logits_max(acc_t<T>* max, const T* logits, int N, int Vs, int offset, int V) {
+  using A = acc_t<T>;
+  detail_ce::check_sizes("logits_max", N, Vs, offset, V);
+  const std::size_t nv = detail_ce::valid_columns(Vs, offset, V), sVs = static_cast<std::size_t>(Vs);
+  for (std::size_t i = 0; i < static_cast<std::size_t>(N); ++i) {
+    const T* row = logits + i * sVs;
+    A m = -std::numeric_limits<A>::infinity();
+    for (std::size_t j = 0; j < nv; ++j) {
+      const A x = static_cast<A>(row[j]);
+      if (x > m) m = x;
+    }
+    max[i] = m;
+  }
+}
+
+template <class T>
+void crossentropy_partials(acc_t<T>* sumexp, acc_t<T>* target_logit, const T* logits, const int* targets,
+                           const acc_t<T>* max, int N, int Vs, int offset, int V) {
+  using A = acc_t<T>;
+  detail_ce::check_sizes("crossentropy_partials", N, Vs, offset, V);
+  const std::size_t nv = detail_ce::valid_columns(Vs, offset, V), sVs = static_cast<std::size_t>(Vs);
+  for (std::size_t i = 0; i < static_cast<std::size_t>(N); ++i) {
+    const int tgt = targets[i];
+    detail_ce::check_target("crossentropy_partials", tgt, static_cast<int>(i), V);
+    const T* row = logits + i * sVs;
+    const A m = max[i];
+    A s = 0;
+    for (std::size_t j = 0; j < nv; ++j) s += std::exp(static_cast<A>(row[j]) - m);
+    sumexp[i] = s;
+    const long long local = static_cast<long long>(tgt) - offset;
+    target_logit[i] = (local >= 0 && local < Vs) ? static_cast<A>(row[local]) : A(0);
+  }
+}
+
+template <class T>
+void crossentropy_backward(float* losses, T* dlogits, const T* logits, const int* targets, const acc_t<T>* max,
+                           const acc_t<T>* sumexp, const acc_t<T>* target_logit, int N, int Vs, int offset, int V,
+                           float dloss) {
+  using A = acc_t<T>;
+  detail_ce::check_sizes("crossentropy_backward", N, Vs, offset, V);
+  const std::size_t nv = detail_ce::valid_columns(Vs, offset, V), sVs = static_cast<std::size_t>(Vs);
+  for (std::size_t i = 0; i < static_cast<std::size_t>(N); ++i) {
+    const int tgt = targets[i];
+    detail_ce::check_target("crossentropy_backward", tgt, static_cast<int>(i), V);
+    const A m = max[i], s = sumexp[i];
+    if (losses != nullptr) losses[i] = static_cast<float>(std::log(s) + m - target_logit[i]);
+    if (dlogits == nullptr) continue;
+    const T* row = logits + i * sVs;
+    T* drow = dlogits + i * sVs;
+    const A inv = static_cast<A>(1) / s;
+    const A dl = static_cast<A>(dloss);
+    const long long local = static_cast<long long>(tgt) - offset;
+    for (std::size_t j = 0; j < nv; ++j) {
+      const A p = std::exp(static_cast<A>(row[j]) - m) * inv;  // read before the (possibly aliased) write
+      const A onehot = (static_cast<long long>(j) == local) ? A(1) : A(0);
+      drow[j] = static_cast<T>(dl * (p - onehot));
+    }
+    for (std::size_t j = nv; j < sVs; ++j) drow[j] = static_cast<T>(A(0));
+  }
+}
+
+template <class T>
+void crossentropy_forward_backward(float* losses, T* dlogits, const T* logits, const int* targets, int N, int Vp, int V,
+                                   float dloss) {
+  using A = acc_t<T>;
+  detail_ce::check_sizes("crossentropy_forward_backward", N, Vp, 0, V);
+  if (Vp < V)
+    throw std::invalid_argument("fived::kernels::host::crossentropy_forward_backward: the padded vocabulary Vp=" +
+                                std::to_string(Vp) + " is smaller than the vocabulary V=" + std::to_string(V));
+  const std::size_t sN = static_cast<std::size_t>(N);
+  std::vector<A> m(sN), s(sN), tl(sN);
+  logits_max(m.data(), logits, N, Vp, 0, V);
+  crossentropy_partials(s.data(), tl.data(), logits, targets, m.data(), N, Vp, 0, V);
+  crossentropy_backward(losses, dlogits, logits, targets, m.data(), s.data(), tl.data(), N, Vp, 0, V, dloss);
+}
+
+}  // namespace fived::kernels::host

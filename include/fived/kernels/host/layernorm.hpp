@@ -1,0 +1,144 @@
+#pragma once
+// Host LayerNorm and RMSNorm over the last axis of inp[N,C], forward and backward.
+//
+//   layernorm: out = (x - mean) * rstd * weight + bias,   rstd = 1/sqrt(var + eps)
+//   rmsnorm:   out = x * rstd * weight,                   rstd = 1/sqrt(mean(x^2) + eps)
+//
+// with eps = 1e-5 and the biased variance (as GPT-2 / PyTorch). The forward saves
+// the per-row statistics (mean, rstd; acc_t<T>, [N]) so the backward does not
+// recompute them. The backward is the standard closed form (llm.c):
+//   dnorm = dout * weight,  xhat = (x - mean) * rstd
+//   dinp += rstd * (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat))
+//   dweight += sum_rows dout * xhat,  dbias += sum_rows dout
+// (rmsnorm: no mean(dnorm) term, xhat = x * rstd). All gradients are "+=":
+// dinp is on the residual path and the parameter gradients accumulate over
+// micro-batches. Statistics and sums are in acc_t<T>; the parameter gradients are
+// summed over rows in acc_t and added to the T output once.
+
+#include <cmath>
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "fived/device/bf16.hpp"
+
+namespace fived::kernels::host {
+
+namespace detail_norm {
+inline void check_sizes(const char* what, int N, int C) {
+  if (N < 0 || C <= 0)
+    throw std::invalid_argument(std::string("fived::kernels::host::") + what +
+                                ": needs N >= 0 rows and C >= 1 channels (got N=" + std::to_string(N) +
+                                ", C=" + std::to_string(C) + ")");
+}
+}  // namespace detail_norm
+
+template <class T>
+void layernorm_forward(T* out, acc_t<T>* mean, acc_t<T>* rstd, const T* inp, const T* weight, const T* bias, int N,
+                       int C) {
+  using A = acc_t<T>;
+  detail_norm::check_sizes("layernorm_forward", N, C);
+  const std::size_t sC = static_cast<std::size_t>(C);
+  const A eps = static_cast<A>(1e-5);
+  for (std::size_t i = 0; i < static_cast<std::size_t>(N); ++i) {
+    const T* x = inp + i * sC;
+    A m = 0;
+    for (std::size_t c = 0; c < sC; ++c) m += static_cast<A>(x[c]);
+    m /= static_cast<A>(C);
+    A v = 0;
+    for (std::size_t c = 0; c < sC; ++c) {
+      const A d = static_cast<A>(x[c]) - m;
+      v += d * d;
+    }
+    v /= static_cast<A>(C);
+    const A r = static_cast<A>(1) / std::sqrt(v + eps);
+    T* o = out + i * sC;
+    for (std::size_t c = 0; c < sC; ++c)
+      o[c] = static_cast<T>((static_cast<A>(x[c]) - m) * r * static_cast<A>(weight[c]) + static_cast<A>(bias[c]));
+    mean[i] = m;
+    rstd[i] = r;
+  }
+}
+
+template <class T>
+void layernorm_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp, const T* weight,
+                        const acc_t<T>* mean, const acc_t<T>* rstd, int N, int C) {
+  using A = acc_t<T>;
+  detail_norm::check_sizes("layernorm_backward", N, C);
+  const std::size_t sC = static_cast<std::size_t>(C);
+  std::vector<A> dw(sC, A(0)), db(sC, A(0));
+  for (std::size_t i = 0; i < static_cast<std::size_t>(N); ++i) {
+    const T* x = inp + i * sC;
+    const T* g = dout + i * sC;
+    const A m = mean[i], r = rstd[i];
+    A dnorm_mean = 0, dnorm_xhat_mean = 0;
+    for (std::size_t c = 0; c < sC; ++c) {
+      const A xhat = (static_cast<A>(x[c]) - m) * r;
+      const A dnorm = static_cast<A>(weight[c]) * static_cast<A>(g[c]);
+      dnorm_mean += dnorm;
+      dnorm_xhat_mean += dnorm * xhat;
+    }
+    dnorm_mean /= static_cast<A>(C);
+    dnorm_xhat_mean /= static_cast<A>(C);
+    T* dx = dinp + i * sC;
+    for (std::size_t c = 0; c < sC; ++c) {
+      const A xhat = (static_cast<A>(x[c]) - m) * r;
+      const A go = static_cast<A>(g[c]);
+      const A dnorm = static_cast<A>(weight[c]) * go;
+      db[c] += go;
+      dw[c] += xhat * go;
+      dx[c] = static_cast<T>(static_cast<A>(dx[c]) + r * (dnorm - dnorm_mean - xhat * dnorm_xhat_mean));
+    }
+  }
+  for (std::size_t c = 0; c < sC; ++c) {
+    dweight[c] = static_cast<T>(static_cast<A>(dweight[c]) + dw[c]);
+    dbias[c] = static_cast<T>(static_cast<A>(dbias[c]) + db[c]);
+  }
+}
+
+template <class T>
+void rmsnorm_forward(T* out, acc_t<T>* rstd, const T* inp, const T* weight, int N, int C) {
+  using A = acc_t<T>;
+  detail_norm::check_sizes("rmsnorm_forward", N, C);
+  const std::size_t sC = static_cast<std::size_t>(C);
+  const A eps = static_cast<A>(1e-5);
+  for (std::size_t i = 0; i < static_cast<std::size_t>(N); ++i) {
+    const T* x = inp + i * sC;
+    A ms = 0;
+    for (std::size_t c = 0; c < sC; ++c) ms += static_cast<A>(x[c]) * static_cast<A>(x[c]);
+    ms /= static_cast<A>(C);
+    const A r = static_cast<A>(1) / std::sqrt(ms + eps);
+    T* o = out + i * sC;
+    for (std::size_t c = 0; c < sC; ++c) o[c] = static_cast<T>(static_cast<A>(x[c]) * r * static_cast<A>(weight[c]));
+    rstd[i] = r;
+  }
+}
+
+template <class T>
+void rmsnorm_backward(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight, const acc_t<T>* rstd, int N,
+                      int C) {
+  using A = acc_t<T>;
+  detail_norm::check_sizes("rmsnorm_backward", N, C);
+  const std::size_t sC = static_cast<std::size_t>(C);
+  std::vector<A> dw(sC, A(0));
+  for (std::size_t i = 0; i < static_cast<std::size_t>(N); ++i) {
+    const T* x = inp + i * sC;
+    const T* g = dout + i * sC;
+    const A r = rstd[i];
+    A dnorm_xhat_mean = 0;
+    for (std::size_t c = 0; c < sC; ++c)
+      dnorm_xhat_mean += static_cast<A>(weight[c]) * static_cast<A>(g[c]) * static_cast<A>(x[c]) * r;
+    dnorm_xhat_mean /= static_cast<A>(C);
+    T* dx = dinp + i * sC;
+    for (std::size_t c = 0; c < sC; ++c) {
+      const A xhat = static_cast<A>(x[c]) * r;
+      const A go = static_cast<A>(g[c]);
+      dw[c] += xhat * go;
+      dx[c] = static_cast<T>(static_cast<A>(dx[c]) + r * (static_cast<A>(weight[c]) * go - xhat * dnorm_xhat_mean));
+    }
+  }
+  for (std::size_t c = 0; c < sC; ++c) dweight[c] = static_cast<T>(static_cast<A>(dweight[c]) + dw[c]);
+}
+
+}  // namespace fived::kernels::host
