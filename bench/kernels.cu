@@ -1,0 +1,220 @@
+// CUDA kernels at GPT-2 124M shapes (B=8, T=1024, C=768, NH=12, V=50257 padded
+// to 50304), bf16 with fp32 accumulation: median time over --iters runs (CUDA
+// events around each run), achieved GB/s (memory-bound kernels: bytes that must
+// move at least once) or TFLOP/s (GEMM, attention), and that as a fraction of
+// this device's measured ceilings: HBM bandwidth from a device-to-device copy
+// kernel, GEMM peak from a large cuBLASLt bf16 GEMM (8192^3).
+//   bench/kernels [--iters N]        (not run by CTest)
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <fived/device/cuda.hpp>
+#include <fived/kernels/cuda.hpp>
+
+namespace {
+
+using fived::bf16;
+using fived::Buffer;
+using fived::Cuda;
+namespace ck = fived::kernels::cuda;
+
+// Deterministic pseudo-random fill on the device (hash of the index), values in [-scale, scale].
+template <class E>
+__global__ void fill_kernel(E* p, std::size_t n, std::uint32_t seed, float scale) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint32_t h = static_cast<std::uint32_t>(i) * 2654435761u ^ seed * 0x9E3779B9u;
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    const float u = static_cast<float>(h & 0xFFFFFFu) / static_cast<float>(0xFFFFFF) * 2.0f - 1.0f;
+    p[i] = ck::from_float<E>(u * scale);
+  }
+}
+
+template <class T>
+void fill(Buffer<T, Cuda>& b, std::uint32_t seed, float scale, cudaStream_t s) {
+  fill_kernel<<<ck::detail::grid_for(b.size(), 256), 256, 0, s>>>(ck::dev(b.data()), b.size(), seed, scale);
+  FIVED_CUDA_CHECK_LAUNCH("fill_kernel");
+}
+
+__global__ void copy_kernel(float4* dst, const float4* src, std::size_t n) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
+__global__ void tokens_kernel(int* t, std::size_t n, int V) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
+    t[i] = static_cast<int>((i * 2654435761ull) % static_cast<unsigned long long>(V));
+}
+
+int iters = 20;
+
+// Median milliseconds of fn over `iters` runs (after 2 warm-up runs).
+double time_ms(cudaStream_t s, const std::function<void()>& fn) {
+  fived::cuda::Event a, b;
+  for (int i = 0; i < 2; ++i) fn();
+  std::vector<float> ms;
+  for (int i = 0; i < iters; ++i) {
+    a.record(s);
+    fn();
+    b.record(s);
+    ms.push_back(fived::cuda::Event::elapsed_ms(a, b));
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+double hbm_gbs = 0, gemm_tflops = 0;
+
+void row(const char* name, double ms, double bytes, double flops) {
+  if (flops > 0) {
+    const double tf = flops / (ms * 1e-3) / 1e12;
+    std::printf("%-34s %10.3f %12s %10.1f %9.0f%%  of GEMM peak\n", name, ms, "", tf, 100.0 * tf / gemm_tflops);
+  } else {
+    const double gbs = bytes / (ms * 1e-3) / 1e9;
+    std::printf("%-34s %10.3f %12.0f %10s %9.0f%%  of HBM\n", name, ms, gbs, "", 100.0 * gbs / hbm_gbs);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i)
+    if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) iters = std::max(1, std::atoi(argv[++i]));
+  if (fived::cuda::device_count() == 0) {
+    std::puts("bench/kernels: no CUDA device");
+    return 1;
+  }
+  cudaDeviceProp prop{};
+  FIVED_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  fived::cuda::Stream stream;
+  cudaStream_t s = stream;
+  ck::CublasLt lt(s);
+
+  constexpr int B = 8, T = 1024, C = 768, NH = 12, V = 50257, Vp = 50304;
+  constexpr std::size_t BT = static_cast<std::size_t>(B) * T;
+  constexpr double e = sizeof(bf16);
+  const std::size_t params = 124475904;  // GPT-2 124M with Vp (tied embeddings)
+
+  std::printf("fived kernel benchmark on %s (%d SMs), bf16, B=%d T=%d C=%d NH=%d Vp=%d, median of %d runs\n",
+              prop.name, prop.multiProcessorCount, B, T, C, NH, Vp, iters);
+
+  {  // ceilings
+    const std::size_t n4 = (std::size_t{1} << 30) / sizeof(float4);
+    Buffer<float4, Cuda> src(n4), dst(n4);
+    const double ms = time_ms(s, [&] {
+      copy_kernel<<<prop.multiProcessorCount * 8, 512, 0, s>>>(dst.data(), src.data(), n4);
+      FIVED_CUDA_CHECK_LAUNCH("copy_kernel");
+    });
+    hbm_gbs = 2.0 * n4 * sizeof(float4) / (ms * 1e-3) / 1e9;
+    const int n = 8192;
+    Buffer<bf16, Cuda> a(static_cast<std::size_t>(n) * n), b(a.size()), c(a.size());
+    fill(a, 1, 1.0f, s);
+    fill(b, 2, 1.0f, s);
+    const double gms = time_ms(s, [&] { ck::matmul(lt, c.data(), a.data(), b.data(), nullptr, n, n, n, false, true); });
+    gemm_tflops = 2.0 * n * n * static_cast<double>(n) / (gms * 1e-3) / 1e12;
+    std::printf("measured ceilings: HBM copy %.0f GB/s, cuBLASLt bf16 GEMM 8192^3 %.1f TFLOP/s\n\n", hbm_gbs,
+                gemm_tflops);
+  }
+  std::printf("%-34s %10s %12s %10s %10s\n", "kernel", "ms", "GB/s", "TFLOP/s", "fraction");
+
+  Buffer<bf16, Cuda> x(BT * C), y(BT * C), dx(BT * C), w(static_cast<std::size_t>(4) * C * C), bias(4 * C),
+      dw(static_cast<std::size_t>(4) * C * C), dbias(4 * C), qkv(BT * 3 * C), dqkv(BT * 3 * C), h(BT * 4 * C),
+      hpre(BT * 4 * C), dh(BT * 4 * C), lnw(C), lnb(C), dlnw(C), dlnb(C), wte(static_cast<std::size_t>(Vp) * C),
+      wpe(static_cast<std::size_t>(T) * C), dwte(static_cast<std::size_t>(Vp) * C), dwpe(static_cast<std::size_t>(T) * C);
+  Buffer<float, Cuda> mean(BT), rstd(BT), lse(static_cast<std::size_t>(B) * NH * T), losses(BT), total(1);
+  Buffer<int, Cuda> tokens(BT);
+  for (auto* b : {&x, &y, &dx, &w, &bias, &h, &hpre, &dh, &lnw, &lnb, &wte, &wpe}) fill(*b, 3, 1.0f, s);
+  fill(qkv, 4, 1.0f, s);
+  fill(dqkv, 5, 0.1f, s);
+  tokens_kernel<<<64, 256, 0, s>>>(tokens.data(), BT, V);
+  FIVED_CUDA_CHECK_LAUNCH("tokens_kernel");
+  const int M = static_cast<int>(BT);
+
+  // GEMMs of one block and the LM head (forward, and the two backward products of the MLP up-projection).
+  row("matmul qkv  [8192,768]x[768,2304]+b", time_ms(s, [&] {
+        ck::matmul(lt, qkv.data(), x.data(), w.data(), bias.data(), M, 3 * C, C, false, true);
+      }), 0, 2.0 * M * 3 * C * C);
+  row("matmul fc+gelu [..,768]x[768,3072]", time_ms(s, [&] {
+        ck::matmul(lt, h.data(), x.data(), w.data(), bias.data(), M, 4 * C, C, false, true, false, ck::Epilogue::gelu,
+                   hpre.data());
+      }), 0, 2.0 * M * 4 * C * C);
+  row("matmul proj [..,3072]x[3072,768]+b", time_ms(s, [&] {
+        ck::matmul(lt, y.data(), h.data(), w.data(), bias.data(), M, C, 4 * C, false, true);
+      }), 0, 2.0 * M * 4 * C * C);
+  row("matmul fc dinp (dout*W)", time_ms(s, [&] {
+        ck::matmul(lt, dx.data(), dh.data(), w.data(), nullptr, M, C, 4 * C, false, false);
+      }), 0, 2.0 * M * 4 * C * C);
+  row("matmul fc dW += dout^T*inp", time_ms(s, [&] {
+        ck::matmul(lt, dw.data(), dh.data(), x.data(), nullptr, 4 * C, C, M, true, false, true);
+      }), 0, 2.0 * M * 4 * C * C);
+  {
+    Buffer<bf16, Cuda> logits(BT * Vp);
+    fill(logits, 6, 1.0f, s);
+    row("matmul lm head [..,768]x[768,50304]", time_ms(s, [&] {
+          ck::matmul(lt, logits.data(), x.data(), wte.data(), nullptr, M, Vp, C, false, true);
+        }), 0, 2.0 * M * static_cast<double>(Vp) * C);
+    // in place over the logits: the values stay finite (dlogits are small), each run reads and writes N*Vp
+    row("crossentropy fused fwd+bwd", time_ms(s, [&] {
+          ck::crossentropy_forward_backward(s, losses.data(), logits.data(), logits.data(), tokens.data(), M, Vp, V,
+                                            1.0f / M);
+        }), 2.0 * e * BT * Vp, 0);
+  }
+  row("bias_backward [8192,3072]", time_ms(s, [&] { ck::bias_backward(s, dbias.data(), dh.data(), M, 4 * C); }),
+      e * BT * 4 * C, 0);
+  row("layernorm fwd", time_ms(s, [&] {
+        ck::layernorm_forward(s, y.data(), mean.data(), rstd.data(), x.data(), lnw.data(), lnb.data(), M, C);
+      }), 2.0 * e * BT * C, 0);
+  row("layernorm bwd", time_ms(s, [&] {
+        ck::layernorm_backward(s, dx.data(), dlnw.data(), dlnb.data(), y.data(), x.data(), lnw.data(), mean.data(),
+                               rstd.data(), M, C);
+      }), 4.0 * e * BT * C, 0);  // read dout, inp, dinp; write dinp
+  row("gelu fwd [8192,3072]", time_ms(s, [&] { ck::gelu_forward(s, h.data(), hpre.data(), BT * 4 * C); }),
+      2.0 * e * BT * 4 * C, 0);
+  row("gelu bwd [8192,3072]", time_ms(s, [&] { ck::gelu_backward(s, dh.data(), hpre.data(), dh.data(), BT * 4 * C); }),
+      3.0 * e * BT * 4 * C, 0);
+  row("residual [8192,768]", time_ms(s, [&] { ck::residual_forward(s, y.data(), x.data(), dx.data(), BT * C); }),
+      3.0 * e * BT * C, 0);
+  row("embedding fwd", time_ms(s, [&] {
+        ck::embedding_forward(s, x.data(), tokens.data(), wte.data(), wpe.data(), B, T, C, V);
+      }), 3.0 * e * BT * C, 0);
+  row("embedding bwd (sorted, deterministic)", time_ms(s, [&] {
+        ck::embedding_backward(s, dwte.data(), dwpe.data(), y.data(), tokens.data(), B, T, C);
+      }), 3.0 * e * BT * C, 0);  // read dout; read+write the touched dwte rows (~BT rows)
+  {
+    const double attn_fwd_flops = 4.0 * B * NH * static_cast<double>(T) * T * (C / NH) / 2;  // causal half
+    Buffer<bf16, Cuda> out(BT * C), dout(BT * C);
+    fill(dout, 7, 1.0f, s);
+    row("attention fwd (flash-style)", time_ms(s, [&] {
+          ck::attention_forward(s, out.data(), lse.data(), qkv.data(), B, T, C, NH);
+        }), 0, attn_fwd_flops);
+    row("attention bwd (flash-style)", time_ms(s, [&] {
+          ck::attention_backward(s, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH);
+        }), 0, 2.5 * attn_fwd_flops);
+  }
+  {
+    Buffer<bf16, Cuda> p(params), g(params);
+    Buffer<float, Cuda> master(params), m(params), v(params);
+    fill(g, 8, 0.01f, s);
+    fill(master, 9, 0.1f, s);
+    row("adamw 124M params (bf16 + fp32 master)", time_ms(s, [&] {
+          ck::adamw_update(s, p.data(), master.data(), g.data(), m.data(), v.data(), params, 6e-4f, 0.9f, 0.95f, 1e-8f,
+                           0.1f, 1);
+        }), (2 + 4 + 4 + 4 + 2 + 4 + 4 + 4) * static_cast<double>(params), 0);
+    row("grad sum_of_squares 124M", time_ms(s, [&] { ck::sum_of_squares(s, total.data(), g.data(), params); }),
+        e * params, 0);
+    row("grad scale 124M", time_ms(s, [&] { ck::scale(s, g.data(), params, 0.999f); }), 2.0 * e * params, 0);
+  }
+  FIVED_CUDA_CHECK(cudaStreamSynchronize(s));
+  return 0;
+}

@@ -1,0 +1,236 @@
+#pragma once
+// CUDA device policy: error checking, streams, events and Buffer<T, Cuda>.
+//
+//   FIVED_CUDA_CHECK(cudaMemsetAsync(p, 0, n, s));   // throws fived::cuda::Error
+//   kernel<<<grid, block, 0, s>>>(...);
+//   FIVED_CUDA_CHECK_LAUNCH("kernel");                 // cudaGetLastError after a launch
+//
+//   fived::cuda::Stream s;                             // non-blocking stream, RAII
+//   fived::Buffer<float, fived::Cuda> x(n);            // cudaMalloc'd, zeroed, move-only
+//   x.upload(host_span, s);  x.download(host_span, s); auto h = x.to_host(s);
+//
+// Host code only (no kernels): this header compiles with the host compiler and
+// with nvcc. Device memory and host memory are distinct types; there is no
+// managed memory.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include <fived/device/buffer.hpp>
+
+namespace fived::cuda {
+
+// A failed CUDA runtime call or kernel launch: "file:line: call failed: name: description".
+class Error : public std::runtime_error {
+ public:
+  Error(cudaError_t code, const std::string& what) : std::runtime_error(what), code_(code) {}
+  cudaError_t code() const noexcept { return code_; }
+
+ private:
+  cudaError_t code_;
+};
+
+inline void check(cudaError_t e, const char* call, const char* file, int line) {
+  if (e == cudaSuccess) return;
+  throw Error(e, std::string(file) + ":" + std::to_string(line) + ": " + call + " failed: " + cudaGetErrorName(e) +
+                     ": " + cudaGetErrorString(e));
+}
+
+// After a kernel launch: launch-configuration errors (and sticky errors from
+// earlier asynchronous work) surface here, named after the kernel.
+inline void check_launch(const char* kernel, const char* file, int line) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return;
+  throw Error(e, std::string(file) + ":" + std::to_string(line) + ": launch of " + kernel + " failed: " +
+                     cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace fived::cuda
+
+#define FIVED_CUDA_CHECK(call) ::fived::cuda::check((call), #call, __FILE__, __LINE__)
+#define FIVED_CUDA_CHECK_LAUNCH(kernel_name) ::fived::cuda::check_launch((kernel_name), __FILE__, __LINE__)
+
+namespace fived::cuda {
+
+// Number of CUDA devices; 0 when there is none or no usable driver (the
+// runtime then returns an error and leaves the count untouched).
+inline int device_count() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+// Owning, move-only cudaStream_t (created non-blocking: no implicit
+// synchronisation with the legacy default stream).
+class Stream {
+ public:
+  Stream() { FIVED_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  explicit Stream(unsigned flags, int priority = 0) {
+    FIVED_CUDA_CHECK(cudaStreamCreateWithPriority(&s_, flags, priority));
+  }
+  Stream(Stream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+  Stream& operator=(Stream&& o) noexcept {
+    if (this != &o) {
+      reset();
+      s_ = std::exchange(o.s_, nullptr);
+    }
+    return *this;
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  ~Stream() { reset(); }
+
+  cudaStream_t get() const noexcept { return s_; }
+  operator cudaStream_t() const noexcept { return s_; }  // NOLINT(google-explicit-constructor)
+  void synchronize() const { FIVED_CUDA_CHECK(cudaStreamSynchronize(s_)); }
+
+ private:
+  void reset() noexcept {
+    if (s_ != nullptr) (void)cudaStreamDestroy(s_);
+    s_ = nullptr;
+  }
+  cudaStream_t s_ = nullptr;
+};
+
+// Owning, move-only cudaEvent_t. Timing is on by default (for benchmarks);
+// pass cudaEventDisableTiming for pure ordering events.
+class Event {
+ public:
+  explicit Event(unsigned flags = cudaEventDefault) { FIVED_CUDA_CHECK(cudaEventCreateWithFlags(&e_, flags)); }
+  Event(Event&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+  Event& operator=(Event&& o) noexcept {
+    if (this != &o) {
+      reset();
+      e_ = std::exchange(o.e_, nullptr);
+    }
+    return *this;
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  ~Event() { reset(); }
+
+  cudaEvent_t get() const noexcept { return e_; }
+  operator cudaEvent_t() const noexcept { return e_; }  // NOLINT(google-explicit-constructor)
+  void record(cudaStream_t stream) { FIVED_CUDA_CHECK(cudaEventRecord(e_, stream)); }
+  void synchronize() const { FIVED_CUDA_CHECK(cudaEventSynchronize(e_)); }
+  // Makes `stream` wait for the work recorded in this event.
+  void wait_on(cudaStream_t stream) const { FIVED_CUDA_CHECK(cudaStreamWaitEvent(stream, e_, 0)); }
+  // Milliseconds between two recorded (timing) events; waits for `end`.
+  static float elapsed_ms(const Event& start, const Event& end) {
+    end.synchronize();
+    float ms = 0;
+    FIVED_CUDA_CHECK(cudaEventElapsedTime(&ms, start.e_, end.e_));
+    return ms;
+  }
+
+ private:
+  void reset() noexcept {
+    if (e_ != nullptr) (void)cudaEventDestroy(e_);
+    e_ = nullptr;
+  }
+  cudaEvent_t e_ = nullptr;
+};
+
+}  // namespace fived::cuda
+
+namespace fived {
+
+// Device memory of n elements of T, from cudaMalloc on the current device,
+// zero-filled on construction (as Buffer<T, Host> is value-initialised).
+// Move-only; freed with cudaFree. Transfers to and from the host are ordered
+// on the given stream and return when the copy is complete (host memory may
+// be pageable), so the host span can be reused or read right after.
+template <class T>
+class Buffer<T, Cuda> {
+  static_assert(std::is_trivially_copyable_v<T>, "Buffer<T, Cuda> holds trivially copyable element types only");
+
+ public:
+  Buffer() = default;
+  explicit Buffer(std::size_t n) : size_(n) {
+    if (n == 0) return;
+    FIVED_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&data_), n * sizeof(T)));
+    const cudaError_t e = cudaMemset(data_, 0, n * sizeof(T));
+    if (e != cudaSuccess) {
+      (void)cudaFree(data_);
+      data_ = nullptr;
+      ::fived::cuda::check(e, "cudaMemset(data_, 0, n * sizeof(T))", __FILE__, __LINE__);
+    }
+  }
+  // Allocates and copies `host` (ordered on `stream`, complete on return).
+  Buffer(std::span<const T> host, cudaStream_t stream) : Buffer(host.size()) { upload(host, stream); }
+  explicit Buffer(const Buffer<T, Host>& host, cudaStream_t stream = nullptr) : Buffer(host.span(), stream) {}
+
+  Buffer(Buffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  Buffer& operator=(Buffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { release(); }
+
+  T* data() noexcept { return data_; }
+  const T* data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return size_; }
+  std::size_t bytes() const noexcept { return size_ * sizeof(T); }
+  // A span over device memory: for passing pointer + size, never for dereferencing on the host.
+  std::span<T> span() noexcept { return {data_, size_}; }
+  std::span<const T> span() const noexcept { return {data_, size_}; }
+
+  // Zero-fills asynchronously on `stream`.
+  void zero(cudaStream_t stream = nullptr) {
+    if (size_ != 0) FIVED_CUDA_CHECK(cudaMemsetAsync(data_, 0, bytes(), stream));
+  }
+
+  void upload(std::span<const T> host, cudaStream_t stream = nullptr) {
+    check_size(host.size(), "upload");
+    if (size_ == 0) return;
+    FIVED_CUDA_CHECK(cudaMemcpyAsync(data_, host.data(), bytes(), cudaMemcpyHostToDevice, stream));
+    FIVED_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  void upload(const Buffer<T, Host>& host, cudaStream_t stream = nullptr) { upload(host.span(), stream); }
+
+  void download(std::span<T> host, cudaStream_t stream = nullptr) const {
+    check_size(host.size(), "download");
+    if (size_ == 0) return;
+    FIVED_CUDA_CHECK(cudaMemcpyAsync(host.data(), data_, bytes(), cudaMemcpyDeviceToHost, stream));
+    FIVED_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  void download(Buffer<T, Host>& host, cudaStream_t stream = nullptr) const { download(host.span(), stream); }
+
+  Buffer<T, Host> to_host(cudaStream_t stream = nullptr) const {
+    Buffer<T, Host> h(size_);
+    download(h.span(), stream);
+    return h;
+  }
+
+ private:
+  void check_size(std::size_t n, const char* what) const {
+    if (n != size_)
+      throw std::invalid_argument(std::string("Buffer<T, Cuda>::") + what + ": the host span has " + std::to_string(n) +
+                                  " elements, the device buffer " + std::to_string(size_));
+  }
+  void release() noexcept {
+    if (data_ != nullptr) (void)cudaFree(data_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace fived

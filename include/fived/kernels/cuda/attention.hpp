@@ -1,0 +1,407 @@
+#pragma once
+// Causal multi-head self-attention, flash-style, contract of
+// fived/kernels/host/attention.hpp with a leading stream:
+//   attention_forward(s, out, lse, qkv, B, T, C, NH)
+//     qkv [B,T,3C] = [q | k | v]; head h uses columns [h*hs, (h+1)*hs), hs = C/NH <= 128;
+//     out [B,T,C]; lse [B,NH,T] = log sum_{j<=t} exp(q_t.k_j / sqrt(hs)) (natural log).
+//   attention_backward(s, dqkv, dout, qkv, out, lse, B, T, C, NH)     dqkv is overwritten
+// Neither pass stores a T x T matrix: the forward walks key tiles of 32 with an
+// online softmax (fp32 running max, sum and output accumulators), one block per
+// (32-query tile, head, batch); K/V tiles live in shared memory. The backward
+// recomputes p = exp(s - lse), with D_t = dout_t . out_t precomputed ([B,NH,T]
+// floats), in two deterministic passes (no atomics): one block per key tile
+// accumulates dK and dV over the query tiles at or after it, one block per
+// query tile accumulates dQ over the key tiles at or before it.
+// Correctness first: scores and products are fp32 FMAs from shared memory (no
+// tensor cores). The head size is padded to 32, 64 or 128 inside the kernels.
+
+#include <cmath>
+#include <cstddef>
+#include <string>
+
+#include <fived/kernels/cuda/common.hpp>
+
+namespace fived::kernels::cuda {
+
+namespace detail {
+
+inline constexpr int attn_tile = 32;     // queries and keys per tile
+inline constexpr int attn_threads = 256; // 8 warps x 4 rows = 32 rows
+inline constexpr int attn_rows = 4;      // rows (queries or keys) per warp
+
+// Loads rows [t0, t0+32) of one head's part of qkv (or of a [B,T,C] tensor) into
+// shared memory as float, stride `ld`, zero past T and past hs; times `mul`.
+template <class E, int D>
+__device__ __forceinline__ void attn_load_tile(float* dst, int ld, const E* src, std::size_t row_stride, int t0, int T,
+                                               int hs, float mul) {
+  for (int idx = static_cast<int>(threadIdx.x); idx < attn_tile * D; idx += attn_threads) {
+    const int r = idx / D, d = idx % D, t = t0 + r;
+    dst[r * ld + d] = (t < T && d < hs) ? to_float(src[static_cast<std::size_t>(t) * row_stride + d]) * mul : 0.0f;
+  }
+}
+
+template <class E, int D>
+__global__ void __launch_bounds__(attn_threads)
+    attention_forward_kernel(E* out, float* lse, const E* qkv, int T, int C, int NH, int hs, float scale) {
+  constexpr int W = D / 32;
+  extern __shared__ float smem[];
+  float* sQ = smem;                         // [32][D]   (broadcast reads)
+  float* sK = sQ + attn_tile * D;           // [32][D+1] (lane = key: padded)
+  float* sV = sK + attn_tile * (D + 1);     // [32][D]   (lane = channel)
+  const int qt = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // longest rows first
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const std::size_t rs = 3 * static_cast<std::size_t>(C);
+  const E* q = qkv + static_cast<std::size_t>(b) * T * rs + static_cast<std::size_t>(h) * hs;
+  const int q0 = qt * attn_tile;
+  attn_load_tile<E, D>(sQ, D, q, rs, q0, T, hs, scale);  // the 1/sqrt(hs) is folded into q
+
+  float m[attn_rows], l[attn_rows], acc[attn_rows][W];
+#pragma unroll
+  for (int i = 0; i < attn_rows; ++i) {
+    m[i] = -INFINITY;
+    l[i] = 0.0f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) acc[i][w] = 0.0f;
+  }
+  for (int kt = 0; kt <= qt; ++kt) {
+    __syncthreads();  // the previous tile is no longer read
+    attn_load_tile<E, D>(sK, D + 1, q + C, rs, kt * attn_tile, T, hs, 1.0f);
+    attn_load_tile<E, D>(sV, D, q + 2 * static_cast<std::size_t>(C), rs, kt * attn_tile, T, hs, 1.0f);
+    __syncthreads();
+    float s[attn_rows];
+#pragma unroll
+    for (int i = 0; i < attn_rows; ++i) s[i] = 0.0f;
+    for (int d = 0; d < D; ++d) {
+      const float k = sK[lane * (D + 1) + d];
+#pragma unroll
+      for (int i = 0; i < attn_rows; ++i) s[i] += sQ[(warp * attn_rows + i) * D + d] * k;
+    }
+    const int tk = kt * attn_tile + lane;
+    float p[attn_rows];
+#pragma unroll
+    for (int i = 0; i < attn_rows; ++i) {
+      const int tq = q0 + warp * attn_rows + i;
+      const bool valid = tk <= tq && tk < T;
+      const float si = valid ? s[i] : -INFINITY;
+      const float m_new = fmaxf(m[i], warp_max(si));  // finite: key 0 of the first tile is always valid
+      p[i] = valid ? expf(si - m_new) : 0.0f;
+      const float corr = expf(m[i] - m_new);
+      l[i] = l[i] * corr + warp_sum(p[i]);
+      m[i] = m_new;
+#pragma unroll
+      for (int w = 0; w < W; ++w) acc[i][w] *= corr;
+    }
+    for (int j = 0; j < attn_tile; ++j) {
+      float pj[attn_rows];
+#pragma unroll
+      for (int i = 0; i < attn_rows; ++i) pj[i] = __shfl_sync(0xffffffffu, p[i], j);
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float v = sV[j * D + w * 32 + lane];
+#pragma unroll
+        for (int i = 0; i < attn_rows; ++i) acc[i][w] += pj[i] * v;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < attn_rows; ++i) {
+    const int tq = q0 + warp * attn_rows + i;
+    if (tq >= T) continue;
+    const float inv = 1.0f / l[i];
+    E* o = out + (static_cast<std::size_t>(b) * T + tq) * C + static_cast<std::size_t>(h) * hs;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const int d = w * 32 + lane;
+      if (d < hs) o[d] = from_float<E>(acc[i][w] * inv);
+    }
+    if (lane == 0) lse[(static_cast<std::size_t>(b) * NH + h) * T + tq] = m[i] + logf(l[i]);
+  }
+}
+
+// Dd[b,h,t] = dout[b,t,h,:] . out[b,t,h,:], one warp per (b, t, h).
+template <class E>
+__global__ void attention_dot_kernel(float* Dd, const E* dout, const E* out, int B, int T, int C, int NH, int hs) {
+  const long long row = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  if (row >= static_cast<long long>(B) * T * NH) return;
+  const int h = static_cast<int>(row % NH);
+  const long long bt = row / NH;
+  const std::size_t off = static_cast<std::size_t>(bt) * C + static_cast<std::size_t>(h) * hs;
+  float s = 0.0f;
+  for (int d = lane; d < hs; d += 32) s += to_float(dout[off + d]) * to_float(out[off + d]);
+  s = warp_sum(s);
+  const int b = static_cast<int>(bt / T), t = static_cast<int>(bt % T);
+  if (lane == 0) Dd[(static_cast<std::size_t>(b) * NH + h) * T + t] = s;
+}
+
+// dK and dV of one key tile, summed over the query tiles at or after it.
+template <class E, int D>
+__global__ void __launch_bounds__(attn_threads)
+    attention_backward_kv_kernel(E* dqkv, const E* dout, const E* qkv, const float* lse, const float* Dd, int T, int C,
+                                 int NH, int hs, float scale) {
+  constexpr int W = D / 32;
+  extern __shared__ float smem[];
+  float* sK = smem;                          // [32][D]   (broadcast)
+  float* sV = sK + attn_tile * D;            // [32][D]   (broadcast)
+  float* sQ = sV + attn_tile * D;            // [32][D+1] (lane = query: padded)
+  float* sO = sQ + attn_tile * (D + 1);      // [32][D+1] dout tile
+  float* sL = sO + attn_tile * (D + 1);      // [32] lse
+  float* sD = sL + attn_tile;                // [32] D
+  const int nt = static_cast<int>(gridDim.x);
+  const int kt = static_cast<int>(blockIdx.x);  // tile 0 has the most work and starts first
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const std::size_t rs = 3 * static_cast<std::size_t>(C);
+  const std::size_t head = static_cast<std::size_t>(h) * hs;
+  const E* q = qkv + static_cast<std::size_t>(b) * T * rs + head;
+  const E* dO = dout + static_cast<std::size_t>(b) * T * C + head;
+  const float* lse_bh = lse + (static_cast<std::size_t>(b) * NH + h) * T;
+  const float* D_bh = Dd + (static_cast<std::size_t>(b) * NH + h) * T;
+  attn_load_tile<E, D>(sK, D, q + C, rs, kt * attn_tile, T, hs, 1.0f);
+  attn_load_tile<E, D>(sV, D, q + 2 * static_cast<std::size_t>(C), rs, kt * attn_tile, T, hs, 1.0f);
+
+  float dk[attn_rows][W], dv[attn_rows][W];
+#pragma unroll
+  for (int i = 0; i < attn_rows; ++i)
+#pragma unroll
+    for (int w = 0; w < W; ++w) dk[i][w] = dv[i][w] = 0.0f;
+
+  for (int qt = kt; qt < nt; ++qt) {
+    __syncthreads();
+    attn_load_tile<E, D>(sQ, D + 1, q, rs, qt * attn_tile, T, hs, 1.0f);
+    attn_load_tile<E, D>(sO, D + 1, dO, static_cast<std::size_t>(C), qt * attn_tile, T, hs, 1.0f);
+    if (threadIdx.x < attn_tile) {
+      const int t = qt * attn_tile + static_cast<int>(threadIdx.x);
+      sL[threadIdx.x] = t < T ? lse_bh[t] : 0.0f;
+      sD[threadIdx.x] = t < T ? D_bh[t] : 0.0f;
+    }
+    __syncthreads();
+    // lane = query of this tile, i = key of this warp
+    float s[attn_rows], dp[attn_rows];
+#pragma unroll
+    for (int i = 0; i < attn_rows; ++i) s[i] = dp[i] = 0.0f;
+    for (int d = 0; d < D; ++d) {
+      const float qd = sQ[lane * (D + 1) + d], od = sO[lane * (D + 1) + d];
+#pragma unroll
+      for (int i = 0; i < attn_rows; ++i) {
+        s[i] += qd * sK[(warp * attn_rows + i) * D + d];
+        dp[i] += od * sV[(warp * attn_rows + i) * D + d];
+      }
+    }
+    const int tq = qt * attn_tile + lane;
+    float p[attn_rows], ds[attn_rows];
+#pragma unroll
+    for (int i = 0; i < attn_rows; ++i) {
+      const int tk = kt * attn_tile + warp * attn_rows + i;
+      const bool valid = tq < T && tk <= tq;
+      p[i] = valid ? expf(s[i] * scale - sL[lane]) : 0.0f;
+      ds[i] = p[i] * (dp[i] - sD[lane]);
+    }
+    for (int j = 0; j < attn_tile; ++j) {
+      float pj[attn_rows], dsj[attn_rows];
+#pragma unroll
+      for (int i = 0; i < attn_rows; ++i) {
+        pj[i] = __shfl_sync(0xffffffffu, p[i], j);
+        dsj[i] = __shfl_sync(0xffffffffu, ds[i], j);
+      }
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float o = sO[j * (D + 1) + w * 32 + lane], qv = sQ[j * (D + 1) + w * 32 + lane];
+#pragma unroll
+        for (int i = 0; i < attn_rows; ++i) {
+          dv[i][w] += pj[i] * o;
+          dk[i][w] += dsj[i] * qv;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < attn_rows; ++i) {
+    const int tk = kt * attn_tile + warp * attn_rows + i;
+    if (tk >= T) continue;
+    E* g = dqkv + (static_cast<std::size_t>(b) * T + tk) * rs + head;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const int d = w * 32 + lane;
+      if (d < hs) {
+        g[C + d] = from_float<E>(dk[i][w] * scale);
+        g[2 * static_cast<std::size_t>(C) + d] = from_float<E>(dv[i][w]);
+      }
+    }
+  }
+}
+
+// dQ of one query tile, summed over the key tiles at or before it.
+template <class E, int D>
+__global__ void __launch_bounds__(attn_threads)
+    attention_backward_q_kernel(E* dqkv, const E* dout, const E* qkv, const float* lse, const float* Dd, int T, int C,
+                                int NH, int hs, float scale) {
+  constexpr int W = D / 32;
+  extern __shared__ float smem[];
+  float* sQ = smem;                       // [32][D]   (broadcast)
+  float* sO = sQ + attn_tile * D;         // [32][D]   (broadcast) dout tile
+  float* sK = sO + attn_tile * D;         // [32][D+1] (lane = key: padded)
+  float* sV = sK + attn_tile * (D + 1);   // [32][D+1]
+  const int qt = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // longest rows first
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const std::size_t rs = 3 * static_cast<std::size_t>(C);
+  const std::size_t head = static_cast<std::size_t>(h) * hs;
+  const E* q = qkv + static_cast<std::size_t>(b) * T * rs + head;
+  const E* dO = dout + static_cast<std::size_t>(b) * T * C + head;
+  const float* lse_bh = lse + (static_cast<std::size_t>(b) * NH + h) * T;
+  const float* D_bh = Dd + (static_cast<std::size_t>(b) * NH + h) * T;
+  const int q0 = qt * attn_tile;
+  attn_load_tile<E, D>(sQ, D, q, rs, q0, T, hs, 1.0f);
+  attn_load_tile<E, D>(sO, D, dO, static_cast<std::size_t>(C), q0, T, hs, 1.0f);
+  float rl[attn_rows], rd[attn_rows], dq[attn_rows][W];
+#pragma unroll
+  for (int i = 0; i < attn_rows; ++i) {
+    const int tq = q0 + warp * attn_rows + i;
+    rl[i] = tq < T ? lse_bh[tq] : 0.0f;
+    rd[i] = tq < T ? D_bh[tq] : 0.0f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) dq[i][w] = 0.0f;
+  }
+  for (int kt = 0; kt <= qt; ++kt) {
+    __syncthreads();
+    attn_load_tile<E, D>(sK, D + 1, q + C, rs, kt * attn_tile, T, hs, 1.0f);
+    attn_load_tile<E, D>(sV, D + 1, q + 2 * static_cast<std::size_t>(C), rs, kt * attn_tile, T, hs, 1.0f);
+    __syncthreads();
+    float s[attn_rows], dp[attn_rows];
+#pragma unroll
+    for (int i = 0; i < attn_rows; ++i) s[i] = dp[i] = 0.0f;
+    for (int d = 0; d < D; ++d) {
+      const float kd = sK[lane * (D + 1) + d], vd = sV[lane * (D + 1) + d];
+#pragma unroll
+      for (int i = 0; i < attn_rows; ++i) {
+        s[i] += sQ[(warp * attn_rows + i) * D + d] * kd;
+        dp[i] += sO[(warp * attn_rows + i) * D + d] * vd;
+      }
+    }
+    const int tk = kt * attn_tile + lane;
+    float ds[attn_rows];
+#pragma unroll
+    for (int i = 0; i < attn_rows; ++i) {
+      const int tq = q0 + warp * attn_rows + i;
+      const bool valid = tq < T && tk <= tq;
+      const float p = valid ? expf(s[i] * scale - rl[i]) : 0.0f;
+      ds[i] = p * (dp[i] - rd[i]);
+    }
+    for (int j = 0; j < attn_tile; ++j) {
+      float dsj[attn_rows];
+#pragma unroll
+      for (int i = 0; i < attn_rows; ++i) dsj[i] = __shfl_sync(0xffffffffu, ds[i], j);
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float kv = sK[j * (D + 1) + w * 32 + lane];
+#pragma unroll
+        for (int i = 0; i < attn_rows; ++i) dq[i][w] += dsj[i] * kv;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < attn_rows; ++i) {
+    const int tq = q0 + warp * attn_rows + i;
+    if (tq >= T) continue;
+    E* g = dqkv + (static_cast<std::size_t>(b) * T + tq) * rs + head;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const int d = w * 32 + lane;
+      if (d < hs) g[d] = from_float<E>(dq[i][w] * scale);
+    }
+  }
+}
+
+inline int attention_check(const char* kernel, int B, int T, int C, int NH) {
+  require_non_negative(kernel, "B", B);
+  require_non_negative(kernel, "T", T);
+  require_positive(kernel, "C", C);
+  require_positive(kernel, "NH", NH);
+  require(C % NH == 0, kernel,
+          "the channel count C=" + std::to_string(C) + " is not divisible by the head count NH=" + std::to_string(NH));
+  const int hs = C / NH;
+  require(hs <= 128, kernel, "head size " + std::to_string(hs) + " is larger than the supported 128");
+  require(B <= 65535 && NH <= 65535, kernel, "B and NH must be at most 65535 (grid dimensions)");
+  return hs;
+}
+
+// Launches kernel<E, D> with D the head size rounded up to 32, 64 or 128.
+template <template <class, int> class Launch, class E, class... Args>
+void attention_dispatch(int hs, Args&&... args) {
+  if (hs <= 32)
+    Launch<E, 32>::run(static_cast<Args&&>(args)...);
+  else if (hs <= 64)
+    Launch<E, 64>::run(static_cast<Args&&>(args)...);
+  else
+    Launch<E, 128>::run(static_cast<Args&&>(args)...);
+}
+
+template <class Kernel>
+void set_smem(Kernel kernel, std::size_t bytes) {
+  FIVED_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+template <class E, int D>
+struct AttentionForward {
+  static void run(cudaStream_t stream, E* out, float* lse, const E* qkv, int B, int T, int C, int NH, int hs) {
+    const std::size_t smem = sizeof(float) * (attn_tile * D * 2 + attn_tile * (D + 1));
+    set_smem(attention_forward_kernel<E, D>, smem);
+    const dim3 grid(static_cast<unsigned>((T + attn_tile - 1) / attn_tile), static_cast<unsigned>(NH),
+                    static_cast<unsigned>(B));
+    attention_forward_kernel<E, D><<<grid, attn_threads, smem, stream>>>(out, lse, qkv, T, C, NH, hs,
+                                                                        1.0f / sqrtf(static_cast<float>(hs)));
+    FIVED_CUDA_CHECK_LAUNCH("attention_forward_kernel");
+  }
+};
+
+template <class E, int D>
+struct AttentionBackward {
+  static void run(cudaStream_t stream, E* dqkv, const E* dout, const E* qkv, const float* lse, const float* Dd, int B,
+                  int T, int C, int NH, int hs) {
+    const float scale = 1.0f / sqrtf(static_cast<float>(hs));
+    const dim3 grid(static_cast<unsigned>((T + attn_tile - 1) / attn_tile), static_cast<unsigned>(NH),
+                    static_cast<unsigned>(B));
+    const std::size_t smem_kv = sizeof(float) * (attn_tile * D * 2 + attn_tile * (D + 1) * 2 + 2 * attn_tile);
+    set_smem(attention_backward_kv_kernel<E, D>, smem_kv);
+    attention_backward_kv_kernel<E, D><<<grid, attn_threads, smem_kv, stream>>>(dqkv, dout, qkv, lse, Dd, T, C, NH,
+                                                                               hs, scale);
+    FIVED_CUDA_CHECK_LAUNCH("attention_backward_kv_kernel");
+    const std::size_t smem_q = sizeof(float) * (attn_tile * D * 2 + attn_tile * (D + 1) * 2);
+    set_smem(attention_backward_q_kernel<E, D>, smem_q);
+    attention_backward_q_kernel<E, D><<<grid, attn_threads, smem_q, stream>>>(dqkv, dout, qkv, lse, Dd, T, C, NH, hs,
+                                                                             scale);
+    FIVED_CUDA_CHECK_LAUNCH("attention_backward_q_kernel");
+  }
+};
+
+}  // namespace detail
+
+template <class E>
+void attention_forward(cudaStream_t stream, E* out, float* lse, const E* qkv, int B, int T, int C, int NH) {
+  static_assert(is_element_v<E>, "attention_forward: element type must be float or fived::bf16");
+  const int hs = detail::attention_check("attention_forward", B, T, C, NH);
+  if (B == 0 || T == 0) return;
+  detail::require(lse != nullptr, "attention_forward", "lse [B,NH,T] is an output and must not be null");
+  detail::attention_dispatch<detail::AttentionForward, device_t<E>>(hs, stream, dev(out), lse, dev(qkv), B, T, C, NH,
+                                                                    hs);
+}
+
+template <class E>
+void attention_backward(cudaStream_t stream, E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse,
+                        int B, int T, int C, int NH) {
+  static_assert(is_element_v<E>, "attention_backward: element type must be float or fived::bf16");
+  const int hs = detail::attention_check("attention_backward", B, T, C, NH);
+  if (B == 0 || T == 0) return;
+  const std::size_t rows = static_cast<std::size_t>(B) * T * NH;
+  Scratch<float> Dd(rows, stream);
+  detail::attention_dot_kernel<<<detail::grid_for(rows, 8, 0x7fffffffu), 256, 0, stream>>>(
+      Dd.get(), dev(dout), dev(out), B, T, C, NH, hs);
+  FIVED_CUDA_CHECK_LAUNCH("attention_dot_kernel");
+  detail::attention_dispatch<detail::AttentionBackward, device_t<E>>(hs, stream, dev(dqkv), dev(dout), dev(qkv), lse,
+                                                                     static_cast<const float*>(Dd.get()), B, T, C, NH,
+                                                                     hs);
+}
+
+}  // namespace fived::kernels::cuda

@@ -1,0 +1,209 @@
+#pragma once
+// Shared pieces of the CUDA kernels (namespace fived::kernels::cuda):
+// element-type mapping (fived::bf16 <-> __nv_bfloat16, same bits), float
+// load/store, warp and block reductions, launch helpers, argument checks and
+// stream-ordered scratch memory. Device code: compile with nvcc.
+//
+// Conventions of every kernel header in this folder: raw device pointers,
+// row-major contiguous arrays, the contract of the host kernels
+// (fived/kernels/host/<name>.hpp) with a leading cudaStream_t; element types
+// float and fived::bf16 with float accumulation. Every launch is checked; an
+// impossible size throws std::invalid_argument before anything is launched.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include <fived/device/bf16.hpp>
+#include <fived/device/cuda.hpp>
+
+namespace fived::kernels::cuda {
+
+static_assert(sizeof(fived::bf16) == sizeof(__nv_bfloat16) && alignof(fived::bf16) == alignof(__nv_bfloat16),
+              "fived::bf16 and __nv_bfloat16 share one layout");
+
+// Element types the CUDA kernels accept.
+template <class T>
+inline constexpr bool is_element_v = std::is_same_v<T, float> || std::is_same_v<T, fived::bf16>;
+
+// The device-side type of an element type: bf16 -> __nv_bfloat16.
+template <class T> struct device_type { using type = T; };
+template <> struct device_type<fived::bf16> { using type = __nv_bfloat16; };
+template <> struct device_type<const fived::bf16> { using type = const __nv_bfloat16; };
+template <class T> using device_t = typename device_type<T>::type;
+
+template <class T> inline device_t<T>* dev(T* p) { return reinterpret_cast<device_t<T>*>(p); }
+template <class T> inline const device_t<T>* dev(const T* p) { return reinterpret_cast<const device_t<T>*>(p); }
+
+// float <-> element conversions (round to nearest even, as fived::bf16).
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <class T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Block-wide reductions; every thread of the block must call them (blockDim.x
+// a multiple of 32, at most 1024) and every thread gets the result. `scratch`
+// is __shared__ float[32]; the call synchronises before reusing it.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const int warps = static_cast<int>(blockDim.x) / 32;
+  v = warp_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : 0.0f;
+  return warp_sum(v);
+}
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const int warps = static_cast<int>(blockDim.x) / 32;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : -INFINITY;
+  return warp_max(v);
+}
+
+// GELU, tanh approximation (GPT-2), and its derivative.
+__device__ __forceinline__ float gelu_f(float x) {
+  constexpr float k = 0.7978845608028654f;  // sqrt(2 / pi)
+  return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+}
+__device__ __forceinline__ float gelu_grad_f(float x) {
+  constexpr float k = 0.7978845608028654f;
+  const float u = k * (x + 0.044715f * x * x * x);
+  const float th = tanhf(u);
+  const float sech2 = 1.0f - th * th;
+  return 0.5f * (1.0f + th) + 0.5f * x * sech2 * k * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+namespace detail {
+
+inline unsigned grid_for(std::size_t n, unsigned block, unsigned max_blocks = 65535u * 32u) {
+  std::size_t g = (n + block - 1) / block;
+  if (g == 0) g = 1;
+  if (g > max_blocks) g = max_blocks;  // kernels use grid-stride loops
+  return static_cast<unsigned>(g);
+}
+
+inline int sm_count() {
+  int dev = 0, n = 0;
+  FIVED_CUDA_CHECK(cudaGetDevice(&dev));
+  FIVED_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
+[[noreturn]] inline void bad_argument(const char* kernel, const std::string& what) {
+  throw std::invalid_argument(std::string("fived::kernels::cuda::") + kernel + ": " + what);
+}
+inline void require(bool ok, const char* kernel, const std::string& what) {
+  if (!ok) bad_argument(kernel, what);
+}
+inline void require_non_negative(const char* kernel, const char* name, long long v) {
+  if (v < 0) bad_argument(kernel, std::string(name) + " must not be negative (got " + std::to_string(v) + ")");
+}
+inline void require_positive(const char* kernel, const char* name, long long v) {
+  if (v <= 0) bad_argument(kernel, std::string(name) + " must be positive (got " + std::to_string(v) + ")");
+}
+
+}  // namespace detail
+
+// Stream-ordered scratch memory (cudaMallocAsync / cudaFreeAsync on one
+// stream): freed, in stream order, after the work queued before destruction.
+template <class U>
+class Scratch {
+ public:
+  Scratch(std::size_t n, cudaStream_t stream) : stream_(stream) {
+    if (n != 0) FIVED_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p_), n * sizeof(U), stream));
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() {
+    if (p_ != nullptr) (void)cudaFreeAsync(p_, stream_);
+  }
+  U* get() const noexcept { return p_; }
+
+ private:
+  U* p_ = nullptr;
+  cudaStream_t stream_;
+};
+
+// Column sums of a row-major [M, N] matrix of values produced by `f(row, col)`
+// (a float2: two sums at once), deterministic: blocks of 32 columns x `splits`
+// row ranges write partial sums, then a second kernel adds the partials in
+// order and calls `out(col, float2)`.
+template <class F>
+__global__ void column_partials_kernel(float2* partials, F f, int M, int N, int rows_per_split) {
+  __shared__ float2 tile[8][33];
+  const int col = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x);
+  const int r0 = static_cast<int>(blockIdx.y) * rows_per_split;
+  const int r1 = min(M, r0 + rows_per_split);
+  float2 acc = make_float2(0.0f, 0.0f);
+  if (col < N)
+    for (int r = r0 + static_cast<int>(threadIdx.y); r < r1; r += 8) {
+      const float2 v = f(r, col);
+      acc.x += v.x;
+      acc.y += v.y;
+    }
+  tile[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < N) {
+    float2 s = tile[0][threadIdx.x];
+#pragma unroll
+    for (int y = 1; y < 8; ++y) {
+      s.x += tile[y][threadIdx.x].x;
+      s.y += tile[y][threadIdx.x].y;
+    }
+    partials[static_cast<std::size_t>(blockIdx.y) * N + col] = s;
+  }
+}
+
+template <class Out>
+__global__ void column_finish_kernel(const float2* partials, Out out, int N, int splits) {
+  const int col = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (col >= N) return;
+  float2 s = make_float2(0.0f, 0.0f);
+  for (int k = 0; k < splits; ++k) {
+    const float2 v = partials[static_cast<std::size_t>(k) * N + col];
+    s.x += v.x;
+    s.y += v.y;
+  }
+  out(col, s);
+}
+
+template <class F, class Out>
+void column_reduce(cudaStream_t stream, F f, Out out, int M, int N) {
+  const int col_blocks = (N + 31) / 32;
+  int splits = (2 * detail::sm_count() + col_blocks - 1) / col_blocks;  // about two blocks per SM
+  const int max_splits = (M + 63) / 64;                                   // at least 64 rows per split
+  if (splits > max_splits) splits = max_splits;
+  if (splits < 1) splits = 1;
+  const int rows = (M + splits - 1) / splits;
+  splits = (M + rows - 1) / rows;
+  Scratch<float2> partials(static_cast<std::size_t>(splits) * N, stream);
+  column_partials_kernel<<<dim3(col_blocks, splits), dim3(32, 8), 0, stream>>>(partials.get(), f, M, N, rows);
+  FIVED_CUDA_CHECK_LAUNCH("column_partials_kernel");
+  column_finish_kernel<<<(N + 255) / 256, 256, 0, stream>>>(partials.get(), out, N, splits);
+  FIVED_CUDA_CHECK_LAUNCH("column_finish_kernel");
+}
+
+}  // namespace fived::kernels::cuda

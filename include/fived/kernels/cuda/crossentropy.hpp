@@ -1,0 +1,164 @@
+#pragma once
+// Fused softmax cross-entropy over a (possibly sharded) vocabulary, contract of
+// fived/kernels/host/crossentropy.hpp with a leading stream. logits are [N, Vs]:
+// columns [offset, offset + Vs) of the padded vocabulary; global columns >= V
+// are padding and never count; targets are global ids in [0, V) (device memory).
+//   logits_max(s, max, logits, N, Vs, offset, V)                           max = local max (-inf if none valid)
+//   crossentropy_partials(s, sumexp, target_logit, logits, targets, max, N, Vs, offset, V)
+//   crossentropy_backward(s, losses, dlogits, logits, targets, max, sumexp, target_logit, N, Vs, offset, V, dloss)
+//   crossentropy_forward_backward(s, losses, dlogits, logits, targets, N, Vp, V, dloss)
+// dlogits may alias logits (each element is read, then overwritten, by one
+// thread). losses or dlogits may be null (that output is skipped). One block per row, float accumulation.
+// The convenience is one fused kernel (online max / sum-of-exp in one read, then
+// the gradient), not three launches. A target outside [0, V) cannot throw from
+// the device: its loss is NaN (and its row gets no one-hot term).
+
+#include <cmath>
+#include <cstddef>
+
+#include <fived/kernels/cuda/common.hpp>
+
+namespace fived::kernels::cuda {
+
+namespace detail {
+
+inline constexpr int ce_block = 512;
+
+template <class T>
+__global__ void logits_max_kernel(float* max, const T* logits, int Vs, int offset, int V) {
+  __shared__ float scratch[32];
+  const int row = static_cast<int>(blockIdx.x);
+  const T* l = logits + static_cast<std::size_t>(row) * Vs;
+  const int valid = min(Vs, V - offset);  // local columns whose global index is < V
+  float m = -INFINITY;
+  for (int j = static_cast<int>(threadIdx.x); j < valid; j += static_cast<int>(blockDim.x)) m = fmaxf(m, to_float(l[j]));
+  m = block_max(m, scratch);
+  if (threadIdx.x == 0) max[row] = m;
+}
+
+template <class T>
+__global__ void crossentropy_partials_kernel(float* sumexp, float* target_logit, const T* logits, const int* targets,
+                                             const float* max, int Vs, int offset, int V) {
+  __shared__ float scratch[32];
+  const int row = static_cast<int>(blockIdx.x);
+  const T* l = logits + static_cast<std::size_t>(row) * Vs;
+  const int valid = min(Vs, V - offset);
+  const float m = max[row];
+  float s = 0.0f;
+  for (int j = static_cast<int>(threadIdx.x); j < valid; j += static_cast<int>(blockDim.x)) s += expf(to_float(l[j]) - m);
+  s = block_sum(s, scratch);
+  if (threadIdx.x == 0) {
+    sumexp[row] = s;
+    const int local = targets[row] - offset;
+    target_logit[row] = (targets[row] < V && local >= 0 && local < Vs) ? to_float(l[local]) : 0.0f;
+  }
+}
+
+template <class T>
+__global__ void crossentropy_backward_kernel(float* losses, T* dlogits, const T* logits, const int* targets,
+                                             const float* max, const float* sumexp, const float* target_logit, int Vs,
+                                             int offset, int V, float dloss) {
+  const int row = static_cast<int>(blockIdx.x);
+  const std::size_t base = static_cast<std::size_t>(row) * Vs;
+  const float m = max[row], s = sumexp[row];
+  const int tgt = targets[row];
+  if (threadIdx.x == 0 && losses != nullptr)
+    losses[row] = (tgt >= 0 && tgt < V) ? logf(s) + m - target_logit[row] : NAN;
+  if (dlogits == nullptr) return;
+  const float inv = 1.0f / s;
+  for (int j = static_cast<int>(threadIdx.x); j < Vs; j += static_cast<int>(blockDim.x)) {
+    const int g = offset + j;
+    float d = 0.0f;
+    if (g < V) d = dloss * (expf(to_float(logits[base + j]) - m) * inv - (g == tgt ? 1.0f : 0.0f));
+    dlogits[base + j] = from_float<T>(d);
+  }
+}
+
+// Single shard: online max / sum of exp per thread, merged over the block, then the gradient.
+template <class T>
+__global__ void crossentropy_fused_kernel(float* losses, T* dlogits, const T* logits, const int* targets, int Vp, int V,
+                                          float dloss) {
+  __shared__ float scratch[32];
+  const int row = static_cast<int>(blockIdx.x);
+  const std::size_t base = static_cast<std::size_t>(row) * Vp;
+  const int valid = min(Vp, V);
+  const int tgt = targets[row];
+  const bool tgt_ok = tgt >= 0 && tgt < V;
+  const float tl = tgt_ok ? to_float(logits[base + tgt]) : 0.0f;  // read before any thread writes dlogits
+  float m = -INFINITY, s = 0.0f;
+  for (int j = static_cast<int>(threadIdx.x); j < valid; j += static_cast<int>(blockDim.x)) {
+    const float x = to_float(logits[base + j]);
+    if (x > m) {
+      s = s * expf(m - x) + 1.0f;
+      m = x;
+    } else {
+      s += expf(x - m);
+    }
+  }
+  const float gm = block_max(m, scratch);
+  const float gs = block_sum(m == -INFINITY ? 0.0f : s * expf(m - gm), scratch);  // block_sum synchronises
+  if (threadIdx.x == 0 && losses != nullptr) losses[row] = tgt_ok ? logf(gs) + gm - tl : NAN;
+  if (dlogits == nullptr) return;
+  const float inv = 1.0f / gs;
+  for (int j = static_cast<int>(threadIdx.x); j < Vp; j += static_cast<int>(blockDim.x)) {
+    float d = 0.0f;
+    if (j < V) d = dloss * (expf(to_float(logits[base + j]) - gm) * inv - (j == tgt ? 1.0f : 0.0f));
+    dlogits[base + j] = from_float<T>(d);
+  }
+}
+
+inline void check_ce_sizes(const char* kernel, int N, int Vs, int offset, int V) {
+  require_non_negative(kernel, "N", N);
+  require_non_negative(kernel, "Vs", Vs);
+  require_positive(kernel, "V", V);
+  require(offset >= 0, kernel, "offset must be non-negative (got " + std::to_string(offset) + ")");
+}
+
+}  // namespace detail
+
+template <class T>
+void logits_max(cudaStream_t stream, float* max, const T* logits, int N, int Vs, int offset, int V) {
+  static_assert(is_element_v<T>, "logits_max: element type must be float or fived::bf16");
+  detail::check_ce_sizes("logits_max", N, Vs, offset, V);
+  if (N == 0) return;
+  detail::logits_max_kernel<<<static_cast<unsigned>(N), detail::ce_block, 0, stream>>>(max, dev(logits), Vs, offset, V);
+  FIVED_CUDA_CHECK_LAUNCH("logits_max_kernel");
+}
+
+template <class T>
+void crossentropy_partials(cudaStream_t stream, float* sumexp, float* target_logit, const T* logits, const int* targets,
+                           const float* max, int N, int Vs, int offset, int V) {
+  static_assert(is_element_v<T>, "crossentropy_partials: element type must be float or fived::bf16");
+  detail::check_ce_sizes("crossentropy_partials", N, Vs, offset, V);
+  if (N == 0) return;
+  detail::crossentropy_partials_kernel<<<static_cast<unsigned>(N), detail::ce_block, 0, stream>>>(
+      sumexp, target_logit, dev(logits), targets, max, Vs, offset, V);
+  FIVED_CUDA_CHECK_LAUNCH("crossentropy_partials_kernel");
+}
+
+template <class T>
+void crossentropy_backward(cudaStream_t stream, float* losses, T* dlogits, const T* logits, const int* targets,
+                           const float* max, const float* sumexp, const float* target_logit, int N, int Vs, int offset,
+                           int V, float dloss) {
+  static_assert(is_element_v<T>, "crossentropy_backward: element type must be float or fived::bf16");
+  detail::check_ce_sizes("crossentropy_backward", N, Vs, offset, V);
+  if (N == 0 || (losses == nullptr && dlogits == nullptr)) return;
+  detail::crossentropy_backward_kernel<<<static_cast<unsigned>(N), detail::ce_block, 0, stream>>>(
+      losses, dev(dlogits), dev(logits), targets, max, sumexp, target_logit, Vs, offset, V, dloss);
+  FIVED_CUDA_CHECK_LAUNCH("crossentropy_backward_kernel");
+}
+
+template <class T>
+void crossentropy_forward_backward(cudaStream_t stream, float* losses, T* dlogits, const T* logits, const int* targets,
+                                   int N, int Vp, int V, float dloss) {
+  static_assert(is_element_v<T>, "crossentropy_forward_backward: element type must be float or fived::bf16");
+  detail::check_ce_sizes("crossentropy_forward_backward", N, Vp, 0, V);
+  if (N == 0 || (losses == nullptr && dlogits == nullptr)) return;
+  detail::require(V <= Vp, "crossentropy_forward_backward",
+                  "the real vocabulary V (" + std::to_string(V) + ") exceeds the padded one Vp (" + std::to_string(Vp) + ")");
+  detail::crossentropy_fused_kernel<<<static_cast<unsigned>(N), detail::ce_block, 0, stream>>>(
+      losses, dev(dlogits), dev(logits), targets, Vp, V, dloss);
+  FIVED_CUDA_CHECK_LAUNCH("crossentropy_fused_kernel");
+}
+
+}  // namespace fived::kernels::cuda

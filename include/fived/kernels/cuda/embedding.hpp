@@ -1,0 +1,124 @@
+#pragma once
+// Token + position embedding, contract of fived/kernels/host/embedding.hpp:
+//   embedding_forward(s, out, tokens, wte, wpe, B, T, C, V)    out[b,t] = wte[tok] + wpe[t]
+//   embedding_backward(s, dwte, dwpe, dout, tokens, B, T, C)   both +=; dwte or dwpe may be null
+// tokens is device memory [B*T]. The forward cannot throw for a token id
+// outside [0, V) (the ids are on the device): it writes NaN into that row, so
+// the loss becomes NaN rather than silently wrong. The backward skips ids < 0.
+//
+// The backward is deterministic (no atomics): the (token, position) pairs are
+// radix-sorted by token with CUB (stable, so positions stay in order), and one
+// block per distinct token sums its rows in position order, in float, then adds
+// the sum to dwte once. dwpe[t] sums over b in order.
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include <cstddef>
+
+#include <fived/kernels/cuda/common.hpp>
+
+namespace fived::kernels::cuda {
+
+namespace detail {
+
+template <class E>
+__global__ void embedding_forward_kernel(E* out, const int* tokens, const E* wte, const E* wpe, int BT, int T, int C,
+                                         int V) {
+  const std::size_t n = static_cast<std::size_t>(BT) * C;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const int bt = static_cast<int>(i / C), c = static_cast<int>(i % C);
+    const int t = bt % T;
+    const int tok = tokens[bt];
+    const float w = (tok >= 0 && tok < V) ? to_float(wte[static_cast<std::size_t>(tok) * C + c]) : NAN;
+    out[i] = from_float<E>(w + (wpe != nullptr ? to_float(wpe[static_cast<std::size_t>(t) * C + c]) : 0.0f));
+  }
+}
+
+// (A template, as every kernel in these headers: one definition however many TUs include it.)
+template <class I>
+__global__ void iota_kernel(I* p, I n) {
+  for (I i = static_cast<I>(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += static_cast<I>(gridDim.x * blockDim.x))
+    p[i] = i;
+}
+
+// One block per sorted index; only the first index of each run of equal tokens works.
+template <class E>
+__global__ void embedding_backward_wte_kernel(E* dwte, const E* dout, const int* sorted_tokens,
+                                              const int* sorted_positions, int n, int C) {
+  const int i = static_cast<int>(blockIdx.x);
+  const int tok = sorted_tokens[i];
+  if (tok < 0 || (i > 0 && sorted_tokens[i - 1] == tok)) return;
+  int end = i + 1;
+  while (end < n && sorted_tokens[end] == tok) ++end;
+  for (int c = static_cast<int>(threadIdx.x); c < C; c += static_cast<int>(blockDim.x)) {
+    float acc = 0.0f;
+    for (int j = i; j < end; ++j) acc += to_float(dout[static_cast<std::size_t>(sorted_positions[j]) * C + c]);
+    E* w = dwte + static_cast<std::size_t>(tok) * C + c;
+    *w = from_float<E>(to_float(*w) + acc);
+  }
+}
+
+template <class E>
+__global__ void embedding_backward_wpe_kernel(E* dwpe, const E* dout, int B, int T, int C) {
+  const std::size_t n = static_cast<std::size_t>(T) * C;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    float acc = 0.0f;
+    for (int b = 0; b < B; ++b) acc += to_float(dout[static_cast<std::size_t>(b) * n + i]);
+    dwpe[i] = from_float<E>(to_float(dwpe[i]) + acc);
+  }
+}
+
+inline void check_embedding_sizes(const char* kernel, int B, int T, int C) {
+  require_non_negative(kernel, "B", B);
+  require_non_negative(kernel, "T", T);
+  require_positive(kernel, "C", C);
+  require(static_cast<long long>(B) * T <= 0x7fffffffLL, kernel, "B*T must fit in an int");
+}
+
+}  // namespace detail
+
+template <class E>
+void embedding_forward(cudaStream_t stream, E* out, const int* tokens, const E* wte, const E* wpe, int B, int T, int C,
+                       int V) {
+  static_assert(is_element_v<E>, "embedding_forward: element type must be float or fived::bf16");
+  detail::check_embedding_sizes("embedding_forward", B, T, C);
+  detail::require_positive("embedding_forward", "V", V);
+  if (B == 0 || T == 0) return;
+  const std::size_t n = static_cast<std::size_t>(B) * T * C;
+  detail::embedding_forward_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(dev(out), tokens, dev(wte), dev(wpe),
+                                                                                 B * T, T, C, V);
+  FIVED_CUDA_CHECK_LAUNCH("embedding_forward_kernel");
+}
+
+template <class E>
+void embedding_backward(cudaStream_t stream, E* dwte, E* dwpe, const E* dout, const int* tokens, int B, int T, int C) {
+  static_assert(is_element_v<E>, "embedding_backward: element type must be float or fived::bf16");
+  detail::check_embedding_sizes("embedding_backward", B, T, C);
+  if (B == 0 || T == 0) return;
+  const int n = B * T;
+  if (dwte != nullptr) {
+    Scratch<int> sorted_tokens(static_cast<std::size_t>(n), stream), positions(static_cast<std::size_t>(n), stream),
+        sorted_positions(static_cast<std::size_t>(n), stream);
+    detail::iota_kernel<<<detail::grid_for(static_cast<std::size_t>(n), 256), 256, 0, stream>>>(positions.get(), n);
+    FIVED_CUDA_CHECK_LAUNCH("iota_kernel");
+    std::size_t temp_bytes = 0;
+    FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, tokens, sorted_tokens.get(), positions.get(),
+                                                     sorted_positions.get(), n, 0, 32, stream));
+    Scratch<unsigned char> temp(temp_bytes, stream);
+    FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.get(), temp_bytes, tokens, sorted_tokens.get(),
+                                                     positions.get(), sorted_positions.get(), n, 0, 32, stream));
+    const unsigned block = C >= 256 ? 256u : 32u * static_cast<unsigned>((C + 31) / 32);
+    detail::embedding_backward_wte_kernel<<<static_cast<unsigned>(n), block, 0, stream>>>(
+        dev(dwte), dev(dout), sorted_tokens.get(), sorted_positions.get(), n, C);
+    FIVED_CUDA_CHECK_LAUNCH("embedding_backward_wte_kernel");
+  }
+  if (dwpe != nullptr) {
+    const std::size_t m = static_cast<std::size_t>(T) * C;
+    detail::embedding_backward_wpe_kernel<<<detail::grid_for(m, 256), 256, 0, stream>>>(dev(dwpe), dev(dout), B, T, C);
+    FIVED_CUDA_CHECK_LAUNCH("embedding_backward_wpe_kernel");
+  }
+}
+
+}  // namespace fived::kernels::cuda

@@ -1,0 +1,330 @@
+#pragma once
+// GEMM through cuBLASLt, in the row-major contract of fived/kernels/host/gemm.hpp:
+//
+//   CublasLt lt(stream);                       // handle + 32 MiB workspace + stream
+//   matmul(lt, out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act);
+//     out[M,N] (= or +=) op(a)[M,K] * op(b)[K,N] (+ bias[N] on every row)
+//     op(a): a is [M,K], or [K,M] stored when trans_a; op(b): b is [K,N], or [N,K] when trans_b.
+//     Epilogue::gelu: pre_act[M,N] = product + bias (required), out = gelu(pre_act).
+//   bias_backward(stream or lt, dbias, dout, M, N);   // dbias[N] += column sums of dout[M,N]
+//
+// Row-major X is column-major X^T, so out^T = op(b)^T op(a)^T is computed with
+// cuBLASLt's A = b and B = a (no copies). Element types float and bf16, fp32
+// compute (CUBLAS_COMPUTE_32F; TF32 only when lt.allow_tf32 is set). Bias and
+// GELU go through cuBLASLt epilogues (BIAS, GELU_AUX, GELU_AUX_BIAS; the GELU
+// epilogue needs pre_act, as on the host); when cuBLASLt has no algorithm for an epilogue (alignment,
+// leading dimension of the aux matrix) the product is computed alone and a
+// separate kernel applies bias and GELU: same result, one more pass.
+// Algorithms chosen by the heuristic are cached per shape in the CublasLt object.
+
+#include <cublasLt.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include <fived/kernels/cuda/common.hpp>
+#include <fived/kernels/host/gemm.hpp>
+
+namespace fived::kernels::cuda {
+
+// One enum for both backends (the model code names it once).
+using ::fived::kernels::host::Epilogue;
+
+namespace detail {
+
+inline void cublas_check(cublasStatus_t s, const char* call, const char* file, int line) {
+  if (s == CUBLAS_STATUS_SUCCESS) return;
+  throw std::runtime_error(std::string(file) + ":" + std::to_string(line) + ": " + call +
+                           " failed: " + cublasLtGetStatusName(s) + ": " + cublasLtGetStatusString(s));
+}
+
+}  // namespace detail
+
+#define FIVED_CUBLAS_CHECK(call) ::fived::kernels::cuda::detail::cublas_check((call), #call, __FILE__, __LINE__)
+
+// cuBLASLt handle, workspace (device memory, 32 MiB by default: what Hopper's
+// fastest kernels ask for) and the stream the GEMMs run on. Move-only.
+class CublasLt {
+ public:
+  explicit CublasLt(cudaStream_t stream = nullptr, std::size_t workspace_bytes = std::size_t{32} << 20)
+      : stream_(stream), workspace_bytes_(workspace_bytes) {
+    FIVED_CUBLAS_CHECK(cublasLtCreate(&handle_));
+    if (workspace_bytes_ != 0) {
+      const cudaError_t e = cudaMalloc(&workspace_, workspace_bytes_);
+      if (e != cudaSuccess) {
+        (void)cublasLtDestroy(handle_);
+        ::fived::cuda::check(e, "cudaMalloc(&workspace_, workspace_bytes_)", __FILE__, __LINE__);
+      }
+    }
+  }
+  CublasLt(CublasLt&& o) noexcept
+      : handle_(std::exchange(o.handle_, nullptr)),
+        workspace_(std::exchange(o.workspace_, nullptr)),
+        stream_(o.stream_),
+        workspace_bytes_(std::exchange(o.workspace_bytes_, 0)),
+        allow_tf32(o.allow_tf32),
+        algos_(std::move(o.algos_)) {}
+  CublasLt& operator=(CublasLt&& o) noexcept {
+    if (this != &o) {
+      release();
+      handle_ = std::exchange(o.handle_, nullptr);
+      workspace_ = std::exchange(o.workspace_, nullptr);
+      stream_ = o.stream_;
+      workspace_bytes_ = std::exchange(o.workspace_bytes_, 0);
+      allow_tf32 = o.allow_tf32;
+      algos_ = std::move(o.algos_);
+    }
+    return *this;
+  }
+  CublasLt(const CublasLt&) = delete;
+  CublasLt& operator=(const CublasLt&) = delete;
+  ~CublasLt() { release(); }
+
+  cublasLtHandle_t handle() const noexcept { return handle_; }
+  void* workspace() const noexcept { return workspace_; }
+  std::size_t workspace_bytes() const noexcept { return workspace_bytes_; }
+  cudaStream_t stream() const noexcept { return stream_; }
+  void set_stream(cudaStream_t s) noexcept { stream_ = s; }
+
+  // fp32 GEMMs use TF32 tensor cores when true (faster, ~1e-3 relative error).
+  bool allow_tf32 = false;
+
+  // Heuristic results, keyed by everything the choice depends on. An entry
+  // with ok == false records that no algorithm exists for that configuration.
+  struct AlgoKey {
+    int dtype, compute, epilogue, m, n, k, ta, tb, align_a, align_b, align_c, align_bias, align_aux;
+    auto tie() const {
+      return std::tie(dtype, compute, epilogue, m, n, k, ta, tb, align_a, align_b, align_c, align_bias, align_aux);
+    }
+    bool operator<(const AlgoKey& o) const { return tie() < o.tie(); }
+  };
+  struct AlgoEntry {
+    bool ok = false;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  std::map<AlgoKey, AlgoEntry>& algo_cache() noexcept { return algos_; }
+
+ private:
+  void release() noexcept {
+    if (workspace_ != nullptr) (void)cudaFree(workspace_);
+    if (handle_ != nullptr) (void)cublasLtDestroy(handle_);
+    workspace_ = nullptr;
+    handle_ = nullptr;
+  }
+
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  std::size_t workspace_bytes_ = 0;
+  std::map<AlgoKey, AlgoEntry> algos_;
+};
+
+namespace detail {
+
+struct MatmulDescDeleter {
+  void operator()(cublasLtMatmulDescOpaque_t* d) const noexcept { (void)cublasLtMatmulDescDestroy(d); }
+};
+struct LayoutDeleter {
+  void operator()(cublasLtMatrixLayoutOpaque_t* d) const noexcept { (void)cublasLtMatrixLayoutDestroy(d); }
+};
+struct PreferenceDeleter {
+  void operator()(cublasLtMatmulPreferenceOpaque_t* d) const noexcept { (void)cublasLtMatmulPreferenceDestroy(d); }
+};
+using MatmulDesc = std::unique_ptr<cublasLtMatmulDescOpaque_t, MatmulDescDeleter>;
+using Layout = std::unique_ptr<cublasLtMatrixLayoutOpaque_t, LayoutDeleter>;
+using Preference = std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, PreferenceDeleter>;
+
+inline Layout make_layout(cudaDataType_t type, std::uint64_t rows, std::uint64_t cols, std::int64_t ld) {
+  cublasLtMatrixLayout_t l = nullptr;
+  FIVED_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, rows, cols, ld));
+  return Layout(l);
+}
+
+// Largest power of two (up to 256) dividing the address: cuBLASLt's heuristic
+// must not pick a kernel that assumes more alignment than the pointers have.
+inline std::uint32_t alignment_of(const void* p) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  std::uint32_t al = 256;
+  while (al > 1 && (a % al) != 0) al >>= 1;
+  return al;
+}
+
+template <class T>
+__global__ void bias_gelu_kernel(T* out, const T* bias, T* pre_act, int M, int N, bool gelu) {
+  const std::size_t n = static_cast<std::size_t>(M) * N;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    float x = to_float(out[i]);
+    if (bias != nullptr) x += to_float(bias[i % static_cast<std::size_t>(N)]);
+    if (gelu) {
+      if (pre_act != nullptr) pre_act[i] = from_float<T>(x);
+      x = gelu_f(x);
+    }
+    out[i] = from_float<T>(x);
+  }
+}
+
+// dbias[c] += s.x
+template <class T>
+struct AddColumnSum {
+  T* dbias;
+  __device__ void operator()(int c, float2 s) const { dbias[c] = from_float<T>(to_float(dbias[c]) + s.x); }
+};
+template <class T>
+struct ReadMatrix {
+  const T* m;
+  int N;
+  __device__ float2 operator()(int r, int c) const {
+    return make_float2(to_float(m[static_cast<std::size_t>(r) * N + c]), 0.0f);
+  }
+};
+
+}  // namespace detail
+
+template <class T>
+void matmul(CublasLt& lt, T* out, const T* a, const T* b, const std::type_identity_t<T>* bias, int M, int N, int K,
+            bool trans_a, bool trans_b, bool accumulate = false, Epilogue ep = Epilogue::none,
+            std::type_identity_t<T>* pre_act = nullptr) {
+  static_assert(is_element_v<T>, "matmul: element type must be float or fived::bf16");
+  detail::require_non_negative("matmul", "M", M);
+  detail::require_non_negative("matmul", "N", N);
+  detail::require_non_negative("matmul", "K", K);
+  detail::require(!(accumulate && ep == Epilogue::gelu), "matmul",
+                  "the GELU epilogue cannot be combined with accumulate (+=)");
+  detail::require(!(ep == Epilogue::gelu && pre_act == nullptr && M > 0 && N > 0), "matmul",
+                  "the GELU epilogue needs pre_act[M,N] to store the pre-activation");
+  if (M == 0 || N == 0) return;
+  if (K == 0) {  // empty product: out = (out if accumulate, else 0) + bias, then GELU
+    if (!accumulate) FIVED_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(T) * M * N, lt.stream()));
+    if (bias != nullptr || ep == Epilogue::gelu) {
+      detail::bias_gelu_kernel<<<detail::grid_for(static_cast<std::size_t>(M) * N, 256), 256, 0, lt.stream()>>>(
+          dev(out), dev(bias), dev(pre_act), M, N, ep == Epilogue::gelu);
+      FIVED_CUDA_CHECK_LAUNCH("bias_gelu_kernel");
+    }
+    return;
+  }
+
+  constexpr cudaDataType_t dtype = std::is_same_v<T, float> ? CUDA_R_32F : CUDA_R_16BF;
+  const cublasComputeType_t compute =
+      (std::is_same_v<T, float> && lt.allow_tf32) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  const cublasOperation_t op_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's A is our b
+  const cublasOperation_t op_b = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's B is our a
+  const bool gelu = ep == Epilogue::gelu;
+
+  cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
+  if (gelu) {
+    if (bias != nullptr)
+      epi = pre_act != nullptr ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_BIAS;
+    else
+      epi = pre_act != nullptr ? CUBLASLT_EPILOGUE_GELU_AUX : CUBLASLT_EPILOGUE_GELU;
+  } else if (bias != nullptr) {
+    epi = CUBLASLT_EPILOGUE_BIAS;
+  }
+
+  // Column-major shapes: D is [N, M] (ld N); A = b is [N,K] or stored [K,N]; B = a is [K,M] or stored [M,K].
+  const detail::Layout la = op_a == CUBLAS_OP_N ? detail::make_layout(dtype, N, K, N) : detail::make_layout(dtype, K, N, K);
+  const detail::Layout lb = op_b == CUBLAS_OP_N ? detail::make_layout(dtype, K, M, K) : detail::make_layout(dtype, M, K, M);
+  const detail::Layout lc = detail::make_layout(dtype, N, M, N);
+
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  auto run = [&](cublasLtEpilogue_t e) -> bool {  // false: no algorithm for this epilogue
+    cublasLtMatmulDesc_t raw = nullptr;
+    FIVED_CUBLAS_CHECK(cublasLtMatmulDescCreate(&raw, compute, CUDA_R_32F));
+    const detail::MatmulDesc desc(raw);
+    FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+    FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+    FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof(e)));
+    const bool has_bias = e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_BIAS ||
+                          e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    const bool has_aux = e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    if (has_bias) {
+      const void* bp = bias;
+      FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
+    }
+    if (has_aux) {
+      void* ap = pre_act;
+      const std::int64_t ld = N;
+      FIVED_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &ap, sizeof(ap)));
+      FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
+    }
+
+    const std::uint32_t al_a = detail::alignment_of(b), al_b = detail::alignment_of(a);
+    const std::uint32_t al_c = detail::alignment_of(out);
+    const CublasLt::AlgoKey key{static_cast<int>(dtype), static_cast<int>(compute), static_cast<int>(e), M, N, K,
+                                trans_a ? 1 : 0, trans_b ? 1 : 0, static_cast<int>(al_a), static_cast<int>(al_b),
+                                static_cast<int>(al_c), has_bias ? static_cast<int>(detail::alignment_of(bias)) : 0,
+                                has_aux ? static_cast<int>(detail::alignment_of(pre_act)) : 0};
+    auto& cache = lt.algo_cache();
+    auto it = cache.find(key);
+    if (it == cache.end()) {
+      CublasLt::AlgoEntry entry;
+      // An aux matrix whose leading dimension is not a multiple of 8 is not supported by the epilogues.
+      if (!has_aux || N % 8 == 0) {
+        cublasLtMatmulPreference_t praw = nullptr;
+        FIVED_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&praw));
+        const detail::Preference pref(praw);
+        const std::size_t ws = lt.workspace_bytes();
+        FIVED_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(praw, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                                sizeof(ws)));
+        FIVED_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(praw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                                &al_a, sizeof(al_a)));
+        FIVED_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(praw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                                &al_b, sizeof(al_b)));
+        FIVED_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(praw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                                                &al_c, sizeof(al_c)));
+        FIVED_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(praw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                                &al_c, sizeof(al_c)));
+        cublasLtMatmulHeuristicResult_t result{};
+        int found = 0;
+        const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(lt.handle(), raw, la.get(), lb.get(), lc.get(),
+                                                                lc.get(), praw, 1, &result, &found);
+        if (s == CUBLAS_STATUS_SUCCESS && found > 0) {
+          entry.ok = true;
+          entry.algo = result.algo;
+        } else if (e == CUBLASLT_EPILOGUE_DEFAULT) {
+          FIVED_CUBLAS_CHECK(s);  // a plain GEMM must have an algorithm
+          detail::bad_argument("matmul", "cuBLASLt found no algorithm for M=" + std::to_string(M) + " N=" +
+                                             std::to_string(N) + " K=" + std::to_string(K));
+        }
+      }
+      it = cache.emplace(key, entry).first;
+    }
+    if (!it->second.ok) return false;
+    FIVED_CUBLAS_CHECK(cublasLtMatmul(lt.handle(), raw, &alpha, b, la.get(), a, lb.get(), &beta, out, lc.get(), out,
+                                      lc.get(), &it->second.algo, lt.workspace(), lt.workspace_bytes(), lt.stream()));
+    return true;
+  };
+
+  if (run(epi)) return;
+  // Fallback: the plain product, then bias and GELU in one elementwise pass.
+  run(CUBLASLT_EPILOGUE_DEFAULT);
+  const std::size_t n = static_cast<std::size_t>(M) * N;
+  detail::bias_gelu_kernel<<<detail::grid_for(n, 256), 256, 0, lt.stream()>>>(dev(out), dev(bias), dev(pre_act), M,
+                                                                               N, gelu);
+  FIVED_CUDA_CHECK_LAUNCH("bias_gelu_kernel");
+}
+
+// dbias[N] += column sums of dout[M, N] (deterministic two-pass reduction, float accumulation).
+template <class T>
+void bias_backward(cudaStream_t stream, T* dbias, const T* dout, int M, int N) {
+  static_assert(is_element_v<T>, "bias_backward: element type must be float or fived::bf16");
+  detail::require_non_negative("bias_backward", "M", M);
+  detail::require_non_negative("bias_backward", "N", N);
+  if (M == 0 || N == 0) return;
+  column_reduce(stream, detail::ReadMatrix<device_t<T>>{dev(dout), N}, detail::AddColumnSum<device_t<T>>{dev(dbias)},
+                M, N);
+}
+template <class T>
+void bias_backward(CublasLt& lt, T* dbias, const T* dout, int M, int N) {
+  bias_backward(lt.stream(), dbias, dout, M, N);
+}
+
+}  // namespace fived::kernels::cuda

@@ -1,0 +1,187 @@
+#pragma once
+// LayerNorm and RMSNorm forward/backward (eps = 1e-5), contract of
+// fived/kernels/host/layernorm.hpp with a leading stream:
+//   layernorm_forward(s, out, mean, rstd, inp, weight, bias, N, C)     mean/rstd may be null (not stored)
+//   layernorm_backward(s, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C)   all three +=
+//   rmsnorm_forward(s, out, rstd, inp, weight, N, C)
+//   rmsnorm_backward(s, dinp, dweight, dout, inp, weight, rstd, N, C)                  both +=
+// One warp per row (two-pass mean / variance in float); the weight and bias
+// gradients are deterministic column reductions (no atomics). dweight/dbias
+// may be null (not computed).
+
+#include <cstddef>
+#include <type_traits>
+
+#include <fived/kernels/cuda/common.hpp>
+
+namespace fived::kernels::cuda {
+
+inline constexpr float layernorm_eps = 1e-5f;
+
+namespace detail {
+
+inline constexpr int norm_rows_per_block = 8;  // one warp per row, 256 threads
+
+template <class T>
+__global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const T* inp, const T* weight,
+                                         const T* bias, int N, int C) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int row = static_cast<int>(blockIdx.x) * norm_rows_per_block + static_cast<int>(threadIdx.x) / 32;
+  if (row >= N) return;
+  const T* x = inp + static_cast<std::size_t>(row) * C;
+  T* y = out + static_cast<std::size_t>(row) * C;
+  float s = 0.0f;
+  for (int c = lane; c < C; c += 32) s += to_float(x[c]);
+  const float m = warp_sum(s) / static_cast<float>(C);
+  float v = 0.0f;
+  for (int c = lane; c < C; c += 32) {
+    const float d = to_float(x[c]) - m;
+    v += d * d;
+  }
+  const float r = 1.0f / sqrtf(warp_sum(v) / static_cast<float>(C) + layernorm_eps);
+  for (int c = lane; c < C; c += 32) {
+    const float n = (to_float(x[c]) - m) * r;
+    y[c] = from_float<T>(n * to_float(weight[c]) + (bias != nullptr ? to_float(bias[c]) : 0.0f));
+  }
+  if (lane == 0) {
+    if (mean != nullptr) mean[row] = m;
+    if (rstd != nullptr) rstd[row] = r;
+  }
+}
+
+// mean == nullptr: RMSNorm (no centring, no bias term).
+template <class T>
+__global__ void norm_backward_rows_kernel(T* dinp, const T* dout, const T* inp, const T* weight, const float* mean,
+                                          const float* rstd, int N, int C) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int row = static_cast<int>(blockIdx.x) * norm_rows_per_block + static_cast<int>(threadIdx.x) / 32;
+  if (row >= N) return;
+  const std::size_t off = static_cast<std::size_t>(row) * C;
+  const float m = mean != nullptr ? mean[row] : 0.0f;
+  const float r = rstd[row];
+  float sd = 0.0f, sdx = 0.0f;
+  for (int c = lane; c < C; c += 32) {
+    const float dn = to_float(dout[off + c]) * to_float(weight[c]);
+    const float xh = (to_float(inp[off + c]) - m) * r;
+    sd += dn;
+    sdx += dn * xh;
+  }
+  const float dn_mean = mean != nullptr ? warp_sum(sd) / static_cast<float>(C) : 0.0f;
+  const float dnx_mean = warp_sum(sdx) / static_cast<float>(C);
+  for (int c = lane; c < C; c += 32) {
+    const float dn = to_float(dout[off + c]) * to_float(weight[c]);
+    const float xh = (to_float(inp[off + c]) - m) * r;
+    const float g = r * (dn - dn_mean - xh * dnx_mean);
+    dinp[off + c] = from_float<T>(to_float(dinp[off + c]) + g);
+  }
+}
+
+// (dout * xhat, dout) at (row, col).
+template <class T>
+struct NormParamGrads {
+  const T* dout;
+  const T* inp;
+  const float* mean;  // null: RMSNorm
+  const float* rstd;
+  int C;
+  __device__ float2 operator()(int r, int c) const {
+    const std::size_t i = static_cast<std::size_t>(r) * C + c;
+    const float d = to_float(dout[i]);
+    const float xh = (to_float(inp[i]) - (mean != nullptr ? mean[r] : 0.0f)) * rstd[r];
+    return make_float2(d * xh, d);
+  }
+};
+template <class T>
+struct AddNormParamGrads {
+  T* dweight;
+  T* dbias;
+  __device__ void operator()(int c, float2 s) const {
+    if (dweight != nullptr) dweight[c] = from_float<T>(to_float(dweight[c]) + s.x);
+    if (dbias != nullptr) dbias[c] = from_float<T>(to_float(dbias[c]) + s.y);
+  }
+};
+
+template <class T>
+__global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* inp, const T* weight, int N, int C) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int row = static_cast<int>(blockIdx.x) * norm_rows_per_block + static_cast<int>(threadIdx.x) / 32;
+  if (row >= N) return;
+  const T* x = inp + static_cast<std::size_t>(row) * C;
+  T* y = out + static_cast<std::size_t>(row) * C;
+  float ss = 0.0f;
+  for (int c = lane; c < C; c += 32) {
+    const float v = to_float(x[c]);
+    ss += v * v;
+  }
+  const float r = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(C) + layernorm_eps);
+  for (int c = lane; c < C; c += 32) y[c] = from_float<T>(to_float(x[c]) * r * to_float(weight[c]));
+  if (lane == 0 && rstd != nullptr) rstd[row] = r;
+}
+
+inline void check_norm_sizes(const char* kernel, int N, int C) {
+  require_non_negative(kernel, "N", N);
+  require_positive(kernel, "C", C);
+}
+
+inline unsigned norm_blocks(int N) {
+  return static_cast<unsigned>((N + norm_rows_per_block - 1) / norm_rows_per_block);
+}
+
+}  // namespace detail
+
+template <class T>
+void layernorm_forward(cudaStream_t stream, T* out, float* mean, float* rstd, const T* inp, const T* weight,
+                       const std::type_identity_t<T>* bias, int N, int C) {
+  static_assert(is_element_v<T>, "layernorm_forward: element type must be float or fived::bf16");
+  detail::check_norm_sizes("layernorm_forward", N, C);
+  if (N == 0) return;
+  detail::layernorm_forward_kernel<<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(
+      dev(out), mean, rstd, dev(inp), dev(weight), dev(bias), N, C);
+  FIVED_CUDA_CHECK_LAUNCH("layernorm_forward_kernel");
+}
+
+template <class T>
+void layernorm_backward(cudaStream_t stream, T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
+                        const T* weight, const float* mean, const float* rstd, int N, int C) {
+  static_assert(is_element_v<T>, "layernorm_backward: element type must be float or fived::bf16");
+  detail::check_norm_sizes("layernorm_backward", N, C);
+  if (N == 0) return;
+  detail::require(mean != nullptr && rstd != nullptr, "layernorm_backward", "mean and rstd from the forward are needed");
+  if (dinp != nullptr) {
+    detail::norm_backward_rows_kernel<<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(
+        dev(dinp), dev(dout), dev(inp), dev(weight), mean, rstd, N, C);
+    FIVED_CUDA_CHECK_LAUNCH("norm_backward_rows_kernel");
+  }
+  if (dweight != nullptr || dbias != nullptr)
+    column_reduce(stream, detail::NormParamGrads<device_t<T>>{dev(dout), dev(inp), mean, rstd, C},
+                  detail::AddNormParamGrads<device_t<T>>{dev(dweight), dev(dbias)}, N, C);
+}
+
+template <class T>
+void rmsnorm_forward(cudaStream_t stream, T* out, float* rstd, const T* inp, const T* weight, int N, int C) {
+  static_assert(is_element_v<T>, "rmsnorm_forward: element type must be float or fived::bf16");
+  detail::check_norm_sizes("rmsnorm_forward", N, C);
+  if (N == 0) return;
+  detail::rmsnorm_forward_kernel<<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(
+      dev(out), rstd, dev(inp), dev(weight), N, C);
+  FIVED_CUDA_CHECK_LAUNCH("rmsnorm_forward_kernel");
+}
+
+template <class T>
+void rmsnorm_backward(cudaStream_t stream, T* dinp, T* dweight, const T* dout, const T* inp, const T* weight,
+                      const float* rstd, int N, int C) {
+  static_assert(is_element_v<T>, "rmsnorm_backward: element type must be float or fived::bf16");
+  detail::check_norm_sizes("rmsnorm_backward", N, C);
+  if (N == 0) return;
+  detail::require(rstd != nullptr, "rmsnorm_backward", "rstd from the forward is needed");
+  if (dinp != nullptr) {
+    detail::norm_backward_rows_kernel<<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(
+        dev(dinp), dev(dout), dev(inp), dev(weight), static_cast<const float*>(nullptr), rstd, N, C);
+    FIVED_CUDA_CHECK_LAUNCH("norm_backward_rows_kernel");
+  }
+  if (dweight != nullptr)
+    column_reduce(stream, detail::NormParamGrads<device_t<T>>{dev(dout), dev(inp), nullptr, rstd, C},
+                  detail::AddNormParamGrads<device_t<T>>{dev(dweight), nullptr}, N, C);
+}
+
+}  // namespace fived::kernels::cuda

@@ -1,0 +1,90 @@
+#pragma once
+// Global gradient norm and clipping, contract of fived/kernels/host/norm.hpp:
+//   sum_of_squares(s, out_accumulate, g, n)    *out_accumulate += sum g^2 (float, device memory)
+//   scale(s, g, n, factor)                     g *= factor
+//   clip_factor(total_sum_of_squares, max_norm) = min(1, max_norm / (sqrt(total) + 1e-6))   (host)
+//   clip_scale(s, g, n, total_sum_of_squares_on_device, max_norm)   the same without a host round trip
+// The caller sums over tensors (calls accumulate in stream order) and mesh axes.
+// sum_of_squares is deterministic: a fixed number of blocks (independent of
+// the GPU) write partial sums, one block adds them in order and adds the total
+// to *out_accumulate (no atomics, so the last bits do not vary run to run).
+
+#include <cmath>
+#include <cstddef>
+
+#include <fived/kernels/cuda/common.hpp>
+
+namespace fived::kernels::cuda {
+
+namespace detail {
+
+inline constexpr unsigned sumsq_blocks = 512, sumsq_threads = 256;
+
+template <class T>
+__global__ void sum_of_squares_partials_kernel(float* partials, const T* g, std::size_t n) {
+  __shared__ float scratch[32];
+  float s = 0.0f;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const float x = to_float(g[i]);
+    s += x * x;
+  }
+  s = block_sum(s, scratch);
+  if (threadIdx.x == 0) partials[blockIdx.x] = s;
+}
+
+template <int Dummy = 0>
+__global__ void sum_partials_kernel(float* out_accumulate, const float* partials, unsigned count) {
+  __shared__ float scratch[32];
+  float s = 0.0f;
+  for (unsigned i = threadIdx.x; i < count; i += blockDim.x) s += partials[i];
+  s = block_sum(s, scratch);
+  if (threadIdx.x == 0) *out_accumulate += s;
+}
+
+template <class T>
+__global__ void scale_kernel(T* g, std::size_t n, float factor, const float* total_sumsq, float max_norm) {
+  if (total_sumsq != nullptr) factor = fminf(1.0f, max_norm / (sqrtf(*total_sumsq) + 1e-6f));
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
+    g[i] = from_float<T>(to_float(g[i]) * factor);
+}
+
+}  // namespace detail
+
+template <class T>
+void sum_of_squares(cudaStream_t stream, float* out_accumulate, const T* g, std::size_t n) {
+  static_assert(is_element_v<T>, "sum_of_squares: element type must be float or fived::bf16");
+  if (n == 0) return;
+  Scratch<float> partials(detail::sumsq_blocks, stream);
+  detail::sum_of_squares_partials_kernel<<<detail::sumsq_blocks, detail::sumsq_threads, 0, stream>>>(partials.get(),
+                                                                                                    dev(g), n);
+  FIVED_CUDA_CHECK_LAUNCH("sum_of_squares_partials_kernel");
+  detail::sum_partials_kernel<<<1, detail::sumsq_threads, 0, stream>>>(out_accumulate, partials.get(),
+                                                                       detail::sumsq_blocks);
+  FIVED_CUDA_CHECK_LAUNCH("sum_partials_kernel");
+}
+
+template <class T>
+void scale(cudaStream_t stream, T* g, std::size_t n, float factor) {
+  static_assert(is_element_v<T>, "scale: element type must be float or fived::bf16");
+  if (n == 0) return;
+  detail::scale_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(dev(g), n, factor, nullptr, 0.0f);
+  FIVED_CUDA_CHECK_LAUNCH("scale_kernel");
+}
+
+inline float clip_factor(double total_sum_of_squares, float max_norm) {
+  const double f = static_cast<double>(max_norm) / (std::sqrt(total_sum_of_squares) + 1e-6);
+  return f < 1.0 ? static_cast<float>(f) : 1.0f;
+}
+
+// g *= clip_factor(*total_sum_of_squares, max_norm), the factor computed on the device.
+template <class T>
+void clip_scale(cudaStream_t stream, T* g, std::size_t n, const float* total_sum_of_squares, float max_norm) {
+  static_assert(is_element_v<T>, "clip_scale: element type must be float or fived::bf16");
+  if (n == 0) return;
+  detail::scale_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(dev(g), n, 1.0f, total_sum_of_squares, max_norm);
+  FIVED_CUDA_CHECK_LAUNCH("scale_kernel");
+}
+
+}  // namespace fived::kernels::cuda

@@ -1,0 +1,434 @@
+// CUDA kernels against the host reference kernels, on random inputs (never
+// zeros: every value is pushed away from 0), for float and bf16.
+//
+// Error measure: normwise relative error, max_i |cuda_i - host_i| / max_i |host_i|.
+// Bounds: bf16 2e-2 for every kernel (both sides round to bf16, in different
+// orders: one bf16 ulp is 2^-8 ~ 3.9e-3). fp32 1e-5 for elementwise and row-wise
+// kernels (layernorm, gelu, residual, embedding, cross-entropy, AdamW, norm);
+// fp32 1e-4 for GEMM and attention, whose long dot products are summed in a
+// different order (cuBLASLt's split-K / tile order, tiled online softmax)
+// than the host's blocked loops.
+//
+// Without a GPU the program exits 77 (CTest: skipped) before any test runs.
+
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <fived/device/bf16.hpp>
+#include <fived/device/cuda.hpp>
+#include <fived/kernels/cuda.hpp>
+#include <fived/kernels/host.hpp>
+
+#include "gpu_support.hpp"
+
+namespace {
+
+using fived::bf16;
+using fived::Buffer;
+using fived::Cuda;
+namespace hk = fived::kernels::host;
+namespace ck = fived::kernels::cuda;
+
+cudaStream_t stream() {
+  static fived::cuda::Stream s;
+  return s.get();
+}
+
+template <class T>
+std::vector<T> rnd(std::size_t n, unsigned seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<T> v(n);
+  for (auto& x : v) {
+    float f = dist(gen);
+    if (std::fabs(f) < 1e-2f * (hi - lo)) f += (f < 0 ? -1.0f : 1.0f) * 1e-2f * (hi - lo);  // never (near) zero
+    x = T(f);
+  }
+  return v;
+}
+
+template <class T>
+Buffer<T, Cuda> up(const std::vector<T>& v) {
+  return Buffer<T, Cuda>(std::span<const T>(v), stream());
+}
+template <class T>
+std::vector<T> down(const Buffer<T, Cuda>& b) {
+  std::vector<T> v(b.size());
+  b.download(std::span<T>(v), stream());
+  return v;
+}
+
+template <class A, class B>
+double rel_err(const std::vector<A>& ref, const std::vector<B>& got) {
+  REQUIRE(ref.size() == got.size());
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const double r = static_cast<double>(static_cast<float>(ref[i])), g = static_cast<double>(static_cast<float>(got[i]));
+    if (!std::isfinite(g) || !std::isfinite(r)) return INFINITY;
+    num = std::max(num, std::fabs(r - g));
+    den = std::max(den, std::fabs(r));
+  }
+  return den > 0 ? num / den : num;
+}
+
+template <class T>
+constexpr double bound(double fp32) {
+  return std::is_same_v<T, bf16> ? 2e-2 : fp32;
+}
+
+#define CHECK_CLOSE(ref, got, tol)                                        \
+  do {                                                                    \
+    const double e_ = rel_err((ref), (got));                              \
+    INFO(#got << ": relative error " << e_ << ", bound " << (tol));      \
+    CHECK(e_ <= (tol));                                                   \
+  } while (0)
+
+constexpr double fp32_elem = 1e-5, fp32_sum = 1e-4;
+
+}  // namespace
+
+#define ELEMENT_TYPES float, fived::bf16
+
+TEST_CASE("device layer: Buffer<T, Cuda>, Stream, Event, checks") {
+  const auto h = rnd<float>(1000, 1);
+  Buffer<float, Cuda> b = up(h);
+  CHECK(b.size() == 1000);
+  CHECK(b.bytes() == 4000);
+  CHECK(down(b) == h);
+  Buffer<float, Cuda> moved(std::move(b));
+  CHECK(b.data() == nullptr);
+  CHECK(b.size() == 0);
+  CHECK(down(moved) == h);
+  moved.zero(stream());
+  CHECK(down(moved) == std::vector<float>(1000, 0.0f));
+  Buffer<float, Cuda> fresh(17);
+  CHECK(down(fresh) == std::vector<float>(17, 0.0f));
+  std::vector<float> wrong(3);
+  CHECK_THROWS_AS(fresh.upload(std::span<const float>(wrong), stream()), std::invalid_argument);
+
+  fived::cuda::Event e0, e1;
+  e0.record(stream());
+  e1.record(stream());
+  CHECK(fived::cuda::Event::elapsed_ms(e0, e1) >= 0.0f);
+
+  // A failing call throws with file:line, the call and CUDA's description.
+  try {
+    FIVED_CUDA_CHECK(cudaSetDevice(1 << 20));
+    FAIL("no exception");
+  } catch (const fived::cuda::Error& err) {
+    const std::string what = err.what();
+    CHECK(what.find("test_kernels_cuda.cu:") != std::string::npos);
+    CHECK(what.find("cudaSetDevice") != std::string::npos);
+  }
+  (void)cudaGetLastError();
+  FIVED_CUDA_CHECK(cudaSetDevice(0));
+  // A bad launch configuration is caught by the launch check.
+  Buffer<float, Cuda> x(4);
+  ck::detail::gelu_forward_kernel<<<1, 4096, 0, stream()>>>(x.data(), x.data(), std::size_t{4});
+  CHECK_THROWS_AS(FIVED_CUDA_CHECK_LAUNCH("gelu_forward_kernel"), fived::cuda::Error);
+}
+
+TEST_CASE_TEMPLATE("matmul: transposes, bias, accumulate, GELU epilogue", T, ELEMENT_TYPES) {
+  ck::CublasLt lt(stream());
+  const double tol = bound<T>(fp32_sum);
+  for (const int N : {72, 50}) {  // 50: the aux leading dimension is not a multiple of 8 (fallback epilogue)
+    const int M = 37, K = 45;
+    const auto a = rnd<T>(static_cast<std::size_t>(M) * K, 2), b = rnd<T>(static_cast<std::size_t>(K) * N, 3);
+    const auto bias = rnd<T>(N, 4), init = rnd<T>(static_cast<std::size_t>(M) * N, 5);
+    auto da = up(a), db = up(b), dbias = up(bias);
+    for (const bool ta : {false, true})
+      for (const bool tb : {false, true})
+        for (const bool with_bias : {false, true})
+          for (const bool acc : {false, true}) {
+            CAPTURE(N);
+            CAPTURE(ta);
+            CAPTURE(tb);
+            CAPTURE(with_bias);
+            CAPTURE(acc);
+            auto ref = init;
+            hk::matmul(ref.data(), a.data(), b.data(), with_bias ? bias.data() : nullptr, M, N, K, ta, tb, acc);
+            auto dout = up(init);
+            ck::matmul(lt, dout.data(), da.data(), db.data(), with_bias ? dbias.data() : nullptr, M, N, K, ta, tb, acc);
+            CHECK_CLOSE(ref, down(dout), tol);
+          }
+    for (const bool with_bias : {false, true}) {
+      CAPTURE(with_bias);
+      std::vector<T> ref(static_cast<std::size_t>(M) * N), pre(ref.size());
+      hk::matmul(ref.data(), a.data(), b.data(), with_bias ? bias.data() : nullptr, M, N, K, false, true, false,
+                 hk::Epilogue::gelu, pre.data());
+      Buffer<T, Cuda> dout(ref.size()), dpre(ref.size());
+      ck::matmul(lt, dout.data(), da.data(), db.data(), with_bias ? dbias.data() : nullptr, M, N, K, false, true, false,
+                 ck::Epilogue::gelu, dpre.data());
+      CHECK_CLOSE(pre, down(dpre), tol);
+      CHECK_CLOSE(ref, down(dout), tol);
+    }
+  }
+  Buffer<T, Cuda> o(4), p(4);
+  CHECK_THROWS_AS(ck::matmul(lt, o.data(), o.data(), o.data(), nullptr, 2, 2, 1, false, false, true,
+                             ck::Epilogue::gelu, p.data()),
+                  std::invalid_argument);
+}
+
+TEST_CASE_TEMPLATE("bias_backward", T, ELEMENT_TYPES) {
+  const int M = 300, N = 77;
+  const auto dout = rnd<T>(static_cast<std::size_t>(M) * N, 6);
+  auto dbias = rnd<T>(N, 7);
+  auto d_dout = up(dout), d_dbias = up(dbias);
+  hk::bias_backward(dbias.data(), dout.data(), M, N);
+  ck::bias_backward(stream(), d_dbias.data(), d_dout.data(), M, N);
+  CHECK_CLOSE(dbias, down(d_dbias), bound<T>(fp32_elem * 10));  // a sum of 300 terms
+}
+
+TEST_CASE_TEMPLATE("layernorm and rmsnorm, forward and backward", T, ELEMENT_TYPES) {
+  const int N = 19, C = 100;
+  const std::size_t n = static_cast<std::size_t>(N) * C;
+  const auto x = rnd<T>(n, 8, -2.0f, 2.0f), w = rnd<T>(C, 9), bias = rnd<T>(C, 10), dout = rnd<T>(n, 11);
+  const double tol = bound<T>(fp32_elem * 10);
+  auto dx = up(x), dw = up(w), db = up(bias), ddout = up(dout);
+  {  // layernorm
+    std::vector<T> out(n);
+    std::vector<float> mean(N), rstd(N);
+    hk::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), N, C);
+    Buffer<T, Cuda> dout_(n);
+    Buffer<float, Cuda> dmean(N), drstd(N);
+    ck::layernorm_forward(stream(), dout_.data(), dmean.data(), drstd.data(), dx.data(), dw.data(), db.data(), N, C);
+    CHECK_CLOSE(out, down(dout_), bound<T>(fp32_elem));
+    CHECK_CLOSE(mean, down(dmean), fp32_elem);
+    CHECK_CLOSE(rstd, down(drstd), fp32_elem);
+    auto dinp = rnd<T>(n, 12), dweight = rnd<T>(C, 13), dbias = rnd<T>(C, 14);  // "+=": start non-zero
+    auto d_dinp = up(dinp), d_dweight = up(dweight), d_dbias = up(dbias);
+    hk::layernorm_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), x.data(), w.data(), mean.data(),
+                           rstd.data(), N, C);
+    ck::layernorm_backward(stream(), d_dinp.data(), d_dweight.data(), d_dbias.data(), ddout.data(), dx.data(),
+                           dw.data(), dmean.data(), drstd.data(), N, C);
+    CHECK_CLOSE(dinp, down(d_dinp), tol);
+    CHECK_CLOSE(dweight, down(d_dweight), tol);
+    CHECK_CLOSE(dbias, down(d_dbias), tol);
+  }
+  {  // rmsnorm
+    std::vector<T> out(n);
+    std::vector<float> rstd(N);
+    hk::rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, C);
+    Buffer<T, Cuda> dout_(n);
+    Buffer<float, Cuda> drstd(N);
+    ck::rmsnorm_forward(stream(), dout_.data(), drstd.data(), dx.data(), dw.data(), N, C);
+    CHECK_CLOSE(out, down(dout_), bound<T>(fp32_elem));
+    CHECK_CLOSE(rstd, down(drstd), fp32_elem);
+    auto dinp = rnd<T>(n, 15), dweight = rnd<T>(C, 16);
+    auto d_dinp = up(dinp), d_dweight = up(dweight);
+    hk::rmsnorm_backward(dinp.data(), dweight.data(), dout.data(), x.data(), w.data(), rstd.data(), N, C);
+    ck::rmsnorm_backward(stream(), d_dinp.data(), d_dweight.data(), ddout.data(), dx.data(), dw.data(), drstd.data(),
+                         N, C);
+    CHECK_CLOSE(dinp, down(d_dinp), tol);
+    CHECK_CLOSE(dweight, down(d_dweight), tol);
+  }
+}
+
+TEST_CASE_TEMPLATE("gelu and residual", T, ELEMENT_TYPES) {
+  const std::size_t n = 1003;
+  const auto x = rnd<T>(n, 17, -4.0f, 4.0f), y = rnd<T>(n, 18), dout = rnd<T>(n, 19);
+  auto dx = up(x), dy = up(y), ddout = up(dout);
+  std::vector<T> out(n), dinp(n);
+  Buffer<T, Cuda> d_out(n);
+  hk::gelu_forward(out.data(), x.data(), n);
+  ck::gelu_forward(stream(), d_out.data(), dx.data(), n);
+  CHECK_CLOSE(out, down(d_out), bound<T>(fp32_elem));
+  hk::gelu_backward(dinp.data(), x.data(), dout.data(), n);
+  ck::gelu_backward(stream(), ddout.data(), dx.data(), ddout.data(), n);  // dinp aliases dout
+  CHECK_CLOSE(dinp, down(ddout), bound<T>(fp32_elem));
+  hk::residual_forward(out.data(), x.data(), y.data(), n);
+  ck::residual_forward(stream(), d_out.data(), dx.data(), dy.data(), n);
+  CHECK_CLOSE(out, down(d_out), bound<T>(fp32_elem));
+}
+
+TEST_CASE_TEMPLATE("embedding forward and backward (repeated tokens)", T, ELEMENT_TYPES) {
+  const int B = 3, Tn = 7, C = 40, V = 11;
+  std::vector<int> tokens(B * Tn);
+  for (int i = 0; i < B * Tn; ++i) tokens[i] = (i * 7 + 3) % V % 5 + (i % 3 == 0 ? 6 : 0);  // repeats, ids < V
+  const auto wte = rnd<T>(static_cast<std::size_t>(V) * C, 20), wpe = rnd<T>(static_cast<std::size_t>(Tn) * C, 21);
+  const auto dout = rnd<T>(static_cast<std::size_t>(B) * Tn * C, 22);
+  auto dtok = up(tokens);
+  auto dwte_in = up(wte), dwpe_in = up(wpe), ddout = up(dout);
+  std::vector<T> out(dout.size());
+  Buffer<T, Cuda> d_out(dout.size());
+  hk::embedding_forward(out.data(), tokens.data(), wte.data(), wpe.data(), B, Tn, C, V);
+  ck::embedding_forward(stream(), d_out.data(), dtok.data(), dwte_in.data(), dwpe_in.data(), B, Tn, C, V);
+  CHECK_CLOSE(out, down(d_out), bound<T>(fp32_elem));
+  auto dwte = rnd<T>(wte.size(), 23), dwpe = rnd<T>(wpe.size(), 24);
+  auto d_dwte = up(dwte), d_dwpe = up(dwpe);
+  hk::embedding_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, Tn, C);
+  ck::embedding_backward(stream(), d_dwte.data(), d_dwpe.data(), ddout.data(), dtok.data(), B, Tn, C);
+  CHECK_CLOSE(dwte, down(d_dwte), bound<T>(fp32_elem));
+  CHECK_CLOSE(dwpe, down(d_dwpe), bound<T>(fp32_elem));
+}
+
+TEST_CASE_TEMPLATE("cross-entropy: vocab shards with padding, and the fused convenience", T, ELEMENT_TYPES) {
+  const int N = 5, Vp = 68, V = 60, shards = 2, Vs = Vp / shards;  // shard 1 holds the padding columns
+  const float dloss = 1.0f / N;
+  const auto logits = rnd<T>(static_cast<std::size_t>(N) * Vp, 25, -4.0f, 4.0f);
+  const std::vector<int> targets = {0, 59, 33, 34, 17};
+  auto dtargets = up(targets);
+  const double tol = bound<T>(fp32_elem);
+
+  // Each shard's columns as its own [N, Vs] array; the "all-reduces" are done on the host.
+  std::vector<std::vector<T>> part(shards, std::vector<T>(static_cast<std::size_t>(N) * Vs));
+  for (int s = 0; s < shards; ++s)
+    for (int i = 0; i < N; ++i)
+      for (int j = 0; j < Vs; ++j) part[s][i * Vs + j] = logits[i * Vp + s * Vs + j];
+  std::vector<float> gmax(N, -INFINITY), gsum(N, 0.0f), gtl(N, 0.0f);
+  std::vector<std::vector<float>> hmax(shards, std::vector<float>(N));
+  for (int s = 0; s < shards; ++s) {
+    auto dl = up(part[s]);
+    Buffer<float, Cuda> dmax(N);
+    hk::logits_max(hmax[s].data(), part[s].data(), N, Vs, s * Vs, V);
+    ck::logits_max(stream(), dmax.data(), dl.data(), N, Vs, s * Vs, V);
+    CHECK(down(dmax) == hmax[s]);  // a max is exact
+    for (int i = 0; i < N; ++i) gmax[i] = std::max(gmax[i], hmax[s][i]);
+  }
+  auto dgmax = up(gmax);
+  for (int s = 0; s < shards; ++s) {
+    auto dl = up(part[s]);
+    std::vector<float> se(N), tl(N);
+    Buffer<float, Cuda> dse(N), dtl(N);
+    hk::crossentropy_partials(se.data(), tl.data(), part[s].data(), targets.data(), gmax.data(), N, Vs, s * Vs, V);
+    ck::crossentropy_partials(stream(), dse.data(), dtl.data(), dl.data(), dtargets.data(), dgmax.data(), N, Vs, s * Vs,
+                              V);
+    CHECK_CLOSE(se, down(dse), fp32_elem);
+    CHECK(down(dtl) == tl);
+    for (int i = 0; i < N; ++i) {
+      gsum[i] += se[i];
+      gtl[i] += tl[i];
+    }
+  }
+  auto dgsum = up(gsum), dgtl = up(gtl);
+  for (int s = 0; s < shards; ++s) {
+    auto dl = up(part[s]);
+    std::vector<float> loss(N);
+    std::vector<T> dlog(part[s].size());
+    Buffer<float, Cuda> dloss_(N);
+    hk::crossentropy_backward(loss.data(), dlog.data(), part[s].data(), targets.data(), gmax.data(), gsum.data(),
+                              gtl.data(), N, Vs, s * Vs, V, dloss);
+    ck::crossentropy_backward(stream(), dloss_.data(), dl.data(), dl.data(), dtargets.data(), dgmax.data(),
+                              dgsum.data(), dgtl.data(), N, Vs, s * Vs, V, dloss);  // in place
+    CHECK_CLOSE(loss, down(dloss_), fp32_elem);
+    CHECK_CLOSE(dlog, down(dl), tol);
+  }
+  {  // single shard, fused
+    std::vector<float> loss(N);
+    std::vector<T> dlog(logits.size());
+    auto dl = up(logits);
+    Buffer<float, Cuda> dloss_(N);
+    hk::crossentropy_forward_backward(loss.data(), dlog.data(), logits.data(), targets.data(), N, Vp, V, dloss);
+    ck::crossentropy_forward_backward(stream(), dloss_.data(), dl.data(), dl.data(), dtargets.data(), N, Vp, V, dloss);
+    CHECK_CLOSE(loss, down(dloss_), fp32_elem);
+    CHECK_CLOSE(dlog, down(dl), tol);
+  }
+}
+
+TEST_CASE_TEMPLATE("AdamW with fp32 master weights", T, ELEMENT_TYPES) {
+  const std::size_t n = 2049;
+  const auto master0 = rnd<float>(n, 26), m0 = rnd<float>(n, 27, -0.1f, 0.1f), v0 = rnd<float>(n, 28, 0.01f, 0.2f);
+  const auto grad = rnd<T>(n, 29);
+  std::vector<T> param(n);
+  for (std::size_t i = 0; i < n; ++i) param[i] = T(master0[i]);
+  auto dparam = up(param), dgrad = up(grad);
+  auto dmaster = up(master0), dm = up(m0), dv = up(v0);
+  auto master = master0, m = m0, v = v0;
+  hk::adamw_update(param.data(), master.data(), grad.data(), m.data(), v.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3);
+  ck::adamw_update(stream(), dparam.data(), dmaster.data(), dgrad.data(), dm.data(), dv.data(), n, 1e-3f, 0.9f, 0.95f,
+                   1e-8f, 0.1f, 3);
+  CHECK_CLOSE(master, down(dmaster), fp32_elem);
+  CHECK_CLOSE(m, down(dm), fp32_elem);
+  CHECK_CLOSE(v, down(dv), fp32_elem);
+  CHECK_CLOSE(param, down(dparam), bound<T>(fp32_elem));
+  if constexpr (std::is_same_v<T, float>) {  // no master: the update on param itself
+    auto p2 = master0, m2 = m0, v2 = v0;
+    auto dp2 = up(p2), dm2 = up(m2), dv2 = up(v2);
+    hk::adamw_update(p2.data(), nullptr, grad.data(), m2.data(), v2.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1);
+    ck::adamw_update(stream(), dp2.data(), nullptr, dgrad.data(), dm2.data(), dv2.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f,
+                     0.1f, 1);
+    CHECK_CLOSE(p2, down(dp2), fp32_elem);
+  } else {
+    CHECK_THROWS_AS(ck::adamw_update(stream(), dparam.data(), nullptr, dgrad.data(), dm.data(), dv.data(), n, 1e-3f,
+                                     0.9f, 0.95f, 1e-8f, 0.1f, 1),
+                    std::invalid_argument);
+  }
+}
+
+TEST_CASE_TEMPLATE("gradient norm: sum of squares, scale, clip", T, ELEMENT_TYPES) {
+  const std::size_t n = 300001;
+  const auto g1 = rnd<T>(n, 30), g2 = rnd<T>(777, 31);
+  auto d1 = up(g1), d2 = up(g2);
+  Buffer<float, Cuda> total(1);
+  ck::sum_of_squares(stream(), total.data(), d1.data(), n);
+  ck::sum_of_squares(stream(), total.data(), d2.data(), g2.size());  // accumulates
+  const double ref = hk::sum_of_squares(g1.data(), n) + hk::sum_of_squares(g2.data(), g2.size());
+  const float got = down(total)[0];
+  CHECK(std::fabs(got - ref) / ref <= 1e-5);
+  const float max_norm = 1.0f;
+  const float f = hk::clip_factor(ref, max_norm);
+  CHECK(ck::clip_factor(ref, max_norm) == f);
+  auto h1 = g1;
+  hk::scale(h1.data(), n, f);
+  ck::scale(stream(), d1.data(), n, f);
+  CHECK_CLOSE(h1, down(d1), bound<T>(fp32_elem));
+  auto h2 = g2;
+  hk::scale(h2.data(), h2.size(), f);
+  ck::clip_scale(stream(), d2.data(), g2.size(), total.data(), max_norm);  // factor computed on the device
+  CHECK_CLOSE(h2, down(d2), bound<T>(fp32_elem));
+}
+
+TEST_CASE_TEMPLATE("attention forward and backward (flash-style) against the reference", T, ELEMENT_TYPES) {
+  struct Shape {
+    int B, L, C, NH;  // L: sequence length
+  };
+  // hs = 32, 64 and 80 (padded to 128); T not a multiple of the 32-row tile.
+  for (const Shape s : {Shape{2, 70, 96, 3}, Shape{1, 33, 128, 2}, Shape{2, 45, 160, 2}}) {
+    CAPTURE(s.L);
+    CAPTURE(s.C);
+    CAPTURE(s.NH);
+    const std::size_t nqkv = static_cast<std::size_t>(s.B) * s.L * 3 * s.C, nout = static_cast<std::size_t>(s.B) * s.L * s.C;
+    const std::size_t nlse = static_cast<std::size_t>(s.B) * s.NH * s.L;
+    const auto qkv = rnd<T>(nqkv, 32, -1.5f, 1.5f), dout = rnd<T>(nout, 33);
+    std::vector<T> out(nout), dqkv(nqkv);
+    std::vector<float> lse(nlse);
+    hk::attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.L, s.C, s.NH);
+    hk::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.L, s.C, s.NH);
+    auto d_qkv = up(qkv), d_dout = up(dout);
+    Buffer<T, Cuda> d_out(nout), d_dqkv(nqkv);
+    Buffer<float, Cuda> d_lse(nlse);
+    ck::attention_forward(stream(), d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.L, s.C, s.NH);
+    CHECK_CLOSE(out, down(d_out), bound<T>(fp32_sum));
+    CHECK_CLOSE(lse, down(d_lse), fp32_sum);
+    // The backward from the reference's out and lse, so only the backward is compared.
+    auto d_out_ref = up(out);
+    auto d_lse_ref = up(lse);
+    ck::attention_backward(stream(), d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out_ref.data(), d_lse_ref.data(),
+                           s.B, s.L, s.C, s.NH);
+    CHECK_CLOSE(dqkv, down(d_dqkv), bound<T>(fp32_sum));
+  }
+  Buffer<T, Cuda> x(1024);
+  Buffer<float, Cuda> l(8);
+  CHECK_THROWS_AS(ck::attention_forward(stream(), x.data(), l.data(), x.data(), 1, 1, 100, 3), std::invalid_argument);
+  CHECK_THROWS_AS(ck::attention_forward(stream(), x.data(), l.data(), x.data(), 1, 1, 256, 1), std::invalid_argument);
+}
+
+int main(int argc, char** argv) {
+  if (fived::test::gpu_count() == 0) {
+    std::puts("test_kernels_cuda: no CUDA device, skipping");
+    return fived::test::skip_code;
+  }
+  doctest::Context ctx;
+  ctx.applyCommandLine(argc, argv);
+  return ctx.run();
+}
