@@ -1,0 +1,776 @@
+#pragma once
+// Reading and writing the safetensors format (https://github.com/huggingface/safetensors).
+//
+//   [8 bytes: N, little-endian u64] [N bytes: JSON header] [data section]
+//
+// The header is one JSON object: for every tensor  "name": {"dtype": "F32", "shape": [2, 3],
+// "data_offsets": [begin, end]}  (byte offsets into the data section), plus an optional
+// "__metadata__": {"key": "value", ...} of strings. The data section is row-major and
+// little-endian, fully covered by the tensors, without holes or overlaps.
+//
+// Reading: `SafetensorsFile::read(path)` loads the file, parses the header with a small
+// parser for exactly this subset of JSON (objects, arrays, strings with escapes, unsigned
+// integers; other values are skipped where they are unknown keys), and checks every rule
+// above. Errors are `SafetensorsError` with the file, the byte offset in the file and what
+// was expected.
+//
+// Writing: `SafetensorsWriter` collects (name, dtype, shape, bytes) views and `write(path)`
+// writes "<path>.tmp", flushes it to disk and renames it over <path> (atomic on POSIX). The
+// header is padded with spaces to a multiple of 8 bytes, so the data section starts 8-byte
+// aligned, and tensors are ordered by decreasing element size (then name), so every tensor
+// is aligned to its element size — what the reference implementation does.
+//
+// Only little-endian hosts are supported (static_assert).
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if __has_include(<unistd.h>)
+#include <unistd.h>
+#define FIVED_SAFETENSORS_HAS_FSYNC 1
+#endif
+
+#include "fived/device/bf16.hpp"
+
+namespace fived::io {
+
+static_assert(std::endian::native == std::endian::little,
+              "fived::io::safetensors supports little-endian hosts only (the format is little-endian)");
+
+class SafetensorsError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class Dtype : std::uint8_t { BOOL, U8, I8, I16, U16, F16, BF16, I32, U32, F32, I64, U64, F64 };
+
+constexpr std::string_view dtype_name(Dtype d) {
+  switch (d) {
+    case Dtype::BOOL: return "BOOL";
+    case Dtype::U8: return "U8";
+    case Dtype::I8: return "I8";
+    case Dtype::I16: return "I16";
+    case Dtype::U16: return "U16";
+    case Dtype::F16: return "F16";
+    case Dtype::BF16: return "BF16";
+    case Dtype::I32: return "I32";
+    case Dtype::U32: return "U32";
+    case Dtype::F32: return "F32";
+    case Dtype::I64: return "I64";
+    case Dtype::U64: return "U64";
+    case Dtype::F64: return "F64";
+  }
+  return "?";
+}
+
+constexpr std::size_t dtype_size(Dtype d) {
+  switch (d) {
+    case Dtype::BOOL:
+    case Dtype::U8:
+    case Dtype::I8: return 1;
+    case Dtype::I16:
+    case Dtype::U16:
+    case Dtype::F16:
+    case Dtype::BF16: return 2;
+    case Dtype::I32:
+    case Dtype::U32:
+    case Dtype::F32: return 4;
+    case Dtype::I64:
+    case Dtype::U64:
+    case Dtype::F64: return 8;
+  }
+  return 0;
+}
+
+constexpr bool is_floating(Dtype d) {
+  return d == Dtype::F16 || d == Dtype::BF16 || d == Dtype::F32 || d == Dtype::F64;
+}
+
+inline std::optional<Dtype> parse_dtype(std::string_view s) {
+  for (int i = 0; i <= static_cast<int>(Dtype::F64); ++i)
+    if (dtype_name(static_cast<Dtype>(i)) == s) return static_cast<Dtype>(i);
+  return std::nullopt;
+}
+
+// The safetensors dtype of a C++ element type (no F16: there is no host half type here;
+// F16 files are read by converting, see SafetensorsFile::read_into).
+template <class T> struct dtype_of_t;
+template <> struct dtype_of_t<float> { static constexpr Dtype value = Dtype::F32; };
+template <> struct dtype_of_t<double> { static constexpr Dtype value = Dtype::F64; };
+template <> struct dtype_of_t<bf16> { static constexpr Dtype value = Dtype::BF16; };
+template <> struct dtype_of_t<std::int8_t> { static constexpr Dtype value = Dtype::I8; };
+template <> struct dtype_of_t<std::uint8_t> { static constexpr Dtype value = Dtype::U8; };
+template <> struct dtype_of_t<std::int16_t> { static constexpr Dtype value = Dtype::I16; };
+template <> struct dtype_of_t<std::uint16_t> { static constexpr Dtype value = Dtype::U16; };
+template <> struct dtype_of_t<std::int32_t> { static constexpr Dtype value = Dtype::I32; };
+template <> struct dtype_of_t<std::uint32_t> { static constexpr Dtype value = Dtype::U32; };
+template <> struct dtype_of_t<std::int64_t> { static constexpr Dtype value = Dtype::I64; };
+template <> struct dtype_of_t<std::uint64_t> { static constexpr Dtype value = Dtype::U64; };
+template <class T> inline constexpr Dtype dtype_of = dtype_of_t<std::remove_cv_t<T>>::value;
+
+// IEEE half (binary16) bits to float, exact.
+inline float half_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  std::uint32_t exp = (h >> 10) & 0x1fu;
+  std::uint32_t man = h & 0x3ffu;
+  std::uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf / NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;  // +-0
+  } else {        // subnormal: normalise
+    int e = -1;
+    do {
+      ++e;
+      man <<= 1;
+    } while ((man & 0x400u) == 0);
+    bits = sign | ((112u - static_cast<std::uint32_t>(e)) << 23) | ((man & 0x3ffu) << 13);
+  }
+  return std::bit_cast<float>(bits);
+}
+
+inline std::string shape_string(std::span<const std::int64_t> shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+// One tensor of a file: offsets are into the data section.
+struct TensorEntry {
+  std::string name;
+  Dtype dtype = Dtype::F32;
+  std::vector<std::int64_t> shape;
+  std::size_t begin = 0, end = 0;
+
+  std::size_t numel() const {
+    std::size_t n = 1;
+    for (auto d : shape) n *= static_cast<std::size_t>(d);
+    return n;
+  }
+  std::size_t nbytes() const { return end - begin; }
+};
+
+namespace detail {
+
+// A parser for the safetensors header: exactly the JSON it needs, with errors that say
+// where (byte offset in the file) and what was expected.
+class HeaderParser {
+ public:
+  HeaderParser(std::string_view text, std::string source, std::size_t base)
+      : s_(text), source_(std::move(source)), base_(base) {}
+
+  [[noreturn]] void fail(const std::string& what) const { fail_at(pos_, what); }
+  [[noreturn]] void fail_at(std::size_t pos, const std::string& what) const {
+    throw SafetensorsError(source_ + ": safetensors header, byte " + std::to_string(base_ + pos) + " of the file: " +
+                           what);
+  }
+
+  std::string found() const {
+    if (pos_ >= s_.size()) return "the end of the header";
+    const unsigned char c = static_cast<unsigned char>(s_[pos_]);
+    if (c >= 0x20 && c < 0x7f) return std::string("'") + static_cast<char>(c) + "'";
+    char buf[16];
+    std::snprintf(buf, sizeof buf, "byte 0x%02x", c);
+    return buf;
+  }
+
+  void ws() {
+    while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r')) ++pos_;
+  }
+  bool at_end() const { return pos_ >= s_.size(); }
+  std::size_t pos() const { return pos_; }
+  bool peek(char c) {
+    ws();
+    return pos_ < s_.size() && s_[pos_] == c;
+  }
+  void expect(char c, std::string_view what) {
+    ws();
+    if (pos_ >= s_.size() || s_[pos_] != c) fail("expected " + std::string(what) + ", found " + found());
+    ++pos_;
+  }
+
+  std::string string(std::string_view what) {
+    ws();
+    if (pos_ >= s_.size() || s_[pos_] != '"') fail("expected " + std::string(what) + " (a JSON string), found " + found());
+    const std::size_t start = pos_;
+    ++pos_;
+    std::string out;
+    for (;;) {
+      if (pos_ >= s_.size()) fail_at(start, "unterminated string");
+      const char c = s_[pos_++];
+      if (c == '"') return out;
+      if (static_cast<unsigned char>(c) < 0x20) fail_at(pos_ - 1, "control character inside a string (must be escaped)");
+      if (c != '\\') {
+        out += c;
+        continue;
+      }
+      if (pos_ >= s_.size()) fail_at(start, "unterminated string");
+      const char e = s_[pos_++];
+      switch (e) {
+        case '"': out += '"'; break;
+        case '\\': out += '\\'; break;
+        case '/': out += '/'; break;
+        case 'b': out += '\b'; break;
+        case 'f': out += '\f'; break;
+        case 'n': out += '\n'; break;
+        case 'r': out += '\r'; break;
+        case 't': out += '\t'; break;
+        case 'u': {
+          std::uint32_t cp = hex4();
+          if (cp >= 0xd800 && cp < 0xdc00) {  // surrogate pair
+            if (pos_ + 1 >= s_.size() || s_[pos_] != '\\' || s_[pos_ + 1] != 'u')
+              fail("expected a low surrogate \\uDC00-\\uDFFF after a high surrogate");
+            pos_ += 2;
+            const std::uint32_t lo = hex4();
+            if (lo < 0xdc00 || lo >= 0xe000) fail_at(pos_ - 4, "expected a low surrogate \\uDC00-\\uDFFF");
+            cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
+          } else if (cp >= 0xdc00 && cp < 0xe000) {
+            fail_at(pos_ - 4, "unpaired low surrogate");
+          }
+          utf8(out, cp);
+          break;
+        }
+        default: fail_at(pos_ - 1, std::string("unknown escape \\") + e);
+      }
+    }
+  }
+
+  // A non-negative JSON integer (no sign, fraction or exponent).
+  std::uint64_t uint(std::string_view what) {
+    ws();
+    if (pos_ >= s_.size() || s_[pos_] < '0' || s_[pos_] > '9')
+      fail("expected " + std::string(what) + " (a non-negative integer), found " + found());
+    const std::size_t start = pos_;
+    std::uint64_t v = 0;
+    while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') {
+      const std::uint64_t d = static_cast<std::uint64_t>(s_[pos_] - '0');
+      if (v > (UINT64_MAX - d) / 10) fail_at(start, std::string(what) + " does not fit in 64 bits");
+      v = v * 10 + d;
+      ++pos_;
+    }
+    if (pos_ - start > 1 && s_[start] == '0') fail_at(start, std::string(what) + " has a leading zero");
+    if (pos_ < s_.size() && (s_[pos_] == '.' || s_[pos_] == 'e' || s_[pos_] == 'E'))
+      fail("expected " + std::string(what) + " to be an integer, found a fraction or exponent");
+    return v;
+  }
+
+  // [u, u, ...]
+  std::vector<std::uint64_t> uint_array(std::string_view what) {
+    expect('[', "'[' to start " + std::string(what));
+    std::vector<std::uint64_t> v;
+    if (peek(']')) {
+      ++pos_;
+      return v;
+    }
+    for (;;) {
+      v.push_back(uint(std::string(what) + " element"));
+      ws();
+      if (peek(']')) {
+        ++pos_;
+        return v;
+      }
+      expect(',', "',' or ']' in " + std::string(what));
+    }
+  }
+
+  // Skips any JSON value (for keys this reader does not know).
+  void skip_value(int depth = 0) {
+    if (depth > 64) fail("JSON nested too deeply");
+    ws();
+    if (pos_ >= s_.size()) fail("expected a JSON value, found the end of the header");
+    const char c = s_[pos_];
+    if (c == '"') {
+      string("a string");
+    } else if (c == '{' || c == '[') {
+      const char close = c == '{' ? '}' : ']';
+      ++pos_;
+      if (peek(close)) {
+        ++pos_;
+        return;
+      }
+      for (;;) {
+        if (c == '{') {
+          string("an object key");
+          expect(':', "':' after an object key");
+        }
+        skip_value(depth + 1);
+        if (peek(close)) {
+          ++pos_;
+          return;
+        }
+        expect(',', std::string("',' or '") + close + "'");
+      }
+    } else if (c == '-' || (c >= '0' && c <= '9')) {
+      ++pos_;
+      while (pos_ < s_.size() && std::strchr("0123456789.eE+-", s_[pos_]) != nullptr && s_[pos_] != '\0') ++pos_;
+    } else if (literal("true") || literal("false") || literal("null")) {
+    } else {
+      fail("expected a JSON value, found " + found());
+    }
+  }
+
+ private:
+  bool literal(std::string_view w) {
+    if (s_.substr(pos_, w.size()) != w) return false;
+    pos_ += w.size();
+    return true;
+  }
+  std::uint32_t hex4() {
+    if (pos_ + 4 > s_.size()) fail("expected 4 hex digits after \\u");
+    std::uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) {
+      const char h = s_[pos_++];
+      v <<= 4;
+      if (h >= '0' && h <= '9') v |= static_cast<std::uint32_t>(h - '0');
+      else if (h >= 'a' && h <= 'f') v |= static_cast<std::uint32_t>(h - 'a' + 10);
+      else if (h >= 'A' && h <= 'F') v |= static_cast<std::uint32_t>(h - 'A' + 10);
+      else fail_at(pos_ - 1, "expected a hex digit after \\u");
+    }
+    return v;
+  }
+  static void utf8(std::string& out, std::uint32_t cp) {
+    if (cp < 0x80) {
+      out += static_cast<char>(cp);
+    } else if (cp < 0x800) {
+      out += static_cast<char>(0xc0 | (cp >> 6));
+      out += static_cast<char>(0x80 | (cp & 0x3f));
+    } else if (cp < 0x10000) {
+      out += static_cast<char>(0xe0 | (cp >> 12));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
+      out += static_cast<char>(0x80 | (cp & 0x3f));
+    } else {
+      out += static_cast<char>(0xf0 | (cp >> 18));
+      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3f));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
+      out += static_cast<char>(0x80 | (cp & 0x3f));
+    }
+  }
+
+  std::string_view s_;
+  std::string source_;
+  std::size_t base_;
+  std::size_t pos_ = 0;
+};
+
+inline void json_string(std::string& out, std::string_view s) {
+  out += '"';
+  for (char c : s) {
+    const auto u = static_cast<unsigned char>(c);
+    if (c == '"') out += "\\\"";
+    else if (c == '\\') out += "\\\\";
+    else if (u < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", u);
+      out += buf;
+    } else out += c;
+  }
+  out += '"';
+}
+
+}  // namespace detail
+
+// Largest header accepted (as the reference implementation: 100 MB).
+inline constexpr std::uint64_t max_header_bytes = 100'000'000;
+
+// A safetensors file read into memory.
+class SafetensorsFile {
+ public:
+  static SafetensorsFile read(const std::filesystem::path& path) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw SafetensorsError(path.string() + ": cannot open for reading (" + std::strerror(errno) + ")");
+    in.seekg(0, std::ios::end);
+    const auto size = static_cast<std::size_t>(in.tellg());
+    in.seekg(0);
+    std::vector<std::byte> bytes(size);
+    if (size && !in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size)))
+      throw SafetensorsError(path.string() + ": read error");
+    return parse(std::move(bytes), path.string());
+  }
+
+  // Parses a whole file held in memory; `source` names it in errors.
+  static SafetensorsFile parse(std::vector<std::byte> bytes, std::string source = "<memory>") {
+    SafetensorsFile f;
+    f.source_ = std::move(source);
+    f.bytes_ = std::move(bytes);
+    f.parse_header();
+    return f;
+  }
+
+  const std::string& source() const { return source_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // In data order (increasing offsets).
+  const std::vector<TensorEntry>& tensors() const { return tensors_; }
+
+  const TensorEntry* find(std::string_view name) const {
+    auto it = index_.find(std::string(name));
+    return it == index_.end() ? nullptr : &tensors_[it->second];
+  }
+  const TensorEntry& at(std::string_view name) const {
+    if (const TensorEntry* e = find(name)) return *e;
+    std::string list;
+    for (std::size_t i = 0; i < tensors_.size() && i < 8; ++i) {
+      if (i) list += ", ";
+      list += tensors_[i].name;
+    }
+    if (tensors_.size() > 8) list += ", ...";
+    throw SafetensorsError(source_ + ": no tensor named '" + std::string(name) + "' (the file has " +
+                           std::to_string(tensors_.size()) + " tensors" + (list.empty() ? "" : ": " + list) + ")");
+  }
+
+  std::span<const std::byte> bytes(const TensorEntry& e) const {
+    return std::span<const std::byte>(bytes_).subspan(data_start_ + e.begin, e.nbytes());
+  }
+
+  // Copies a tensor into `out` (out.size() must equal its element count). Floating
+  // element types accept any floating dtype (F64, F32, F16, BF16) and convert with
+  // rounding to nearest; other element types need the exact dtype.
+  template <class T>
+  void read_into(const TensorEntry& e, std::span<T> out) const {
+    if (out.size() != e.numel())
+      throw SafetensorsError(source_ + ": tensor '" + e.name + "' has " + std::to_string(e.numel()) +
+                             " elements, the destination has " + std::to_string(out.size()));
+    const std::byte* p = bytes_.data() + data_start_ + e.begin;
+    constexpr bool floating = std::is_floating_point_v<T> || std::is_same_v<T, bf16>;
+    if (e.dtype == dtype_of<T>) {
+      if (!out.empty()) std::memcpy(out.data(), p, e.nbytes());
+      return;
+    }
+    if constexpr (floating) {
+      if (is_floating(e.dtype)) {
+        for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<T>(element_as_double(e.dtype, p, i));
+        return;
+      }
+    }
+    throw SafetensorsError(source_ + ": tensor '" + e.name + "' is " + std::string(dtype_name(e.dtype)) +
+                           ", cannot read it as " + std::string(dtype_name(dtype_of<T>)));
+  }
+  template <class T>
+  std::vector<T> read(std::string_view name) const {
+    const TensorEntry& e = at(name);
+    std::vector<T> v(e.numel());
+    read_into(e, std::span<T>(v));
+    return v;
+  }
+
+ private:
+  static double element_as_double(Dtype d, const std::byte* p, std::size_t i) {
+    switch (d) {
+      case Dtype::F64: { double x; std::memcpy(&x, p + 8 * i, 8); return x; }
+      case Dtype::F32: { float x; std::memcpy(&x, p + 4 * i, 4); return x; }
+      case Dtype::BF16: { std::uint16_t b; std::memcpy(&b, p + 2 * i, 2); return float(bf16::from_bits(b)); }
+      case Dtype::F16: { std::uint16_t b; std::memcpy(&b, p + 2 * i, 2); return half_to_float(b); }
+      default: return 0;
+    }
+  }
+
+  void parse_header() {
+    if (bytes_.size() < 8)
+      throw SafetensorsError(source_ + ": truncated: the file has " + std::to_string(bytes_.size()) +
+                             " bytes, a safetensors file starts with an 8-byte header length");
+    std::uint64_t n = 0;
+    std::memcpy(&n, bytes_.data(), 8);
+    if (n > max_header_bytes)
+      throw SafetensorsError(source_ + ": the header length is " + std::to_string(n) + " bytes, more than the " +
+                             std::to_string(max_header_bytes) + " allowed (not a safetensors file?)");
+    if (n > bytes_.size() - 8)
+      throw SafetensorsError(source_ + ": truncated: the header length is " + std::to_string(n) +
+                             " bytes but only " + std::to_string(bytes_.size() - 8) + " bytes follow it");
+    data_start_ = 8 + static_cast<std::size_t>(n);
+    const std::size_t data_size = bytes_.size() - data_start_;
+    std::string_view text(reinterpret_cast<const char*>(bytes_.data()) + 8, static_cast<std::size_t>(n));
+    detail::HeaderParser P(text, source_, 8);
+
+    if (text.empty() || text[0] != '{') P.fail("expected '{' (the header must start with a JSON object), found " + P.found());
+    P.expect('{', "'{'");
+    bool first = true;
+    while (!P.peek('}')) {
+      if (!first) P.expect(',', "',' or '}' after a header entry");
+      first = false;
+      const std::size_t key_pos = (P.ws(), P.pos());
+      std::string key = P.string("a tensor name or \"__metadata__\"");
+      P.expect(':', "':' after \"" + key + "\"");
+      if (key == "__metadata__") {
+        if (saw_metadata_) P.fail_at(key_pos, "\"__metadata__\" appears twice");
+        saw_metadata_ = true;
+        parse_metadata(P);
+        continue;
+      }
+      if (index_.count(key)) P.fail_at(key_pos, "tensor \"" + key + "\" appears twice");
+      tensors_.push_back(parse_tensor(P, key, key_pos, data_size));
+      index_.emplace(key, tensors_.size() - 1);
+    }
+    P.expect('}', "'}'");
+    P.ws();
+    if (!P.at_end()) P.fail("expected only whitespace after the header object, found " + P.found());
+
+    // The data section must be covered exactly: no overlaps, no holes, nothing past the end.
+    std::vector<std::size_t> order(tensors_.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      return std::pair(tensors_[a].begin, tensors_[a].end) < std::pair(tensors_[b].begin, tensors_[b].end);
+    });
+    std::size_t covered = 0;
+    const TensorEntry* prev = nullptr;
+    for (std::size_t i : order) {
+      const TensorEntry& e = tensors_[i];
+      if (e.begin < covered)
+        throw SafetensorsError(source_ + ": tensors '" + prev->name + "' (bytes [" + std::to_string(prev->begin) + ", " +
+                               std::to_string(prev->end) + ")) and '" + e.name + "' (bytes [" + std::to_string(e.begin) +
+                               ", " + std::to_string(e.end) + ")) overlap in the data section");
+      if (e.begin > covered)
+        throw SafetensorsError(source_ + ": bytes [" + std::to_string(covered) + ", " + std::to_string(e.begin) +
+                               ") of the data section belong to no tensor (the format allows no holes)");
+      covered = e.end;
+      if (e.nbytes() > 0) prev = &e;
+    }
+    if (covered != data_size)
+      throw SafetensorsError(source_ + ": the data section has " + std::to_string(data_size) +
+                             " bytes but the tensors cover " + std::to_string(covered) +
+                             " (trailing bytes that belong to no tensor)");
+    std::vector<TensorEntry> sorted;
+    sorted.reserve(tensors_.size());
+    for (std::size_t i : order) sorted.push_back(std::move(tensors_[i]));
+    tensors_ = std::move(sorted);
+    index_.clear();
+    for (std::size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
+  }
+
+  void parse_metadata(detail::HeaderParser& P) {
+    P.expect('{', "'{' to start \"__metadata__\" (an object of strings)");
+    bool first = true;
+    while (!P.peek('}')) {
+      if (!first) P.expect(',', "',' or '}' in \"__metadata__\"");
+      first = false;
+      std::string k = P.string("a metadata key");
+      P.expect(':', "':' after a metadata key");
+      std::string v = P.string("a metadata value (metadata values must be strings)");
+      metadata_[std::move(k)] = std::move(v);
+    }
+    P.expect('}', "'}'");
+  }
+
+  TensorEntry parse_tensor(detail::HeaderParser& P, const std::string& name, std::size_t key_pos,
+                           std::size_t data_size) {
+    TensorEntry e;
+    e.name = name;
+    bool has_dtype = false, has_shape = false, has_offsets = false;
+    std::vector<std::uint64_t> offsets;
+    P.expect('{', "'{' to start the entry of tensor \"" + name + "\"");
+    bool first = true;
+    while (!P.peek('}')) {
+      if (!first) P.expect(',', "',' or '}' in the entry of tensor \"" + name + "\"");
+      first = false;
+      const std::size_t field_pos = (P.ws(), P.pos());
+      std::string field = P.string("a field name (\"dtype\", \"shape\" or \"data_offsets\")");
+      P.expect(':', "':' after \"" + field + "\"");
+      if (field == "dtype") {
+        const std::size_t at = (P.ws(), P.pos());
+        std::string d = P.string("the dtype");
+        auto dt = parse_dtype(d);
+        if (!dt) P.fail_at(at, "tensor \"" + name + "\" has unknown dtype \"" + d + "\"");
+        e.dtype = *dt;
+        has_dtype = true;
+      } else if (field == "shape") {
+        for (auto d : P.uint_array("the shape")) {
+          if (d > static_cast<std::uint64_t>(INT64_MAX)) P.fail("a dimension of \"" + name + "\" is too large");
+          e.shape.push_back(static_cast<std::int64_t>(d));
+        }
+        has_shape = true;
+      } else if (field == "data_offsets") {
+        const std::size_t at = (P.ws(), P.pos());
+        offsets = P.uint_array("data_offsets");
+        if (offsets.size() != 2) P.fail_at(at, "data_offsets of \"" + name + "\" must be [begin, end]");
+        has_offsets = true;
+      } else {
+        P.skip_value();  // unknown fields are ignored, as the reference implementation does
+      }
+      (void)field_pos;
+    }
+    P.expect('}', "'}'");
+    if (!has_dtype || !has_shape || !has_offsets)
+      P.fail_at(key_pos, "tensor \"" + name + "\" lacks " +
+                             (!has_dtype ? "\"dtype\"" : !has_shape ? "\"shape\"" : "\"data_offsets\""));
+    const std::uint64_t b = offsets[0], en = offsets[1];
+    if (b > en)
+      P.fail_at(key_pos, "tensor \"" + name + "\" has data_offsets [" + std::to_string(b) + ", " + std::to_string(en) +
+                             "] with begin > end");
+    if (en > data_size)
+      throw SafetensorsError(source_ + ": tensor '" + name + "' has data_offsets [" + std::to_string(b) + ", " +
+                             std::to_string(en) + "] past the end of the data section (" + std::to_string(data_size) +
+                             " bytes; is the file truncated?)");
+    // numel * element size must equal the byte range (with overflow checks)
+    std::uint64_t bytes = dtype_size(e.dtype);
+    bool overflow = false;
+    for (auto d : e.shape) {
+      const auto u = static_cast<std::uint64_t>(d);
+      if (u != 0 && bytes > UINT64_MAX / u) overflow = true;
+      bytes *= u;
+    }
+    if (overflow || bytes != en - b)
+      P.fail_at(key_pos, "tensor \"" + name + "\" is " + std::string(dtype_name(e.dtype)) + " " + shape_string(e.shape) +
+                             " but its data_offsets [" + std::to_string(b) + ", " + std::to_string(en) + "] span " +
+                             std::to_string(en - b) + " bytes");
+    e.begin = static_cast<std::size_t>(b);
+    e.end = static_cast<std::size_t>(en);
+    return e;
+  }
+
+  std::string source_;
+  std::vector<std::byte> bytes_;
+  std::size_t data_start_ = 0;
+  std::vector<TensorEntry> tensors_;
+  std::map<std::string, std::size_t> index_;
+  std::map<std::string, std::string> metadata_;
+  bool saw_metadata_ = false;
+};
+
+// Collects tensors (views: the data must stay alive until write) and writes a file.
+class SafetensorsWriter {
+ public:
+  void add(std::string name, Dtype dtype, std::vector<std::int64_t> shape, std::span<const std::byte> data) {
+    if (name == "__metadata__") throw std::invalid_argument("safetensors: \"__metadata__\" is not a tensor name");
+    for (const auto& t : tensors_)
+      if (t.name == name) throw std::invalid_argument("safetensors: tensor '" + name + "' added twice");
+    std::size_t n = dtype_size(dtype);
+    for (auto d : shape) {
+      if (d < 0) throw std::invalid_argument("safetensors: tensor '" + name + "' has a negative dimension");
+      n *= static_cast<std::size_t>(d);
+    }
+    if (n != data.size())
+      throw std::invalid_argument("safetensors: tensor '" + name + "' is " + std::string(dtype_name(dtype)) + " " +
+                                  shape_string(shape) + " (" + std::to_string(n) + " bytes) but " +
+                                  std::to_string(data.size()) + " bytes were given");
+    tensors_.push_back(Item{std::move(name), dtype, std::move(shape), data});
+  }
+  template <class T>
+  void add(std::string name, std::vector<std::int64_t> shape, std::span<const T> data) {
+    add(std::move(name), dtype_of<T>, std::move(shape), std::as_bytes(data));
+  }
+  template <class T>
+  void add(std::string name, std::vector<std::int64_t> shape, std::span<T> data) {
+    add(std::move(name), std::move(shape), std::span<const T>(data));
+  }
+  void add_metadata(std::string key, std::string value) { metadata_[std::move(key)] = std::move(value); }
+
+  // The whole file in memory (what write() puts on disk).
+  std::vector<std::byte> serialize() const {
+    std::vector<std::byte> out;
+    emit([&](const void* p, std::size_t n) {
+      auto b = static_cast<const std::byte*>(p);
+      out.insert(out.end(), b, b + n);
+    });
+    return out;
+  }
+
+  // Writes "<path>.tmp", flushes it to disk, renames it to path.
+  void write(const std::filesystem::path& path) const {
+    std::filesystem::path tmp = path;
+    tmp += ".tmp";
+    std::FILE* f = std::fopen(tmp.c_str(), "wb");
+    if (!f) throw SafetensorsError(tmp.string() + ": cannot open for writing (" + std::strerror(errno) + ")");
+    bool ok = true;
+    emit([&](const void* p, std::size_t n) {
+      if (ok && n && std::fwrite(p, 1, n, f) != n) ok = false;
+    });
+    ok = ok && std::fflush(f) == 0;
+#ifdef FIVED_SAFETENSORS_HAS_FSYNC
+    ok = ok && ::fsync(fileno(f)) == 0;
+#endif
+    const int err = errno;
+    ok = (std::fclose(f) == 0) && ok;
+    if (!ok) {
+      std::error_code ec;
+      std::filesystem::remove(tmp, ec);
+      throw SafetensorsError(tmp.string() + ": write failed (" + std::strerror(err) + ")");
+    }
+    std::error_code ec;
+    std::filesystem::rename(tmp, path, ec);
+    if (ec) {
+      std::filesystem::remove(tmp, ec);
+      throw SafetensorsError(path.string() + ": cannot rename " + tmp.string() + " to it (" + ec.message() + ")");
+    }
+  }
+
+ private:
+  struct Item {
+    std::string name;
+    Dtype dtype;
+    std::vector<std::int64_t> shape;
+    std::span<const std::byte> data;
+  };
+
+  template <class Sink>
+  void emit(Sink&& sink) const {
+    std::vector<const Item*> order;
+    for (const auto& t : tensors_) order.push_back(&t);
+    std::stable_sort(order.begin(), order.end(), [](const Item* a, const Item* b) {
+      if (dtype_size(a->dtype) != dtype_size(b->dtype)) return dtype_size(a->dtype) > dtype_size(b->dtype);
+      return a->name < b->name;
+    });
+    std::string h = "{";
+    bool first = true;
+    if (!metadata_.empty()) {
+      h += "\"__metadata__\":{";
+      for (const auto& [k, v] : metadata_) {
+        if (!first) h += ',';
+        first = false;
+        detail::json_string(h, k);
+        h += ':';
+        detail::json_string(h, v);
+      }
+      h += '}';
+      first = false;
+    }
+    std::size_t off = 0;
+    for (const Item* t : order) {
+      if (!first) h += ',';
+      first = false;
+      detail::json_string(h, t->name);
+      h += ":{\"dtype\":\"";
+      h += dtype_name(t->dtype);
+      h += "\",\"shape\":[";
+      for (std::size_t i = 0; i < t->shape.size(); ++i) {
+        if (i) h += ',';
+        h += std::to_string(t->shape[i]);
+      }
+      h += "],\"data_offsets\":[";
+      h += std::to_string(off);
+      h += ',';
+      h += std::to_string(off + t->data.size());
+      h += "]}";
+      off += t->data.size();
+    }
+    h += '}';
+    while (h.size() % 8 != 0) h += ' ';  // the data section starts 8-byte aligned
+    const std::uint64_t n = h.size();
+    sink(&n, 8);
+    sink(h.data(), h.size());
+    for (const Item* t : order) sink(t->data.data(), t->data.size());
+  }
+
+  std::vector<Item> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+}  // namespace fived::io

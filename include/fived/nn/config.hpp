@@ -1,0 +1,70 @@
+#pragma once
+// GPT model configuration: a struct of static constants.
+//
+//   struct tiny : fived::gpt_config {           // GPT-2 124M defaults, override by hiding
+//     static constexpr int layers = 2, d_model = 64, heads = 4, vocab = 256, max_seq = 64;
+//   };
+//
+// A configuration is read through `gpt_dims<Cfg>`, which checks it (static_assert with a
+// sentence) and derives the sizes the model needs (head size, padded vocabulary, ...).
+// Nothing in a configuration is a run-time value: every parameter offset follows from it
+// at compile time (nn/layout.hpp).
+
+namespace fived {
+
+// GPT-2 124M ("gpt2" on Hugging Face). Derive and hide the members to change them.
+struct gpt_config {
+  static constexpr int layers = 12;      // transformer blocks
+  static constexpr int d_model = 768;    // C: width of the residual stream
+  static constexpr int heads = 12;       // attention heads; head size = d_model / heads
+  static constexpr int vocab = 50257;    // V: real vocabulary (token ids are in [0, V))
+  static constexpr int max_seq = 1024;   // rows of the position embedding
+  static constexpr bool tied = true;     // lm_head shares wte (GPT-2); false adds lm_head.weight
+  static constexpr int mlp_ratio = 4;    // MLP hidden width = mlp_ratio * d_model
+  // The embedding and the logits use a vocabulary padded up to a multiple of this (GPU
+  // friendly GEMM shapes; a multiple of TP for the vocab-parallel loss later). Padded rows
+  // are zero, get zero gradient and never count in the loss. 1 turns padding off.
+  static constexpr int vocab_multiple = 128;
+};
+
+// Everything the model derives from a configuration, checked once here.
+template <class Cfg>
+struct gpt_dims {
+  static constexpr int layers = Cfg::layers;
+  static constexpr int d_model = Cfg::d_model;
+  static constexpr int heads = Cfg::heads;
+  static constexpr int vocab = Cfg::vocab;
+  static constexpr int max_seq = Cfg::max_seq;
+  static constexpr bool tied = Cfg::tied;
+  static constexpr int mlp_ratio = Cfg::mlp_ratio;
+  static constexpr int vocab_multiple = Cfg::vocab_multiple;
+
+  static_assert(layers >= 1, "gpt config: layers must be at least 1");
+  static_assert(d_model >= 1, "gpt config: d_model must be at least 1");
+  static_assert(heads >= 1, "gpt config: heads must be at least 1");
+  static_assert(d_model % heads == 0, "gpt config: heads must divide d_model (every head gets d_model / heads columns)");
+  static_assert(vocab >= 2, "gpt config: vocab must be at least 2");
+  static_assert(max_seq >= 1, "gpt config: max_seq must be at least 1");
+  static_assert(mlp_ratio >= 1, "gpt config: mlp_ratio must be at least 1");
+  static_assert(vocab_multiple >= 1, "gpt config: vocab_multiple must be at least 1 (1 means no padding)");
+
+  static constexpr int head_size = d_model / heads;
+  static constexpr int d_ff = mlp_ratio * d_model;  // MLP hidden width
+  // The vocabulary rounded up to a multiple of vocab_multiple (50257 -> 50304 for GPT-2).
+  static constexpr int padded_vocab = (vocab + vocab_multiple - 1) / vocab_multiple * vocab_multiple;
+
+  // Parameter counts must fit the offsets' type comfortably; guard the int products used
+  // by the kernels (rows * columns of one tensor).
+  static_assert(static_cast<long long>(padded_vocab) * d_model < (1LL << 31),
+                "gpt config: padded_vocab * d_model must fit in a 32-bit int (kernel sizes are int)");
+  static_assert(static_cast<long long>(d_model) * d_ff < (1LL << 31),
+                "gpt config: d_model * mlp_ratio * d_model must fit in a 32-bit int (kernel sizes are int)");
+};
+
+// The padded vocabulary of a configuration (see gpt_config::vocab_multiple).
+template <class Cfg>
+inline constexpr int padded_vocab = gpt_dims<Cfg>::padded_vocab;
+
+static_assert(padded_vocab<gpt_config> == 50304);
+
+}  // namespace fived

@@ -1,0 +1,451 @@
+// The reference GPT: compile-time layout (GPT-2 124M sizes), initialisation by element
+// index (slices equal the whole), a gradient check of every parameter tensor in double
+// against central finite differences, loss at init, safetensors round trip and the
+// loader's errors, and a loss that drops under AdamW.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "fived/io/safetensors.hpp"
+#include "fived/kernels/host.hpp"
+#include "fived/nn/config.hpp"
+#include "fived/nn/gpt.hpp"
+#include "fived/nn/init.hpp"
+#include "fived/nn/layout.hpp"
+
+using namespace fived;
+
+namespace {
+
+// ---- layout, at compile time ---------------------------------------------------------------
+
+using gpt2 = GptLayout<gpt_config>;
+static_assert(gpt_dims<gpt_config>::padded_vocab == 50304);
+static_assert(gpt2::num_parameters == 124'439'808, "GPT-2 124M as Hugging Face counts it (wte 50257 rows)");
+static_assert(gpt2::size == 124'475'904, "the buffer holds wte padded to 50304 rows: +47 * 768");
+static_assert(gpt2::count == 2 + 12 * 12 + 2);
+static_assert(gpt2::offset(ParamKind::wte) == 0);
+static_assert(gpt2::offset(ParamKind::wpe) == 50304u * 768);
+static_assert(gpt2::offset(ParamKind::ln_1_weight, 0) == 50304u * 768 + 1024u * 768);
+static_assert(gpt2::layer_size == 7'087'872);
+static_assert(gpt2::layer_begin(5) == gpt2::layer_begin(0) + 5 * gpt2::layer_size);
+static_assert(gpt2::layer_end(11) == gpt2::offset(ParamKind::ln_f_weight));
+static_assert(gpt2::info(ParamKind::attn_c_attn_weight, 3).rows == 768 && gpt2::info(ParamKind::attn_c_attn_weight, 3).cols == 2304);
+static_assert(gpt2::info(ParamKind::mlp_c_proj_weight, 3).rows == 3072 && gpt2::info(ParamKind::mlp_c_proj_weight, 3).cols == 768);
+static_assert(gpt2::info(ParamKind::wte).file_rows == 50257 && gpt2::info(ParamKind::wte).rows == 50304);
+static_assert(gpt2::head_kind == ParamKind::wte);
+
+// The table is contiguous, in order, with no gaps.
+template <class Lay>
+constexpr bool contiguous() {
+  std::size_t off = 0;
+  for (const ParamInfo& t : Lay::tensors) {
+    if (t.offset != off) return false;
+    off = t.end();
+  }
+  return off == Lay::size;
+}
+static_assert(contiguous<gpt2>());
+
+struct untied : gpt_config {
+  static constexpr bool tied = false;
+  static constexpr int vocab_multiple = 1;
+};
+static_assert(GptLayout<untied>::num_parameters == 124'439'808 + 50257u * 768);
+static_assert(GptLayout<untied>::size == GptLayout<untied>::num_parameters, "vocab_multiple = 1: no padding");
+static_assert(GptLayout<untied>::head_kind == ParamKind::lm_head);
+static_assert(GptLayout<untied>::info(ParamKind::lm_head).end() == GptLayout<untied>::size);
+static_assert(contiguous<GptLayout<untied>>());
+
+// The gradient-check model: 2 layers, C = 16, 2 heads, vocab 37 padded to 40.
+struct tiny : gpt_config {
+  static constexpr int layers = 2, d_model = 16, heads = 2, vocab = 37, max_seq = 8, vocab_multiple = 8;
+};
+struct tiny_untied : tiny {
+  static constexpr bool tied = false;
+};
+struct tiny3 : tiny {
+  static constexpr int layers = 3;
+};
+struct wide : gpt_config {
+  static constexpr int layers = 8, d_model = 128, heads = 4, vocab = 1000, max_seq = 64;
+};
+struct small : gpt_config {
+  static constexpr int layers = 2, d_model = 32, heads = 4, vocab = 50, max_seq = 16, vocab_multiple = 16;
+};
+static_assert(padded_vocab<tiny> == 40);
+static_assert(contiguous<GptLayout<tiny>>() && contiguous<GptLayout<tiny_untied>>());
+
+constexpr int B = 2, T = 5;
+
+void batch(std::vector<int>& tok, std::vector<int>& tgt, int b, int t, int vocab, unsigned salt = 0) {
+  tok.resize(static_cast<std::size_t>(b * t));
+  tgt.resize(tok.size());
+  for (std::size_t i = 0; i < tok.size(); ++i) {
+    tok[i] = static_cast<int>((i * 7 + 3 + salt) % static_cast<unsigned>(vocab));
+    tgt[i] = static_cast<int>((i * 11 + 5 + 3 * salt) % static_cast<unsigned>(vocab));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("layout: lookup by name and kind agree") {
+  using Lay = GptLayout<tiny>;
+  for (int i = 0; i < Lay::count; ++i) {
+    const ParamInfo& t = Lay::tensors[static_cast<std::size_t>(i)];
+    CAPTURE(t.name());
+    CHECK(Lay::find(t.name()) == i);
+    CHECK(Lay::index(t.kind, t.layer) == i);
+  }
+  CHECK(Lay::tensors[5].name() == "h.0.attn.c_attn.bias");
+  CHECK_FALSE(Lay::find("h.2.ln_1.weight"));  // only 2 layers
+  CHECK_FALSE(Lay::find("lm_head.weight"));   // tied
+  CHECK_FALSE(Lay::find("h.0.wte.weight"));
+  CHECK_FALSE(Lay::find("ln_1.weight"));
+  CHECK_FALSE(Lay::find("h.01.ln_1.weight"));
+  CHECK(GptLayout<tiny_untied>::find("lm_head.weight") == GptLayout<tiny_untied>::count - 1);
+  CHECK_THROWS_AS(Lay::index(ParamKind::ln_1_weight, 2), std::out_of_range);
+  CHECK_THROWS_AS(Lay::index(ParamKind::lm_head), std::invalid_argument);
+}
+
+TEST_CASE("init: by element index, so a slice initialised alone equals the same slice of the whole") {
+  using Lay = GptLayout<tiny>;
+  GptInit how{7, 0.02};
+  std::vector<float> whole(Lay::size);
+  init_gpt<tiny>(std::span<float>(whole), how);
+  for (const ParamInfo& t : Lay::tensors) {
+    CAPTURE(t.name());
+    // rows [1, 3) alone (a row shard), and elements [3, 3 + 5) (an arbitrary range)
+    std::vector<float> part(static_cast<std::size_t>(2 * t.cols));
+    init_range(t, Lay::L, how, static_cast<std::size_t>(t.cols), std::span<float>(part));
+    CHECK(std::equal(part.begin(), part.end(), whole.begin() + static_cast<std::ptrdiff_t>(t.offset + t.cols)));
+    if (t.rank == 2) {  // a column block [r0:r0+3, c0:c0+4] (a tensor-parallel shard)
+      std::vector<float> blk(12);
+      const std::int64_t r0 = 2, c0 = t.cols - 5;
+      init_block(t, Lay::L, how, r0, 3, c0, 4, blk.data(), 4);
+      for (int r = 0; r < 3; ++r)
+        for (int c = 0; c < 4; ++c)
+          CHECK(blk[static_cast<std::size_t>(r * 4 + c)] ==
+                whole[t.offset + static_cast<std::size_t>((r0 + r) * t.cols + c0 + c)]);
+    }
+  }
+  CHECK_THROWS_AS(init_range(Lay::tensors[0], Lay::L, how, Lay::tensors[0].size() - 1, std::span<float>(whole).first(2)),
+                  std::out_of_range);
+
+  // Values do not depend on the number of layers or on tying: layer 0 of a 3-layer model
+  // equals layer 0 of the 2-layer one.
+  std::vector<float> w3(GptLayout<tiny3>::size);
+  init_gpt<tiny3>(std::span<float>(w3), how);
+  const auto& fc2 = Lay::info(ParamKind::mlp_c_fc_weight, 0);
+  const auto& fc3 = GptLayout<tiny3>::info(ParamKind::mlp_c_fc_weight, 0);
+  CHECK(std::equal(whole.begin() + static_cast<std::ptrdiff_t>(fc2.offset),
+                   whole.begin() + static_cast<std::ptrdiff_t>(fc2.end()), w3.begin() + static_cast<std::ptrdiff_t>(fc3.offset)));
+
+  // Another seed gives other values.
+  std::vector<float> other(Lay::size);
+  init_gpt<tiny>(std::span<float>(other), GptInit{8, 0.02});
+  CHECK(other[5] != whole[5]);
+}
+
+TEST_CASE("init: the GPT-2 scheme, statistics plausible") {
+  using Lay = GptLayout<wide>;
+  std::vector<double> w(Lay::size);
+  init_gpt<wide>(std::span<double>(w), GptInit{1, 0.02});
+  auto stats = [&](const ParamInfo& t, std::size_t n) {
+    double s = 0, s2 = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      s += w[t.offset + i];
+      s2 += w[t.offset + i] * w[t.offset + i];
+    }
+    const double mean = s / static_cast<double>(n);
+    return std::pair(mean, std::sqrt(s2 / static_cast<double>(n) - mean * mean));
+  };
+  const ParamInfo& wte = Lay::info(ParamKind::wte);
+  auto [m, sd] = stats(wte, wte.file_size());  // 128,000 values
+  CHECK(std::abs(m) < 4 * 0.02 / std::sqrt(128000.0));
+  CHECK(sd == doctest::Approx(0.02).epsilon(0.01));
+  for (std::size_t i = wte.file_size(); i < wte.size(); ++i) REQUIRE(w[wte.offset + i] == 0.0);  // padded rows (1000 -> 1024)
+  const ParamInfo& cp = Lay::info(ParamKind::mlp_c_proj_weight, 3);
+  auto [m2, sd2] = stats(cp, cp.size());
+  CHECK(std::abs(m2) < 4 * sd2 / std::sqrt(static_cast<double>(cp.size())));
+  CHECK(sd2 == doctest::Approx(0.02 / std::sqrt(16.0)).epsilon(0.01));
+  const ParamInfo& ap = Lay::info(ParamKind::attn_c_proj_weight, 7);
+  CHECK(stats(ap, ap.size()).second == doctest::Approx(0.02 / 4).epsilon(0.02));
+  const ParamInfo& qkv = Lay::info(ParamKind::attn_c_attn_weight, 0);
+  CHECK(stats(qkv, qkv.size()).second == doctest::Approx(0.02).epsilon(0.01));
+  // the fraction within one standard deviation is that of a normal (68.27%)
+  std::size_t within = 0;
+  for (std::size_t i = 0; i < qkv.size(); ++i) within += std::abs(w[qkv.offset + i]) < 0.02;
+  CHECK(static_cast<double>(within) / static_cast<double>(qkv.size()) == doctest::Approx(0.6827).epsilon(0.01));
+  for (int l = 0; l < Lay::L; ++l) {
+    for (std::size_t i = 0; i < 128; ++i) {
+      REQUIRE(w[Lay::offset(ParamKind::ln_1_weight, l) + i] == 1.0);
+      REQUIRE(w[Lay::offset(ParamKind::ln_2_bias, l) + i] == 0.0);
+      REQUIRE(w[Lay::offset(ParamKind::attn_c_attn_bias, l) + i] == 0.0);
+      REQUIRE(w[Lay::offset(ParamKind::mlp_c_fc_bias, l) + i] == 0.0);
+    }
+  }
+  CHECK(w[Lay::offset(ParamKind::ln_f_weight)] == 1.0);
+}
+
+TEST_CASE("loss at init is about ln(vocab): padded columns do not count") {
+  GPT<tiny, double> model(GptInit{3, 0.02});
+  std::vector<int> tok, tgt;
+  batch(tok, tgt, B, T, tiny::vocab);
+  const double loss = model.forward(tok.data(), tgt.data(), B, T);
+  CHECK(loss == doctest::Approx(std::log(37.0)).epsilon(0.005));  // ln 40 would be 2% higher
+  CHECK(model.loss() == doctest::Approx(loss).epsilon(1e-6));
+  // no targets: no loss, logits readable, padded columns are exactly zero (zero wte rows)
+  CHECK(model.forward(tok.data(), nullptr, B, T) == 0.0f);
+  auto logits = model.logits();
+  REQUIRE(logits.size() == static_cast<std::size_t>(B * T * 40));
+  for (int i = 0; i < B * T; ++i)
+    for (int v = 37; v < 40; ++v) CHECK(logits[static_cast<std::size_t>(i * 40 + v)] == 0.0);
+  CHECK_THROWS_AS(model.backward(), std::logic_error);  // no targets, nothing to differentiate
+  CHECK_THROWS_AS(model.forward(tok.data(), tgt.data(), B, 9), std::invalid_argument);  // > max_seq
+  tok[3] = 37;
+  CHECK_THROWS_AS(model.forward(tok.data(), tgt.data(), B, T), std::invalid_argument);  // token out of range
+}
+
+// Gradient check: every element of every parameter tensor, in double, against central
+// differences (eps = 1e-5). Bound: |analytic - numeric| <= 1e-6 * (|analytic| + |numeric|) + 1e-9
+// per element (truncation error ~ eps^2 and round-off ~ 1e-16 / eps are both far below), and
+// the relative error of the whole tensor ||a - n|| / ||a + n|| <= 1e-7.
+template <class Cfg>
+void gradient_check() {
+  using Model = GPT<Cfg, double>;
+  using Lay = typename Model::layout;
+  Model model(GptInit{11, 0.3});  // larger weights than GPT-2's: a less linear point
+  // move LayerNorm parameters and biases away from 1 / 0 so every path is exercised
+  for (const ParamInfo& t : Lay::tensors)
+    if (t.rank == 1)
+      for (std::size_t i = 0; i < t.size(); ++i) model.params()[t.offset + i] += 0.2 * standard_normal(99, t.stream_id(), i);
+  std::vector<int> tok, tgt;
+  batch(tok, tgt, B, T, Cfg::vocab);
+  model.zero_grad();
+  model.forward(tok.data(), tgt.data(), B, T);
+  model.backward();
+  std::vector<double> grad(model.grads().begin(), model.grads().end());
+
+  const double eps = 1e-5;
+  std::size_t checked = 0;
+  double worst_all = 0;
+  std::string worst_name;
+  for (const ParamInfo& t : Lay::tensors) {
+    CAPTURE(t.name());
+    double diff2 = 0, sum2 = 0, worst = 0;
+    for (std::size_t i = 0; i < t.size(); ++i) {
+      double& p = model.params()[t.offset + i];
+      const double p0 = p;
+      p = p0 + eps;
+      model.forward(tok.data(), tgt.data(), B, T);
+      const double up = model.loss();
+      p = p0 - eps;
+      model.forward(tok.data(), tgt.data(), B, T);
+      const double down = model.loss();
+      p = p0;
+      const double num = (up - down) / (2 * eps), ana = grad[t.offset + i];
+      const double err = std::abs(ana - num);
+      worst = std::max(worst, err / (std::abs(ana) + std::abs(num) + 1e-3));
+      if (err > 1e-6 * (std::abs(ana) + std::abs(num)) + 1e-9) {
+        CAPTURE(i);
+        CHECK(ana == doctest::Approx(num));
+      }
+      if (static_cast<std::int64_t>(i) / t.cols >= t.file_rows) REQUIRE(ana == 0.0);  // padded vocabulary rows
+      diff2 += err * err;
+      sum2 += (ana + num) * (ana + num);
+      ++checked;
+    }
+    CHECK(std::sqrt(diff2) <= 1e-7 * std::sqrt(sum2));
+    CHECK(sum2 > 0);  // every tensor gets a gradient
+    if (worst > worst_all) worst_all = worst, worst_name = t.name();
+  }
+  CHECK(checked == Lay::size);
+  MESSAGE(Lay::count << " tensors, " << checked << " elements; worst |a - n| / (|a| + |n| + 1e-3): " << worst_all
+                     << " (" << worst_name << ")");
+}
+
+TEST_CASE("gradient check, every element of every parameter tensor, tied") { gradient_check<tiny>(); }
+TEST_CASE("gradient check, every element of every parameter tensor, untied") { gradient_check<tiny_untied>(); }
+
+TEST_CASE("gradients accumulate until zero_grad") {
+  GPT<tiny, double> model(GptInit{5, 0.1});
+  std::vector<int> tok, tgt;
+  batch(tok, tgt, B, T, tiny::vocab);
+  model.zero_grad();
+  model.forward(tok.data(), tgt.data(), B, T);
+  model.backward();
+  std::vector<double> once(model.grads().begin(), model.grads().end());
+  CHECK_THROWS_AS(model.backward(), std::logic_error);  // one backward per forward
+  model.forward(tok.data(), tgt.data(), B, T);
+  model.backward();
+  for (std::size_t i = 0; i < once.size(); ++i) REQUIRE(model.grads()[i] == doctest::Approx(2 * once[i]).epsilon(1e-12));
+  model.zero_grad();
+  for (double g : model.grads()) REQUIRE(g == 0.0);
+  // a smaller batch after a larger one reuses the buffers and gives the same as a fresh model
+  GPT<tiny, double> fresh(GptInit{5, 0.1});
+  const double a = model.forward(tok.data(), tgt.data(), 1, 4);
+  const double b = fresh.forward(tok.data(), tgt.data(), 1, 4);
+  CHECK(a == b);
+}
+
+TEST_CASE("float and bf16 models agree with the double model") {
+  std::vector<int> tok, tgt;
+  batch(tok, tgt, B, T, tiny::vocab);
+  GPT<tiny, double> d(GptInit{4, 0.2});
+  GPT<tiny, float> f(GptInit{4, 0.2});
+  GPT<tiny, bf16> h(GptInit{4, 0.2});
+  const double ld = d.forward(tok.data(), tgt.data(), B, T);
+  CHECK(f.forward(tok.data(), tgt.data(), B, T) == doctest::Approx(ld).epsilon(1e-5));
+  CHECK(h.forward(tok.data(), tgt.data(), B, T) == doctest::Approx(ld).epsilon(2e-2));
+  d.zero_grad(), f.zero_grad(), h.zero_grad();
+  d.backward(), f.backward(), h.backward();
+  double n2 = 0, ef = 0, eh = 0;
+  for (std::size_t i = 0; i < d.grads().size(); ++i) {
+    const double g = d.grads()[i];
+    n2 += g * g;
+    ef += (g - f.grads()[i]) * (g - f.grads()[i]);
+    eh += (g - float(h.grads()[i])) * (g - float(h.grads()[i]));
+  }
+  CHECK(std::sqrt(ef / n2) < 1e-5);
+  CHECK(std::sqrt(eh / n2) < 5e-2);
+}
+
+TEST_CASE("safetensors round trip is exact: HF names and shapes, unpadded vocabulary") {
+  const auto path = std::filesystem::temp_directory_path() / "fived_test_gpt.safetensors";
+  std::vector<int> tok, tgt;
+  batch(tok, tgt, B, T, tiny::vocab);
+
+  GPT<tiny> a(GptInit{21, 0.05});
+  a.save(path, {{"step", "0"}});
+  auto file = io::SafetensorsFile::read(path);
+  CHECK(file.tensors().size() == GptLayout<tiny>::count);
+  CHECK(file.metadata().at("format") == "pt");
+  CHECK(file.metadata().at("step") == "0");
+  CHECK(file.at("wte.weight").shape == std::vector<std::int64_t>{37, 16});  // not 40
+  CHECK(file.at("h.1.attn.c_attn.weight").shape == std::vector<std::int64_t>{16, 48});
+  CHECK(file.at("h.1.mlp.c_proj.weight").shape == std::vector<std::int64_t>{64, 16});
+  CHECK(file.at("ln_f.bias").shape == std::vector<std::int64_t>{16});
+  CHECK(file.at("wpe.weight").dtype == io::Dtype::F32);
+  CHECK(file.find("lm_head.weight") == nullptr);
+
+  GPT<tiny> b(GptInit{22, 0.05});
+  b.load(path);
+  CHECK(std::memcmp(a.params().data(), b.params().data(), a.params().size_bytes()) == 0);
+  CHECK(a.forward(tok.data(), tgt.data(), B, T) == b.forward(tok.data(), tgt.data(), B, T));
+
+  // bf16 and untied models too
+  GPT<tiny_untied, bf16> c(GptInit{23, 0.05});
+  c.save(path);
+  CHECK(io::SafetensorsFile::read(path).at("lm_head.weight").dtype == io::Dtype::BF16);
+  GPT<tiny_untied, bf16> d(GptInit{24, 0.05});
+  d.load(path);
+  CHECK(std::memcmp(c.params().data(), d.params().data(), c.params().size_bytes()) == 0);
+  // a float model reads the bf16 file by converting
+  GPT<tiny_untied> e;
+  e.load(path);
+  for (std::size_t i = 0; i < e.params().size(); ++i) REQUIRE(e.params()[i] == float(c.params()[i]));
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("load: HF spellings are accepted, errors name the tensor, a failed load changes nothing") {
+  using Lay = GptLayout<tiny>;
+  GPT<tiny> src(GptInit{31, 0.05});
+  std::vector<float> mask(64, 1.0f), masked_bias(1, -1e4f);
+  std::vector<std::vector<float>> keep;  // data the writers point to
+
+  // "transformer." prefix, attention-mask buffers, a tied lm_head copy: all accepted.
+  {
+    io::SafetensorsWriter w;
+    for (const ParamInfo& t : Lay::tensors) {
+      std::vector<std::int64_t> shape = t.rank == 2 ? std::vector<std::int64_t>{t.file_rows, t.cols}
+                                                    : std::vector<std::int64_t>{t.file_rows};
+      w.add("transformer." + t.name(), shape, src.params().subspan(t.offset, t.file_size()));
+    }
+    for (int l = 0; l < 2; ++l) {
+      w.add("transformer.h." + std::to_string(l) + ".attn.bias", {1, 1, 8, 8}, std::span<const float>(mask));
+      w.add("transformer.h." + std::to_string(l) + ".attn.masked_bias", {}, std::span<const float>(masked_bias));
+    }
+    w.add("lm_head.weight", {37, 16}, src.params().subspan(0, 37 * 16));
+    GPT<tiny> m(GptInit{32, 0.05});
+    m.load(io::SafetensorsFile::parse(w.serialize(), "hf.safetensors"));
+    CHECK(std::memcmp(m.params().data(), src.params().data(), src.params().size_bytes()) == 0);
+  }
+
+  // One tensor changed: wrong shape, missing, unknown, duplicated.
+  auto file_with = [&](const std::string& victim, std::vector<std::int64_t> shape, bool drop,
+                       const std::string& extra = "") {
+    io::SafetensorsWriter w;
+    for (const ParamInfo& t : Lay::tensors) {
+      std::vector<std::int64_t> s = t.rank == 2 ? std::vector<std::int64_t>{t.file_rows, t.cols}
+                                                : std::vector<std::int64_t>{t.file_rows};
+      if (t.name() == victim) {
+        if (drop) continue;
+        std::size_t n = 1;
+        for (auto d : shape) n *= static_cast<std::size_t>(d);
+        keep.emplace_back(n, 0.5f);
+        w.add(t.name(), shape, std::span<const float>(keep.back()));
+        continue;
+      }
+      w.add(t.name(), s, src.params().subspan(t.offset, t.file_size()));
+    }
+    if (!extra.empty()) {
+      keep.emplace_back(16, 0.5f);
+      w.add(extra, {16}, std::span<const float>(keep.back()));
+    }
+    return io::SafetensorsFile::parse(w.serialize(), "bad.safetensors");
+  };
+  GPT<tiny> m(GptInit{33, 0.05});
+  std::vector<float> before(m.params().begin(), m.params().end());
+  CHECK_THROWS_WITH_AS(m.load(file_with("h.1.mlp.c_fc.weight", {768, 3072}, false)),
+                       "bad.safetensors: h.1.mlp.c_fc.weight has shape [768, 3072] in the file, the model expects [16, 64]",
+                       io::SafetensorsError);
+  CHECK_THROWS_WITH_AS(m.load(file_with("wte.weight", {40, 16}, false)),
+                       "bad.safetensors: wte.weight has shape [40, 16] in the file, the model expects [37, 16]",
+                       io::SafetensorsError);
+  CHECK_THROWS_WITH_AS(m.load(file_with("h.0.ln_2.bias", {}, true)),
+                       "bad.safetensors: tensor 'h.0.ln_2.bias' is missing (the model expects [16])", io::SafetensorsError);
+  CHECK_THROWS_WITH_AS(m.load(file_with("", {}, false, "h.2.ln_1.weight")),
+                       "bad.safetensors: tensor 'h.2.ln_1.weight' is not a parameter of this model (2 layers, d_model "
+                       "16, 2 heads, vocab 37, max_seq 8, tied)",
+                       io::SafetensorsError);
+  CHECK_THROWS_WITH_AS(m.load(file_with("", {}, false, "transformer.ln_f.bias")),
+                       doctest::Contains("'ln_f.bias' and 'transformer.ln_f.bias' are the same parameter"),
+                       io::SafetensorsError);
+  CHECK(std::equal(before.begin(), before.end(), m.params().begin()));  // unchanged by the failed loads
+  CHECK_THROWS_WITH_AS(m.param("h.7.ln_1.weight"), doctest::Contains("no parameter named 'h.7.ln_1.weight'"),
+                       std::invalid_argument);
+  CHECK(m.param("h.1.attn.c_attn.weight").cols() == 48);
+  CHECK(m.param("h.1.attn.c_attn.weight").data.data() ==
+        m.params().data() + Lay::offset(ParamKind::attn_c_attn_weight, 1));
+}
+
+TEST_CASE("the loss drops over 20 AdamW steps on a fixed batch") {
+  GPT<small> model(GptInit{1, 0.02});
+  const int b = 4, t = 16;
+  std::vector<int> tok, tgt;
+  batch(tok, tgt, b, t, small::vocab);
+  std::vector<float> m(model.params().size()), v(model.params().size());
+  float first = 0, last = 0;
+  for (int step = 1; step <= 20; ++step) {
+    model.zero_grad();
+    const float loss = model.forward(tok.data(), tgt.data(), b, t);
+    model.backward();
+    kernels::host::adamw_update(model.params().data(), static_cast<float*>(nullptr), model.grads().data(), m.data(),
+                                v.data(), model.params().size(), 1e-2f, 0.9f, 0.95f, 1e-8f, 0.0f, step);
+    if (step == 1) first = loss;
+    last = loss;
+  }
+  MESSAGE("loss " << first << " -> " << last);
+  CHECK(first == doctest::Approx(std::log(50.0)).epsilon(0.01));
+  CHECK(last < 0.5f * first);
+  // padded rows stayed zero (zero gradient, zero weight decay term)
+  const ParamInfo& wte = GptLayout<small>::info(ParamKind::wte);
+  for (std::size_t i = wte.file_size(); i < wte.size(); ++i) REQUIRE(model.params()[wte.offset + i] == 0.0f);
+}
