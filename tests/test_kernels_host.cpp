@@ -578,6 +578,19 @@ TEST_CASE("cross-entropy vocab shards (2 and 4): combined by hand, same losses a
 
 // ---------------------------------------------------------------- embedding
 
+TEST_CASE("embedding backward sums a frequent token in fp32 before rounding to bf16") {
+  // 1000 occurrences of one token: adding each in bf16 would stop growing at 256.
+  const int n = 1000, C = 2;
+  std::vector<int> tok(n, 3);
+  std::vector<bf16> dout(static_cast<std::size_t>(n) * C, bf16(1.0f));
+  std::vector<bf16> dwte(5 * C, bf16(0.0f)), dwpe(static_cast<std::size_t>(n) * C, bf16(0.0f));
+  k::embedding_backward(dwte.data(), dwpe.data(), dout.data(), tok.data(), 1, n, C);
+  CHECK(float(dwte[3 * C]) == float(bf16(1000.0f)));
+  CHECK(float(dwte[3 * C + 1]) == float(bf16(1000.0f)));
+  CHECK(float(dwte[0]) == 0.0f);
+  CHECK(float(dwpe[0]) == 1.0f);
+}
+
 namespace {
 constexpr int EB = 2, ET = 3, EC = 4, EV = 5, EMAXT = 4;
 const std::vector<int> e_tokens = {1, 3, 1, 4, 1, 0};
@@ -685,6 +698,9 @@ TEST_CASE("sum_of_squares, scale, clip_factor closed forms") {
   CHECK(float(sb[1]) == -0.5f);
   CHECK(k::clip_factor(169.0, 1.0f) == doctest::Approx(1.0 / (13.0 + 1e-6)).epsilon(1e-7));
   CHECK(k::clip_factor(169.0, 6.5f) == doctest::Approx(6.5 / (13.0 + 1e-6)).epsilon(1e-7));
+  // where the +1e-6 matters: norm 1e-5, so the factor is 1e-6 / 1.1e-5, not 0.1
+  const double tiny = 1e-6 / (1e-5 + 1e-6);
+  CHECK(std::abs(k::clip_factor(1e-10, 1e-6f) - tiny) <= 1e-5 * tiny);
   CHECK(k::clip_factor(169.0, 26.0f) == 1.0f);
   CHECK(k::clip_factor(0.25, 1.0f) == 1.0f);
   CHECK(k::clip_factor(0.0, 1.0f) == 1.0f);

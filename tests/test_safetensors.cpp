@@ -218,6 +218,8 @@ TEST_CASE("missing tensor, and writer misuse") {
   CHECK_THROWS_WITH_AS(w.add("x", {2}, std::span<const float>(a)),
                        "safetensors: tensor 'x' is F32 [2] (8 bytes) but 4 bytes were given", std::invalid_argument);
   CHECK_THROWS_AS(w.add("__metadata__", {1}, std::span<const float>(a)), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(SafetensorsFile::read(std::filesystem::temp_directory_path()),
+                       doctest::Contains("not a regular file"), SafetensorsError);
   CHECK_THROWS_WITH_AS(SafetensorsFile::read("/nonexistent/dir/x.safetensors"), doctest::Contains("cannot open"),
                        SafetensorsError);
   CHECK_THROWS_WITH_AS(w.write("/nonexistent/dir/x.safetensors"), doctest::Contains("cannot open for writing"),

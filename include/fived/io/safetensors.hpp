@@ -397,10 +397,16 @@ inline constexpr std::uint64_t max_header_bytes = 100'000'000;
 class SafetensorsFile {
  public:
   static SafetensorsFile read(const std::filesystem::path& path) {
+    // A directory or a pipe opens as a stream too, with no usable size.
+    std::error_code ec;
+    if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
+      throw SafetensorsError(path.string() + ": not a regular file (give the path of a .safetensors file)");
     std::ifstream in(path, std::ios::binary);
     if (!in) throw SafetensorsError(path.string() + ": cannot open for reading (" + std::strerror(errno) + ")");
     in.seekg(0, std::ios::end);
-    const auto size = static_cast<std::size_t>(in.tellg());
+    const auto end = in.tellg();
+    if (end < 0) throw SafetensorsError(path.string() + ": cannot determine the file size");
+    const auto size = static_cast<std::size_t>(end);
     in.seekg(0);
     std::vector<std::byte> bytes(size);
     if (size && !in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size)))
