@@ -6,7 +6,7 @@ d_model 768, 12 heads, tied embeddings, bf16 autocast (fp32 master weights),
 fused AdamW, scaled_dot_product_attention (flash) for causal attention.
 Prints the median step time over --steps timed steps (after --warmup), tokens/s
 and MFU against the dense bf16 peak of an H100 SXM (989.4 TFLOP/s; pass --peak
-for another GPU). FLOPs per token: 6 * params + 6 * L * T * d_model (attention
+for another GPU). FLOPs per token: 6 * params + 12 * L * T * d_model (attention
 score and value products, forward + backward, causal mask not discounted),
 as in nanoGPT / llm.c.
 
@@ -113,7 +113,7 @@ def main():
         times.append(time.perf_counter() - t0)
     dt = statistics.median(times)
     tokens = args.batch * args.seq
-    flops_per_token = 6 * n_params + 6 * L * args.seq * d
+    flops_per_token = 6 * n_params + 12 * L * args.seq * d
     tflops = flops_per_token * tokens / dt / 1e12
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  compile={args.compile}")
     print(f"GPT-2 124M ({n_params/1e6:.1f}M params), B={args.batch} T={args.seq}, bf16 autocast, fused AdamW")

@@ -1,14 +1,14 @@
 #pragma once
-// GPT-2 style decoder on one device: explicit forward and backward over the host reference
-// kernels (fived/kernels/host.hpp), parameters and gradients in one flat buffer each, laid
-// out at compile time (nn/layout.hpp).
+// GPT-2 style decoder on one device: explicit forward and backward over the kernels of the
+// device (dispatched by Ops<T, Device>, nn/ops.hpp), parameters and gradients in one flat
+// buffer each, laid out at compile time (nn/layout.hpp).
 //
 //   struct tiny : fived::gpt_config { static constexpr int layers = 2, d_model = 64, heads = 4,
 //                                     vocab = 256, max_seq = 64; };
 //   fived::GPT<tiny> model(fived::GptInit{.seed = 42});
 //   float loss = model.forward(tokens, targets, B, T);   // mean cross-entropy over B*T
 //   model.zero_grad(); model.backward();                 // grads accumulate until zero_grad()
-//   // update model.params() from model.grads() (e.g. kernels::host::adamw_update)
+//   // update model.params() from model.grads() (e.g. model.ops().adamw_update)
 //
 // Blocks are pre-LayerNorm:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x));
 // logits = ln_f(x) · wte^T (tied; lm_head^T when untied), over the padded vocabulary.
@@ -22,9 +22,23 @@
 // logits, as llm.c does): forward(tokens, targets) leaves d-logits behind for backward();
 // forward(tokens, nullptr) computes no loss and leaves the logits readable (logits()).
 //
-// Device: only Host exists. The Device parameter is the seam for the CUDA issue: a
-// GPT<Cfg, T, Cuda> will keep this algorithm and call kernels::cuda on Buffer<T, Cuda>.
+// Device: Host (default; T = float, double or bf16) or Cuda (T = float or bf16). The
+// algorithm is written once; every kernel call goes through ops() (Ops<T, Device>), and
+// parameters, gradients and activations are Buffer<T, Device>. GPT<Cfg, T, Cuda> needs
+// <fived/nn/cuda/ops.hpp> included first, in a .cu file compiled by nvcc:
+//
+//   #include <fived/nn/cuda/ops.hpp>
+//   #include <fived/nn/gpt.hpp>
+//   fived::GPT<cfg, fived::bf16, fived::Cuda> model;  // kernels queued on model.ops().stream()
+//
+// On Cuda, forward() takes host token ids (copied to the device through pinned memory) and
+// waits for the device to return the loss (enqueue_forward() does not wait); params(),
+// grads(), param(), grad() and logits() are spans over DEVICE memory (pass them to kernels
+// on ops().stream(); never dereference them on the host); params_to_host(),
+// grads_to_host() and logits_to_host() copy to the host. init, save and load stage through
+// host memory. Statistics buffers are Ops::stat_t: acc_t<T> on the host, float on Cuda.
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -40,14 +54,15 @@
 #include "fived/device/bf16.hpp"
 #include "fived/device/buffer.hpp"
 #include "fived/io/safetensors.hpp"
-#include "fived/kernels/host.hpp"
 #include "fived/nn/config.hpp"
 #include "fived/nn/init.hpp"
 #include "fived/nn/layout.hpp"
+#include "fived/nn/ops.hpp"
 
 namespace fived {
 
-// A named tensor inside a flat buffer.
+// A named tensor inside a flat buffer (device memory when the model is on Cuda: data is
+// then for passing on, not for indexing on the host).
 template <class T>
 struct TensorView {
   const ParamInfo* info = nullptr;
@@ -64,10 +79,12 @@ struct TensorView {
 
 template <class Cfg, class T = float, class Device = Host>
 class GPT {
-  static_assert(std::is_same_v<Device, Host>,
-                "GPT<Cfg, T, Device>: only the Host device exists so far (the CUDA model comes with the CUDA kernels)");
+  static_assert(std::is_same_v<Device, Host> || std::is_same_v<Device, Cuda>,
+                "GPT<Cfg, T, Device>: the device must be fived::Host or fived::Cuda");
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, bf16>,
                 "GPT<Cfg, T>: the element type must be float, double (gradient checks) or fived::bf16");
+  static_assert(!(std::is_same_v<Device, Cuda> && std::is_same_v<T, double>),
+                "GPT<Cfg, double, Cuda>: double is for host gradient checks; on Cuda use float or fived::bf16");
 
  public:
   using config = Cfg;
@@ -76,6 +93,9 @@ class GPT {
   using value_type = T;
   using device = Device;
   using acc = acc_t<T>;
+  using ops_type = Ops<T, Device>;                  // the device's kernels (nn/ops.hpp, nn/cuda/ops.hpp)
+  using stat_t = typename ops_type::stat_t;         // statistics: acc_t<T> on Host, float on Cuda
+  static constexpr bool on_host = std::is_same_v<Device, Host>;
 
   static constexpr int L = dims::layers;
   static constexpr int C = dims::d_model;
@@ -86,9 +106,18 @@ class GPT {
   static constexpr int max_seq = dims::max_seq;
   static constexpr std::size_t num_params = layout::size;  // buffer elements, padding included
 
-  explicit GPT(const GptInit& init = {}) : params_(num_params), grads_(num_params) { init_gpt<Cfg>(params_.span(), init); }
+  explicit GPT(const GptInit& init = {})
+      : params_(ops_.template make_buffer<T>(num_params)), grads_(ops_.template make_buffer<T>(num_params)) {
+    ops_.write_from_host(params_, [&](std::span<T> p) { init_gpt<Cfg>(p, init); });
+  }
+
+  // The device's kernel dispatch: on Cuda, ops().stream() is the stream every kernel of the
+  // model runs on (queue optimizer steps there), ops().lt() its cuBLASLt handle.
+  ops_type& ops() { return ops_; }
+  const ops_type& ops() const { return ops_; }
 
   // ---- parameters and gradients ----------------------------------------------------------
+  // On Cuda these spans and views are device memory (see the top of this file).
 
   std::span<T> params() { return params_.span(); }
   std::span<const T> params() const { return params_.span(); }
@@ -107,81 +136,104 @@ class GPT {
   TensorView<const T> param(std::string_view name) const { return view(params_, index_of(name)); }
   TensorView<const T> grad(std::string_view name) const { return view(grads_, index_of(name)); }
 
-  void zero_grad() { grads_.zero(); }
+  void zero_grad() { ops_.zero(grads_); }
+
+  // Host copies (wait for the queued work on Cuda). On the host: plain copies.
+  std::vector<T> params_to_host() const { return ops_.to_host(params_.span()); }
+  std::vector<T> grads_to_host() const { return ops_.to_host(grads_.span()); }
 
   // ---- forward / backward ------------------------------------------------------------------
 
-  // tokens and targets are [B, T] token ids in [0, vocab). Returns the mean loss over B*T
-  // (0 when targets is nullptr). With targets, d-logits for backward() are computed too.
+  // tokens and targets are [B, T] token ids in [0, vocab), in host memory. Returns the mean
+  // loss over B*T (0 when targets is nullptr). With targets, d-logits for backward() are
+  // computed too. On Cuda this waits for the device (the loss is read back); see
+  // enqueue_forward() for the variant that does not.
   float forward(const int* tokens, const int* targets, int B, int T_) {
-    namespace K = kernels::host;
+    enqueue_forward(tokens, targets, B, T_);
+    if (targets == nullptr) return 0.0f;
+    return static_cast<float>(loss());
+  }
+
+  // forward() without reading the loss back: on Cuda it returns as soon as the work is
+  // queued (loss() then waits for it). On the host it is forward() with the result dropped.
+  void enqueue_forward(const int* tokens, const int* targets, int B, int T_) {
     if (B < 1 || T_ < 1 || T_ > max_seq)
       throw std::invalid_argument("GPT::forward: needs B >= 1 and 1 <= T <= max_seq = " + std::to_string(max_seq) +
                                   " (got B=" + std::to_string(B) + ", T=" + std::to_string(T_) + ")");
     if (tokens == nullptr) throw std::invalid_argument("GPT::forward: tokens is nullptr");
+    const int N = B * T_;
+    const std::size_t sN = static_cast<std::size_t>(N);
+    if constexpr (!on_host) {  // the device kernels cannot report a bad id: check here
+      check_ids("tokens", tokens, sN);
+      if (targets != nullptr) check_ids("targets", targets, sN);
+    }
     reserve(B, T_);
     B_ = B;
     Tseq_ = T_;
-    const int N = B * T_;
-    const std::size_t sN = static_cast<std::size_t>(N);
-    tokens_.assign(tokens, tokens + sN);
+    ops_.upload_ids(a_.tokens, tokens, sN);
+    if (targets != nullptr) ops_.upload_ids(a_.targets, targets, sN);
     has_dlogits_ = false;
+    loss_pending_ = false;
     loss_ = 0;
 
     const T* p = params_.data();
     auto P = [&](ParamKind k, int l = -1) { return p + layout::offset(k, l); };
+    const int* tok = a_.tokens.data();
 
-    K::embedding_forward(a_.encoded.data(), tokens, P(ParamKind::wte), P(ParamKind::wpe), B, T_, C, V);
+    ops_.embedding_forward(a_.encoded.data(), tok, P(ParamKind::wte), P(ParamKind::wpe), B, T_, C, V);
     const T* x = a_.encoded.data();
     for (int l = 0; l < L; ++l) {
       LayerActs& A = a_.layer[static_cast<std::size_t>(l)];
-      K::layernorm_forward(A.ln1.data(), A.ln1_mean.data(), A.ln1_rstd.data(), x, P(ParamKind::ln_1_weight, l),
-                           P(ParamKind::ln_1_bias, l), N, C);
-      K::matmul(A.qkv.data(), A.ln1.data(), P(ParamKind::attn_c_attn_weight, l), P(ParamKind::attn_c_attn_bias, l), N,
-                3 * C, C, false, false);
-      K::attention_forward(A.atty.data(), A.lse.data(), A.qkv.data(), B, T_, C, NH);
-      K::matmul(a_.scratch.data(), A.atty.data(), P(ParamKind::attn_c_proj_weight, l),
-                P(ParamKind::attn_c_proj_bias, l), N, C, C, false, false);
-      K::residual_forward(A.res2.data(), x, a_.scratch.data(), sN * C);
-      K::layernorm_forward(A.ln2.data(), A.ln2_mean.data(), A.ln2_rstd.data(), A.res2.data(),
-                           P(ParamKind::ln_2_weight, l), P(ParamKind::ln_2_bias, l), N, C);
-      K::matmul(A.fch_gelu.data(), A.ln2.data(), P(ParamKind::mlp_c_fc_weight, l), P(ParamKind::mlp_c_fc_bias, l), N,
-                F, C, false, false, false, K::Epilogue::gelu, A.fch.data());
-      K::matmul(a_.scratch.data(), A.fch_gelu.data(), P(ParamKind::mlp_c_proj_weight, l),
-                P(ParamKind::mlp_c_proj_bias, l), N, C, F, false, false);
-      K::residual_forward(A.res3.data(), A.res2.data(), a_.scratch.data(), sN * C);
+      ops_.layernorm_forward(A.ln1.data(), A.ln1_mean.data(), A.ln1_rstd.data(), x, P(ParamKind::ln_1_weight, l),
+                             P(ParamKind::ln_1_bias, l), N, C);
+      ops_.matmul(A.qkv.data(), A.ln1.data(), P(ParamKind::attn_c_attn_weight, l), P(ParamKind::attn_c_attn_bias, l),
+                  N, 3 * C, C, false, false);
+      ops_.attention_forward(A.atty.data(), A.lse.data(), A.qkv.data(), B, T_, C, NH);
+      ops_.matmul(a_.scratch.data(), A.atty.data(), P(ParamKind::attn_c_proj_weight, l),
+                  P(ParamKind::attn_c_proj_bias, l), N, C, C, false, false);
+      ops_.residual_forward(A.res2.data(), x, a_.scratch.data(), sN * C);
+      ops_.layernorm_forward(A.ln2.data(), A.ln2_mean.data(), A.ln2_rstd.data(), A.res2.data(),
+                             P(ParamKind::ln_2_weight, l), P(ParamKind::ln_2_bias, l), N, C);
+      ops_.matmul(A.fch_gelu.data(), A.ln2.data(), P(ParamKind::mlp_c_fc_weight, l), P(ParamKind::mlp_c_fc_bias, l),
+                  N, F, C, false, false, false, ops_type::Epilogue::gelu, A.fch.data());
+      ops_.matmul(a_.scratch.data(), A.fch_gelu.data(), P(ParamKind::mlp_c_proj_weight, l),
+                  P(ParamKind::mlp_c_proj_bias, l), N, C, F, false, false);
+      ops_.residual_forward(A.res3.data(), A.res2.data(), a_.scratch.data(), sN * C);
       x = A.res3.data();
     }
-    K::layernorm_forward(a_.lnf.data(), a_.lnf_mean.data(), a_.lnf_rstd.data(), x, P(ParamKind::ln_f_weight),
-                         P(ParamKind::ln_f_bias), N, C);
+    ops_.layernorm_forward(a_.lnf.data(), a_.lnf_mean.data(), a_.lnf_rstd.data(), x, P(ParamKind::ln_f_weight),
+                           P(ParamKind::ln_f_bias), N, C);
     // logits[N, Vp] = lnf[N, C] · head^T, head stored [Vp, C]
-    K::matmul(a_.logits.data(), a_.lnf.data(), P(layout::head_kind), static_cast<const T*>(nullptr), N, Vp, C, false,
-              true);
-    if (targets == nullptr) return 0.0f;
+    ops_.matmul(a_.logits.data(), a_.lnf.data(), P(layout::head_kind), static_cast<const T*>(nullptr), N, Vp, C, false,
+                true);
+    if (targets == nullptr) return;
 
     // Fused loss + d-logits (written over the logits), in the three steps of the
-    // vocab-parallel contract so the loss keeps acc_t precision (double in gradient checks).
-    K::logits_max(a_.ce_max.data(), a_.logits.data(), N, Vp, 0, V);
-    K::crossentropy_partials(a_.ce_sumexp.data(), a_.ce_target.data(), a_.logits.data(), targets, a_.ce_max.data(), N,
-                             Vp, 0, V);
+    // vocab-parallel contract so the loss keeps stat_t precision (double in gradient checks).
+    const int* tgt = a_.targets.data();
+    ops_.logits_max(a_.ce_max.data(), a_.logits.data(), N, Vp, 0, V);
+    ops_.crossentropy_partials(a_.ce_sumexp.data(), a_.ce_target.data(), a_.logits.data(), tgt, a_.ce_max.data(), N,
+                               Vp, 0, V);
     const float dloss = 1.0f / static_cast<float>(N);
-    K::crossentropy_backward(a_.losses.data(), a_.logits.data(), a_.logits.data(), targets, a_.ce_max.data(),
-                             a_.ce_sumexp.data(), a_.ce_target.data(), N, Vp, 0, V, dloss);
-    double sum = 0;
-    for (std::size_t i = 0; i < sN; ++i)
-      sum += std::log(static_cast<double>(a_.ce_sumexp[i])) + static_cast<double>(a_.ce_max[i]) -
-             static_cast<double>(a_.ce_target[i]);
-    loss_ = sum / static_cast<double>(N);
+    ops_.crossentropy_backward(a_.losses.data(), a_.logits.data(), a_.logits.data(), tgt, a_.ce_max.data(),
+                               a_.ce_sumexp.data(), a_.ce_target.data(), N, Vp, 0, V, dloss);
+    loss_pending_ = true;
     has_dlogits_ = true;
-    return static_cast<float>(loss_);
+    if constexpr (on_host) loss();  // the host computes it at once (as before enqueue_forward existed)
   }
 
-  // The mean loss of the last forward with targets, in acc_t precision (double for T = double).
-  double loss() const { return loss_; }
+  // The mean loss of the last forward with targets, in stat_t precision summed in double
+  // (double for T = double). On Cuda the first call after a forward waits for the device.
+  double loss() const {
+    if (loss_pending_) {
+      loss_ = ops_.mean_loss(a_.ce_max.data(), a_.ce_sumexp.data(), a_.ce_target.data(), B_ * Tseq_);
+      loss_pending_ = false;
+    }
+    return loss_;
+  }
 
   // Accumulates the gradient of the last forward's mean loss into grads().
   void backward() {
-    namespace K = kernels::host;
     if (!has_dlogits_)
       throw std::logic_error("GPT::backward: call forward(tokens, targets, B, T) with targets first (once per backward)");
     has_dlogits_ = false;
@@ -195,12 +247,13 @@ class GPT {
     T* dln = a_.dln.data();
 
     // logits = lnf · head^T:  dlnf = dlogits · head,  dhead += dlogits^T · lnf
-    K::matmul(dln, dlogits, P(layout::head_kind), static_cast<const T*>(nullptr), N, C, Vp, false, false);
-    K::matmul(G(layout::head_kind), dlogits, a_.lnf.data(), static_cast<const T*>(nullptr), Vp, C, N, true, false, true);
-    a_.dres.zero();
+    ops_.matmul(dln, dlogits, P(layout::head_kind), static_cast<const T*>(nullptr), N, C, Vp, false, false);
+    ops_.matmul(G(layout::head_kind), dlogits, a_.lnf.data(), static_cast<const T*>(nullptr), Vp, C, N, true, false,
+                true);
+    ops_.zero(a_.dres);
     const T* x_last = L > 0 ? a_.layer[static_cast<std::size_t>(L - 1)].res3.data() : a_.encoded.data();
-    K::layernorm_backward(dres, G(ParamKind::ln_f_weight), G(ParamKind::ln_f_bias), dln, x_last,
-                          P(ParamKind::ln_f_weight), a_.lnf_mean.data(), a_.lnf_rstd.data(), N, C);
+    ops_.layernorm_backward(dres, G(ParamKind::ln_f_weight), G(ParamKind::ln_f_bias), dln, x_last,
+                            P(ParamKind::ln_f_weight), a_.lnf_mean.data(), a_.lnf_rstd.data(), N, C);
 
     for (int l = L - 1; l >= 0; --l) {
       LayerActs& A = a_.layer[static_cast<std::size_t>(l)];
@@ -208,31 +261,33 @@ class GPT {
       // dres holds d(res3). MLP projection: y = fch_gelu · Wp + bp
       linear_backward(a_.dfch.data(), G(ParamKind::mlp_c_proj_weight, l), G(ParamKind::mlp_c_proj_bias, l), dres,
                       A.fch_gelu.data(), P(ParamKind::mlp_c_proj_weight, l), N, F, C);
-      K::gelu_backward(a_.dfch.data(), A.fch.data(), a_.dfch.data(), static_cast<std::size_t>(N) * F);
+      ops_.gelu_backward(a_.dfch.data(), A.fch.data(), a_.dfch.data(), static_cast<std::size_t>(N) * F);
       linear_backward(dln, G(ParamKind::mlp_c_fc_weight, l), G(ParamKind::mlp_c_fc_bias, l), a_.dfch.data(),
                       A.ln2.data(), P(ParamKind::mlp_c_fc_weight, l), N, C, F);
-      K::layernorm_backward(dres, G(ParamKind::ln_2_weight, l), G(ParamKind::ln_2_bias, l), dln, A.res2.data(),
-                            P(ParamKind::ln_2_weight, l), A.ln2_mean.data(), A.ln2_rstd.data(), N, C);
+      ops_.layernorm_backward(dres, G(ParamKind::ln_2_weight, l), G(ParamKind::ln_2_bias, l), dln, A.res2.data(),
+                              P(ParamKind::ln_2_weight, l), A.ln2_mean.data(), A.ln2_rstd.data(), N, C);
       // dres holds d(res2). Attention projection, attention, qkv projection.
       linear_backward(a_.scratch.data(), G(ParamKind::attn_c_proj_weight, l), G(ParamKind::attn_c_proj_bias, l), dres,
                       A.atty.data(), P(ParamKind::attn_c_proj_weight, l), N, C, C);
-      K::attention_backward(a_.dqkv.data(), a_.scratch.data(), A.qkv.data(), A.atty.data(), A.lse.data(), B, T_, C, NH);
+      ops_.attention_backward(a_.dqkv.data(), a_.scratch.data(), A.qkv.data(), A.atty.data(), A.lse.data(), B, T_, C,
+                              NH);
       linear_backward(dln, G(ParamKind::attn_c_attn_weight, l), G(ParamKind::attn_c_attn_bias, l), a_.dqkv.data(),
                       A.ln1.data(), P(ParamKind::attn_c_attn_weight, l), N, C, 3 * C);
-      K::layernorm_backward(dres, G(ParamKind::ln_1_weight, l), G(ParamKind::ln_1_bias, l), dln, x,
-                            P(ParamKind::ln_1_weight, l), A.ln1_mean.data(), A.ln1_rstd.data(), N, C);
+      ops_.layernorm_backward(dres, G(ParamKind::ln_1_weight, l), G(ParamKind::ln_1_bias, l), dln, x,
+                              P(ParamKind::ln_1_weight, l), A.ln1_mean.data(), A.ln1_rstd.data(), N, C);
       // dres holds d(x) = d(res3 of layer l-1)
     }
-    K::embedding_backward(G(ParamKind::wte), G(ParamKind::wpe), dres, tokens_.data(), B, T_, C);
+    ops_.embedding_backward(G(ParamKind::wte), G(ParamKind::wpe), dres, a_.tokens.data(), B, T_, C);
   }
 
   // [B, T, Vp] logits of the last forward WITHOUT targets (with targets they were replaced
-  // by d-logits). Columns >= vocab are padding.
+  // by d-logits). Columns >= vocab are padding. Device memory on Cuda: logits_to_host().
   std::span<const T> logits() const {
     if (has_dlogits_)
       throw std::logic_error("GPT::logits: the last forward had targets, its logits were replaced by d-logits");
     return {a_.logits.data(), static_cast<std::size_t>(B_) * static_cast<std::size_t>(Tseq_) * Vp};
   }
+  std::vector<T> logits_to_host() const { return ops_.to_host(logits()); }
   int batch() const { return B_; }
   int seq() const { return Tseq_; }
 
@@ -241,15 +296,15 @@ class GPT {
   // Writes every tensor with its HF name in T's dtype (F32, F64 or BF16); wte (and lm_head)
   // without the padded vocabulary rows. Atomic (write "<path>.tmp", rename).
   void save(const std::filesystem::path& path, const std::map<std::string, std::string>& metadata = {}) const {
-    io::SafetensorsWriter w;
-    for (const ParamInfo& t : layout::tensors) {
-      std::vector<std::int64_t> shape = t.rank == 2 ? std::vector<std::int64_t>{t.file_rows, t.cols}
-                                                    : std::vector<std::int64_t>{t.file_rows};
-      w.add(t.name(), std::move(shape), params_.span().subspan(t.offset, t.file_size()));
-    }
-    w.add_metadata("format", "pt");
-    for (const auto& [k, v] : metadata) w.add_metadata(k, v);
-    w.write(path);
+    ops_.read_to_host(params_, [&](std::span<const T> params) {
+      io::SafetensorsWriter w;
+      for (const ParamInfo& t : layout::tensors) {
+        w.add(t.name(), t.file_shape(), params.subspan(t.offset, t.file_size()));
+      }
+      w.add_metadata("format", "pt");
+      for (const auto& [k, v] : metadata) w.add_metadata(k, v);
+      w.write(path);
+    });
   }
 
   // Reads HF GPT-2 weights: names with or without the "transformer." prefix; HF's attention
@@ -260,11 +315,15 @@ class GPT {
   void load(const std::filesystem::path& path) { load(io::SafetensorsFile::read(path)); }
   void load(const io::SafetensorsFile& f) {
     std::vector<const io::TensorEntry*> found(layout::count, nullptr);
+    const io::TensorEntry* tied_head = nullptr;
     for (const io::TensorEntry& e : f.tensors()) {
       std::string_view n = e.name;
       if (n.substr(0, 12) == "transformer.") n.remove_prefix(12);
       if (is_hf_buffer(n)) continue;
-      if (layout::tied && n == "lm_head.weight") continue;  // HF may store the tied copy of wte
+      if (layout::tied && n == "lm_head.weight") {  // HF may store the tied copy of wte
+        tied_head = &e;
+        continue;
+      }
       auto idx = layout::find(n);
       if (!idx)
         throw io::SafetensorsError(f.source() + ": tensor '" + e.name + "' is not a parameter of this model (" +
@@ -276,8 +335,7 @@ class GPT {
     }
     for (int i = 0; i < layout::count; ++i) {
       const ParamInfo& t = layout::tensors[static_cast<std::size_t>(i)];
-      const std::vector<std::int64_t> want = t.rank == 2 ? std::vector<std::int64_t>{t.file_rows, t.cols}
-                                                         : std::vector<std::int64_t>{t.file_rows};
+      const std::vector<std::int64_t> want = t.file_shape();
       const io::TensorEntry* e = found[static_cast<std::size_t>(i)];
       if (!e)
         throw io::SafetensorsError(f.source() + ": tensor '" + t.name() + "' is missing (the model expects " +
@@ -289,11 +347,25 @@ class GPT {
         throw io::SafetensorsError(f.source() + ": " + t.name() + " is " + std::string(io::dtype_name(e->dtype)) +
                                    ", the model needs a floating-point dtype");
     }
-    for (int i = 0; i < layout::count; ++i) {
-      const ParamInfo& t = layout::tensors[static_cast<std::size_t>(i)];
-      f.read_into(*found[static_cast<std::size_t>(i)], params_.span().subspan(t.offset, t.file_size()));
-      for (std::size_t j = t.offset + t.file_size(); j < t.end(); ++j) params_[j] = T{};  // padded rows
+    // A head stored next to wte in a tied model must be the same tensor; a different one
+    // means the checkpoint is untied, and ignoring it would give a wrong model silently.
+    if (tied_head) {
+      const io::TensorEntry& wte = *found[static_cast<std::size_t>(layout::index(ParamKind::wte))];
+      const auto a = f.bytes(*tied_head), b = f.bytes(wte);
+      if (tied_head->shape != wte.shape || tied_head->dtype != wte.dtype || a.size() != b.size() ||
+          !std::equal(a.begin(), a.end(), b.begin()))
+        throw io::SafetensorsError(f.source() + ": lm_head.weight differs from wte.weight, so this checkpoint has an "
+                                   "untied head; load it into a config with tied = false");
     }
+    // Every element is written (the tensors tile the buffer): on Cuda the host copy is
+    // uploaded only once all of it has been read.
+    ops_.write_from_host(params_, [&](std::span<T> params) {
+      for (int i = 0; i < layout::count; ++i) {
+        const ParamInfo& t = layout::tensors[static_cast<std::size_t>(i)];
+        f.read_into(*found[static_cast<std::size_t>(i)], params.subspan(t.offset, t.file_size()));
+        for (std::size_t j = t.offset + t.file_size(); j < t.end(); ++j) params[j] = T{};  // padded rows
+      }
+    });
   }
 
   static std::string describe() {
@@ -304,12 +376,13 @@ class GPT {
  private:
   struct LayerActs {
     Buffer<T, Device> ln1, qkv, atty, res2, ln2, fch, fch_gelu, res3;
-    Buffer<acc, Device> ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse;
+    Buffer<stat_t, Device> ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse;
   };
   struct Acts {
     std::size_t capacity = 0;  // B*T the buffers hold
+    Buffer<int, Device> tokens, targets;  // the last forward's ids (backward needs the tokens)
     Buffer<T, Device> encoded, lnf, logits, scratch, dres, dln, dqkv, dfch;
-    Buffer<acc, Device> lnf_mean, lnf_rstd, ce_max, ce_sumexp, ce_target;
+    Buffer<stat_t, Device> lnf_mean, lnf_rstd, ce_max, ce_sumexp, ce_target;
     Buffer<float, Device> losses;
     std::vector<LayerActs> layer;
   };
@@ -320,45 +393,59 @@ class GPT {
     const std::size_t c = static_cast<std::size_t>(C), f = static_cast<std::size_t>(F);
     Acts a;
     a.capacity = n;
-    a.encoded = Buffer<T, Device>(n * c);
-    a.lnf = Buffer<T, Device>(n * c);
-    a.logits = Buffer<T, Device>(n * static_cast<std::size_t>(Vp));
-    a.scratch = Buffer<T, Device>(n * c);
-    a.dres = Buffer<T, Device>(n * c);
-    a.dln = Buffer<T, Device>(n * c);
-    a.dqkv = Buffer<T, Device>(n * 3 * c);
-    a.dfch = Buffer<T, Device>(n * f);
-    a.lnf_mean = Buffer<acc, Device>(n);
-    a.lnf_rstd = Buffer<acc, Device>(n);
-    a.ce_max = Buffer<acc, Device>(n);
-    a.ce_sumexp = Buffer<acc, Device>(n);
-    a.ce_target = Buffer<acc, Device>(n);
-    a.losses = Buffer<float, Device>(n);
+    a.tokens = make<int>(n);
+    a.targets = make<int>(n);
+    a.encoded = make<T>(n * c);
+    a.lnf = make<T>(n * c);
+    a.logits = make<T>(n * static_cast<std::size_t>(Vp));
+    a.scratch = make<T>(n * c);
+    a.dres = make<T>(n * c);
+    a.dln = make<T>(n * c);
+    a.dqkv = make<T>(n * 3 * c);
+    a.dfch = make<T>(n * f);
+    a.lnf_mean = make<stat_t>(n);
+    a.lnf_rstd = make<stat_t>(n);
+    a.ce_max = make<stat_t>(n);
+    a.ce_sumexp = make<stat_t>(n);
+    a.ce_target = make<stat_t>(n);
+    a.losses = make<float>(n);
     a.layer.resize(static_cast<std::size_t>(L));
     for (LayerActs& A : a.layer) {
-      A.ln1 = Buffer<T, Device>(n * c);
-      A.qkv = Buffer<T, Device>(n * 3 * c);
-      A.atty = Buffer<T, Device>(n * c);
-      A.res2 = Buffer<T, Device>(n * c);
-      A.ln2 = Buffer<T, Device>(n * c);
-      A.fch = Buffer<T, Device>(n * f);
-      A.fch_gelu = Buffer<T, Device>(n * f);
-      A.res3 = Buffer<T, Device>(n * c);
-      A.ln1_mean = Buffer<acc, Device>(n);
-      A.ln1_rstd = Buffer<acc, Device>(n);
-      A.ln2_mean = Buffer<acc, Device>(n);
-      A.ln2_rstd = Buffer<acc, Device>(n);
-      A.lse = Buffer<acc, Device>(n * static_cast<std::size_t>(NH));
+      A.ln1 = make<T>(n * c);
+      A.qkv = make<T>(n * 3 * c);
+      A.atty = make<T>(n * c);
+      A.res2 = make<T>(n * c);
+      A.ln2 = make<T>(n * c);
+      A.fch = make<T>(n * f);
+      A.fch_gelu = make<T>(n * f);
+      A.res3 = make<T>(n * c);
+      A.ln1_mean = make<stat_t>(n);
+      A.ln1_rstd = make<stat_t>(n);
+      A.ln2_mean = make<stat_t>(n);
+      A.ln2_rstd = make<stat_t>(n);
+      A.lse = make<stat_t>(n * static_cast<std::size_t>(NH));
     }
     a_ = std::move(a);
   }
 
+  template <class U>
+  Buffer<U, Device> make(std::size_t n) {
+    return ops_.template make_buffer<U>(n);
+  }
+
   // y[N, out] = x[N, in] · W[in, out] + b:  dx = dy · W^T (=),  dW += x^T · dy,  db += colsum(dy).
-  static void linear_backward(T* dx, T* dW, T* db, const T* dy, const T* x, const T* W, int N, int in, int out) {
-    namespace K = kernels::host;
-    K::matmul(dx, dy, W, static_cast<const T*>(nullptr), N, in, out, false, true);
-    K::matmul(dW, x, dy, static_cast<const T*>(nullptr), in, out, N, true, false, true);
-    K::bias_backward(db, dy, N, out);
+  void linear_backward(T* dx, T* dW, T* db, const T* dy, const T* x, const T* W, int N, int in, int out) {
+    ops_.matmul(dx, dy, W, static_cast<const T*>(nullptr), N, in, out, false, true);
+    ops_.matmul(dW, x, dy, static_cast<const T*>(nullptr), in, out, N, true, false, true);
+    ops_.bias_backward(db, dy, N, out);
+  }
+
+  // Token ids are checked on the host before they go to a device (whose kernels cannot throw).
+  static void check_ids(const char* what, const int* ids, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i)
+      if (ids[i] < 0 || ids[i] >= V)
+        throw std::invalid_argument(std::string("GPT::forward: ") + what + "[" + std::to_string(i) + "] = " +
+                                    std::to_string(ids[i]) + " is outside [0, vocab = " + std::to_string(V) + ")");
   }
 
   // HF GPT2Attention's causal-mask buffers: "h.{i}.attn.bias", "h.{i}.attn.masked_bias".
@@ -382,12 +469,13 @@ class GPT {
     return TensorView<E>{&t, std::span<E>(b.data() + t.offset, t.size())};
   }
 
+  ops_type ops_;  // first: the buffers below are made by it
   Buffer<T, Device> params_, grads_;
   Acts a_;
-  std::vector<int> tokens_;
   int B_ = 0, Tseq_ = 0;
   bool has_dlogits_ = false;
-  double loss_ = 0;
+  mutable bool loss_pending_ = false;  // the statistics of the last forward are not summed yet
+  mutable double loss_ = 0;
 };
 
 }  // namespace fived

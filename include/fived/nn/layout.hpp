@@ -35,6 +35,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "fived/nn/config.hpp"
 
@@ -105,6 +106,10 @@ struct ParamInfo {
 
   constexpr std::size_t size() const { return static_cast<std::size_t>(rows * cols); }
   constexpr std::size_t file_size() const { return static_cast<std::size_t>(file_rows * cols); }
+  // The shape in a Hugging Face file (no padded vocabulary rows).
+  std::vector<std::int64_t> file_shape() const {
+    return rank == 2 ? std::vector<std::int64_t>{file_rows, cols} : std::vector<std::int64_t>{file_rows};
+  }
   constexpr std::size_t end() const { return offset + size(); }
   // A stable id for the initialiser's random stream: independent of the layer count and of
   // tying, so adding layers or untying does not change the other tensors' initial values.

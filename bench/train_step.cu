@@ -1,0 +1,162 @@
+// One GPT-2 124M training step on one GPU: forward, backward, gradient clipping (global
+// norm 1) and AdamW (fp32 master weights, kernels::cuda::adamw_update), bf16 parameters and
+// activations. The counterpart of bench/train_step_pytorch.py (same shape, same steps):
+//
+//   bench/train_step [--batch 8] [--seq 1024] [--steps 20] [--warmup 5] [--peak-tflops 989.4]
+//
+// Every step runs on the model's stream; its time is measured with CUDA events around the
+// step (so host launch gaps count, as in PyTorch's synchronised wall clock), and the median
+// over --steps timed steps (after --warmup) is reported with tokens/s and MFU:
+//
+//   FLOPs per token = 6 * P + 12 * L * C * T
+//     P = parameters in the buffer (124,475,904: wte with the vocabulary padded to 50304,
+//         tied head, as PyTorch counts a model built with vocab 50304)
+//     12 * L * C * T = attention scores and values (2 GEMMs of 2*C*T FLOPs per token and
+//         layer, forward + backward = 3x), causal mask NOT discounted (nanoGPT / PaLM)
+//   MFU = FLOPs per token * tokens/s / peak   (--peak-tflops, default H100 SXM bf16 dense)
+//
+// The same batch is used at every step (as the PyTorch script does). Without a GPU it
+// prints "no CUDA device" and exits 1.
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <fived/nn/cuda/ops.hpp>
+#include <fived/nn/gpt.hpp>
+
+namespace {
+
+struct gpt2_124m : fived::gpt_config {};  // 12 layers, d_model 768, 12 heads, vocab 50257 (50304 padded), T <= 1024
+using Model = fived::GPT<gpt2_124m, fived::bf16, fived::Cuda>;
+
+struct Options {
+  int batch = 8, seq = 1024, steps = 20, warmup = 5;
+  double peak_tflops = 989.4;  // H100 SXM5, bf16 dense
+};
+
+[[noreturn]] void usage(const std::string& msg) {
+  std::fprintf(stderr,
+               "%s\nusage: train_step [--batch B (8)] [--seq T (1024, <= 1024)] [--steps N (20)] [--warmup W (5)] "
+               "[--peak-tflops P (989.4: H100 SXM bf16 dense)]\n",
+               msg.c_str());
+  std::exit(2);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage("missing value after " + std::string(a));
+      return argv[++i];
+    };
+    try {
+      if (a == "--batch") o.batch = std::stoi(value());
+      else if (a == "--seq") o.seq = std::stoi(value());
+      else if (a == "--steps") o.steps = std::stoi(value());
+      else if (a == "--warmup") o.warmup = std::stoi(value());
+      else if (a == "--peak-tflops") o.peak_tflops = std::stod(value());
+      else if (a == "-h" || a == "--help") usage("One GPT-2 124M training step (bf16, AdamW) on one GPU.");
+      else usage("unknown argument " + std::string(a));
+    } catch (const std::logic_error&) {
+      usage("bad number after " + std::string(a));
+    }
+  }
+  if (o.batch < 1 || o.seq < 1 || o.seq > gpt2_124m::max_seq || o.steps < 1 || o.warmup < 0 || !(o.peak_tflops > 0))
+    usage("need --batch >= 1, 1 <= --seq <= 1024, --steps >= 1, --warmup >= 0, --peak-tflops > 0");
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options opt = parse(argc, argv);
+  if (fived::cuda::device_count() == 0) {
+    std::fprintf(stderr, "train_step: no CUDA device\n");
+    return 1;
+  }
+  try {
+    int dev = 0;
+    FIVED_CUDA_CHECK(cudaGetDevice(&dev));
+    cudaDeviceProp prop{};
+    FIVED_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+
+    const int B = opt.batch, T = opt.seq;
+    Model model(fived::GptInit{1337, 0.02});
+    auto& ops = model.ops();
+    const std::size_t n = Model::num_params;
+
+    // fp32 master weights from the bf16 parameters; Adam moments
+    fived::Buffer<float, fived::Cuda> master, m(n), v(n);
+    {
+      const std::vector<fived::bf16> p = model.params_to_host();
+      const std::vector<float> f(p.begin(), p.end());
+      master = fived::Buffer<float, fived::Cuda>(std::span<const float>(f), ops.stream());
+    }
+    FIVED_CUDA_CHECK(cudaDeviceSynchronize());  // Buffer's zero-fill runs on the legacy stream
+
+    // a fixed random batch of real token ids (LCG; the values do not matter for speed)
+    std::vector<int> tok(static_cast<std::size_t>(B) * T), tgt(tok.size());
+    unsigned long long s = 0x2545f4914f6cdd1dull;
+    for (std::size_t i = 0; i < tok.size(); ++i) {
+      s = s * 6364136223846793005ull + 1442695040888963407ull;
+      tok[i] = static_cast<int>((s >> 33) % Model::V);
+      s = s * 6364136223846793005ull + 1442695040888963407ull;
+      tgt[i] = static_cast<int>((s >> 33) % Model::V);
+    }
+
+    int step_no = 0;
+    auto step = [&] {
+      ++step_no;
+      model.zero_grad();
+      model.enqueue_forward(tok.data(), tgt.data(), B, T);  // does not wait for the loss
+      model.backward();
+      ops.clip_grad_norm(model.grads().data(), n, 1.0f);
+      ops.adamw_update(model.params().data(), master.data(), model.grads().data(), m.data(), v.data(), n, 6e-4f, 0.9f,
+                       0.95f, 1e-8f, 0.1f, step_no);
+    };
+
+    for (int i = 0; i < opt.warmup; ++i) step();
+    ops.synchronize();
+    fived::cuda::Event start, stop;
+    std::vector<double> ms;
+    for (int i = 0; i < opt.steps; ++i) {
+      start.record(ops.stream());
+      step();
+      stop.record(ops.stream());
+      ms.push_back(static_cast<double>(fived::cuda::Event::elapsed_ms(start, stop)));
+    }
+    const double loss = model.loss();  // the last step's (before its update)
+    std::sort(ms.begin(), ms.end());
+    const std::size_t k = ms.size();
+    const double median_ms = k % 2 ? ms[k / 2] : 0.5 * (ms[k / 2 - 1] + ms[k / 2]);
+
+    const double tokens = static_cast<double>(B) * T;
+    const double tok_s = tokens / (median_ms * 1e-3);
+    const double flops_per_token = 6.0 * static_cast<double>(n) + 12.0 * Model::L * Model::C * static_cast<double>(T);
+    const double tflops = flops_per_token * tok_s / 1e12;
+    const double mfu = 100.0 * tflops / opt.peak_tflops;
+
+    std::printf("device: %s (sm_%d%d)  fived bench/train_step\n", prop.name, prop.major, prop.minor);
+    std::printf("GPT-2 124M (%.1fM params in the buffer), B=%d T=%d, bf16 params/activations, fp32 master + AdamW, "
+                "clip 1.0\n",
+                static_cast<double>(n) / 1e6, B, T);
+    std::printf("FLOPs/token = 6*P + 12*L*C*T = %.4g; peak %.1f TFLOP/s\n", flops_per_token, opt.peak_tflops);
+    std::printf("median step %.1f ms over %d steps (min %.1f, max %.1f), loss %.3f\n", median_ms, opt.steps, ms.front(),
+                ms.back(), loss);
+    std::printf("%-28s %-8s %3s %5s %10s %12s %9s %7s\n", "device", "impl", "B", "T", "ms/step", "tokens/s", "TFLOP/s",
+                "MFU%");
+    std::printf("%-28.28s %-8s %3d %5d %10.1f %12.0f %9.1f %7.1f\n", prop.name, "fived", B, T, median_ms, tok_s, tflops,
+                mfu);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_step: %s\n", e.what());
+    return 1;
+  }
+}

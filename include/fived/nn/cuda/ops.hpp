@@ -1,0 +1,245 @@
+#pragma once
+// Ops<T, Cuda>: the model's kernel dispatch on one GPU (see nn/ops.hpp for the interface).
+// Device code: include it from a .cu file compiled by nvcc, before using
+// GPT<Cfg, T, fived::Cuda> (nn/gpt.hpp).
+//
+//   #include <fived/nn/cuda/ops.hpp>
+//   #include <fived/nn/gpt.hpp>
+//   fived::GPT<cfg, fived::bf16, fived::Cuda> model(fived::GptInit{.seed = 1});
+//   float loss = model.forward(tokens, targets, B, T);  // host token ids; waits for the loss
+//   model.backward();
+//   auto& ops = model.ops();  // ops.stream(), ops.lt(): queue more work in the model's order
+//
+// It owns a non-blocking Stream (every kernel and copy of the model is queued on it, in
+// order) and a CublasLt bound to that stream. Element types float and bf16; statistics
+// (LayerNorm mean/rstd, log-sum-exp, cross-entropy max/sum-exp/target) are float.
+//
+// Synchronisation: the kernels are asynchronous. Token ids go through pinned staging
+// memory (the host pointer can be reused as soon as forward returns, and the upload does
+// not wait for queued work); mean_loss, to_host, read_to_host and write_from_host wait for
+// the stream.
+
+#if !defined(__CUDACC__)
+#error "fived/nn/cuda/ops.hpp holds device code: include it from a .cu file compiled by nvcc"
+#endif
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <fived/device/bf16.hpp>
+#include <fived/device/buffer.hpp>
+#include <fived/device/cuda.hpp>
+#include <fived/kernels/cuda.hpp>
+#include <fived/nn/ops.hpp>
+
+namespace fived {
+
+namespace ops_detail {
+
+// Pinned (page-locked) host memory for asynchronous uploads, with an event marking
+// when the last copy out of it has completed.
+class PinnedStaging {
+ public:
+  PinnedStaging() : done_(cudaEventDisableTiming) {}
+  PinnedStaging(PinnedStaging&& o) noexcept
+      : p_(std::exchange(o.p_, nullptr)), cap_(std::exchange(o.cap_, 0)), done_(std::move(o.done_)) {}
+  PinnedStaging& operator=(PinnedStaging&& o) noexcept {
+    if (this != &o) {
+      release();
+      p_ = std::exchange(o.p_, nullptr);
+      cap_ = std::exchange(o.cap_, 0);
+      done_ = std::move(o.done_);
+    }
+    return *this;
+  }
+  PinnedStaging(const PinnedStaging&) = delete;
+  PinnedStaging& operator=(const PinnedStaging&) = delete;
+  ~PinnedStaging() { release(); }
+
+  // Copies host[0, bytes) to device memory dst on `stream`, without waiting for the stream.
+  void upload(void* dst, const void* host, std::size_t bytes, cudaStream_t stream) {
+    if (bytes == 0) return;
+    done_.synchronize();  // the previous copy out of the staging memory has finished
+    if (bytes > cap_) {
+      release();
+      FIVED_CUDA_CHECK(cudaMallocHost(&p_, bytes));
+      cap_ = bytes;
+    }
+    std::memcpy(p_, host, bytes);
+    FIVED_CUDA_CHECK(cudaMemcpyAsync(dst, p_, bytes, cudaMemcpyHostToDevice, stream));
+    done_.record(stream);
+  }
+
+ private:
+  void release() noexcept {
+    if (p_ != nullptr) (void)cudaFreeHost(p_);
+    p_ = nullptr;
+    cap_ = 0;
+  }
+  void* p_ = nullptr;
+  std::size_t cap_ = 0;
+  cuda::Event done_;  // recorded after each copy; an unrecorded event counts as complete
+};
+
+}  // namespace ops_detail
+
+template <class T>
+struct Ops<T, Cuda> {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, bf16>,
+                "fived::Ops<T, Cuda>: the element type must be float or fived::bf16 (double is host only)");
+
+  using device = Cuda;
+  using value_type = T;
+  using stat_t = float;
+  template <class U>
+  using buffer = Buffer<U, Cuda>;
+  using Epilogue = kernels::cuda::Epilogue;
+
+  Ops() : lt_(stream_.get()), sumsq_(1) {}
+  Ops(Ops&&) noexcept = default;  // the stream handle moves with its CublasLt
+  Ops& operator=(Ops&&) noexcept = default;
+
+  cudaStream_t stream() const noexcept { return stream_.get(); }
+  kernels::cuda::CublasLt& lt() noexcept { return lt_; }
+
+  // ---- kernels ------------------------------------------------------------------------------
+
+  void matmul(T* out, const T* a, const T* b, const T* bias, int M, int N, int K, bool trans_a, bool trans_b,
+              bool accumulate = false, Epilogue ep = Epilogue::none, T* pre_act = nullptr) {
+    kernels::cuda::matmul(lt_, out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act);
+  }
+  void bias_backward(T* dbias, const T* dout, int M, int N) { kernels::cuda::bias_backward(stream(), dbias, dout, M, N); }
+  void layernorm_forward(T* out, stat_t* mean, stat_t* rstd, const T* inp, const T* weight, const T* bias, int N,
+                         int C) {
+    kernels::cuda::layernorm_forward(stream(), out, mean, rstd, inp, weight, bias, N, C);
+  }
+  void layernorm_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp, const T* weight,
+                          const stat_t* mean, const stat_t* rstd, int N, int C) {
+    kernels::cuda::layernorm_backward(stream(), dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+  }
+  void gelu_backward(T* dinp, const T* inp, const T* dout, std::size_t n) {
+    kernels::cuda::gelu_backward(stream(), dinp, inp, dout, n);
+  }
+  void residual_forward(T* out, const T* a, const T* b, std::size_t n) {
+    kernels::cuda::residual_forward(stream(), out, a, b, n);
+  }
+  void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH) {
+    kernels::cuda::attention_forward(stream(), out, lse, qkv, B, T_, C, NH);
+  }
+  void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const stat_t* lse, int B, int T_, int C,
+                          int NH) {
+    kernels::cuda::attention_backward(stream(), dqkv, dout, qkv, out, lse, B, T_, C, NH);
+  }
+  void embedding_forward(T* out, const int* tokens, const T* wte, const T* wpe, int B, int T_, int C, int V) {
+    kernels::cuda::embedding_forward(stream(), out, tokens, wte, wpe, B, T_, C, V);
+  }
+  void embedding_backward(T* dwte, T* dwpe, const T* dout, const int* tokens, int B, int T_, int C) {
+    kernels::cuda::embedding_backward(stream(), dwte, dwpe, dout, tokens, B, T_, C);
+  }
+  void logits_max(stat_t* max, const T* logits, int N, int Vs, int offset, int V) {
+    kernels::cuda::logits_max(stream(), max, logits, N, Vs, offset, V);
+  }
+  void crossentropy_partials(stat_t* sumexp, stat_t* target_logit, const T* logits, const int* targets,
+                             const stat_t* max, int N, int Vs, int offset, int V) {
+    kernels::cuda::crossentropy_partials(stream(), sumexp, target_logit, logits, targets, max, N, Vs, offset, V);
+  }
+  void crossentropy_backward(float* losses, T* dlogits, const T* logits, const int* targets, const stat_t* max,
+                             const stat_t* sumexp, const stat_t* target_logit, int N, int Vs, int offset, int V,
+                             float dloss) {
+    kernels::cuda::crossentropy_backward(stream(), losses, dlogits, logits, targets, max, sumexp, target_logit, N, Vs,
+                                         offset, V, dloss);
+  }
+  void adamw_update(T* param, float* master, const T* grad, float* m, float* v, std::size_t n, float lr, float beta1,
+                    float beta2, float eps, float weight_decay, int step) {
+    kernels::cuda::adamw_update(stream(), param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step);
+  }
+  // Global-norm clipping of one flat gradient buffer, without leaving the device: the sum of
+  // squares stays in device memory and the scaling kernel computes the factor from it.
+  void clip_grad_norm(T* g, std::size_t n, float max_norm) {
+    sumsq_.zero(stream());
+    kernels::cuda::sum_of_squares(stream(), sumsq_.data(), g, n);
+    kernels::cuda::clip_scale(stream(), g, n, sumsq_.data(), max_norm);
+  }
+
+  // ---- memory and staging ----------------------------------------------------------------------
+
+  // Zero-filled (complete on return: see Buffer<T, Cuda>).
+  template <class U>
+  Buffer<U, Cuda> make_buffer(std::size_t n) {
+    return Buffer<U, Cuda>(n);
+  }
+  template <class U>
+  void zero(Buffer<U, Cuda>& b) {
+    b.zero(stream());
+  }
+  void upload_ids(Buffer<int, Cuda>& dst, const int* host, std::size_t n) {
+    if (n > dst.size())
+      throw std::invalid_argument("fived::Ops<T, Cuda>::upload_ids: " + std::to_string(n) +
+                                  " ids for a buffer of " + std::to_string(dst.size()));
+    // Two staging areas, used in turn (tokens and targets of one forward): an upload waits
+    // only for the copy two uploads back, never for the kernels queued since.
+    ops_detail::PinnedStaging& s = staging_[next_staging_];
+    next_staging_ = 1 - next_staging_;
+    s.upload(dst.data(), host, n * sizeof(int), stream());
+  }
+  // Mean cross-entropy from the [N] statistics: downloads them (waits for the stream) and
+  // sums in double on the host, as Ops<T, Host> does.
+  double mean_loss(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N) const {
+    const std::size_t n = static_cast<std::size_t>(N);
+    std::vector<float> mx(n), se(n), tg(n);
+    copy_to_host(mx.data(), max, n);
+    copy_to_host(se.data(), sumexp, n);
+    copy_to_host(tg.data(), target, n);
+    synchronize();
+    double sum = 0;
+    for (std::size_t i = 0; i < n; ++i)
+      sum += std::log(static_cast<double>(se[i])) + static_cast<double>(mx[i]) - static_cast<double>(tg[i]);
+    return sum / static_cast<double>(N);
+  }
+  // f(std::span<U>) fills a zeroed host copy; the copy is then uploaded (complete on return).
+  template <class U, class F>
+  void write_from_host(Buffer<U, Cuda>& b, F&& f) {
+    std::vector<U> h(b.size());
+    f(std::span<U>(h));
+    b.upload(std::span<const U>(h), stream());
+  }
+  // Downloads b (after the queued work), then f(std::span<const U>) reads the host copy.
+  template <class U, class F>
+  void read_to_host(const Buffer<U, Cuda>& b, F&& f) const {
+    std::vector<U> h(b.size());
+    b.download(std::span<U>(h), stream());
+    f(std::span<const U>(h));
+  }
+  // A host copy of device memory (after the queued work).
+  template <class U>
+  std::vector<std::remove_const_t<U>> to_host(std::span<U> device_span) const {
+    std::vector<std::remove_const_t<U>> h(device_span.size());
+    copy_to_host(h.data(), device_span.data(), h.size());
+    FIVED_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    return h;
+  }
+  void synchronize() const { stream_.synchronize(); }
+
+ private:
+  template <class U>
+  void copy_to_host(U* host, const U* device, std::size_t n) const {
+    if (n != 0) FIVED_CUDA_CHECK(cudaMemcpyAsync(host, device, n * sizeof(U), cudaMemcpyDeviceToHost, stream()));
+  }
+
+  cuda::Stream stream_;
+  kernels::cuda::CublasLt lt_;
+  Buffer<float, Cuda> sumsq_;  // clip_grad_norm's device-side sum of squares
+  ops_detail::PinnedStaging staging_[2];
+  int next_staging_ = 0;
+};
+
+}  // namespace fived

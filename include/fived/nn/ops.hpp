@@ -1,0 +1,165 @@
+#pragma once
+// Per-device kernel dispatch for the model: Ops<T, Device>.
+//
+// The model (nn/gpt.hpp) is written once against this interface; each device supplies
+// a specialisation whose member functions forward to its kernels, plus the few things
+// that differ per device (moving token ids in, reading the loss out, staging parameters
+// through host memory for initialisation, save and load).
+//
+//   Ops<T, Host>   this header: kernels::host, no state. Statistics (LayerNorm mean/rstd,
+//                  log-sum-exp, cross-entropy max/sum-exp/target) are acc_t<T>.
+//   Ops<T, Cuda>   nn/cuda/ops.hpp (nvcc only): kernels::cuda on a stream it owns, with
+//                  a CublasLt for the GEMMs. Statistics are float.
+//
+// The interface every specialisation provides (T* are pointers into Buffer<T, Device>):
+//
+//   using device = ...;  using value_type = T;  using stat_t = ...;
+//   template <class U> using buffer = Buffer<U, Device>;
+//   kernels (contract of /kernels, without the stream / handle argument):
+//     matmul, bias_backward, layernorm_forward, layernorm_backward, gelu_backward,
+//     residual_forward, attention_forward, attention_backward, embedding_forward,
+//     embedding_backward, logits_max, crossentropy_partials, crossentropy_backward,
+//     adamw_update
+//   void clip_grad_norm(T* g, size_t n, float max_norm)   scale g so that ||g|| <= max_norm
+//   buffer<U> make_buffer(size_t n)                       n zeroed elements, ready for use
+//   void zero(buffer<U>&)                                 all elements to 0 (stream-ordered)
+//   void upload_ids(buffer<int>& dst, const int* host, size_t n)   host ids -> dst[0, n)
+//   double mean_loss(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N)
+//       mean over i of log(sumexp[i]) + max[i] - target[i], summed in double (waits for
+//       the device on CUDA)
+//   void write_from_host(buffer<U>& b, F f)    f(std::span<U>) fills all of b in host memory
+//   void read_to_host(const buffer<U>& b, F f) f(std::span<const U>) reads b in host memory
+//   std::vector<U> to_host(std::span<const U> device_span)
+//   void synchronize()                         waits for the device's queued work
+//
+// On the host the staging functions hand out the buffer itself (no copy), so the host
+// model does exactly what it did before this layer existed.
+
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include "fived/device/bf16.hpp"
+#include "fived/device/buffer.hpp"
+#include "fived/kernels/host.hpp"
+
+namespace fived {
+
+namespace ops_detail {
+template <class>
+inline constexpr bool always_false = false;
+}  // namespace ops_detail
+
+// Primary template: a device without a specialisation (or Cuda without its header).
+template <class T, class Device>
+struct Ops {
+  static_assert(ops_detail::always_false<Device>,
+                "fived::Ops<T, Device>: no kernels for this device here. For fived::Cuda, include "
+                "<fived/nn/cuda/ops.hpp> (in a .cu file compiled by nvcc) before using GPT<Cfg, T, fived::Cuda>");
+};
+
+template <class T>
+struct Ops<T, Host> {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, bf16>,
+                "fived::Ops<T, Host>: the element type must be float, double or fived::bf16");
+
+  using device = Host;
+  using value_type = T;
+  using stat_t = acc_t<T>;
+  template <class U>
+  using buffer = Buffer<U, Host>;
+  using Epilogue = kernels::host::Epilogue;
+
+  // ---- kernels ------------------------------------------------------------------------------
+
+  void matmul(T* out, const T* a, const T* b, const T* bias, int M, int N, int K, bool trans_a, bool trans_b,
+              bool accumulate = false, Epilogue ep = Epilogue::none, T* pre_act = nullptr) {
+    kernels::host::matmul(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act);
+  }
+  void bias_backward(T* dbias, const T* dout, int M, int N) { kernels::host::bias_backward(dbias, dout, M, N); }
+  void layernorm_forward(T* out, stat_t* mean, stat_t* rstd, const T* inp, const T* weight, const T* bias, int N,
+                         int C) {
+    kernels::host::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
+  }
+  void layernorm_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp, const T* weight,
+                          const stat_t* mean, const stat_t* rstd, int N, int C) {
+    kernels::host::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+  }
+  void gelu_backward(T* dinp, const T* inp, const T* dout, std::size_t n) {
+    kernels::host::gelu_backward(dinp, inp, dout, n);
+  }
+  void residual_forward(T* out, const T* a, const T* b, std::size_t n) { kernels::host::residual_forward(out, a, b, n); }
+  void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH) {
+    kernels::host::attention_forward(out, lse, qkv, B, T_, C, NH);
+  }
+  void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const stat_t* lse, int B, int T_, int C,
+                          int NH) {
+    kernels::host::attention_backward(dqkv, dout, qkv, out, lse, B, T_, C, NH);
+  }
+  void embedding_forward(T* out, const int* tokens, const T* wte, const T* wpe, int B, int T_, int C, int V) {
+    kernels::host::embedding_forward(out, tokens, wte, wpe, B, T_, C, V);
+  }
+  void embedding_backward(T* dwte, T* dwpe, const T* dout, const int* tokens, int B, int T_, int C) {
+    kernels::host::embedding_backward(dwte, dwpe, dout, tokens, B, T_, C);
+  }
+  void logits_max(stat_t* max, const T* logits, int N, int Vs, int offset, int V) {
+    kernels::host::logits_max(max, logits, N, Vs, offset, V);
+  }
+  void crossentropy_partials(stat_t* sumexp, stat_t* target_logit, const T* logits, const int* targets,
+                             const stat_t* max, int N, int Vs, int offset, int V) {
+    kernels::host::crossentropy_partials(sumexp, target_logit, logits, targets, max, N, Vs, offset, V);
+  }
+  void crossentropy_backward(float* losses, T* dlogits, const T* logits, const int* targets, const stat_t* max,
+                             const stat_t* sumexp, const stat_t* target_logit, int N, int Vs, int offset, int V,
+                             float dloss) {
+    kernels::host::crossentropy_backward(losses, dlogits, logits, targets, max, sumexp, target_logit, N, Vs, offset, V,
+                                         dloss);
+  }
+  void adamw_update(T* param, float* master, const T* grad, float* m, float* v, std::size_t n, float lr, float beta1,
+                    float beta2, float eps, float weight_decay, int step) {
+    kernels::host::adamw_update(param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step);
+  }
+  // Global-norm clipping of one flat gradient buffer: g *= min(1, max_norm / (||g|| + 1e-6)).
+  void clip_grad_norm(T* g, std::size_t n, float max_norm) {
+    const float f = kernels::host::clip_factor(kernels::host::sum_of_squares(g, n), max_norm);
+    if (f < 1.0f) kernels::host::scale(g, n, f);
+  }
+
+  // ---- memory and staging ----------------------------------------------------------------------
+
+  template <class U>
+  Buffer<U, Host> make_buffer(std::size_t n) {
+    return Buffer<U, Host>(n);
+  }
+  template <class U>
+  void zero(Buffer<U, Host>& b) {
+    b.zero();
+  }
+  void upload_ids(Buffer<int, Host>& dst, const int* host, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) dst[i] = host[i];
+  }
+  // Mean cross-entropy from the loss statistics, summed in double.
+  double mean_loss(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N) const {
+    double sum = 0;
+    for (std::size_t i = 0; i < static_cast<std::size_t>(N); ++i)
+      sum += std::log(static_cast<double>(sumexp[i])) + static_cast<double>(max[i]) - static_cast<double>(target[i]);
+    return sum / static_cast<double>(N);
+  }
+  template <class U, class F>
+  void write_from_host(Buffer<U, Host>& b, F&& f) {
+    f(b.span());
+  }
+  template <class U, class F>
+  void read_to_host(const Buffer<U, Host>& b, F&& f) const {
+    f(b.span());
+  }
+  template <class U>
+  std::vector<std::remove_const_t<U>> to_host(std::span<U> s) const {
+    return {s.begin(), s.end()};
+  }
+  void synchronize() {}
+};
+
+}  // namespace fived
