@@ -461,3 +461,37 @@ TEST_CASE("the loss drops over 20 AdamW steps on a fixed batch") {
   const ParamInfo& wte = GptLayout<small>::info(ParamKind::wte);
   for (std::size_t i = wte.file_size(); i < wte.size(); ++i) REQUIRE(model.params()[wte.offset + i] == 0.0f);
 }
+
+TEST_CASE("loads a file written by Python's safetensors in Hugging Face's GPT-2 layout") {
+  // tests/data/make_hf_fixture.py wrote it: "transformer." names, Conv1D [in, out]
+  // weights, h.{i}.attn.bias mask buffers, a tied lm_head copy, {"format": "pt"}.
+  const auto file = io::SafetensorsFile::read(std::string(FIVED_TEST_DATA_DIR) + "/hf_tiny_gpt2.safetensors");
+  CHECK(file.metadata().at("format") == "pt");
+  GPT<tiny> m(GptInit{1, 0.05});
+  m.load(file);
+
+  // the script's tensor order and value formula, repeated here
+  std::vector<std::string> names = {"wte.weight", "wpe.weight"};
+  for (int l = 0; l < 2; ++l)
+    for (const char* k : {"ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+                          "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+                          "mlp.c_proj.weight", "mlp.c_proj.bias"})
+      names.push_back("h." + std::to_string(l) + "." + k);
+  names.push_back("ln_f.weight");
+  names.push_back("ln_f.bias");
+  REQUIRE(names.size() == static_cast<std::size_t>(GptLayout<tiny>::count));
+  for (std::size_t t = 0; t < names.size(); ++t) {
+    const auto p = m.param(names[t]);
+    const std::size_t n = static_cast<std::size_t>(p.info->file_size());
+    std::size_t wrong = 0;
+    for (std::size_t k = 0; k < n; ++k) {
+      const double want = static_cast<double>(k % 97) * 0.01 - 0.48 + 0.001 * static_cast<double>(t);
+      wrong += p[k] != static_cast<float>(want);
+    }
+    for (std::size_t k = n; k < p.size(); ++k) wrong += p[k] != 0.0f;  // padded vocabulary rows
+    INFO(names[t]);
+    CHECK(wrong == 0);
+  }
+  std::vector<int> tok = {1, 5, 9, 2}, tgt = {5, 9, 2, 7};
+  CHECK(std::isfinite(m.forward(tok.data(), tgt.data(), 1, 4)));
+}
