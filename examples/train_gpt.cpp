@@ -37,6 +37,7 @@
 #include "fived/nn/cuda/ops.hpp"  // before gpt.hpp: Ops<T, Cuda>
 #endif
 #include "fived/nn/gpt.hpp"
+#include "fived/optim/adamw.hpp"
 
 namespace {
 
@@ -176,7 +177,13 @@ int train(const Options& opt, const std::vector<int>& data, std::size_t split, c
   };
 
   auto& ops = model.ops();
-  auto m = ops.template make_buffer<float>(Model::num_params), v = ops.template make_buffer<float>(Model::num_params);
+  // AdamW with global-norm clipping at 1, weight decay 0.1 on matrices only (fived::AdamW on
+  // the host; on CUDA the same update as a per-tensor loop, below, until AdamW runs there).
+  const fived::AdamWConfig adamw{.lr = opt.lr, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f,
+                                 .max_norm = 1.0f};
+  fived::AdamWFor<ModelOn<fived::Host>> optimizer(adamw, {0, Model::on_host ? Layout::size : 0});
+  auto m = ops.template make_buffer<float>(Model::on_host ? 0 : Model::num_params),
+       v = ops.template make_buffer<float>(Model::on_host ? 0 : Model::num_params);
   // MFU (CUDA): FLOPs per token = 6 * params + 12 * L * C * T (attention, causal mask not discounted)
   const double flops_per_token = 6.0 * static_cast<double>(Layout::size) + 12.0 * Model::L * Model::C * opt.seq;
   const int warmup = std::max(1, opt.steps / 20);
@@ -197,15 +204,20 @@ int train(const Options& opt, const std::vector<int>& data, std::size_t split, c
     model.zero_grad();
     const float loss = model.forward(tok.data(), tgt.data(), B, T);
     model.backward();
-    // clip the global gradient norm at 1, then AdamW (weight decay on matrices only)
-    ops.clip_grad_norm(model.grads().data(), model.grads().size(), 1.0f);
     const double progress = static_cast<double>(step - warmup) / std::max(1, opt.steps - warmup);
     const float lr = step <= warmup ? opt.lr * static_cast<float>(step) / static_cast<float>(warmup)
                                     : opt.lr * static_cast<float>(0.1 + 0.45 * (1 + std::cos(std::numbers::pi * progress)));
-    for (const fived::ParamInfo& t : Layout::tensors)
-      ops.adamw_update(model.params().data() + t.offset, static_cast<float*>(nullptr), model.grads().data() + t.offset,
-                       m.data() + t.offset, v.data() + t.offset, t.size(), lr, 0.9f, 0.95f, 1e-8f,
-                       t.rank == 2 ? 0.1f : 0.0f, step);
+    if constexpr (Model::on_host) {
+      optimizer.hp.lr = lr;
+      optimizer.step(model);  // clip the global gradient norm, then AdamW
+    } else {
+      ops.clip_grad_norm(model.grads().data(), model.grads().size(), adamw.max_norm);
+      for (const fived::ParamInfo& t : Layout::tensors)
+        ops.adamw_update(model.params().data() + t.offset, static_cast<float*>(nullptr),
+                         model.grads().data() + t.offset, m.data() + t.offset, v.data() + t.offset, t.size(), lr,
+                         adamw.beta1, adamw.beta2, adamw.eps, decltype(optimizer)::decays(t) ? adamw.weight_decay : 0.0f,
+                         step);
+    }
     ops.synchronize();  // CUDA: the step is done (a no-op on the host)
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     tokens += B * T;
