@@ -10,9 +10,10 @@
 #include <cmath>
 #include <random>
 #include <span>
+#include <numeric>
 #include <stdexcept>
-#include <vector>
 #include <string>
+#include <vector>
 
 #include "fived/comm/host.hpp"
 #include "fived/kernels/host/norm.hpp"
@@ -199,18 +200,30 @@ TEST_CASE("data parallel equals the serial run: DP 2 and 4, no ZeRO and ZeRO-1, 
                                       << worst.tensor_max << ", element " << worst.element);
 }
 
-TEST_CASE("ZeRO-1 holds the optimizer state of its shard only") {
+TEST_CASE("per-rank memory matches the formula: fp32 4N + 4N + 8N, optimizer / DP under ZeRO-1") {
+  constexpr std::size_t N = Lay::size, f = sizeof(float);
+  std::vector<std::size_t> optimizer(4);
   host::run(4, [&](host::Comm& comm) {
     Model m(init);
     DataParallel<Model, 4, ZeRO<1>> dp(m, comm, hp);
     const FlatRange own = S4::owned(comm.rank());
     CHECK(dp.optimizer().owned() == own);
-    CHECK(dp.optimizer().state_bytes() == 2 * sizeof(float) * own.size());  // m and v, no master for fp32
+    const auto mem = dp.memory();
+    CHECK(mem.params == 4 * N);
+    CHECK(mem.grads == 4 * N);
+    CHECK(mem.optimizer == 2 * f * own.size());  // m and v for the shard, no master for fp32
+    CHECK(mem.staging == f * S4::padded);
+    optimizer[static_cast<std::size_t>(comm.rank())] = mem.optimizer;
   });
+  // the shards tile the buffer: the optimizer state is 8N bytes over the whole DP group
+  CHECK(std::accumulate(optimizer.begin(), optimizer.end(), std::size_t{0}) == 8 * N);
+  for (std::size_t b : optimizer) CHECK(b <= 8 * S4::shard_size);  // about 8N / DP per rank
   Model m(init);
   host::run(1, [&](host::Comm& comm) {
     DataParallel<Model, 1, NoZeRO> dp(m, comm, hp);
-    CHECK(dp.optimizer().state_bytes() == 2 * sizeof(float) * Lay::size);
+    const auto mem = dp.memory();
+    CHECK(mem.total() == 16 * N);  // 4 + 4 + 8 bytes per parameter, no staging
+    CHECK(mem.staging == 0);
   });
 }
 

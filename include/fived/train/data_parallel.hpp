@@ -168,6 +168,17 @@ class DataParallel {
     return loss;
   }
 
+  // Bytes this rank holds for training state. fp32, N = layout::size elements:
+  // NoZeRO 4N + 4N + 8N; ZeRO<1> 4N + 4N + 8N/DP (moments for the shard only), plus
+  // the padded staging buffer of the reduce-scatter / all-gather (4 x padded).
+  struct Memory {
+    std::size_t params = 0, grads = 0, optimizer = 0, staging = 0;
+    std::size_t total() const { return params + grads + optimizer + staging; }
+  };
+  Memory memory() const {
+    return {layout::size * sizeof(T), layout::size * sizeof(T), opt_.state_bytes(), flat_.size() * sizeof(T)};
+  }
+
   optimizer_type& optimizer() { return opt_; }
   const optimizer_type& optimizer() const { return opt_; }
   int rank() const { return rank_; }
