@@ -1,0 +1,287 @@
+#pragma once
+// Tensor-parallel linear layers (Megatron), with the collectives chosen by the
+// placement types.
+//
+// Activations are row-major [B, T, C] Sharded tensors; only the TP axis is
+// placed (the other axes are Replicate here). Weights are HF Conv1D [in, out].
+// Convention: a gradient has the placement of its value, so a layer's backward
+// takes dy placed as output_placement and returns dx placed as
+// input_placement. Every collective is a redistribute<Axis::tp, P> between
+// what the local arithmetic produced and the placement the type demands:
+//
+//   ColumnParallelLinear<M, SP>   weight Shard<1>, bias Shard<0>
+//     in:  Replicate (SP: Shard<1>, the sequence)      out: Shard<2> (hidden)
+//     fwd  x_full = redistribute<tp, Replicate>(x)     identity   | all-gather
+//          y      = x_full W_local + b_local           Shard<2>
+//     bwd  dx     = dy W_local^T  (Partial)
+//          redistribute<tp, in>(dx)                    all-reduce | reduce-scatter
+//          dW_local += x_full^T dy, db_local += colsum(dy)   (no collective)
+//
+//   RowParallelLinear<M, SP>      weight Shard<0>, bias Replicate
+//     in:  Shard<2>                                    out: Replicate (SP: Shard<1>)
+//     fwd  y = x_local W_local (Partial) -> redistribute<tp, out>(y) + b
+//                                                      all-reduce | reduce-scatter
+//     bwd  dy_full = redistribute<tp, Replicate>(dy)   identity   | all-gather
+//          dx_local = dy_full W_local^T (Shard<2>), dW_local += x_local^T dy_full
+//          db: colsum of the local rows of dy, placed Replicate (no SP) or
+//          Partial (SP: each rank saw only its sequence shard), then
+//          redistribute<tp, Replicate>                 identity   | all-reduce
+//
+// So a Column -> Row pair (the MLP, attention) issues, per step, one
+// all-reduce forward and one backward without SP, and one all-gather plus one
+// reduce-scatter each way with SP (plus the all-reduce of the row-parallel
+// bias gradient). Chain<A, B> refuses, at compile time, to connect a layer to
+// one whose input placement differs from the first one's output placement.
+//
+// Weights are initialised by slicing the serial layer's full weight, so a
+// TP-split layer computes what the serial layer computes.
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "fived/comm/communicator.hpp"
+#include "fived/kernels/host/gemm.hpp"
+#include "fived/mesh/mesh.hpp"
+#include "fived/place/redistribute.hpp"
+#include "fived/place/sharded.hpp"
+
+namespace fived::nn::tp {
+
+// An activation [B, T, C] placed as P on the TP axis.
+template <MeshType M, class P>
+using ActivationLayout = ShardLayout<M, 3, Placements<On<Axis::tp, P>>>;
+template <class T, MeshType M, class P>
+using Activation = Sharded<T, ActivationLayout<M, P>>;
+
+// A parameter of rank R placed as P on the TP axis.
+template <MeshType M, std::size_t R, class P>
+using ParamLayout = ShardLayout<M, R, Placements<On<Axis::tp, P>>>;
+template <class T, MeshType M, std::size_t R, class P>
+using Param = Sharded<T, ParamLayout<M, R, P>>;
+
+namespace detail {
+
+inline int checked_int(std::int64_t v, const char* what) {
+  if (v < 0 || v > INT32_MAX) throw std::invalid_argument(std::string("fived::nn::tp: ") + what + " does not fit an int");
+  return static_cast<int>(v);
+}
+
+template <class T, class L>
+Sharded<T, L> zeros_like_layout(const L& l) {
+  return Sharded<T, L>(l, std::vector<T>(static_cast<std::size_t>(l.local_size()), T{}));
+}
+
+template <class T, MeshType M, std::size_t R, class P>
+Param<T, M, R, P> slice_param(std::array<std::int64_t, R> shape, Coord c, std::span<const T> full, const char* what) {
+  ParamLayout<M, R, P> l(shape, c);
+  if (static_cast<std::int64_t>(full.size()) != l.global_size())
+    throw std::invalid_argument(std::string("fived::nn::tp: the full ") + what + " has " + std::to_string(full.size()) +
+                                " elements, the layer needs " + std::to_string(l.global_size()));
+  return Param<T, M, R, P>::slice_of(std::move(l), full);
+}
+
+template <class T, class L>
+void check_width(const Sharded<T, L>& x, std::int64_t want, const char* layer) {
+  if (x.layout().global_shape()[2] != want)
+    throw std::invalid_argument(std::string(layer) + ": the input has " + std::to_string(x.layout().global_shape()[2]) +
+                                " features, the layer takes " + std::to_string(want));
+}
+
+}  // namespace detail
+
+template <MeshType M, bool SP = false, class T = float>
+class ColumnParallelLinear {
+ public:
+  using mesh = M;
+  using value_type = T;
+  static constexpr bool sequence_parallel = SP;
+  using input_placement = std::conditional_t<SP, Shard<1>, Replicate>;
+  using output_placement = Shard<2>;
+  using weight_placement = Shard<1>;
+  using bias_placement = Shard<0>;
+  using input_type = Activation<T, M, input_placement>;
+  using output_type = Activation<T, M, output_placement>;
+  using weight_type = Param<T, M, 2, weight_placement>;
+  using bias_type = Param<T, M, 1, bias_placement>;
+
+  // Slices the serial layer's weight [in, out] and bias [out]; `coord` is this rank's.
+  ColumnParallelLinear(std::int64_t in, std::int64_t out, std::span<const T> weight, std::span<const T> bias, Coord coord)
+      : in_(in), out_(out),
+        w_(detail::slice_param<T, M, 2, weight_placement>({in, out}, coord, weight, "weight")),
+        b_(detail::slice_param<T, M, 1, bias_placement>({out}, coord, bias, "bias")),
+        dw_(detail::zeros_like_layout<T>(w_.layout())), db_(detail::zeros_like_layout<T>(b_.layout())) {}
+
+  template <Communicator C>
+  output_type forward(const input_type& x, C& tp) {
+    detail::check_width(x, in_, "ColumnParallelLinear::forward");
+    x_full_.emplace(redistribute<Axis::tp, Replicate>(x, tp));
+    const auto g = x.layout().global_shape();
+    ActivationLayout<M, output_placement> yl({g[0], g[1], out_}, x.layout().coord());
+    const int rows = detail::checked_int(g[0] * g[1], "B*T"), n = local_out(), k = detail::checked_int(in_, "in");
+    std::vector<T> y(static_cast<std::size_t>(yl.local_size()));
+    kernels::host::matmul(y.data(), x_full_->local().data(), w_.local().data(), b_.local().data(), rows, n, k, false,
+                          false);
+    return output_type(std::move(yl), std::move(y));
+  }
+
+  // Takes dy placed like the output, accumulates dW and db, returns dx placed like the input.
+  template <Communicator C>
+  input_type backward(const output_type& dy, C& tp) {
+    if (!x_full_) throw std::logic_error("ColumnParallelLinear::backward called before forward");
+    const auto g = x_full_->layout().global_shape();
+    const int rows = detail::checked_int(g[0] * g[1], "B*T"), n = local_out(), k = detail::checked_int(in_, "in");
+    if (dy.layout().global_shape() != std::array<std::int64_t, 3>{g[0], g[1], out_})
+      throw std::invalid_argument("ColumnParallelLinear::backward: dy does not have the shape of the output");
+    kernels::host::matmul(dw_.local().data(), x_full_->local().data(), dy.local().data(), nullptr, k, n, rows, true,
+                          false, true);
+    kernels::host::bias_backward(db_.local().data(), dy.local().data(), rows, n);
+    ActivationLayout<M, Partial> dl(g, dy.layout().coord());
+    std::vector<T> dx(static_cast<std::size_t>(dl.local_size()));
+    kernels::host::matmul(dx.data(), dy.local().data(), w_.local().data(), nullptr, rows, k, n, false, true);
+    const Activation<T, M, Partial> dx_partial(std::move(dl), std::move(dx));
+    return redistribute<Axis::tp, input_placement>(dx_partial, tp);
+  }
+
+  void zero_grad() {
+    std::fill(dw_.storage().begin(), dw_.storage().end(), T{});
+    std::fill(db_.storage().begin(), db_.storage().end(), T{});
+  }
+
+  std::int64_t in_features() const { return in_; }
+  std::int64_t out_features() const { return out_; }
+  const weight_type& weight() const { return w_; }
+  const bias_type& bias() const { return b_; }
+  const weight_type& weight_grad() const { return dw_; }
+  const bias_type& bias_grad() const { return db_; }
+
+ private:
+  int local_out() const { return detail::checked_int(w_.layout().local_shape()[1], "out/TP"); }
+
+  std::int64_t in_, out_;
+  weight_type w_;
+  bias_type b_;
+  weight_type dw_;
+  bias_type db_;
+  std::optional<Activation<T, M, Replicate>> x_full_;  // saved for dW
+};
+
+template <MeshType M, bool SP = false, class T = float>
+class RowParallelLinear {
+ public:
+  using mesh = M;
+  using value_type = T;
+  static constexpr bool sequence_parallel = SP;
+  using input_placement = Shard<2>;
+  using output_placement = std::conditional_t<SP, Shard<1>, Replicate>;
+  using weight_placement = Shard<0>;
+  using bias_placement = Replicate;
+  // Where the local column sums of dy sit before they are reduced: complete
+  // when dy is replicated, one partial sum per sequence shard with SP.
+  using bias_grad_partial_placement = std::conditional_t<is_shard_v<output_placement>, Partial, output_placement>;
+  using input_type = Activation<T, M, input_placement>;
+  using output_type = Activation<T, M, output_placement>;
+  using weight_type = Param<T, M, 2, weight_placement>;
+  using bias_type = Param<T, M, 1, bias_placement>;
+
+  RowParallelLinear(std::int64_t in, std::int64_t out, std::span<const T> weight, std::span<const T> bias, Coord coord)
+      : in_(in), out_(out),
+        w_(detail::slice_param<T, M, 2, weight_placement>({in, out}, coord, weight, "weight")),
+        b_(detail::slice_param<T, M, 1, bias_placement>({out}, coord, bias, "bias")),
+        dw_(detail::zeros_like_layout<T>(w_.layout())), db_(detail::zeros_like_layout<T>(b_.layout())) {}
+
+  template <Communicator C>
+  output_type forward(const input_type& x, C& tp) {
+    detail::check_width(x, in_, "RowParallelLinear::forward");
+    x_.emplace(x);
+    const auto g = x.layout().global_shape();
+    ActivationLayout<M, Partial> pl({g[0], g[1], out_}, x.layout().coord());
+    const int rows = detail::checked_int(g[0] * g[1], "B*T"), n = detail::checked_int(out_, "out"), k = local_in();
+    std::vector<T> y(static_cast<std::size_t>(pl.local_size()));
+    kernels::host::matmul(y.data(), x.local().data(), w_.local().data(), nullptr, rows, n, k, false, false);
+    auto out = redistribute<Axis::tp, output_placement>(Activation<T, M, Partial>(std::move(pl), std::move(y)), tp);
+    // The bias is added once, after the reduction, to whatever rows this rank holds.
+    auto o = out.local();
+    const auto b = b_.local();
+    for (std::size_t i = 0; i < o.size(); ++i) o[i] += b[i % b.size()];
+    return out;
+  }
+
+  template <Communicator C>
+  input_type backward(const output_type& dy, C& tp) {
+    if (!x_) throw std::logic_error("RowParallelLinear::backward called before forward");
+    const auto g = x_->layout().global_shape();
+    if (dy.layout().global_shape() != std::array<std::int64_t, 3>{g[0], g[1], out_})
+      throw std::invalid_argument("RowParallelLinear::backward: dy does not have the shape of the output");
+    const int rows = detail::checked_int(g[0] * g[1], "B*T"), n = detail::checked_int(out_, "out"), k = local_in();
+
+    // Bias: column sums of the rows of dy this rank holds.
+    {
+      ParamLayout<M, 1, bias_grad_partial_placement> bl({out_}, dy.layout().coord());
+      std::vector<T> part(static_cast<std::size_t>(n), T{});
+      const int local_rows = detail::checked_int(static_cast<std::int64_t>(dy.local().size()) / out_, "rows");
+      kernels::host::bias_backward(part.data(), dy.local().data(), local_rows, n);
+      const auto full = redistribute<Axis::tp, Replicate>(
+          Param<T, M, 1, bias_grad_partial_placement>(std::move(bl), std::move(part)), tp);
+      auto d = db_.local();
+      const auto f = full.local();
+      for (std::size_t j = 0; j < d.size(); ++j) d[j] += f[j];
+    }
+
+    const auto dy_full = redistribute<Axis::tp, Replicate>(dy, tp);
+    kernels::host::matmul(dw_.local().data(), x_->local().data(), dy_full.local().data(), nullptr, k, n, rows, true,
+                          false, true);
+    ActivationLayout<M, input_placement> dl(g, dy.layout().coord());
+    std::vector<T> dx(static_cast<std::size_t>(dl.local_size()));
+    kernels::host::matmul(dx.data(), dy_full.local().data(), w_.local().data(), nullptr, rows, k, n, false, true);
+    return input_type(std::move(dl), std::move(dx));
+  }
+
+  void zero_grad() {
+    std::fill(dw_.storage().begin(), dw_.storage().end(), T{});
+    std::fill(db_.storage().begin(), db_.storage().end(), T{});
+  }
+
+  std::int64_t in_features() const { return in_; }
+  std::int64_t out_features() const { return out_; }
+  const weight_type& weight() const { return w_; }
+  const bias_type& bias() const { return b_; }
+  const weight_type& weight_grad() const { return dw_; }
+  const bias_type& bias_grad() const { return db_; }
+
+ private:
+  int local_in() const { return detail::checked_int(w_.layout().local_shape()[0], "in/TP"); }
+
+  std::int64_t in_, out_;
+  weight_type w_;
+  bias_type b_;
+  weight_type dw_;
+  bias_type db_;
+  std::optional<input_type> x_;  // saved for dW
+};
+
+// Chain<Producer, Consumer>: Consumer takes Producer's output. Instantiating
+// it (static_assert(Chain<A, B>::ok)) checks at compile time that the two
+// layers live on the same mesh and agree on the placement between them.
+template <class Producer, class Consumer>
+struct Chain {
+  static_assert(std::is_same_v<typename Producer::mesh, typename Consumer::mesh>,
+                "Chain: the two layers are on different meshes");
+  static_assert(std::is_same_v<typename Producer::output_placement, typename Consumer::input_placement>,
+                "Chain: the first layer's output placement on the TP axis is not the placement the next layer "
+                "takes as input; give both layers the same sequence-parallel setting, or put a "
+                "redistribute<Axis::tp, P> between them");
+  static_assert(!std::is_same_v<typename Producer::output_placement, typename Consumer::input_placement> ||
+                    std::is_same_v<typename Producer::output_type, typename Consumer::input_type>,
+                "Chain: the first layer's output type is not the next layer's input type (element type differs)");
+  static constexpr bool ok = true;
+};
+
+}  // namespace fived::nn::tp
