@@ -95,29 +95,63 @@ void check_width(const Sharded<T, L>& x, std::int64_t want, const char* layer) {
                                 " features, the layer takes " + std::to_string(want));
 }
 
+// The parameters of a TP linear layer, sliced from the serial layer's weight
+// [in, out] and bias [out], with their gradients (placed like the parameters).
+template <class T, MeshType M, class WeightPlacement, class BiasPlacement>
+class LinearParams {
+ public:
+  using weight_placement = WeightPlacement;
+  using bias_placement = BiasPlacement;
+  using weight_type = Param<T, M, 2, WeightPlacement>;
+  using bias_type = Param<T, M, 1, BiasPlacement>;
+
+  LinearParams(std::int64_t in, std::int64_t out, std::span<const T> weight, std::span<const T> bias, Coord coord)
+      : in_(in), out_(out),
+        w_(slice_param<T, M, 2, WeightPlacement>({in, out}, coord, weight, "weight")),
+        b_(slice_param<T, M, 1, BiasPlacement>({out}, coord, bias, "bias")),
+        dw_(zeros_like_layout<T>(w_.layout())), db_(zeros_like_layout<T>(b_.layout())) {}
+
+  void zero_grad() {
+    std::fill(dw_.storage().begin(), dw_.storage().end(), T{});
+    std::fill(db_.storage().begin(), db_.storage().end(), T{});
+  }
+  std::int64_t in_features() const { return in_; }
+  std::int64_t out_features() const { return out_; }
+  const weight_type& weight() const { return w_; }
+  const bias_type& bias() const { return b_; }
+  const weight_type& weight_grad() const { return dw_; }
+  const bias_type& bias_grad() const { return db_; }
+
+ protected:
+  std::int64_t in_, out_;
+  weight_type w_;
+  bias_type b_;
+  weight_type dw_;
+  bias_type db_;
+};
+
 }  // namespace detail
 
 template <MeshType M, bool SP = false, class T = float>
-class ColumnParallelLinear {
+class ColumnParallelLinear : public detail::LinearParams<T, M, Shard<1>, Shard<0>> {
+  using base = detail::LinearParams<T, M, Shard<1>, Shard<0>>;
+  using base::in_, base::out_, base::w_, base::b_, base::dw_, base::db_;
+
  public:
   using mesh = M;
   using value_type = T;
   static constexpr bool sequence_parallel = SP;
   using input_placement = std::conditional_t<SP, Shard<1>, Replicate>;
   using output_placement = Shard<2>;
-  using weight_placement = Shard<1>;
-  using bias_placement = Shard<0>;
+  using typename base::weight_placement;  // Shard<1>: output features split
+  using typename base::bias_placement;    // Shard<0>
   using input_type = Activation<T, M, input_placement>;
   using output_type = Activation<T, M, output_placement>;
-  using weight_type = Param<T, M, 2, weight_placement>;
-  using bias_type = Param<T, M, 1, bias_placement>;
+  using typename base::weight_type;
+  using typename base::bias_type;
 
   // Slices the serial layer's weight [in, out] and bias [out]; `coord` is this rank's.
-  ColumnParallelLinear(std::int64_t in, std::int64_t out, std::span<const T> weight, std::span<const T> bias, Coord coord)
-      : in_(in), out_(out),
-        w_(detail::slice_param<T, M, 2, weight_placement>({in, out}, coord, weight, "weight")),
-        b_(detail::slice_param<T, M, 1, bias_placement>({out}, coord, bias, "bias")),
-        dw_(detail::zeros_like_layout<T>(w_.layout())), db_(detail::zeros_like_layout<T>(b_.layout())) {}
+  using base::base;
 
   template <Communicator C>
   output_type forward(const input_type& x, C& tp) {
@@ -150,52 +184,34 @@ class ColumnParallelLinear {
     return redistribute<Axis::tp, input_placement>(dx_partial, tp);
   }
 
-  void zero_grad() {
-    std::fill(dw_.storage().begin(), dw_.storage().end(), T{});
-    std::fill(db_.storage().begin(), db_.storage().end(), T{});
-  }
-
-  std::int64_t in_features() const { return in_; }
-  std::int64_t out_features() const { return out_; }
-  const weight_type& weight() const { return w_; }
-  const bias_type& bias() const { return b_; }
-  const weight_type& weight_grad() const { return dw_; }
-  const bias_type& bias_grad() const { return db_; }
-
  private:
   int local_out() const { return detail::checked_int(w_.layout().local_shape()[1], "out/TP"); }
 
-  std::int64_t in_, out_;
-  weight_type w_;
-  bias_type b_;
-  weight_type dw_;
-  bias_type db_;
   std::optional<Activation<T, M, Replicate>> x_full_;  // saved for dW
 };
 
 template <MeshType M, bool SP = false, class T = float>
-class RowParallelLinear {
+class RowParallelLinear : public detail::LinearParams<T, M, Shard<0>, Replicate> {
+  using base = detail::LinearParams<T, M, Shard<0>, Replicate>;
+  using base::in_, base::out_, base::w_, base::b_, base::dw_, base::db_;
+
  public:
   using mesh = M;
   using value_type = T;
   static constexpr bool sequence_parallel = SP;
   using input_placement = Shard<2>;
   using output_placement = std::conditional_t<SP, Shard<1>, Replicate>;
-  using weight_placement = Shard<0>;
-  using bias_placement = Replicate;
+  using typename base::weight_placement;  // Shard<0>: input features split
+  using typename base::bias_placement;    // Replicate: added after the reduction
   // Where the local column sums of dy sit before they are reduced: complete
   // when dy is replicated, one partial sum per sequence shard with SP.
   using bias_grad_partial_placement = std::conditional_t<is_shard_v<output_placement>, Partial, output_placement>;
   using input_type = Activation<T, M, input_placement>;
   using output_type = Activation<T, M, output_placement>;
-  using weight_type = Param<T, M, 2, weight_placement>;
-  using bias_type = Param<T, M, 1, bias_placement>;
+  using typename base::weight_type;
+  using typename base::bias_type;
 
-  RowParallelLinear(std::int64_t in, std::int64_t out, std::span<const T> weight, std::span<const T> bias, Coord coord)
-      : in_(in), out_(out),
-        w_(detail::slice_param<T, M, 2, weight_placement>({in, out}, coord, weight, "weight")),
-        b_(detail::slice_param<T, M, 1, bias_placement>({out}, coord, bias, "bias")),
-        dw_(detail::zeros_like_layout<T>(w_.layout())), db_(detail::zeros_like_layout<T>(b_.layout())) {}
+  using base::base;
 
   template <Communicator C>
   output_type forward(const input_type& x, C& tp) {
@@ -244,26 +260,9 @@ class RowParallelLinear {
     return input_type(std::move(dl), std::move(dx));
   }
 
-  void zero_grad() {
-    std::fill(dw_.storage().begin(), dw_.storage().end(), T{});
-    std::fill(db_.storage().begin(), db_.storage().end(), T{});
-  }
-
-  std::int64_t in_features() const { return in_; }
-  std::int64_t out_features() const { return out_; }
-  const weight_type& weight() const { return w_; }
-  const bias_type& bias() const { return b_; }
-  const weight_type& weight_grad() const { return dw_; }
-  const bias_type& bias_grad() const { return db_; }
-
  private:
   int local_in() const { return detail::checked_int(w_.layout().local_shape()[0], "in/TP"); }
 
-  std::int64_t in_, out_;
-  weight_type w_;
-  bias_type b_;
-  weight_type dw_;
-  bias_type db_;
   std::optional<input_type> x_;  // saved for dW
 };
 
