@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "fived/kernels/host.hpp"
+#include "support/compare.hpp"
 
 namespace {
 
@@ -63,15 +64,7 @@ Vec rounded(const Vec& v) {
   return from(to<T>(v));
 }
 
-double rel_error(const Vec& x, const Vec& ref) {
-  REQUIRE(x.size() == ref.size());
-  double diff = 0, scale = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    diff = std::max(diff, std::abs(x[i] - ref[i]));
-    scale = std::max(scale, std::abs(ref[i]));
-  }
-  return scale > 0 ? diff / scale : diff;
-}
+using fived::test::max_rel_error;
 
 double dot(const Vec& a, const Vec& b) {
   double s = 0;
@@ -91,7 +84,7 @@ double fd_error(Vec& x, const Vec& analytic, const std::function<double()>& loss
     x[i] = save;
     numeric[i] = (lp - lm) / (2 * h);
   }
-  return rel_error(analytic, numeric);
+  return max_rel_error(analytic, numeric);
 }
 
 double gelu_ref(double x) { return 0.5 * x * (1 + std::tanh(std::sqrt(2 / std::numbers::pi) * (x + 0.044715 * x * x * x))); }
@@ -171,20 +164,20 @@ TEST_CASE("matmul forward: all four transposes, bias, accumulate, gelu epilogue,
     const Vec a = random_vec(static_cast<std::size_t>(d.M) * d.K, 1), b = random_vec(static_cast<std::size_t>(d.K) * d.N, 2);
     const Vec bias = random_vec(static_cast<std::size_t>(d.N), 3);
     const Vec ref = naive_matmul(a, b, &bias, d);
-    CHECK(rel_error(run_matmul<double>(a, b, &bias, d), ref) < exact_bound);
-    CHECK(rel_error(run_matmul<double>(a, b, nullptr, d), naive_matmul(a, b, nullptr, d)) < exact_bound);
+    CHECK(max_rel_error(run_matmul<double>(a, b, &bias, d), ref) < exact_bound);
+    CHECK(max_rel_error(run_matmul<double>(a, b, nullptr, d), naive_matmul(a, b, nullptr, d)) < exact_bound);
     // accumulate: out = prefill + product + bias
     const Vec prefill = random_vec(ref.size(), 4);
     Vec acc_ref = ref;
     for (std::size_t i = 0; i < ref.size(); ++i) acc_ref[i] += prefill[i];
-    CHECK(rel_error(run_matmul<double>(a, b, &bias, d, &prefill), acc_ref) < exact_bound);
+    CHECK(max_rel_error(run_matmul<double>(a, b, &bias, d, &prefill), acc_ref) < exact_bound);
     // gelu epilogue: pre_act = product + bias, out = gelu(pre_act)
     Vec pre;
     const Vec g = run_matmul<double>(a, b, &bias, d, nullptr, k::Epilogue::gelu, &pre);
     Vec gref(ref.size());
     for (std::size_t i = 0; i < ref.size(); ++i) gref[i] = gelu_ref(ref[i]);
-    CHECK(rel_error(pre, ref) < exact_bound);
-    CHECK(rel_error(g, gref) < exact_bound);
+    CHECK(max_rel_error(pre, ref) < exact_bound);
+    CHECK(max_rel_error(g, gref) < exact_bound);
   }
 }
 
@@ -247,12 +240,12 @@ TEST_CASE("gelu forward against the tanh formula, backward against finite differ
   Vec y(50), ref(50);
   k::gelu_forward(y.data(), x.data(), x.size());
   for (std::size_t i = 0; i < x.size(); ++i) ref[i] = gelu_ref(x[i]);
-  CHECK(rel_error(y, ref) < exact_bound);
+  CHECK(max_rel_error(y, ref) < exact_bound);
   Vec dx(50, 7.0);  // "=": the pre-filled value must disappear
   k::gelu_backward(dx.data(), x.data(), dout.data(), x.size());
   Vec inplace = dout;
   k::gelu_backward(inplace.data(), x.data(), inplace.data(), x.size());
-  CHECK(rel_error(inplace, dx) == 0.0);
+  CHECK(max_rel_error(inplace, dx) == 0.0);
   auto loss = [&] {
     Vec o(x.size());
     k::gelu_forward(o.data(), x.data(), x.size());
@@ -441,8 +434,8 @@ TEST_CASE("attention forward against naive softmax(QK^T/sqrt(hs) + mask) V; lse 
     const auto r = run_attention<double>(qkv, dout, false, AB, AT, AC, NH);
     Vec out, lse;
     naive_attention(qkv, out, lse, AB, AT, AC, NH);
-    CHECK(rel_error(r.out, out) < exact_bound);
-    CHECK(rel_error(r.lse, lse) < exact_bound);
+    CHECK(max_rel_error(r.out, out) < exact_bound);
+    CHECK(max_rel_error(r.lse, lse) < exact_bound);
   }
   std::vector<double> o(8), l(8), q(24);
   CHECK_THROWS_AS(k::attention_forward(o.data(), l.data(), q.data(), 1, 1, 8, 3), std::invalid_argument);
@@ -515,7 +508,7 @@ TEST_CASE("cross-entropy: loss against -log softmax over the real vocabulary, dl
   std::vector<double> inplace = logits;
   std::vector<float> lo(CE_N);
   k::crossentropy_forward_backward(lo.data(), inplace.data(), inplace.data(), ce_targets.data(), CE_N, CE_VP, CE_V, dloss);
-  CHECK(rel_error(inplace, d) < exact_bound);
+  CHECK(max_rel_error(inplace, d) < exact_bound);
   for (int i = 0; i < CE_N; ++i) CHECK(lo[static_cast<std::size_t>(i)] == float(losses[static_cast<std::size_t>(i)]));
 
   const std::vector<int> bad = {3, 10, 0};  // 10 is a padding column, not a token
@@ -572,7 +565,7 @@ TEST_CASE("cross-entropy vocab shards (2 and 4): combined by hand, same losses a
           d_cat[static_cast<std::size_t>(i * CE_VP + s * Vs + j)] = sh[static_cast<std::size_t>(i * Vs + j)];
       }
     }
-    CHECK(rel_error(d_cat, d_ref) < exact_bound);
+    CHECK(max_rel_error(d_cat, d_ref) < exact_bound);
   }
 }
 
@@ -650,15 +643,15 @@ TEST_CASE("adamw: two steps against a hand-computed update; fp32 master with bf1
   const auto gf1 = to<float>(g1), gf2 = to<float>(g2);
   k::adamw_update(pf.data(), nullptr, gf1.data(), mf.data(), vf.data(), n, lr, b1, b2, eps, wd, 1);
   k::adamw_update(pf.data(), nullptr, gf2.data(), mf.data(), vf.data(), n, lr, b1, b2, eps, wd, 2);
-  CHECK(rel_error(from(pf), w) < 1e-6);
-  CHECK(rel_error(from(mf), m) < 1e-6);
-  CHECK(rel_error(from(vf), v) < 1e-6);
+  CHECK(max_rel_error(from(pf), w) < 1e-6);
+  CHECK(max_rel_error(from(mf), m) < 1e-6);
+  CHECK(max_rel_error(from(vf), v) < 1e-6);
   // double param, no master: the moments are float, so about 1e-7
   std::vector<double> pd = w0;
   std::vector<float> md(n, 0.f), vd(n, 0.f);
   k::adamw_update(pd.data(), nullptr, g1.data(), md.data(), vd.data(), n, lr, b1, b2, eps, wd, 1);
   k::adamw_update(pd.data(), nullptr, g2.data(), md.data(), vd.data(), n, lr, b1, b2, eps, wd, 2);
-  CHECK(rel_error(pd, w) < 1e-6);
+  CHECK(max_rel_error(pd, w) < 1e-6);
   // bf16 param, fp32 master (same float gradients): master equals the float run exactly.
   std::vector<float> master(w0.begin(), w0.end()), mb(n, 0.f), vb(n, 0.f);
   std::vector<bf16> pb = to<bf16>(w0);
@@ -673,7 +666,7 @@ TEST_CASE("adamw: two steps against a hand-computed update; fp32 master with bf1
     CHECK(master[i] == pref[i]);
     CHECK(pb[i].bits == bf16(master[i]).bits);
   }
-  CHECK(rel_error(Vec(master.begin(), master.end()), w) < 2e-2);  // bf16 gradients
+  CHECK(max_rel_error(Vec(master.begin(), master.end()), w) < 2e-2);  // bf16 gradients
   CHECK_THROWS_AS(k::adamw_update(pb.data(), nullptr, gb1.data(), mb.data(), vb.data(), n, lr, b1, b2, eps, wd, 3),
                   std::invalid_argument);
   CHECK_THROWS_AS(k::adamw_update(pf.data(), nullptr, gf1.data(), mf.data(), vf.data(), n, lr, b1, b2, eps, wd, 0),
@@ -718,12 +711,12 @@ TEST_CASE_TEMPLATE("float and bf16 kernels against double on the same rounded in
       const Vec b = rounded<T>(random_vec(static_cast<std::size_t>(d.K) * d.N, 142));
       const Vec bias = rounded<T>(random_vec(static_cast<std::size_t>(d.N), 143));
       const Vec pre = rounded<T>(random_vec(static_cast<std::size_t>(d.M) * d.N, 144));
-      CHECK(rel_error(run_matmul<T>(a, b, &bias, d), run_matmul<double>(a, b, &bias, d)) < bound);
-      CHECK(rel_error(run_matmul<T>(a, b, &bias, d, &pre), run_matmul<double>(a, b, &bias, d, &pre)) < bound);
+      CHECK(max_rel_error(run_matmul<T>(a, b, &bias, d), run_matmul<double>(a, b, &bias, d)) < bound);
+      CHECK(max_rel_error(run_matmul<T>(a, b, &bias, d, &pre), run_matmul<double>(a, b, &bias, d, &pre)) < bound);
       Vec pt, pd;
-      CHECK(rel_error(run_matmul<T>(a, b, &bias, d, nullptr, k::Epilogue::gelu, &pt),
+      CHECK(max_rel_error(run_matmul<T>(a, b, &bias, d, nullptr, k::Epilogue::gelu, &pt),
                       run_matmul<double>(a, b, &bias, d, nullptr, k::Epilogue::gelu, &pd)) < bound);
-      CHECK(rel_error(pt, pd) < bound);
+      CHECK(max_rel_error(pt, pd) < bound);
     }
   }
   SUBCASE("layernorm and rmsnorm forward and backward") {
@@ -731,17 +724,17 @@ TEST_CASE_TEMPLATE("float and bf16 kernels against double on the same rounded in
     const Vec b = rounded<T>(random_vec(LN_C, 153)), dout = rounded<T>(random_vec(LN_N * LN_C, 154));
     const auto t = run_layernorm<T>(x, w, b, dout);
     const auto r = run_layernorm<double>(x, w, b, dout);
-    CHECK(rel_error(t.out, r.out) < bound);
-    CHECK(rel_error(t.mean, r.mean) < bound);
-    CHECK(rel_error(t.rstd, r.rstd) < bound);
-    CHECK(rel_error(t.dinp, r.dinp) < bound);
-    CHECK(rel_error(t.dweight, r.dweight) < bound);
-    CHECK(rel_error(t.dbias, r.dbias) < bound);
+    CHECK(max_rel_error(t.out, r.out) < bound);
+    CHECK(max_rel_error(t.mean, r.mean) < bound);
+    CHECK(max_rel_error(t.rstd, r.rstd) < bound);
+    CHECK(max_rel_error(t.dinp, r.dinp) < bound);
+    CHECK(max_rel_error(t.dweight, r.dweight) < bound);
+    CHECK(max_rel_error(t.dbias, r.dbias) < bound);
     const auto tr = run_rmsnorm<T>(x, w, dout);
     const auto rr = run_rmsnorm<double>(x, w, dout);
-    CHECK(rel_error(tr.out, rr.out) < bound);
-    CHECK(rel_error(tr.dinp, rr.dinp) < bound);
-    CHECK(rel_error(tr.dweight, rr.dweight) < bound);
+    CHECK(max_rel_error(tr.out, rr.out) < bound);
+    CHECK(max_rel_error(tr.dinp, rr.dinp) < bound);
+    CHECK(max_rel_error(tr.dweight, rr.dweight) < bound);
   }
   SUBCASE("attention forward, lse and backward") {
     const int B = 2, Tn = 16, C = 32, NH = 4;
@@ -750,17 +743,17 @@ TEST_CASE_TEMPLATE("float and bf16 kernels against double on the same rounded in
     const auto t = run_attention<T>(qkv, dout, true, B, Tn, C, NH);
     // The double reference runs its own forward: the T error includes its rounded out in D = dout . out.
     const auto r = run_attention<double>(qkv, dout, true, B, Tn, C, NH);
-    CHECK(rel_error(t.out, r.out) < bound);
-    CHECK(rel_error(t.lse, r.lse) < bound);
-    CHECK(rel_error(t.dqkv, r.dqkv) < bound);
+    CHECK(max_rel_error(t.out, r.out) < bound);
+    CHECK(max_rel_error(t.lse, r.lse) < bound);
+    CHECK(max_rel_error(t.dqkv, r.dqkv) < bound);
   }
   SUBCASE("cross-entropy losses and dlogits; gelu forward and backward") {
     const Vec logits = rounded<T>(ce_logits(171));
     Vec dt, lt, dd, ld;
     ce_single<T>(logits, &dt, &lt, 0.5f);
     ce_single<double>(logits, &dd, &ld, 0.5f);
-    CHECK(rel_error(lt, ld) < bound);
-    CHECK(rel_error(dt, dd) < bound);
+    CHECK(max_rel_error(lt, ld) < bound);
+    CHECK(max_rel_error(dt, dd) < bound);
     const Vec x = rounded<T>(random_vec(64, 172, 3.0)), g = rounded<T>(random_vec(64, 173));
     auto tx = to<T>(x), tg = to<T>(g);
     std::vector<T> y(64), dx(64);
@@ -769,7 +762,7 @@ TEST_CASE_TEMPLATE("float and bf16 kernels against double on the same rounded in
     Vec yd(64), dxd(64);
     k::gelu_forward(yd.data(), x.data(), 64);
     k::gelu_backward(dxd.data(), x.data(), g.data(), 64);
-    CHECK(rel_error(from(y), yd) < bound);
-    CHECK(rel_error(from(dx), dxd) < bound);
+    CHECK(max_rel_error(from(y), yd) < bound);
+    CHECK(max_rel_error(from(dx), dxd) < bound);
   }
 }

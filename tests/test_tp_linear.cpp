@@ -29,6 +29,7 @@
 #include "fived/mesh/context.hpp"
 #include "fived/nn/tp/linear.hpp"
 #include "fived/nn/tp/mlp.hpp"
+#include "support/compare.hpp"
 
 using namespace fived;
 using namespace fived::nn::tp;
@@ -67,26 +68,8 @@ namespace {
 
 constexpr i64 kB = 2, kT = 8, kC = 16, kH = 64;
 
-template <class T>
-std::vector<T> random_vec(std::size_t n, unsigned seed) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<double> mag(0.1, 1.0);
-  std::bernoulli_distribution neg(0.5);
-  std::vector<T> v(n);
-  for (auto& e : v) e = static_cast<T>(neg(gen) ? -mag(gen) : mag(gen));
-  return v;
-}
 
-template <class T>
-double rel_err(const std::vector<T>& got, const std::vector<T>& ref) {
-  if (got.size() != ref.size()) return INFINITY;
-  double diff = 0, scale = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(got[i]) - static_cast<double>(ref[i])));
-    scale = std::max(scale, std::abs(static_cast<double>(ref[i])));
-  }
-  return diff / scale;
-}
+using fived::test::max_rel_error;
 
 // The whole tensor on every rank: all-gather over TP of the shards (or the
 // all-reduce of a partial value; a copy when already replicated).
@@ -165,11 +148,11 @@ std::vector<RankResult> run_tp(Make make, const std::vector<T>& x, Shape3 xs, co
     const CommCounts c2 = tp.counts();
     r.fwd = c1 - c0;
     r.bwd = c2 - c1;
-    r.err_y = rel_err(gathered(y, tp), ref.y);
-    r.err_dx = rel_err(gathered(dx, tp), ref.dx);
+    r.err_y = max_rel_error(gathered(y, tp), ref.y);
+    r.err_dx = max_rel_error(gathered(dx, tp), ref.dx);
     const auto g = grads_of(layer, tp);
     for (std::size_t i = 0; i < ref.grads.size(); ++i)
-      r.err_grads.push_back(i < g.size() ? rel_err(g[i], ref.grads[i]) : INFINITY);
+      r.err_grads.push_back(i < g.size() ? max_rel_error(g[i], ref.grads[i]) : INFINITY);
   });
   return results;
 }
@@ -232,8 +215,8 @@ std::string label(const char* layer, const char* type) {
 template <class M, bool SP, class T>
 void column_case() {
   const int rows = kB * kT, in = kC, out = kH;
-  const auto x = random_vec<T>(rows * in, 1), w = random_vec<T>(in * out, 2), b = random_vec<T>(out, 3),
-             dy = random_vec<T>(rows * out, 4);
+  const auto x = test::random_values<T>(rows * in, 1), w = test::random_values<T>(in * out, 2), b = test::random_values<T>(out, 3),
+             dy = test::random_values<T>(rows * out, 4);
   Reference<T> ref;
   ref.y = serial_fwd(x, w, b, rows, in, out);
   ref.grads.resize(2);
@@ -248,8 +231,8 @@ void column_case() {
 template <class M, bool SP, class T>
 void row_case() {
   const int rows = kB * kT, in = kH, out = kC;
-  const auto x = random_vec<T>(rows * in, 11), w = random_vec<T>(in * out, 12), b = random_vec<T>(out, 13),
-             dy = random_vec<T>(rows * out, 14);
+  const auto x = test::random_values<T>(rows * in, 11), w = test::random_values<T>(in * out, 12), b = test::random_values<T>(out, 13),
+             dy = test::random_values<T>(rows * out, 14);
   Reference<T> ref;
   ref.y = serial_fwd(x, w, b, rows, in, out);
   ref.grads.resize(2);
@@ -265,8 +248,8 @@ void row_case() {
 template <class M, bool SP, class T>
 void mlp_case() {
   const int rows = kB * kT;
-  const auto x = random_vec<T>(rows * kC, 21), wf = random_vec<T>(kC * kH, 22), bf = random_vec<T>(kH, 23),
-             wp = random_vec<T>(kH * kC, 24), bp = random_vec<T>(kC, 25), dy = random_vec<T>(rows * kC, 26);
+  const auto x = test::random_values<T>(rows * kC, 21), wf = test::random_values<T>(kC * kH, 22), bf = test::random_values<T>(kH, 23),
+             wp = test::random_values<T>(kH * kC, 24), bp = test::random_values<T>(kC, 25), dy = test::random_values<T>(rows * kC, 26);
   // Serial MLP.
   Reference<T> ref;
   std::vector<T> h = serial_fwd(x, wf, bf, rows, kC, kH), a(h.size());

@@ -30,6 +30,7 @@
 #include "fived/kernels/host/embedding.hpp"
 #include "fived/mesh/context.hpp"
 #include "fived/nn/tp/vocab.hpp"
+#include "support/compare.hpp"
 
 using namespace fived;
 using namespace fived::nn::tp;
@@ -47,14 +48,6 @@ namespace {
 constexpr i64 kB = 2, kT = 8, kC = 16, kV = 37, kVp = 40;
 constexpr double kTol = 1e-5;
 
-std::vector<float> random_vec(std::size_t n, unsigned seed) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<double> mag(0.1, 1.0);
-  std::bernoulli_distribution neg(0.5);
-  std::vector<float> v(n);
-  for (auto& e : v) e = static_cast<float>(neg(gen) ? -mag(gen) : mag(gen));
-  return v;
-}
 
 // Ids in [0, V) with repeats, and the last real id (in the last shard) present.
 std::vector<int> random_ids(std::size_t n, unsigned seed) {
@@ -68,15 +61,7 @@ std::vector<int> random_ids(std::size_t n, unsigned seed) {
   return v;
 }
 
-double rel_err(const std::vector<float>& got, const std::vector<float>& ref) {
-  if (got.size() != ref.size()) return INFINITY;
-  double diff = 0, scale = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(got[i]) - static_cast<double>(ref[i])));
-    scale = std::max(scale, std::abs(static_cast<double>(ref[i])));
-  }
-  return diff / scale;
-}
+using fived::test::max_rel_error;
 
 template <class T, class L, class C>
 std::vector<T> gathered(const Sharded<T, L>& x, C& tp) {
@@ -95,9 +80,9 @@ struct Result {
 
 template <class M, bool SP>
 void embedding_case() {
-  const auto wte = random_vec(kVp * kC, 1);
+  const auto wte = test::random_values<float>(kVp * kC, 1);
   const auto tokens = random_ids(kB * kT, 2);
-  const auto dy = random_vec(kB * kT * kC, 3);
+  const auto dy = test::random_values<float>(kB * kT * kC, 3);
   // Serial: the full table, wpe = 0 (position embeddings are added by the model).
   std::vector<float> wpe(kT * kC, 0.0f), y_ref(kB * kT * kC), dw_ref(kVp * kC, 0.0f), dwpe(kT * kC, 0.0f);
   kh::embedding_forward(y_ref.data(), tokens.data(), wte.data(), wpe.data(), kB, kT, kC, kV);
@@ -119,8 +104,8 @@ void embedding_case() {
     const CommCounts c2 = tp.counts();
     r.fwd = c1 - c0;
     r.bwd = c2 - c1;
-    r.err_y = rel_err(gathered(y, tp), y_ref);
-    r.err_dw = rel_err(gathered(emb.weight_grad(), tp), dw_ref);
+    r.err_y = max_rel_error(gathered(y, tp), y_ref);
+    r.err_dw = max_rel_error(gathered(emb.weight_grad(), tp), dw_ref);
   });
   double worst = 0;
   for (std::size_t i = 0; i < rs.size(); ++i) {
@@ -144,7 +129,7 @@ void embedding_case() {
 template <class M>
 void crossentropy_case() {
   const int N = kB * kT;
-  auto logits = random_vec(N * kVp, 11);
+  auto logits = test::random_values<float>(N * kVp, 11);
   for (auto& e : logits) e *= 4.0f;
   // Padding columns: huge, so they would dominate max, sum and loss if they counted.
   for (int i = 0; i < N; ++i)
@@ -177,7 +162,7 @@ void crossentropy_case() {
     cnt[ctx.rank()] = tp.counts() - c0;
     loss_of[ctx.rank()] = loss;
     err_loss[ctx.rank()] = std::abs(loss - mean) / std::abs(mean);
-    err_d[ctx.rank()] = rel_err(gathered(lg, tp), dlogits_ref);
+    err_d[ctx.rank()] = max_rel_error(gathered(lg, tp), dlogits_ref);
   });
   double worst = 0;
   for (int r = 0; r < M::size; ++r) {

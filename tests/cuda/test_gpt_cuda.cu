@@ -33,6 +33,7 @@
 #include <fived/nn/gpt.hpp>
 
 #include "gpu_support.hpp"
+#include "../support/compare.hpp"
 
 namespace {
 
@@ -65,22 +66,7 @@ void batch(std::vector<int>& tok, std::vector<int>& tgt, unsigned salt = 0) {
   }
 }
 
-// max |a - b| / max |b| over [first, first + n) (absolute error when b is all zero).
-template <class A, class Bv>
-double rel_err(const std::vector<A>& a, const std::vector<Bv>& b, std::size_t first, std::size_t n) {
-  double e = 0, m = 0;
-  for (std::size_t i = first; i < first + n; ++i) {
-    const double x = static_cast<double>(static_cast<float>(a[i])), y = static_cast<double>(static_cast<float>(b[i]));
-    e = std::max(e, std::fabs(x - y));
-    m = std::max(m, std::fabs(y));
-  }
-  return m > 0 ? e / m : e;
-}
-template <class A, class Bv>
-double rel_err(const std::vector<A>& a, const std::vector<Bv>& b) {
-  REQUIRE(a.size() == b.size());
-  return rel_err(a, b, 0, a.size());
-}
+using fived::test::max_rel_error;
 
 // One AdamW step on every tensor (weight decay on all: the decay path is exercised too).
 // eps = 1e-2 keeps the step a smooth function of the gradient, so that tiny gradient
@@ -134,7 +120,7 @@ void compare_with_host(double tol, double loss_tol) {
   d.forward(tok.data(), nullptr, B, T);
   const std::vector<float> lh(h.logits().begin(), h.logits().end());
   const std::vector<TT> ld = d.logits_to_host();
-  CHECK(rel_err(ld, lh) < tol);
+  CHECK(max_rel_error(ld, lh) < tol);
 
   // loss
   const double loss_h = h.forward(tok.data(), tgt.data(), B, T);
@@ -152,7 +138,7 @@ void compare_with_host(double tol, double loss_tol) {
   const std::vector<float> gh = h.grads_to_host();
   const std::vector<TT> gd = d.grads_to_host();
   for (const ParamInfo& t : Lay::tensors) {
-    const double e = rel_err(gd, gh, t.offset, t.size());
+    const double e = max_rel_error(gd, gh, t.offset, t.size());
     CAPTURE(t.name());
     CAPTURE(e);
     CHECK(e < tol);
@@ -168,7 +154,7 @@ void compare_with_host(double tol, double loss_tol) {
   cuda_step(d);
   const std::vector<float> p1h = h.params_to_host();
   const std::vector<TT> p1d = d.params_to_host();
-  CHECK(rel_err(p1d, p1h) < tol);
+  CHECK(max_rel_error(p1d, p1h) < tol);
   double moved = 0;
   for (std::size_t i = 0; i < p1h.size(); ++i) moved = std::max(moved, std::fabs(double(p1h[i]) - double(p0h[i])));
   CHECK(moved > 0.5 * static_cast<double>(lr));  // the step is visible at these bounds
@@ -178,7 +164,7 @@ void compare_with_host(double tol, double loss_tol) {
       sh[i] = p1h[i] - p0h[i];
       sd[i] = p1d[i] - p0d[i];
     }
-    CHECK(rel_err(sd, sh) < 1e-2);
+    CHECK(max_rel_error(sd, sh) < 1e-2);
   }
 }
 

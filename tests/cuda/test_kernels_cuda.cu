@@ -30,6 +30,7 @@
 #include <fived/kernels/host.hpp>
 
 #include "gpu_support.hpp"
+#include "../support/compare.hpp"
 
 namespace {
 
@@ -68,17 +69,10 @@ std::vector<T> down(const Buffer<T, Cuda>& b) {
   return v;
 }
 
+// This file states comparisons as (reference, result).
 template <class A, class B>
 double rel_err(const std::vector<A>& ref, const std::vector<B>& got) {
-  REQUIRE(ref.size() == got.size());
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    const double r = static_cast<double>(static_cast<float>(ref[i])), g = static_cast<double>(static_cast<float>(got[i]));
-    if (!std::isfinite(g) || !std::isfinite(r)) return INFINITY;
-    num = std::max(num, std::fabs(r - g));
-    den = std::max(den, std::fabs(r));
-  }
-  return den > 0 ? num / den : num;
+  return fived::test::max_rel_error(got, ref);
 }
 
 template <class T>
