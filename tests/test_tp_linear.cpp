@@ -1,9 +1,11 @@
-// Tensor-parallel linear layers and MLP on the host backend, against the
-// serial computation on the full weights.
+// Tensor-parallel layers on the host backend, against the serial computation
+// on the full weights.
 //
 // For Mesh<TP<2>> and Mesh<TP<4>>, each with and without sequence
-// parallelism, each layer alone (ColumnParallelLinear, RowParallelLinear) and
-// the MLP (column c_fc, GELU, row c_proj), on random nonzero data:
+// parallelism, each layer alone (ColumnParallelLinear, RowParallelLinear,
+// LayerNorm), the MLP (column c_fc, GELU, row c_proj) and the attention (fused
+// q|k|v column-parallel by heads, causal attention, row c_proj), on random
+// nonzero data:
 //  - the forward output, gathered to Replicate, equals the serial output;
 //  - the input gradient, gathered, equals the serial one;
 //  - every weight and bias gradient, all-gathered over TP, equals the serial one;
@@ -27,6 +29,10 @@
 #include "fived/kernels/host/gelu.hpp"
 #include "fived/kernels/host/gemm.hpp"
 #include "fived/mesh/context.hpp"
+#include "fived/kernels/host/attention.hpp"
+#include "fived/kernels/host/layernorm.hpp"
+#include "fived/nn/tp/attention.hpp"
+#include "fived/nn/tp/layernorm.hpp"
 #include "fived/nn/tp/linear.hpp"
 #include "fived/nn/tp/mlp.hpp"
 #include "support/compare.hpp"
@@ -51,8 +57,13 @@ static_assert(std::is_same_v<RowParallelLinear<M2, false>::output_placement, Rep
 static_assert(std::is_same_v<RowParallelLinear<M2, true>::output_placement, Shard<1>>);
 static_assert(std::is_same_v<RowParallelLinear<M2, true>::weight_placement, Shard<0>>);
 static_assert(std::is_same_v<RowParallelLinear<M2, true>::bias_placement, Replicate>);
-static_assert(std::is_same_v<RowParallelLinear<M2, true>::bias_grad_partial_placement, Partial>);
-static_assert(std::is_same_v<RowParallelLinear<M2, false>::bias_grad_partial_placement, Replicate>);
+static_assert(std::is_same_v<RowParallelLinear<M2, true>::bias_grad_placement, Partial>);  // reduced by the owner
+static_assert(std::is_same_v<RowParallelLinear<M2, false>::bias_grad_placement, Replicate>);
+static_assert(std::is_same_v<ColumnParallelLinear<M2, false, float, 3>::output_placement, Shard<3>>);  // fused q|k|v
+static_assert(std::is_same_v<ColumnParallelLinear<M2, false, float, 3>::weight_placement, Shard<2>>);
+static_assert(std::is_same_v<LayerNorm<M2, true>::grad_placement, Partial>);
+static_assert(std::is_same_v<LayerNorm<M2, false>::grad_placement, Replicate>);
+static_assert(std::is_same_v<Attention<M2, 4, true>::output_placement, Shard<1>>);
 static_assert(std::is_same_v<MLP<M2, false>::input_placement, Replicate>);
 static_assert(std::is_same_v<MLP<M2, true>::output_placement, Shard<1>>);
 static_assert(Chain<ColumnParallelLinear<M2, true>, RowParallelLinear<M2, true>>::ok);
@@ -73,8 +84,8 @@ using fived::test::max_rel_error;
 
 // The whole tensor on every rank: all-gather over TP of the shards (or the
 // all-reduce of a partial value; a copy when already replicated).
-template <class T, class L, class C>
-std::vector<T> gathered(const Sharded<T, L>& x, C& tp) {
+template <class X, class C>
+auto gathered(const X& x, C& tp) {
   return redistribute<Axis::tp, Replicate>(x, tp).storage();
 }
 
@@ -110,8 +121,8 @@ struct RankResult {
 };
 
 // Gathered parameter gradients, in a fixed order.
-template <class M, bool SP, class T, class C>
-std::vector<std::vector<T>> grads_of(const ColumnParallelLinear<M, SP, T>& l, C& tp) {
+template <class M, bool SP, class T, int G, class C>
+std::vector<std::vector<T>> grads_of(const ColumnParallelLinear<M, SP, T, G>& l, C& tp) {
   return {gathered(l.weight_grad(), tp), gathered(l.bias_grad(), tp)};
 }
 template <class M, bool SP, class T, class C>
@@ -123,6 +134,34 @@ std::vector<std::vector<T>> grads_of(const MLP<M, SP, T>& m, C& tp) {
   auto g = grads_of(m.c_fc(), tp);
   for (auto& e : grads_of(m.c_proj(), tp)) g.push_back(std::move(e));
   return g;
+}
+
+template <class M, int H, bool SP, class T, class C>
+std::vector<std::vector<T>> grads_of(const Attention<M, H, SP, T>& a, C& tp) {
+  auto g = grads_of(a.c_attn(), tp);
+  for (auto& e : grads_of(a.c_proj(), tp)) g.push_back(std::move(e));
+  return g;
+}
+
+// tp::LayerNorm issues no collective and adds its input gradient to the
+// residual stream's; this gives it the forward/backward(…, tp) shape the
+// harness calls.
+template <class M, bool SP, class T>
+struct NormAlone : LayerNorm<M, SP, T> {
+  using LayerNorm<M, SP, T>::LayerNorm;
+  using typename LayerNorm<M, SP, T>::input_type;
+  template <class C>
+  input_type forward(const input_type& x, C&) { return LayerNorm<M, SP, T>::forward(x); }
+  template <class C>
+  input_type backward(const input_type& dy, C&) {
+    input_type dx(dy.layout(), std::vector<T>(dy.local().size(), T{}));
+    LayerNorm<M, SP, T>::backward(dy, dx);
+    return dx;
+  }
+};
+template <class M, bool SP, class T, class C>
+std::vector<std::vector<T>> grads_of(const NormAlone<M, SP, T>& n, C& tp) {
+  return {gathered(n.weight_grad(), tp), gathered(n.bias_grad(), tp)};
 }
 
 // Runs `Layer` on M::size host ranks and compares every rank's gathered
@@ -240,9 +279,9 @@ void row_case() {
   using L = RowParallelLinear<M, SP, T>;
   auto rs = run_tp<L>([&](Coord c) { return L(in, out, w, b, c); }, x, {kB, kT, in}, dy, {kB, kT, out}, ref);
   // fwd: all-reduce (no SP) or reduce-scatter; bwd: identity (no SP) or
-  // all-gather of dy plus the all-reduce of the bias gradient (SP).
+  // all-gather of dy (SP; the bias gradient stays Partial, gathered here by the test).
   check<T>(label<M, SP>("RowParallelLinear", std::is_same_v<T, float> ? "fp32" : "fp64"), rs, 2,
-           SP ? counts(0, 1, 0) : counts(1, 0, 0), SP ? counts(1, 0, 1) : counts(0, 0, 0));
+           SP ? counts(0, 1, 0) : counts(1, 0, 0), SP ? counts(0, 0, 1) : counts(0, 0, 0));
 }
 
 template <class M, bool SP, class T>
@@ -263,10 +302,55 @@ void mlp_case() {
   ref.grads = {dwf, dbf, dwp, dbp};
   using L = MLP<M, SP, T>;
   auto rs = run_tp<L>([&](Coord c) { return L(kC, kH, wf, bf, wp, bp, c); }, x, {kB, kT, kC}, dy, {kB, kT, kC}, ref);
-  // Megatron: no SP, one all-reduce each way; SP, all-gather + reduce-scatter
-  // each way, and backward also all-reduces c_proj's bias gradient.
+  // Megatron: no SP, one all-reduce each way; SP, all-gather + reduce-scatter each way.
   check<T>(label<M, SP>("MLP", std::is_same_v<T, float> ? "fp32" : "fp64"), rs, 4,
-           SP ? counts(0, 1, 1) : counts(1, 0, 0), SP ? counts(1, 1, 1) : counts(1, 0, 0));
+           SP ? counts(0, 1, 1) : counts(1, 0, 0), SP ? counts(0, 1, 1) : counts(1, 0, 0));
+}
+
+// Attention with 4 heads (1 or 2 per rank): c_attn, causal attention, c_proj.
+template <class M, bool SP, class T>
+void attention_case() {
+  constexpr int NH = 4;
+  const int rows = kB * kT;
+  const auto x = test::random_values<T>(rows * kC, 31), wa = test::random_values<T>(kC * 3 * kC, 32),
+             ba = test::random_values<T>(3 * kC, 33), wp = test::random_values<T>(kC * kC, 34),
+             bp = test::random_values<T>(kC, 35), dy = test::random_values<T>(rows * kC, 36);
+  Reference<T> ref;
+  const std::vector<T> qkv = serial_fwd(x, wa, ba, rows, kC, 3 * kC);
+  std::vector<T> att(static_cast<std::size_t>(rows) * kC);
+  std::vector<acc_t<T>> lse(static_cast<std::size_t>(rows) * NH);
+  kh::attention_forward(att.data(), lse.data(), qkv.data(), kB, kT, kC, NH);
+  ref.y = serial_fwd(att, wp, bp, rows, kC, kC);
+  std::vector<T> datt, dwp, dbp, dx, dwa, dba, dqkv(qkv.size());
+  serial_bwd(att, wp, dy, rows, kC, kC, datt, dwp, dbp);
+  kh::attention_backward(dqkv.data(), datt.data(), qkv.data(), att.data(), lse.data(), kB, kT, kC, NH);
+  serial_bwd(x, wa, dqkv, rows, kC, 3 * kC, dx, dwa, dba);
+  ref.dx = dx;
+  ref.grads = {dwa, dba, dwp, dbp};
+  using L = Attention<M, NH, SP, T>;
+  auto rs = run_tp<L>([&](Coord c) { return L(kC, wa, ba, wp, bp, c); }, x, {kB, kT, kC}, dy, {kB, kT, kC}, ref);
+  check<T>(label<M, SP>("Attention", std::is_same_v<T, float> ? "fp32" : "fp64"), rs, 4,
+           SP ? counts(0, 1, 1) : counts(1, 0, 0), SP ? counts(0, 1, 1) : counts(1, 0, 0));
+}
+
+// LayerNorm on the rows this rank holds: no collective; with SP its gradients are Partial.
+template <class M, bool SP, class T>
+void layernorm_case() {
+  const int rows = kB * kT;
+  const auto x = test::random_values<T>(rows * kC, 41), w = test::random_values<T>(kC, 42),
+             b = test::random_values<T>(kC, 43), dy = test::random_values<T>(rows * kC, 44);
+  Reference<T> ref;
+  ref.y.resize(x.size());
+  ref.dx.assign(x.size(), T{});
+  ref.grads.assign(2, std::vector<T>(kC, T{}));
+  std::vector<acc_t<T>> mean(rows), rstd(rows);
+  kh::layernorm_forward(ref.y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), rows, kC);
+  kh::layernorm_backward(ref.dx.data(), ref.grads[0].data(), ref.grads[1].data(), dy.data(), x.data(), w.data(),
+                         mean.data(), rstd.data(), rows, kC);
+  using L = NormAlone<M, SP, T>;
+  auto rs = run_tp<L>([&](Coord c) { return L(kC, w, b, c); }, x, {kB, kT, kC}, dy, {kB, kT, kC}, ref);
+  check<T>(label<M, SP>("LayerNorm", std::is_same_v<T, float> ? "fp32" : "fp64"), rs, 2, counts(0, 0, 0),
+           counts(0, 0, 0));
 }
 
 template <class M, bool SP>
@@ -274,9 +358,13 @@ void all_cases() {
   column_case<M, SP, float>();
   row_case<M, SP, float>();
   mlp_case<M, SP, float>();
+  attention_case<M, SP, float>();
+  layernorm_case<M, SP, float>();
   column_case<M, SP, double>();
   row_case<M, SP, double>();
   mlp_case<M, SP, double>();
+  attention_case<M, SP, double>();
+  layernorm_case<M, SP, double>();
 }
 
 }  // namespace

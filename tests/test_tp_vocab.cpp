@@ -63,8 +63,8 @@ std::vector<int> random_ids(std::size_t n, unsigned seed) {
 
 using fived::test::max_rel_error;
 
-template <class T, class L, class C>
-std::vector<T> gathered(const Sharded<T, L>& x, C& tp) {
+template <class X, class C>
+auto gathered(const X& x, C& tp) {
   return redistribute<Axis::tp, Replicate>(x, tp).storage();
 }
 

@@ -54,6 +54,7 @@
 #include "fived/device/bf16.hpp"
 #include "fived/device/buffer.hpp"
 #include "fived/io/safetensors.hpp"
+#include "fived/nn/checkpoint.hpp"
 #include "fived/nn/config.hpp"
 #include "fived/nn/init.hpp"
 #include "fived/nn/layout.hpp"
@@ -294,78 +295,20 @@ class GPT {
   // ---- safetensors, with Hugging Face GPT-2 names and shapes -------------------------------
 
   // Writes every tensor with its HF name in T's dtype (F32, F64 or BF16); wte (and lm_head)
-  // without the padded vocabulary rows. Atomic (write "<path>.tmp", rename).
+  // without the padded vocabulary rows. Atomic (write "<path>.tmp", rename). See
+  // nn/checkpoint.hpp.
   void save(const std::filesystem::path& path, const std::map<std::string, std::string>& metadata = {}) const {
-    ops_.read_to_host(params_, [&](std::span<const T> params) {
-      io::SafetensorsWriter w;
-      for (const ParamInfo& t : layout::tensors) {
-        w.add(t.name(), t.file_shape(), params.subspan(t.offset, t.file_size()));
-      }
-      w.add_metadata("format", "pt");
-      for (const auto& [k, v] : metadata) w.add_metadata(k, v);
-      w.write(path);
-    });
+    ops_.read_to_host(params_, [&](std::span<const T> params) { save_gpt<layout>(path, params, metadata); });
   }
 
-  // Reads HF GPT-2 weights: names with or without the "transformer." prefix; HF's attention
-  // mask buffers (h.{i}.attn.bias, h.{i}.attn.masked_bias) and, in a tied model, lm_head.weight
-  // are ignored; any floating dtype is converted. Everything is checked before anything is
-  // written: a missing, mis-shaped or unknown tensor is an io::SafetensorsError naming it, and
-  // the model is left unchanged.
+  // Reads HF GPT-2 weights (names with or without "transformer.", any floating dtype; see
+  // nn/checkpoint.hpp). A missing, mis-shaped or unknown tensor is an io::SafetensorsError
+  // naming it, and the model is left unchanged.
   void load(const std::filesystem::path& path) { load(io::SafetensorsFile::read(path)); }
   void load(const io::SafetensorsFile& f) {
-    std::vector<const io::TensorEntry*> found(layout::count, nullptr);
-    const io::TensorEntry* tied_head = nullptr;
-    for (const io::TensorEntry& e : f.tensors()) {
-      std::string_view n = e.name;
-      if (n.substr(0, 12) == "transformer.") n.remove_prefix(12);
-      if (is_hf_buffer(n)) continue;
-      if (layout::tied && n == "lm_head.weight") {  // HF may store the tied copy of wte
-        tied_head = &e;
-        continue;
-      }
-      auto idx = layout::find(n);
-      if (!idx)
-        throw io::SafetensorsError(f.source() + ": tensor '" + e.name + "' is not a parameter of this model (" +
-                                   describe() + ")");
-      if (found[static_cast<std::size_t>(*idx)])
-        throw io::SafetensorsError(f.source() + ": tensors '" + found[static_cast<std::size_t>(*idx)]->name +
-                                   "' and '" + e.name + "' are the same parameter");
-      found[static_cast<std::size_t>(*idx)] = &e;
-    }
-    for (int i = 0; i < layout::count; ++i) {
-      const ParamInfo& t = layout::tensors[static_cast<std::size_t>(i)];
-      const std::vector<std::int64_t> want = t.file_shape();
-      const io::TensorEntry* e = found[static_cast<std::size_t>(i)];
-      if (!e)
-        throw io::SafetensorsError(f.source() + ": tensor '" + t.name() + "' is missing (the model expects " +
-                                   io::shape_string(want) + ")");
-      if (e->shape != want)
-        throw io::SafetensorsError(f.source() + ": " + t.name() + " has shape " + io::shape_string(e->shape) +
-                                   " in the file, the model expects " + io::shape_string(want));
-      if (!io::is_floating(e->dtype))
-        throw io::SafetensorsError(f.source() + ": " + t.name() + " is " + std::string(io::dtype_name(e->dtype)) +
-                                   ", the model needs a floating-point dtype");
-    }
-    // A head stored next to wte in a tied model must be the same tensor; a different one
-    // means the checkpoint is untied, and ignoring it would give a wrong model silently.
-    if (tied_head) {
-      const io::TensorEntry& wte = *found[static_cast<std::size_t>(layout::index(ParamKind::wte))];
-      const auto a = f.bytes(*tied_head), b = f.bytes(wte);
-      if (tied_head->shape != wte.shape || tied_head->dtype != wte.dtype || a.size() != b.size() ||
-          !std::equal(a.begin(), a.end(), b.begin()))
-        throw io::SafetensorsError(f.source() + ": lm_head.weight differs from wte.weight, so this checkpoint has an "
-                                   "untied head; load it into a config with tied = false");
-    }
     // Every element is written (the tensors tile the buffer): on Cuda the host copy is
-    // uploaded only once all of it has been read.
-    ops_.write_from_host(params_, [&](std::span<T> params) {
-      for (int i = 0; i < layout::count; ++i) {
-        const ParamInfo& t = layout::tensors[static_cast<std::size_t>(i)];
-        f.read_into(*found[static_cast<std::size_t>(i)], params.subspan(t.offset, t.file_size()));
-        for (std::size_t j = t.offset + t.file_size(); j < t.end(); ++j) params[j] = T{};  // padded rows
-      }
-    });
+    // uploaded only once all of it has been read, and not at all when the file is refused.
+    ops_.write_from_host(params_, [&](std::span<T> params) { load_gpt<layout>(f, params, describe()); });
   }
 
   static std::string describe() {
@@ -446,15 +389,6 @@ class GPT {
       if (ids[i] < 0 || ids[i] >= V)
         throw std::invalid_argument(std::string("GPT::forward: ") + what + "[" + std::to_string(i) + "] = " +
                                     std::to_string(ids[i]) + " is outside [0, vocab = " + std::to_string(V) + ")");
-  }
-
-  // HF GPT2Attention's causal-mask buffers: "h.{i}.attn.bias", "h.{i}.attn.masked_bias".
-  static bool is_hf_buffer(std::string_view n) {
-    if (n.substr(0, 2) != "h.") return false;
-    const std::size_t dot = n.find('.', 2);
-    if (dot == std::string_view::npos) return false;
-    const std::string_view rest = n.substr(dot + 1);
-    return rest == "attn.bias" || rest == "attn.masked_bias";
   }
 
   static int index_of(std::string_view name) {

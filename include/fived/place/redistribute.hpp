@@ -179,4 +179,10 @@ Sharded<T, redistributed_layout_t<L, A, To>> redistribute(const Sharded<T, L>& x
   return Sharded<T, Out>(std::move(out_layout), std::move(out));
 }
 
+// A view (a piece inside a larger buffer) redistributes as a copy of it.
+template <Axis A, class To, class T, class L, Communicator C>
+Sharded<std::remove_const_t<T>, redistributed_layout_t<L, A, To>> redistribute(const ShardedView<T, L>& x, C& comm) {
+  return redistribute<A, To>(x.copy(), comm);
+}
+
 }  // namespace fived

@@ -6,6 +6,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -64,6 +65,34 @@ class Sharded {
 
   Layout layout_;
   std::vector<T> local_;
+};
+
+// ShardedView<T, Layout>: the same as Sharded without owning the memory, for
+// pieces that live inside a larger buffer (a model's flat parameter and
+// gradient buffers). The viewed memory must outlive the view.
+template <class T, class Layout>
+class ShardedView {
+ public:
+  using value_type = T;
+  using layout_type = Layout;
+  using placements = typename Layout::placements;
+
+  ShardedView(Layout layout, std::span<T> local) : layout_(std::move(layout)), local_(local) {
+    if (static_cast<std::int64_t>(local_.size()) != layout_.local_size())
+      throw std::invalid_argument("ShardedView: the viewed memory holds " + std::to_string(local_.size()) +
+                                  " elements but the layout's local shape needs " + std::to_string(layout_.local_size()));
+  }
+
+  const Layout& layout() const { return layout_; }
+  std::span<T> local() const { return local_; }
+  // An owning copy (to hand to redistribute).
+  Sharded<std::remove_const_t<T>, Layout> copy() const {
+    return {layout_, std::vector<std::remove_const_t<T>>(local_.begin(), local_.end())};
+  }
+
+ private:
+  Layout layout_;
+  std::span<T> local_;
 };
 
 }  // namespace fived

@@ -67,25 +67,18 @@ using ParamLayout = ShardLayout<M, R, Placements<On<Axis::tp, P>>>;
 template <class T, MeshType M, std::size_t R, class P>
 using Param = Sharded<T, ParamLayout<M, R, P>>;
 
+// Where a layer's parameter lives inside a model: its piece of the model's flat
+// parameter buffer and of the buffer its gradient accumulates into.
+template <class T>
+struct ParamSlot {
+  std::span<T> value, grad;
+};
+
 namespace detail {
 
 inline int checked_int(std::int64_t v, const char* what) {
   if (v < 0 || v > INT32_MAX) throw std::invalid_argument(std::string("fived::nn::tp: ") + what + " does not fit an int");
   return static_cast<int>(v);
-}
-
-template <class T, class L>
-Sharded<T, L> zeros_like_layout(const L& l) {
-  return Sharded<T, L>(l, std::vector<T>(static_cast<std::size_t>(l.local_size()), T{}));
-}
-
-template <class T, MeshType M, std::size_t R, class P>
-Param<T, M, R, P> slice_param(std::array<std::int64_t, R> shape, Coord c, std::span<const T> full, const char* what) {
-  ParamLayout<M, R, P> l(shape, c);
-  if (static_cast<std::int64_t>(full.size()) != l.global_size())
-    throw std::invalid_argument(std::string("fived::nn::tp: the full ") + what + " has " + std::to_string(full.size()) +
-                                " elements, the layer needs " + std::to_string(l.global_size()));
-  return Param<T, M, R, P>::slice_of(std::move(l), full);
 }
 
 template <class T, class L>
@@ -95,70 +88,135 @@ void check_width(const Sharded<T, L>& x, std::int64_t want, const char* layer) {
                                 " features, the layer takes " + std::to_string(want));
 }
 
-// The parameters of a TP linear layer, sliced from the serial layer's weight
-// [in, out] and bias [out], with their gradients (placed like the parameters).
-template <class T, MeshType M, class WeightPlacement, class BiasPlacement>
-class LinearParams {
+// Storage for the parameters of a TP layer built alone from the serial tensors
+// (tests, or a model made of separate layers); inside a model the layers view
+// the model's flat buffers instead (ParamSlot). A layer derives from it first,
+// so it exists before the views into it are made. The pieces are
+// std::vectors, whose buffers a move keeps: the layer is movable. It is not
+// copyable (a copy would view the original).
+template <class T>
+class ParamStorage {
  public:
-  using weight_placement = WeightPlacement;
-  using bias_placement = BiasPlacement;
-  using weight_type = Param<T, M, 2, WeightPlacement>;
-  using bias_type = Param<T, M, 1, BiasPlacement>;
+  ParamStorage() = default;
+  ParamStorage(ParamStorage&&) noexcept = default;
+  ParamStorage& operator=(ParamStorage&&) noexcept = default;
+  ParamStorage(const ParamStorage&) = delete;
+  ParamStorage& operator=(const ParamStorage&) = delete;
 
-  LinearParams(std::int64_t in, std::int64_t out, std::span<const T> weight, std::span<const T> bias, Coord coord)
-      : in_(in), out_(out),
-        w_(slice_param<T, M, 2, WeightPlacement>({in, out}, coord, weight, "weight")),
-        b_(slice_param<T, M, 1, BiasPlacement>({out}, coord, bias, "bias")),
-        dw_(zeros_like_layout<T>(w_.layout())), db_(zeros_like_layout<T>(b_.layout())) {}
+ protected:
+  // This rank's piece of `full`, placed by `layout`, in storage of its own.
+  template <class L>
+  std::span<T> own_slice(const L& layout, std::span<const T> full, const char* what) {
+    if (static_cast<std::int64_t>(full.size()) != layout.global_size())
+      throw std::invalid_argument(std::string("fived::nn::tp: the full ") + what + " has " +
+                                  std::to_string(full.size()) + " elements, the layer needs " +
+                                  std::to_string(layout.global_size()));
+    return owned_.emplace_back(Sharded<T, L>::slice_of(layout, full).storage());
+  }
+  // n zeros (a gradient), in storage of its own.
+  std::span<T> own_zeros(std::int64_t n) { return owned_.emplace_back(static_cast<std::size_t>(n), T{}); }
+
+ private:
+  std::vector<std::vector<T>> owned_;
+};
+
+// The parameters of a TP linear layer [in, out] (HF Conv1D) with their
+// gradients. WeightLayout/BiasLayout place the values; the bias gradient may be
+// placed differently (BiasGradLayout: Partial when each rank sums only its
+// sequence shard's rows, and the owner reduces it once per backward).
+template <class T, class WeightLayout, class BiasLayout, class BiasGradLayout = BiasLayout>
+class LinearParams : private ParamStorage<T> {
+ public:
+  using weight_layout = WeightLayout;
+  using bias_layout = BiasLayout;
+  using weight_placement = typename WeightLayout::placements::template on<Axis::tp>;
+  using bias_placement = typename BiasLayout::placements::template on<Axis::tp>;
+  using bias_grad_placement = typename BiasGradLayout::placements::template on<Axis::tp>;
+  using weight_type = ShardedView<T, WeightLayout>;
+  using bias_type = ShardedView<T, BiasLayout>;
+  using bias_grad_type = ShardedView<T, BiasGradLayout>;
+
+  // Alone: slices the serial weight and bias (row-major, ws and bs elements).
+  LinearParams(std::int64_t in, std::int64_t out, typename WeightLayout::Shape ws, typename BiasLayout::Shape bs,
+               std::span<const T> weight, std::span<const T> bias, Coord coord)
+      : in_(in), out_(out), w_(WeightLayout(ws, coord), this->own_slice(WeightLayout(ws, coord), weight, "weight")),
+        b_(BiasLayout(bs, coord), this->own_slice(BiasLayout(bs, coord), bias, "bias")),
+        dw_(w_.layout(), this->own_zeros(w_.layout().local_size())),
+        db_(BiasGradLayout(bs, coord), this->own_zeros(BiasGradLayout(bs, coord).local_size())) {}
+
+  // Inside a model: views of its buffers (already initialised).
+  LinearParams(std::int64_t in, std::int64_t out, typename WeightLayout::Shape ws, typename BiasLayout::Shape bs,
+               ParamSlot<T> weight, ParamSlot<T> bias, Coord coord)
+      : in_(in), out_(out), w_(WeightLayout(ws, coord), weight.value), b_(BiasLayout(bs, coord), bias.value),
+        dw_(w_.layout(), weight.grad), db_(BiasGradLayout(bs, coord), bias.grad) {}
 
   void zero_grad() {
-    std::fill(dw_.storage().begin(), dw_.storage().end(), T{});
-    std::fill(db_.storage().begin(), db_.storage().end(), T{});
+    std::fill(dw_.local().begin(), dw_.local().end(), T{});
+    std::fill(db_.local().begin(), db_.local().end(), T{});
   }
   std::int64_t in_features() const { return in_; }
   std::int64_t out_features() const { return out_; }
   const weight_type& weight() const { return w_; }
   const bias_type& bias() const { return b_; }
   const weight_type& weight_grad() const { return dw_; }
-  const bias_type& bias_grad() const { return db_; }
+  const bias_grad_type& bias_grad() const { return db_; }
 
  protected:
   std::int64_t in_, out_;
   weight_type w_;
   bias_type b_;
   weight_type dw_;
-  bias_type db_;
+  bias_grad_type db_;
 };
 
 }  // namespace detail
 
-template <MeshType M, bool SP = false, class T = float>
-class ColumnParallelLinear : public detail::LinearParams<T, M, Shard<1>, Shard<0>> {
-  using base = detail::LinearParams<T, M, Shard<1>, Shard<0>>;
+// Fused = 1: a plain [in, out] weight, output columns split over TP.
+// Fused = G > 1: the output is G equal blocks side by side ([q|k|v] for G = 3),
+// each split over TP, so a rank holds the same slice of every block. The weight
+// is then placed as [in, G, out/G] Shard<2>, the bias as [G, out/G] Shard<1>
+// and the output as [B, T, G, out/G] Shard<3>: the local output is the G
+// blocks of this rank's slice side by side (the [q|k|v] of its heads).
+template <MeshType M, bool SP = false, class T = float, int Fused = 1>
+class ColumnParallelLinear
+    : public detail::LinearParams<
+          T, std::conditional_t<Fused == 1, ParamLayout<M, 2, Shard<1>>, ParamLayout<M, 3, Shard<2>>>,
+          std::conditional_t<Fused == 1, ParamLayout<M, 1, Shard<0>>, ParamLayout<M, 2, Shard<1>>>> {
+  static_assert(Fused >= 1, "ColumnParallelLinear: Fused counts the output blocks, at least 1");
+  using base = detail::LinearParams<
+      T, std::conditional_t<Fused == 1, ParamLayout<M, 2, Shard<1>>, ParamLayout<M, 3, Shard<2>>>,
+      std::conditional_t<Fused == 1, ParamLayout<M, 1, Shard<0>>, ParamLayout<M, 2, Shard<1>>>>;
   using base::in_, base::out_, base::w_, base::b_, base::dw_, base::db_;
 
  public:
   using mesh = M;
   using value_type = T;
   static constexpr bool sequence_parallel = SP;
+  static constexpr int fused = Fused;
   using input_placement = std::conditional_t<SP, Shard<1>, Replicate>;
-  using output_placement = Shard<2>;
-  using typename base::weight_placement;  // Shard<1>: output features split
-  using typename base::bias_placement;    // Shard<0>
+  using output_placement = std::conditional_t<Fused == 1, Shard<2>, Shard<3>>;
+  using typename base::weight_placement;  // Shard<1> (Fused: Shard<2> of [in, G, out/G])
+  using typename base::bias_placement;    // Shard<0> (Fused: Shard<1> of [G, out/G])
+  using output_layout = ShardLayout<M, Fused == 1 ? 3 : 4, Placements<On<Axis::tp, output_placement>>>;
   using input_type = Activation<T, M, input_placement>;
-  using output_type = Activation<T, M, output_placement>;
+  using output_type = Sharded<T, output_layout>;
   using typename base::weight_type;
   using typename base::bias_type;
 
-  // Slices the serial layer's weight [in, out] and bias [out]; `coord` is this rank's.
-  using base::base;
+  // Alone: slices the serial layer's weight [in, out] and bias [out]; `coord` is this rank's.
+  ColumnParallelLinear(std::int64_t in, std::int64_t out, std::span<const T> weight, std::span<const T> bias,
+                       Coord coord)
+      : base(in, out, weight_shape(in, out), bias_shape(out), weight, bias, coord) {}
+  // Inside a model: views of its flat buffers.
+  ColumnParallelLinear(std::int64_t in, std::int64_t out, ParamSlot<T> weight, ParamSlot<T> bias, Coord coord)
+      : base(in, out, weight_shape(in, out), bias_shape(out), weight, bias, coord) {}
 
   template <Communicator C>
   output_type forward(const input_type& x, C& tp) {
     detail::check_width(x, in_, "ColumnParallelLinear::forward");
     x_full_.emplace(redistribute<Axis::tp, Replicate>(x, tp));
     const auto g = x.layout().global_shape();
-    ActivationLayout<M, output_placement> yl({g[0], g[1], out_}, x.layout().coord());
+    output_layout yl(output_shape(g), x.layout().coord());
     const int rows = detail::checked_int(g[0] * g[1], "B*T"), n = local_out(), k = detail::checked_int(in_, "in");
     std::vector<T> y(static_cast<std::size_t>(yl.local_size()));
     kernels::host::matmul(y.data(), x_full_->local().data(), w_.local().data(), b_.local().data(), rows, n, k, false,
@@ -172,7 +230,7 @@ class ColumnParallelLinear : public detail::LinearParams<T, M, Shard<1>, Shard<0
     if (!x_full_) throw std::logic_error("ColumnParallelLinear::backward called before forward");
     const auto g = x_full_->layout().global_shape();
     const int rows = detail::checked_int(g[0] * g[1], "B*T"), n = local_out(), k = detail::checked_int(in_, "in");
-    if (dy.layout().global_shape() != std::array<std::int64_t, 3>{g[0], g[1], out_})
+    if (dy.layout().global_shape() != output_shape(g))
       throw std::invalid_argument("ColumnParallelLinear::backward: dy does not have the shape of the output");
     kernels::host::matmul(dw_.local().data(), x_full_->local().data(), dy.local().data(), nullptr, k, n, rows, true,
                           false, true);
@@ -185,14 +243,46 @@ class ColumnParallelLinear : public detail::LinearParams<T, M, Shard<1>, Shard<0
   }
 
  private:
-  int local_out() const { return detail::checked_int(w_.layout().local_shape()[1], "out/TP"); }
+  static std::array<std::int64_t, Fused == 1 ? 2 : 3> weight_shape(std::int64_t in, std::int64_t out) {
+    check_fused(out);
+    if constexpr (Fused == 1) return {in, out};
+    else return {in, Fused, out / Fused};
+  }
+  static std::array<std::int64_t, Fused == 1 ? 1 : 2> bias_shape(std::int64_t out) {
+    if constexpr (Fused == 1) return {out};
+    else return {Fused, out / Fused};
+  }
+  typename output_layout::Shape output_shape(const std::array<std::int64_t, 3>& x) const {
+    if constexpr (Fused == 1) return {x[0], x[1], out_};
+    else return {x[0], x[1], Fused, out_ / Fused};
+  }
+  static void check_fused(std::int64_t out) {
+    if (out % Fused != 0)
+      throw std::invalid_argument("ColumnParallelLinear: " + std::to_string(out) + " output features do not split into " +
+                                  std::to_string(Fused) + " fused blocks");
+  }
+  int local_out() const { return detail::checked_int(dw_.layout().local_size() / in_, "out/TP"); }
 
   std::optional<Activation<T, M, Replicate>> x_full_;  // saved for dW
 };
 
+// Where a gradient computed from the rows of an activation placed as P sits
+// before it is reduced over TP: complete when every rank holds every row
+// (Replicate), one partial sum per sequence shard with SP (Shard: Partial).
+template <class P>
+using rows_grad_placement = std::conditional_t<is_shard_v<P>, Partial, P>;
+
+// The bias is replicated and added after the reduction. Its gradient is the
+// column sum of the rows of dy this rank holds: complete without SP; with SP a
+// partial sum (bias_grad() is placed Partial), which the owner reduces over TP
+// once (the model does it for all such gradients together; a test gathers it
+// with redistribute<Axis::tp, Replicate>).
 template <MeshType M, bool SP = false, class T = float>
-class RowParallelLinear : public detail::LinearParams<T, M, Shard<0>, Replicate> {
-  using base = detail::LinearParams<T, M, Shard<0>, Replicate>;
+class RowParallelLinear
+    : public detail::LinearParams<T, ParamLayout<M, 2, Shard<0>>, ParamLayout<M, 1, Replicate>,
+                                  ParamLayout<M, 1, rows_grad_placement<std::conditional_t<SP, Shard<1>, Replicate>>>> {
+  using base = detail::LinearParams<T, ParamLayout<M, 2, Shard<0>>, ParamLayout<M, 1, Replicate>,
+                                    ParamLayout<M, 1, rows_grad_placement<std::conditional_t<SP, Shard<1>, Replicate>>>>;
   using base::in_, base::out_, base::w_, base::b_, base::dw_, base::db_;
 
  public:
@@ -201,17 +291,18 @@ class RowParallelLinear : public detail::LinearParams<T, M, Shard<0>, Replicate>
   static constexpr bool sequence_parallel = SP;
   using input_placement = Shard<2>;
   using output_placement = std::conditional_t<SP, Shard<1>, Replicate>;
-  using typename base::weight_placement;  // Shard<0>: input features split
-  using typename base::bias_placement;    // Replicate: added after the reduction
-  // Where the local column sums of dy sit before they are reduced: complete
-  // when dy is replicated, one partial sum per sequence shard with SP.
-  using bias_grad_partial_placement = std::conditional_t<is_shard_v<output_placement>, Partial, output_placement>;
+  using typename base::weight_placement;     // Shard<0>: input features split
+  using typename base::bias_placement;       // Replicate: added after the reduction
+  using typename base::bias_grad_placement;  // Replicate, or Partial with SP
   using input_type = Activation<T, M, input_placement>;
   using output_type = Activation<T, M, output_placement>;
   using typename base::weight_type;
   using typename base::bias_type;
 
-  using base::base;
+  RowParallelLinear(std::int64_t in, std::int64_t out, std::span<const T> weight, std::span<const T> bias, Coord coord)
+      : base(in, out, {in, out}, {out}, weight, bias, coord) {}
+  RowParallelLinear(std::int64_t in, std::int64_t out, ParamSlot<T> weight, ParamSlot<T> bias, Coord coord)
+      : base(in, out, {in, out}, {out}, weight, bias, coord) {}
 
   template <Communicator C>
   output_type forward(const input_type& x, C& tp) {
@@ -237,19 +328,8 @@ class RowParallelLinear : public detail::LinearParams<T, M, Shard<0>, Replicate>
     if (dy.layout().global_shape() != std::array<std::int64_t, 3>{g[0], g[1], out_})
       throw std::invalid_argument("RowParallelLinear::backward: dy does not have the shape of the output");
     const int rows = detail::checked_int(g[0] * g[1], "B*T"), n = detail::checked_int(out_, "out"), k = local_in();
-
-    // Bias: column sums of the rows of dy this rank holds.
-    {
-      ParamLayout<M, 1, bias_grad_partial_placement> bl({out_}, dy.layout().coord());
-      std::vector<T> part(static_cast<std::size_t>(n), T{});
-      const int local_rows = detail::checked_int(static_cast<std::int64_t>(dy.local().size()) / out_, "rows");
-      kernels::host::bias_backward(part.data(), dy.local().data(), local_rows, n);
-      const auto full = redistribute<Axis::tp, Replicate>(
-          Param<T, M, 1, bias_grad_partial_placement>(std::move(bl), std::move(part)), tp);
-      auto d = db_.local();
-      const auto f = full.local();
-      for (std::size_t j = 0; j < d.size(); ++j) d[j] += f[j];
-    }
+    const int local_rows = detail::checked_int(static_cast<std::int64_t>(dy.local().size()) / out_, "rows");
+    kernels::host::bias_backward(db_.local().data(), dy.local().data(), local_rows, n);
 
     const auto dy_full = redistribute<Axis::tp, Replicate>(dy, tp);
     kernels::host::matmul(dw_.local().data(), x_->local().data(), dy_full.local().data(), nullptr, k, n, rows, true,

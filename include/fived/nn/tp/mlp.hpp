@@ -5,7 +5,7 @@
 // sequence parallelism. Per step on the TP group: without SP one all-reduce
 // forward (c_proj) and one backward (c_fc's input gradient); with SP one
 // all-gather + one reduce-scatter forward, one all-gather + one reduce-scatter
-// backward, plus one all-reduce of c_proj's bias gradient.
+// backward. c_proj's bias gradient is Partial with SP (see RowParallelLinear).
 
 #include <cstdint>
 #include <span>
@@ -34,6 +34,10 @@ class MLP {
   // Serial weights: fc_w [C, H], fc_b [H], proj_w [H, C], proj_b [C]; H is split over TP.
   MLP(std::int64_t c, std::int64_t hidden, std::span<const T> fc_w, std::span<const T> fc_b, std::span<const T> proj_w,
       std::span<const T> proj_b, Coord coord)
+      : fc_(c, hidden, fc_w, fc_b, coord), proj_(hidden, c, proj_w, proj_b, coord) {}
+  // Inside a model: views of its buffers.
+  MLP(std::int64_t c, std::int64_t hidden, ParamSlot<T> fc_w, ParamSlot<T> fc_b, ParamSlot<T> proj_w,
+      ParamSlot<T> proj_b, Coord coord)
       : fc_(c, hidden, fc_w, fc_b, coord), proj_(hidden, c, proj_w, proj_b, coord) {}
 
   template <Communicator C>

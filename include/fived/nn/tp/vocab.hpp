@@ -86,7 +86,7 @@ void check_tp_comm(const C& comm, const Coord& c, const char* layer) {
 }  // namespace detail
 
 template <MeshType M, bool SP = false, class T = float>
-class VocabParallelEmbedding {
+class VocabParallelEmbedding : private detail::ParamStorage<T> {
  public:
   using mesh = M;
   using value_type = T;
@@ -95,14 +95,19 @@ class VocabParallelEmbedding {
   using output_placement = std::conditional_t<SP, Shard<1>, Replicate>;
   using weight_placement = Shard<0>;  // vocabulary rows split
   using output_type = Activation<T, M, output_placement>;
-  using weight_type = Param<T, M, 2, weight_placement>;
+  using weight_layout = ParamLayout<M, 2, weight_placement>;
+  using weight_type = ShardedView<T, weight_layout>;
 
-  // Slices the serial table wte [Vp, C] (row-major); Vp must be a multiple of TP
-  // (pad the vocabulary: padded_vocab(V, TP)). `coord` is this rank's.
+  // Alone: slices the serial table wte [Vp, C] (row-major); Vp must be a multiple
+  // of TP (pad the vocabulary: padded_vocab(V, TP)). `coord` is this rank's.
   VocabParallelEmbedding(std::int64_t Vp, std::int64_t C, std::span<const T> wte, Coord coord)
       : vp_((detail::check_vocab_split<M>(Vp, "VocabParallelEmbedding"), Vp)), c_(C),
-        w_(detail::slice_param<T, M, 2, weight_placement>({Vp, C}, coord, wte, "token embedding")),
-        dw_(detail::zeros_like_layout<T>(w_.layout())) {}
+        w_(weight_layout({Vp, C}, coord), this->own_slice(weight_layout({Vp, C}, coord), wte, "token embedding")),
+        dw_(w_.layout(), this->own_zeros(w_.layout().local_size())) {}
+  // Inside a model: views of its buffers.
+  VocabParallelEmbedding(std::int64_t Vp, std::int64_t C, ParamSlot<T> wte, Coord coord)
+      : vp_((detail::check_vocab_split<M>(Vp, "VocabParallelEmbedding"), Vp)), c_(C),
+        w_(weight_layout({Vp, C}, coord), wte.value), dw_(w_.layout(), wte.grad) {}
 
   // tokens [B, T_] (row-major, the same on every TP rank), ids in [0, Vp).
   template <Communicator Comm>
@@ -161,7 +166,7 @@ class VocabParallelEmbedding {
     }
   }
 
-  void zero_grad() { std::fill(dw_.storage().begin(), dw_.storage().end(), T{}); }
+  void zero_grad() { std::fill(dw_.local().begin(), dw_.local().end(), T{}); }
   std::int64_t padded_vocab_size() const { return vp_; }
   std::int64_t embedding_dim() const { return c_; }
   // This rank's ids: [vocab_begin(), vocab_begin() + Vp/TP).
@@ -178,6 +183,72 @@ class VocabParallelEmbedding {
   std::vector<int> tokens_;
   std::int64_t b_ = 0, t_ = 0;
   bool have_forward_ = false;
+};
+
+// The output projection of a GPT over the split vocabulary: logits = x · W^T
+// with W [Vp, C] placed Shard<0> (the tied wte, or lm_head), i.e. a
+// column-parallel linear whose weight is stored transposed.
+//   in:  Replicate (SP: Shard<1>)                     out: Shard<2> (vocabulary)
+//   fwd  x_full = redistribute<tp, Replicate>(x)      identity   | all-gather
+//        logits_local = x_full W_local^T              [B, T, Vp/TP]
+//   bwd  dW_local += dlogits^T x_full                 (no collective)
+//        dx = dlogits W_local (Partial) -> redistribute<tp, in>
+//                                                     all-reduce | reduce-scatter
+// The weight is a view of the model's buffer (a tied head shares the
+// embedding's slot, so both gradients add into one).
+template <MeshType M, bool SP = false, class T = float>
+class VocabParallelHead {
+ public:
+  using mesh = M;
+  using value_type = T;
+  using input_placement = std::conditional_t<SP, Shard<1>, Replicate>;
+  using output_placement = Shard<2>;
+  using weight_layout = ParamLayout<M, 2, Shard<0>>;
+  using input_type = Activation<T, M, input_placement>;
+  using output_type = Activation<T, M, output_placement>;
+
+  VocabParallelHead(std::int64_t Vp, std::int64_t C, ParamSlot<T> weight, Coord coord)
+      : vp_((detail::check_vocab_split<M>(Vp, "VocabParallelHead"), Vp)), c_(C),
+        w_(weight_layout({Vp, C}, coord), weight.value), dw_(w_.layout(), weight.grad) {}
+
+  template <Communicator Comm>
+  output_type forward(const input_type& x, Comm& tp) {
+    detail::check_width(x, c_, "VocabParallelHead::forward");
+    x_full_.emplace(redistribute<Axis::tp, Replicate>(x, tp));
+    const auto g = x.layout().global_shape();
+    ActivationLayout<M, output_placement> yl({g[0], g[1], vp_}, x.layout().coord());
+    std::vector<T> y(static_cast<std::size_t>(yl.local_size()));
+    kernels::host::matmul(y.data(), x_full_->local().data(), w_.local().data(), nullptr, rows(), local_vocab(), c(),
+                          false, true);
+    return output_type(std::move(yl), std::move(y));
+  }
+
+  template <Communicator Comm>
+  input_type backward(const output_type& dlogits, Comm& tp) {
+    if (!x_full_) throw std::logic_error("VocabParallelHead::backward called before forward");
+    const auto g = x_full_->layout().global_shape();
+    if (dlogits.layout().global_shape() != std::array<std::int64_t, 3>{g[0], g[1], vp_})
+      throw std::invalid_argument("VocabParallelHead::backward: d-logits do not have the shape of the logits");
+    kernels::host::matmul(dw_.local().data(), dlogits.local().data(), x_full_->local().data(), nullptr, local_vocab(),
+                          c(), rows(), true, false, true);
+    ActivationLayout<M, Partial> dl(g, dlogits.layout().coord());
+    std::vector<T> dx(static_cast<std::size_t>(dl.local_size()));
+    kernels::host::matmul(dx.data(), dlogits.local().data(), w_.local().data(), nullptr, rows(), c(), local_vocab(),
+                          false, false);
+    return redistribute<Axis::tp, input_placement>(Activation<T, M, Partial>(std::move(dl), std::move(dx)), tp);
+  }
+
+ private:
+  int rows() const {
+    const auto g = x_full_->layout().global_shape();
+    return detail::checked_int(g[0] * g[1], "B*T");
+  }
+  int local_vocab() const { return detail::checked_int(w_.layout().local_shape()[0], "Vp/TP"); }
+  int c() const { return detail::checked_int(c_, "C"); }
+
+  std::int64_t vp_, c_;
+  ShardedView<T, weight_layout> w_, dw_;
+  std::optional<Activation<T, M, Replicate>> x_full_;  // saved for dW
 };
 
 template <MeshType M, class T = float>
