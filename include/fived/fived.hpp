@@ -5,15 +5,21 @@
 
 #include "fived/comm/bootstrap.hpp"
 #include "fived/comm/communicator.hpp"
+#include "fived/comm/counting.hpp"
 #include "fived/comm/host.hpp"
 #include "fived/comm/types.hpp"
+#include "fived/io/safetensors.hpp"
 #include "fived/mesh/axis.hpp"
 #include "fived/mesh/context.hpp"
 #include "fived/mesh/mesh.hpp"
+#include "fived/nn/gpt.hpp"
+#include "fived/nn/tp/gpt.hpp"
+#include "fived/optim/adamw.hpp"
 #include "fived/place/layout.hpp"
 #include "fived/place/placement.hpp"
 #include "fived/place/redistribute.hpp"
 #include "fived/place/sharded.hpp"
+#include "fived/train/data_parallel.hpp"
 
 #if defined(FIVED_WITH_CUDA)
 #include "fived/comm/nccl.hpp"

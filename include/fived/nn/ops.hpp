@@ -142,10 +142,7 @@ struct Ops<T, Host> {
   }
   // Mean cross-entropy from the loss statistics, summed in double.
   double mean_loss(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N) const {
-    double sum = 0;
-    for (std::size_t i = 0; i < static_cast<std::size_t>(N); ++i)
-      sum += std::log(static_cast<double>(sumexp[i])) + static_cast<double>(max[i]) - static_cast<double>(target[i]);
-    return sum / static_cast<double>(N);
+    return kernels::host::mean_loss(max, sumexp, target, N);
   }
   template <class U, class F>
   void write_from_host(Buffer<U, Host>& b, F&& f) {

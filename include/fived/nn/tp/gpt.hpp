@@ -143,6 +143,7 @@ class GPT {
         throw std::invalid_argument("nn::tp::GPT::forward: id at position " + std::to_string(i) +
                                     " is outside [0, vocab = " + std::to_string(V) + ")");
     has_dlogits_ = false;
+    loss_ = 0;
     B_ = B, T_seq_ = T_;
 
     Stream x = embedding_->forward(std::span<const int>(tokens, n), B, T_, tp);
@@ -154,10 +155,13 @@ class GPT {
     }
     logits_.emplace(head_->forward(ln_f_->forward(x), tp));
     if (targets == nullptr) return 0.0f;
-    const float loss = ce_.forward_backward(*logits_, std::span<const int>(targets, n), tp);  // logits -> d-logits
+    loss_ = ce_.forward_backward(*logits_, std::span<const int>(targets, n), tp);  // logits -> d-logits
     has_dlogits_ = true;
-    return loss;
+    return static_cast<float>(loss_);
   }
+
+  // The mean loss of the last forward with targets, in acc_t precision summed in double.
+  double loss() const { return loss_; }
 
   // Accumulates the gradient of the last forward's mean loss into grads().
   template <Communicator Comm>
@@ -350,6 +354,7 @@ class GPT {
   std::optional<Activation<T, M, Shard<2>>> logits_;  // logits, or d-logits after a forward with targets
   int B_ = 0, T_seq_ = 0;
   bool has_dlogits_ = false;
+  double loss_ = 0;
 };
 
 }  // namespace fived::nn::tp

@@ -268,9 +268,10 @@ class VocabParallelCrossEntropy {
 
   // logits [B, T, Vp] (this rank's columns), targets [B*T] in [0, V), the same
   // on every TP rank. Returns the mean loss over the B*T rows (the same on every
-  // rank) and overwrites the logits with d(loss_scale * mean loss)/d logits.
+  // rank, from acc_t statistics summed in double, as the serial model's loss())
+  // and overwrites the logits with d(loss_scale * mean loss)/d logits.
   template <Communicator Comm>
-  float forward_backward(logits_type& logits, std::span<const int> targets, Comm& tp, float loss_scale = 1.0f) {
+  double forward_backward(logits_type& logits, std::span<const int> targets, Comm& tp, float loss_scale = 1.0f) {
     using A = acc_type;
     const auto g = logits.layout().global_shape();
     const Coord coord = logits.layout().coord();
@@ -310,9 +311,7 @@ class VocabParallelCrossEntropy {
     const float dloss = N > 0 ? loss_scale / static_cast<float>(N) : 0.0f;
     kernels::host::crossentropy_backward(losses.data(), x, x, targets.data(), max.data(), s.local().data(),
                                          t.local().data(), N, Vs, offset, V, dloss);
-    double total = 0;
-    for (float l : losses) total += l;
-    return N > 0 ? static_cast<float>(total / N) : 0.0f;
+    return kernels::host::mean_loss(max.data(), s.local().data(), t.local().data(), N);
   }
 
   std::int64_t vocab_size() const { return v_; }
