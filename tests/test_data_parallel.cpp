@@ -1,7 +1,8 @@
 // Data parallelism on the host backend (issue 5, first round): for DP = 2 and 4, with no ZeRO
 // and with ZeRO-1, with 1 and 3 accumulation micro-batches, 5 steps of AdamW (weight decay,
 // global-norm clipping active) give the serial run's losses and final weights within 1e-5
-// relative in fp32. Plus the compile-time shard and bucket layout, and the error for a global
+// relative in fp32. The same for DP x TP (Mesh<DP<2>, TP<2>>, the TP model bound to its TP
+// communicator), with ZeRO-1 and without, sequence parallelism on and off. Plus the compile-time shard and bucket layout, and the error for a global
 // batch that does not divide over DP.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
@@ -17,7 +18,9 @@
 
 #include "fived/comm/host.hpp"
 #include "fived/kernels/host/norm.hpp"
+#include "fived/mesh/context.hpp"
 #include "fived/nn/gpt.hpp"
+#include "fived/nn/tp/gpt.hpp"
 #include "fived/optim/adamw.hpp"
 #include "fived/optim/flat_shards.hpp"
 #include "fived/train/data_parallel.hpp"
@@ -174,6 +177,48 @@ Run compare(int accum, const Run& ref) {
   return runs[0];
 }
 
+// DP x TP: Mesh<DP<Dn>, TP<Tn>>, the TP model bound to its TP communicator and
+// data-parallel over DP. Returns each rank's run, weights gathered over TP into
+// the serial layout.
+template <int Dn, int Tn, class Policy, class SP>
+std::vector<Run> parallel_tp(int accum) {
+  using M = Mesh<DP<Dn>, TP<Tn>>;
+  using TpModel = nn::tp::GPT<cfg, M, SP>;
+  std::vector<Run> runs(M::size);
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    auto& tp = ctx.template comm<Axis::tp>();
+    TpModel m(ctx.coord(), init);
+    nn::tp::Bound bound(m, tp);
+    DataParallel<decltype(bound), Dn, Policy, bucket_bytes> dp(bound, ctx.template comm<Axis::dp>(), hp, accum);
+    Run& r = runs[static_cast<std::size_t>(ctx.rank())];
+    std::vector<int> tok, tgt;
+    for (int s = 0; s < steps; ++s) {
+      global_batch(s, accum, tok, tgt);
+      r.losses.push_back(dp.step(tok, tgt, B, T));
+    }
+    r.params = m.gather_params(tp);
+  });
+  return runs;
+}
+
+template <int Dn, int Tn, class Policy, class SP>
+void compare_tp(int accum, const Run& ref) {
+  const std::vector<Run> runs = parallel_tp<Dn, Tn, Policy, SP>(accum);
+  for (const Run& r : runs) {
+    REQUIRE(r.params.size() == ref.params.size());
+    CHECK(r.params == runs[0].params);  // every rank assembles the same model
+    CHECK(r.losses == runs[0].losses);
+  }
+  const Errors e = errors(runs[0], ref);
+  MESSAGE("DP " << Dn << " x TP " << Tn << std::string(SP::enabled ? " SP" : "") << std::string(Policy::stage ? " ZeRO-1" : " no ZeRO")
+                << ", accum " << accum << ": loss " << e.loss << "; weights: tensor l2 " << e.tensor_l2
+                << ", tensor max " << e.tensor_max << ", element " << e.element);
+  CHECK(e.loss <= 1e-5);
+  CHECK(e.tensor_l2 <= 1e-5);
+  CHECK(e.tensor_max <= 5e-5);
+}
+
 template <int DP>
 void both_policies(int accum, const Run& ref) {
   const Run plain = compare<DP, NoZeRO>(accum, ref);
@@ -198,6 +243,16 @@ TEST_CASE("data parallel equals the serial run: DP 2 and 4, no ZeRO and ZeRO-1, 
   }
   MESSAGE("worst over all runs: loss " << worst.loss << "; weights: tensor l2 " << worst.tensor_l2 << ", tensor max "
                                       << worst.tensor_max << ", element " << worst.element);
+}
+
+TEST_CASE("DP x TP equals the serial run: Mesh<DP<2>, TP<2>>, ZeRO-1 and no ZeRO, SP on and off") {
+  for (int accum : {1, 3}) {
+    CAPTURE(accum);
+    const Run ref = serial(accum);
+    compare_tp<2, 2, ZeRO<1>, nn::tp::SequenceParallel>(accum, ref);
+    compare_tp<2, 2, ZeRO<1>, nn::tp::NoSequenceParallel>(accum, ref);
+    compare_tp<2, 2, NoZeRO, nn::tp::SequenceParallel>(accum, ref);
+  }
 }
 
 TEST_CASE("per-rank memory matches the formula: fp32 4N + 4N + 8N, optimizer / DP under ZeRO-1") {

@@ -29,8 +29,18 @@
 //            parameters; all-gather of the updated parameters into every replica.
 // ZeRO<2> and ZeRO<3> are named but do not compile yet (static_assert).
 //
+// DP x TP: the model may itself be split over TP, bound to its TP communicator
+// (nn::tp::Bound, nn/tp/gpt.hpp). Its layout is then one TP rank's buffer, which DP shards
+// and reduces over the DP group of the same TP rank; the clip norm's sum of squares comes
+// from the model (every parameter once over TP) and is summed over DP.
+//
+//   auto ctx = make_mesh_context<Mesh<DP<2>, TP<2>>>(world);
+//   nn::tp::GPT<cfg, M, nn::tp::SequenceParallel> model(ctx.coord(), init);
+//   nn::tp::Bound bound(model, ctx.comm<Axis::tp>());
+//   DataParallel<decltype(bound), 2, ZeRO<1>> dp(bound, ctx.comm<Axis::dp>(), hp);
+//
 // Not yet: overlap of the reductions with backward (they run after backward), bf16 / master
-// weights in DP (the comm layer moves float and double only), DP x TP.
+// weights in DP (the comm layer moves float and double only).
 
 #include <algorithm>
 #include <cstddef>
@@ -141,7 +151,9 @@ class DataParallel {
 
     if constexpr (!zero1) {
       for (std::size_t i = 0; i < buckets::count; ++i) reduce_(grads, {}, buckets::bucket(i), Op::all_reduce_avg, nullptr);
-      opt_.step(model_);
+      const FlatRange all{0, layout::size};
+      if (opt_.hp.max_norm > 0) opt_.clip(grads, all, sum_of_squares(grads, all));  // every replica: the same sum
+      opt_.step(model_.params(), std::span<const T>(grads), all);
     } else {
       const FlatRange shard = shards::shard(rank_), owned = opt_.owned();
       std::span<T> flat(flat_);
@@ -150,7 +162,7 @@ class DataParallel {
       std::fill(flat.begin() + static_cast<std::ptrdiff_t>(layout::size), flat.end(), T{});
       reduce_(flat, my_shard, {}, Op::reduce_scatter_avg, nullptr);
       if (opt_.hp.max_norm > 0) {
-        double s = optimizer_type::sum_of_squares(flat, owned);
+        double s = sum_of_squares(flat, owned);
         reduce_({}, {}, {}, Op::sum_scalar, &s);  // the global norm: every element counted once
         opt_.clip(flat, owned, s);
       }
@@ -186,6 +198,13 @@ class DataParallel {
 
  private:
   enum class Op { all_reduce_avg, reduce_scatter_avg, all_gather, sum_scalar, avg_scalar };
+
+  // Sum of squares of grads[r] over the model's own group, every parameter once: the
+  // model says how when it is itself split (nn::tp::Bound over TP), else a plain sum.
+  double sum_of_squares(std::span<const T> grads, FlatRange r) const {
+    if constexpr (requires { model_.grad_sum_of_squares(grads, r); }) return model_.grad_sum_of_squares(grads, r);
+    else return optimizer_type::sum_of_squares(grads, r);
+  }
 
   DataParallel(Model& model, int rank, int size, const AdamWConfig& config, int accum)
       : model_(model),

@@ -39,6 +39,7 @@
 // save gathers the pieces over TP and rank 0 of the group writes; load reads the
 // whole file on every rank and keeps its piece.
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -197,19 +198,24 @@ class GPT {
   template <Communicator Comm>
   std::vector<T> gather_grads(Comm& tp) const { return gather(grads_, tp); }
 
-  // Sum of squares of the whole model's gradient, every parameter once: the
-  // split tensors' pieces summed over TP (one all-reduce), the replicated ones
-  // (identical on every rank) taken as they are. The same on every rank.
+  // Sum of squares of the gradient elements in r (offsets of this rank's
+  // buffer; `grads` may be a copy, e.g. a DP-reduced one) over the whole TP
+  // group, every parameter once: the split tensors' pieces from every rank, the
+  // replicated ones (identical on every rank) from TP rank 0 only. One
+  // all-reduce; the same on every rank of the group.
   template <Communicator Comm>
-  double grad_sum_of_squares(Comm& tp) const {
-    double split = 0, replicated = 0;
+  double grad_sum_of_squares(std::span<const T> grads, FlatRange r, Comm& tp) const {
+    if (r.end > grads.size() || r.begin > r.end)
+      throw std::invalid_argument("nn::tp::GPT::grad_sum_of_squares: range outside the gradient buffer");
+    double s = 0;
     for (int i = 0; i < layout::count; ++i) {
       const ParamInfo& t = layout::tensors[static_cast<std::size_t>(i)];
-      const double s = kernels::host::sum_of_squares(grads_.data() + t.offset, t.size());
-      (layout::split(i).replicated() ? replicated : split) += s;
+      const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
+      if (b >= e || (layout::split(i).replicated() && rank() != 0)) continue;
+      s += kernels::host::sum_of_squares(grads.data() + b, e - b);
     }
-    tp.all_reduce(std::span<const double>(&split, 1), std::span<double>(&split, 1), ReduceOp::sum);
-    return split + replicated;
+    tp.all_reduce(std::span<const double>(&s, 1), std::span<double>(&s, 1), ReduceOp::sum);
+    return s;
   }
 
   // Clips the gradient to opt.hp.max_norm (global norm over the TP group) and
@@ -218,7 +224,7 @@ class GPT {
   float optimizer_step(AdamW<layout, T>& opt, Comm& tp) {
     const FlatRange all{0, layout::size};
     float f = 1.0f;
-    if (opt.hp.max_norm > 0) f = opt.clip(grads(), all, grad_sum_of_squares(tp));
+    if (opt.hp.max_norm > 0) f = opt.clip(grads(), all, grad_sum_of_squares(std::span<const T>(grads_), all, tp));
     opt.step(params(), std::span<const T>(grads()), all);
     return f;
   }
@@ -355,6 +361,38 @@ class GPT {
   int B_ = 0, T_seq_ = 0;
   bool has_dlogits_ = false;
   double loss_ = 0;
+};
+
+// A TP model with its TP communicator bound: the serial GPT's interface
+// (forward/loss/backward without a communicator, params, grads, layout), so
+// code written for one model replica takes a TP-split one, e.g.
+//   DataParallel<nn::tp::Bound<Model, Comm>, DP, ZeRO<1>> dp(bound, dp_comm, hp);
+// for DP x TP. grad_sum_of_squares(grads, range) counts every parameter once
+// over the TP group; DataParallel sums it over DP.
+template <class Model, Communicator Comm>
+class Bound {
+ public:
+  using layout = typename Model::layout;
+  using value_type = typename Model::value_type;
+  static constexpr bool on_host = Model::on_host;
+
+  Bound(Model& m, Comm& tp) : m_(m), tp_(tp) {}
+
+  float forward(const int* tokens, const int* targets, int B, int T_) { return m_.forward(tokens, targets, B, T_, tp_); }
+  double loss() const { return m_.loss(); }
+  void backward() { m_.backward(tp_); }
+  void zero_grad() { m_.zero_grad(); }
+  std::span<value_type> params() { return m_.params(); }
+  std::span<value_type> grads() { return m_.grads(); }
+  double grad_sum_of_squares(std::span<const value_type> grads, FlatRange r) const {
+    return m_.grad_sum_of_squares(grads, r, tp_);
+  }
+  Model& model() { return m_; }
+  Comm& comm() { return tp_; }
+
+ private:
+  Model& m_;
+  Comm& tp_;
 };
 
 }  // namespace fived::nn::tp
