@@ -339,7 +339,7 @@ Comm nested_thirds(Comm& parity) { return parity.split(parity.rank() % 3, parity
 // ---- collectives ---------------------------------------------------------------------------
 
 TEST_CASE_TEMPLATE("every collective on rank-valued data, world sizes 1..8", T, std::int32_t, std::int64_t, std::uint8_t,
-                   float, double) {
+                   float, double, fived::bf16) {
   for (int n = 1; n <= 8; ++n) {
     CAPTURE(n);
     std::vector<Log> logs(n);
@@ -355,7 +355,7 @@ TEST_CASE_TEMPLATE("every collective on rank-valued data, world sizes 1..8", T, 
 }
 
 TEST_CASE_TEMPLATE("every collective on split and nested sub-communicators", T, std::int32_t, std::int64_t,
-                   std::uint8_t, float, double) {
+                   std::uint8_t, float, double, fived::bf16) {
   for (int n = 2; n <= 8; ++n) {
     CAPTURE(n);
     std::vector<Log> logs(n);

@@ -382,16 +382,21 @@ class Comm {
     return s;
   }
 
-  // out[i] = reduction over ranks (in rank order) of send_r[base + i].
+  // out[i] = reduction over ranks (in rank order) of send_r[base + i]. bf16 is
+  // reduced in float and rounded once (NCCL rounds at every step of its ring or
+  // tree, so its bf16 sums may differ from these in the last bit or two).
   template <class T>
   void reduce_into(std::vector<T>& out, const std::vector<detail::Post>& p, std::size_t base, ReduceOp op) const {
-    std::copy_n(static_cast<const T*>(p[0].send) + base, out.size(), out.begin());
+    using A = std::conditional_t<std::is_same_v<T, bf16>, float, T>;
+    std::vector<A> acc(out.size());
+    std::copy_n(static_cast<const T*>(p[0].send) + base, out.size(), acc.begin());
     for (int r = 1; r < size(); ++r) {
       const T* in = static_cast<const T*>(p[r].send) + base;
-      for (std::size_t i = 0; i < out.size(); ++i) out[i] = detail::combine(out[i], in[i], op);
+      for (std::size_t i = 0; i < out.size(); ++i) acc[i] = detail::combine(acc[i], static_cast<A>(in[i]), op);
     }
     if (op == ReduceOp::avg)
-      for (auto& v : out) v = static_cast<T>(v / static_cast<T>(size()));
+      for (auto& v : acc) v = static_cast<A>(v / static_cast<A>(size()));
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<T>(acc[i]);
   }
 
   // Called by the last rank to arrive: all ranks must have made the same call.

@@ -76,6 +76,7 @@ constexpr ncclDataType_t nccl_type(DType t) {
   switch (t) {
     case DType::f32: return ncclFloat32;
     case DType::f64: return ncclFloat64;
+    case DType::bf16: return ncclBfloat16;
     case DType::i32: return ncclInt32;
     case DType::i64: return ncclInt64;
     case DType::u8: return ncclUint8;

@@ -9,6 +9,8 @@
 #include <string>
 #include <string_view>
 
+#include "fived/device/bf16.hpp"
+
 namespace fived {
 
 enum class ReduceOp { sum, avg, max };
@@ -17,11 +19,12 @@ constexpr std::string_view reduce_op_name(ReduceOp op) {
   return op == ReduceOp::sum ? "sum" : op == ReduceOp::avg ? "avg" : "max";
 }
 
-enum class DType { f32, f64, i32, i64, u8 };
+enum class DType { f32, f64, bf16, i32, i64, u8 };
 
 template <class T> struct dtype_of_t;
 template <> struct dtype_of_t<float> { static constexpr DType value = DType::f32; };
 template <> struct dtype_of_t<double> { static constexpr DType value = DType::f64; };
+template <> struct dtype_of_t<bf16> { static constexpr DType value = DType::bf16; };
 template <> struct dtype_of_t<std::int32_t> { static constexpr DType value = DType::i32; };
 template <> struct dtype_of_t<std::int64_t> { static constexpr DType value = DType::i64; };
 template <> struct dtype_of_t<std::uint8_t> { static constexpr DType value = DType::u8; };
@@ -35,6 +38,7 @@ constexpr std::string_view dtype_name(DType t) {
   switch (t) {
     case DType::f32: return "float32";
     case DType::f64: return "float64";
+    case DType::bf16: return "bfloat16";
     case DType::i32: return "int32";
     case DType::i64: return "int64";
     case DType::u8: return "uint8";

@@ -39,8 +39,12 @@
 //   nn::tp::Bound bound(model, ctx.comm<Axis::tp>());
 //   DataParallel<decltype(bound), 2, ZeRO<1>> dp(bound, ctx.comm<Axis::dp>(), hp);
 //
-// Not yet: overlap of the reductions with backward (they run after backward), bf16 / master
-// weights in DP (the comm layer moves float and double only).
+// Mixed precision: a bf16 model computes, and its gradients are reduced, in bf16 (the host
+// backend sums bf16 in float and rounds once); AdamW keeps fp32 master weights and moments for
+// the range it owns (all of it, or the ZeRO-1 shard) and writes bf16(master) back, so the
+// replicas' bf16 weights come from the same fp32 masters.
+//
+// Not yet: overlap of the reductions with backward (they run after backward).
 
 #include <algorithm>
 #include <cstddef>
@@ -52,6 +56,7 @@
 #include <vector>
 
 #include "fived/comm/types.hpp"
+#include "fived/device/bf16.hpp"
 #include "fived/kernels/host/norm.hpp"
 #include "fived/optim/adamw.hpp"
 #include "fived/optim/flat_shards.hpp"
@@ -85,8 +90,9 @@ class DataParallel {
                 "issue 5; this version supports NoZeRO and ZeRO<1>");
   static_assert(Model::on_host, "fived::DataParallel runs on the host backend for now (Model::on_host)");
   static_assert(std::is_same_v<typename Model::value_type, float> ||
-                    std::is_same_v<typename Model::value_type, double>,
-                "fived::DataParallel: float or double models only for now (bf16 with fp32 masters comes later)");
+                    std::is_same_v<typename Model::value_type, double> ||
+                    std::is_same_v<typename Model::value_type, bf16>,
+                "fived::DataParallel: the model's element type must be float, double or fived::bf16");
 
  public:
   using model_type = Model;
@@ -180,9 +186,11 @@ class DataParallel {
     return loss;
   }
 
-  // Bytes this rank holds for training state. fp32, N = layout::size elements:
-  // NoZeRO 4N + 4N + 8N; ZeRO<1> 4N + 4N + 8N/DP (moments for the shard only), plus
-  // the padded staging buffer of the reduce-scatter / all-gather (4 x padded).
+  // Bytes this rank holds for training state, N = layout::size elements:
+  //   fp32  NoZeRO 4N + 4N + 8N;   ZeRO<1> 4N + 4N + 8N/DP (moments for the shard only)
+  //   bf16  NoZeRO 2N + 2N + 12N;  ZeRO<1> 2N + 2N + 12N/DP (fp32 master, m, v for the shard)
+  // plus, under ZeRO<1>, the padded staging buffer of the reduce-scatter / all-gather
+  // (sizeof(T) x padded).
   struct Memory {
     std::size_t params = 0, grads = 0, optimizer = 0, staging = 0;
     std::size_t total() const { return params + grads + optimizer + staging; }
