@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <random>
 #include <span>
 #include <numeric>
@@ -16,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "fived/comm/counting.hpp"
 #include "fived/comm/host.hpp"
 #include "fived/kernels/host/norm.hpp"
 #include "fived/mesh/context.hpp"
@@ -301,6 +303,62 @@ TEST_CASE("bf16 data parallel with fp32 masters tracks the bf16 serial run: DP 2
     check_bf16(parallel<2, NoZeRO, Bf>(accum), "bf16 DP 2 no ZeRO");
     check_bf16(parallel<2, ZeRO<1>, Bf>(accum), "bf16 DP 2 ZeRO-1");
     check_bf16(parallel<4, ZeRO<1>, Bf>(accum), "bf16 DP 4 ZeRO-1");
+  }
+}
+
+// The model, with a log of when backward finished each gradient range and how
+// many all-reduces the DP group had issued by then.
+struct Observed : Model {
+  using Model::Model;
+  Counting<host::Comm>* comm = nullptr;
+  std::vector<std::pair<std::size_t, std::int64_t>> log;  // (offset, all-reduces issued after the callback)
+  void backward(const std::function<void(std::size_t)>& grads_final = {}) {
+    Model::backward([&](std::size_t offset) {
+      if (grads_final) grads_final(offset);
+      log.emplace_back(offset, comm->counts().all_reduce.calls);
+    });
+  }
+};
+
+TEST_CASE("overlap: each bucket is all-reduced as soon as backward finishes it, with the same result") {
+  using Bk7 = FlatBuckets<Lay::size, sizeof(float), bucket_bytes>;
+  for (int accum : {1, 3}) {
+    CAPTURE(accum);
+    std::vector<std::vector<std::pair<std::size_t, std::int64_t>>> logs(2);
+    std::vector<std::vector<float>> overlapped(2), after(2);
+    host::run(2, [&](host::Comm& world) {
+      Counting<host::Comm> comm(world);
+      std::vector<int> tok, tgt;
+      global_batch(0, accum, tok, tgt);
+      for (bool overlap : {true, false}) {
+        Observed m(init);
+        m.comm = &comm;
+        DataParallel<Observed, 2, NoZeRO, bucket_bytes> dp(m, comm, hp, accum);
+        dp.set_overlap(overlap);
+        CHECK(dp.overlap() == overlap);
+        const std::int64_t before = comm.counts().all_reduce.calls;
+        dp.step(tok, tgt, B, T);
+        for (auto& [offset, calls] : m.log) calls -= before;
+        if (overlap) logs[static_cast<std::size_t>(world.rank())] = m.log;
+        auto& out = overlap ? overlapped : after;
+        out[static_cast<std::size_t>(world.rank())].assign(m.params().begin(), m.params().end());
+      }
+    });
+    // Backward reports L + 2 finished ranges per micro-batch. In the last one, after
+    // each report exactly the buckets lying wholly in the finished range have been reduced.
+    const auto& log = logs[0];
+    REQUIRE(log.size() == static_cast<std::size_t>(accum) * (cfg::layers + 2));
+    for (std::size_t i = 0; i < log.size(); ++i) {
+      const bool last = i >= log.size() - (cfg::layers + 2);
+      std::int64_t done = 0;
+      for (std::size_t k = 0; k < Bk7::count; ++k) done += Bk7::bucket(k).begin >= log[i].first;
+      CAPTURE(i);
+      CHECK(log[i].second == (last ? done : 0));
+    }
+    CHECK(log.back().first == 0);
+    CHECK(log[log.size() - 2].second < static_cast<std::int64_t>(Bk7::count));  // some reduced before the end
+    CHECK(overlapped == after);  // bit for bit
+    CHECK(overlapped[0] == overlapped[1]);
   }
 }
 

@@ -43,6 +43,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <span>
 #include <stdexcept>
@@ -234,7 +235,17 @@ class GPT {
   }
 
   // Accumulates the gradient of the last forward's mean loss into grads().
-  void backward() {
+  //
+  // grads_final(offset), when given, is called as soon as grads()[offset, layout::size) holds
+  // its final value for this backward, with offsets falling from the end of the buffer to 0:
+  // after ln_f (and an untied head), after each layer from the last to the first, and after
+  // the embeddings. A data-parallel trainer reduces a bucket as soon as it is final, while
+  // the rest of backward runs (on Cuda the kernels of that range are queued, not done: the
+  // callee orders its work after the stream's, as the NCCL communicator does).
+  void backward(const std::function<void(std::size_t offset)>& grads_final = {}) {
+    auto final_from = [&](std::size_t offset) {
+      if (grads_final) grads_final(offset);
+    };
     if (!has_dlogits_)
       throw std::logic_error("GPT::backward: call forward(tokens, targets, B, T) with targets first (once per backward)");
     has_dlogits_ = false;
@@ -255,6 +266,7 @@ class GPT {
     const T* x_last = L > 0 ? a_.layer[static_cast<std::size_t>(L - 1)].res3.data() : a_.encoded.data();
     ops_.layernorm_backward(dres, G(ParamKind::ln_f_weight), G(ParamKind::ln_f_bias), dln, x_last,
                             P(ParamKind::ln_f_weight), a_.lnf_mean.data(), a_.lnf_rstd.data(), N, C);
+    final_from(layout::offset(ParamKind::ln_f_weight));  // ln_f (and an untied lm_head after it)
 
     for (int l = L - 1; l >= 0; --l) {
       LayerActs& A = a_.layer[static_cast<std::size_t>(l)];
@@ -276,9 +288,11 @@ class GPT {
                       A.ln1.data(), P(ParamKind::attn_c_attn_weight, l), N, C, 3 * C);
       ops_.layernorm_backward(dres, G(ParamKind::ln_1_weight, l), G(ParamKind::ln_1_bias, l), dln, x,
                               P(ParamKind::ln_1_weight, l), A.ln1_mean.data(), A.ln1_rstd.data(), N, C);
+      final_from(layout::layer_begin(l));
       // dres holds d(x) = d(res3 of layer l-1)
     }
     ops_.embedding_backward(G(ParamKind::wte), G(ParamKind::wpe), dres, a_.tokens.data(), B, T_, C);
+    final_from(0);  // wte (which a tied head also wrote) and wpe
   }
 
   // [B, T, Vp] logits of the last forward WITHOUT targets (with targets they were replaced

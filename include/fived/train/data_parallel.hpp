@@ -44,7 +44,13 @@
 // the range it owns (all of it, or the ZeRO-1 shard) and writes bf16(master) back, so the
 // replicas' bf16 weights come from the same fp32 masters.
 //
-// Not yet: overlap of the reductions with backward (they run after backward).
+// Overlap (NoZeRO): the model's backward reports each range of gradients it has finished
+// (GPT::backward(grads_final): from the end of the buffer to the start), and each bucket is
+// all-reduced as soon as it is finished, while the rest of backward runs; on NCCL the
+// collective runs on the communication stream while the compute stream goes on. The host
+// backend's collectives block, so there the reductions are interleaved with backward, not
+// concurrent. ZeRO<1> reduce-scatters after backward (its shards span buckets), as does a
+// model without the hook (nn::tp::Bound).
 
 #include <algorithm>
 #include <cstddef>
@@ -141,6 +147,17 @@ class DataParallel {
                                   std::to_string(want) + " ids (got " + std::to_string(tokens.size()) + " and " +
                                   std::to_string(targets.size()) + ")");
     const int b = static_cast<int>(mine.size());
+    std::span<T> grads = model_.grads();
+    // NoZeRO: each bucket is scaled by 1/accum and all-reduced, during the last micro-batch's
+    // backward as soon as the model has finished it (overlap), or after backward.
+    std::size_t pending = buckets::count;  // buckets [0, pending) are not reduced yet
+    auto reduce_final = [&](std::size_t offset) {
+      for (; pending > 0 && buckets::bucket(pending - 1).begin >= offset; --pending) {
+        const FlatRange r = buckets::bucket(pending - 1);
+        if (accum_ > 1) kernels::host::scale(grads.data() + r.begin, r.size(), 1.0f / static_cast<float>(accum_));
+        reduce_(grads, {}, r, Op::all_reduce_avg, nullptr);
+      }
+    };
     model_.zero_grad();
     double loss = 0;
     for (int k = 0; k < accum_; ++k) {
@@ -148,15 +165,20 @@ class DataParallel {
                               static_cast<std::size_t>(T_);
       model_.forward(tokens.data() + off, targets.data() + off, b, T_);
       loss += model_.loss();
+      if constexpr (can_overlap) {
+        if (!zero1 && overlap_ && k == accum_ - 1) {
+          model_.backward(std::function<void(std::size_t)>(reduce_final));
+          continue;
+        }
+      }
       model_.backward();
     }
     loss /= accum_;
-    std::span<T> grads = model_.grads();
-    if (accum_ > 1) kernels::host::scale(grads.data(), grads.size(), 1.0f / static_cast<float>(accum_));
+    if (zero1 && accum_ > 1) kernels::host::scale(grads.data(), grads.size(), 1.0f / static_cast<float>(accum_));
     reduce_({}, {}, {}, Op::avg_scalar, &loss);
 
     if constexpr (!zero1) {
-      for (std::size_t i = 0; i < buckets::count; ++i) reduce_(grads, {}, buckets::bucket(i), Op::all_reduce_avg, nullptr);
+      reduce_final(0);  // what backward did not reduce (all of it without overlap)
       const FlatRange all{0, layout::size};
       if (opt_.hp.max_norm > 0) opt_.clip(grads, all, sum_of_squares(grads, all));  // every replica: the same sum
       opt_.step(model_.params(), std::span<const T>(grads), all);
@@ -199,6 +221,13 @@ class DataParallel {
     return {layout::size * sizeof(T), layout::size * sizeof(T), opt_.state_bytes(), flat_.size() * sizeof(T)};
   }
 
+  // NoZeRO: reduce each gradient bucket during the last micro-batch's backward, as soon as
+  // the model has finished it (on by default; needs a model whose backward reports finished
+  // ranges, as GPT does). Off: every reduction runs after backward. The results are the
+  // same bit for bit; what changes is when the collectives are issued.
+  void set_overlap(bool on) { overlap_ = on; }
+  bool overlap() const { return can_overlap && !zero1 && overlap_; }
+
   optimizer_type& optimizer() { return opt_; }
   const optimizer_type& optimizer() const { return opt_; }
   int rank() const { return rank_; }
@@ -206,6 +235,7 @@ class DataParallel {
 
  private:
   enum class Op { all_reduce_avg, reduce_scatter_avg, all_gather, sum_scalar, avg_scalar };
+  static constexpr bool can_overlap = requires(Model& m, const std::function<void(std::size_t)>& f) { m.backward(f); };
 
   // Sum of squares of grads[r] over the model's own group, every parameter once: the
   // model says how when it is itself split (nn::tp::Bound over TP), else a plain sum.
@@ -232,6 +262,7 @@ class DataParallel {
   Model& model_;
   int rank_;
   int accum_;
+  bool overlap_ = true;
   optimizer_type opt_;
   std::vector<T> flat_;  // ZeRO-1: the padded buffer for reduce-scatter / all-gather
   // The collectives, bound to the communicator's type at construction.
