@@ -1,7 +1,13 @@
-// Train a small byte-level GPT on the host (or on a GPU, see below).
+// Train a small byte-level GPT on a mesh on the host (or on a GPU, see below).
 //
 //   train_gpt [text-file] [--steps N] [--batch B] [--seq T] [--lr LR] [--seed S] [--save out.safetensors]
-//             [--host] [--peak-tflops P]
+//             [--serial] [--host] [--peak-tflops P]
+//
+// On the host it trains on Mesh<DP<2>, TP<2>>: four ranks as threads of the host backend,
+// the model split over TP with sequence parallelism (nn::tp::GPT), data-parallel over DP with
+// ZeRO-1 (DataParallel). --serial trains the same model on one rank instead (the runs start
+// from the same weights and see the same tokens). The trained model is gathered into the
+// serial GPT for sampling and --save (the same safetensors file either way).
 //
 // With a text file, trains on its bytes (vocab 256). Without one, on a corpus the program
 // generates: lines of additions ("17+5=22"), whose loss drops visibly within a
@@ -36,8 +42,12 @@
 #define FIVED_TRAIN_GPT_CUDA 1
 #include "fived/nn/cuda/ops.hpp"  // before gpt.hpp: Ops<T, Cuda>
 #endif
+#include "fived/comm/host.hpp"
+#include "fived/mesh/context.hpp"
 #include "fived/nn/gpt.hpp"
+#include "fived/nn/tp/gpt.hpp"
 #include "fived/optim/adamw.hpp"
+#include "fived/train/data_parallel.hpp"
 
 namespace {
 
@@ -49,6 +59,9 @@ struct demo_config : fived::gpt_config {
 template <class Device>
 using ModelOn = fived::GPT<demo_config, float, Device>;
 using Layout = ModelOn<fived::Host>::layout;
+// The host run's mesh: 2-way data parallel x 2-way tensor parallel, TP fastest.
+using DemoMesh = fived::Mesh<fived::DP<2>, fived::TP<2>>;
+constexpr int demo_dp = DemoMesh::extent(fived::Axis::dp), demo_tp = DemoMesh::extent(fived::Axis::tp);
 
 struct Options {
   std::string file, save;
@@ -56,13 +69,14 @@ struct Options {
   float lr = 2e-3f;
   unsigned seed = 1337;
   bool host = false;           // stay on the host even when a GPU is there (CUDA build)
+  bool serial = false;         // one rank instead of the mesh (host)
   double peak_tflops = 989.4;  // for MFU on CUDA
 };
 
 [[noreturn]] void usage(const char* msg) {
   std::fprintf(stderr,
                "%s\nusage: train_gpt [text-file] [--steps N] [--batch B] [--seq T (<= %d)] [--lr LR] [--seed S] "
-               "[--save out.safetensors] [--host] [--peak-tflops P]\n",
+               "[--save out.safetensors] [--serial] [--host] [--peak-tflops P]\n",
                msg, demo_config::max_seq);
   std::exit(2);
 }
@@ -83,8 +97,9 @@ Options parse(int argc, char** argv) {
       else if (a == "--seed") o.seed = static_cast<unsigned>(std::stoul(value()));
       else if (a == "--save") o.save = value();
       else if (a == "--host") o.host = true;
+      else if (a == "--serial") o.serial = true;
       else if (a == "--peak-tflops") o.peak_tflops = std::stod(value());
-      else if (a == "-h" || a == "--help") usage("Trains a byte-level GPT on the host.");
+      else if (a == "-h" || a == "--help") usage("Trains a byte-level GPT on a mesh on the host.");
       else if (!a.empty() && a[0] == '-') usage(("unknown option " + std::string(a)).c_str());
       else if (o.file.empty()) o.file = a;
       else usage("more than one text file given");
@@ -139,109 +154,104 @@ std::string printable(const std::string& s) {
   return o;
 }
 
-template <class Device>
-int train(const Options& opt, const std::vector<int>& data, std::size_t split, const std::string& backend) {
-  using Model = ModelOn<Device>;
-  Model model(fived::GptInit{opt.seed, 0.02});
+// B windows of T + 1 bytes from data[begin, end): tokens and next-byte targets.
+void fill_batch(const std::vector<int>& data, std::size_t begin, std::size_t end, int B, int T, std::mt19937& rng,
+                std::vector<int>& tok, std::vector<int>& tgt) {
+  tok.resize(static_cast<std::size_t>(B) * static_cast<std::size_t>(T));
+  tgt.resize(tok.size());
+  std::uniform_int_distribution<std::size_t> start(begin, end - static_cast<std::size_t>(T) - 1);
+  for (int b = 0; b < B; ++b) {
+    const std::size_t s = start(rng);
+    for (int t = 0; t < T; ++t) {
+      tok[static_cast<std::size_t>(b * T + t)] = data[s + static_cast<std::size_t>(t)];
+      tgt[static_cast<std::size_t>(b * T + t)] = data[s + static_cast<std::size_t>(t) + 1];
+    }
+  }
+}
+
+// The mean loss over 4 fixed held-out batches; loss_of(tok, tgt) runs one forward.
+template <class LossOf>
+double held_out_loss(const Options& opt, const std::vector<int>& data, std::size_t split, LossOf loss_of) {
+  std::mt19937 rng(opt.seed + 1);  // the same held-out windows every time
+  std::vector<int> tok, tgt;
+  double sum = 0;
+  for (int i = 0; i < 4; ++i) {
+    fill_batch(data, split, data.size(), opt.batch, opt.seq, rng, tok, tgt);
+    sum += loss_of(tok, tgt);
+  }
+  return sum / 4;
+}
+
+// Linear warmup over the first 5% of the steps, then cosine down to 10% of --lr.
+float lr_at(const Options& opt, int step) {
+  const int warmup = std::max(1, opt.steps / 20);
+  if (step <= warmup) return opt.lr * static_cast<float>(step) / static_cast<float>(warmup);
+  const double progress = static_cast<double>(step - warmup) / std::max(1, opt.steps - warmup);
+  return opt.lr * static_cast<float>(0.1 + 0.45 * (1 + std::cos(std::numbers::pi * progress)));
+}
+
+// AdamW with global-norm clipping at 1, weight decay 0.1 on matrices only.
+fived::AdamWConfig adamw_config(const Options& opt) {
+  return {.lr = opt.lr, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f, .max_norm = 1.0f};
+}
+
+// The progress table: a row every steps/20 steps (mean loss, tokens/s, ms/step and, on
+// CUDA, MFU), with the held-out loss every fifth row and at the end.
+class Progress {
+ public:
+  Progress(const Options& opt, double mfu_flops_per_token) : opt_(opt), flops_(mfu_flops_per_token) {}
+
+  void header(double val_start) const {
+    std::printf("%6s %9s %9s %12s %9s%s\n", "step", "loss", "val", "tokens/s", "ms/step", flops_ > 0 ? "     MFU%" : "");
+    std::printf("%6d %9s %9.4f %12s %9s\n", 0, "-", val_start, "-", "-");
+  }
+  bool row_due(int step) const { return step % every() == 0 || step == opt_.steps; }
+  bool val_due(int step) const { return row_due(step) && (step % (every() * 5) == 0 || step == opt_.steps); }
+  // Adds a step; prints a row when one is due (val: the held-out loss, when val_due).
+  void add(int step, double loss, double seconds, double val) {
+    tokens_ += static_cast<double>(opt_.batch) * opt_.seq;
+    seconds_ += seconds;
+    loss_ += loss;
+    ++n_;
+    if (!row_due(step)) return;
+    char vbuf[16] = "-";
+    if (val_due(step)) std::snprintf(vbuf, sizeof vbuf, "%.4f", val);
+    std::printf("%6d %9.4f %9s %12.0f %9.1f", step, loss_ / n_, vbuf, tokens_ / seconds_, 1e3 * seconds_ / n_);
+    if (flops_ > 0) std::printf(" %8.3f", 100.0 * flops_ * tokens_ / seconds_ / (opt_.peak_tflops * 1e12));
+    std::printf("\n");
+    std::fflush(stdout);
+    tokens_ = seconds_ = loss_ = 0;
+    n_ = 0;
+  }
+
+ private:
+  int every() const { return std::max(1, opt_.steps / 20); }
+  const Options& opt_;
+  double flops_;
+  double tokens_ = 0, seconds_ = 0, loss_ = 0;
+  int n_ = 0;
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void describe_run(const Options& opt, const std::vector<int>& data, std::size_t split, const std::string& backend) {
   std::printf("train_gpt: %s, %zu bytes (%zu train, %zu held out)\n",
               opt.file.empty() ? "generated corpus of additions" : opt.file.c_str(), data.size(), split,
               data.size() - split);
-  std::printf("model: %s; %zu parameters (%zu in the buffer, vocab padded to %d)\n", Model::describe().c_str(),
-              Layout::num_parameters, Layout::size, Model::Vp);
+  std::printf("model: %s; %zu parameters (%zu in the buffer, vocab padded to %d)\n",
+              ModelOn<fived::Host>::describe().c_str(), Layout::num_parameters, Layout::size,
+              ModelOn<fived::Host>::Vp);
   std::printf("training: %d steps, batch %d x seq %d, AdamW lr %g (warmup, cosine), %s\n", opt.steps, opt.batch,
               opt.seq, static_cast<double>(opt.lr), backend.c_str());
+}
 
-  const int B = opt.batch, T = opt.seq;
-  std::mt19937 rng(opt.seed);
-  std::vector<int> tok(static_cast<std::size_t>(B * T)), tgt(tok.size());
-  auto fill = [&](std::size_t begin, std::size_t end) {
-    std::uniform_int_distribution<std::size_t> start(begin, end - static_cast<std::size_t>(T) - 1);
-    for (int b = 0; b < B; ++b) {
-      const std::size_t s = start(rng);
-      for (int t = 0; t < T; ++t) {
-        tok[static_cast<std::size_t>(b * T + t)] = data[s + static_cast<std::size_t>(t)];
-        tgt[static_cast<std::size_t>(b * T + t)] = data[s + static_cast<std::size_t>(t) + 1];
-      }
-    }
-  };
-  auto eval = [&](int batches) {
-    std::mt19937 keep = rng;
-    rng.seed(opt.seed + 1);  // the same held-out windows every time
-    double sum = 0;
-    for (int i = 0; i < batches; ++i) {
-      fill(split, data.size());
-      sum += model.forward(tok.data(), tgt.data(), B, T);
-    }
-    rng = keep;
-    return sum / batches;
-  };
-
-  auto& ops = model.ops();
-  // AdamW with global-norm clipping at 1, weight decay 0.1 on matrices only (fived::AdamW on
-  // the host; on CUDA the same update as a per-tensor loop, below, until AdamW runs there).
-  const fived::AdamWConfig adamw{.lr = opt.lr, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f,
-                                 .max_norm = 1.0f};
-  fived::AdamWFor<ModelOn<fived::Host>> optimizer(adamw, {0, Model::on_host ? Layout::size : 0});
-  auto m = ops.template make_buffer<float>(Model::on_host ? 0 : Model::num_params),
-       v = ops.template make_buffer<float>(Model::on_host ? 0 : Model::num_params);
-  // MFU (CUDA): FLOPs per token = 6 * params + 12 * L * C * T (attention, causal mask not discounted)
-  const double flops_per_token = 6.0 * static_cast<double>(Layout::size) + 12.0 * Model::L * Model::C * opt.seq;
-  const int warmup = std::max(1, opt.steps / 20);
-  const int every = std::max(1, opt.steps / 20);
-  if constexpr (Model::on_host)
-    std::printf("%6s %9s %9s %12s %9s\n", "step", "loss", "val", "tokens/s", "ms/step");
-  else
-    std::printf("%6s %9s %9s %12s %9s %8s\n", "step", "loss", "val", "tokens/s", "ms/step", "MFU%");
-  const double val_start = eval(4);
-  double val_end = val_start;
-  std::printf("%6d %9s %9.4f %12s %9s\n", 0, "-", val_start, "-", "-");
-  double tokens = 0, seconds = 0, loss_acc = 0;
-  int loss_n = 0;
-  const auto t_start = std::chrono::steady_clock::now();
-  for (int step = 1; step <= opt.steps; ++step) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fill(0, split);
-    model.zero_grad();
-    const float loss = model.forward(tok.data(), tgt.data(), B, T);
-    model.backward();
-    const double progress = static_cast<double>(step - warmup) / std::max(1, opt.steps - warmup);
-    const float lr = step <= warmup ? opt.lr * static_cast<float>(step) / static_cast<float>(warmup)
-                                    : opt.lr * static_cast<float>(0.1 + 0.45 * (1 + std::cos(std::numbers::pi * progress)));
-    if constexpr (Model::on_host) {
-      optimizer.hp.lr = lr;
-      optimizer.step(model);  // clip the global gradient norm, then AdamW
-    } else {
-      ops.clip_grad_norm(model.grads().data(), model.grads().size(), adamw.max_norm);
-      for (const fived::ParamInfo& t : Layout::tensors)
-        ops.adamw_update(model.params().data() + t.offset, static_cast<float*>(nullptr),
-                         model.grads().data() + t.offset, m.data() + t.offset, v.data() + t.offset, t.size(), lr,
-                         adamw.beta1, adamw.beta2, adamw.eps, decltype(optimizer)::decays(t) ? adamw.weight_decay : 0.0f,
-                         step);
-    }
-    ops.synchronize();  // CUDA: the step is done (a no-op on the host)
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    tokens += B * T;
-    seconds += dt;
-    loss_acc += loss;
-    ++loss_n;
-    if (step % every == 0 || step == opt.steps) {
-      const bool val = step % (every * 5) == 0 || step == opt.steps;
-      char vbuf[16] = "-";
-      if (val) std::snprintf(vbuf, sizeof vbuf, "%.4f", val_end = eval(4));
-      if constexpr (Model::on_host)
-        std::printf("%6d %9.4f %9s %12.0f %9.1f\n", step, loss_acc / loss_n, vbuf, tokens / seconds,
-                    1e3 * seconds / loss_n);
-      else
-        std::printf("%6d %9.4f %9s %12.0f %9.1f %8.3f\n", step, loss_acc / loss_n, vbuf, tokens / seconds,
-                    1e3 * seconds / loss_n, 100.0 * flops_per_token * tokens / seconds / (opt.peak_tflops * 1e12));
-      std::fflush(stdout);
-      tokens = seconds = loss_acc = 0;
-      loss_n = 0;
-    }
-  }
-  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-  std::printf("trained %d steps in %.1f s\n", opt.steps, total);
-
+// After training: save, sample, complete sums; the exit status says whether the held-out
+// loss fell (the demo's promise).
+template <class Model>
+int finish(Model& model, const Options& opt, const std::vector<int>& data, std::size_t split, double val_start,
+           double val_end) {
   if (!opt.save.empty()) {
     model.save(opt.save, {{"steps", std::to_string(opt.steps)}});
     std::printf("saved %s (Hugging Face GPT-2 names)\n", opt.save.c_str());
@@ -281,12 +291,120 @@ int train(const Options& opt, const std::vector<int>& data, std::size_t split, c
     }
     std::printf("\n%d of %d correct\n", right, n);
   }
-  // The demo's promise: training lowers the held-out loss. Say so in the exit status.
   if (!(val_end < val_start)) {
     std::printf("held-out loss did not fall (%.4f -> %.4f)\n", val_start, val_end);
     return 1;
   }
   return 0;
+}
+
+// One rank: the serial GPT on the host or on a GPU.
+template <class Device>
+int train(const Options& opt, const std::vector<int>& data, std::size_t split, const std::string& backend) {
+  using Model = ModelOn<Device>;
+  Model model(fived::GptInit{opt.seed, 0.02});
+  describe_run(opt, data, split, backend);
+  auto loss_of = [&](const std::vector<int>& tok, const std::vector<int>& tgt) {
+    return model.forward(tok.data(), tgt.data(), opt.batch, opt.seq);
+  };
+
+  auto& ops = model.ops();
+  // fived::AdamW on the host; on CUDA the same update as a per-tensor loop (below) until
+  // AdamW runs there.
+  const fived::AdamWConfig adamw = adamw_config(opt);
+  fived::AdamWFor<ModelOn<fived::Host>> optimizer(adamw, {0, Model::on_host ? Layout::size : 0});
+  auto m = ops.template make_buffer<float>(Model::on_host ? 0 : Model::num_params),
+       v = ops.template make_buffer<float>(Model::on_host ? 0 : Model::num_params);
+  // MFU (CUDA): FLOPs per token = 6 * params + 12 * L * C * T (attention, causal mask not discounted)
+  Progress progress(opt, Model::on_host ? 0.0
+                                        : 6.0 * static_cast<double>(Layout::size) + 12.0 * Model::L * Model::C * opt.seq);
+  const double val_start = held_out_loss(opt, data, split, loss_of);
+  double val_end = val_start;
+  progress.header(val_start);
+  std::mt19937 rng(opt.seed);
+  std::vector<int> tok, tgt;
+  const auto t_start = std::chrono::steady_clock::now();
+  for (int step = 1; step <= opt.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fill_batch(data, 0, split, opt.batch, opt.seq, rng, tok, tgt);
+    model.zero_grad();
+    const float loss = model.forward(tok.data(), tgt.data(), opt.batch, opt.seq);
+    model.backward();
+    const float lr = lr_at(opt, step);
+    if constexpr (Model::on_host) {
+      optimizer.hp.lr = lr;
+      optimizer.step(model);  // clip the global gradient norm, then AdamW
+    } else {
+      ops.clip_grad_norm(model.grads().data(), model.grads().size(), adamw.max_norm);
+      for (const fived::ParamInfo& t : Layout::tensors)
+        ops.adamw_update(model.params().data() + t.offset, static_cast<float*>(nullptr),
+                         model.grads().data() + t.offset, m.data() + t.offset, v.data() + t.offset, t.size(), lr,
+                         adamw.beta1, adamw.beta2, adamw.eps, decltype(optimizer)::decays(t) ? adamw.weight_decay : 0.0f,
+                         step);
+    }
+    ops.synchronize();  // CUDA: the step is done (a no-op on the host)
+    const double dt = seconds_since(t0);
+    if (progress.val_due(step)) val_end = held_out_loss(opt, data, split, loss_of);
+    progress.add(step, loss, dt, val_end);
+  }
+  std::printf("trained %d steps in %.1f s\n", opt.steps, seconds_since(t_start));
+  return finish(model, opt, data, split, val_start, val_end);
+}
+
+// The mesh: DemoMesh's ranks as threads of the host backend. Each rank holds its TP piece of
+// the model (sequence parallel); DataParallel gives each DP rank B / DP rows of every batch
+// and shards AdamW over DP (ZeRO-1). Every rank draws the same global batches; rank 0 prints.
+// The trained pieces are gathered into a serial GPT for sampling and saving.
+int train_mesh(const Options& opt, const std::vector<int>& data, std::size_t split) {
+  using TpModel = fived::nn::tp::GPT<demo_config, DemoMesh, fived::nn::tp::SequenceParallel>;
+  if (opt.batch % demo_dp != 0 || opt.seq % demo_tp != 0)
+    usage(("on " + DemoMesh::name() + " --batch must be a multiple of " + std::to_string(demo_dp) +
+           " (DP) and --seq of " + std::to_string(demo_tp) + " (TP, sequence parallel); or use --serial")
+              .c_str());
+  describe_run(opt, data, split,
+               "host backend, " + DemoMesh::name() + ": " + std::to_string(DemoMesh::size) +
+                   " ranks as threads, TP with sequence parallelism, DP with ZeRO-1");
+  Progress progress(opt, 0.0);
+  std::vector<float> trained;  // the whole model, serial layout
+  double val_start = 0, val_end = 0, seconds = 0;
+  fived::host::run(DemoMesh::size, [&](fived::host::Comm& world) {
+    auto ctx = fived::make_mesh_context<DemoMesh>(world);
+    auto& tp = ctx.comm<fived::Axis::tp>();
+    const bool printer = ctx.rank() == 0;
+    TpModel model(ctx.coord(), fived::GptInit{opt.seed, 0.02});
+    fived::nn::tp::Bound bound(model, tp);
+    fived::DataParallel<decltype(bound), demo_dp, fived::ZeRO<1>> dp(bound, ctx.comm<fived::Axis::dp>(),
+                                                                     adamw_config(opt));
+    // Held-out loss: every DP replica evaluates the whole batch over its TP group.
+    auto loss_of = [&](const std::vector<int>& tok, const std::vector<int>& tgt) {
+      model.forward(tok.data(), tgt.data(), opt.batch, opt.seq, tp);
+      return model.loss();
+    };
+    const double v0 = held_out_loss(opt, data, split, loss_of);
+    double v = v0;
+    if (printer) progress.header(v0);
+    std::mt19937 rng(opt.seed);
+    std::vector<int> tok, tgt;
+    const auto t_start = std::chrono::steady_clock::now();
+    for (int step = 1; step <= opt.steps; ++step) {
+      const auto t0 = std::chrono::steady_clock::now();
+      fill_batch(data, 0, split, opt.batch, opt.seq, rng, tok, tgt);
+      dp.optimizer().hp.lr = lr_at(opt, step);
+      const double loss = dp.step(tok, tgt, opt.batch, opt.seq);
+      const double dt = seconds_since(t0);
+      if (progress.val_due(step)) v = held_out_loss(opt, data, split, loss_of);
+      if (printer) progress.add(step, loss, dt, v);
+    }
+    std::vector<float> all = model.gather_params(tp);
+    if (printer) {
+      trained = std::move(all);
+      val_start = v0, val_end = v, seconds = seconds_since(t_start);
+    }
+  });
+  std::printf("trained %d steps in %.1f s\n", opt.steps, seconds);
+  ModelOn<fived::Host> serial;
+  std::copy(trained.begin(), trained.end(), serial.params().begin());
+  return finish(serial, opt, data, split, val_start, val_end);
 }
 
 }  // namespace
@@ -318,7 +436,8 @@ int main(int argc, char** argv) {
   }
   const std::string backend = opt.host ? "host backend (--host)" : "host backend (no CUDA device)";
 #else
-  const std::string backend = "host backend (MFU is reported on CUDA only)";
+  const std::string backend = "host backend";
 #endif
-  return train<fived::Host>(opt, data, split, backend);
+  if (!opt.serial) return train_mesh(opt, data, split);
+  return train<fived::Host>(opt, data, split, backend + ", one rank (--serial)");
 }
