@@ -247,6 +247,34 @@ void describe_run(const Options& opt, const std::vector<int>& data, std::size_t 
               opt.seq, static_cast<double>(opt.lr), backend.c_str());
 }
 
+struct TrainResult {
+  double val_start = 0, val_end = 0, seconds = 0;
+};
+
+// The loop both paths share: a batch per step from the training part (the same sequence on
+// every rank), one_step(tok, tgt, step) -> loss, the held-out loss when a row wants it, and
+// the progress table (printed where `prints`).
+template <class LossOf, class Step>
+TrainResult training_loop(const Options& opt, const std::vector<int>& data, std::size_t split, Progress& progress,
+                          bool prints, LossOf loss_of, Step one_step) {
+  TrainResult r;
+  r.val_start = r.val_end = held_out_loss(opt, data, split, loss_of);
+  if (prints) progress.header(r.val_start);
+  std::mt19937 rng(opt.seed);
+  std::vector<int> tok, tgt;
+  const auto t_start = std::chrono::steady_clock::now();
+  for (int step = 1; step <= opt.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fill_batch(data, 0, split, opt.batch, opt.seq, rng, tok, tgt);
+    const double loss = one_step(tok, tgt, step);
+    const double dt = seconds_since(t0);
+    if (progress.val_due(step)) r.val_end = held_out_loss(opt, data, split, loss_of);
+    if (prints) progress.add(step, loss, dt, r.val_end);
+  }
+  r.seconds = seconds_since(t_start);
+  return r;
+}
+
 // After training: save, sample, complete sums; the exit status says whether the held-out
 // loss fell (the demo's promise).
 template <class Model>
@@ -318,15 +346,8 @@ int train(const Options& opt, const std::vector<int>& data, std::size_t split, c
   // MFU (CUDA): FLOPs per token = 6 * params + 12 * L * C * T (attention, causal mask not discounted)
   Progress progress(opt, Model::on_host ? 0.0
                                         : 6.0 * static_cast<double>(Layout::size) + 12.0 * Model::L * Model::C * opt.seq);
-  const double val_start = held_out_loss(opt, data, split, loss_of);
-  double val_end = val_start;
-  progress.header(val_start);
-  std::mt19937 rng(opt.seed);
-  std::vector<int> tok, tgt;
-  const auto t_start = std::chrono::steady_clock::now();
-  for (int step = 1; step <= opt.steps; ++step) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fill_batch(data, 0, split, opt.batch, opt.seq, rng, tok, tgt);
+  const TrainResult r = training_loop(opt, data, split, progress, true, loss_of, [&](const std::vector<int>& tok,
+                                                                                     const std::vector<int>& tgt, int step) {
     model.zero_grad();
     const float loss = model.forward(tok.data(), tgt.data(), opt.batch, opt.seq);
     model.backward();
@@ -343,12 +364,10 @@ int train(const Options& opt, const std::vector<int>& data, std::size_t split, c
                          step);
     }
     ops.synchronize();  // CUDA: the step is done (a no-op on the host)
-    const double dt = seconds_since(t0);
-    if (progress.val_due(step)) val_end = held_out_loss(opt, data, split, loss_of);
-    progress.add(step, loss, dt, val_end);
-  }
-  std::printf("trained %d steps in %.1f s\n", opt.steps, seconds_since(t_start));
-  return finish(model, opt, data, split, val_start, val_end);
+    return static_cast<double>(loss);
+  });
+  std::printf("trained %d steps in %.1f s\n", opt.steps, r.seconds);
+  return finish(model, opt, data, split, r.val_start, r.val_end);
 }
 
 // The mesh: DemoMesh's ranks as threads of the host backend. Each rank holds its TP piece of
@@ -366,7 +385,7 @@ int train_mesh(const Options& opt, const std::vector<int>& data, std::size_t spl
                    " ranks as threads, TP with sequence parallelism, DP with ZeRO-1");
   Progress progress(opt, 0.0);
   std::vector<float> trained;  // the whole model, serial layout
-  double val_start = 0, val_end = 0, seconds = 0;
+  TrainResult result;
   fived::host::run(DemoMesh::size, [&](fived::host::Comm& world) {
     auto ctx = fived::make_mesh_context<DemoMesh>(world);
     auto& tp = ctx.comm<fived::Axis::tp>();
@@ -380,31 +399,18 @@ int train_mesh(const Options& opt, const std::vector<int>& data, std::size_t spl
       model.forward(tok.data(), tgt.data(), opt.batch, opt.seq, tp);
       return model.loss();
     };
-    const double v0 = held_out_loss(opt, data, split, loss_of);
-    double v = v0;
-    if (printer) progress.header(v0);
-    std::mt19937 rng(opt.seed);
-    std::vector<int> tok, tgt;
-    const auto t_start = std::chrono::steady_clock::now();
-    for (int step = 1; step <= opt.steps; ++step) {
-      const auto t0 = std::chrono::steady_clock::now();
-      fill_batch(data, 0, split, opt.batch, opt.seq, rng, tok, tgt);
-      dp.optimizer().hp.lr = lr_at(opt, step);
-      const double loss = dp.step(tok, tgt, opt.batch, opt.seq);
-      const double dt = seconds_since(t0);
-      if (progress.val_due(step)) v = held_out_loss(opt, data, split, loss_of);
-      if (printer) progress.add(step, loss, dt, v);
-    }
+    const TrainResult r = training_loop(opt, data, split, progress, printer, loss_of,
+                                        [&](const std::vector<int>& tok, const std::vector<int>& tgt, int step) {
+                                          dp.optimizer().hp.lr = lr_at(opt, step);
+                                          return dp.step(tok, tgt, opt.batch, opt.seq);
+                                        });
     std::vector<float> all = model.gather_params(tp);
-    if (printer) {
-      trained = std::move(all);
-      val_start = v0, val_end = v, seconds = seconds_since(t_start);
-    }
+    if (printer) trained = std::move(all), result = r;
   });
-  std::printf("trained %d steps in %.1f s\n", opt.steps, seconds);
+  std::printf("trained %d steps in %.1f s\n", opt.steps, result.seconds);
   ModelOn<fived::Host> serial;
   std::copy(trained.begin(), trained.end(), serial.params().begin());
-  return finish(serial, opt, data, split, val_start, val_end);
+  return finish(serial, opt, data, split, result.val_start, result.val_end);
 }
 
 }  // namespace
