@@ -6,8 +6,10 @@
 // placed (the other axes are Replicate here). Weights are HF Conv1D [in, out].
 // Convention: a gradient has the placement of its value, so a layer's backward
 // takes dy placed as output_placement and returns dx placed as
-// input_placement. Every collective is a redistribute<Axis::tp, P> between
-// what the local arithmetic produced and the placement the type demands:
+// input_placement; the one exception is a replicated parameter whose gradient
+// comes from sequence-sharded rows (SP), which is Partial until its owner
+// reduces it. Every collective is a redistribute<Axis::tp, P> between what the
+// local arithmetic produced and the placement the type demands:
 //
 //   ColumnParallelLinear<M, SP>   weight Shard<1>, bias Shard<0>
 //     in:  Replicate (SP: Shard<1>, the sequence)      out: Shard<2> (hidden)
@@ -23,18 +25,20 @@
 //                                                      all-reduce | reduce-scatter
 //     bwd  dy_full = redistribute<tp, Replicate>(dy)   identity   | all-gather
 //          dx_local = dy_full W_local^T (Shard<2>), dW_local += x_local^T dy_full
-//          db: colsum of the local rows of dy, placed Replicate (no SP) or
-//          Partial (SP: each rank saw only its sequence shard), then
-//          redistribute<tp, Replicate>                 identity   | all-reduce
+//          db += colsum of the local rows of dy: Replicate (no SP) or Partial
+//          (SP: each rank saw only its sequence shard; no collective here,
+//          the owner reduces it: nn::tp::GPT once per backward for all such
+//          gradients, a test with redistribute<tp, Replicate>)
 //
 // So a Column -> Row pair (the MLP, attention) issues, per step, one
 // all-reduce forward and one backward without SP, and one all-gather plus one
-// reduce-scatter each way with SP (plus the all-reduce of the row-parallel
-// bias gradient). Chain<A, B> refuses, at compile time, to connect a layer to
-// one whose input placement differs from the first one's output placement.
+// reduce-scatter each way with SP. Chain<A, B> refuses, at compile time, to
+// connect a layer to one whose input placement differs from the first one's
+// output placement.
 //
-// Weights are initialised by slicing the serial layer's full weight, so a
-// TP-split layer computes what the serial layer computes.
+// Parameters are ShardedViews: of a model's flat buffers (ParamSlot), or of
+// storage the layer owns when built alone by slicing the serial layer's full
+// weight, so a TP-split layer computes what the serial layer computes.
 
 #include <algorithm>
 #include <array>
@@ -64,8 +68,6 @@ using Activation = Sharded<T, ActivationLayout<M, P>>;
 // A parameter of rank R placed as P on the TP axis.
 template <MeshType M, std::size_t R, class P>
 using ParamLayout = ShardLayout<M, R, Placements<On<Axis::tp, P>>>;
-template <class T, MeshType M, std::size_t R, class P>
-using Param = Sharded<T, ParamLayout<M, R, P>>;
 
 // Where a layer's parameter lives inside a model: its piece of the model's flat
 // parameter buffer and of the buffer its gradient accumulates into.
