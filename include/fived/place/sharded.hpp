@@ -14,6 +14,16 @@
 
 namespace fived {
 
+namespace detail {
+// A rank's piece must have the size its layout gives it.
+template <class Layout>
+void check_local_size(const Layout& layout, std::size_t have, const char* who, const char* what) {
+  if (static_cast<std::int64_t>(have) != layout.local_size())
+    throw std::invalid_argument(std::string(who) + ": " + what + " holds " + std::to_string(have) +
+                                " elements but the layout's local shape needs " + std::to_string(layout.local_size()));
+}
+}  // namespace detail
+
 template <class T, class Layout>
 class Sharded {
  public:
@@ -22,9 +32,7 @@ class Sharded {
   using placements = typename Layout::placements;
 
   Sharded(Layout layout, std::vector<T> local) : layout_(std::move(layout)), local_(std::move(local)) {
-    if (static_cast<std::int64_t>(local_.size()) != layout_.local_size())
-      throw std::invalid_argument("Sharded: the local buffer holds " + std::to_string(local_.size()) +
-                                  " elements but the layout's local shape needs " + std::to_string(layout_.local_size()));
+    detail::check_local_size(layout_, local_.size(), "Sharded", "the local buffer");
   }
 
   // This rank's piece of a global tensor (row-major). On a Partial axis the
@@ -78,9 +86,7 @@ class ShardedView {
   using placements = typename Layout::placements;
 
   ShardedView(Layout layout, std::span<T> local) : layout_(std::move(layout)), local_(local) {
-    if (static_cast<std::int64_t>(local_.size()) != layout_.local_size())
-      throw std::invalid_argument("ShardedView: the viewed memory holds " + std::to_string(local_.size()) +
-                                  " elements but the layout's local shape needs " + std::to_string(layout_.local_size()));
+    detail::check_local_size(layout_, local_.size(), "ShardedView", "the viewed memory");
   }
 
   const Layout& layout() const { return layout_; }

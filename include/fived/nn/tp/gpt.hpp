@@ -145,7 +145,7 @@ class GPT {
                                     " is outside [0, vocab = " + std::to_string(V) + ")");
     has_dlogits_ = false;
     loss_ = 0;
-    B_ = B, T_seq_ = T_;
+    B_ = B;
 
     Stream x = embedding_->forward(std::span<const int>(tokens, n), B, T_, tp);
     add_positions(x);
@@ -358,7 +358,7 @@ class GPT {
   std::optional<Head> head_;
   VocabParallelCrossEntropy<M, T> ce_{V};
   std::optional<Activation<T, M, Shard<2>>> logits_;  // logits, or d-logits after a forward with targets
-  int B_ = 0, T_seq_ = 0;
+  int B_ = 0;  // batch of the last forward (the position embedding's rows)
   bool has_dlogits_ = false;
   double loss_ = 0;
 };

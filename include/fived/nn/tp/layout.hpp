@@ -154,10 +154,10 @@ struct TpGptLayout {
   // taken from rank 0).
   template <class T>
   static void assemble(std::span<const T> all_locals, std::span<T> serial) {
-    if (all_locals.size() != size * TP)
+    if (all_locals.size() % TP != 0)
       throw std::invalid_argument("TpGptLayout::assemble: " + std::to_string(all_locals.size()) +
-                                  " elements, expected TP * size = " + std::to_string(size * TP));
-    check_sizes(serial.size(), size, "assemble");
+                                  " elements do not split into TP = " + std::to_string(TP) + " local buffers");
+    check_sizes(serial.size(), all_locals.size() / TP, "assemble");
     for (int r = TP; r-- > 0;) {
       const std::span<const T> local = all_locals.subspan(static_cast<std::size_t>(r) * size, size);
       for (int i = 0; i < count; ++i) {
