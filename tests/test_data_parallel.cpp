@@ -1,9 +1,11 @@
-// Data parallelism on the host backend (issue 5, first round): for DP = 2 and 4, with no ZeRO
-// and with ZeRO-1, with 1 and 3 accumulation micro-batches, 5 steps of AdamW (weight decay,
+// Data parallelism on the host backend (issue 5): for DP = 2 and 4, with no ZeRO and with
+// ZeRO-1, 2 and 3, with 1 and 3 accumulation micro-batches, 5 steps of AdamW (weight decay,
 // global-norm clipping active) give the serial run's losses and final weights within 1e-5
-// relative in fp32. The same for DP x TP (Mesh<DP<2>, TP<2>>, the TP model bound to its TP
-// communicator), with ZeRO-1 and without, sequence parallelism on and off. Plus the compile-time shard and bucket layout, and the error for a global
-// batch that does not divide over DP.
+// relative in fp32, and bf16 runs track a bf16 serial run within a stated bound. The same
+// for DP x TP (Mesh<DP<2>, TP<2>>, the TP model bound to its TP communicator), with ZeRO-1,
+// ZeRO-2 and without, sequence parallelism on and off. Plus the compile-time bucket plan,
+// when each bucket is reduced during backward, the per-rank memory of every stage against
+// its formula (and the pages really given back), and the errors for bad sizes.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -24,7 +26,8 @@
 #include "fived/nn/gpt.hpp"
 #include "fived/nn/tp/gpt.hpp"
 #include "fived/optim/adamw.hpp"
-#include "fived/optim/flat_shards.hpp"
+#include "fived/device/host_pages.hpp"
+#include "fived/train/bucket_plan.hpp"
 #include "fived/train/data_parallel.hpp"
 
 using namespace fived;
@@ -40,22 +43,27 @@ using Lay = Model::layout;
 // ---- the compile-time layout ---------------------------------------------------------------
 
 static_assert(Lay::size == 28032, "64*32 wte + 16*32 wpe + 2 * (12*32*32 + 13*32) + 2*32");
-using S4 = FlatShards<Lay::size, 4>;  // quantum 4 * 64 = 256 elements
-static_assert(S4::padded == 28160 && S4::padding == 128 && S4::shard_size == 7040);
-static_assert(S4::shard(0) == FlatRange{0, 7040} && S4::shard(3) == FlatRange{21120, 28160});
-static_assert(S4::owned(3) == FlatRange{21120, 28032} && S4::owned(3).size() == 6912);
-static_assert(S4::owner(0) == 0 && S4::owner(7039) == 0 && S4::owner(7040) == 1 && S4::owner(28159) == 3);
-static_assert(S4::shard_size % 64 == 0, "every shard starts 256-byte aligned in fp32");
-using S2 = FlatShards<Lay::size, 2>;  // 28032 = 219 * 128: no padding
-static_assert(S2::padded == Lay::size && S2::padding == 0 && S2::shard(1) == FlatRange{14016, 28032});
-static_assert(FlatShards<10, 3, 1>::padded == 12 && FlatShards<10, 3, 1>::owned(2) == FlatRange{8, 10});
-static_assert(FlatShards<1, 4, 1>::owned(3).empty(), "a rank may own no real element");
-using Bk = FlatBuckets<Lay::size, sizeof(float), 16384>;  // 4096 floats per bucket
-static_assert(Bk::elements == 4096 && Bk::count == 7 && Bk::bucket(6) == FlatRange{24576, 28032});
-static_assert(FlatBuckets<8192, 4, 16384>::count == 2 && FlatBuckets<0, 4, 16>::count == 0);
-// the trainer's own layouts
-static_assert(std::is_same_v<DataParallel<Model, 4, ZeRO<1>>::shards, S4>);
-static_assert(DataParallel<Model, 4, NoZeRO, 16384>::buckets::count == 7);
+static_assert(Lay::units == 4 && Lay::unit_begin(1) == 2560 && Lay::unit_begin(2) == 15264 &&
+              Lay::unit_begin(3) == 27968 && Lay::unit_begin(4) == Lay::size);
+// 16 KiB buckets of fp32 = 4096 elements; DP 4 pads each bucket to a multiple of 4 * 64.
+using P4 = BucketPlan<Lay, 4, sizeof(float), 16384>;
+static_assert(P4::elements == 4096 && P4::count == 10, "units of 2560, 12704 (3 full + 416), 12704, 64");
+static_assert(P4::bucket(0).range == FlatRange{0, 2560} && P4::bucket(0).padded == 2560);
+static_assert(P4::bucket(4).range == FlatRange{14848, 15264} && P4::bucket(4).padded == 512 && P4::bucket(4).unit == 1);
+static_assert(P4::bucket(9).range == FlatRange{27968, 28032} && P4::bucket(9).padded == 256 && P4::bucket(9).unit == 3);
+static_assert(P4::buckets_of(1) == FlatRange{1, 5} && P4::buckets_of(3) == FlatRange{9, 10});
+static_assert(P4::shard_size(4) == 128 && P4::piece(4, 3) == FlatRange{15232, 15360});
+static_assert(P4::owned(4, 3) == FlatRange{15232, 15264}, "the last rank's piece holds the padding");
+static_assert(P4::owned(9, 1) == FlatRange{28032, 28032} && P4::owned(9, 1).empty(), "a rank may own nothing");
+static_assert(P4::shard_total == 7104 && P4::padded_total == 28416 && P4::max_padded == 4096);
+static_assert(P4::owned_total(0) + P4::owned_total(1) + P4::owned_total(2) + P4::owned_total(3) == Lay::size);
+static_assert(P4::bucket(5).shard_offset == 640 + 3 * 1024 + 128, "pieces are stored one after the other");
+// a layout without units is one unit
+struct Plain { static constexpr std::size_t size = 10; };
+using PP = BucketPlan<Plain, 3, 4, 4096, 1>;
+static_assert(PP::count == 1 && PP::bucket(0).padded == 12 && PP::owned(0, 2) == FlatRange{8, 10});
+// the trainer's own plan
+static_assert(std::is_same_v<DataParallel<Model, 4, ZeRO<1>, 16384>::plan, P4>);
 
 // ---- serial vs data-parallel ---------------------------------------------------------------
 
@@ -84,6 +92,11 @@ struct Run {
   std::vector<float> params;
   int clipped = 0;  // steps where clipping scaled the gradient (serial only)
 };
+
+const char* policy_name(int stage) {
+  static const char* names[] = {" no ZeRO", " ZeRO-1", " ZeRO-2", " ZeRO-3"};
+  return names[stage];
+}
 
 template <class T>
 std::vector<float> as_floats(std::span<const T> v) {
@@ -142,7 +155,8 @@ std::vector<Run> parallel(int accum) {
       global_batch(s, accum, tok, tgt);
       r.losses.push_back(dp.step(tok, tgt, B, T));
     }
-    r.params = as_floats(std::span<const typename ModelT::value_type>(m.params()));
+    const auto weights = dp.full_params();
+    r.params = as_floats(std::span<const typename ModelT::value_type>(weights));
   });
   return runs;
 }
@@ -189,7 +203,7 @@ Run compare(int accum, const Run& ref) {
     CHECK(r.losses == runs[0].losses);
   }
   const Errors e = errors(runs[0], ref);
-  MESSAGE("DP " << DP << std::string(Policy::stage ? " ZeRO-1" : " no ZeRO") << ", accum " << accum
+  MESSAGE("DP " << DP << std::string(policy_name(Policy::stage)) << ", accum " << accum
                 << ": loss " << e.loss << "; weights: tensor l2 " << e.tensor_l2 << ", tensor max " << e.tensor_max
                 << ", element " << e.element);
   CHECK(e.loss <= 1e-5);
@@ -236,7 +250,7 @@ void compare_tp(int accum, const Run& ref) {
     CHECK(r.losses == runs[0].losses);
   }
   const Errors e = errors(runs[0], ref);
-  MESSAGE("DP " << Dn << " x TP " << Tn << std::string(SP::enabled ? " SP" : "") << std::string(Policy::stage ? " ZeRO-1" : " no ZeRO")
+  MESSAGE("DP " << Dn << " x TP " << Tn << std::string(SP::enabled ? " SP" : "") << std::string(policy_name(Policy::stage))
                 << ", accum " << accum << ": loss " << e.loss << "; weights: tensor l2 " << e.tensor_l2
                 << ", tensor max " << e.tensor_max << ", element " << e.element);
   CHECK(e.loss <= 1e-5);
@@ -245,17 +259,27 @@ void compare_tp(int accum, const Run& ref) {
 }
 
 template <int DP>
-void both_policies(int accum, const Run& ref) {
+void all_policies(int accum, const Run& ref) {
   const Run plain = compare<DP, NoZeRO>(accum, ref);
   const Run zero1 = compare<DP, ZeRO<1>>(accum, ref);
-  // the host reductions add in rank order either way: ZeRO-1 equals plain DP bit for bit
+  const Run zero2 = compare<DP, ZeRO<2>>(accum, ref);
+  const Run zero3 = compare<DP, ZeRO<3>>(accum, ref);
+  // The host reductions add in rank order whatever the collective: ZeRO-1 equals plain DP bit
+  // for bit, and so do ZeRO-2 and 3 with one micro-batch. With several, ZeRO-2/3 reduce each
+  // micro-batch and add the reduced pieces, a different order of the same sums.
   CHECK(zero1.params == plain.params);
   CHECK(zero1.losses == plain.losses);
+  CHECK(zero3.params == zero2.params);  // ZeRO-3 shards the parameters, not the arithmetic
+  CHECK(zero3.losses == zero2.losses);
+  if (accum == 1) {
+    CHECK(zero2.params == plain.params);
+    CHECK(zero2.losses == plain.losses);
+  }
 }
 
 }  // namespace
 
-TEST_CASE("data parallel equals the serial run: DP 2 and 4, no ZeRO and ZeRO-1, accumulation 1 and 3") {
+TEST_CASE("data parallel equals the serial run: DP 2 and 4, no ZeRO and ZeRO-1/2/3, accumulation 1 and 3") {
   for (int accum : {1, 3}) {
     CAPTURE(accum);
     const Run ref = serial(accum);
@@ -263,20 +287,21 @@ TEST_CASE("data parallel equals the serial run: DP 2 and 4, no ZeRO and ZeRO-1, 
     CHECK(ref.losses.back() < ref.losses.front());       // ...and training does something
     const Run ref_again = serial(accum);
     CHECK(ref_again.params == ref.params);               // the serial run is deterministic
-    both_policies<2>(accum, ref);
-    both_policies<4>(accum, ref);
+    all_policies<2>(accum, ref);
+    all_policies<4>(accum, ref);
   }
   MESSAGE("worst over all runs: loss " << worst.loss << "; weights: tensor l2 " << worst.tensor_l2 << ", tensor max "
                                       << worst.tensor_max << ", element " << worst.element);
 }
 
-TEST_CASE("DP x TP equals the serial run: Mesh<DP<2>, TP<2>>, ZeRO-1 and no ZeRO, SP on and off") {
+TEST_CASE("DP x TP equals the serial run: Mesh<DP<2>, TP<2>>, ZeRO-1, ZeRO-2 and no ZeRO, SP on and off") {
   for (int accum : {1, 3}) {
     CAPTURE(accum);
     const Run ref = serial(accum);
     compare_tp<2, 2, ZeRO<1>, nn::tp::SequenceParallel>(accum, ref);
     compare_tp<2, 2, ZeRO<1>, nn::tp::NoSequenceParallel>(accum, ref);
     compare_tp<2, 2, NoZeRO, nn::tp::SequenceParallel>(accum, ref);
+    compare_tp<2, 2, ZeRO<2>, nn::tp::SequenceParallel>(accum, ref);
   }
 }
 
@@ -286,7 +311,7 @@ TEST_CASE("DP x TP equals the serial run: Mesh<DP<2>, TP<2>>, ZeRO-1 and no ZeRO
 // bound: losses within 2e-3 relative, weights within 5e-2 per tensor (L2); the
 // largest differences are in biases, where AdamW turns bf16 rounding of small
 // gradients into lr-sized steps of the other sign.
-TEST_CASE("bf16 data parallel with fp32 masters tracks the bf16 serial run: DP 2 and 4, no ZeRO and ZeRO-1") {
+TEST_CASE("bf16 data parallel with fp32 masters tracks the bf16 serial run: DP 2 and 4, every policy") {
   using Bf = GPT<cfg, bf16>;
   for (int accum : {1, 3}) {
     CAPTURE(accum);
@@ -303,113 +328,202 @@ TEST_CASE("bf16 data parallel with fp32 masters tracks the bf16 serial run: DP 2
     check_bf16(parallel<2, NoZeRO, Bf>(accum), "bf16 DP 2 no ZeRO");
     check_bf16(parallel<2, ZeRO<1>, Bf>(accum), "bf16 DP 2 ZeRO-1");
     check_bf16(parallel<4, ZeRO<1>, Bf>(accum), "bf16 DP 4 ZeRO-1");
+    check_bf16(parallel<2, ZeRO<2>, Bf>(accum), "bf16 DP 2 ZeRO-2");
+    check_bf16(parallel<4, ZeRO<2>, Bf>(accum), "bf16 DP 4 ZeRO-2");
+    check_bf16(parallel<2, ZeRO<3>, Bf>(accum), "bf16 DP 2 ZeRO-3");
+    check_bf16(parallel<4, ZeRO<3>, Bf>(accum), "bf16 DP 4 ZeRO-3");
   }
 }
 
-// The model, with a log of when backward finished each gradient range and how
-// many all-reduces the DP group had issued by then.
+// The model, with a log of when backward finished each unit and how many reductions
+// (all-reduces and reduce-scatters) the DP group had issued by then.
 struct Observed : Model {
   using Model::Model;
   Counting<host::Comm>* comm = nullptr;
-  std::vector<std::pair<std::size_t, std::int64_t>> log;  // (offset, all-reduces issued after the callback)
-  void backward(const std::function<void(std::size_t)>& grads_final = {}) {
-    Model::backward([&](std::size_t offset) {
-      if (grads_final) grads_final(offset);
-      log.emplace_back(offset, comm->counts().all_reduce.calls);
-    });
+  std::vector<std::pair<int, std::int64_t>> log;  // (unit, reductions issued after its after_backward)
+  void backward(const UnitHooks& hooks = {}) {
+    UnitHooks logged = hooks;
+    logged.after_backward = [&](int u) {
+      detail::call(hooks.after_backward, u);
+      log.emplace_back(u, comm->counts().all_reduce.calls + comm->counts().reduce_scatter.calls);
+    };
+    Model::backward(logged);
   }
 };
 
-TEST_CASE("overlap: each bucket is all-reduced as soon as backward finishes it, with the same result") {
-  using Bk7 = FlatBuckets<Lay::size, sizeof(float), bucket_bytes>;
+// Runs one step with overlap on and off; returns the log of the overlapped run on rank 0,
+// and checks that both give the same weights bit for bit.
+template <class Policy>
+std::vector<std::pair<int, std::int64_t>> overlap_log(int accum) {
+  std::vector<std::pair<int, std::int64_t>> log0;
+  std::vector<std::vector<float>> overlapped(2), after(2);
+  host::run(2, [&](host::Comm& world) {
+    Counting<host::Comm> comm(world);
+    std::vector<int> tok, tgt;
+    global_batch(0, accum, tok, tgt);
+    for (bool overlap : {true, false}) {
+      Observed m(init);
+      m.comm = &comm;
+      DataParallel<Observed, 2, Policy, bucket_bytes> dp(m, comm, hp, accum);
+      dp.set_overlap(overlap);
+      CHECK(dp.overlap() == overlap);
+      const auto before = comm.counts().all_reduce.calls + comm.counts().reduce_scatter.calls;
+      dp.step(tok, tgt, B, T);
+      for (auto& [unit, calls] : m.log) calls -= before;
+      if (overlap && world.rank() == 0) log0 = m.log;
+      const auto w = dp.full_params();
+      (overlap ? overlapped : after)[static_cast<std::size_t>(world.rank())].assign(w.begin(), w.end());
+    }
+  });
+  CHECK(overlapped == after);  // bit for bit
+  CHECK(overlapped[0] == overlapped[1]);
+  return log0;
+}
+
+TEST_CASE("overlap: each bucket is reduced as soon as backward finishes its unit, with the same result") {
+  using P2 = BucketPlan<Lay, 2, sizeof(float), bucket_bytes>;
+  constexpr std::size_t units = Lay::units;
+  // the buckets of units >= u: what must have been reduced once unit u is final
+  auto buckets_from = [](int u) { return static_cast<std::int64_t>(P2::count - P2::buckets_of(u).begin); };
   for (int accum : {1, 3}) {
     CAPTURE(accum);
-    std::vector<std::vector<std::pair<std::size_t, std::int64_t>>> logs(2);
-    std::vector<std::vector<float>> overlapped(2), after(2);
-    host::run(2, [&](host::Comm& world) {
-      Counting<host::Comm> comm(world);
-      std::vector<int> tok, tgt;
-      global_batch(0, accum, tok, tgt);
-      for (bool overlap : {true, false}) {
-        Observed m(init);
-        m.comm = &comm;
-        DataParallel<Observed, 2, NoZeRO, bucket_bytes> dp(m, comm, hp, accum);
-        dp.set_overlap(overlap);
-        CHECK(dp.overlap() == overlap);
-        const std::int64_t before = comm.counts().all_reduce.calls;
-        dp.step(tok, tgt, B, T);
-        for (auto& [offset, calls] : m.log) calls -= before;
-        if (overlap) logs[static_cast<std::size_t>(world.rank())] = m.log;
-        auto& out = overlap ? overlapped : after;
-        out[static_cast<std::size_t>(world.rank())].assign(m.params().begin(), m.params().end());
+    // NoZeRO and ZeRO-1 reduce in the last micro-batch only; ZeRO-2 and 3 in every one.
+    auto check = [&](const auto& log, bool every_micro_batch, const char* what) {
+      CAPTURE(what);
+      REQUIRE(log.size() == static_cast<std::size_t>(accum) * units);
+      for (std::size_t i = 0; i < log.size(); ++i) {
+        const std::size_t micro = i / units;
+        const bool reducing = every_micro_batch || micro == static_cast<std::size_t>(accum - 1);
+        const std::int64_t earlier = every_micro_batch ? static_cast<std::int64_t>(micro * P2::count) : 0;
+        CAPTURE(i);
+        CHECK(log[i].first == static_cast<int>(units - 1 - i % units));  // units finish from the last to the first
+        CHECK(log[i].second == earlier + (reducing ? buckets_from(log[i].first) : 0));
       }
-    });
-    // Backward reports L + 2 finished ranges per micro-batch. In the last one, after
-    // each report exactly the buckets lying wholly in the finished range have been reduced.
-    const auto& log = logs[0];
-    REQUIRE(log.size() == static_cast<std::size_t>(accum) * (cfg::layers + 2));
-    for (std::size_t i = 0; i < log.size(); ++i) {
-      const bool last = i >= log.size() - (cfg::layers + 2);
-      std::int64_t done = 0;
-      for (std::size_t k = 0; k < Bk7::count; ++k) done += Bk7::bucket(k).begin >= log[i].first;
-      CAPTURE(i);
-      CHECK(log[i].second == (last ? done : 0));
-    }
-    CHECK(log.back().first == 0);
-    CHECK(log[log.size() - 2].second < static_cast<std::int64_t>(Bk7::count));  // some reduced before the end
-    CHECK(overlapped == after);  // bit for bit
-    CHECK(overlapped[0] == overlapped[1]);
+      CHECK(log[log.size() - 2].second < static_cast<std::int64_t>(accum * P2::count));  // some before the end
+    };
+    check(overlap_log<NoZeRO>(accum), false, "no ZeRO");
+    check(overlap_log<ZeRO<1>>(accum), false, "ZeRO-1");
+    check(overlap_log<ZeRO<2>>(accum), true, "ZeRO-2");
+    check(overlap_log<ZeRO<3>>(accum), true, "ZeRO-3");
   }
 }
 
-TEST_CASE("per-rank memory matches the formula: fp32 4N + 4N + 8N, optimizer / DP under ZeRO-1") {
-  constexpr std::size_t N = Lay::size, f = sizeof(float);
-  std::vector<std::size_t> optimizer(4);
+// ---- memory ---------------------------------------------------------------------------------
+
+// Six layers, so that a unit is a small part of the model and ZeRO-3's window shows.
+struct deep : cfg {
+  static constexpr int layers = 6;
+};
+using Deep = GPT<deep>;
+using DeepLay = Deep::layout;
+
+// One rank's figures after a step of DP 4 with each policy, and the pages its model buffers
+// hold then.
+struct Held {
+  std::size_t params = 0, grads = 0, optimizer = 0, staging = 0, transient = 0, owned = 0;
+  std::size_t resident_params = 0, resident_grads = 0;
+};
+template <class ModelT, class Policy>
+Held held_after_a_step(int rank) {
+  Held h;
   host::run(4, [&](host::Comm& comm) {
-    Model m(init);
-    DataParallel<Model, 4, ZeRO<1>> dp(m, comm, hp);
-    const FlatRange own = S4::owned(comm.rank());
-    CHECK(dp.optimizer().owned() == own);
+    ModelT m(init);
+    DataParallel<ModelT, 4, Policy, bucket_bytes> dp(m, comm, hp);
+    std::vector<int> tok, tgt;
+    global_batch(0, 1, tok, tgt);
+    dp.step(tok, tgt, B, T);
+    if (comm.rank() != rank) return;
     const auto mem = dp.memory();
-    CHECK(mem.params == 4 * N);
-    CHECK(mem.grads == 4 * N);
-    CHECK(mem.optimizer == 2 * f * own.size());  // m and v for the shard, no master for fp32
-    CHECK(mem.staging == f * S4::padded);
-    optimizer[static_cast<std::size_t>(comm.rank())] = mem.optimizer;
+    using E = typename ModelT::value_type;
+    h = {mem.params, mem.grads, mem.optimizer, mem.staging, mem.transient_peak, dp.optimizer().owned_size(),
+         resident_bytes(std::span<const E>(m.params())), resident_bytes(std::span<const E>(m.grads()))};
   });
-  // the shards tile the buffer: the optimizer state is 8N bytes over the whole DP group
-  CHECK(std::accumulate(optimizer.begin(), optimizer.end(), std::size_t{0}) == 8 * N);
-  for (std::size_t b : optimizer) CHECK(b <= 8 * S4::shard_size);  // about 8N / DP per rank
-  Model m(init);
-  host::run(1, [&](host::Comm& comm) {
-    DataParallel<Model, 1, NoZeRO> dp(m, comm, hp);
-    const auto mem = dp.memory();
-    CHECK(mem.total() == 16 * N);  // 4 + 4 + 8 bytes per parameter, no staging
-    CHECK(mem.staging == 0);
-  });
+  return h;
 }
 
-TEST_CASE("per-rank memory matches the formula in bf16: 2N + 2N + 12N, optimizer / DP under ZeRO-1") {
-  using Bf = GPT<cfg, bf16>;
-  constexpr std::size_t N = Lay::size, h = sizeof(bf16);
-  std::vector<std::size_t> optimizer(4);
-  host::run(4, [&](host::Comm& comm) {
-    Bf m(init);
-    DataParallel<Bf, 4, ZeRO<1>> dp(m, comm, hp);
-    const FlatRange own = S4::owned(comm.rank());
-    const auto mem = dp.memory();
-    CHECK(mem.params == 2 * N);
-    CHECK(mem.grads == 2 * N);
-    CHECK(mem.optimizer == 12 * own.size());  // fp32 master, m and v for the shard
-    CHECK(mem.staging == h * S4::padded);
-    optimizer[static_cast<std::size_t>(comm.rank())] = mem.optimizer;
-  });
-  CHECK(std::accumulate(optimizer.begin(), optimizer.end(), std::size_t{0}) == 12 * N);  // 2 + 2 + 12/DP per parameter
-  Bf m(init);
-  host::run(1, [&](host::Comm& comm) {
-    DataParallel<Bf, 1, NoZeRO> dp(m, comm, hp);
-    CHECK(dp.memory().total() == 16 * N);  // 2 + 2 + 12 bytes per parameter
-  });
+template <class E>
+void check_memory_formulas() {
+  using ModelT = GPT<deep, E>;
+  using P = BucketPlan<DeepLay, 4, sizeof(E), bucket_bytes>;
+  constexpr std::size_t N = DeepLay::size, S = P::shard_total, t = sizeof(E);
+  constexpr std::size_t k = std::is_same_v<E, float> ? 8 : 12;  // fp32 m, v (+ an fp32 master for bf16)
+  constexpr std::size_t staging = t * (P::max_padded + P::max_padded / 4);
+  constexpr std::size_t unit0 = DeepLay::unit_begin(1), last = N - DeepLay::unit_begin(DeepLay::units - 1),
+                        layer = DeepLay::layer_size;
+  const std::size_t page = host_page_size();
+  for (int rank : {0, 3}) {
+    CAPTURE(rank);
+    const std::size_t O = P::owned_total(rank);
+    const Held none = held_after_a_step<ModelT, NoZeRO>(rank), z1 = held_after_a_step<ModelT, ZeRO<1>>(rank),
+               z2 = held_after_a_step<ModelT, ZeRO<2>>(rank), z3 = held_after_a_step<ModelT, ZeRO<3>>(rank);
+    // between steps
+    CHECK(none.params == t * N);
+    CHECK(none.grads == t * N);
+    CHECK(none.optimizer == k * N);
+    CHECK(none.staging == 0);
+    CHECK(z1.params == t * N);
+    CHECK(z1.grads == t * N);
+    CHECK(z1.optimizer == k * O);
+    CHECK(z1.owned == O);
+    CHECK(z2.params == t * N);
+    CHECK(z2.grads == t * S);
+    CHECK(z2.optimizer == k * O);
+    CHECK(z3.params == t * S);
+    CHECK(z3.grads == t * S);
+    CHECK(z3.optimizer == k * O);
+    for (const Held* h : {&z1, &z2, &z3}) CHECK(h->staging == staging);
+    // while a step runs: ZeRO-2 holds the embeddings' gradient (a tied head writes it first)
+    // and one layer's; ZeRO-3 holds the outer units' parameters and two layers' (the one that
+    // runs and the prefetched one), and the same gradients.
+    CHECK(z2.transient == t * (unit0 + layer));
+    CHECK(z3.transient == t * (unit0 + last + 2 * layer + unit0 + layer));
+    // The pages are really given back: a buffer ZeRO released holds at most the partial
+    // pages at unit boundaries; without ZeRO the gradients fill their pages.
+    const std::size_t boundary_pages = (DeepLay::units + 1) * page;
+    CHECK(none.resident_grads >= t * N - page);
+    CHECK(z1.resident_grads >= t * N - page);
+    CHECK(z2.resident_grads <= boundary_pages);
+    CHECK(z3.resident_grads <= boundary_pages);
+    CHECK(z3.resident_params <= boundary_pages);
+    CHECK(z2.resident_params >= t * N - page);
+    MESSAGE((std::is_same_v<E, float> ? "fp32" : "bf16")
+            << " DP 4 rank " << rank << ", N = " << N << ": bytes per parameter held between steps: no ZeRO "
+            << double(none.params + none.grads + none.optimizer) / N << ", ZeRO-1 "
+            << double(z1.params + z1.grads + z1.optimizer) / N << ", ZeRO-2 "
+            << double(z2.params + z2.grads + z2.optimizer) / N << ", ZeRO-3 "
+            << double(z3.params + z3.grads + z3.optimizer) / N << "; resident after the step: ZeRO-2 grads "
+            << z2.resident_grads << " B, ZeRO-3 params " << z3.resident_params << " B (no ZeRO grads "
+            << none.resident_grads << " B)");
+  }
+  // the owned pieces tile the buffer: the optimizer state is kN over the DP group
+  CHECK(P::owned_total(0) + P::owned_total(1) + P::owned_total(2) + P::owned_total(3) == N);
+  CHECK(S * 4 < N + 4 * 64 * 4 * P::count);  // the padding is under DP * 64 elements per bucket
+}
+
+TEST_CASE("per-rank memory matches the formula for every stage, fp32: 4 + 4 + 8, 4 + 4 + 8/DP, 4 + (4 + 8)/DP, 16/DP") {
+  check_memory_formulas<float>();
+}
+
+TEST_CASE("per-rank memory matches the formula for every stage, bf16: 2 + 2 + 12, 2 + 2 + 12/DP, 2 + 14/DP, 16/DP") {
+  check_memory_formulas<bf16>();
+}
+
+TEST_CASE("release_pages zeroes a range and gives its whole pages back") {
+  const std::size_t page = host_page_size(), n = 64 * page / sizeof(float);
+  std::vector<float> v(n, 1.0f);
+  const std::size_t all = resident_bytes(std::span<const float>(v));
+  CHECK(all >= n * sizeof(float));
+  std::span<float> mid = std::span<float>(v).subspan(10, n - 20);
+  release_pages(mid);
+  // measured before reading: a read maps the shared zero page, which mincore counts
+  CHECK(resident_bytes(std::span<const float>(v)) <= 3 * page);  // the two partial end pages (+ alignment)
+  for (std::size_t i = 0; i < n; ++i) {
+    CAPTURE(i);
+    REQUIRE(v[i] == (i < 10 || i >= n - 10 ? 1.0f : 0.0f));
+  }
+  v[n / 2] = 2.0f;  // writing maps a fresh page
+  CHECK(v[n / 2] == 2.0f);
+  CHECK(v[n / 2 + 1] == 0.0f);
 }
 
 TEST_CASE("a global batch that does not divide over DP is an error") {
@@ -423,7 +537,7 @@ TEST_CASE("a global batch that does not divide over DP is an error") {
   CHECK_THROWS_WITH_AS(host::run(4,
                                  [&](host::Comm& comm) {
                                    Model m(init);
-                                   DataParallel<Model, 4, ZeRO<1>> dp(m, comm, hp);
+                                   DataParallel<Model, 4, ZeRO<3>> dp(m, comm, hp);
                                    dp.step(std::span<const int>(tok).first(6 * 8), std::span<const int>(tgt).first(6 * 8),
                                            6, 8);
                                  }),

@@ -43,7 +43,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
-#include <functional>
 #include <map>
 #include <span>
 #include <stdexcept>
@@ -60,6 +59,7 @@
 #include "fived/nn/init.hpp"
 #include "fived/nn/layout.hpp"
 #include "fived/nn/ops.hpp"
+#include "fived/nn/unit_hooks.hpp"
 
 namespace fived {
 
@@ -149,16 +149,17 @@ class GPT {
   // tokens and targets are [B, T] token ids in [0, vocab), in host memory. Returns the mean
   // loss over B*T (0 when targets is nullptr). With targets, d-logits for backward() are
   // computed too. On Cuda this waits for the device (the loss is read back); see
-  // enqueue_forward() for the variant that does not.
-  float forward(const int* tokens, const int* targets, int B, int T_) {
-    enqueue_forward(tokens, targets, B, T_);
+  // enqueue_forward() for the variant that does not. hooks: before_forward/after_forward
+  // around each unit's use of its parameters (nn/unit_hooks.hpp).
+  float forward(const int* tokens, const int* targets, int B, int T_, const UnitHooks& hooks = {}) {
+    enqueue_forward(tokens, targets, B, T_, hooks);
     if (targets == nullptr) return 0.0f;
     return static_cast<float>(loss());
   }
 
   // forward() without reading the loss back: on Cuda it returns as soon as the work is
   // queued (loss() then waits for it). On the host it is forward() with the result dropped.
-  void enqueue_forward(const int* tokens, const int* targets, int B, int T_) {
+  void enqueue_forward(const int* tokens, const int* targets, int B, int T_, const UnitHooks& hooks = {}) {
     if (B < 1 || T_ < 1 || T_ > max_seq)
       throw std::invalid_argument("GPT::forward: needs B >= 1 and 1 <= T <= max_seq = " + std::to_string(max_seq) +
                                   " (got B=" + std::to_string(B) + ", T=" + std::to_string(T_) + ")");
@@ -182,9 +183,12 @@ class GPT {
     auto P = [&](ParamKind k, int l = -1) { return p + layout::offset(k, l); };
     const int* tok = a_.tokens.data();
 
+    detail::call(hooks.before_forward, 0);
     ops_.embedding_forward(a_.encoded.data(), tok, P(ParamKind::wte), P(ParamKind::wpe), B, T_, C, V);
+    detail::call(hooks.after_forward, 0);
     const T* x = a_.encoded.data();
     for (int l = 0; l < L; ++l) {
+      detail::call(hooks.before_forward, 1 + l);
       LayerActs& A = a_.layer[static_cast<std::size_t>(l)];
       ops_.layernorm_forward(A.ln1.data(), A.ln1_mean.data(), A.ln1_rstd.data(), x, P(ParamKind::ln_1_weight, l),
                              P(ParamKind::ln_1_bias, l), N, C);
@@ -202,12 +206,17 @@ class GPT {
                   P(ParamKind::mlp_c_proj_bias, l), N, C, F, false, false);
       ops_.residual_forward(A.res3.data(), A.res2.data(), a_.scratch.data(), sN * C);
       x = A.res3.data();
+      detail::call(hooks.after_forward, 1 + l);
     }
+    detail::call(hooks.before_forward, L + 1);
+    if constexpr (layout::tied) detail::call(hooks.before_forward, 0);  // the head is wte
     ops_.layernorm_forward(a_.lnf.data(), a_.lnf_mean.data(), a_.lnf_rstd.data(), x, P(ParamKind::ln_f_weight),
                            P(ParamKind::ln_f_bias), N, C);
     // logits[N, Vp] = lnf[N, C] · head^T, head stored [Vp, C]
     ops_.matmul(a_.logits.data(), a_.lnf.data(), P(layout::head_kind), static_cast<const T*>(nullptr), N, Vp, C, false,
                 true);
+    if constexpr (layout::tied) detail::call(hooks.after_forward, 0);
+    detail::call(hooks.after_forward, L + 1);
     if (targets == nullptr) return;
 
     // Fused loss + d-logits (written over the logits), in the three steps of the
@@ -236,16 +245,12 @@ class GPT {
 
   // Accumulates the gradient of the last forward's mean loss into grads().
   //
-  // grads_final(offset), when given, is called as soon as grads()[offset, layout::size) holds
-  // its final value for this backward, with offsets falling from the end of the buffer to 0:
-  // after ln_f (and an untied head), after each layer from the last to the first, and after
-  // the embeddings. A data-parallel trainer reduces a bucket as soon as it is final, while
-  // the rest of backward runs (on Cuda the kernels of that range are queued, not done: the
-  // callee orders its work after the stream's, as the NCCL communicator does).
-  void backward(const std::function<void(std::size_t offset)>& grads_final = {}) {
-    auto final_from = [&](std::size_t offset) {
-      if (grads_final) grads_final(offset);
-    };
+  // hooks (nn/unit_hooks.hpp): before_backward(u) before unit u's parameters are read or its
+  // gradients written, after_backward(u) as soon as unit u's gradients are final. Units
+  // finish from the last to the first: L+1 (ln_f, an untied head), the layers from L to 1,
+  // then 0 (the embeddings, which a tied head also wrote). A data-parallel trainer reduces a
+  // unit's buckets there, while the rest of backward runs.
+  void backward(const UnitHooks& hooks = {}) {
     if (!has_dlogits_)
       throw std::logic_error("GPT::backward: call forward(tokens, targets, B, T) with targets first (once per backward)");
     has_dlogits_ = false;
@@ -259,6 +264,8 @@ class GPT {
     T* dln = a_.dln.data();
 
     // logits = lnf · head^T:  dlnf = dlogits · head,  dhead += dlogits^T · lnf
+    detail::call(hooks.before_backward, L + 1);
+    if constexpr (layout::tied) detail::call(hooks.before_backward, 0);  // the head is wte
     ops_.matmul(dln, dlogits, P(layout::head_kind), static_cast<const T*>(nullptr), N, C, Vp, false, false);
     ops_.matmul(G(layout::head_kind), dlogits, a_.lnf.data(), static_cast<const T*>(nullptr), Vp, C, N, true, false,
                 true);
@@ -266,9 +273,10 @@ class GPT {
     const T* x_last = L > 0 ? a_.layer[static_cast<std::size_t>(L - 1)].res3.data() : a_.encoded.data();
     ops_.layernorm_backward(dres, G(ParamKind::ln_f_weight), G(ParamKind::ln_f_bias), dln, x_last,
                             P(ParamKind::ln_f_weight), a_.lnf_mean.data(), a_.lnf_rstd.data(), N, C);
-    final_from(layout::offset(ParamKind::ln_f_weight));  // ln_f (and an untied lm_head after it)
+    detail::call(hooks.after_backward, L + 1);  // ln_f (and an untied lm_head)
 
     for (int l = L - 1; l >= 0; --l) {
+      detail::call(hooks.before_backward, 1 + l);
       LayerActs& A = a_.layer[static_cast<std::size_t>(l)];
       const T* x = l == 0 ? a_.encoded.data() : a_.layer[static_cast<std::size_t>(l - 1)].res3.data();
       // dres holds d(res3). MLP projection: y = fch_gelu · Wp + bp
@@ -288,11 +296,12 @@ class GPT {
                       A.ln1.data(), P(ParamKind::attn_c_attn_weight, l), N, C, 3 * C);
       ops_.layernorm_backward(dres, G(ParamKind::ln_1_weight, l), G(ParamKind::ln_1_bias, l), dln, x,
                               P(ParamKind::ln_1_weight, l), A.ln1_mean.data(), A.ln1_rstd.data(), N, C);
-      final_from(layout::layer_begin(l));
+      detail::call(hooks.after_backward, 1 + l);
       // dres holds d(x) = d(res3 of layer l-1)
     }
+    detail::call(hooks.before_backward, 0);
     ops_.embedding_backward(G(ParamKind::wte), G(ParamKind::wpe), dres, a_.tokens.data(), B, T_, C);
-    final_from(0);  // wte (which a tied head also wrote) and wpe
+    detail::call(hooks.after_backward, 0);  // wte (which a tied head also wrote) and wpe
   }
 
   // [B, T, Vp] logits of the last forward WITHOUT targets (with targets they were replaced

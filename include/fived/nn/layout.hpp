@@ -205,6 +205,14 @@ struct GptLayout {
   static constexpr std::size_t layer_end(int l) { return info(ParamKind::mlp_c_proj_bias, l).end(); }
   static constexpr std::size_t layer_size = layer_end(0) - layer_begin(0);
 
+  // Units: the ranges a trainer gathers, reduces and frees together (ZeRO-3 gathers a unit's
+  // parameters just before it runs). Unit 0 holds the embeddings, units 1..L the layers, and
+  // unit L+1 holds ln_f (and lm_head). Unit u is [unit_begin(u), unit_begin(u + 1)).
+  static constexpr int units = L + 2;
+  static constexpr std::size_t unit_begin(int u) {
+    return u <= 0 ? 0 : u <= L ? layer_begin(u - 1) : u == L + 1 ? offset(ParamKind::ln_f_weight) : size;
+  }
+
   // The tensor that the output projection multiplies with: wte when tied, else lm_head.
   static constexpr ParamKind head_kind = tied ? ParamKind::wte : ParamKind::lm_head;
 

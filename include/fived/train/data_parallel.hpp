@@ -1,38 +1,69 @@
 #pragma once
-// Data-parallel training steps on the host: every DP rank holds a whole model replica, takes
-// its slice of each global batch, and the gradients are averaged over the DP group once per
-// step (after all accumulation micro-batches, never once per micro-batch).
+// Data-parallel training steps on the host: every DP rank takes its slice of each global
+// batch, and the gradients are averaged over the DP group; the policy says how much of the
+// training state each rank holds.
 //
 //   fived::host::run(4, [&](fived::host::Comm& comm) {
 //     GPT<cfg> model(GptInit{.seed = 1});                                  // same init on every rank
-//     fived::DataParallel<GPT<cfg>, 4, fived::ZeRO<1>> dp(model, comm, adamw_config, /*accum=*/3);
+//     fived::DataParallel<GPT<cfg>, 4, fived::ZeRO<2>> dp(model, comm, adamw_config, /*accum=*/3);
 //     for (int step = 0; step < n; ++step) {
 //       // tokens/targets: the GLOBAL batch of the step, accum micro-batches of [B, T], identical on every rank
 //       double loss = dp.step(tokens, targets, B, T);                      // mean loss over the global batch
 //     }
+//     std::vector<float> weights = dp.full_params();                       // (a collective under ZeRO-3)
 //   });
 //
 // Data: micro-batch k of the step is rows [k*B, (k+1)*B) of `tokens`; rank r reads rows
 // [r*B/DP, (r+1)*B/DP) of each micro-batch (`rows(r, B)`), so the DP ranks together see exactly
 // the tokens a serial run of the same global batch sees. B must be divisible by DP.
 //
-// Gradient: each rank accumulates the gradients of its micro-batches' mean losses, scales by
-// 1/accum, and the DP average of that is the gradient of the mean loss over the global batch,
-// the serial run's gradient (trained with the same accumulation) up to summation order.
+// Gradient: each rank's gradient of its micro-batch's mean loss, scaled by 1/accum and
+// averaged over DP, summed over the micro-batches, is the gradient of the mean loss over the
+// global batch: the serial run's (trained with the same accumulation) up to summation order.
 //
-// Policies (the optimizer's sharding over DP):
-//   NoZeRO   bucketed all-reduce (avg) of the gradients over FlatBuckets<size, sizeof(T),
-//            BucketBytes>; every rank clips and steps AdamW on the whole buffer.
-//   ZeRO<1>  reduce-scatter (avg) of the gradients into this rank's shard of a buffer padded to
-//            FlatShards<size, DP>::padded; the clip norm's sum of squares is summed over the
-//            shard and all-reduced once; AdamW (moments for the shard only) updates the shard's
-//            parameters; all-gather of the updated parameters into every replica.
-// ZeRO<2> and ZeRO<3> are named but do not compile yet (static_assert).
+// Buckets (train/bucket_plan.hpp): the flat buffer is cut into buckets that never cross a
+// model unit (embeddings, each layer, ln_f + head); each bucket is reduced on its own, and
+// under ZeRO each rank owns one equal piece of every bucket.
+//
+// Policies:
+//   NoZeRO   all-reduce (avg) of each bucket after the last micro-batch; every rank holds
+//            all parameters, gradients and optimizer state, and steps all of it.
+//   ZeRO<1>  reduce-scatter (avg) of each bucket after the last micro-batch; AdamW state
+//            (fp32 moments, and fp32 masters for bf16) for this rank's pieces only; AdamW
+//            updates the pieces, and an all-gather per bucket brings every replica the new
+//            parameters.
+//   ZeRO<2>  as ZeRO<1>, but the gradient of every micro-batch is reduce-scattered as soon as
+//            backward finishes its unit, added into this rank's gradient pieces, and the
+//            bucket's pages of the model's gradient buffer are given back to the system
+//            (release_pages, device/host_pages.hpp). So the gradients held are the pieces plus
+//            the units backward is in (one reduction per micro-batch: that is the price of
+//            not holding the whole gradient, as in DeepSpeed's stage 2).
+//   ZeRO<3>  as ZeRO<2>, and the parameters too are held as pieces. Before a unit runs
+//            (forward, and again backward) its buckets are all-gathered into the model's
+//            buffer, and the next unit's are prefetched; after it has run they are given back.
+//            The first and last units (embeddings with a tied head, ln_f) stay gathered from
+//            their first use to the end of the step, as FSDP keeps its root unit. AdamW
+//            updates the pieces; the next step's gathers distribute them.
+// ZeRO<3> needs a model that calls UnitHooks (nn/unit_hooks.hpp), as fived::GPT does.
+//
+// Memory per rank (memory()), N = layout::size elements, S = plan::shard_total (about N/DP:
+// each bucket padded to a multiple of 64 DP elements, then divided by DP), O = elements owned
+// (the real part of S; the O of all ranks add up to N), t = sizeof(T):
+//   NoZeRO   params tN, grads tN, optimizer 8N (fp32 m, v) or 12N (bf16: + fp32 master)
+//   ZeRO<1>  params tN, grads tN, optimizer 8O or 12O
+//   ZeRO<2>  params tN, grads tS, optimizer 8O or 12O
+//   ZeRO<3>  params tS, grads tS, optimizer 8O or 12O
+// so bf16 with DP ranks: 2 + 2 + 12/DP bytes per parameter under ZeRO<1>, 2 + 14/DP under
+// ZeRO<2>, 16/DP under ZeRO<3>. These are the bytes held between steps. ZeRO always holds a
+// staging buffer for one bucket's collective (its padded size plus one piece), and ZeRO<2>
+// and <3> also hold whole units while they run (`transient_peak`: the most gathered
+// parameters plus unreduced gradients at any moment of the last step).
 //
 // DP x TP: the model may itself be split over TP, bound to its TP communicator
-// (nn::tp::Bound, nn/tp/gpt.hpp). Its layout is then one TP rank's buffer, which DP shards
-// and reduces over the DP group of the same TP rank; the clip norm's sum of squares comes
-// from the model (every parameter once over TP) and is summed over DP.
+// (nn::tp::Bound, nn/tp/gpt.hpp). Its layout is then one TP rank's buffer, which DP cuts and
+// reduces over the DP group of the same TP rank. The clip norm counts every parameter once:
+// the model says which parts of a range this rank counts (norm_parts) and sums over its own
+// group (sum_over_replica); DataParallel sums over DP.
 //
 //   auto ctx = make_mesh_context<Mesh<DP<2>, TP<2>>>(world);
 //   nn::tp::GPT<cfg, M, nn::tp::SequenceParallel> model(ctx.coord(), init);
@@ -41,16 +72,14 @@
 //
 // Mixed precision: a bf16 model computes, and its gradients are reduced, in bf16 (the host
 // backend sums bf16 in float and rounds once); AdamW keeps fp32 master weights and moments for
-// the range it owns (all of it, or the ZeRO-1 shard) and writes bf16(master) back, so the
-// replicas' bf16 weights come from the same fp32 masters.
+// what it owns and writes bf16(master) back, so every replica's bf16 weights come from the
+// same fp32 masters.
 //
-// Overlap (NoZeRO): the model's backward reports each range of gradients it has finished
-// (GPT::backward(grads_final): from the end of the buffer to the start), and each bucket is
-// all-reduced as soon as it is finished, while the rest of backward runs; on NCCL the
-// collective runs on the communication stream while the compute stream goes on. The host
-// backend's collectives block, so there the reductions are interleaved with backward, not
-// concurrent. ZeRO<1> reduce-scatters after backward (its shards span buckets), as does a
-// model without the hook (nn::tp::Bound).
+// Overlap: with a model that calls UnitHooks, a unit's buckets are reduced at its
+// after_backward, while the rest of backward runs (on NCCL the collective goes on the
+// communication stream while the compute stream goes on). The host backend's collectives
+// block, so there the reductions are interleaved with backward, not concurrent.
+// set_overlap(false), or a model without hooks (nn::tp::Bound), reduces after backward.
 
 #include <algorithm>
 #include <cstddef>
@@ -63,9 +92,12 @@
 
 #include "fived/comm/types.hpp"
 #include "fived/device/bf16.hpp"
+#include "fived/device/host_pages.hpp"
 #include "fived/kernels/host/norm.hpp"
+#include "fived/kernels/host/residual.hpp"
+#include "fived/nn/unit_hooks.hpp"
 #include "fived/optim/adamw.hpp"
-#include "fived/optim/flat_shards.hpp"
+#include "fived/train/bucket_plan.hpp"
 
 namespace fived {
 
@@ -73,7 +105,7 @@ namespace fived {
 struct NoZeRO {
   static constexpr int stage = 0;
 };
-// ZeRO stage 1 (optimizer state sharded over DP); 2 and 3 are declared for later.
+// ZeRO stage 1 (optimizer state sharded over DP), 2 (+ gradients), 3 (+ parameters).
 template <int Stage>
 struct ZeRO {
   static_assert(Stage >= 1 && Stage <= 3, "fived::ZeRO<S>: the ZeRO stages are 1, 2 and 3");
@@ -91,9 +123,6 @@ template <class Model, int DP, class Policy = NoZeRO, std::size_t BucketBytes = 
 class DataParallel {
   static_assert(DP >= 1, "fived::DataParallel: the data-parallel size must be at least 1");
   static_assert(is_zero_policy<Policy>, "fived::DataParallel: the policy must be fived::NoZeRO or fived::ZeRO<S>");
-  static_assert(Policy::stage <= 1,
-                "fived::DataParallel: ZeRO<2> (gradient sharding) and ZeRO<3> (parameter sharding) come later in "
-                "issue 5; this version supports NoZeRO and ZeRO<1>");
   static_assert(Model::on_host, "fived::DataParallel runs on the host backend for now (Model::on_host)");
   static_assert(std::is_same_v<typename Model::value_type, float> ||
                     std::is_same_v<typename Model::value_type, double> ||
@@ -105,25 +134,41 @@ class DataParallel {
   using T = typename Model::value_type;
   using layout = typename Model::layout;
   using policy = Policy;
-  using shards = FlatShards<layout::size, DP>;
-  using buckets = FlatBuckets<layout::size, sizeof(T), BucketBytes>;
+  using plan = BucketPlan<layout, DP, sizeof(T), BucketBytes>;
   using optimizer_type = AdamWFor<Model>;
   static constexpr int dp = DP;
-  static constexpr bool zero1 = Policy::stage == 1;
+  static constexpr int stage = Policy::stage;
+  static constexpr bool has_hooks = requires(Model& m, const int* ids, const UnitHooks& h) {
+    m.forward(ids, ids, 1, 1, h);
+    m.backward(h);
+  };
+  static_assert(stage < 3 || (has_hooks && plan::has_units),
+                "fived::DataParallel: ZeRO<3> gathers each unit's parameters just before the model uses them, so the "
+                "model must call UnitHooks in forward and backward and its layout must have units (fived::GPT does; "
+                "nn::tp::Bound does not yet): use ZeRO<1> or ZeRO<2> with this model");
+
+  // The hooks given to the model point at this object.
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
 
   // comm: this rank's communicator of the DP group (size DP). accum: micro-batches per step.
   template <class Comm>
   DataParallel(Model& model, Comm& comm, const AdamWConfig& config, int accum = 1)
       : DataParallel(model, comm.rank(), comm.size(), config, accum) {
-    reduce_ = [&comm](std::span<T> buf, std::span<T> shard, FlatRange bucket, Op op, double* scalar) {
-      switch (op) {
-        case Op::all_reduce_avg: comm.all_reduce(buf.subspan(bucket.begin, bucket.size()), ReduceOp::avg); break;
-        case Op::reduce_scatter_avg: comm.reduce_scatter(std::span<const T>(buf), shard, ReduceOp::avg); break;
-        case Op::all_gather: comm.all_gather(std::span<const T>(shard), buf); break;
-        case Op::sum_scalar: comm.all_reduce(std::span<double>(scalar, 1), ReduceOp::sum); break;
-        case Op::avg_scalar: comm.all_reduce(std::span<double>(scalar, 1), ReduceOp::avg); break;
-      }
+    coll_.all_reduce_avg = [&comm](std::span<T> x) { comm.all_reduce(x, ReduceOp::avg); };
+    coll_.reduce_scatter_avg = [&comm](std::span<const T> in, std::span<T> out) {
+      comm.reduce_scatter(in, out, ReduceOp::avg);
     };
+    coll_.all_gather = [&comm](std::span<const T> in, std::span<T> out) { comm.all_gather(in, out); };
+    coll_.sum = [&comm](double& x, ReduceOp op) { comm.all_reduce(std::span<double>(&x, 1), op); };
+    if constexpr (stage == 3) {  // the pieces are the parameters from now on
+      for (std::size_t i = 0; i < plan::count; ++i) {
+        const FlatRange o = owned(i);
+        std::copy_n(model_.params().begin() + static_cast<std::ptrdiff_t>(o.begin), o.size(), param_piece(i).begin());
+      }
+      release_pages(model_.params());
+    }
+    if constexpr (stage >= 2) release_pages(model_.grads());
   }
 
   // Rows of each micro-batch that DP rank r reads: [r*B/DP, (r+1)*B/DP).
@@ -147,86 +192,66 @@ class DataParallel {
                                   std::to_string(want) + " ids (got " + std::to_string(tokens.size()) + " and " +
                                   std::to_string(targets.size()) + ")");
     const int b = static_cast<int>(mine.size());
-    std::span<T> grads = model_.grads();
-    // NoZeRO: each bucket is scaled by 1/accum and all-reduced, during the last micro-batch's
-    // backward as soon as the model has finished it (overlap), or after backward.
-    std::size_t pending = buckets::count;  // buckets [0, pending) are not reduced yet
-    auto reduce_final = [&](std::size_t offset) {
-      for (; pending > 0 && buckets::bucket(pending - 1).begin >= offset; --pending) {
-        const FlatRange r = buckets::bucket(pending - 1);
-        if (accum_ > 1) kernels::host::scale(grads.data() + r.begin, r.size(), 1.0f / static_cast<float>(accum_));
-        reduce_(grads, {}, r, Op::all_reduce_avg, nullptr);
-      }
-    };
-    model_.zero_grad();
+    peak_ = held_;
+    if constexpr (stage < 2) model_.zero_grad();  // ZeRO-2/3: released gradient pages read as zeros
+    else std::fill(grad_pieces_.begin(), grad_pieces_.end(), T{});
     double loss = 0;
     for (int k = 0; k < accum_; ++k) {
+      reducing_ = stage >= 2 || k == accum_ - 1;  // NoZeRO, ZeRO-1: one reduction per step
+      std::fill(reduced_.begin(), reduced_.end(), false);
       const std::size_t off = (static_cast<std::size_t>(k) * static_cast<std::size_t>(B) + mine.begin) *
                               static_cast<std::size_t>(T_);
-      model_.forward(tokens.data() + off, targets.data() + off, b, T_);
-      loss += model_.loss();
-      if constexpr (can_overlap) {
-        if (!zero1 && overlap_ && k == accum_ - 1) {
-          model_.backward(std::function<void(std::size_t)>(reduce_final));
-          continue;
-        }
+      if constexpr (has_hooks) {
+        model_.forward(tokens.data() + off, targets.data() + off, b, T_, hooks_);
+        loss += model_.loss();
+        model_.backward(hooks_);
+      } else {
+        model_.forward(tokens.data() + off, targets.data() + off, b, T_);
+        loss += model_.loss();
+        for (int u = 0; u < plan::units; ++u) grads_in_use(u);
+        model_.backward();
       }
-      model_.backward();
+      if (reducing_)
+        for (int u = plan::units - 1; u >= 0; --u) reduce_unit(u);  // what backward did not reduce
     }
+    if constexpr (stage == 3)
+      for (int u = 0; u < plan::units; ++u) release_params(u);
     loss /= accum_;
-    if (zero1 && accum_ > 1) kernels::host::scale(grads.data(), grads.size(), 1.0f / static_cast<float>(accum_));
-    reduce_({}, {}, {}, Op::avg_scalar, &loss);
-
-    if constexpr (!zero1) {
-      reduce_final(0);  // what backward did not reduce (all of it without overlap)
-      const FlatRange all{0, layout::size};
-      if (opt_.hp.max_norm > 0) opt_.clip(grads, all, sum_of_squares(grads, all));  // every replica: the same sum
-      opt_.step(model_.params(), std::span<const T>(grads), all);
-    } else {
-      const FlatRange shard = shards::shard(rank_), owned = opt_.owned();
-      std::span<T> flat(flat_);
-      std::span<T> my_shard = flat.subspan(shard.begin, shard.size());
-      std::copy(grads.begin(), grads.end(), flat.begin());
-      std::fill(flat.begin() + static_cast<std::ptrdiff_t>(layout::size), flat.end(), T{});
-      reduce_(flat, my_shard, {}, Op::reduce_scatter_avg, nullptr);
-      if (opt_.hp.max_norm > 0) {
-        double s = sum_of_squares(flat, owned);
-        reduce_({}, {}, {}, Op::sum_scalar, &s);  // the global norm: every element counted once
-        opt_.clip(flat, owned, s);
-      }
-      std::span<T> params = model_.params();
-      opt_.step(params, std::span<const T>(flat), owned);
-      // this rank's updated parameters into its shard (padding stays zero), then everyone's
-      std::copy(params.begin() + static_cast<std::ptrdiff_t>(owned.begin),
-                params.begin() + static_cast<std::ptrdiff_t>(owned.end),
-                flat.begin() + static_cast<std::ptrdiff_t>(owned.begin));
-      std::fill(flat.begin() + static_cast<std::ptrdiff_t>(owned.end),
-                flat.begin() + static_cast<std::ptrdiff_t>(shard.end), T{});
-      reduce_(flat, my_shard, {}, Op::all_gather, nullptr);
-      std::copy(flat.begin(), flat.begin() + static_cast<std::ptrdiff_t>(layout::size), params.begin());
-    }
+    coll_.sum(loss, ReduceOp::avg);
+    optimizer_step();
     return loss;
   }
 
-  // Bytes this rank holds for training state, N = layout::size elements:
-  //   fp32  NoZeRO 4N + 4N + 8N;   ZeRO<1> 4N + 4N + 8N/DP (moments for the shard only)
-  //   bf16  NoZeRO 2N + 2N + 12N;  ZeRO<1> 2N + 2N + 12N/DP (fp32 master, m, v for the shard)
-  // plus, under ZeRO<1>, the padded staging buffer of the reduce-scatter / all-gather
-  // (sizeof(T) x padded).
+  // The whole parameter buffer (layout::size elements). Under ZeRO<3> an all-gather of every
+  // bucket, so every DP rank must call it; otherwise a copy of the model's parameters.
+  std::vector<T> full_params() {
+    if constexpr (stage < 3) {
+      return std::vector<T>(model_.params().begin(), model_.params().end());
+    } else {
+      std::vector<T> all(layout::size);
+      for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(i, std::span<T>(all));
+      return all;
+    }
+  }
+
+  // Bytes this rank holds for training state between steps (see the top of this file).
   struct Memory {
     std::size_t params = 0, grads = 0, optimizer = 0, staging = 0;
+    std::size_t transient_peak = 0;  // ZeRO-2/3: whole units held during the last step
     std::size_t total() const { return params + grads + optimizer + staging; }
   };
   Memory memory() const {
-    return {layout::size * sizeof(T), layout::size * sizeof(T), opt_.state_bytes(), flat_.size() * sizeof(T)};
+    const std::size_t t = sizeof(T);
+    return {(stage < 3 ? layout::size : plan::shard_total) * t, (stage < 2 ? layout::size : plan::shard_total) * t,
+            opt_.state_bytes(), (staging_.size() + piece_.size()) * t, stage >= 2 ? peak_ * t : 0};
   }
 
-  // NoZeRO: reduce each gradient bucket during the last micro-batch's backward, as soon as
-  // the model has finished it (on by default; needs a model whose backward reports finished
-  // ranges, as GPT does). Off: every reduction runs after backward. The results are the
-  // same bit for bit; what changes is when the collectives are issued.
+  // Reduce each unit's buckets during backward, as soon as the model has finished it (on by
+  // default; needs a model that calls UnitHooks, as GPT does). Off: every reduction runs
+  // after backward. The results are the same bit for bit; what changes is when the
+  // collectives are issued.
   void set_overlap(bool on) { overlap_ = on; }
-  bool overlap() const { return can_overlap && !zero1 && overlap_; }
+  bool overlap() const { return has_hooks && overlap_; }
 
   optimizer_type& optimizer() { return opt_; }
   const optimizer_type& optimizer() const { return opt_; }
@@ -234,21 +259,14 @@ class DataParallel {
   int accum() const { return accum_; }
 
  private:
-  enum class Op { all_reduce_avg, reduce_scatter_avg, all_gather, sum_scalar, avg_scalar };
-  static constexpr bool can_overlap = requires(Model& m, const std::function<void(std::size_t)>& f) { m.backward(f); };
-
-  // Sum of squares of grads[r] over the model's own group, every parameter once: the
-  // model says how when it is itself split (nn::tp::Bound over TP), else a plain sum.
-  double sum_of_squares(std::span<const T> grads, FlatRange r) const {
-    if constexpr (requires { model_.grad_sum_of_squares(grads, r); }) return model_.grad_sum_of_squares(grads, r);
-    else return optimizer_type::sum_of_squares(grads, r);
-  }
+  struct Collectives {
+    std::function<void(std::span<T>)> all_reduce_avg;
+    std::function<void(std::span<const T>, std::span<T>)> reduce_scatter_avg, all_gather;
+    std::function<void(double&, ReduceOp)> sum;
+  };
 
   DataParallel(Model& model, int rank, int size, const AdamWConfig& config, int accum)
-      : model_(model),
-        rank_(rank),
-        accum_(accum),
-        opt_(config, zero1 ? shards::owned(rank) : FlatRange{0, layout::size}) {
+      : model_(model), rank_(rank), accum_(accum), opt_(config, owned_ranges(rank)) {
     if (size != DP)
       throw std::invalid_argument("fived::DataParallel<..., " + std::to_string(DP) +
                                   ">: the communicator has " + std::to_string(size) +
@@ -256,17 +274,201 @@ class DataParallel {
     if (accum < 1)
       throw std::invalid_argument("fived::DataParallel: accum (micro-batches per step) must be at least 1, got " +
                                   std::to_string(accum));
-    if constexpr (zero1) flat_.assign(shards::padded, T{});
+    if constexpr (stage >= 1) {
+      staging_.assign(plan::max_padded, T{});
+      piece_.assign(plan::max_padded / DP, T{});
+    }
+    if constexpr (stage >= 2) grad_pieces_.assign(plan::shard_total, T{});
+    if constexpr (stage == 3) param_pieces_.assign(plan::shard_total, T{});
+    reduced_.assign(plan::units, false);
+    gathered_.assign(plan::units, false);
+    grads_live_.assign(plan::units, false);
+    hooks_.before_forward = [this](int u) { use_params(u, u + 1); };
+    hooks_.after_forward = [this](int u) { done_with_params(u); };
+    hooks_.before_backward = [this](int u) {
+      grads_in_use(u);
+      use_params(u, u - 1);
+    };
+    hooks_.after_backward = [this](int u) {
+      if (overlap_ && reducing_) reduce_unit(u);
+      done_with_params(u);
+    };
+  }
+
+  // What this rank's optimizer owns of bucket i: the whole bucket without ZeRO, else its piece.
+  FlatRange owned(std::size_t i) const { return stage == 0 ? plan::bucket(i).range : plan::owned(i, rank_); }
+  static std::vector<FlatRange> owned_ranges(int r) {
+    std::vector<FlatRange> v;
+    for (std::size_t i = 0; i < plan::count; ++i) {
+      const FlatRange o = stage == 0 ? plan::bucket(i).range : plan::owned(i, r);
+      if (!o.empty()) v.push_back(o);
+    }
+    return v;
+  }
+  // This rank's stored piece of bucket i in a sharded buffer (its owned elements first).
+  static std::span<T> piece_of(std::vector<T>& v, std::size_t i) {
+    return std::span<T>(v).subspan(plan::bucket(i).shard_offset, plan::shard_size(i));
+  }
+  std::span<T> param_piece(std::size_t i) { return piece_of(param_pieces_, i); }
+  // The gradient of what this rank owns of bucket i, from its first owned element on.
+  std::span<T> owned_grads(std::size_t i) {
+    if constexpr (stage >= 2) return piece_of(grad_pieces_, i).first(owned(i).size());
+    else return model_.grads().subspan(owned(i).begin, owned(i).size());
+  }
+  std::span<T> owned_params(std::size_t i) {
+    if constexpr (stage == 3) return param_piece(i).first(owned(i).size());
+    else return model_.params().subspan(owned(i).begin, owned(i).size());
+  }
+
+  // ---- gradients ------------------------------------------------------------------------
+
+  // Scale bucket i by 1/accum and reduce it over DP: all-reduce in place (NoZeRO), or
+  // reduce-scatter through the padded staging buffer into this rank's piece (ZeRO).
+  void reduce_bucket(std::size_t i) {
+    const Bucket& bk = plan::bucket(i);
+    std::span<T> g = model_.grads().subspan(bk.range.begin, bk.range.size());
+    if (accum_ > 1) kernels::host::scale(g.data(), g.size(), 1.0f / static_cast<float>(accum_));
+    if constexpr (stage == 0) {
+      coll_.all_reduce_avg(g);
+    } else {
+      std::span<T> in = std::span<T>(staging_).first(bk.padded), out = std::span<T>(piece_).first(bk.padded / DP);
+      std::copy(g.begin(), g.end(), in.begin());
+      std::fill(in.begin() + static_cast<std::ptrdiff_t>(g.size()), in.end(), T{});
+      coll_.reduce_scatter_avg(in, out);
+      std::span<T> mine = owned_grads(i);
+      if constexpr (stage == 1) std::copy_n(out.begin(), mine.size(), mine.begin());
+      else kernels::host::residual_forward(mine.data(), mine.data(), out.data(), mine.size());
+    }
+  }
+
+  void reduce_unit(int u) {
+    if (reduced_[static_cast<std::size_t>(u)]) return;
+    reduced_[static_cast<std::size_t>(u)] = true;
+    const FlatRange bs = plan::buckets_of(u);
+    for (std::size_t i = bs.end; i-- > bs.begin;) reduce_bucket(i);
+    if constexpr (stage >= 2) {  // the reduced gradient lives in the pieces now
+      release_pages(model_.grads().subspan(plan::unit(u).begin, plan::unit(u).size()));
+      if (grads_live_[static_cast<std::size_t>(u)]) held_ -= plan::unit(u).size();
+      grads_live_[static_cast<std::size_t>(u)] = false;
+    }
+  }
+
+  // Backward is about to write unit u's gradients (for the transient count under ZeRO-2/3).
+  void grads_in_use(int u) {
+    if (stage < 2 || grads_live_[static_cast<std::size_t>(u)]) return;
+    grads_live_[static_cast<std::size_t>(u)] = true;
+    hold(plan::unit(u).size());
+  }
+
+  // ---- ZeRO-3 parameters ------------------------------------------------------------------
+
+  // The first and last units stay gathered for the whole step (a tied head reads wte at
+  // both ends of the model).
+  static constexpr bool outer(int u) { return u == 0 || u == plan::units - 1; }
+
+  // All-gather bucket i from every rank's piece into dst (flat-buffer offsets).
+  void gather_bucket(std::size_t i, std::span<T> dst) {
+    const Bucket& bk = plan::bucket(i);
+    std::span<T> in = std::span<T>(piece_).first(bk.padded / DP), out = std::span<T>(staging_).first(bk.padded);
+    std::span<const T> mine = param_piece(i);
+    std::copy(mine.begin(), mine.end(), in.begin());
+    coll_.all_gather(in, out);
+    std::copy_n(out.begin(), bk.range.size(), dst.begin() + static_cast<std::ptrdiff_t>(bk.range.begin));
+  }
+
+  // Returns whether it gathered (false: u does not exist or is gathered already).
+  bool gather_params(int u) {
+    if (u < 0 || u >= plan::units || gathered_[static_cast<std::size_t>(u)]) return false;
+    gathered_[static_cast<std::size_t>(u)] = true;
+    const FlatRange bs = plan::buckets_of(u);
+    for (std::size_t i = bs.begin; i < bs.end; ++i) gather_bucket(i, model_.params());
+    hold(plan::unit(u).size());
+    return true;
+  }
+
+  void release_params(int u) {
+    if (!gathered_[static_cast<std::size_t>(u)]) return;
+    gathered_[static_cast<std::size_t>(u)] = false;
+    release_pages(model_.params().subspan(plan::unit(u).begin, plan::unit(u).size()));
+    held_ -= plan::unit(u).size();
+  }
+
+  // Unit u is about to run: gather it, then prefetch `next`, the unit that runs after it (on
+  // NCCL that gather overlaps u's compute). An outer unit used again (the tied head reads
+  // unit 0 at the end of forward) prefetches nothing.
+  void use_params(int u, int next) {
+    if constexpr (stage == 3)
+      if (gather_params(u) || !outer(u)) gather_params(next);
+  }
+  void done_with_params(int u) {
+    if constexpr (stage == 3)
+      if (!outer(u)) release_params(u);
+  }
+
+  void hold(std::size_t elements) {
+    held_ += elements;
+    peak_ = std::max(peak_, held_);
+  }
+
+  // ---- the optimizer step -------------------------------------------------------------------
+
+  // Clip to the global norm (every parameter counted once over DP and the model's own
+  // group), one AdamW step on what this rank owns, then (NoZeRO aside) the new parameters
+  // to every replica: all-gathered now under ZeRO-1/2, at their next use under ZeRO-3.
+  void optimizer_step() {
+    if (opt_.hp.max_norm > 0) {
+      double s = 0;
+      for (std::size_t i = 0; i < plan::count; ++i) s += sum_of_squares(i);
+      if constexpr (requires { model_.sum_over_replica(s); }) s = model_.sum_over_replica(s);
+      if constexpr (stage >= 1) coll_.sum(s, ReduceOp::sum);  // NoZeRO: every replica has the same sum
+      const float f = opt_.clip_factor(s);
+      if (f < 1.0f)
+        for (std::size_t i = 0; i < plan::count; ++i) kernels::host::scale(owned_grads(i).data(), owned(i).size(), f);
+    }
+    opt_.begin_step();
+    for (std::size_t i = 0; i < plan::count; ++i)
+      if (!owned(i).empty()) opt_.update(owned_params(i), owned_grads(i), owned(i), owned(i).begin);
+    if constexpr (stage == 1 || stage == 2) {
+      for (std::size_t i = 0; i < plan::count; ++i) {
+        const Bucket& bk = plan::bucket(i);
+        std::span<T> in = std::span<T>(piece_).first(bk.padded / DP), out = std::span<T>(staging_).first(bk.padded);
+        std::span<const T> mine = owned_params(i);
+        std::copy(mine.begin(), mine.end(), in.begin());
+        std::fill(in.begin() + static_cast<std::ptrdiff_t>(mine.size()), in.end(), T{});
+        coll_.all_gather(in, out);
+        std::copy_n(out.begin(), bk.range.size(), model_.params().begin() + static_cast<std::ptrdiff_t>(bk.range.begin));
+      }
+    }
+  }
+
+  // Sum of squares of what this rank owns of bucket i, counting only the parts the model
+  // says this rank counts (nn::tp::Bound: a replicated tensor on TP rank 0 only).
+  double sum_of_squares(std::size_t i) {
+    const FlatRange o = owned(i);
+    std::span<const T> g = owned_grads(i);
+    if constexpr (requires { model_.norm_parts(o); }) {
+      double s = 0;
+      for (const FlatRange& p : model_.norm_parts(o))
+        s += kernels::host::sum_of_squares(g.data() + (p.begin - o.begin), p.size());
+      return s;
+    } else {
+      return kernels::host::sum_of_squares(g.data(), g.size());
+    }
   }
 
   Model& model_;
   int rank_;
   int accum_;
   bool overlap_ = true;
+  bool reducing_ = false;  // the current micro-batch's gradients are reduced
   optimizer_type opt_;
-  std::vector<T> flat_;  // ZeRO-1: the padded buffer for reduce-scatter / all-gather
-  // The collectives, bound to the communicator's type at construction.
-  std::function<void(std::span<T>, std::span<T>, FlatRange, Op, double*)> reduce_;
+  Collectives coll_;
+  UnitHooks hooks_;
+  std::vector<T> staging_, piece_;  // ZeRO: one bucket, padded, and one piece of it
+  std::vector<T> grad_pieces_;      // ZeRO-2/3: this rank's pieces of the reduced gradient
+  std::vector<T> param_pieces_;     // ZeRO-3: this rank's pieces of the parameters
+  std::vector<bool> reduced_, gathered_, grads_live_;  // per unit
+  std::size_t held_ = 0, peak_ = 0;  // elements of gathered parameters and live gradients
 };
 
 }  // namespace fived

@@ -198,22 +198,30 @@ class GPT {
   template <Communicator Comm>
   std::vector<T> gather_grads(Comm& tp) const { return gather(grads_, tp); }
 
-  // Sum of squares of the gradient elements in r (offsets of this rank's
-  // buffer; `grads` may be a copy, e.g. a DP-reduced one) over the whole TP
-  // group, every parameter once: the split tensors' pieces from every rank, the
-  // replicated ones (identical on every rank) from TP rank 0 only. One
-  // all-reduce; the same on every rank of the group.
+  // The parts of r (offsets of this rank's buffer) whose gradients this rank counts in the
+  // global norm, so that the TP group counts every parameter once: every piece of a split
+  // tensor, and a replicated tensor (identical on every rank) on TP rank 0 only.
+  std::vector<FlatRange> norm_parts(FlatRange r) const {
+    std::vector<FlatRange> parts;
+    for (int i = 0; i < layout::count; ++i) {
+      const ParamInfo& t = layout::tensors[static_cast<std::size_t>(i)];
+      const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
+      if (b >= e || (layout::split(i).replicated() && rank() != 0)) continue;
+      if (!parts.empty() && parts.back().end == b) parts.back().end = e;
+      else parts.push_back({b, e});
+    }
+    return parts;
+  }
+
+  // Sum of squares of the gradient elements in r (`grads` may be a copy, e.g. a DP-reduced
+  // one) over the whole TP group, every parameter once (norm_parts). One all-reduce; the
+  // same on every rank of the group.
   template <Communicator Comm>
   double grad_sum_of_squares(std::span<const T> grads, FlatRange r, Comm& tp) const {
     if (r.end > grads.size() || r.begin > r.end)
       throw std::invalid_argument("nn::tp::GPT::grad_sum_of_squares: range outside the gradient buffer");
     double s = 0;
-    for (int i = 0; i < layout::count; ++i) {
-      const ParamInfo& t = layout::tensors[static_cast<std::size_t>(i)];
-      const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
-      if (b >= e || (layout::split(i).replicated() && rank() != 0)) continue;
-      s += kernels::host::sum_of_squares(grads.data() + b, e - b);
-    }
+    for (const FlatRange& p : norm_parts(r)) s += kernels::host::sum_of_squares(grads.data() + p.begin, p.size());
     tp.all_reduce(std::span<const double>(&s, 1), std::span<double>(&s, 1), ReduceOp::sum);
     return s;
   }
@@ -367,8 +375,8 @@ class GPT {
 // (forward/loss/backward without a communicator, params, grads, layout), so
 // code written for one model replica takes a TP-split one, e.g.
 //   DataParallel<nn::tp::Bound<Model, Comm>, DP, ZeRO<1>> dp(bound, dp_comm, hp);
-// for DP x TP. grad_sum_of_squares(grads, range) counts every parameter once
-// over the TP group; DataParallel sums it over DP.
+// for DP x TP. norm_parts and sum_over_replica count every parameter once over
+// the TP group in the clip norm; DataParallel sums it over DP.
 template <class Model, Communicator Comm>
 class Bound {
  public:
@@ -384,8 +392,12 @@ class Bound {
   void zero_grad() { m_.zero_grad(); }
   std::span<value_type> params() { return m_.params(); }
   std::span<value_type> grads() { return m_.grads(); }
-  double grad_sum_of_squares(std::span<const value_type> grads, FlatRange r) const {
-    return m_.grad_sum_of_squares(grads, r, tp_);
+  // The clip norm, as DataParallel takes it: the parts of r this rank counts, and a sum of
+  // this rank's part over the TP group.
+  std::vector<FlatRange> norm_parts(FlatRange r) const { return m_.norm_parts(r); }
+  double sum_over_replica(double s) const {
+    tp_.all_reduce(std::span<double>(&s, 1), ReduceOp::sum);
+    return s;
   }
   Model& model() { return m_; }
   Comm& comm() { return tp_; }
