@@ -10,6 +10,10 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
 #include <cmath>
 #include <functional>
 #include <random>
@@ -335,76 +339,133 @@ TEST_CASE("bf16 data parallel with fp32 masters tracks the bf16 serial run: DP 2
   }
 }
 
-// The model, with a log of when backward finished each unit and how many reductions
-// (all-reduces and reduce-scatters) the DP group had issued by then.
-struct Observed : Model {
-  using Model::Model;
-  Counting<host::Comm>* comm = nullptr;
-  std::vector<std::pair<int, std::int64_t>> log;  // (unit, reductions issued after its after_backward)
-  void backward(const UnitHooks& hooks = {}) {
-    UnitHooks logged = hooks;
-    logged.after_backward = [&](int u) {
-      detail::call(hooks.after_backward, u);
-      log.emplace_back(u, comm->counts().all_reduce.calls + comm->counts().reduce_scatter.calls);
-    };
-    Model::backward(logged);
+// The DP communicator, recording for every gradient reduction (all-reduce or
+// reduce-scatter of T) which thread made it and how far backward had come: the last unit the
+// model had finished, Lay::units when backward has finished none, -1 once it has returned.
+struct Spy {
+  explicit Spy(host::Comm& c) : comm(c) {}
+  host::Comm& comm;
+  std::atomic<int> finished{Lay::units};
+  std::thread::id rank_thread = std::this_thread::get_id();
+  struct Call {
+    std::thread::id thread;
+    int finished;
+  };
+  std::mutex mu;
+  std::vector<Call> calls;
+  std::atomic<int> from_other_threads{0};
+
+  int rank() const { return comm.rank(); }
+  int size() const { return comm.size(); }
+  void record() {
+    std::lock_guard lk(mu);
+    calls.push_back({std::this_thread::get_id(), finished.load()});
+    if (std::this_thread::get_id() != rank_thread) ++from_other_threads;
+  }
+  template <class E>
+  void all_reduce(std::span<E> x, ReduceOp op) {
+    if constexpr (!std::is_same_v<E, double>) record();
+    comm.all_reduce(x, op);
+  }
+  template <class E>
+  void reduce_scatter(std::span<const E> in, std::span<E> out, ReduceOp op) {
+    record();
+    comm.reduce_scatter(in, out, op);
+  }
+  template <class E>
+  void all_gather(std::span<const E> in, std::span<E> out) {
+    comm.all_gather(in, out);
   }
 };
 
-// Runs one step with overlap on and off; returns the log of the overlapped run on rank 0,
-// and checks that both give the same weights bit for bit.
+// The model, telling the spy where backward is. With `pause`, backward waits after
+// finishing the last layer until a reduction has been made on another thread (or 10 s):
+// the reduction then provably runs while backward has not finished.
+struct Observed : Model {
+  using Model::Model;
+  Spy* spy = nullptr;
+  bool pause = false;
+  std::vector<int> finished;  // units in the order backward finished them
+  void backward(const UnitHooks& hooks = {}) {
+    spy->finished = Lay::units;
+    UnitHooks logged = hooks;
+    logged.after_backward = [&](int u) {
+      finished.push_back(u);
+      spy->finished = u;  // before the trainer hears of it
+      detail::call(hooks.after_backward, u);
+      if (pause && u == Lay::units - 2) {
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (spy->from_other_threads == 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+      }
+    };
+    Model::backward(logged);
+    spy->finished = -1;
+  }
+};
+
+// One step with overlap on and then off. Checks that both give the same weights bit for bit
+// and returns rank 0's reductions of each.
 template <class Policy>
-std::vector<std::pair<int, std::int64_t>> overlap_log(int accum) {
-  std::vector<std::pair<int, std::int64_t>> log0;
+std::pair<std::vector<Spy::Call>, std::vector<Spy::Call>> overlap_calls(int accum) {
+  std::vector<Spy::Call> on0, off0;
   std::vector<std::vector<float>> overlapped(2), after(2);
   host::run(2, [&](host::Comm& world) {
-    Counting<host::Comm> comm(world);
     std::vector<int> tok, tgt;
     global_batch(0, accum, tok, tgt);
     for (bool overlap : {true, false}) {
+      Spy spy(world);
       Observed m(init);
-      m.comm = &comm;
-      DataParallel<Observed, 2, Policy, bucket_bytes> dp(m, comm, hp, accum);
+      m.spy = &spy;
+      m.pause = overlap;
+      DataParallel<Observed, 2, Policy, bucket_bytes> dp(m, spy, hp, accum);
       dp.set_overlap(overlap);
       CHECK(dp.overlap() == overlap);
-      const auto before = comm.counts().all_reduce.calls + comm.counts().reduce_scatter.calls;
       dp.step(tok, tgt, B, T);
-      for (auto& [unit, calls] : m.log) calls -= before;
-      if (overlap && world.rank() == 0) log0 = m.log;
+      REQUIRE(m.finished.size() == static_cast<std::size_t>(accum) * Lay::units);
+      for (std::size_t i = 0; i < m.finished.size(); ++i)  // units finish from the last to the first
+        CHECK(m.finished[i] == static_cast<int>(Lay::units - 1 - i % Lay::units));
+      if (world.rank() == 0) (overlap ? on0 : off0) = spy.calls;
       const auto w = dp.full_params();
       (overlap ? overlapped : after)[static_cast<std::size_t>(world.rank())].assign(w.begin(), w.end());
     }
   });
   CHECK(overlapped == after);  // bit for bit
   CHECK(overlapped[0] == overlapped[1]);
-  return log0;
+  return {on0, off0};
 }
 
-TEST_CASE("overlap: each bucket is reduced as soon as backward finishes its unit, with the same result") {
+TEST_CASE("overlap: each bucket is reduced on the communication thread once backward has finished its unit") {
   using P2 = BucketPlan<Lay, 2, sizeof(float), bucket_bytes>;
-  constexpr std::size_t units = Lay::units;
-  // the buckets of units >= u: what must have been reduced once unit u is final
-  auto buckets_from = [](int u) { return static_cast<std::int64_t>(P2::count - P2::buckets_of(u).begin); };
+  const std::thread::id none{};
   for (int accum : {1, 3}) {
     CAPTURE(accum);
     // NoZeRO and ZeRO-1 reduce in the last micro-batch only; ZeRO-2 and 3 in every one.
-    auto check = [&](const auto& log, bool every_micro_batch, const char* what) {
+    auto check = [&](const auto& calls, bool every_micro_batch, const char* what) {
       CAPTURE(what);
-      REQUIRE(log.size() == static_cast<std::size_t>(accum) * units);
-      for (std::size_t i = 0; i < log.size(); ++i) {
-        const std::size_t micro = i / units;
-        const bool reducing = every_micro_batch || micro == static_cast<std::size_t>(accum - 1);
-        const std::int64_t earlier = every_micro_batch ? static_cast<std::int64_t>(micro * P2::count) : 0;
+      const auto& [on, off] = calls;
+      const std::size_t reduced_micro_batches = every_micro_batch ? static_cast<std::size_t>(accum) : 1;
+      REQUIRE(on.size() == reduced_micro_batches * P2::count);
+      REQUIRE(off.size() == on.size());
+      std::size_t during_backward = 0;
+      for (std::size_t i = 0; i < on.size(); ++i) {
         CAPTURE(i);
-        CHECK(log[i].first == static_cast<int>(units - 1 - i % units));  // units finish from the last to the first
-        CHECK(log[i].second == earlier + (reducing ? buckets_from(log[i].first) : 0));
+        // buckets go from the last to the first; bucket b is reduced only once its unit is
+        // final (the model has finished a unit <= b's), and never on the rank's own thread
+        const int unit = P2::bucket(P2::count - 1 - i % P2::count).unit;
+        CHECK(on[i].thread != none);
+        CHECK(on[i].finished <= unit);
+        during_backward += on[i].finished >= 0;
+        CHECK(off[i].finished == -1);  // overlap off: after backward
       }
-      CHECK(log[log.size() - 2].second < static_cast<std::int64_t>(accum * P2::count));  // some before the end
+      CHECK(during_backward >= 1);  // backward waited, with a reduction made meanwhile
+      const std::thread::id rank_thread = off[0].thread;
+      for (const auto& c : off) CHECK(c.thread == rank_thread);
+      for (const auto& c : on) CHECK(c.thread != rank_thread);
     };
-    check(overlap_log<NoZeRO>(accum), false, "no ZeRO");
-    check(overlap_log<ZeRO<1>>(accum), false, "ZeRO-1");
-    check(overlap_log<ZeRO<2>>(accum), true, "ZeRO-2");
-    check(overlap_log<ZeRO<3>>(accum), true, "ZeRO-3");
+    check(overlap_calls<NoZeRO>(accum), false, "no ZeRO");
+    check(overlap_calls<ZeRO<1>>(accum), false, "ZeRO-1");
+    check(overlap_calls<ZeRO<2>>(accum), true, "ZeRO-2");
+    check(overlap_calls<ZeRO<3>>(accum), true, "ZeRO-3");
   }
 }
 

@@ -57,7 +57,9 @@
 // ZeRO<2>, 16/DP under ZeRO<3>. These are the bytes held between steps. ZeRO always holds a
 // staging buffer for one bucket's collective (its padded size plus one piece), and ZeRO<2>
 // and <3> also hold whole units while they run (`transient_peak`: the most gathered
-// parameters plus unreduced gradients at any moment of the last step).
+// parameters plus unreduced gradients at any moment of the last step, a unit's gradients
+// counted until its reduction is issued; a communication thread that falls behind holds
+// them a little longer).
 //
 // DP x TP: the model may itself be split over TP, bound to its TP communicator
 // (nn::tp::Bound, nn/tp/gpt.hpp). Its layout is then one TP rank's buffer, which DP cuts and
@@ -75,15 +77,20 @@
 // what it owns and writes bf16(master) back, so every replica's bf16 weights come from the
 // same fp32 masters.
 //
-// Overlap: with a model that calls UnitHooks, a unit's buckets are reduced at its
-// after_backward, while the rest of backward runs (on NCCL the collective goes on the
-// communication stream while the compute stream goes on). The host backend's collectives
-// block, so there the reductions are interleaved with backward, not concurrent.
-// set_overlap(false), or a model without hooks (nn::tp::Bound), reduces after backward.
+// Overlap: with a model that calls UnitHooks, a unit's buckets are handed at its
+// after_backward to a communication thread (util/worker.hpp: the host's counterpart of
+// NCCL's communication stream), which reduces them while backward goes on; ZeRO-3's gathers
+// and prefetches run there too, and forward/backward wait only for the unit they are about
+// to use. Before the gradients are touched again (the next micro-batch, the optimizer) the
+// trainer waits for all of it. set_overlap(false), or a model without hooks (nn::tp::Bound),
+// runs every collective on the calling thread, after backward for the reductions. The
+// results are the same bit for bit.
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -98,6 +105,7 @@
 #include "fived/nn/unit_hooks.hpp"
 #include "fived/optim/adamw.hpp"
 #include "fived/train/bucket_plan.hpp"
+#include "fived/util/worker.hpp"
 
 namespace fived {
 
@@ -192,6 +200,7 @@ class DataParallel {
                                   std::to_string(want) + " ids (got " + std::to_string(tokens.size()) + " and " +
                                   std::to_string(targets.size()) + ")");
     const int b = static_cast<int>(mine.size());
+    async_ = overlap();
     peak_ = held_;
     if constexpr (stage < 2) model_.zero_grad();  // ZeRO-2/3: released gradient pages read as zeros
     else std::fill(grad_pieces_.begin(), grad_pieces_.end(), T{});
@@ -211,8 +220,9 @@ class DataParallel {
         for (int u = 0; u < plan::units; ++u) grads_in_use(u);
         model_.backward();
       }
+      if (worker_) worker_->drain();  // the reductions and gathers it was given
       if (reducing_)
-        for (int u = plan::units - 1; u >= 0; --u) reduce_unit(u);  // what backward did not reduce
+        for (int u = plan::units - 1; u >= 0; --u) reduce_unit(u, false);  // what backward did not reduce
     }
     if constexpr (stage == 3)
       for (int u = 0; u < plan::units; ++u) release_params(u);
@@ -251,6 +261,7 @@ class DataParallel {
   // after backward. The results are the same bit for bit; what changes is when the
   // collectives are issued.
   void set_overlap(bool on) { overlap_ = on; }
+  // Off: every collective runs on the calling thread. The results are the same bit for bit.
   bool overlap() const { return has_hooks && overlap_; }
 
   optimizer_type& optimizer() { return opt_; }
@@ -282,6 +293,7 @@ class DataParallel {
     if constexpr (stage == 3) param_pieces_.assign(plan::shard_total, T{});
     reduced_.assign(plan::units, false);
     gathered_.assign(plan::units, false);
+    gather_ticket_.assign(plan::units, 0);
     grads_live_.assign(plan::units, false);
     hooks_.before_forward = [this](int u) { use_params(u, u + 1); };
     hooks_.after_forward = [this](int u) { done_with_params(u); };
@@ -290,9 +302,10 @@ class DataParallel {
       use_params(u, u - 1);
     };
     hooks_.after_backward = [this](int u) {
-      if (overlap_ && reducing_) reduce_unit(u);
+      if (async_ && reducing_) reduce_unit(u, true);
       done_with_params(u);
     };
+    if constexpr (has_hooks) worker_ = std::make_unique<Worker>();
   }
 
   // What this rank's optimizer owns of bucket i: the whole bucket without ZeRO, else its piece.
@@ -341,16 +354,26 @@ class DataParallel {
     }
   }
 
-  void reduce_unit(int u) {
+  // Reduces unit u's buckets (ZeRO-2/3: and gives its gradient pages back), on the
+  // communication thread when `async`.
+  void reduce_unit(int u, bool async) {
     if (reduced_[static_cast<std::size_t>(u)]) return;
     reduced_[static_cast<std::size_t>(u)] = true;
-    const FlatRange bs = plan::buckets_of(u);
-    for (std::size_t i = bs.end; i-- > bs.begin;) reduce_bucket(i);
-    if constexpr (stage >= 2) {  // the reduced gradient lives in the pieces now
-      release_pages(model_.grads().subspan(plan::unit(u).begin, plan::unit(u).size()));
-      if (grads_live_[static_cast<std::size_t>(u)]) held_ -= plan::unit(u).size();
-      grads_live_[static_cast<std::size_t>(u)] = false;
-    }
+    if (grads_live_[static_cast<std::size_t>(u)]) held_ -= plan::unit(u).size();  // counted when issued
+    grads_live_[static_cast<std::size_t>(u)] = false;
+    run([this, u] {
+      const FlatRange bs = plan::buckets_of(u);
+      for (std::size_t i = bs.end; i-- > bs.begin;) reduce_bucket(i);
+      if constexpr (stage >= 2)  // the reduced gradient lives in the pieces now
+        release_pages(model_.grads().subspan(plan::unit(u).begin, plan::unit(u).size()));
+    }, async);
+  }
+
+  // Runs `task` now, or queues it on the communication thread; returns its ticket (0: done).
+  std::uint64_t run(std::function<void()> task, bool async) {
+    if (async) return worker_->submit(std::move(task));
+    task();
+    return 0;
   }
 
   // Backward is about to write unit u's gradients (for the transient count under ZeRO-2/3).
@@ -376,13 +399,16 @@ class DataParallel {
     std::copy_n(out.begin(), bk.range.size(), dst.begin() + static_cast<std::ptrdiff_t>(bk.range.begin));
   }
 
-  // Returns whether it gathered (false: u does not exist or is gathered already).
+  // Starts gathering unit u (on the communication thread when async_). Returns whether it
+  // did (false: u does not exist or is gathered already).
   bool gather_params(int u) {
     if (u < 0 || u >= plan::units || gathered_[static_cast<std::size_t>(u)]) return false;
     gathered_[static_cast<std::size_t>(u)] = true;
-    const FlatRange bs = plan::buckets_of(u);
-    for (std::size_t i = bs.begin; i < bs.end; ++i) gather_bucket(i, model_.params());
     hold(plan::unit(u).size());
+    gather_ticket_[static_cast<std::size_t>(u)] = run([this, u] {
+      const FlatRange bs = plan::buckets_of(u);
+      for (std::size_t i = bs.begin; i < bs.end; ++i) gather_bucket(i, model_.params());
+    }, async_);
     return true;
   }
 
@@ -397,18 +423,17 @@ class DataParallel {
   // NCCL that gather overlaps u's compute). An outer unit used again (the tied head reads
   // unit 0 at the end of forward) prefetches nothing.
   void use_params(int u, int next) {
-    if constexpr (stage == 3)
+    if constexpr (stage == 3) {
       if (gather_params(u) || !outer(u)) gather_params(next);
+      if (async_) worker_->wait(gather_ticket_[static_cast<std::size_t>(u)]);
+    }
   }
   void done_with_params(int u) {
     if constexpr (stage == 3)
       if (!outer(u)) release_params(u);
   }
 
-  void hold(std::size_t elements) {
-    held_ += elements;
-    peak_ = std::max(peak_, held_);
-  }
+  void hold(std::size_t elements) { peak_ = std::max(peak_, held_ += elements); }
 
   // ---- the optimizer step -------------------------------------------------------------------
 
@@ -461,6 +486,7 @@ class DataParallel {
   int accum_;
   bool overlap_ = true;
   bool reducing_ = false;  // the current micro-batch's gradients are reduced
+  bool async_ = false;     // this step's collectives run on the communication thread
   optimizer_type opt_;
   Collectives coll_;
   UnitHooks hooks_;
@@ -468,7 +494,11 @@ class DataParallel {
   std::vector<T> grad_pieces_;      // ZeRO-2/3: this rank's pieces of the reduced gradient
   std::vector<T> param_pieces_;     // ZeRO-3: this rank's pieces of the parameters
   std::vector<bool> reduced_, gathered_, grads_live_;  // per unit
-  std::size_t held_ = 0, peak_ = 0;  // elements of gathered parameters and live gradients
+  std::vector<std::uint64_t> gather_ticket_;           // per unit: its ZeRO-3 gather's ticket
+  // Elements of gathered parameters and unreduced gradients, counted on the calling thread;
+  // a unit's gradients count as given back when its reduction is issued.
+  std::size_t held_ = 0, peak_ = 0;
+  std::unique_ptr<Worker> worker_;  // the communication thread; last, so it stops first
 };
 
 }  // namespace fived
