@@ -33,6 +33,7 @@
 #include "fived/device/host_pages.hpp"
 #include "fived/train/bucket_plan.hpp"
 #include "fived/train/data_parallel.hpp"
+#include "fived/util/worker.hpp"
 
 using namespace fived;
 
@@ -585,6 +586,40 @@ TEST_CASE("release_pages zeroes a range and gives its whole pages back") {
   v[n / 2] = 2.0f;  // writing maps a fresh page
   CHECK(v[n / 2] == 2.0f);
   CHECK(v[n / 2 + 1] == 0.0f);
+}
+
+TEST_CASE("the communication thread runs tasks in order and hands a failure to the waiter") {
+  Worker w;
+  std::vector<int> order;
+  const auto a = w.submit([&] { order.push_back(1); });
+  const auto b = w.submit([&] { order.push_back(2); });
+  w.wait(b);
+  CHECK(a < b);
+  CHECK(order == std::vector<int>{1, 2});
+  bool ran_after_failure = false;
+  w.submit([] { throw std::runtime_error("collective failed"); });
+  const auto c = w.submit([&] { ran_after_failure = true; });
+  CHECK_THROWS_WITH_AS(w.wait(c), "collective failed", std::runtime_error);
+  CHECK_FALSE(ran_after_failure);                                     // skipped after the failure
+  CHECK_THROWS_WITH_AS(w.drain(), "collective failed", std::runtime_error);  // and it stays failed
+  CHECK(w.idle());
+}
+
+TEST_CASE("ranks that disagree on the policy get an error, not a hang, through the communication thread") {
+  std::vector<int> tok, tgt;
+  global_batch(0, 1, tok, tgt);
+  CHECK_THROWS_AS(host::run(2,
+                            [&](host::Comm& comm) {
+                              Model m(init);
+                              if (comm.rank() == 0) {
+                                DataParallel<Model, 2, NoZeRO, bucket_bytes> dp(m, comm, hp);
+                                dp.step(tok, tgt, B, T);  // all-reduces...
+                              } else {
+                                DataParallel<Model, 2, ZeRO<2>, bucket_bytes> dp(m, comm, hp);
+                                dp.step(tok, tgt, B, T);  // ...against reduce-scatters
+                              }
+                            }),
+                  CommError);
 }
 
 TEST_CASE("a global batch that does not divide over DP is an error") {

@@ -239,7 +239,7 @@ class DataParallel {
       return std::vector<T>(model_.params().begin(), model_.params().end());
     } else {
       std::vector<T> all(layout::size);
-      for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(i, std::span<T>(all));
+      for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(i, param_piece(i), std::span<T>(all));
       return all;
     }
   }
@@ -389,12 +389,13 @@ class DataParallel {
   // both ends of the model).
   static constexpr bool outer(int u) { return u == 0 || u == plan::units - 1; }
 
-  // All-gather bucket i from every rank's piece into dst (flat-buffer offsets).
-  void gather_bucket(std::size_t i, std::span<T> dst) {
+  // All-gather bucket i into dst (flat-buffer offsets) from every rank's piece; `mine` is
+  // this rank's (its owned elements, or the whole stored piece), the rest of it is padding.
+  void gather_bucket(std::size_t i, std::span<const T> mine, std::span<T> dst) {
     const Bucket& bk = plan::bucket(i);
     std::span<T> in = std::span<T>(piece_).first(bk.padded / DP), out = std::span<T>(staging_).first(bk.padded);
-    std::span<const T> mine = param_piece(i);
     std::copy(mine.begin(), mine.end(), in.begin());
+    std::fill(in.begin() + static_cast<std::ptrdiff_t>(mine.size()), in.end(), T{});
     coll_.all_gather(in, out);
     std::copy_n(out.begin(), bk.range.size(), dst.begin() + static_cast<std::ptrdiff_t>(bk.range.begin));
   }
@@ -407,7 +408,7 @@ class DataParallel {
     hold(plan::unit(u).size());
     gather_ticket_[static_cast<std::size_t>(u)] = run([this, u] {
       const FlatRange bs = plan::buckets_of(u);
-      for (std::size_t i = bs.begin; i < bs.end; ++i) gather_bucket(i, model_.params());
+      for (std::size_t i = bs.begin; i < bs.end; ++i) gather_bucket(i, param_piece(i), model_.params());
     }, async_);
     return true;
   }
@@ -453,17 +454,8 @@ class DataParallel {
     opt_.begin_step();
     for (std::size_t i = 0; i < plan::count; ++i)
       if (!owned(i).empty()) opt_.update(owned_params(i), owned_grads(i), owned(i), owned(i).begin);
-    if constexpr (stage == 1 || stage == 2) {
-      for (std::size_t i = 0; i < plan::count; ++i) {
-        const Bucket& bk = plan::bucket(i);
-        std::span<T> in = std::span<T>(piece_).first(bk.padded / DP), out = std::span<T>(staging_).first(bk.padded);
-        std::span<const T> mine = owned_params(i);
-        std::copy(mine.begin(), mine.end(), in.begin());
-        std::fill(in.begin() + static_cast<std::ptrdiff_t>(mine.size()), in.end(), T{});
-        coll_.all_gather(in, out);
-        std::copy_n(out.begin(), bk.range.size(), model_.params().begin() + static_cast<std::ptrdiff_t>(bk.range.begin));
-      }
-    }
+    if constexpr (stage == 1 || stage == 2)
+      for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(i, owned_params(i), model_.params());
   }
 
   // Sum of squares of what this rank owns of bucket i, counting only the parts the model
