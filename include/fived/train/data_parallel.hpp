@@ -26,9 +26,10 @@
 // under ZeRO each rank owns one equal piece of every bucket.
 //
 // Policies:
-//   NoZeRO   all-reduce (avg) of each bucket after the last micro-batch; every rank holds
-//            all parameters, gradients and optimizer state, and steps all of it.
-//   ZeRO<1>  reduce-scatter (avg) of each bucket after the last micro-batch; AdamW state
+//   NoZeRO   all-reduce (avg) of each bucket in the last micro-batch (as soon as backward
+//            finishes its unit, see Overlap); every rank holds all parameters, gradients
+//            and optimizer state, and steps all of it.
+//   ZeRO<1>  reduce-scatter (avg) of each bucket in the last micro-batch; AdamW state
 //            (fp32 moments, and fp32 masters for bf16) for this rank's pieces only; AdamW
 //            updates the pieces, and an all-gather per bucket brings every replica the new
 //            parameters.
