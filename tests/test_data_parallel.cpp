@@ -18,12 +18,10 @@
 #include <functional>
 #include <random>
 #include <span>
-#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "fived/comm/counting.hpp"
 #include "fived/comm/host.hpp"
 #include "fived/kernels/host/norm.hpp"
 #include "fived/mesh/context.hpp"

@@ -310,13 +310,12 @@ class DataParallel {
   }
 
   // What this rank's optimizer owns of bucket i: the whole bucket without ZeRO, else its piece.
-  FlatRange owned(std::size_t i) const { return stage == 0 ? plan::bucket(i).range : plan::owned(i, rank_); }
+  static FlatRange owned(std::size_t i, int r) { return stage == 0 ? plan::bucket(i).range : plan::owned(i, r); }
+  FlatRange owned(std::size_t i) const { return owned(i, rank_); }
   static std::vector<FlatRange> owned_ranges(int r) {
     std::vector<FlatRange> v;
-    for (std::size_t i = 0; i < plan::count; ++i) {
-      const FlatRange o = stage == 0 ? plan::bucket(i).range : plan::owned(i, r);
-      if (!o.empty()) v.push_back(o);
-    }
+    for (std::size_t i = 0; i < plan::count; ++i)
+      if (!owned(i, r).empty()) v.push_back(owned(i, r));
     return v;
   }
   // This rank's stored piece of bucket i in a sharded buffer (its owned elements first).
