@@ -186,10 +186,10 @@ int main(int argc, char** argv) {
   row("residual [8192,768]", time_ms(s, [&] { ck::residual_forward(s, y.data(), x.data(), dx.data(), BT * C); }),
       3.0 * e * BT * C, 0);
   row("embedding fwd", time_ms(s, [&] {
-        ck::embedding_forward(s, x.data(), tokens.data(), wte.data(), wpe.data(), B, T, C, V);
+        ck::embedding_forward(s, x.data(), tokens.data(), wte.data(), 0, Vp, wpe.data(), B, T, C);
       }), 3.0 * e * BT * C, 0);
   row("embedding bwd (sorted, deterministic)", time_ms(s, [&] {
-        ck::embedding_backward(s, dwte.data(), dwpe.data(), y.data(), tokens.data(), B, T, C);
+        ck::embedding_backward(s, dwte.data(), dwpe.data(), y.data(), tokens.data(), B, T, C, 0, Vp);
       }), 3.0 * e * BT * C, 0);  // read dout; read+write the touched dwte rows (~BT rows)
   {
     const double attn_fwd_flops = 4.0 * B * NH * static_cast<double>(T) * T * (C / NH) / 2;  // causal half

@@ -17,30 +17,30 @@
 #include "fived/nn/config.hpp"
 #include "fived/nn/gpt.hpp"
 #include "fived/nn/init.hpp"
-#include "fived/nn/layout.hpp"
-#include "fived/optim/adamw.hpp"
+#include "fived/train/data_parallel.hpp"
 
 using namespace fived;
 
 namespace {
 
-// ---- layout, at compile time ---------------------------------------------------------------
+// ---- the parameter table, at compile time ------------------------------------------------
 
-using gpt2 = GptLayout<gpt_config>;
+template <class Cfg>
+using Table = typename GPT<Cfg>::layout;
+using gpt2 = Table<gpt_config>;
 static_assert(gpt_dims<gpt_config>::padded_vocab == 50304);
 static_assert(gpt2::num_parameters == 124'439'808, "GPT-2 124M as Hugging Face counts it (wte 50257 rows)");
 static_assert(gpt2::size == 124'475'904, "the buffer holds wte padded to 50304 rows: +47 * 768");
 static_assert(gpt2::count == 2 + 12 * 12 + 2);
-static_assert(gpt2::offset(ParamKind::wte) == 0);
-static_assert(gpt2::offset(ParamKind::wpe) == 50304u * 768);
-static_assert(gpt2::offset(ParamKind::ln_1_weight, 0) == 50304u * 768 + 1024u * 768);
-static_assert(gpt2::layer_size == 7'087'872);
-static_assert(gpt2::layer_begin(5) == gpt2::layer_begin(0) + 5 * gpt2::layer_size);
-static_assert(gpt2::layer_end(11) == gpt2::offset(ParamKind::ln_f_weight));
-static_assert(gpt2::info(ParamKind::attn_c_attn_weight, 3).rows == 768 && gpt2::info(ParamKind::attn_c_attn_weight, 3).cols == 2304);
-static_assert(gpt2::info(ParamKind::mlp_c_proj_weight, 3).rows == 3072 && gpt2::info(ParamKind::mlp_c_proj_weight, 3).cols == 768);
-static_assert(gpt2::info(ParamKind::wte).file_rows == 50257 && gpt2::info(ParamKind::wte).rows == 50304);
-static_assert(gpt2::head_kind == ParamKind::wte);
+static_assert(gpt2::tensors[0].offset == 0 && gpt2::tensors[0].rows == 50304 && gpt2::tensors[0].spec.file_rows == 50257);
+static_assert(gpt2::tensors[1].offset == 50304u * 768);                      // wpe
+static_assert(gpt2::tensors[2].offset == 50304u * 768 + 1024u * 768);        // h.0.ln_1.weight
+static_assert(gpt2::unit_begin(2) - gpt2::unit_begin(1) == 7'087'872);       // one block
+static_assert(gpt2::unit_begin(6) == gpt2::unit_begin(1) + 5 * 7'087'872);
+static_assert(gpt2::unit_begin(13) == gpt2::tensors[2 + 12 * 12].offset);    // ln_f.weight
+static_assert(gpt2::tensors[2 + 12 * 3 + 2].rows == 768 && gpt2::tensors[2 + 12 * 3 + 2].cols == 2304);  // h.3 c_attn
+static_assert(gpt2::tensors[2 + 12 * 3 + 10].rows == 3072 && gpt2::tensors[2 + 12 * 3 + 10].cols == 768);  // h.3 mlp c_proj
+static_assert(gpt2::units == 14);
 
 // The table is contiguous, in order, with no gaps.
 template <class Lay>
@@ -58,11 +58,22 @@ struct untied : gpt_config {
   static constexpr bool tied = false;
   static constexpr int vocab_multiple = 1;
 };
-static_assert(GptLayout<untied>::num_parameters == 124'439'808 + 50257u * 768);
-static_assert(GptLayout<untied>::size == GptLayout<untied>::num_parameters, "vocab_multiple = 1: no padding");
-static_assert(GptLayout<untied>::head_kind == ParamKind::lm_head);
-static_assert(GptLayout<untied>::info(ParamKind::lm_head).end() == GptLayout<untied>::size);
-static_assert(contiguous<GptLayout<untied>>());
+static_assert(Table<untied>::num_parameters == 124'439'808 + 50257u * 768);
+static_assert(Table<untied>::size == Table<untied>::num_parameters, "vocab_multiple = 1: no padding");
+static_assert(Table<untied>::tensors[Table<untied>::count - 1].end() == Table<untied>::size);  // lm_head last
+static_assert(contiguous<Table<untied>>());
+
+// A tensor of a table by Hugging Face name.
+template <class Lay>
+const ParamInfo& info(const std::string& name) {
+  const auto i = Lay::find(name);
+  REQUIRE(i.has_value());
+  return Lay::tensors[static_cast<std::size_t>(*i)];
+}
+template <class Lay>
+std::size_t offset(const std::string& name) {
+  return info<Lay>(name).offset;
+}
 
 // The gradient-check model: 2 layers, C = 16, 2 heads, vocab 37 padded to 40.
 struct tiny : gpt_config {
@@ -81,7 +92,7 @@ struct small : gpt_config {
   static constexpr int layers = 2, d_model = 32, heads = 4, vocab = 50, max_seq = 16, vocab_multiple = 16;
 };
 static_assert(padded_vocab<tiny> == 40);
-static_assert(contiguous<GptLayout<tiny>>() && contiguous<GptLayout<tiny_untied>>());
+static_assert(contiguous<Table<tiny>>() && contiguous<Table<tiny_untied>>());
 
 constexpr int B = 2, T = 5;
 
@@ -96,13 +107,13 @@ void batch(std::vector<int>& tok, std::vector<int>& tgt, int b, int t, int vocab
 
 }  // namespace
 
-TEST_CASE("layout: lookup by name and kind agree") {
-  using Lay = GptLayout<tiny>;
+TEST_CASE("table: lookup by name, units, and the serial layout of every tensor") {
+  using Lay = Table<tiny>;
   for (int i = 0; i < Lay::count; ++i) {
     const ParamInfo& t = Lay::tensors[static_cast<std::size_t>(i)];
     CAPTURE(t.name());
     CHECK(Lay::find(t.name()) == i);
-    CHECK(Lay::index(t.kind, t.layer) == i);
+    CHECK(t.spec.decays == (t.rank() == 2));  // the GPT-2 weight-decay rule
   }
   CHECK(Lay::tensors[5].name() == "h.0.attn.c_attn.bias");
   CHECK_FALSE(Lay::find("h.2.ln_1.weight"));  // only 2 layers
@@ -110,54 +121,45 @@ TEST_CASE("layout: lookup by name and kind agree") {
   CHECK_FALSE(Lay::find("h.0.wte.weight"));
   CHECK_FALSE(Lay::find("ln_1.weight"));
   CHECK_FALSE(Lay::find("h.01.ln_1.weight"));
-  CHECK(GptLayout<tiny_untied>::find("lm_head.weight") == GptLayout<tiny_untied>::count - 1);
-  CHECK_THROWS_AS(Lay::index(ParamKind::ln_1_weight, 2), std::out_of_range);
-  CHECK_THROWS_AS(Lay::index(ParamKind::lm_head), std::invalid_argument);
+  CHECK(Table<tiny_untied>::find("lm_head.weight") == Table<tiny_untied>::count - 1);
+  CHECK(Lay::units == tiny::layers + 2);
+  CHECK(Lay::unit_begin(1) == offset<Lay>("h.0.ln_1.weight"));
+  CHECK(Lay::unit_begin(Lay::units - 1) == offset<Lay>("ln_f.weight"));
+  CHECK(Lay::unit_begin(Lay::units) == Lay::size);
 }
 
-TEST_CASE("init: by element index, so a slice initialised alone equals the same slice of the whole") {
-  using Lay = GptLayout<tiny>;
+TEST_CASE("init: by element index, so a tensor-parallel piece initialised alone equals the same piece of the whole") {
+  using Lay = Table<tiny>;
+  using Tp2 = ParamTable<GptSpecs<tiny>, 2>;
   GptInit how{7, 0.02};
-  std::vector<float> whole(Lay::size);
-  init_gpt<tiny>(std::span<float>(whole), how);
-  for (const ParamInfo& t : Lay::tensors) {
-    CAPTURE(t.name());
-    // rows [1, 3) alone (a row shard), and elements [3, 3 + 5) (an arbitrary range)
-    std::vector<float> part(static_cast<std::size_t>(2 * t.cols));
-    init_range(t, Lay::L, how, static_cast<std::size_t>(t.cols), std::span<float>(part));
-    CHECK(std::equal(part.begin(), part.end(), whole.begin() + static_cast<std::ptrdiff_t>(t.offset + t.cols)));
-    if (t.rank == 2) {  // a column block [r0:r0+3, c0:c0+4] (a tensor-parallel shard)
-      std::vector<float> blk(12);
-      const std::int64_t r0 = 2, c0 = t.cols - 5;
-      init_block(t, Lay::L, how, r0, 3, c0, 4, blk.data(), 4);
-      for (int r = 0; r < 3; ++r)
-        for (int c = 0; c < 4; ++c)
-          CHECK(blk[static_cast<std::size_t>(r * 4 + c)] ==
-                whole[t.offset + static_cast<std::size_t>((r0 + r) * t.cols + c0 + c)]);
-    }
+  std::vector<float> whole(Lay::size), mine(Tp2::size), sliced(Tp2::size);
+  init_params<Lay>(std::span<float>(whole), 0, how);
+  for (int r = 0; r < 2; ++r) {
+    init_params<Tp2>(std::span<float>(mine), r, how);
+    Tp2::slice(std::span<const float>(whole), std::span<float>(sliced), r);
+    CHECK(mine == sliced);
   }
-  CHECK_THROWS_AS(init_range(Lay::tensors[0], Lay::L, how, Lay::tensors[0].size() - 1, std::span<float>(whole).first(2)),
-                  std::out_of_range);
+  CHECK_THROWS_AS(init_value(Lay::tensors[0].spec, 2, how, Lay::tensors[0].size()), std::out_of_range);
 
   // Values do not depend on the number of layers or on tying: layer 0 of a 3-layer model
   // equals layer 0 of the 2-layer one.
-  std::vector<float> w3(GptLayout<tiny3>::size);
-  init_gpt<tiny3>(std::span<float>(w3), how);
-  const auto& fc2 = Lay::info(ParamKind::mlp_c_fc_weight, 0);
-  const auto& fc3 = GptLayout<tiny3>::info(ParamKind::mlp_c_fc_weight, 0);
+  std::vector<float> w3(Table<tiny3>::size);
+  init_params<Table<tiny3>>(std::span<float>(w3), 0, how);
+  const auto& fc2 = info<Lay>("h.0.mlp.c_fc.weight");
+  const auto& fc3 = info<Table<tiny3>>("h.0.mlp.c_fc.weight");
   CHECK(std::equal(whole.begin() + static_cast<std::ptrdiff_t>(fc2.offset),
                    whole.begin() + static_cast<std::ptrdiff_t>(fc2.end()), w3.begin() + static_cast<std::ptrdiff_t>(fc3.offset)));
 
   // Another seed gives other values.
   std::vector<float> other(Lay::size);
-  init_gpt<tiny>(std::span<float>(other), GptInit{8, 0.02});
+  init_params<Lay>(std::span<float>(other), 0, GptInit{8, 0.02});
   CHECK(other[5] != whole[5]);
 }
 
 TEST_CASE("init: the GPT-2 scheme, statistics plausible") {
-  using Lay = GptLayout<wide>;
+  using Lay = Table<wide>;
   std::vector<double> w(Lay::size);
-  init_gpt<wide>(std::span<double>(w), GptInit{1, 0.02});
+  init_params<Lay>(std::span<double>(w), 0, GptInit{1, 0.02});
   auto stats = [&](const ParamInfo& t, std::size_t n) {
     double s = 0, s2 = 0;
     for (std::size_t i = 0; i < n; ++i) {
@@ -167,37 +169,37 @@ TEST_CASE("init: the GPT-2 scheme, statistics plausible") {
     const double mean = s / static_cast<double>(n);
     return std::pair(mean, std::sqrt(s2 / static_cast<double>(n) - mean * mean));
   };
-  const ParamInfo& wte = Lay::info(ParamKind::wte);
+  const ParamInfo& wte = info<Lay>("wte.weight");
   auto [m, sd] = stats(wte, wte.file_size());  // 128,000 values
   CHECK(std::abs(m) < 4 * 0.02 / std::sqrt(128000.0));
   auto near = [](double got, double want, double rel) { return std::abs(got - want) <= rel * want; };
   CHECK(near(sd, 0.02, 0.01));
   for (std::size_t i = wte.file_size(); i < wte.size(); ++i) REQUIRE(w[wte.offset + i] == 0.0);  // padded rows (1000 -> 1024)
-  const ParamInfo& cp = Lay::info(ParamKind::mlp_c_proj_weight, 3);
+  const ParamInfo& cp = info<Lay>("h." + std::to_string(3) + ".mlp.c_proj.weight");
   auto [m2, sd2] = stats(cp, cp.size());
   CHECK(std::abs(m2) < 4 * sd2 / std::sqrt(static_cast<double>(cp.size())));
   CHECK(near(sd2, 0.02 / std::sqrt(16.0), 0.01));  // residual projection: 0.02 / sqrt(2 * 8 layers)
-  const ParamInfo& ap = Lay::info(ParamKind::attn_c_proj_weight, 7);
+  const ParamInfo& ap = info<Lay>("h." + std::to_string(7) + ".attn.c_proj.weight");
   CHECK(near(stats(ap, ap.size()).second, 0.02 / 4, 0.02));
-  const ParamInfo& qkv = Lay::info(ParamKind::attn_c_attn_weight, 0);
+  const ParamInfo& qkv = info<Lay>("h." + std::to_string(0) + ".attn.c_attn.weight");
   CHECK(near(stats(qkv, qkv.size()).second, 0.02, 0.01));
   // the fraction within one standard deviation is that of a normal (68.27%)
   std::size_t within = 0;
   for (std::size_t i = 0; i < qkv.size(); ++i) within += std::abs(w[qkv.offset + i]) < 0.02;
   CHECK(near(static_cast<double>(within) / static_cast<double>(qkv.size()), 0.6827, 0.01));
-  for (int l = 0; l < Lay::L; ++l) {
+  for (int l = 0; l < wide::layers; ++l) {
     for (std::size_t i = 0; i < 128; ++i) {
-      REQUIRE(w[Lay::offset(ParamKind::ln_1_weight, l) + i] == 1.0);
-      REQUIRE(w[Lay::offset(ParamKind::ln_2_bias, l) + i] == 0.0);
-      REQUIRE(w[Lay::offset(ParamKind::attn_c_attn_bias, l) + i] == 0.0);
-      REQUIRE(w[Lay::offset(ParamKind::mlp_c_fc_bias, l) + i] == 0.0);
+      REQUIRE(w[offset<Lay>("h." + std::to_string(l) + ".ln_1.weight") + i] == 1.0);
+      REQUIRE(w[offset<Lay>("h." + std::to_string(l) + ".ln_2.bias") + i] == 0.0);
+      REQUIRE(w[offset<Lay>("h." + std::to_string(l) + ".attn.c_attn.bias") + i] == 0.0);
+      REQUIRE(w[offset<Lay>("h." + std::to_string(l) + ".mlp.c_fc.bias") + i] == 0.0);
     }
   }
-  CHECK(w[Lay::offset(ParamKind::ln_f_weight)] == 1.0);
+  CHECK(w[offset<Lay>("ln_f.weight")] == 1.0);
 }
 
 TEST_CASE("loss at init is about ln(vocab): padded columns do not count") {
-  GPT<tiny, double> model(GptInit{3, 0.02});
+  GPT<tiny, Mesh<>, double> model(GptInit{3, 0.02});
   std::vector<int> tok, tgt;
   batch(tok, tgt, B, T, tiny::vocab);
   const double loss = model.forward(tok.data(), tgt.data(), B, T);
@@ -221,13 +223,13 @@ TEST_CASE("loss at init is about ln(vocab): padded columns do not count") {
 // the relative error of the whole tensor ||a - n|| / ||a + n|| <= 1e-7.
 template <class Cfg>
 void gradient_check() {
-  using Model = GPT<Cfg, double>;
+  using Model = GPT<Cfg, Mesh<>, double>;
   using Lay = typename Model::layout;
   Model model(GptInit{11, 0.3});  // larger weights than GPT-2's: a less linear point
   // move LayerNorm parameters and biases away from 1 / 0 so every path is exercised
   for (const ParamInfo& t : Lay::tensors)
-    if (t.rank == 1)
-      for (std::size_t i = 0; i < t.size(); ++i) model.params()[t.offset + i] += 0.2 * standard_normal(99, t.stream_id(), i);
+    if (t.rank() == 1)
+      for (std::size_t i = 0; i < t.size(); ++i) model.params()[t.offset + i] += 0.2 * standard_normal(99, t.spec.stream, i);
   std::vector<int> tok, tgt;
   batch(tok, tgt, B, T, Cfg::vocab);
   model.zero_grad();
@@ -261,7 +263,7 @@ void gradient_check() {
         CAPTURE(num);
         CHECK(err <= 1e-6 * (std::abs(ana) + std::abs(num)) + 1e-9);  // fails here, with the values
       }
-      if (static_cast<std::int64_t>(i) / t.cols >= t.file_rows) REQUIRE(ana == 0.0);  // padded vocabulary rows
+      if (static_cast<std::int64_t>(i) / t.cols >= t.spec.file_rows) REQUIRE(ana == 0.0);  // padded vocabulary rows
       diff2 += err * err;
       sum2 += (ana + num) * (ana + num);
       ++checked;
@@ -279,7 +281,7 @@ TEST_CASE("gradient check, every element of every parameter tensor, tied") { gra
 TEST_CASE("gradient check, every element of every parameter tensor, untied") { gradient_check<tiny_untied>(); }
 
 TEST_CASE("gradients accumulate until zero_grad") {
-  GPT<tiny, double> model(GptInit{5, 0.1});
+  GPT<tiny, Mesh<>, double> model(GptInit{5, 0.1});
   std::vector<int> tok, tgt;
   batch(tok, tgt, B, T, tiny::vocab);
   model.zero_grad();
@@ -293,7 +295,7 @@ TEST_CASE("gradients accumulate until zero_grad") {
   model.zero_grad();
   for (double g : model.grads()) REQUIRE(g == 0.0);
   // a smaller batch after a larger one reuses the buffers and gives the same as a fresh model
-  GPT<tiny, double> fresh(GptInit{5, 0.1});
+  GPT<tiny, Mesh<>, double> fresh(GptInit{5, 0.1});
   const double a = model.forward(tok.data(), tgt.data(), 1, 4);
   const double b = fresh.forward(tok.data(), tgt.data(), 1, 4);
   CHECK(a == b);
@@ -302,9 +304,9 @@ TEST_CASE("gradients accumulate until zero_grad") {
 TEST_CASE("float and bf16 models agree with the double model") {
   std::vector<int> tok, tgt;
   batch(tok, tgt, B, T, tiny::vocab);
-  GPT<tiny, double> d(GptInit{4, 0.2});
-  GPT<tiny, float> f(GptInit{4, 0.2});
-  GPT<tiny, bf16> h(GptInit{4, 0.2});
+  GPT<tiny, Mesh<>, double> d(GptInit{4, 0.2});
+  GPT<tiny, Mesh<>, float> f(GptInit{4, 0.2});
+  GPT<tiny, Mesh<>, bf16> h(GptInit{4, 0.2});
   const double ld = d.forward(tok.data(), tgt.data(), B, T);
   CHECK(f.forward(tok.data(), tgt.data(), B, T) == doctest::Approx(ld).epsilon(1e-5));
   CHECK(h.forward(tok.data(), tgt.data(), B, T) == doctest::Approx(ld).epsilon(2e-2));
@@ -329,7 +331,7 @@ TEST_CASE("safetensors round trip is exact: HF names and shapes, unpadded vocabu
   GPT<tiny> a(GptInit{21, 0.05});
   a.save(path, {{"step", "0"}});
   auto file = io::SafetensorsFile::read(path);
-  CHECK(file.tensors().size() == GptLayout<tiny>::count);
+  CHECK(file.tensors().size() == Table<tiny>::count);
   CHECK(file.metadata().at("format") == "pt");
   CHECK(file.metadata().at("step") == "0");
   CHECK(file.at("wte.weight").shape == std::vector<std::int64_t>{37, 16});  // not 40
@@ -345,10 +347,10 @@ TEST_CASE("safetensors round trip is exact: HF names and shapes, unpadded vocabu
   CHECK(a.forward(tok.data(), tgt.data(), B, T) == b.forward(tok.data(), tgt.data(), B, T));
 
   // bf16 and untied models too
-  GPT<tiny_untied, bf16> c(GptInit{23, 0.05});
+  GPT<tiny_untied, Mesh<>, bf16> c(GptInit{23, 0.05});
   c.save(path);
   CHECK(io::SafetensorsFile::read(path).at("lm_head.weight").dtype == io::Dtype::BF16);
-  GPT<tiny_untied, bf16> d(GptInit{24, 0.05});
+  GPT<tiny_untied, Mesh<>, bf16> d(GptInit{24, 0.05});
   d.load(path);
   CHECK(std::memcmp(c.params().data(), d.params().data(), c.params().size_bytes()) == 0);
   // a float model reads the bf16 file by converting
@@ -359,7 +361,7 @@ TEST_CASE("safetensors round trip is exact: HF names and shapes, unpadded vocabu
 }
 
 TEST_CASE("load: HF spellings are accepted, errors name the tensor, a failed load changes nothing") {
-  using Lay = GptLayout<tiny>;
+  using Lay = Table<tiny>;
   GPT<tiny> src(GptInit{31, 0.05});
   std::vector<float> mask(64, 1.0f), masked_bias(1, -1e4f);
   std::vector<std::vector<float>> keep;  // data the writers point to
@@ -436,7 +438,7 @@ TEST_CASE("load: HF spellings are accepted, errors name the tensor, a failed loa
                        std::invalid_argument);
   CHECK(m.param("h.1.attn.c_attn.weight").cols() == 48);
   CHECK(m.param("h.1.attn.c_attn.weight").data.data() ==
-        m.params().data() + Lay::offset(ParamKind::attn_c_attn_weight, 1));
+        m.params().data() + offset<Lay>("h." + std::to_string(1) + ".attn.c_attn.weight"));
 }
 
 TEST_CASE("the loss drops over 20 AdamW steps on a fixed batch") {
@@ -444,13 +446,10 @@ TEST_CASE("the loss drops over 20 AdamW steps on a fixed batch") {
   const int b = 4, t = 16;
   std::vector<int> tok, tgt;
   batch(tok, tgt, b, t, small::vocab);
-  AdamWFor<GPT<small>> opt({.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f});  // no decay, no clipping
+  DataParallel<GPT<small>> trainer(model, {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f});  // no decay, no clipping
   float first = 0, last = 0;
   for (int step = 1; step <= 20; ++step) {
-    model.zero_grad();
-    const float loss = model.forward(tok.data(), tgt.data(), b, t);
-    model.backward();
-    opt.step(model);
+    const float loss = static_cast<float>(trainer.step(tok, tgt, b, t));
     if (step == 1) first = loss;
     last = loss;
   }
@@ -458,7 +457,7 @@ TEST_CASE("the loss drops over 20 AdamW steps on a fixed batch") {
   CHECK(first == doctest::Approx(std::log(50.0)).epsilon(0.01));
   CHECK(last < 0.5f * first);
   // padded rows stayed zero (zero gradient, zero weight decay term)
-  const ParamInfo& wte = GptLayout<small>::info(ParamKind::wte);
+  const ParamInfo& wte = info<Table<small>>("wte.weight");
   for (std::size_t i = wte.file_size(); i < wte.size(); ++i) REQUIRE(model.params()[wte.offset + i] == 0.0f);
 }
 
@@ -479,7 +478,7 @@ TEST_CASE("loads a file written by Python's safetensors in Hugging Face's GPT-2 
       names.push_back("h." + std::to_string(l) + "." + k);
   names.push_back("ln_f.weight");
   names.push_back("ln_f.bias");
-  REQUIRE(names.size() == static_cast<std::size_t>(GptLayout<tiny>::count));
+  REQUIRE(names.size() == static_cast<std::size_t>(Table<tiny>::count));
   for (std::size_t t = 0; t < names.size(); ++t) {
     const auto p = m.param(names[t]);
     const std::size_t n = static_cast<std::size_t>(p.info->file_size());
@@ -494,4 +493,82 @@ TEST_CASE("loads a file written by Python's safetensors in Hugging Face's GPT-2 
   }
   std::vector<int> tok = {1, 5, 9, 2}, tgt = {5, 9, 2, 7};
   CHECK(std::isfinite(m.forward(tok.data(), tgt.data(), 1, 4)));
+}
+
+// ---- the one model reproduces the serial model it replaced, bit for bit ----------------------
+
+namespace {
+
+// Recorded from the serial model before the one-model change (nn::GPT<Cfg, T> of commit
+// ffb49ba, AdamW::step(model)): the losses of 3 clipped AdamW steps (lr 1e-2, betas 0.9 /
+// 0.95, weight decay 0.1, max_norm 0.5: every step clips), an FNV-1a hash of the bytes of
+// the last step's gradients, and one of the weights after the third step. Batches are
+// ids(B*T, 1 + step) and ids(B*T, 11 + step) with B = 2, T = 8, init seed 7.
+struct Recorded {
+  const char* what;
+  std::uint64_t loss_bits[3];
+  std::uint64_t grads_hash, params_hash;
+};
+constexpr Recorded recorded[] = {
+    {"fp32 tied", {0x4010690707829631ull, 0x4010a7ba05ea5e85ull, 0x401080c98bdd8554ull}, 0xf01117badf2c2c25ull,
+     0x0411a23033e4b84eull},
+    {"fp32 untied", {0x40107ed265995480ull, 0x40102c65c1e59455ull, 0x4010705c424e1480ull}, 0x16a4a7544793754bull,
+     0x6cba24110fe645daull},
+    {"bf16 tied", {0x401068f84c0d1d2cull, 0x4010a57cdc4bf05aull, 0x40108595cfb6e471ull}, 0x4a2ee884ab128a41ull,
+     0x936ffb5caf3a3c07ull},
+    {"fp64 tied", {0x40106907071e9048ull, 0x4010a7ba019df3a9ull, 0x401080c97cbed93aull}, 0xb3017fcd1053e723ull,
+     0x2a37be9db37f45f3ull},
+};
+
+struct rec_tiny : gpt_config {
+  static constexpr int layers = 2, d_model = 32, heads = 4, vocab = 61, max_seq = 16, vocab_multiple = 8;
+};
+struct rec_tiny_untied : rec_tiny {
+  static constexpr bool tied = false;
+};
+
+std::uint64_t fnv1a(const void* p, std::size_t n) {
+  const unsigned char* b = static_cast<const unsigned char*>(p);
+  std::uint64_t h = 1469598103934665603ull;
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+std::vector<int> lcg_ids(int n, unsigned seed, int vocab) {
+  std::vector<int> v(static_cast<std::size_t>(n));
+  unsigned s = seed;
+  for (int& e : v) e = static_cast<int>((s = s * 1103515245u + 12345u) >> 16) % vocab;
+  return v;
+}
+
+template <class Cfg, class T>
+void reproduces(const Recorded& r) {
+  constexpr int b = 2, t = 8;
+  GPT<Cfg, Mesh<>, T> m(GptInit{.seed = 7});
+  DataParallel<GPT<Cfg, Mesh<>, T>> trainer(
+      m, {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f, .max_norm = 0.5f});
+  for (int step = 0; step < 3; ++step) {
+    CAPTURE(r.what);
+    CAPTURE(step);
+    const auto tok = lcg_ids(b * t, 1 + static_cast<unsigned>(step), Cfg::vocab);
+    const auto tgt = lcg_ids(b * t, 11 + static_cast<unsigned>(step), Cfg::vocab);
+    m.zero_grad();
+    m.forward(tok.data(), tgt.data(), b, t);
+    const double loss = m.loss();
+    m.backward();
+    if (step == 2) CHECK(fnv1a(m.grads().data(), m.grads().size_bytes()) == r.grads_hash);
+    CHECK(trainer.apply_gradients() < 1.0f);  // clipped
+    std::uint64_t bits = 0;
+    std::memcpy(&bits, &loss, sizeof bits);
+    CHECK(bits == r.loss_bits[step]);
+  }
+  CHECK(fnv1a(m.params().data(), m.params().size_bytes()) == r.params_hash);
+}
+
+}  // namespace
+
+TEST_CASE("GPT<cfg, Mesh<>> reproduces the recorded serial model bit for bit: losses, gradients, weights") {
+  reproduces<rec_tiny, float>(recorded[0]);
+  reproduces<rec_tiny_untied, float>(recorded[1]);
+  reproduces<rec_tiny, bf16>(recorded[2]);
+  reproduces<rec_tiny, double>(recorded[3]);
 }

@@ -577,7 +577,7 @@ TEST_CASE("embedding backward sums a frequent token in fp32 before rounding to b
   std::vector<int> tok(n, 3);
   std::vector<bf16> dout(static_cast<std::size_t>(n) * C, bf16(1.0f));
   std::vector<bf16> dwte(5 * C, bf16(0.0f)), dwpe(static_cast<std::size_t>(n) * C, bf16(0.0f));
-  k::embedding_backward(dwte.data(), dwpe.data(), dout.data(), tok.data(), 1, n, C);
+  k::embedding_backward(dwte.data(), dwpe.data(), dout.data(), tok.data(), 1, n, C, 0, 5);
   CHECK(float(dwte[3 * C]) == float(bf16(1000.0f)));
   CHECK(float(dwte[3 * C + 1]) == float(bf16(1000.0f)));
   CHECK(float(dwte[0]) == 0.0f);
@@ -594,7 +594,7 @@ TEST_CASE("embedding forward (wte[tok] + wpe[t]) and backward against finite dif
   const Vec dout = random_vec(EB * ET * EC, 123);
   auto forward = [&] {
     Vec out(static_cast<std::size_t>(EB * ET * EC));
-    k::embedding_forward(out.data(), e_tokens.data(), wte.data(), wpe.data(), EB, ET, EC, EV);
+    k::embedding_forward(out.data(), e_tokens.data(), wte.data(), 0, EV, wpe.data(), EB, ET, EC);
     return out;
   };
   const Vec out = forward();
@@ -606,7 +606,7 @@ TEST_CASE("embedding forward (wte[tok] + wpe[t]) and backward against finite dif
                   wpe[static_cast<std::size_t>(t * EC + c)]);
   const Vec pte = random_vec(wte.size(), 124), ppe = random_vec(wpe.size(), 125);
   Vec dwte = pte, dwpe = ppe;
-  k::embedding_backward(dwte.data(), dwpe.data(), dout.data(), e_tokens.data(), EB, ET, EC);
+  k::embedding_backward(dwte.data(), dwpe.data(), dout.data(), e_tokens.data(), EB, ET, EC, 0, EV);
   for (std::size_t i = 0; i < dwte.size(); ++i) dwte[i] -= pte[i];
   for (std::size_t i = 0; i < dwpe.size(); ++i) dwpe[i] -= ppe[i];
   auto loss = [&] { return dot(dout, forward()); };
@@ -614,10 +614,30 @@ TEST_CASE("embedding forward (wte[tok] + wpe[t]) and backward against finite dif
   CHECK(fd_error(wpe, dwpe, loss) < fd_bound);  // row 3 of wpe is unused: 0 both ways
   for (std::size_t c = 0; c < EC; ++c) CHECK(dwte[2 * EC + c] == 0.0);  // token 2 never occurs
 
-  const std::vector<int> bad = {1, 5, 0, 0, 0, 0};
+  const std::vector<int> bad = {1, -1, 0, 0, 0, 0};
   Vec o(static_cast<std::size_t>(EB * ET * EC));
-  CHECK_THROWS_AS(k::embedding_forward(o.data(), bad.data(), wte.data(), wpe.data(), EB, ET, EC, EV),
+  CHECK_THROWS_AS(k::embedding_forward(o.data(), bad.data(), wte.data(), 0, EV, wpe.data(), EB, ET, EC),
                   std::invalid_argument);
+}
+
+TEST_CASE("embedding over vocabulary shards: the shards' outputs and gradients add up to the whole table's") {
+  // Two shards [0, 3) and [3, 5) of wte; positions added by the first only, as the
+  // vocab-parallel embedding does, so the sum of the shards' outputs is the full forward.
+  const Vec wte = random_vec(EV * EC, 131), wpe = random_vec(EMAXT * EC, 132), dout = random_vec(EB * ET * EC, 133);
+  const std::size_t n = static_cast<std::size_t>(EB * ET * EC);
+  Vec full(n), lo(n), hi(n);
+  k::embedding_forward(full.data(), e_tokens.data(), wte.data(), 0, EV, wpe.data(), EB, ET, EC);
+  k::embedding_forward(lo.data(), e_tokens.data(), wte.data(), 0, 3, wpe.data(), EB, ET, EC);
+  k::embedding_forward(hi.data(), e_tokens.data(), wte.data() + 3 * EC, 3, 2, static_cast<const double*>(nullptr), EB,
+                       ET, EC);
+  for (std::size_t i = 0; i < n; ++i) CHECK(lo[i] + hi[i] == doctest::Approx(full[i]).epsilon(1e-15));
+  Vec dwte(wte.size(), 0.0), dwpe(wpe.size(), 0.0), dshard(wte.size(), 0.0), dwpe_none(wpe.size(), 0.0);
+  k::embedding_backward(dwte.data(), dwpe.data(), dout.data(), e_tokens.data(), EB, ET, EC, 0, EV);
+  k::embedding_backward(dshard.data(), dwpe_none.data(), dout.data(), e_tokens.data(), EB, ET, EC, 0, 3);
+  k::embedding_backward(dshard.data() + 3 * EC, static_cast<double*>(nullptr), dout.data(), e_tokens.data(), EB, ET,
+                        EC, 3, 2);
+  for (std::size_t i = 0; i < dwte.size(); ++i) CHECK(dshard[i] == dwte[i]);
+  for (std::size_t i = 0; i < dwpe.size(); ++i) CHECK(dwpe_none[i] == dwpe[i]);
 }
 
 // ---------------------------------------------------------------- adamw

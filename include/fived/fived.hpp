@@ -13,7 +13,6 @@
 #include "fived/mesh/context.hpp"
 #include "fived/mesh/mesh.hpp"
 #include "fived/nn/gpt.hpp"
-#include "fived/nn/tp/gpt.hpp"
 #include "fived/optim/adamw.hpp"
 #include "fived/place/layout.hpp"
 #include "fived/place/placement.hpp"

@@ -255,15 +255,32 @@ TEST_CASE_TEMPLATE("embedding forward and backward (repeated tokens)", T, ELEMEN
   auto dwte_in = up(wte), dwpe_in = up(wpe), ddout = up(dout);
   std::vector<T> out(dout.size());
   Buffer<T, Cuda> d_out(dout.size());
-  hk::embedding_forward(out.data(), tokens.data(), wte.data(), wpe.data(), B, Tn, C, V);
-  ck::embedding_forward(stream(), d_out.data(), dtok.data(), dwte_in.data(), dwpe_in.data(), B, Tn, C, V);
+  hk::embedding_forward(out.data(), tokens.data(), wte.data(), 0, V, wpe.data(), B, Tn, C);
+  ck::embedding_forward(stream(), d_out.data(), dtok.data(), dwte_in.data(), 0, V, dwpe_in.data(), B, Tn, C);
   CHECK_CLOSE(out, down(d_out), bound<T>(fp32_elem));
   auto dwte = rnd<T>(wte.size(), 23), dwpe = rnd<T>(wpe.size(), 24);
   auto d_dwte = up(dwte), d_dwpe = up(dwpe);
-  hk::embedding_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, Tn, C);
-  ck::embedding_backward(stream(), d_dwte.data(), d_dwpe.data(), ddout.data(), dtok.data(), B, Tn, C);
+  hk::embedding_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, Tn, C, 0, V);
+  ck::embedding_backward(stream(), d_dwte.data(), d_dwpe.data(), ddout.data(), dtok.data(), B, Tn, C, 0, V);
   CHECK_CLOSE(dwte, down(d_dwte), bound<T>(fp32_elem));
   CHECK_CLOSE(dwpe, down(d_dwpe), bound<T>(fp32_elem));
+
+  // A vocabulary shard, rows [3, V) of the table, without positions (vocab-parallel
+  // embedding on a rank that does not add them): out-of-range ids give 0 rows in the
+  // forward and add nothing to the shard's gradient.
+  const int vb = 3, vr = V - vb;
+  const std::vector<T> shard(wte.begin() + static_cast<std::ptrdiff_t>(vb) * C, wte.end());
+  auto dshard_in = up(shard);
+  hk::embedding_forward(out.data(), tokens.data(), shard.data(), vb, vr, static_cast<const T*>(nullptr), B, Tn, C);
+  ck::embedding_forward(stream(), d_out.data(), dtok.data(), dshard_in.data(), vb, vr, static_cast<const T*>(nullptr),
+                        B, Tn, C);
+  CHECK(down(d_out) == out);  // copies and zeros only: exact
+  auto dshard = rnd<T>(shard.size(), 26);
+  auto d_dshard = up(dshard);
+  hk::embedding_backward(dshard.data(), static_cast<T*>(nullptr), dout.data(), tokens.data(), B, Tn, C, vb, vr);
+  ck::embedding_backward(stream(), d_dshard.data(), static_cast<T*>(nullptr), ddout.data(), dtok.data(), B, Tn, C, vb,
+                         vr);
+  CHECK_CLOSE(dshard, down(d_dshard), bound<T>(fp32_elem));
 }
 
 TEST_CASE_TEMPLATE("cross-entropy: vocab shards with padding, and the fused convenience", T, ELEMENT_TYPES) {

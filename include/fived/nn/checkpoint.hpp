@@ -1,9 +1,8 @@
 #pragma once
 // GPT weights in safetensors files with Hugging Face GPT-2 names and shapes, from
-// and to a flat parameter buffer laid out by a GptLayout (nn/layout.hpp). The
-// serial model saves and loads its buffer with these; a sharded model gathers
-// its pieces into such a buffer to save, and slices one to load, so every
-// parallel layout reads and writes the same file.
+// and to the serial flat parameter buffer of a ParamTable (nn/param_table.hpp). A
+// tensor-parallel model gathers its pieces into such a buffer to save, and slices one
+// to load, so every mesh reads and writes the same file.
 //
 //   save_gpt<Layout>(path, params, metadata)    every tensor in T's dtype (F32, F64 or
 //                                               BF16); wte/lm_head without the padded
@@ -28,7 +27,7 @@
 #include <vector>
 
 #include "fived/io/safetensors.hpp"
-#include "fived/nn/layout.hpp"
+#include "fived/nn/param_table.hpp"
 
 namespace fived {
 
@@ -54,6 +53,7 @@ inline void check_buffer(std::size_t have, std::size_t want, const char* fn) {
 template <class Layout, class T>
 void save_gpt(const std::filesystem::path& path, std::span<const T> params,
               const std::map<std::string, std::string>& metadata = {}) {
+  static_assert(Layout::tp == 1, "save_gpt writes the serial buffer (ParamTable<Specs, 1>)");
   checkpoint_detail::check_buffer(params.size(), Layout::size, "save_gpt");
   io::SafetensorsWriter w;
   for (const ParamInfo& t : Layout::tensors) w.add(t.name(), t.file_shape(), params.subspan(t.offset, t.file_size()));
@@ -66,13 +66,15 @@ void save_gpt(const std::filesystem::path& path, std::span<const T> params,
 template <class Layout, class T>
 void load_gpt(const io::SafetensorsFile& f, std::span<T> params, const std::string& what) {
   checkpoint_detail::check_buffer(params.size(), Layout::size, "load_gpt");
+  static_assert(Layout::tp == 1, "load_gpt reads into the serial buffer (ParamTable<Specs, 1>)");
+  const bool tied = !Layout::find("lm_head.weight");
   std::vector<const io::TensorEntry*> found(Layout::count, nullptr);
   const io::TensorEntry* tied_head = nullptr;
   for (const io::TensorEntry& e : f.tensors()) {
     std::string_view n = e.name;
     if (n.substr(0, 12) == "transformer.") n.remove_prefix(12);
     if (checkpoint_detail::is_hf_buffer(n)) continue;
-    if (Layout::tied && n == "lm_head.weight") {  // HF may store the tied copy of wte
+    if (tied && n == "lm_head.weight") {  // HF may store the tied copy of wte
       tied_head = &e;
       continue;
     }
@@ -102,7 +104,7 @@ void load_gpt(const io::SafetensorsFile& f, std::span<T> params, const std::stri
   // A head stored next to wte in a tied model must be the same tensor; a different one
   // means the checkpoint is untied, and ignoring it would give a wrong model silently.
   if (tied_head) {
-    const io::TensorEntry& wte = *found[static_cast<std::size_t>(Layout::index(ParamKind::wte))];
+    const io::TensorEntry& wte = *found[static_cast<std::size_t>(*Layout::find("wte.weight"))];
     const auto a = f.bytes(*tied_head), b = f.bytes(wte);
     if (tied_head->shape != wte.shape || tied_head->dtype != wte.dtype || a.size() != b.size() ||
         !std::equal(a.begin(), a.end(), b.begin()))

@@ -1,49 +1,54 @@
 #pragma once
-// GPT-2 style decoder on one device: explicit forward and backward over the kernels of the
-// device (dispatched by Ops<T, Device>, nn/ops.hpp), parameters and gradients in one flat
-// buffer each, laid out at compile time (nn/layout.hpp).
+// GPT-2 style decoder on a mesh: one model for every parallel layout and device.
 //
 //   struct tiny : fived::gpt_config { static constexpr int layers = 2, d_model = 64, heads = 4,
 //                                     vocab = 256, max_seq = 64; };
-//   fived::GPT<tiny> model(fived::GptInit{.seed = 42});
-//   float loss = model.forward(tokens, targets, B, T);   // mean cross-entropy over B*T
-//   model.zero_grad(); model.backward();                 // grads accumulate until zero_grad()
-//   // update model.params() from model.grads() (e.g. model.ops().adamw_update)
+//   fived::GPT<tiny> model(fived::GptInit{.seed = 42});            // Mesh<>: the serial model
+//   float loss = model.forward(tokens, targets, B, T);            // mean cross-entropy over B*T
+//   model.zero_grad(); model.backward();                          // grads accumulate until zero_grad()
+//
+//   auto ctx = fived::make_mesh_context<Mesh<TP<4>>>(world);       // one rank of a TP group
+//   fived::GPT<tiny, Mesh<TP<4>>, float, Host, SequenceParallel> tp_model(ctx, GptInit{.seed = 42});
+//
+// GPT<Cfg, M, T, Device, SP>: the configuration, the mesh (only its TP axis shapes the model;
+// data parallelism is the trainer's, train/data_parallel.hpp), the element type, the device
+// and the sequence-parallel policy. Every collective is a call on AxisComm<M, Axis::tp>,
+// which compiles to nothing at TP 1: GPT<Cfg, Mesh<>> is the serial model, with no
+// communicator at all.
 //
 // Blocks are pre-LayerNorm:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x));
-// logits = ln_f(x) · wte^T (tied; lm_head^T when untied), over the padded vocabulary.
-// Linear weights are Hugging Face Conv1D [in, out] (y = x W + b), so the forward GEMMs use
-// no transpose, dW = x^T dy uses trans_a and dx = dy W^T uses trans_b.
+// logits = ln_f(x) · wte^T (tied; lm_head^T when untied), over the padded vocabulary split
+// over TP. The layers (nn/embedding.hpp, layernorm.hpp, attention.hpp, mlp.hpp, head.hpp)
+// hold no storage: parameters and gradients are one flat buffer each, laid out at compile
+// time by the parameter table (nn/param_table.hpp: this rank's pieces, in HF order), and
+// activations live in per-micro-batch slots (set_slots(K): K micro-batches in flight, for
+// pipeline schedules; forward and backward take the slot). Every kernel goes through
+// ops() (Ops<T, Device>).
 //
-// Activations are sized for B*T at run time: allocated on the first forward and reallocated
-// only when a larger B*T comes (a smaller one reuses the buffers, e.g. for generation).
+// The residual stream is [B*T, C] on every rank, or its rows split over TP with sequence
+// parallelism (nn/stream.hpp); B*T must then be a multiple of TP.
 //
-// The loss is fused with its gradient (crossentropy_backward writes d-logits over the
-// logits, as llm.c does): forward(tokens, targets) leaves d-logits behind for backward();
-// forward(tokens, nullptr) computes no loss and leaves the logits readable (logits()).
+// Activations are sized for B*T at run time: allocated on the first forward and
+// reallocated only when a larger B*T comes (a smaller one reuses them, e.g. generation).
 //
-// Device: Host (default; T = float, double or bf16) or Cuda (T = float or bf16). The
-// algorithm is written once; every kernel call goes through ops() (Ops<T, Device>), and
-// parameters, gradients and activations are Buffer<T, Device>. GPT<Cfg, T, Cuda> needs
-// <fived/nn/cuda/ops.hpp> included first, in a .cu file compiled by nvcc:
+// The loss is fused with its gradient (d-logits written over the logits, as llm.c does):
+// forward(tokens, targets) leaves d-logits for backward(); forward(tokens, nullptr)
+// computes no loss and leaves this rank's logits [B*T, Vp/TP] readable (logits()).
 //
-//   #include <fived/nn/cuda/ops.hpp>
-//   #include <fived/nn/gpt.hpp>
-//   fived::GPT<cfg, fived::bf16, fived::Cuda> model;  // kernels queued on model.ops().stream()
-//
-// On Cuda, forward() takes host token ids (copied to the device through pinned memory) and
-// waits for the device to return the loss (enqueue_forward() does not wait); params(),
-// grads(), param(), grad() and logits() are spans over DEVICE memory (pass them to kernels
-// on ops().stream(); never dereference them on the host); params_to_host(),
-// grads_to_host() and logits_to_host() copy to the host. init, save and load stage through
-// host memory. Statistics buffers are Ops::stat_t: acc_t<T> on the host, float on Cuda.
+// Device: Host (T = float, double or bf16) or Cuda (T = float or bf16; include
+// <fived/nn/cuda/ops.hpp> first, in a .cu file compiled by nvcc). On Cuda, forward() takes
+// host token ids and waits for the loss (enqueue_forward() does not); params(), grads(),
+// param(), grad() and logits() are spans over DEVICE memory; *_to_host() copy. init, save
+// and load stage through host memory.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -51,20 +56,58 @@
 #include <type_traits>
 #include <vector>
 
+#include "fived/comm/group_comm.hpp"
 #include "fived/device/bf16.hpp"
 #include "fived/device/buffer.hpp"
 #include "fived/io/safetensors.hpp"
+#include "fived/mesh/context.hpp"
+#include "fived/mesh/mesh.hpp"
+#include "fived/nn/attention.hpp"
 #include "fived/nn/checkpoint.hpp"
 #include "fived/nn/config.hpp"
+#include "fived/nn/embedding.hpp"
+#include "fived/nn/head.hpp"
 #include "fived/nn/init.hpp"
-#include "fived/nn/layout.hpp"
+#include "fived/nn/layernorm.hpp"
+#include "fived/nn/mlp.hpp"
 #include "fived/nn/ops.hpp"
+#include "fived/nn/param_table.hpp"
+#include "fived/nn/stream.hpp"
 #include "fived/nn/unit_hooks.hpp"
 
 namespace fived {
 
-// A named tensor inside a flat buffer (device memory when the model is on Cuda: data is
-// then for passing on, not for indexing on the host).
+// The parameter table of a GPT: the embedding (unit 0), each block (unit 1 + l: ln_1,
+// attention, ln_2, MLP), ln_f and an untied head (unit L + 1). Random streams follow the
+// order GPT-2 has always had here: (layer + 1) * 64 + position in a block.
+template <class Cfg>
+struct GptSpecs {
+  using dims = gpt_dims<Cfg>;
+  static constexpr int layers = dims::layers;
+  static constexpr int per_block = 12;
+  static constexpr int count = 2 + per_block * layers + 2 + (dims::tied ? 0 : 1);
+  static constexpr std::array<TensorSpec, count> specs = [] {
+    constexpr int L = dims::layers, C = dims::d_model, F = dims::d_ff, V = dims::vocab, Vp = dims::padded_vocab;
+    std::array<TensorSpec, count> t{};
+    std::size_t i = 0;
+    auto put = [&](const auto& part) {
+      for (const TensorSpec& s : part) t[i++] = s;
+    };
+    put(embedding_specs(V, Vp, C, dims::max_seq));
+    for (int l = 0; l < L; ++l) {
+      const std::uint64_t base = static_cast<std::uint64_t>(l + 1) * 64;
+      put(layernorm_specs("ln_1.weight", "ln_1.bias", l, 1 + l, C, base + 2));
+      put(attention_specs(l, 1 + l, C, base + 4));
+      put(layernorm_specs("ln_2.weight", "ln_2.bias", l, 1 + l, C, base + 8));
+      put(mlp_specs(l, 1 + l, C, F, base + 10));
+    }
+    put(layernorm_specs("ln_f.weight", "ln_f.bias", -1, L + 1, C, 14));
+    if constexpr (!dims::tied) put(head_specs(V, Vp, C, L + 1));
+    return t;
+  }();
+};
+
+// A named tensor inside a flat buffer (device memory on Cuda: for passing on, not indexing).
 template <class T>
 struct TensorView {
   const ParamInfo* info = nullptr;
@@ -73,345 +116,435 @@ struct TensorView {
   std::string name() const { return info->name(); }
   std::int64_t rows() const { return info->rows; }
   std::int64_t cols() const { return info->cols; }
-  int rank() const { return info->rank; }
+  int rank() const { return info->rank(); }
   std::size_t size() const { return data.size(); }
   T& operator[](std::size_t i) const { return data[i]; }
   T& operator()(std::int64_t r, std::int64_t c) const { return data[static_cast<std::size_t>(r * info->cols + c)]; }
 };
 
-template <class Cfg, class T = float, class Device = Host>
+template <class Cfg, MeshType M = Mesh<>, class T = float, class Device = Host, class SP = NoSequenceParallel>
 class GPT {
   static_assert(std::is_same_v<Device, Host> || std::is_same_v<Device, Cuda>,
-                "GPT<Cfg, T, Device>: the device must be fived::Host or fived::Cuda");
+                "GPT<Cfg, M, T, Device>: the device must be fived::Host or fived::Cuda");
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, bf16>,
-                "GPT<Cfg, T>: the element type must be float, double (gradient checks) or fived::bf16");
+                "GPT<Cfg, M, T>: the element type must be float, double (gradient checks) or fived::bf16");
   static_assert(!(std::is_same_v<Device, Cuda> && std::is_same_v<T, double>),
-                "GPT<Cfg, double, Cuda>: double is for host gradient checks; on Cuda use float or fived::bf16");
+                "GPT<Cfg, M, double, Cuda>: double is for host gradient checks; on Cuda use float or fived::bf16");
+  static_assert(M::cp == 1 && M::pp == 1,
+                "GPT: context and pipeline parallelism are not built yet; use a mesh of DP and TP (and EP views)");
 
  public:
   using config = Cfg;
+  using mesh = M;
   using dims = gpt_dims<Cfg>;
-  using layout = GptLayout<Cfg>;
   using value_type = T;
   using device = Device;
-  using acc = acc_t<T>;
-  using ops_type = Ops<T, Device>;                  // the device's kernels (nn/ops.hpp, nn/cuda/ops.hpp)
-  using stat_t = typename ops_type::stat_t;         // statistics: acc_t<T> on Host, float on Cuda
+  using sequence_parallel = SP;
+  using ops_type = Ops<T, Device>;
+  using stat_t = typename ops_type::stat_t;
+  using step_type = Step<M, T, Device, SP>;
+  static constexpr int tp = M::extent(Axis::tp);
+  using layout = ParamTable<GptSpecs<Cfg>, tp>;  // this rank's flat buffers
+  using serial_layout = typename layout::serial;  // the whole model's (files, gathers)
   static constexpr bool on_host = std::is_same_v<Device, Host>;
 
-  static constexpr int L = dims::layers;
-  static constexpr int C = dims::d_model;
-  static constexpr int NH = dims::heads;
-  static constexpr int V = dims::vocab;
-  static constexpr int Vp = dims::padded_vocab;
-  static constexpr int F = dims::d_ff;
-  static constexpr int max_seq = dims::max_seq;
-  static constexpr std::size_t num_params = layout::size;  // buffer elements, padding included
+  static constexpr int L = dims::layers, C = dims::d_model, NH = dims::heads, V = dims::vocab;
+  static constexpr int Vp = dims::padded_vocab, F = dims::d_ff, max_seq = dims::max_seq;
+  static constexpr std::size_t num_params = layout::size;  // this rank's buffer elements, padding included
 
-  explicit GPT(const GptInit& init = {})
-      : params_(ops_.template make_buffer<T>(num_params)), grads_(ops_.template make_buffer<T>(num_params)) {
-    ops_.write_from_host(params_, [&](std::span<T> p) { init_gpt<Cfg>(p, init); });
-  }
+  static_assert(NH % tp == 0,
+                "tensor parallelism splits the attention heads over TP: the number of heads must be a multiple of the "
+                "TP extent (change heads in the config, or use a TP that divides it)");
+  static_assert(F % tp == 0,
+                "tensor parallelism splits the MLP hidden width (mlp_ratio * d_model) over TP: make it a multiple of "
+                "the TP extent");
+  static_assert(Vp % tp == 0,
+                "the vocabulary is split over TP: the padded vocabulary must be a multiple of the TP extent (make "
+                "vocab_multiple in the config a multiple of TP)");
 
-  // The device's kernel dispatch: on Cuda, ops().stream() is the stream every kernel of the
-  // model runs on (queue optimizer steps there), ops().lt() its cuBLASLt handle.
+  // A mesh without TP needs no communicator.
+  explicit GPT(const GptInit& init = {}) requires(tp == 1) : GPT(AxisComm<M, Axis::tp>(), init) {}
+  // One rank of the mesh: binds its TP communicator. Initialised as the serial model with
+  // the same GptInit, this rank's piece element by element.
+  template <Communicator Comm>
+  explicit GPT(MeshContext<M, Comm>& ctx, const GptInit& init = {})
+      : GPT(bind_tp(ctx), init) {}
+
+  GPT(const GPT&) = delete;  // a bound communicator and device buffers
+  GPT& operator=(const GPT&) = delete;
+
   ops_type& ops() { return ops_; }
   const ops_type& ops() const { return ops_; }
+  int tp_rank() const { return comm_.rank(); }
 
-  // ---- parameters and gradients ----------------------------------------------------------
-  // On Cuda these spans and views are device memory (see the top of this file).
+  // ---- parameters and gradients (this rank's pieces; device memory on Cuda) ----------------
 
   std::span<T> params() { return params_.span(); }
   std::span<const T> params() const { return params_.span(); }
   std::span<T> grads() { return grads_.span(); }
   std::span<const T> grads() const { return grads_.span(); }
-  Buffer<T, Device>& param_buffer() { return params_; }
-  Buffer<T, Device>& grad_buffer() { return grads_; }
-
-  TensorView<T> param(ParamKind k, int layer = -1) { return view(params_, layout::index(k, layer)); }
-  TensorView<T> grad(ParamKind k, int layer = -1) { return view(grads_, layout::index(k, layer)); }
-  TensorView<const T> param(ParamKind k, int layer = -1) const { return view(params_, layout::index(k, layer)); }
-  TensorView<const T> grad(ParamKind k, int layer = -1) const { return view(grads_, layout::index(k, layer)); }
-  // By Hugging Face name ("h.1.attn.c_attn.weight"); std::invalid_argument if there is none.
   TensorView<T> param(std::string_view name) { return view(params_, index_of(name)); }
   TensorView<T> grad(std::string_view name) { return view(grads_, index_of(name)); }
   TensorView<const T> param(std::string_view name) const { return view(params_, index_of(name)); }
   TensorView<const T> grad(std::string_view name) const { return view(grads_, index_of(name)); }
 
   void zero_grad() { ops_.zero(grads_); }
-
-  // Host copies (wait for the queued work on Cuda). On the host: plain copies.
   std::vector<T> params_to_host() const { return ops_.to_host(params_.span()); }
   std::vector<T> grads_to_host() const { return ops_.to_host(grads_.span()); }
 
-  // ---- forward / backward ------------------------------------------------------------------
+  // The whole model's buffers in the serial layout, on every TP rank (an all-gather over TP).
+  std::vector<T> gather_params() { return gather(params_); }
+  std::vector<T> gather_grads() { return gather(grads_); }
 
-  // tokens and targets are [B, T] token ids in [0, vocab), in host memory. Returns the mean
-  // loss over B*T (0 when targets is nullptr). With targets, d-logits for backward() are
-  // computed too. On Cuda this waits for the device (the loss is read back); see
-  // enqueue_forward() for the variant that does not. hooks: before_forward/after_forward
-  // around each unit's use of its parameters (nn/unit_hooks.hpp).
-  float forward(const int* tokens, const int* targets, int B, int T_, const UnitHooks& hooks = {}) {
-    enqueue_forward(tokens, targets, B, T_, hooks);
-    if (targets == nullptr) return 0.0f;
-    return static_cast<float>(loss());
+  // The clip norm, every parameter counted once over TP: the parts of r (flat offsets)
+  // this rank counts, and a sum over the TP group (nothing to sum at TP 1).
+  std::vector<FlatRange> norm_parts(FlatRange r) const { return layout::norm_parts(r, tp_rank()); }
+  double sum_over_tp(double s) {
+    comm_.all_reduce(std::span<double>(&s, 1));
+    return s;
   }
 
-  // forward() without reading the loss back: on Cuda it returns as soon as the work is
-  // queued (loss() then waits for it). On the host it is forward() with the result dropped.
-  void enqueue_forward(const int* tokens, const int* targets, int B, int T_, const UnitHooks& hooks = {}) {
-    if (B < 1 || T_ < 1 || T_ > max_seq)
-      throw std::invalid_argument("GPT::forward: needs B >= 1 and 1 <= T <= max_seq = " + std::to_string(max_seq) +
-                                  " (got B=" + std::to_string(B) + ", T=" + std::to_string(T_) + ")");
-    if (tokens == nullptr) throw std::invalid_argument("GPT::forward: tokens is nullptr");
-    const int N = B * T_;
-    const std::size_t sN = static_cast<std::size_t>(N);
-    if constexpr (!on_host) {  // the device kernels cannot report a bad id: check here
-      check_ids("tokens", tokens, sN);
-      if (targets != nullptr) check_ids("targets", targets, sN);
-    }
-    reserve(B, T_);
-    B_ = B;
-    Tseq_ = T_;
-    ops_.upload_ids(a_.tokens, tokens, sN);
-    if (targets != nullptr) ops_.upload_ids(a_.targets, targets, sN);
-    has_dlogits_ = false;
-    loss_pending_ = false;
-    loss_ = 0;
+  // ---- micro-batch slots ------------------------------------------------------------------
 
-    const T* p = params_.data();
-    auto P = [&](ParamKind k, int l = -1) { return p + layout::offset(k, l); };
-    const int* tok = a_.tokens.data();
+  // K activation slots: forward(slot k) keeps what backward(slot k) needs while the other
+  // slots run. Allocated at the next forward of each slot.
+  void set_slots(int k) {
+    if (k < 1) throw std::invalid_argument("GPT::set_slots: needs at least one slot, got " + std::to_string(k));
+    slots_.resize(static_cast<std::size_t>(k));
+  }
+  int slots() const { return static_cast<int>(slots_.size()); }
+
+  // ---- forward / backward --------------------------------------------------------------------
+
+  // tokens and targets: [B, T] ids in [0, vocab), host memory, the same on every TP rank.
+  // Returns the mean loss over B*T (0 without targets). On Cuda this waits for the loss.
+  float forward(const int* tokens, const int* targets, int B, int T_, const UnitHooks& hooks = {}, int slot = 0) {
+    enqueue_forward(tokens, targets, B, T_, hooks, slot);
+    if (targets == nullptr) return 0.0f;
+    return static_cast<float>(loss(slot));
+  }
+
+  void enqueue_forward(const int* tokens, const int* targets, int B, int T_, const UnitHooks& hooks = {},
+                       int slot = 0) {
+    check_batch(tokens, targets, B, T_);
+    Slot& a = slot_at(slot);
+    reserve(a, B, T_);
+    a.B = B, a.T_ = T_;
+    const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_);
+    ops_.upload_ids(a.tokens, tokens, N);
+    if (targets != nullptr) ops_.upload_ids(a.targets, targets, N);
+    a.has_dlogits = a.loss_pending = false;
+    a.loss = 0;
+    step_type s = step(a);
 
     detail::call(hooks.before_forward, 0);
-    ops_.embedding_forward(a_.encoded.data(), tok, P(ParamKind::wte), P(ParamKind::wpe), B, T_, C, V);
+    Embedding<step_type>::forward(s, a.encoded.data(), a.tokens.data(), P(0), P(1), Vp, C, work_.partial.data());
     detail::call(hooks.after_forward, 0);
-    const T* x = a_.encoded.data();
+    const T* x = a.encoded.data();
     for (int l = 0; l < L; ++l) {
       detail::call(hooks.before_forward, 1 + l);
-      LayerActs& A = a_.layer[static_cast<std::size_t>(l)];
-      ops_.layernorm_forward(A.ln1.data(), A.ln1_mean.data(), A.ln1_rstd.data(), x, P(ParamKind::ln_1_weight, l),
-                             P(ParamKind::ln_1_bias, l), N, C);
-      ops_.matmul(A.qkv.data(), A.ln1.data(), P(ParamKind::attn_c_attn_weight, l), P(ParamKind::attn_c_attn_bias, l),
-                  N, 3 * C, C, false, false);
-      ops_.attention_forward(A.atty.data(), A.lse.data(), A.qkv.data(), B, T_, C, NH);
-      ops_.matmul(a_.scratch.data(), A.atty.data(), P(ParamKind::attn_c_proj_weight, l),
-                  P(ParamKind::attn_c_proj_bias, l), N, C, C, false, false);
-      ops_.residual_forward(A.res2.data(), x, a_.scratch.data(), sN * C);
-      ops_.layernorm_forward(A.ln2.data(), A.ln2_mean.data(), A.ln2_rstd.data(), A.res2.data(),
-                             P(ParamKind::ln_2_weight, l), P(ParamKind::ln_2_bias, l), N, C);
-      ops_.matmul(A.fch_gelu.data(), A.ln2.data(), P(ParamKind::mlp_c_fc_weight, l), P(ParamKind::mlp_c_fc_bias, l),
-                  N, F, C, false, false, false, ops_type::Epilogue::gelu, A.fch.data());
-      ops_.matmul(a_.scratch.data(), A.fch_gelu.data(), P(ParamKind::mlp_c_proj_weight, l),
-                  P(ParamKind::mlp_c_proj_bias, l), N, C, F, false, false);
-      ops_.residual_forward(A.res3.data(), A.res2.data(), a_.scratch.data(), sN * C);
+      BlockActs& A = a.blocks[static_cast<std::size_t>(l)];
+      const int t = block_first(l);
+      Norm::forward(s, A.ln1, x, P(t), P(t + 1), C);
+      Attn::forward(s, A.attn, work_.out.data(), A.ln1.out.data(), attn_params(params_, t + 2), C, work_.partial.data());
+      ops_.residual_forward(A.res2.data(), x, work_.out.data(), stream_size(s));
+      Norm::forward(s, A.ln2, A.res2.data(), P(t + 6), P(t + 7), C);
+      Mlp::forward(s, A.mlp, work_.out.data(), A.ln2.out.data(), mlp_params(params_, t + 8), C, F, work_.partial.data());
+      ops_.residual_forward(A.res3.data(), A.res2.data(), work_.out.data(), stream_size(s));
       x = A.res3.data();
       detail::call(hooks.after_forward, 1 + l);
     }
     detail::call(hooks.before_forward, L + 1);
-    if constexpr (layout::tied) detail::call(hooks.before_forward, 0);  // the head is wte
-    ops_.layernorm_forward(a_.lnf.data(), a_.lnf_mean.data(), a_.lnf_rstd.data(), x, P(ParamKind::ln_f_weight),
-                           P(ParamKind::ln_f_bias), N, C);
-    // logits[N, Vp] = lnf[N, C] · head^T, head stored [Vp, C]
-    ops_.matmul(a_.logits.data(), a_.lnf.data(), P(layout::head_kind), static_cast<const T*>(nullptr), N, Vp, C, false,
-                true);
-    if constexpr (layout::tied) detail::call(hooks.after_forward, 0);
+    if constexpr (dims::tied) detail::call(hooks.before_forward, 0);  // the head is wte
+    Norm::forward(s, a.lnf, x, P(ln_f_index), P(ln_f_index + 1), C);
+    HeadL::forward(s, a.head, a.lnf.out.data(), P(head_index), Vp, C);
+    if constexpr (dims::tied) detail::call(hooks.after_forward, 0);
     detail::call(hooks.after_forward, L + 1);
     if (targets == nullptr) return;
-
-    // Fused loss + d-logits (written over the logits), in the three steps of the
-    // vocab-parallel contract so the loss keeps stat_t precision (double in gradient checks).
-    const int* tgt = a_.targets.data();
-    ops_.logits_max(a_.ce_max.data(), a_.logits.data(), N, Vp, 0, V);
-    ops_.crossentropy_partials(a_.ce_sumexp.data(), a_.ce_target.data(), a_.logits.data(), tgt, a_.ce_max.data(), N,
-                               Vp, 0, V);
-    const float dloss = 1.0f / static_cast<float>(N);
-    ops_.crossentropy_backward(a_.losses.data(), a_.logits.data(), a_.logits.data(), tgt, a_.ce_max.data(),
-                               a_.ce_sumexp.data(), a_.ce_target.data(), N, Vp, 0, V, dloss);
-    loss_pending_ = true;
-    has_dlogits_ = true;
-    if constexpr (on_host) loss();  // the host computes it at once (as before enqueue_forward existed)
+    HeadL::loss(s, a.head, a.targets.data(), V, Vp);
+    a.loss_pending = a.has_dlogits = true;
+    if constexpr (on_host) loss(slot);
   }
 
-  // The mean loss of the last forward with targets, in stat_t precision summed in double
-  // (double for T = double). On Cuda the first call after a forward waits for the device.
-  double loss() const {
-    if (loss_pending_) {
-      loss_ = ops_.mean_loss(a_.ce_max.data(), a_.ce_sumexp.data(), a_.ce_target.data(), B_ * Tseq_);
-      loss_pending_ = false;
+  // The mean loss of the slot's last forward with targets (the same on every TP rank), in
+  // stat_t precision summed in double. On Cuda the first call after a forward waits.
+  double loss(int slot = 0) const {
+    const Slot& a = slots_.at(static_cast<std::size_t>(slot));
+    if (a.loss_pending) {
+      a.loss = ops_.mean_loss(a.head.max.data(), a.head.sumexp.data(), a.head.target.data(), a.B * a.T_);
+      a.loss_pending = false;
     }
-    return loss_;
+    return a.loss;
   }
 
-  // Accumulates the gradient of the last forward's mean loss into grads().
-  //
-  // hooks (nn/unit_hooks.hpp): before_backward(u) before unit u's parameters are read or its
-  // gradients written, after_backward(u) as soon as unit u's gradients are final. Units
-  // finish from the last to the first: L+1 (ln_f, an untied head), the layers from L to 1,
-  // then 0 (the embeddings, which a tied head also wrote). A data-parallel trainer reduces a
-  // unit's buckets there, while the rest of backward runs.
-  void backward(const UnitHooks& hooks = {}) {
-    if (!has_dlogits_)
+  // Accumulates the gradient of the slot's last forward's mean loss into grads(). Hooks
+  // (nn/unit_hooks.hpp): before_backward(u) before unit u's parameters are read or its
+  // gradients written, after_backward(u) as soon as they are final (under SP, after the
+  // unit's LayerNorm gradients are all-reduced over TP). Units finish from L+1 to 0.
+  void backward(const UnitHooks& hooks = {}, int slot = 0) {
+    Slot& a = slot_at(slot);
+    if (!a.has_dlogits)
       throw std::logic_error("GPT::backward: call forward(tokens, targets, B, T) with targets first (once per backward)");
-    has_dlogits_ = false;
-    const int B = B_, T_ = Tseq_, N = B * T_;
-    const T* p = params_.data();
-    T* g = grads_.data();
-    auto P = [&](ParamKind k, int l = -1) { return p + layout::offset(k, l); };
-    auto G = [&](ParamKind k, int l = -1) { return g + layout::offset(k, l); };
-    const T* dlogits = a_.logits.data();
-    T* dres = a_.dres.data();
-    T* dln = a_.dln.data();
+    a.has_dlogits = false;
+    step_type s = step(a);
+    T* dres = work_.dres.data();
+    T* dln = work_.dln.data();
+    T* full = work_.partial.data();  // SP: [N, C] for gathered rows and partial sums
 
-    // logits = lnf · head^T:  dlnf = dlogits · head,  dhead += dlogits^T · lnf
     detail::call(hooks.before_backward, L + 1);
-    if constexpr (layout::tied) detail::call(hooks.before_backward, 0);  // the head is wte
-    ops_.matmul(dln, dlogits, P(layout::head_kind), static_cast<const T*>(nullptr), N, C, Vp, false, false);
-    ops_.matmul(G(layout::head_kind), dlogits, a_.lnf.data(), static_cast<const T*>(nullptr), Vp, C, N, true, false,
-                true);
-    ops_.zero(a_.dres);
-    const T* x_last = L > 0 ? a_.layer[static_cast<std::size_t>(L - 1)].res3.data() : a_.encoded.data();
-    ops_.layernorm_backward(dres, G(ParamKind::ln_f_weight), G(ParamKind::ln_f_bias), dln, x_last,
-                            P(ParamKind::ln_f_weight), a_.lnf_mean.data(), a_.lnf_rstd.data(), N, C);
-    detail::call(hooks.after_backward, L + 1);  // ln_f (and an untied lm_head)
+    if constexpr (dims::tied) detail::call(hooks.before_backward, 0);  // the head is wte
+    HeadL::backward(s, dln, G(head_index), a.head, a.lnf.out.data(), P(head_index), Vp, C, full);
+    ops_.zero(work_.dres);
+    const T* x_last = L > 0 ? a.blocks[static_cast<std::size_t>(L - 1)].res3.data() : a.encoded.data();
+    Norm::backward(s, dres, G(ln_f_index), G(ln_f_index + 1), dln, x_last, P(ln_f_index), a.lnf, C);
+    finish_unit(L + 1);
+    detail::call(hooks.after_backward, L + 1);
 
     for (int l = L - 1; l >= 0; --l) {
       detail::call(hooks.before_backward, 1 + l);
-      LayerActs& A = a_.layer[static_cast<std::size_t>(l)];
-      const T* x = l == 0 ? a_.encoded.data() : a_.layer[static_cast<std::size_t>(l - 1)].res3.data();
-      // dres holds d(res3). MLP projection: y = fch_gelu · Wp + bp
-      linear_backward(a_.dfch.data(), G(ParamKind::mlp_c_proj_weight, l), G(ParamKind::mlp_c_proj_bias, l), dres,
-                      A.fch_gelu.data(), P(ParamKind::mlp_c_proj_weight, l), N, F, C);
-      ops_.gelu_backward(a_.dfch.data(), A.fch.data(), a_.dfch.data(), static_cast<std::size_t>(N) * F);
-      linear_backward(dln, G(ParamKind::mlp_c_fc_weight, l), G(ParamKind::mlp_c_fc_bias, l), a_.dfch.data(),
-                      A.ln2.data(), P(ParamKind::mlp_c_fc_weight, l), N, C, F);
-      ops_.layernorm_backward(dres, G(ParamKind::ln_2_weight, l), G(ParamKind::ln_2_bias, l), dln, A.res2.data(),
-                              P(ParamKind::ln_2_weight, l), A.ln2_mean.data(), A.ln2_rstd.data(), N, C);
-      // dres holds d(res2). Attention projection, attention, qkv projection.
-      linear_backward(a_.scratch.data(), G(ParamKind::attn_c_proj_weight, l), G(ParamKind::attn_c_proj_bias, l), dres,
-                      A.atty.data(), P(ParamKind::attn_c_proj_weight, l), N, C, C);
-      ops_.attention_backward(a_.dqkv.data(), a_.scratch.data(), A.qkv.data(), A.atty.data(), A.lse.data(), B, T_, C,
-                              NH);
-      linear_backward(dln, G(ParamKind::attn_c_attn_weight, l), G(ParamKind::attn_c_attn_bias, l), a_.dqkv.data(),
-                      A.ln1.data(), P(ParamKind::attn_c_attn_weight, l), N, C, 3 * C);
-      ops_.layernorm_backward(dres, G(ParamKind::ln_1_weight, l), G(ParamKind::ln_1_bias, l), dln, x,
-                              P(ParamKind::ln_1_weight, l), A.ln1_mean.data(), A.ln1_rstd.data(), N, C);
+      BlockActs& A = a.blocks[static_cast<std::size_t>(l)];
+      const int t = block_first(l);
+      const T* x = l == 0 ? a.encoded.data() : a.blocks[static_cast<std::size_t>(l - 1)].res3.data();
+      // dres holds d(res3)
+      Mlp::backward(s, dln, mlp_params(grads_, t + 8), dres, A.ln2.out.data(), A.mlp, mlp_params(params_, t + 8), C, F,
+                    work_.dhidden.data(), full);
+      Norm::backward(s, dres, G(t + 6), G(t + 7), dln, A.res2.data(), P(t + 6), A.ln2, C);
+      // dres holds d(res2)
+      Attn::backward(s, dln, attn_params(grads_, t + 2), dres, A.ln1.out.data(), A.attn, attn_params(params_, t + 2),
+                     C, work_.dhidden.data(), work_.dqkv.data(), full);
+      Norm::backward(s, dres, G(t), G(t + 1), dln, x, P(t), A.ln1, C);
+      finish_unit(1 + l);
       detail::call(hooks.after_backward, 1 + l);
-      // dres holds d(x) = d(res3 of layer l-1)
     }
     detail::call(hooks.before_backward, 0);
-    ops_.embedding_backward(G(ParamKind::wte), G(ParamKind::wpe), dres, a_.tokens.data(), B, T_, C);
+    Embedding<step_type>::backward(s, G(0), G(1), dres, a.tokens.data(), Vp, C, full);
     detail::call(hooks.after_backward, 0);  // wte (which a tied head also wrote) and wpe
   }
 
-  // [B, T, Vp] logits of the last forward WITHOUT targets (with targets they were replaced
-  // by d-logits). Columns >= vocab are padding. Device memory on Cuda: logits_to_host().
-  std::span<const T> logits() const {
-    if (has_dlogits_)
+  // This rank's logits [B*T, Vp/TP] (columns [tp_rank * Vp/TP, ...) of the padded
+  // vocabulary) of the slot's last forward WITHOUT targets. Device memory on Cuda.
+  std::span<const T> logits(int slot = 0) const {
+    const Slot& a = slots_.at(static_cast<std::size_t>(slot));
+    if (a.has_dlogits)
       throw std::logic_error("GPT::logits: the last forward had targets, its logits were replaced by d-logits");
-    return {a_.logits.data(), static_cast<std::size_t>(B_) * static_cast<std::size_t>(Tseq_) * Vp};
+    return {a.head.logits.data(), static_cast<std::size_t>(a.B) * static_cast<std::size_t>(a.T_) * (Vp / tp)};
   }
-  std::vector<T> logits_to_host() const { return ops_.to_host(logits()); }
-  int batch() const { return B_; }
-  int seq() const { return Tseq_; }
+  std::vector<T> logits_to_host(int slot = 0) const { return ops_.to_host(logits(slot)); }
 
-  // ---- safetensors, with Hugging Face GPT-2 names and shapes -------------------------------
+  // ---- safetensors, with Hugging Face GPT-2 names and shapes ---------------------------------
 
-  // Writes every tensor with its HF name in T's dtype (F32, F64 or BF16); wte (and lm_head)
-  // without the padded vocabulary rows. Atomic (write "<path>.tmp", rename). See
-  // nn/checkpoint.hpp.
-  void save(const std::filesystem::path& path, const std::map<std::string, std::string>& metadata = {}) const {
-    ops_.read_to_host(params_, [&](std::span<const T> params) { save_gpt<layout>(path, params, metadata); });
+  // The whole model's file (nn/checkpoint.hpp): gathered over TP, written by TP rank 0
+  // (atomic: "<path>.tmp", then rename); every rank returns once the file is complete.
+  void save(const std::filesystem::path& path, const std::map<std::string, std::string>& metadata = {}) {
+    if constexpr (tp == 1) {
+      ops_.read_to_host(params_, [&](std::span<const T> p) { save_gpt<serial_layout>(path, p, metadata); });
+    } else {
+      const std::vector<T> all = gather_params();
+      if (tp_rank() == 0) save_gpt<serial_layout>(path, std::span<const T>(all), metadata);
+      comm_.barrier();
+    }
   }
 
-  // Reads HF GPT-2 weights (names with or without "transformer.", any floating dtype; see
-  // nn/checkpoint.hpp). A missing, mis-shaped or unknown tensor is an io::SafetensorsError
-  // naming it, and the model is left unchanged.
+  // Reads HF GPT-2 weights (any floating dtype, names with or without "transformer.") and
+  // keeps this rank's piece. A missing, mis-shaped or unknown tensor is an
+  // io::SafetensorsError naming it, and the model is left unchanged.
   void load(const std::filesystem::path& path) { load(io::SafetensorsFile::read(path)); }
   void load(const io::SafetensorsFile& f) {
-    // Every element is written (the tensors tile the buffer): on Cuda the host copy is
-    // uploaded only once all of it has been read, and not at all when the file is refused.
-    ops_.write_from_host(params_, [&](std::span<T> params) { load_gpt<layout>(f, params, describe()); });
+    std::vector<T> serial(serial_layout::size);
+    load_gpt<serial_layout>(f, std::span<T>(serial), describe());
+    ops_.write_from_host(params_, [&](std::span<T> p) {
+      layout::slice(std::span<const T>(serial), p, tp_rank());
+    });
   }
 
   static std::string describe() {
     return std::to_string(L) + " layers, d_model " + std::to_string(C) + ", " + std::to_string(NH) + " heads, vocab " +
-           std::to_string(V) + ", max_seq " + std::to_string(max_seq) + (layout::tied ? ", tied" : ", untied");
+           std::to_string(V) + ", max_seq " + std::to_string(max_seq) + (dims::tied ? ", tied" : ", untied") +
+           (tp > 1 ? ", over " + M::name() + (step_type::sp ? " with sequence parallelism" : "") : std::string());
   }
 
  private:
-  struct LayerActs {
-    Buffer<T, Device> ln1, qkv, atty, res2, ln2, fch, fch_gelu, res3;
-    Buffer<stat_t, Device> ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse;
+  using Norm = LayerNorm<step_type>;
+  using Attn = Attention<step_type, NH>;
+  using Mlp = MLP<step_type>;
+  using HeadL = Head<step_type>;
+
+  static constexpr int block_first(int l) { return 2 + GptSpecs<Cfg>::per_block * l; }
+  static constexpr int ln_f_index = block_first(L);
+  static constexpr int head_index = dims::tied ? 0 : ln_f_index + 2;
+
+  struct BlockActs {
+    typename Norm::Saved ln1, ln2;
+    typename Attn::Saved attn;
+    typename Mlp::Saved mlp;
+    Buffer<T, Device> res2, res3;
   };
-  struct Acts {
+  struct Slot {
     std::size_t capacity = 0;  // B*T the buffers hold
-    Buffer<int, Device> tokens, targets;  // the last forward's ids (backward needs the tokens)
-    Buffer<T, Device> encoded, lnf, logits, scratch, dres, dln, dqkv, dfch;
-    Buffer<stat_t, Device> lnf_mean, lnf_rstd, ce_max, ce_sumexp, ce_target;
-    Buffer<float, Device> losses;
-    std::vector<LayerActs> layer;
+    Buffer<int, Device> tokens, targets;
+    Buffer<T, Device> encoded;
+    std::vector<BlockActs> blocks;
+    typename Norm::Saved lnf;
+    typename HeadL::Saved head;
+    int B = 0, T_ = 0;
+    bool has_dlogits = false;
+    mutable bool loss_pending = false;  // the statistics of the last forward are not summed yet
+    mutable double loss = 0;
+  };
+  // Shared by every slot: what one forward or backward uses and leaves behind.
+  struct Work {
+    std::size_t capacity = 0;
+    Buffer<T, Device> out, dres, dln;  // the stream's rows [n, C]
+    Buffer<T, Device> dhidden, dqkv;   // [N, F/TP], [N, 3C/TP]
+    Buffer<T, Device> partial;         // SP: [N, C] gathered rows or partial sums
   };
 
-  void reserve(int B, int T_) {
-    const std::size_t n = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_);
-    if (n <= a_.capacity) return;
-    const std::size_t c = static_cast<std::size_t>(C), f = static_cast<std::size_t>(F);
-    Acts a;
-    a.capacity = n;
-    a.tokens = make<int>(n);
-    a.targets = make<int>(n);
-    a.encoded = make<T>(n * c);
-    a.lnf = make<T>(n * c);
-    a.logits = make<T>(n * static_cast<std::size_t>(Vp));
-    a.scratch = make<T>(n * c);
-    a.dres = make<T>(n * c);
-    a.dln = make<T>(n * c);
-    a.dqkv = make<T>(n * 3 * c);
-    a.dfch = make<T>(n * f);
-    a.lnf_mean = make<stat_t>(n);
-    a.lnf_rstd = make<stat_t>(n);
-    a.ce_max = make<stat_t>(n);
-    a.ce_sumexp = make<stat_t>(n);
-    a.ce_target = make<stat_t>(n);
-    a.losses = make<float>(n);
-    a.layer.resize(static_cast<std::size_t>(L));
-    for (LayerActs& A : a.layer) {
-      A.ln1 = make<T>(n * c);
-      A.qkv = make<T>(n * 3 * c);
-      A.atty = make<T>(n * c);
-      A.res2 = make<T>(n * c);
-      A.ln2 = make<T>(n * c);
-      A.fch = make<T>(n * f);
-      A.fch_gelu = make<T>(n * f);
-      A.res3 = make<T>(n * c);
-      A.ln1_mean = make<stat_t>(n);
-      A.ln1_rstd = make<stat_t>(n);
-      A.ln2_mean = make<stat_t>(n);
-      A.ln2_rstd = make<stat_t>(n);
-      A.lse = make<stat_t>(n * static_cast<std::size_t>(NH));
+  GPT(AxisComm<M, Axis::tp> comm, const GptInit& init)
+      : comm_(std::move(comm)), params_(ops_.template make_buffer<T>(num_params)),
+        grads_(ops_.template make_buffer<T>(num_params)), slots_(1) {
+    ops_.write_from_host(params_, [&](std::span<T> p) { init_params<layout>(p, tp_rank(), init); });
+    if constexpr (step_type::sp)
+      for (int u = 0; u < layout::units; ++u)
+        sp_partial_[static_cast<std::size_t>(u)] = ops_.template make_buffer<T>(sp_partial_size(u));
+  }
+  template <class Ctx>
+  static AxisComm<M, Axis::tp> bind_tp(Ctx& ctx) {
+    if constexpr (tp == 1) return AxisComm<M, Axis::tp>();
+    else return AxisComm<M, Axis::tp>(ctx.template comm<Axis::tp>());
+  }
+
+  step_type step(const Slot& a) { return step_type{ops_, comm_, a.B, a.T_}; }
+  std::size_t stream_size(const step_type& s) const {
+    return static_cast<std::size_t>(s.local_rows()) * static_cast<std::size_t>(C);
+  }
+
+  T* P(int i) { return params_.data() + layout::tensors[static_cast<std::size_t>(i)].offset; }
+  // Where tensor i's gradient accumulates: the gradient buffer, or under SP, for a gradient
+  // summed over this rank's rows, its unit's partial buffer (finish_unit reduces it).
+  T* G(int i) {
+    if constexpr (step_type::sp) {
+      const TensorSpec& s = layout::specs[static_cast<std::size_t>(i)];
+      if (s.sp_partial) return sp_partial_[static_cast<std::size_t>(s.unit)].data() + sp_partial_offset[static_cast<std::size_t>(i)];
     }
-    a_ = std::move(a);
+    return grads_.data() + layout::tensors[static_cast<std::size_t>(i)].offset;
+  }
+  T* at(Buffer<T, Device>& b, int i) { return b.data() + layout::tensors[static_cast<std::size_t>(i)].offset; }
+  typename Attn::Params attn_params(Buffer<T, Device>& b, int i) { return {at(b, i), at(b, i + 1), at(b, i + 2), at(b, i + 3)}; }
+  typename Mlp::Params mlp_params(Buffer<T, Device>& b, int i) { return {at(b, i), at(b, i + 1), at(b, i + 2), at(b, i + 3)}; }
+
+  // SP: the partial gradients of each unit, packed per unit in spec order.
+  static constexpr std::array<std::size_t, layout::count> sp_partial_offset = [] {
+    std::array<std::size_t, layout::count> o{};
+    std::array<std::size_t, layout::units> next{};
+    for (int i = 0; i < layout::count; ++i) {
+      const TensorSpec& s = layout::specs[static_cast<std::size_t>(i)];
+      if (!s.sp_partial) continue;
+      o[static_cast<std::size_t>(i)] = next[static_cast<std::size_t>(s.unit)];
+      next[static_cast<std::size_t>(s.unit)] += layout::tensors[static_cast<std::size_t>(i)].size();
+    }
+    return o;
+  }();
+  static constexpr std::size_t sp_partial_size(int u) {
+    std::size_t n = 0;
+    for (int i = 0; i < layout::count; ++i)
+      if (layout::specs[static_cast<std::size_t>(i)].sp_partial && layout::specs[static_cast<std::size_t>(i)].unit == u)
+        n += layout::tensors[static_cast<std::size_t>(i)].size();
+    return n;
+  }
+  // SP: unit u's backward is done; its partial gradients are summed over TP (one
+  // all-reduce) and added to the gradient buffer.
+  void finish_unit(int u) {
+    if constexpr (step_type::sp) {
+      Buffer<T, Device>& part = sp_partial_[static_cast<std::size_t>(u)];
+      if (part.size() == 0) return;
+      comm_.all_reduce(part.span());
+      for (int i = 0; i < layout::count; ++i) {
+        const ParamInfo& t = layout::tensors[static_cast<std::size_t>(i)];
+        if (!t.spec.sp_partial || t.spec.unit != u) continue;
+        T* g = grads_.data() + t.offset;
+        ops_.residual_forward(g, g, part.data() + sp_partial_offset[static_cast<std::size_t>(i)], t.size());
+      }
+      ops_.zero(part);
+    }
   }
 
-  template <class U>
-  Buffer<U, Device> make(std::size_t n) {
-    return ops_.template make_buffer<U>(n);
+  Slot& slot_at(int k) {
+    if (k < 0 || k >= slots())
+      throw std::out_of_range("GPT: slot " + std::to_string(k) + " does not exist (the model has " +
+                              std::to_string(slots()) + "; set_slots(k) adds more)");
+    return slots_[static_cast<std::size_t>(k)];
   }
 
-  // y[N, out] = x[N, in] · W[in, out] + b:  dx = dy · W^T (=),  dW += x^T · dy,  db += colsum(dy).
-  void linear_backward(T* dx, T* dW, T* db, const T* dy, const T* x, const T* W, int N, int in, int out) {
-    ops_.matmul(dx, dy, W, static_cast<const T*>(nullptr), N, in, out, false, true);
-    ops_.matmul(dW, x, dy, static_cast<const T*>(nullptr), in, out, N, true, false, true);
-    ops_.bias_backward(db, dy, N, out);
+  void check_batch(const int* tokens, const int* targets, int B, int T_) const {
+    if (B < 1 || T_ < 1 || T_ > max_seq)
+      throw std::invalid_argument("GPT::forward: needs B >= 1 and 1 <= T <= max_seq = " + std::to_string(max_seq) +
+                                  " (got B=" + std::to_string(B) + ", T=" + std::to_string(T_) + ")");
+    if (tokens == nullptr) throw std::invalid_argument("GPT::forward: tokens is nullptr");
+    if (step_type::sp && (B * T_) % tp != 0)
+      throw std::invalid_argument("GPT::forward: sequence parallelism splits the B*T = " + std::to_string(B * T_) +
+                                  " tokens over TP = " + std::to_string(tp) +
+                                  ", which does not divide them; use a batch or sequence length that makes B*T a "
+                                  "multiple of TP, or NoSequenceParallel");
+    // Ids are checked on the host on every device (a kernel cannot report a bad one).
+    const std::size_t n = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_);
+    check_ids("tokens", tokens, n);
+    if (targets != nullptr) check_ids("targets", targets, n);
   }
-
-  // Token ids are checked on the host before they go to a device (whose kernels cannot throw).
   static void check_ids(const char* what, const int* ids, std::size_t n) {
     for (std::size_t i = 0; i < n; ++i)
       if (ids[i] < 0 || ids[i] >= V)
         throw std::invalid_argument(std::string("GPT::forward: ") + what + "[" + std::to_string(i) + "] = " +
                                     std::to_string(ids[i]) + " is outside [0, vocab = " + std::to_string(V) + ")");
+  }
+
+  void reserve(Slot& a, int B, int T_) {
+    const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_);
+    const std::size_t n = step_type::sp ? N / tp : N, c = C, f = F;
+    if (N > work_.capacity) {
+      Work w;
+      w.capacity = N;
+      w.out = make<T>(n * c);
+      w.dres = make<T>(n * c);
+      w.dln = make<T>(n * c);
+      w.dhidden = make<T>(N * f / tp);
+      w.dqkv = make<T>(N * 3 * c / tp);
+      if constexpr (step_type::sp) w.partial = make<T>(N * c);
+      work_ = std::move(w);
+    }
+    if (N <= a.capacity) return;
+    Slot s;
+    s.capacity = N;
+    s.tokens = make<int>(N);
+    s.targets = make<int>(N);
+    s.encoded = make<T>(n * c);
+    s.blocks.resize(static_cast<std::size_t>(L));
+    for (BlockActs& A : s.blocks) {
+      A.ln1.reserve(ops_, n, c);
+      A.attn.reserve(ops_, N, c);
+      A.res2 = make<T>(n * c);
+      A.ln2.reserve(ops_, n, c);
+      A.mlp.reserve(ops_, N, c, f);
+      A.res3 = make<T>(n * c);
+    }
+    s.lnf.reserve(ops_, n, c);
+    s.head.reserve(ops_, N, c, static_cast<std::size_t>(Vp));
+    a = std::move(s);
+  }
+  template <class U>
+  Buffer<U, Device> make(std::size_t n) {
+    return ops_.template make_buffer<U>(n);
+  }
+
+  std::vector<T> gather(const Buffer<T, Device>& local) {
+    const std::vector<T> mine = ops_.to_host(local.span());
+    if constexpr (tp == 1) {
+      return mine;
+    } else {
+      std::vector<T> all(mine.size() * static_cast<std::size_t>(tp)), serial(serial_layout::size);
+      comm_.all_gather(std::span<const T>(mine), std::span<T>(all));
+      layout::assemble(std::span<const T>(all), std::span<T>(serial));
+      return serial;
+    }
   }
 
   static int index_of(std::string_view name) {
@@ -427,12 +560,11 @@ class GPT {
   }
 
   ops_type ops_;  // first: the buffers below are made by it
+  AxisComm<M, Axis::tp> comm_;
   Buffer<T, Device> params_, grads_;
-  Acts a_;
-  int B_ = 0, Tseq_ = 0;
-  bool has_dlogits_ = false;
-  mutable bool loss_pending_ = false;  // the statistics of the last forward are not summed yet
-  mutable double loss_ = 0;
+  std::array<Buffer<T, Device>, layout::units> sp_partial_;  // SP only: per unit
+  std::vector<Slot> slots_;
+  Work work_;
 };
 
 }  // namespace fived

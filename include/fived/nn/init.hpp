@@ -14,9 +14,9 @@
 //   LayerNorm weight / bias                                     1 / 0
 //   padded vocabulary rows of wte / lm_head                     0
 //
-// Element indices are row-major in the tensor's buffer shape ([Vp, C] for wte), so the
-// index of (r, c) is r * cols + c. The tensor's stream is ParamInfo::stream_id(): it does not
-// depend on the number of layers or on tying. Values are computed in double (log, cos, sqrt)
+// Element indices are row-major in the whole tensor's buffer shape ([Vp, C] for wte), so
+// the index of (r, c) is r * cols + c. The tensor's stream is its spec's (nn/param_table.hpp):
+// it does not depend on the number of layers or on tying. Values are computed in double (log, cos, sqrt)
 // and rounded once to the element type.
 
 #include <cmath>
@@ -27,7 +27,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "fived/nn/layout.hpp"
+#include "fived/nn/param_table.hpp"
 
 namespace fived {
 
@@ -62,68 +62,36 @@ struct GptInit {
   double std = 0.02;  // of weights and embeddings; c_proj weights get std / sqrt(2 * layers)
 };
 
-// The initial value of element `index` (row-major, buffer shape) of tensor t in a model of
-// `layers` layers.
-inline double init_value(const ParamInfo& t, int layers, const GptInit& how, std::size_t index) {
+// The initial value of element `index` (row-major, whole-tensor shape) of a tensor in a
+// model of `layers` layers. Rows past the spec's file_rows (the padded vocabulary) are zero.
+inline double init_value(const TensorSpec& t, int layers, const GptInit& how, std::size_t index) {
   if (index >= t.size())
-    throw std::out_of_range("init_value: element " + std::to_string(index) + " of " + t.name() + ", which has " +
+    throw std::out_of_range("init_value: element " + std::to_string(index) + " of " + t.full_name() + ", which has " +
                             std::to_string(t.size()));
-  switch (t.kind) {
-    case ParamKind::ln_1_weight:
-    case ParamKind::ln_2_weight:
-    case ParamKind::ln_f_weight: return 1.0;
-    case ParamKind::ln_1_bias:
-    case ParamKind::ln_2_bias:
-    case ParamKind::ln_f_bias:
-    case ParamKind::attn_c_attn_bias:
-    case ParamKind::attn_c_proj_bias:
-    case ParamKind::mlp_c_fc_bias:
-    case ParamKind::mlp_c_proj_bias: return 0.0;
-    case ParamKind::wte:
-    case ParamKind::lm_head:
-      if (static_cast<std::int64_t>(index) / t.cols >= t.file_rows) return 0.0;  // padded vocabulary row
-      break;
-    default: break;
+  if (static_cast<std::int64_t>(index) / t.cols >= t.file_rows) return 0.0;
+  switch (t.init) {
+    case Init::zeros: return 0.0;
+    case Init::ones: return 1.0;
+    case Init::normal: return how.std * standard_normal(how.seed, t.stream, index);
+    case Init::normal_residual:
+      return how.std / std::sqrt(2.0 * layers) * standard_normal(how.seed, t.stream, index);
   }
-  double std = how.std;
-  if (t.kind == ParamKind::attn_c_proj_weight || t.kind == ParamKind::mlp_c_proj_weight)
-    std /= std::sqrt(2.0 * layers);
-  return std * standard_normal(how.seed, t.stream_id(), index);
+  return 0.0;
 }
 
-// out[i] = element (first + i) of tensor t: a contiguous range (whole tensor, or rows).
-template <class T>
-void init_range(const ParamInfo& t, int layers, const GptInit& how, std::size_t first, std::span<T> out) {
-  if (first + out.size() > t.size())
-    throw std::out_of_range("init_range: elements [" + std::to_string(first) + ", " +
-                            std::to_string(first + out.size()) + ") of " + t.name() + ", which has " +
-                            std::to_string(t.size()));
-  for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<T>(init_value(t, layers, how, first + i));
-}
-
-// A 2-D block of a matrix tensor: rows [row0, row0 + rows), columns [col0, col0 + cols),
-// written row-major with leading dimension ld (>= cols) — e.g. a tensor-parallel column shard.
-template <class T>
-void init_block(const ParamInfo& t, int layers, const GptInit& how, std::int64_t row0, std::int64_t rows,
-                std::int64_t col0, std::int64_t cols, T* out, std::int64_t ld) {
-  if (row0 < 0 || col0 < 0 || rows < 0 || cols < 0 || row0 + rows > t.rows || col0 + cols > t.cols || ld < cols)
-    throw std::out_of_range("init_block: block [" + std::to_string(row0) + ":" + std::to_string(row0 + rows) + ", " +
-                            std::to_string(col0) + ":" + std::to_string(col0 + cols) + "] does not fit " + t.name() +
-                            " [" + std::to_string(t.rows) + ", " + std::to_string(t.cols) + "] (or ld < cols)");
-  for (std::int64_t r = 0; r < rows; ++r)
-    for (std::int64_t c = 0; c < cols; ++c)
-      out[r * ld + c] = static_cast<T>(
-          init_value(t, layers, how, static_cast<std::size_t>((row0 + r) * t.cols + col0 + c)));
-}
-
-// The whole flat parameter buffer of a GPT with configuration Cfg.
-template <class Cfg, class T>
-void init_gpt(std::span<T> params, const GptInit& how = {}) {
-  using L = GptLayout<Cfg>;
-  if (params.size() != L::size)
-    throw std::invalid_argument("init_gpt: the buffer has " + std::to_string(params.size()) +
-                                " elements, the layout needs " + std::to_string(L::size));
-  for (const ParamInfo& t : L::tensors) init_range(t, L::L, how, 0, params.subspan(t.offset, t.size()));
+// Rank r's flat buffer of a ParamTable, element by element: every piece equals the same
+// piece of the serial model's tensors.
+template <class Table, class T>
+void init_params(std::span<T> params, int tp_rank, const GptInit& how = {}) {
+  if (params.size() != Table::size)
+    throw std::invalid_argument("init_params: the buffer has " + std::to_string(params.size()) +
+                                " elements, the layout needs " + std::to_string(Table::size));
+  for (int i = 0; i < Table::count; ++i) {
+    const ParamInfo& t = Table::tensors[static_cast<std::size_t>(i)];
+    for (std::size_t j = 0; j < t.size(); ++j)
+      params[t.offset + j] = static_cast<T>(init_value(
+          t.spec, Table::layers, how, static_cast<std::size_t>(Table::global_index(i, tp_rank, static_cast<std::int64_t>(j)))));
+  }
 }
 
 }  // namespace fived

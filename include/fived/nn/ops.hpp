@@ -1,7 +1,8 @@
 #pragma once
 // Per-device kernel dispatch for the model: Ops<T, Device>.
 //
-// The model (nn/gpt.hpp) is written once against this interface; each device supplies
+// The model (nn/gpt.hpp) and its layers are written once against this interface: no layer
+// calls a kernel directly; each device supplies
 // a specialisation whose member functions forward to its kernels, plus the few things
 // that differ per device (moving token ids in, reading the loss out, staging parameters
 // through host memory for initialisation, save and load).
@@ -17,10 +18,10 @@
 //   template <class U> using buffer = Buffer<U, Device>;
 //   kernels (contract of /kernels, without the stream / handle argument):
 //     matmul, bias_backward, layernorm_forward, layernorm_backward, gelu_backward,
-//     residual_forward, attention_forward, attention_backward, embedding_forward,
-//     embedding_backward, logits_max, crossentropy_partials, crossentropy_backward,
-//     adamw_update
-//   void clip_grad_norm(T* g, size_t n, float max_norm)   scale g so that ||g|| <= max_norm
+//     residual_forward, attention_forward, attention_backward, embedding_forward and
+//     embedding_backward (over a range of the vocabulary: a TP rank's shard), logits_max,
+//     crossentropy_partials, crossentropy_backward, adamw_update, gelu_forward, scale
+//   double sum_of_squares(const T* g, size_t n)   in double; waits for the device on Cuda
 //   buffer<U> make_buffer(size_t n)                       n zeroed elements, ready for use
 //   void zero(buffer<U>&)                                 all elements to 0 (stream-ordered)
 //   void upload_ids(buffer<int>& dst, const int* host, size_t n)   host ids -> dst[0, n)
@@ -98,11 +99,13 @@ struct Ops<T, Host> {
                           int NH) {
     kernels::host::attention_backward(dqkv, dout, qkv, out, lse, B, T_, C, NH);
   }
-  void embedding_forward(T* out, const int* tokens, const T* wte, const T* wpe, int B, int T_, int C, int V) {
-    kernels::host::embedding_forward(out, tokens, wte, wpe, B, T_, C, V);
+  void embedding_forward(T* out, const int* tokens, const T* wte, int vocab_begin, int vocab_rows, const T* wpe, int B,
+                         int T_, int C) {
+    kernels::host::embedding_forward(out, tokens, wte, vocab_begin, vocab_rows, wpe, B, T_, C);
   }
-  void embedding_backward(T* dwte, T* dwpe, const T* dout, const int* tokens, int B, int T_, int C) {
-    kernels::host::embedding_backward(dwte, dwpe, dout, tokens, B, T_, C);
+  void embedding_backward(T* dwte, T* dwpe, const T* dout, const int* tokens, int B, int T_, int C, int vocab_begin,
+                          int vocab_rows) {
+    kernels::host::embedding_backward(dwte, dwpe, dout, tokens, B, T_, C, vocab_begin, vocab_rows);
   }
   void logits_max(stat_t* max, const T* logits, int N, int Vs, int offset, int V) {
     kernels::host::logits_max(max, logits, N, Vs, offset, V);
@@ -121,11 +124,10 @@ struct Ops<T, Host> {
                     float beta2, float eps, float weight_decay, int step) {
     kernels::host::adamw_update(param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step);
   }
-  // Global-norm clipping of one flat gradient buffer: g *= min(1, max_norm / (||g|| + 1e-6)).
-  void clip_grad_norm(T* g, std::size_t n, float max_norm) {
-    const float f = kernels::host::clip_factor(kernels::host::sum_of_squares(g, n), max_norm);
-    if (f < 1.0f) kernels::host::scale(g, n, f);
-  }
+  void gelu_forward(T* out, const T* inp, std::size_t n) { kernels::host::gelu_forward(out, inp, n); }
+  // Sum of squares of n values, in double (read back to the host on a device).
+  double sum_of_squares(const T* g, std::size_t n) { return kernels::host::sum_of_squares(g, n); }
+  void scale(T* g, std::size_t n, float factor) { kernels::host::scale(g, n, factor); }
 
   // ---- memory and staging ----------------------------------------------------------------------
 

@@ -1,36 +1,27 @@
 #pragma once
-// AdamW over the flat parameter buffer of a GptLayout, on the host.
+// AdamW over ranges of a flat parameter buffer, on the host.
 //
-//   fived::AdamW<GPT<cfg>::layout> opt({.lr = 2e-3f, .beta2 = 0.95f, .weight_decay = 0.1f, .max_norm = 1.0f});
-//   model.zero_grad(); model.forward(...); model.backward();
-//   opt.step(model);                       // clip the global norm, then one AdamW step
+//   fived::AdamW<Model::layout, T> opt({.lr = 2e-3f, .beta2 = 0.95f, .weight_decay = 0.1f, .max_norm = 1.0f}, owned);
+//   opt.begin_step();                                            // one step...
+//   for (FlatRange r : opt.owned()) opt.update(params, grads, r);  // ...over each owned range
 //
-// Hyper-parameters live in `opt.hp` (change `opt.hp.lr` between steps for a schedule).
-// Weight decay is applied to 2-D tensors only (every ParamInfo with rank == 2: the linear
-// weights, wte, wpe and lm_head), never to biases and LayerNorm parameters; this is the rule
-// examples/train_gpt.cpp has always used (`t.rank == 2 ? 0.1f : 0.0f`). `decays(t)` says it.
+// The training step that clips the global norm and calls this (the one optimizer step of
+// every path, serial included) is DataParallel's (train/data_parallel.hpp); this class is
+// the state and the update. Layout is a parameter table (nn/param_table.hpp) or anything
+// with `tensors` whose elements have offset, end() and decays(): weight decay applies to
+// the tensors whose spec says so (2-D ones in a GPT, never biases and LayerNorms).
 //
 // Sharded use (ZeRO): an optimizer made for some ranges of the flat buffer (a rank's pieces
 // of every bucket, train/bucket_plan.hpp) holds moments (and master weights) for those
-// ranges only, one after the other. The caller clips and steps range by range:
-//
-//   AdamW<L> opt(hp, {{b0, e0}, {b1, e1}});
-//   double s = ...;                                             // sum of squares of every rank's part
-//   const float f = opt.clip_factor(s);                         // scale the gradients by f if f < 1
-//   opt.begin_step();                                           // one step...
-//   for (FlatRange r : opt.owned()) opt.update(params, grads, r);  // ...over each owned range
-//
-// `params` and `grads` are indexed by the flat buffer's offsets minus `base` (update's last
-// argument, 0 by default): a ZeRO-3 rank passes its piece of a bucket with base = the
-// piece's first offset. Only elements in the range are read or written.
+// ranges only, one after the other. `params` and `grads` are indexed by the flat buffer's
+// offsets minus `base` (update's last argument, 0 by default): a ZeRO-3 rank passes its
+// piece of a bucket with base = the piece's first offset.
 //
 // Precision: moments are fp32. For T = float or double the update is done on the parameters
-// themselves (kernels::host::adamw_update with no master copy). For any other T (bf16) the
-// optimizer keeps fp32 master weights for its range, copied from the parameters on the first
-// step, and writes T(master) back each step.
+// themselves (no master copy). For any other T (bf16) the optimizer keeps fp32 master weights
+// for its range, copied from the parameters on the first step, and writes T(master) back.
 //
-// Host only for now: the CUDA path of train_gpt keeps its own per-tensor loop over
-// Ops<T, Cuda>::adamw_update.
+// Host only for now (AdamW on CUDA is the CUDA/NCCL issue's).
 
 #include <algorithm>
 #include <cstddef>
@@ -43,7 +34,6 @@
 #include "fived/device/bf16.hpp"
 #include "fived/kernels/host/adamw.hpp"
 #include "fived/kernels/host/norm.hpp"
-#include "fived/nn/layout.hpp"
 #include "fived/optim/flat_range.hpp"
 
 namespace fived {
@@ -87,8 +77,6 @@ class AdamW {
     master_ready_.assign(owned_.size(), false);
   }
 
-  // The GPT-2 weight-decay rule: 2-D tensors decay, 1-D ones (biases, LayerNorm) do not.
-  static constexpr bool decays(const ParamInfo& t) { return t.rank == 2; }
 
   std::span<const FlatRange> owned() const { return owned_; }
   std::size_t owned_size() const { return m_.size(); }  // elements, over all owned ranges
@@ -99,33 +87,12 @@ class AdamW {
   // Bytes of optimizer state held (moments, master weights).
   std::size_t state_bytes() const { return (m_.size() + v_.size() + master_.size()) * sizeof(float); }
 
-  // ---- clipping pieces -----------------------------------------------------------------
-
-  // Sum of squares of grads[r] (flat-buffer offsets), in double.
-  static double sum_of_squares(std::span<const T> grads, FlatRange r) {
-    check_span("sum_of_squares", "grads", grads.size(), r);
-    return kernels::host::sum_of_squares(grads.data() + r.begin, r.size());
-  }
   // min(1, max_norm / (sqrt(total) + 1e-6)); 1 when clipping is off.
   float clip_factor(double total_sum_of_squares) const {
     return hp.max_norm > 0 ? kernels::host::clip_factor(total_sum_of_squares, hp.max_norm) : 1.0f;
   }
-  // grads[r] *= clip_factor(total) when that is below 1. Returns the factor.
-  float clip(std::span<T> grads, FlatRange r, double total_sum_of_squares) const {
-    check_span("clip", "grads", grads.size(), r);
-    const float f = clip_factor(total_sum_of_squares);
-    if (f < 1.0f) kernels::host::scale(grads.data() + r.begin, r.size(), f);
-    return f;
-  }
 
   // ---- steps -----------------------------------------------------------------------------
-
-  // One AdamW step over r (inside an owned range) without clipping; params and grads are
-  // indexed by flat-buffer offsets. Counts one step.
-  void step(std::span<T> params, std::span<const T> grads, FlatRange r) {
-    begin_step();
-    update(params, grads, r);
-  }
 
   // Counts one step; update() then applies it range by range.
   void begin_step() { ++step_; }
@@ -148,7 +115,7 @@ class AdamW {
       }
     }
     master_ready_[k] = true;
-    for (const ParamInfo& t : Layout::tensors) {
+    for (const auto& t : Layout::tensors) {
       const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
       if (b >= e) continue;
       const std::size_t o = start_[k] + (b - owned_[k].begin);
@@ -156,24 +123,8 @@ class AdamW {
       if constexpr (has_master) master = master_.data() + o;
       kernels::host::adamw_update(params.data() + (b - base), master, grads.data() + (b - base), m_.data() + o,
                                   v_.data() + o, e - b, hp.lr, hp.beta1, hp.beta2, hp.eps,
-                                  decays(t) ? hp.weight_decay : 0.0f, step_);
+                                  t.decays() ? hp.weight_decay : 0.0f, step_);
     }
-  }
-
-  // The whole model on one rank: clip model.grads() in place (global norm), then step.
-  // Returns the clip factor (1 when not clipped).
-  template <class Model>
-  float step(Model& model) {
-    static_assert(std::is_same_v<typename Model::layout, Layout> && std::is_same_v<typename Model::value_type, T>,
-                  "fived::AdamW::step(model): the model's layout and element type must be the optimizer's");
-    static_assert(Model::on_host, "fived::AdamW is host-only for now: on Cuda use Ops<T, Cuda>::adamw_update");
-    const FlatRange all{0, Layout::size};
-    if (owned_.size() != 1 || owned_[0] != all)
-      throw std::logic_error("fived::AdamW::step(model): this optimizer owns a sub-range; use step(params, grads, range)");
-    float f = 1.0f;
-    if (hp.max_norm > 0) f = clip(model.grads(), all, sum_of_squares(model.grads(), all));
-    step(model.params(), std::span<const T>(model.grads()), all);
-    return f;
   }
 
  private:

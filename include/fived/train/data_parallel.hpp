@@ -3,15 +3,23 @@
 // batch, and the gradients are averaged over the DP group; the policy says how much of the
 // training state each rank holds.
 //
-//   fived::host::run(4, [&](fived::host::Comm& comm) {
-//     GPT<cfg> model(GptInit{.seed = 1});                                  // same init on every rank
-//     fived::DataParallel<GPT<cfg>, 4, fived::ZeRO<2>> dp(model, comm, adamw_config, /*accum=*/3);
+//   using M = Mesh<DP<4>>;
+//   fived::host::run(M::size, [&](fived::host::Comm& world) {
+//     auto ctx = make_mesh_context<M>(world);
+//     GPT<cfg, M> model(GptInit{.seed = 1});                               // same init on every rank
+//     fived::DataParallel<GPT<cfg, M>, fived::ZeRO<2>> dp(model, ctx, adamw_config, /*accum=*/3);
 //     for (int step = 0; step < n; ++step) {
 //       // tokens/targets: the GLOBAL batch of the step, accum micro-batches of [B, T], identical on every rank
 //       double loss = dp.step(tokens, targets, B, T);                      // mean loss over the global batch
 //     }
 //     std::vector<float> weights = dp.full_params();                       // (a collective under ZeRO-3)
 //   });
+//
+// The group is the model's mesh's gradient group (grad_group: DP x CP), its communicator
+// taken from the MeshContext. On a mesh whose group has one rank (Mesh<>, Mesh<TP<4>>) no
+// context is needed and DataParallel<Model> is the training step of one replica: the same
+// clip and AdamW with every collective compiled away. That is the one optimizer step of
+// every path.
 //
 // Data: micro-batch k of the step is rows [k*B, (k+1)*B) of `tokens`; rank r reads rows
 // [r*B/DP, (r+1)*B/DP) of each micro-batch (`rows(r, B)`), so the DP ranks together see exactly
@@ -62,16 +70,15 @@
 // counted until its reduction is issued; a communication thread that falls behind holds
 // them a little longer).
 //
-// DP x TP: the model may itself be split over TP, bound to its TP communicator
-// (nn::tp::Bound, nn/tp/gpt.hpp). Its layout is then one TP rank's buffer, which DP cuts and
-// reduces over the DP group of the same TP rank. The clip norm counts every parameter once:
-// the model says which parts of a range this rank counts (norm_parts) and sums over its own
-// group (sum_over_replica); DataParallel sums over DP.
+// DP x TP: the model may itself be split over TP (GPT<cfg, Mesh<DP<2>, TP<2>>>). Its layout
+// is then one TP rank's buffer, which DP cuts and reduces over the DP group of the same TP
+// rank, and ZeRO-3 gathers its units through the same hooks. The clip norm counts every
+// parameter once: the model says which parts of a range this rank counts (norm_parts) and
+// sums over TP (sum_over_tp); DataParallel sums over DP.
 //
 //   auto ctx = make_mesh_context<Mesh<DP<2>, TP<2>>>(world);
-//   nn::tp::GPT<cfg, M, nn::tp::SequenceParallel> model(ctx.coord(), init);
-//   nn::tp::Bound bound(model, ctx.comm<Axis::tp>());
-//   DataParallel<decltype(bound), 2, ZeRO<1>> dp(bound, ctx.comm<Axis::dp>(), hp);
+//   GPT<cfg, Mesh<DP<2>, TP<2>>, float, Host, SequenceParallel> model(ctx, init);
+//   DataParallel<decltype(model), ZeRO<3>> dp(model, ctx, hp);
 //
 // Mixed precision: a bf16 model computes, and its gradients are reduced, in bf16 (the host
 // backend sums bf16 in float and rounds once); AdamW keeps fp32 master weights and moments for
@@ -83,8 +90,8 @@
 // NCCL's communication stream), which reduces them while backward goes on; ZeRO-3's gathers
 // and prefetches run there too, and forward/backward wait only for the unit they are about
 // to use. Before the gradients are touched again (the next micro-batch, the optimizer) the
-// trainer waits for all of it. set_overlap(false), or a model without hooks (nn::tp::Bound),
-// runs every collective on the calling thread, after backward for the reductions. The
+// trainer waits for all of it. set_overlap(false), or a model without hooks, runs every
+// collective on the calling thread, after backward for the reductions. The
 // results are the same bit for bit.
 
 #include <algorithm>
@@ -98,11 +105,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "fived/comm/group_comm.hpp"
 #include "fived/comm/types.hpp"
 #include "fived/device/bf16.hpp"
 #include "fived/device/host_pages.hpp"
 #include "fived/kernels/host/norm.hpp"
 #include "fived/kernels/host/residual.hpp"
+#include "fived/mesh/context.hpp"
 #include "fived/nn/unit_hooks.hpp"
 #include "fived/optim/adamw.hpp"
 #include "fived/train/bucket_plan.hpp"
@@ -128,9 +137,10 @@ inline constexpr bool is_zero_policy<NoZeRO> = true;
 template <int S>
 inline constexpr bool is_zero_policy<ZeRO<S>> = true;
 
-template <class Model, int DP, class Policy = NoZeRO, std::size_t BucketBytes = (std::size_t{4} << 20)>
+template <class Model, class Policy = NoZeRO, std::size_t BucketBytes = (std::size_t{4} << 20)>
 class DataParallel {
-  static_assert(DP >= 1, "fived::DataParallel: the data-parallel size must be at least 1");
+  using group = typename Model::mesh::grad_group;
+  static constexpr int DP = group::size;
   static_assert(is_zero_policy<Policy>, "fived::DataParallel: the policy must be fived::NoZeRO or fived::ZeRO<S>");
   static_assert(Model::on_host, "fived::DataParallel runs on the host backend for now (Model::on_host)");
   static_assert(std::is_same_v<typename Model::value_type, float> ||
@@ -147,29 +157,44 @@ class DataParallel {
   using optimizer_type = AdamWFor<Model>;
   static constexpr int dp = DP;
   static constexpr int stage = Policy::stage;
+  static_assert(stage == 0 || DP > 1,
+                "fived::DataParallel: ZeRO shards the training state over the data-parallel group, which has one rank "
+                "on this mesh; use NoZeRO (or a mesh with DP > 1)");
   static constexpr bool has_hooks = requires(Model& m, const int* ids, const UnitHooks& h) {
     m.forward(ids, ids, 1, 1, h);
     m.backward(h);
   };
   static_assert(stage < 3 || (has_hooks && plan::has_units),
                 "fived::DataParallel: ZeRO<3> gathers each unit's parameters just before the model uses them, so the "
-                "model must call UnitHooks in forward and backward and its layout must have units (fived::GPT does; "
-                "nn::tp::Bound does not yet): use ZeRO<1> or ZeRO<2> with this model");
+                "model must call UnitHooks in forward and backward and its layout must have units (fived::GPT does): "
+                "use ZeRO<1> or ZeRO<2> with this model");
 
   // The hooks given to the model point at this object.
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
 
-  // comm: this rank's communicator of the DP group (size DP). accum: micro-batches per step.
-  template <class Comm>
-  DataParallel(Model& model, Comm& comm, const AdamWConfig& config, int accum = 1)
-      : DataParallel(model, comm.rank(), comm.size(), config, accum) {
-    coll_.all_reduce_avg = [&comm](std::span<T> x) { comm.all_reduce(x, ReduceOp::avg); };
-    coll_.reduce_scatter_avg = [&comm](std::span<const T> in, std::span<T> out) {
-      comm.reduce_scatter(in, out, ReduceOp::avg);
-    };
-    coll_.all_gather = [&comm](std::span<const T> in, std::span<T> out) { comm.all_gather(in, out); };
-    coll_.sum = [&comm](double& x, ReduceOp op) { comm.all_reduce(std::span<double>(&x, 1), op); };
+  // One replica: a mesh whose gradient group has one rank. accum: micro-batches per step.
+  DataParallel(Model& model, const AdamWConfig& config, int accum = 1) requires(DP == 1)
+      : DataParallel(model, MeshComm<group>(), 0, config, accum) {}
+  // ctx: this rank's MeshContext; the gradient group's communicator is taken from it.
+  template <Communicator Comm>
+  DataParallel(Model& model, MeshContext<typename Model::mesh, Comm>& ctx, const AdamWConfig& config, int accum = 1)
+      : DataParallel(model, MeshComm<group>(ctx.template comm<group>()), group::index(ctx.rank()), config, accum) {}
+
+  // After a forward and backward run by the caller (NoZeRO): the gradients reduced over the
+  // group, clipped to the global norm and one AdamW step. Returns the clip factor.
+  float apply_gradients() {
+    static_assert(stage == 0, "fived::DataParallel::apply_gradients: under ZeRO use step(), which reduces each "
+                              "micro-batch as backward finishes it");
+    for (int u = plan::units - 1; u >= 0; --u) {
+      reduced_[static_cast<std::size_t>(u)] = false;
+      reduce_unit(u, false);
+    }
+    return optimizer_step();
+  }
+
+ private:
+  void shard_state() {
     if constexpr (stage == 3) {  // the pieces are the parameters from now on
       for (std::size_t i = 0; i < plan::count; ++i) {
         const FlatRange o = owned(i);
@@ -179,6 +204,8 @@ class DataParallel {
     }
     if constexpr (stage >= 2) release_pages(model_.grads());
   }
+
+ public:
 
   // Rows of each micro-batch that DP rank r reads: [r*B/DP, (r+1)*B/DP).
   static FlatRange rows(int r, int B) {
@@ -228,7 +255,7 @@ class DataParallel {
     if constexpr (stage == 3)
       for (int u = 0; u < plan::units; ++u) release_params(u);
     loss /= accum_;
-    coll_.sum(loss, ReduceOp::avg);
+    comm_.all_reduce(std::span<double>(&loss, 1), ReduceOp::avg);
     optimizer_step();
     return loss;
   }
@@ -271,18 +298,8 @@ class DataParallel {
   int accum() const { return accum_; }
 
  private:
-  struct Collectives {
-    std::function<void(std::span<T>)> all_reduce_avg;
-    std::function<void(std::span<const T>, std::span<T>)> reduce_scatter_avg, all_gather;
-    std::function<void(double&, ReduceOp)> sum;
-  };
-
-  DataParallel(Model& model, int rank, int size, const AdamWConfig& config, int accum)
-      : model_(model), rank_(rank), accum_(accum), opt_(config, owned_ranges(rank)) {
-    if (size != DP)
-      throw std::invalid_argument("fived::DataParallel<..., " + std::to_string(DP) +
-                                  ">: the communicator has " + std::to_string(size) +
-                                  " ranks; it must be the DP group's (" + std::to_string(DP) + " ranks)");
+  DataParallel(Model& model, MeshComm<group> comm, int rank, const AdamWConfig& config, int accum)
+      : model_(model), comm_(std::move(comm)), rank_(rank), accum_(accum), opt_(config, owned_ranges(rank)) {
     if (accum < 1)
       throw std::invalid_argument("fived::DataParallel: accum (micro-batches per step) must be at least 1, got " +
                                   std::to_string(accum));
@@ -307,6 +324,7 @@ class DataParallel {
       done_with_params(u);
     };
     if constexpr (has_hooks) worker_ = std::make_unique<Worker>();
+    shard_state();
   }
 
   // What this rank's optimizer owns of bucket i: the whole bucket without ZeRO, else its piece.
@@ -342,12 +360,12 @@ class DataParallel {
     std::span<T> g = model_.grads().subspan(bk.range.begin, bk.range.size());
     if (accum_ > 1) kernels::host::scale(g.data(), g.size(), 1.0f / static_cast<float>(accum_));
     if constexpr (stage == 0) {
-      coll_.all_reduce_avg(g);
+      comm_.all_reduce(g, ReduceOp::avg);
     } else {
       std::span<T> in = std::span<T>(staging_).first(bk.padded), out = std::span<T>(piece_).first(bk.padded / DP);
       std::copy(g.begin(), g.end(), in.begin());
       std::fill(in.begin() + static_cast<std::ptrdiff_t>(g.size()), in.end(), T{});
-      coll_.reduce_scatter_avg(in, out);
+      comm_.reduce_scatter(std::span<const T>(in), out, ReduceOp::avg);
       std::span<T> mine = owned_grads(i);
       if constexpr (stage == 1) std::copy_n(out.begin(), mine.size(), mine.begin());
       else kernels::host::residual_forward(mine.data(), mine.data(), out.data(), mine.size());
@@ -396,7 +414,7 @@ class DataParallel {
     std::span<T> in = std::span<T>(piece_).first(bk.padded / DP), out = std::span<T>(staging_).first(bk.padded);
     std::copy(mine.begin(), mine.end(), in.begin());
     std::fill(in.begin() + static_cast<std::ptrdiff_t>(mine.size()), in.end(), T{});
-    coll_.all_gather(in, out);
+    comm_.all_gather(std::span<const T>(in), out);
     std::copy_n(out.begin(), bk.range.size(), dst.begin() + static_cast<std::ptrdiff_t>(bk.range.begin));
   }
 
@@ -441,13 +459,14 @@ class DataParallel {
   // Clip to the global norm (every parameter counted once over DP and the model's own
   // group), one AdamW step on what this rank owns, then (NoZeRO aside) the new parameters
   // to every replica: all-gathered now under ZeRO-1/2, at their next use under ZeRO-3.
-  void optimizer_step() {
+  float optimizer_step() {
+    float f = 1.0f;
     if (opt_.hp.max_norm > 0) {
       double s = 0;
       for (std::size_t i = 0; i < plan::count; ++i) s += sum_of_squares(i);
-      if constexpr (requires { model_.sum_over_replica(s); }) s = model_.sum_over_replica(s);
-      if constexpr (stage >= 1) coll_.sum(s, ReduceOp::sum);  // NoZeRO: every replica has the same sum
-      const float f = opt_.clip_factor(s);
+      s = model_.sum_over_tp(s);
+      if constexpr (stage >= 1) comm_.all_reduce(std::span<double>(&s, 1));  // NoZeRO: every replica has the same sum
+      f = opt_.clip_factor(s);
       if (f < 1.0f)
         for (std::size_t i = 0; i < plan::count; ++i) kernels::host::scale(owned_grads(i).data(), owned(i).size(), f);
     }
@@ -456,31 +475,28 @@ class DataParallel {
       if (!owned(i).empty()) opt_.update(owned_params(i), owned_grads(i), owned(i), owned(i).begin);
     if constexpr (stage == 1 || stage == 2)
       for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(i, owned_params(i), model_.params());
+    return f;
   }
 
   // Sum of squares of what this rank owns of bucket i, counting only the parts the model
-  // says this rank counts (nn::tp::Bound: a replicated tensor on TP rank 0 only).
+  // says this rank counts (a tensor replicated over TP on TP rank 0 only).
   double sum_of_squares(std::size_t i) {
     const FlatRange o = owned(i);
     std::span<const T> g = owned_grads(i);
-    if constexpr (requires { model_.norm_parts(o); }) {
-      double s = 0;
-      for (const FlatRange& p : model_.norm_parts(o))
-        s += kernels::host::sum_of_squares(g.data() + (p.begin - o.begin), p.size());
-      return s;
-    } else {
-      return kernels::host::sum_of_squares(g.data(), g.size());
-    }
+    double s = 0;
+    for (const FlatRange& p : model_.norm_parts(o))
+      s += model_.ops().sum_of_squares(g.data() + (p.begin - o.begin), p.size());
+    return s;
   }
 
   Model& model_;
+  MeshComm<group> comm_;
   int rank_;
   int accum_;
   bool overlap_ = true;
   bool reducing_ = false;  // the current micro-batch's gradients are reduced
   bool async_ = false;     // this step's collectives run on the communication thread
   optimizer_type opt_;
-  Collectives coll_;
   UnitHooks hooks_;
   std::vector<T> staging_, piece_;  // ZeRO: one bucket, padded, and one piece of it
   std::vector<T> grad_pieces_;      // ZeRO-2/3: this rank's pieces of the reduced gradient

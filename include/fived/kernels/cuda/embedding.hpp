@@ -1,15 +1,19 @@
 #pragma once
-// Token + position embedding, contract of fived/kernels/host/embedding.hpp:
-//   embedding_forward(s, out, tokens, wte, wpe, B, T, C, V)    out[b,t] = wte[tok] + wpe[t]
-//   embedding_backward(s, dwte, dwpe, dout, tokens, B, T, C)   both +=; dwte or dwpe may be null
-// tokens is device memory [B*T]. The forward cannot throw for a token id
-// outside [0, V) (the ids are on the device): it writes NaN into that row, so
-// the loss becomes NaN rather than silently wrong. The backward skips ids < 0.
+// Token + position embedding over a range of the vocabulary, contract of
+// fived/kernels/host/embedding.hpp (wte holds rows [vocab_begin, vocab_begin + vocab_rows)):
+//   embedding_forward(s, out, tokens, wte, vocab_begin, vocab_rows, wpe, B, T, C)
+//       out[b,t] = (wte[tok - vocab_begin] if tok is in the range, else 0) + (wpe ? wpe[t] : 0)
+//   embedding_backward(s, dwte, dwpe, dout, tokens, B, T, C, vocab_begin, vocab_rows)
+//       both +=; dwte gets in-range ids only, dwpe every position; dwte or dwpe may be null
+// tokens is device memory [B*T]. The ids cannot be checked here (they are on the
+// device): the model checks them against the vocabulary on the host. An id outside the
+// range (another rank's, or a negative one) contributes 0 to out and nothing to dwte.
+// With only one of the two terms present the forward copies it exactly, as the host does.
 //
 // The backward is deterministic (no atomics): the (token, position) pairs are
 // radix-sorted by token with CUB (stable, so positions stay in order), and one
-// block per distinct token sums its rows in position order, in float, then adds
-// the sum to dwte once. dwpe[t] sums over b in order.
+// block per distinct in-range token sums its rows in position order, in float, then
+// adds the sum to dwte once. dwpe[t] sums over b in order.
 
 #include <cub/device/device_radix_sort.cuh>
 
@@ -21,17 +25,30 @@ namespace fived::kernels::cuda {
 
 namespace detail {
 
+// vocab_begin >= 0 (checked by the launchers), so tok - vocab_begin cannot overflow
+// once tok >= vocab_begin.
+__device__ __forceinline__ bool embedding_in_range(int tok, int vocab_begin, int vocab_rows) {
+  return tok >= vocab_begin && tok - vocab_begin < vocab_rows;
+}
+
 template <class E>
-__global__ void embedding_forward_kernel(E* out, const int* tokens, const E* wte, const E* wpe, int BT, int T, int C,
-                                         int V) {
+__global__ void embedding_forward_kernel(E* out, const int* tokens, const E* wte, int vocab_begin, int vocab_rows,
+                                         const E* wpe, int BT, int T, int C) {
   const std::size_t n = static_cast<std::size_t>(BT) * C;
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
     const int bt = static_cast<int>(i / C), c = static_cast<int>(i % C);
     const int t = bt % T;
     const int tok = tokens[bt];
-    const float w = (tok >= 0 && tok < V) ? to_float(wte[static_cast<std::size_t>(tok) * C + c]) : NAN;
-    out[i] = from_float<E>(w + (wpe != nullptr ? to_float(wpe[static_cast<std::size_t>(t) * C + c]) : 0.0f));
+    const E* e = embedding_in_range(tok, vocab_begin, vocab_rows)
+                     ? wte + static_cast<std::size_t>(tok - vocab_begin) * C + c
+                     : nullptr;
+    const E* p = wpe != nullptr ? wpe + static_cast<std::size_t>(t) * C + c : nullptr;
+    // One term alone is copied, not added to 0.0f (which would turn -0 into +0).
+    out[i] = e != nullptr && p != nullptr ? from_float<E>(to_float(*e) + to_float(*p))
+             : e != nullptr               ? *e
+             : p != nullptr               ? *p
+                                          : from_float<E>(0.0f);
   }
 }
 
@@ -42,19 +59,21 @@ __global__ void iota_kernel(I* p, I n) {
     p[i] = i;
 }
 
-// One block per sorted index; only the first index of each run of equal tokens works.
+// One block per sorted index; only the first index of each run of equal in-range tokens
+// works. Out-of-range ids still take part in the sort (they are another rank's rows).
 template <class E>
 __global__ void embedding_backward_wte_kernel(E* dwte, const E* dout, const int* sorted_tokens,
-                                              const int* sorted_positions, int n, int C) {
+                                              const int* sorted_positions, int n, int C, int vocab_begin,
+                                              int vocab_rows) {
   const int i = static_cast<int>(blockIdx.x);
   const int tok = sorted_tokens[i];
-  if (tok < 0 || (i > 0 && sorted_tokens[i - 1] == tok)) return;
+  if (!embedding_in_range(tok, vocab_begin, vocab_rows) || (i > 0 && sorted_tokens[i - 1] == tok)) return;
   int end = i + 1;
   while (end < n && sorted_tokens[end] == tok) ++end;
   for (int c = static_cast<int>(threadIdx.x); c < C; c += static_cast<int>(blockDim.x)) {
     float acc = 0.0f;
     for (int j = i; j < end; ++j) acc += to_float(dout[static_cast<std::size_t>(sorted_positions[j]) * C + c]);
-    E* w = dwte + static_cast<std::size_t>(tok) * C + c;
+    E* w = dwte + static_cast<std::size_t>(tok - vocab_begin) * C + c;
     *w = from_float<E>(to_float(*w) + acc);
   }
 }
@@ -70,35 +89,37 @@ __global__ void embedding_backward_wpe_kernel(E* dwpe, const E* dout, int B, int
   }
 }
 
-inline void check_embedding_sizes(const char* kernel, int B, int T, int C) {
+inline void check_embedding_sizes(const char* kernel, int B, int T, int C, int vocab_begin, int vocab_rows) {
   require_non_negative(kernel, "B", B);
   require_non_negative(kernel, "T", T);
   require_positive(kernel, "C", C);
+  require_non_negative(kernel, "vocab_begin", vocab_begin);
+  require_non_negative(kernel, "vocab_rows", vocab_rows);
   require(static_cast<long long>(B) * T <= 0x7fffffffLL, kernel, "B*T must fit in an int");
 }
 
 }  // namespace detail
 
 template <class E>
-void embedding_forward(cudaStream_t stream, E* out, const int* tokens, const E* wte, const E* wpe, int B, int T, int C,
-                       int V) {
+void embedding_forward(cudaStream_t stream, E* out, const int* tokens, const E* wte, int vocab_begin, int vocab_rows,
+                       const E* wpe, int B, int T, int C) {
   static_assert(is_element_v<E>, "embedding_forward: element type must be float or fived::bf16");
-  detail::check_embedding_sizes("embedding_forward", B, T, C);
-  detail::require_positive("embedding_forward", "V", V);
+  detail::check_embedding_sizes("embedding_forward", B, T, C, vocab_begin, vocab_rows);
   if (B == 0 || T == 0) return;
   const std::size_t n = static_cast<std::size_t>(B) * T * C;
-  detail::embedding_forward_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(dev(out), tokens, dev(wte), dev(wpe),
-                                                                                 B * T, T, C, V);
+  detail::embedding_forward_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(
+      dev(out), tokens, dev(wte), vocab_begin, vocab_rows, dev(wpe), B * T, T, C);
   FIVED_CUDA_CHECK_LAUNCH("embedding_forward_kernel");
 }
 
 template <class E>
-void embedding_backward(cudaStream_t stream, E* dwte, E* dwpe, const E* dout, const int* tokens, int B, int T, int C) {
+void embedding_backward(cudaStream_t stream, E* dwte, E* dwpe, const E* dout, const int* tokens, int B, int T, int C,
+                        int vocab_begin, int vocab_rows) {
   static_assert(is_element_v<E>, "embedding_backward: element type must be float or fived::bf16");
-  detail::check_embedding_sizes("embedding_backward", B, T, C);
+  detail::check_embedding_sizes("embedding_backward", B, T, C, vocab_begin, vocab_rows);
   if (B == 0 || T == 0) return;
   const int n = B * T;
-  if (dwte != nullptr) {
+  if (dwte != nullptr && vocab_rows > 0) {
     Scratch<int> sorted_tokens(static_cast<std::size_t>(n), stream), positions(static_cast<std::size_t>(n), stream),
         sorted_positions(static_cast<std::size_t>(n), stream);
     detail::iota_kernel<<<detail::grid_for(static_cast<std::size_t>(n), 256), 256, 0, stream>>>(positions.get(), n);
@@ -111,7 +132,7 @@ void embedding_backward(cudaStream_t stream, E* dwte, E* dwpe, const E* dout, co
                                                      positions.get(), sorted_positions.get(), n, 0, 32, stream));
     const unsigned block = C >= 256 ? 256u : 32u * static_cast<unsigned>((C + 31) / 32);
     detail::embedding_backward_wte_kernel<<<static_cast<unsigned>(n), block, 0, stream>>>(
-        dev(dwte), dev(dout), sorted_tokens.get(), sorted_positions.get(), n, C);
+        dev(dwte), dev(dout), sorted_tokens.get(), sorted_positions.get(), n, C, vocab_begin, vocab_rows);
     FIVED_CUDA_CHECK_LAUNCH("embedding_backward_wte_kernel");
   }
   if (dwpe != nullptr) {

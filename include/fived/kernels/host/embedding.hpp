@@ -1,13 +1,17 @@
 #pragma once
-// Host token + position embedding, forward and backward.
-//   forward:  out[b,t,:] = wte[tokens[b,t], :] + wpe[t, :]      (out [B,T,C], "=")
-//   backward: dwte[tokens[b,t], :] += dout[b,t,:],  dwpe[t, :] += dout[b,t,:]   ("+=")
-// wte is [V,C] (possibly tied with the LM head, whose gradient is added to the same
-// dwte), wpe is [maxT,C] with maxT >= T. The backward is a scatter-add: a token
-// that occurs several times gets the sum of its rows. Both sums run in acc_t<T>
-// before a single "+=" per row (a token's occurrences in position order, so the
-// result is deterministic and matches the CUDA version's sort). Token ids out of [0, V) throw in
-// the forward; the backward has no V and checks only that ids are not negative.
+// Host token + position embedding over a range of the vocabulary, forward and backward.
+// The table holds rows [vocab_begin, vocab_begin + vocab_rows) of the (padded)
+// vocabulary: all of it on one rank, this rank's shard under tensor parallelism.
+//   forward:  out[b,t,:] = (wte[tokens[b,t] - vocab_begin, :] if the id is in the range, else 0)
+//                          + wpe[t, :] (when wpe is given)                            ("=")
+//   backward: dwte[tokens[b,t] - vocab_begin, :] += dout[b,t,:] for in-range ids,
+//             dwpe[t, :] += dout[b,t,:] (when dwpe is given)                          ("+=")
+// wpe is [maxT,C] with maxT >= T. A vocab-parallel embedding adds the positions on one
+// rank only, so the sum over ranks holds them once. The backward is a scatter-add: a
+// token that occurs several times gets the sum of its rows. Both sums run in acc_t<T>
+// before a single "+=" per row (a token's occurrences in position order, so the result is
+// deterministic and matches the CUDA version's sort). Negative ids throw; ids past the
+// range are another rank's (the model checks them against the vocabulary).
 
 #include <algorithm>
 #include <cstddef>
@@ -29,26 +33,29 @@ inline void check_sizes(const char* what, int B, int T, int C) {
 }  // namespace detail_embedding
 
 template <class T>
-void embedding_forward(T* out, const int* tokens, const T* wte, const T* wpe, int B, int T_, int C, int V) {
+void embedding_forward(T* out, const int* tokens, const T* wte, int vocab_begin, int vocab_rows, const T* wpe, int B,
+                       int T_, int C) {
   using A = acc_t<T>;
   detail_embedding::check_sizes("embedding_forward", B, T_, C);
   const std::size_t sT = static_cast<std::size_t>(T_), sC = static_cast<std::size_t>(C);
   for (std::size_t b = 0; b < static_cast<std::size_t>(B); ++b)
     for (std::size_t t = 0; t < sT; ++t) {
       const int tok = tokens[b * sT + t];
-      if (tok < 0 || tok >= V)
+      if (tok < 0)
         throw std::invalid_argument("fived::kernels::host::embedding_forward: token " + std::to_string(tok) +
-                                    " at (b=" + std::to_string(b) + ", t=" + std::to_string(t) +
-                                    ") is outside the vocabulary [0, " + std::to_string(V) + ")");
-      const T* e = wte + static_cast<std::size_t>(tok) * sC;
-      const T* p = wpe + t * sC;
+                                    " at (b=" + std::to_string(b) + ", t=" + std::to_string(t) + ") is negative");
+      const int row = tok - vocab_begin;
+      const T* e = row >= 0 && row < vocab_rows ? wte + static_cast<std::size_t>(row) * sC : nullptr;
+      const T* p = wpe ? wpe + t * sC : nullptr;
       T* o = out + (b * sT + t) * sC;
-      for (std::size_t c = 0; c < sC; ++c) o[c] = static_cast<T>(static_cast<A>(e[c]) + static_cast<A>(p[c]));
+      for (std::size_t c = 0; c < sC; ++c)
+        o[c] = e && p ? static_cast<T>(static_cast<A>(e[c]) + static_cast<A>(p[c])) : e ? e[c] : p ? p[c] : T{};
     }
 }
 
 template <class T>
-void embedding_backward(T* dwte, T* dwpe, const T* dout, const int* tokens, int B, int T_, int C) {
+void embedding_backward(T* dwte, T* dwpe, const T* dout, const int* tokens, int B, int T_, int C, int vocab_begin,
+                        int vocab_rows) {
   using A = acc_t<T>;
   detail_embedding::check_sizes("embedding_backward", B, T_, C);
   const std::size_t sT = static_cast<std::size_t>(T_), sC = static_cast<std::size_t>(C);
@@ -64,23 +71,26 @@ void embedding_backward(T* dwte, T* dwpe, const T* dout, const int* tokens, int 
   std::vector<std::size_t> order(n);
   std::iota(order.begin(), order.end(), std::size_t{0});
   std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return tokens[a] < tokens[b]; });
-  std::vector<A> sum(sC), dp(sT * sC, A(0));
+  std::vector<A> sum(sC), dp(dwpe ? sT * sC : 0, A(0));
   for (std::size_t k = 0; k < n;) {
     const int tok = tokens[order[k]];
+    const bool mine = tok - vocab_begin >= 0 && tok - vocab_begin < vocab_rows;
     std::fill(sum.begin(), sum.end(), A(0));
     for (; k < n && tokens[order[k]] == tok; ++k) {
       const std::size_t i = order[k];
       const T* g = dout + i * sC;
-      A* p = dp.data() + (i % sT) * sC;
+      A* p = dwpe ? dp.data() + (i % sT) * sC : nullptr;
       for (std::size_t c = 0; c < sC; ++c) {
         sum[c] += static_cast<A>(g[c]);
-        p[c] += static_cast<A>(g[c]);
+        if (p) p[c] += static_cast<A>(g[c]);
       }
     }
-    T* e = dwte + static_cast<std::size_t>(tok) * sC;
+    if (!mine) continue;
+    T* e = dwte + static_cast<std::size_t>(tok - vocab_begin) * sC;
     for (std::size_t c = 0; c < sC; ++c) e[c] = static_cast<T>(static_cast<A>(e[c]) + sum[c]);
   }
-  for (std::size_t i = 0; i < sT * sC; ++i) dwpe[i] = static_cast<T>(static_cast<A>(dwpe[i]) + dp[i]);
+  if (dwpe)
+    for (std::size_t i = 0; i < sT * sC; ++i) dwpe[i] = static_cast<T>(static_cast<A>(dwpe[i]) + dp[i]);
 }
 
 }  // namespace fived::kernels::host

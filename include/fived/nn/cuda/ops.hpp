@@ -16,8 +16,8 @@
 //
 // Synchronisation: the kernels are asynchronous. Token ids go through pinned staging
 // memory (the host pointer can be reused as soon as forward returns, and the upload does
-// not wait for queued work); mean_loss, to_host, read_to_host and write_from_host wait for
-// the stream.
+// not wait for queued work); mean_loss, sum_of_squares, to_host, read_to_host and
+// write_from_host wait for the stream.
 
 #if !defined(__CUDACC__)
 #error "fived/nn/cuda/ops.hpp holds device code: include it from a .cu file compiled by nvcc"
@@ -126,6 +126,7 @@ struct Ops<T, Cuda> {
                           const stat_t* mean, const stat_t* rstd, int N, int C) {
     kernels::cuda::layernorm_backward(stream(), dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
   }
+  void gelu_forward(T* out, const T* inp, std::size_t n) { kernels::cuda::gelu_forward(stream(), out, inp, n); }
   void gelu_backward(T* dinp, const T* inp, const T* dout, std::size_t n) {
     kernels::cuda::gelu_backward(stream(), dinp, inp, dout, n);
   }
@@ -139,11 +140,13 @@ struct Ops<T, Cuda> {
                           int NH) {
     kernels::cuda::attention_backward(stream(), dqkv, dout, qkv, out, lse, B, T_, C, NH);
   }
-  void embedding_forward(T* out, const int* tokens, const T* wte, const T* wpe, int B, int T_, int C, int V) {
-    kernels::cuda::embedding_forward(stream(), out, tokens, wte, wpe, B, T_, C, V);
+  void embedding_forward(T* out, const int* tokens, const T* wte, int vocab_begin, int vocab_rows, const T* wpe, int B,
+                         int T_, int C) {
+    kernels::cuda::embedding_forward(stream(), out, tokens, wte, vocab_begin, vocab_rows, wpe, B, T_, C);
   }
-  void embedding_backward(T* dwte, T* dwpe, const T* dout, const int* tokens, int B, int T_, int C) {
-    kernels::cuda::embedding_backward(stream(), dwte, dwpe, dout, tokens, B, T_, C);
+  void embedding_backward(T* dwte, T* dwpe, const T* dout, const int* tokens, int B, int T_, int C, int vocab_begin,
+                          int vocab_rows) {
+    kernels::cuda::embedding_backward(stream(), dwte, dwpe, dout, tokens, B, T_, C, vocab_begin, vocab_rows);
   }
   void logits_max(stat_t* max, const T* logits, int N, int Vs, int offset, int V) {
     kernels::cuda::logits_max(stream(), max, logits, N, Vs, offset, V);
@@ -162,13 +165,18 @@ struct Ops<T, Cuda> {
                     float beta2, float eps, float weight_decay, int step) {
     kernels::cuda::adamw_update(stream(), param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step);
   }
-  // Global-norm clipping of one flat gradient buffer, without leaving the device: the sum of
-  // squares stays in device memory and the scaling kernel computes the factor from it.
-  void clip_grad_norm(T* g, std::size_t n, float max_norm) {
+  // Sum of squares of g[0, n), for a global gradient norm: accumulated in float on the device
+  // into a one-element buffer this Ops owns, then read back (waits for the stream). The
+  // caller adds the parts (tensors, ranks) and scales.
+  double sum_of_squares(const T* g, std::size_t n) {
     sumsq_.zero(stream());
     kernels::cuda::sum_of_squares(stream(), sumsq_.data(), g, n);
-    kernels::cuda::clip_scale(stream(), g, n, sumsq_.data(), max_norm);
+    float h = 0.0f;
+    copy_to_host(&h, sumsq_.data(), 1);
+    synchronize();
+    return static_cast<double>(h);
   }
+  void scale(T* g, std::size_t n, float factor) { kernels::cuda::scale(stream(), g, n, factor); }
 
   // ---- memory and staging ----------------------------------------------------------------------
 
@@ -237,7 +245,7 @@ struct Ops<T, Cuda> {
 
   cuda::Stream stream_;
   kernels::cuda::CublasLt lt_;
-  Buffer<float, Cuda> sumsq_;  // clip_grad_norm's device-side sum of squares
+  Buffer<float, Cuda> sumsq_;  // sum_of_squares' device-side accumulator
   ops_detail::PinnedStaging staging_[2];
   int next_staging_ = 0;
 };

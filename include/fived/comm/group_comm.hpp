@@ -1,0 +1,136 @@
+#pragma once
+// The collectives a model issues over one mesh axis, written so that an axis of extent 1
+// compiles to nothing.
+//
+//   AxisComm<M, Axis::tp> tp(ctx.comm<Axis::tp>());   // or AxisComm<M, Axis::tp>() when M has TP 1
+//   MeshComm<typename M::grad_group> g(ctx.comm<typename M::grad_group>());
+//   tp.all_reduce(std::span<float>(partial));          // no code at all for Mesh<>
+//
+// GroupComm is the type-erased face of one group's communicator (host threads, NCCL,
+// Counting<...>), so that a model's type names its mesh but not its backend: one
+// GPT<cfg, Mesh<TP<2>>> runs over host threads in a test and over NCCL on GPUs. It carries
+// the three collectives a layer needs, for the element types a model moves (its T and its
+// statistics). AxisComm holds one when its axis has extent > 1 and none otherwise; its
+// calls are `if constexpr` on the group's size, which is what makes GPT<cfg, Mesh<>> the serial
+// model with zero collectives.
+//
+// At extent 1, all_gather and reduce_scatter are identities: the caller passes the same
+// buffer as input and output (the layers do, see nn/stream.hpp), and a different one is a
+// logic_error rather than a silent copy.
+
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+
+#include "fived/comm/communicator.hpp"
+#include "fived/device/bf16.hpp"
+#include "fived/mesh/mesh.hpp"
+
+namespace fived {
+
+class GroupComm {
+ public:
+  virtual ~GroupComm() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const std::string& name() const = 0;
+  virtual void barrier() = 0;
+
+#define FIVED_GROUP_COMM_OPS(E)                                                     \
+  virtual void all_reduce(std::span<E> buf, ReduceOp op) = 0;                       \
+  virtual void all_gather(std::span<const E> send, std::span<E> recv) = 0;          \
+  virtual void reduce_scatter(std::span<const E> send, std::span<E> recv, ReduceOp op) = 0;
+  FIVED_GROUP_COMM_OPS(float)
+  FIVED_GROUP_COMM_OPS(double)
+  FIVED_GROUP_COMM_OPS(bf16)
+#undef FIVED_GROUP_COMM_OPS
+};
+
+// A GroupComm over a reference to a communicator of any backend (which must outlive it).
+template <Communicator C>
+class GroupCommOf final : public GroupComm {
+ public:
+  explicit GroupCommOf(C& comm) : c_(comm) {}
+  int rank() const override { return c_.rank(); }
+  int size() const override { return c_.size(); }
+  const std::string& name() const override { return c_.name(); }
+  void barrier() override { c_.barrier(); }
+
+#define FIVED_GROUP_COMM_OPS(E)                                                                                      \
+  void all_reduce(std::span<E> buf, ReduceOp op) override { c_.all_reduce(std::span<const E>(buf), buf, op); }      \
+  void all_gather(std::span<const E> send, std::span<E> recv) override { c_.all_gather(send, recv); }               \
+  void reduce_scatter(std::span<const E> send, std::span<E> recv, ReduceOp op) override {                           \
+    c_.reduce_scatter(send, recv, op);                                                                               \
+  }
+  FIVED_GROUP_COMM_OPS(float)
+  FIVED_GROUP_COMM_OPS(double)
+  FIVED_GROUP_COMM_OPS(bf16)
+#undef FIVED_GROUP_COMM_OPS
+
+ private:
+  C& c_;
+};
+
+// One rank's handle on a group of the mesh (G: a GroupView such as M::tp_group or
+// M::grad_group); AxisComm<M, A> is the group over one axis.
+template <GroupView G>
+class MeshComm {
+ public:
+  static constexpr int size = G::size;
+
+  // Extent 1 only: nothing to talk to.
+  MeshComm() requires(size == 1) = default;
+  // Binds this rank's communicator of the group (checked: its size, and the group's name).
+  template <Communicator C>
+  explicit MeshComm(C& comm) {
+    if constexpr (size > 1) {
+      if (comm.size() != size || comm.name() != G::name())
+        throw std::invalid_argument("MeshComm: the group " + G::name() + " needs this rank's communicator of it (size " +
+                                    std::to_string(size) + "), but got '" + comm.name() + "' (size " +
+                                    std::to_string(comm.size()) + ")");
+      comm_ = std::make_unique<GroupCommOf<C>>(comm);
+    }
+  }
+
+  int rank() const {
+    if constexpr (size == 1) return 0;
+    else return comm_->rank();
+  }
+
+  void barrier() {
+    if constexpr (size > 1) comm_->barrier();
+  }
+
+  template <class E>
+  void all_reduce(std::span<E> buf, ReduceOp op = ReduceOp::sum) {
+    if constexpr (size > 1) comm_->all_reduce(buf, op);
+  }
+  // recv.size() == size * send.size(); at extent 1, recv must be send.
+  template <class E>
+  void all_gather(std::span<const E> send, std::span<E> recv) {
+    if constexpr (size > 1) comm_->all_gather(send, recv);
+    else same_buffer(send, recv, "all_gather");
+  }
+  // send.size() == size * recv.size(); at extent 1, recv must be send.
+  template <class E>
+  void reduce_scatter(std::span<const E> send, std::span<E> recv, ReduceOp op = ReduceOp::sum) {
+    if constexpr (size > 1) comm_->reduce_scatter(send, recv, op);
+    else same_buffer(send, recv, "reduce_scatter");
+  }
+
+ private:
+  template <class E>
+  static void same_buffer(std::span<const E> a, std::span<E> b, const char* what) {
+    if (a.data() != b.data() || a.size() != b.size())
+      throw std::logic_error(std::string("MeshComm::") + what + " over an axis of extent 1 is the identity: pass the "
+                             "same buffer as input and output");
+  }
+
+  std::unique_ptr<GroupComm> comm_;  // null at extent 1
+};
+
+template <MeshType M, Axis A>
+using AxisComm = MeshComm<typename M::template over<A>>;
+
+}  // namespace fived

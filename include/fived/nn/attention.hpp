@@ -1,0 +1,79 @@
+#pragma once
+// Megatron's causal self-attention with the heads split over TP.
+//
+//   c_attn  ColumnParallel, the fused [q|k|v] projection [C, 3C] placed as three blocks
+//           each split by heads (TpSplit{1, 3}), so rank r's output [N, 3C/TP] is the
+//           [q|k|v] of heads [r*NH/TP, (r+1)*NH/TP): the layout the attention kernel reads
+//   core    causal attention of the local heads over whole sequences (no collective)
+//   c_proj  RowParallel [C, C] -> the stream
+//
+// Per step on the TP group: without SP one all-reduce forward and one backward; with SP an
+// all-gather and a reduce-scatter each way.
+
+#include <array>
+#include <cstdint>
+
+#include "fived/device/buffer.hpp"
+#include "fived/nn/linear.hpp"
+#include "fived/nn/param_table.hpp"
+
+namespace fived {
+
+// c_attn.weight [C, 3C], c_attn.bias [3C], c_proj.weight [C, C], c_proj.bias [C];
+// streams stream .. stream + 3.
+constexpr std::array<TensorSpec, 4> attention_specs(int layer, int unit, int C, std::uint64_t stream) {
+  return {matrix_spec("attn.c_attn.weight", layer, C, 3 * C, {1, 3}, unit, Init::normal, stream),
+          vector_spec("attn.c_attn.bias", layer, 3 * C, {0, 3}, unit, Init::zeros, stream + 1),
+          matrix_spec("attn.c_proj.weight", layer, C, C, {0, 1}, unit, Init::normal_residual, stream + 2),
+          vector_spec("attn.c_proj.bias", layer, C, {}, unit, Init::zeros, stream + 3)};
+}
+
+template <class S, int Heads>
+struct Attention {
+  using T = typename S::ops_type::value_type;
+  using stat_t = typename S::stat_t;
+  using Device = typename S::ops_type::device;
+  static_assert(Heads % S::tp == 0,
+                "tensor parallelism splits the attention heads over TP: the number of heads must be a multiple of the "
+                "TP extent (change heads in the config, or use a TP that divides it)");
+  static constexpr int local_heads = Heads / S::tp;
+
+
+  struct Saved {
+    Buffer<T, Device> x_full;  // SP: the gathered input (c_attn's dW)
+    Buffer<T, Device> qkv, atty;
+    Buffer<stat_t, Device> lse;
+    void reserve(typename S::ops_type& ops, std::size_t N, std::size_t C) {
+      if constexpr (S::sp) x_full = ops.template make_buffer<T>(N * C);
+      qkv = ops.template make_buffer<T>(N * 3 * C / S::tp);
+      atty = ops.template make_buffer<T>(N * C / S::tp);
+      lse = ops.template make_buffer<stat_t>(N * local_heads);
+    }
+  };
+  // The tensors' pointers, in spec order (weights or gradients).
+  struct Params {
+    T *qkv_w, *qkv_b, *proj_w, *proj_b;
+  };
+
+  // y (the stream's rows) = c_proj(attention(c_attn(x))); x is ln_1's output. partial: [N, C] when SP.
+  static void forward(S& s, Saved& a, T* y, const T* x, Params p, int C, T* partial) {
+    const int Cl = C / S::tp;
+    const T* x_full = s.gather_rows(x, a.x_full.data(), C);
+    ColumnParallel<S>::forward(s, a.qkv.data(), x_full, p.qkv_w, p.qkv_b, C, 3 * Cl);
+    s.ops.attention_forward(a.atty.data(), a.lse.data(), a.qkv.data(), s.B, s.T_, Cl, local_heads);
+    RowParallel<S>::forward(s, y, a.atty.data(), p.proj_w, p.proj_b, Cl, C, partial);
+  }
+
+  // dx (the stream's rows, "=") from dy; gradients "+=". x: ln_1's output, as in forward.
+  // Work buffers: datty [N, C/TP], dqkv [N, 3C/TP], full [N, C] when SP (dy's rows, then dx's partial).
+  static void backward(S& s, T* dx, Params g, const T* dy, const T* x, const Saved& a, Params p, int C, T* datty,
+                       T* dqkv, T* full) {
+    const int Cl = C / S::tp;
+    const T* x_full = S::sp ? a.x_full.data() : x;
+    RowParallel<S>::backward(s, datty, g.proj_w, g.proj_b, dy, a.atty.data(), p.proj_w, Cl, C, full);
+    s.ops.attention_backward(dqkv, datty, a.qkv.data(), a.atty.data(), a.lse.data(), s.B, s.T_, Cl, local_heads);
+    ColumnParallel<S>::backward(s, dx, g.qkv_w, g.qkv_b, dqkv, x_full, p.qkv_w, C, 3 * Cl, full);
+  }
+};
+
+}  // namespace fived

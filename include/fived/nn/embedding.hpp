@@ -1,0 +1,48 @@
+#pragma once
+// Vocab-parallel token embedding plus position embedding (Megatron).
+//
+// wte [Vp, C] is split over TP by rows: rank r holds ids [r*Vp/TP, (r+1)*Vp/TP). Each rank
+// looks up the ids in its shard (zero rows for the others) and TP rank 0 adds the
+// positions, so the Partial sum over TP is wte[id] + wpe[t] exactly once; reduce_rows
+// brings it to the stream (all-reduce, or reduce-scatter with SP). Backward gathers the
+// stream gradient's rows; each rank adds to its own rows of wte and every rank computes
+// the whole (replicated) wpe gradient from all rows, so no gradient here is Partial.
+// At TP 1 this is the serial embedding, kernel for kernel.
+
+#include <array>
+#include <cstdint>
+
+#include "fived/nn/param_table.hpp"
+#include "fived/nn/stream.hpp"
+
+namespace fived {
+
+// wte [Vp, C] (rows past V are zero padding, not in files), wpe [max_seq, C]; streams 0, 1.
+constexpr std::array<TensorSpec, 2> embedding_specs(int V, int Vp, int C, int max_seq) {
+  return {matrix_spec("wte.weight", -1, Vp, C, {0, 1}, 0, Init::normal, 0, V),
+          matrix_spec("wpe.weight", -1, max_seq, C, {}, 0, Init::normal, 1)};
+}
+
+template <class S>
+struct Embedding {
+  using T = typename S::ops_type::value_type;
+
+
+  // x (the stream's rows, "=") from tokens [N] (device memory, every rank all of them).
+  // partial: [N, C] when SP.
+  static void forward(S& s, T* x, const int* tokens, const T* wte, const T* wpe, int Vp, int C, T* partial) {
+    const int rows = Vp / S::tp;
+    T* p = s.partial_buffer(x, partial);
+    s.ops.embedding_forward(p, tokens, wte, s.rank() * rows, rows, s.rank() == 0 ? wpe : static_cast<const T*>(nullptr),
+                            s.B, s.T_, C);
+    s.reduce_rows(p, x, C);
+  }
+  // dwte (this rank's rows), dwpe "+=" from dx (the stream's rows). gather: [N, C] when SP.
+  static void backward(S& s, T* dwte, T* dwpe, const T* dx, const int* tokens, int Vp, int C, T* gather) {
+    const int rows = Vp / S::tp;
+    const T* dx_full = s.gather_rows(dx, gather, C);
+    s.ops.embedding_backward(dwte, dwpe, dx_full, tokens, s.B, s.T_, C, s.rank() * rows, rows);
+  }
+};
+
+}  // namespace fived

@@ -1,0 +1,51 @@
+#pragma once
+// LayerNorm over the stream's rows on this rank. Weight and bias [C] are replicated on TP
+// and issue no collective: forward and backward touch only the local rows. Their gradients
+// sum over those rows, so under sequence parallelism each rank holds a Partial sum
+// (spec.sp_partial); the model all-reduces a unit's such gradients over TP as soon as the
+// unit's backward is done (Megatron's all-reduce of the sequence-parallel LayerNorm
+// gradients, one per unit so a data-parallel trainer can reduce the unit at once).
+
+#include <array>
+
+#include "fived/device/buffer.hpp"
+#include "fived/nn/param_table.hpp"
+#include "fived/nn/stream.hpp"
+
+namespace fived {
+
+// weight (ones) and bias (zeros) [C]; `stream` is the weight's random stream, the bias's the next.
+constexpr std::array<TensorSpec, 2> layernorm_specs(const char* weight, const char* bias, int layer, int unit, int C,
+                                                 std::uint64_t stream) {
+  return {vector_spec(weight, layer, C, {}, unit, Init::ones, stream, true),
+          vector_spec(bias, layer, C, {}, unit, Init::zeros, stream + 1, true)};
+}
+
+template <class S>
+struct LayerNorm {
+  using T = typename S::ops_type::value_type;
+  using stat_t = typename S::stat_t;
+  using Device = typename S::ops_type::device;
+
+
+  // What backward needs: the output and the per-row statistics.
+  struct Saved {
+    Buffer<T, Device> out;
+    Buffer<stat_t, Device> mean, rstd;
+    void reserve(typename S::ops_type& ops, std::size_t rows, std::size_t C) {
+      out = ops.template make_buffer<T>(rows * C);
+      mean = ops.template make_buffer<stat_t>(rows);
+      rstd = ops.template make_buffer<stat_t>(rows);
+    }
+  };
+
+  static void forward(S& s, Saved& a, const T* x, const T* w, const T* b, int C) {
+    s.ops.layernorm_forward(a.out.data(), a.mean.data(), a.rstd.data(), x, w, b, s.local_rows(), C);
+  }
+  // dx, dw, db "+=" from dy (the stream's rows); x is the forward's input.
+  static void backward(S& s, T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, const Saved& a, int C) {
+    s.ops.layernorm_backward(dx, dw, db, dy, x, w, a.mean.data(), a.rstd.data(), s.local_rows(), C);
+  }
+};
+
+}  // namespace fived

@@ -1,0 +1,244 @@
+#pragma once
+// The static parameter table: every tensor of a model, as a constexpr list of specs, and
+// the flat buffer of one tensor-parallel rank laid out from it.
+//
+// Each layer contributes the specs of its own tensors (nn/embedding.hpp, nn/layernorm.hpp,
+// nn/attention.hpp, nn/mlp.hpp, nn/head.hpp); a model concatenates them in execution order
+// (nn/gpt.hpp). A spec says
+//
+//   name       the Hugging Face name ("attn.c_attn.weight"; "h.{layer}." is prefixed)
+//   shape      the whole tensor in the buffer ([rows] or [rows, cols]); file_rows drops the
+//              padded vocabulary rows in a file
+//   tp         its placement on the TP axis: Replicate, or Shard on rows/columns, the
+//              dimension cut as `groups` equal blocks each split over TP (3 for the fused
+//              [q|k|v] projection, so a rank holds the q, k and v of the same heads)
+//   reduce     the group its gradient is reduced over: the mesh's grad_group (DP x CP) for
+//              every dense tensor (experts, later, their expert-data group)
+//   sp_partial its gradient is a sum over the rows this rank holds, so under sequence
+//              parallelism it is Partial over TP until the model reduces it (LayerNorms)
+//   unit       what a trainer gathers, reduces and frees together (nn/unit_hooks.hpp)
+//   decays     AdamW's weight decay applies (2-D tensors, the GPT-2 rule)
+//   init, stream   how it starts (nn/init.hpp); the stream is fixed forever, so adding a
+//              layer or untying the head does not change any other tensor's first values
+//
+// ParamTable<Specs, TP> lays out one rank's pieces back to back in spec order, so a unit
+// is a contiguous range and every offset is a compile-time constant; TP = 1 is the serial
+// buffer. From the table derive the offsets, units, names, initialisation by element
+// (global_index), the serial <-> piece maps (slice, assemble) and which gradients a rank
+// counts in the global norm (counted_once).
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fived/optim/flat_range.hpp"
+
+namespace fived {
+
+enum class Init : std::uint8_t { zeros, ones, normal, normal_residual };  // residual: std / sqrt(2 layers)
+enum class ReduceGroup : std::uint8_t { grad_group };
+
+// The placement of a parameter on the TP axis: Replicate (dim < 0) or Shard of dimension
+// `dim`, seen as `groups` equal blocks side by side, each split over TP.
+struct TpSplit {
+  int dim = -1;
+  int groups = 1;
+  constexpr bool replicated() const { return dim < 0; }
+};
+
+struct TensorSpec {
+  const char* name = "";
+  int layer = -1;  // -1: not in a block
+  int rank = 1;
+  std::int64_t rows = 0, cols = 1, file_rows = 0;
+  TpSplit tp{};
+  ReduceGroup reduce = ReduceGroup::grad_group;
+  bool sp_partial = false;
+  int unit = 0;
+  bool decays = false;
+  Init init = Init::zeros;
+  std::uint64_t stream = 0;
+
+  // "h.3.mlp.c_fc.weight", "wte.weight", ...
+  std::string full_name() const { return (layer >= 0 ? "h." + std::to_string(layer) + "." : std::string()) + name; }
+  constexpr std::size_t size() const { return static_cast<std::size_t>(rows * cols); }
+};
+
+// A 1-D or 2-D spec: rows x cols (cols = 1 and rank 1 for vectors), in the file unpadded.
+constexpr TensorSpec vector_spec(const char* name, int layer, std::int64_t n, TpSplit tp, int unit, Init init,
+                                 std::uint64_t stream, bool sp_partial = false) {
+  return {name, layer, 1, n, 1, n, tp, ReduceGroup::grad_group, sp_partial, unit, false, init, stream};
+}
+constexpr TensorSpec matrix_spec(const char* name, int layer, std::int64_t rows, std::int64_t cols, TpSplit tp, int unit,
+                                 Init init, std::uint64_t stream, std::int64_t file_rows = -1) {
+  return {name, layer, 2, rows, cols, file_rows < 0 ? rows : file_rows, tp, ReduceGroup::grad_group, false, unit,
+          true, init, stream};
+}
+
+// One tensor of a rank's flat buffer: its spec and its piece.
+struct ParamInfo {
+  TensorSpec spec;
+  std::size_t offset = 0;            // first element of the piece in the flat buffer
+  std::int64_t rows = 0, cols = 1;   // the piece's shape (the spec's without TP)
+
+  constexpr std::size_t size() const { return static_cast<std::size_t>(rows * cols); }
+  constexpr std::size_t end() const { return offset + size(); }
+  constexpr int rank() const { return spec.rank; }
+  constexpr bool decays() const { return spec.decays; }
+  std::string name() const { return spec.full_name(); }
+  // The shape in a Hugging Face file (whole tensor, no padded vocabulary rows).
+  std::vector<std::int64_t> file_shape() const {
+    return spec.rank == 2 ? std::vector<std::int64_t>{spec.file_rows, spec.cols} : std::vector<std::int64_t>{spec.file_rows};
+  }
+  std::size_t file_size() const { return static_cast<std::size_t>(spec.file_rows * spec.cols); }
+};
+
+// Specs: a type with `static constexpr std::array<TensorSpec, n> specs` and `static
+// constexpr int layers` (for the residual init's std).
+template <class Specs, int TP = 1>
+struct ParamTable {
+  static constexpr auto& specs = Specs::specs;
+  static constexpr int count = static_cast<int>(specs.size());
+  static constexpr int tp = TP;
+  static constexpr int layers = Specs::layers;
+  static_assert(TP >= 1, "ParamTable: the TP extent must be at least 1");
+
+ private:
+  static constexpr std::int64_t piece(std::int64_t n, TpSplit s, int dim) {
+    return s.dim == dim ? n / TP : n;
+  }
+  static constexpr bool splits_evenly() {
+    for (const TensorSpec& s : specs) {
+      const std::int64_t n = s.tp.dim == 0 ? s.rows : s.tp.dim == 1 ? s.cols : 0;
+      if (s.tp.dim >= 0 && (s.tp.groups < 1 || n % (static_cast<std::int64_t>(s.tp.groups) * TP) != 0)) return false;
+    }
+    return true;
+  }
+  static constexpr bool units_contiguous() {
+    for (int i = 1; i < count; ++i)
+      if (specs[static_cast<std::size_t>(i)].unit != specs[static_cast<std::size_t>(i - 1)].unit &&
+          specs[static_cast<std::size_t>(i)].unit != specs[static_cast<std::size_t>(i - 1)].unit + 1)
+        return false;
+    return specs[0].unit == 0;
+  }
+  static_assert(splits_evenly(),
+                "ParamTable: a tensor split over TP does not divide into TP equal pieces (per fused block); the model's "
+                "own checks name which dimension to change");
+  static_assert(units_contiguous(), "ParamTable: units must number 0, 1, 2, ... in spec order, each contiguous");
+
+  static constexpr std::array<ParamInfo, count> build() {
+    std::array<ParamInfo, count> t{};
+    std::size_t off = 0;
+    for (int i = 0; i < count; ++i) {
+      const TensorSpec& s = specs[static_cast<std::size_t>(i)];
+      t[static_cast<std::size_t>(i)] = ParamInfo{s, off, piece(s.rows, s.tp, 0), piece(s.cols, s.tp, 1)};
+      off += t[static_cast<std::size_t>(i)].size();
+    }
+    return t;
+  }
+
+ public:
+  static constexpr std::array<ParamInfo, count> tensors = build();
+  static constexpr std::size_t size = tensors[count - 1].end();  // elements of a rank's buffer
+  // Real parameters of the whole model, as Hugging Face counts them (no padded rows).
+  static constexpr std::size_t num_parameters = [] {
+    std::size_t n = 0;
+    for (const TensorSpec& s : specs) n += static_cast<std::size_t>(s.file_rows * s.cols);
+    return n;
+  }();
+
+  static constexpr int units = specs[count - 1].unit + 1;
+  // Unit u is [unit_begin(u), unit_begin(u + 1)) of the flat buffer.
+  static constexpr std::size_t unit_begin(int u) {
+    for (const ParamInfo& t : tensors)
+      if (t.spec.unit >= u) return t.offset;
+    return size;
+  }
+
+  // Position of a tensor by Hugging Face name ("h.3.attn.c_proj.bias"), if there is one.
+  static std::optional<int> find(std::string_view name) {
+    for (int i = 0; i < count; ++i)
+      if (tensors[static_cast<std::size_t>(i)].name() == name) return i;
+    return std::nullopt;
+  }
+
+  // Element `local` (row-major in the piece) of tensor i on TP rank r, as an element index
+  // of the whole tensor: what initialises a piece by element and maps it to the serial one.
+  static constexpr std::int64_t global_index(int i, int r, std::int64_t local) {
+    const ParamInfo& t = tensors[static_cast<std::size_t>(i)];
+    const TpSplit s = t.spec.tp;
+    std::int64_t row = local / t.cols, col = local % t.cols;
+    if (s.dim == 0) row = split_index(t.spec.rows, s.groups, r, row);
+    if (s.dim == 1) col = split_index(t.spec.cols, s.groups, r, col);
+    return row * t.spec.cols + col;
+  }
+
+  // Whether TP rank r counts tensor i's gradient in the global norm: a split tensor's
+  // pieces on every rank, a replicated one (identical on all) on rank 0 only.
+  static constexpr bool counted_once(int i, int r) {
+    return r == 0 || !tensors[static_cast<std::size_t>(i)].spec.tp.replicated();
+  }
+  // The parts of range `in` (flat offsets) whose gradients TP rank r counts.
+  static std::vector<FlatRange> norm_parts(FlatRange in, int r) {
+    std::vector<FlatRange> parts;
+    for (int i = 0; i < count; ++i) {
+      const ParamInfo& t = tensors[static_cast<std::size_t>(i)];
+      const std::size_t b = std::max(t.offset, in.begin), e = std::min(t.end(), in.end);
+      if (b >= e || !counted_once(i, r)) continue;
+      if (!parts.empty() && parts.back().end == b) parts.back().end = e;
+      else parts.push_back({b, e});
+    }
+    return parts;
+  }
+
+  // Rank r's buffer from the serial buffer (ParamTable<Specs, 1>'s), and back: all_pieces
+  // holds every rank's buffer in rank order; replicated tensors are taken from rank 0.
+  template <class T>
+  static void slice(std::span<const T> serial, std::span<T> local, int r) {
+    check_sizes(serial.size(), local.size(), 1, "slice");
+    for_each_element(r, [&](std::size_t l, std::size_t g) { local[l] = serial[g]; });
+  }
+  template <class T>
+  static void assemble(std::span<const T> all_pieces, std::span<T> serial) {
+    check_sizes(serial.size(), all_pieces.size(), TP, "assemble");
+    for (int r = TP; r-- > 0;) {
+      const std::span<const T> local = all_pieces.subspan(static_cast<std::size_t>(r) * size, size);
+      for_each_element(r, [&](std::size_t l, std::size_t g) { serial[g] = local[l]; });
+    }
+  }
+
+  using serial = ParamTable<Specs, 1>;
+
+ private:
+  // Along a split dimension of n elements cut as `groups` blocks: local index j of rank r.
+  static constexpr std::int64_t split_index(std::int64_t n, int groups, int r, std::int64_t j) {
+    const std::int64_t piece = n / groups / TP;
+    return (j / piece) * (n / groups) + static_cast<std::int64_t>(r) * piece + j % piece;
+  }
+  // f(local offset, serial offset) for every element of rank r's buffer.
+  template <class F>
+  static void for_each_element(int r, F&& f) {
+    for (int i = 0; i < count; ++i) {
+      const ParamInfo& t = tensors[static_cast<std::size_t>(i)];
+      const std::size_t g0 = serial::tensors[static_cast<std::size_t>(i)].offset;
+      for (std::size_t j = 0; j < t.size(); ++j)
+        f(t.offset + j, g0 + static_cast<std::size_t>(global_index(i, r, static_cast<std::int64_t>(j))));
+    }
+  }
+  static void check_sizes(std::size_t serial_n, std::size_t local_n, int ranks, const char* fn) {
+    if (serial_n != serial::size || local_n != size * static_cast<std::size_t>(ranks))
+      throw std::invalid_argument(std::string("ParamTable::") + fn + ": buffers of " + std::to_string(serial_n) +
+                                  " (serial) and " + std::to_string(local_n) + " (pieces) elements, expected " +
+                                  std::to_string(serial::size) + " and " +
+                                  std::to_string(size * static_cast<std::size_t>(ranks)));
+  }
+};
+
+}  // namespace fived

@@ -1,0 +1,94 @@
+#pragma once
+// The residual stream of a GPT on one rank, and the two collectives that move it across
+// the TP axis (Megatron's conjugate f and g).
+//
+// Activations are row-major [B*T, C]: one row per token, batch-major ([B, T, C]), which is
+// what the attention and embedding kernels read. Sequence parallelism shards the stream's
+// ROWS over TP: rank r holds rows [r*N/TP, (r+1)*N/TP) of the N = B*T tokens, i.e. the
+// stream is placed Shard<0> on TP (Replicate without SP). That piece is contiguous, so the
+// all-gather and reduce-scatter below move whole buffers with no pack or unpack kernel;
+// LayerNorm, the residual adds and the position embedding are per token, so any split of
+// the tokens serves them. (Megatron orders activations [T, B, C] to make its sequence
+// shards contiguous; splitting the flattened tokens gets the same contiguity without
+// reordering the kernels. Context parallelism splits each sequence itself, and its ring
+// exchanges whole local blocks.)
+//
+//   gather_rows   the stream -> every row:   all-gather (SP)    identity (no SP, TP 1)
+//   reduce_rows   a Partial sum -> stream:   reduce-scatter     all-reduce  (TP 1: nothing)
+//
+// These are redistribute's Shard<0> -> Replicate and Partial -> Shard<0> | Replicate
+// (place/redistribute.hpp) on a leading dimension, and each is the other's backward:
+// a column-parallel layer gathers forward and reduces its input gradient backward; a
+// row-parallel one reduces forward and gathers its output gradient backward.
+//
+// Step<M, T, Device, SP> is what a layer's forward and backward work with: the device's
+// kernels (Ops), the TP communicator, and the micro-batch's shape. A layer writes a
+// Partial sum into partial_buffer(out, scratch): `out` itself unless SP must scatter it.
+
+#include <cstddef>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "fived/comm/group_comm.hpp"
+#include "fived/mesh/mesh.hpp"
+#include "fived/nn/ops.hpp"
+#include "fived/place/placement.hpp"
+#include "fived/place/redistribute.hpp"
+
+namespace fived {
+
+// Sequence parallelism as a policy: the residual stream, LayerNorms and residual adds are
+// split over TP by tokens.
+struct SequenceParallel {
+  static constexpr bool enabled = true;
+};
+struct NoSequenceParallel {
+  static constexpr bool enabled = false;
+};
+
+template <MeshType M, class T, class Device, class SP>
+struct Step {
+  using ops_type = Ops<T, Device>;
+  using stat_t = typename ops_type::stat_t;
+  static constexpr int tp = M::extent(Axis::tp);
+  static constexpr bool sp = SP::enabled && tp > 1;
+  using stream_placement = std::conditional_t<sp, Shard<0>, Replicate>;
+  static_assert(Transition<stream_placement, Replicate>::forward == (sp ? Collective::all_gather : Collective::none) &&
+                Transition<Partial, stream_placement>::forward ==
+                    (sp ? Collective::reduce_scatter : Collective::all_reduce));
+
+  ops_type& ops;
+  AxisComm<M, Axis::tp>& comm;
+  int B = 0, T_ = 0;
+
+  int rows() const { return B * T_; }                    // N: every token of the micro-batch
+  int local_rows() const { return rows() / (sp ? tp : 1); }  // n: the stream's rows on this rank
+  int rank() const { return comm.rank(); }
+
+  // x: the stream's rows [n, C]. Returns every row [N, C]: x itself, or gathered into buf.
+  const T* gather_rows(const T* x, T* buf, int C) {
+    if constexpr (!sp) return x;
+    else {
+      comm.all_gather(span(x, local_rows(), C), span(buf, rows(), C));
+      return buf;
+    }
+  }
+  // partial: a Partial sum [N, C] (from partial_buffer(out, ...)) -> out, the stream's rows.
+  void reduce_rows(T* partial, T* out, int C) {
+    if constexpr (sp) comm.reduce_scatter(span(partial, rows(), C), span(out, local_rows(), C));
+    else comm.all_reduce(span(partial, rows(), C));
+  }
+  T* partial_buffer(T* out, T* scratch) const { return sp ? scratch : out; }
+
+ private:
+  static std::span<T> span(T* p, int rows, int C) {
+    return {p, static_cast<std::size_t>(rows) * static_cast<std::size_t>(C)};
+  }
+  static std::span<const T> span(const T* p, int rows, int C) {
+    return {p, static_cast<std::size_t>(rows) * static_cast<std::size_t>(C)};
+  }
+};
+
+}  // namespace fived
