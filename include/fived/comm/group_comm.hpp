@@ -22,6 +22,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "fived/comm/communicator.hpp"
 #include "fived/device/bf16.hpp"
@@ -108,13 +109,13 @@ class MeshComm {
   }
   // recv.size() == size * send.size(); at extent 1, recv must be send.
   template <class E>
-  void all_gather(std::span<const E> send, std::span<E> recv) {
+  void all_gather(std::span<const std::type_identity_t<E>> send, std::span<E> recv) {
     if constexpr (size > 1) comm_->all_gather(send, recv);
     else same_buffer(send, recv, "all_gather");
   }
   // send.size() == size * recv.size(); at extent 1, recv must be send.
   template <class E>
-  void reduce_scatter(std::span<const E> send, std::span<E> recv, ReduceOp op = ReduceOp::sum) {
+  void reduce_scatter(std::span<const std::type_identity_t<E>> send, std::span<E> recv, ReduceOp op = ReduceOp::sum) {
     if constexpr (size > 1) comm_->reduce_scatter(send, recv, op);
     else same_buffer(send, recv, "reduce_scatter");
   }
