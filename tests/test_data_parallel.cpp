@@ -26,8 +26,6 @@
 #include "fived/kernels/host/norm.hpp"
 #include "fived/mesh/context.hpp"
 #include "fived/nn/gpt.hpp"
-#include "fived/nn/tp/gpt.hpp"
-#include "fived/optim/adamw.hpp"
 #include "fived/device/host_pages.hpp"
 #include "fived/train/bucket_plan.hpp"
 #include "fived/train/data_parallel.hpp"
@@ -66,7 +64,7 @@ struct Plain { static constexpr std::size_t size = 10; };
 using PP = BucketPlan<Plain, 3, 4, 4096, 1>;
 static_assert(PP::count == 1 && PP::bucket(0).padded == 12 && PP::owned(0, 2) == FlatRange{8, 10});
 // the trainer's own plan
-static_assert(std::is_same_v<DataParallel<Model, 4, ZeRO<1>, 16384>::plan, P4>);
+static_assert(std::is_same_v<DataParallel<GPT<cfg, Mesh<DP<4>>>, ZeRO<1>, 16384>::plan, P4>);
 
 // ---- serial vs data-parallel ---------------------------------------------------------------
 
@@ -124,35 +122,29 @@ template <class ModelT = Model>
 Run serial(int accum) {
   ModelT m(init);
   perturb_if_bf16(m);
-  AdamWFor<ModelT> opt(hp);
+  DataParallel<ModelT> opt(m, hp, accum);  // one replica: the same step with no collective
   Run r;
   std::vector<int> tok, tgt;
-  const std::size_t mb = static_cast<std::size_t>(B) * T;
   for (int s = 0; s < steps; ++s) {
     global_batch(s, accum, tok, tgt);
-    m.zero_grad();
-    double loss = 0;
-    for (int k = 0; k < accum; ++k) {
-      m.forward(tok.data() + k * mb, tgt.data() + k * mb, B, T);
-      loss += m.loss();
-      m.backward();
-    }
-    if (accum > 1) kernels::host::scale(m.grads().data(), m.grads().size(), 1.0f / static_cast<float>(accum));
-    r.clipped += opt.step(m) < 1.0f;
-    r.losses.push_back(loss / accum);
+    r.losses.push_back(opt.step(tok, tgt, B, T));
+    r.clipped += opt.last_clip() < 1.0f;
   }
   r.params = as_floats(std::span<const typename ModelT::value_type>(m.params()));
   return r;
 }
 
-template <int DP, class Policy, class ModelT = Model>
+template <int DP, class Policy, class E = float>
 std::vector<Run> parallel(int accum) {
+  using M = Mesh<fived::DP<DP>>;
+  using ModelT = GPT<cfg, M, E>;
   std::vector<Run> runs(DP);
-  host::run(DP, [&](host::Comm& comm) {
+  host::run(DP, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
     ModelT m(init);
     perturb_if_bf16(m);
-    DataParallel<ModelT, DP, Policy, bucket_bytes> dp(m, comm, hp, accum);
-    Run& r = runs[static_cast<std::size_t>(comm.rank())];
+    DataParallel<ModelT, Policy, bucket_bytes> dp(m, ctx, hp, accum);
+    Run& r = runs[static_cast<std::size_t>(ctx.rank())];
     std::vector<int> tok, tgt;
     for (int s = 0; s < steps; ++s) {
       global_batch(s, accum, tok, tgt);
@@ -219,27 +211,33 @@ Run compare(int accum, const Run& ref) {
   return runs[0];
 }
 
-// DP x TP: Mesh<DP<Dn>, TP<Tn>>, the TP model bound to its TP communicator and
-// data-parallel over DP. Returns each rank's run, weights gathered over TP into
+// DP x TP: the one model on Mesh<DP<Dn>, TP<Tn>>, data-parallel over DP. Returns each rank's run, weights gathered over TP into
 // the serial layout.
+// The whole model in the serial layout: full_params() (a DP collective under ZeRO-3, whose
+// model buffer holds only what is gathered) gives this TP rank's piece, gathered over TP.
+template <class Dp, class TpModel>
+std::vector<float> gathered_tp(Dp& dp, TpModel& m) {
+  const std::vector<float> mine = dp.full_params();
+  std::copy(mine.begin(), mine.end(), m.params().begin());
+  return m.gather_params();
+}
+
 template <int Dn, int Tn, class Policy, class SP>
 std::vector<Run> parallel_tp(int accum) {
   using M = Mesh<DP<Dn>, TP<Tn>>;
-  using TpModel = nn::tp::GPT<cfg, M, SP>;
+  using TpModel = GPT<cfg, M, float, Host, SP>;
   std::vector<Run> runs(M::size);
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
-    auto& tp = ctx.template comm<Axis::tp>();
-    TpModel m(ctx.coord(), init);
-    nn::tp::Bound bound(m, tp);
-    DataParallel<decltype(bound), Dn, Policy, bucket_bytes> dp(bound, ctx.template comm<Axis::dp>(), hp, accum);
+    TpModel m(ctx, init);
+    DataParallel<TpModel, Policy, bucket_bytes> dp(m, ctx, hp, accum);
     Run& r = runs[static_cast<std::size_t>(ctx.rank())];
     std::vector<int> tok, tgt;
     for (int s = 0; s < steps; ++s) {
       global_batch(s, accum, tok, tgt);
       r.losses.push_back(dp.step(tok, tgt, B, T));
     }
-    r.params = m.gather_params(tp);
+    r.params = gathered_tp(dp, m);
   });
   return runs;
 }
@@ -297,14 +295,16 @@ TEST_CASE("data parallel equals the serial run: DP 2 and 4, no ZeRO and ZeRO-1/2
                                       << worst.tensor_max << ", element " << worst.element);
 }
 
-TEST_CASE("DP x TP equals the serial run: Mesh<DP<2>, TP<2>>, ZeRO-1, ZeRO-2 and no ZeRO, SP on and off") {
+TEST_CASE("DP x TP equals the serial run: Mesh<DP<2>, TP<2>>, no ZeRO and ZeRO-1/2/3, SP on and off") {
   for (int accum : {1, 3}) {
     CAPTURE(accum);
     const Run ref = serial(accum);
-    compare_tp<2, 2, ZeRO<1>, nn::tp::SequenceParallel>(accum, ref);
-    compare_tp<2, 2, ZeRO<1>, nn::tp::NoSequenceParallel>(accum, ref);
-    compare_tp<2, 2, NoZeRO, nn::tp::SequenceParallel>(accum, ref);
-    compare_tp<2, 2, ZeRO<2>, nn::tp::SequenceParallel>(accum, ref);
+    compare_tp<2, 2, ZeRO<1>, SequenceParallel>(accum, ref);
+    compare_tp<2, 2, ZeRO<1>, NoSequenceParallel>(accum, ref);
+    compare_tp<2, 2, NoZeRO, SequenceParallel>(accum, ref);
+    compare_tp<2, 2, ZeRO<2>, SequenceParallel>(accum, ref);
+    compare_tp<2, 2, ZeRO<3>, SequenceParallel>(accum, ref);
+    compare_tp<2, 2, ZeRO<3>, NoSequenceParallel>(accum, ref);
   }
 }
 
@@ -315,7 +315,7 @@ TEST_CASE("DP x TP equals the serial run: Mesh<DP<2>, TP<2>>, ZeRO-1, ZeRO-2 and
 // largest differences are in biases, where AdamW turns bf16 rounding of small
 // gradients into lr-sized steps of the other sign.
 TEST_CASE("bf16 data parallel with fp32 masters tracks the bf16 serial run: DP 2 and 4, every policy") {
-  using Bf = GPT<cfg, bf16>;
+  using Bf = GPT<cfg, Mesh<>, bf16>;
   for (int accum : {1, 3}) {
     CAPTURE(accum);
     const Run ref = serial<Bf>(accum);
@@ -328,13 +328,13 @@ TEST_CASE("bf16 data parallel with fp32 masters tracks the bf16 serial run: DP 2
       CHECK(e.loss <= 2e-3);       // measured <= 3.3e-4
       CHECK(e.tensor_l2 <= 5e-2);  // measured <= 3.9e-2, in a bias (lr-sized updates of random sign)
     };
-    check_bf16(parallel<2, NoZeRO, Bf>(accum), "bf16 DP 2 no ZeRO");
-    check_bf16(parallel<2, ZeRO<1>, Bf>(accum), "bf16 DP 2 ZeRO-1");
-    check_bf16(parallel<4, ZeRO<1>, Bf>(accum), "bf16 DP 4 ZeRO-1");
-    check_bf16(parallel<2, ZeRO<2>, Bf>(accum), "bf16 DP 2 ZeRO-2");
-    check_bf16(parallel<4, ZeRO<2>, Bf>(accum), "bf16 DP 4 ZeRO-2");
-    check_bf16(parallel<2, ZeRO<3>, Bf>(accum), "bf16 DP 2 ZeRO-3");
-    check_bf16(parallel<4, ZeRO<3>, Bf>(accum), "bf16 DP 4 ZeRO-3");
+    check_bf16(parallel<2, NoZeRO, bf16>(accum), "bf16 DP 2 no ZeRO");
+    check_bf16(parallel<2, ZeRO<1>, bf16>(accum), "bf16 DP 2 ZeRO-1");
+    check_bf16(parallel<4, ZeRO<1>, bf16>(accum), "bf16 DP 4 ZeRO-1");
+    check_bf16(parallel<2, ZeRO<2>, bf16>(accum), "bf16 DP 2 ZeRO-2");
+    check_bf16(parallel<4, ZeRO<2>, bf16>(accum), "bf16 DP 4 ZeRO-2");
+    check_bf16(parallel<2, ZeRO<3>, bf16>(accum), "bf16 DP 2 ZeRO-3");
+    check_bf16(parallel<4, ZeRO<3>, bf16>(accum), "bf16 DP 4 ZeRO-3");
   }
 }
 
@@ -356,6 +356,27 @@ struct Spy {
 
   int rank() const { return comm.rank(); }
   int size() const { return comm.size(); }
+  const std::string& name() const { return group_name; }
+  std::string group_name = Mesh<DP<2>>::grad_group::name();
+  // The rest of the Communicator concept, forwarded.
+  template <class E>
+  void all_reduce(std::span<const std::type_identity_t<E>> in, std::span<E> out, ReduceOp op) {
+    if constexpr (!std::is_same_v<E, double>) record();
+    comm.all_reduce(in, out, op);
+  }
+  template <class E>
+  void all_to_all(std::span<const E> in, std::span<E> out) { comm.all_to_all(in, out); }
+  template <class E>
+  void all_to_all_v(std::span<const E> in, std::span<const std::size_t> ic, std::span<E> out, std::span<const std::size_t> oc) {
+    comm.all_to_all_v(in, ic, out, oc);
+  }
+  template <class E>
+  void send_recv(std::span<const SendOp<E>> s, std::span<const RecvOp<E>> r) { comm.send_recv(s, r); }
+  template <class E>
+  void broadcast(std::span<E> b, int root) { comm.broadcast(b, root); }
+  void barrier() { comm.barrier(); }
+  void synchronize() {}
+  Spy split(int, int, std::string) { throw std::logic_error("Spy::split"); }
   void record() {
     std::lock_guard lk(mu);
     calls.push_back({std::this_thread::get_id(), finished.load()});
@@ -380,8 +401,8 @@ struct Spy {
 // The model, telling the spy where backward is. With `pause`, backward waits after
 // finishing the last layer until a reduction has been made on another thread (or 10 s):
 // the reduction then provably runs while backward has not finished.
-struct Observed : Model {
-  using Model::Model;
+struct Observed : GPT<cfg, Mesh<DP<2>>> {
+  using GPT<cfg, Mesh<DP<2>>>::GPT;
   Spy* spy = nullptr;
   bool pause = false;
   std::vector<int> finished;  // units in the order backward finished them
@@ -397,7 +418,7 @@ struct Observed : Model {
         while (spy->from_other_threads == 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
       }
     };
-    Model::backward(logged);
+    GPT<cfg, Mesh<DP<2>>>::backward(logged);
     spy->finished = -1;
   }
 };
@@ -416,7 +437,7 @@ std::pair<std::vector<Spy::Call>, std::vector<Spy::Call>> overlap_calls(int accu
       Observed m(init);
       m.spy = &spy;
       m.pause = overlap;
-      DataParallel<Observed, 2, Policy, bucket_bytes> dp(m, spy, hp, accum);
+      DataParallel<Observed, Policy, bucket_bytes> dp(m, spy, hp, accum);
       dp.set_overlap(overlap);
       CHECK(dp.overlap() == overlap);
       dp.step(tok, tgt, B, T);
@@ -474,7 +495,7 @@ TEST_CASE("overlap: each bucket is reduced on the communication thread once back
 struct deep : cfg {
   static constexpr int layers = 6;
 };
-using Deep = GPT<deep>;
+using Deep = GPT<deep, Mesh<DP<4>>>;
 using DeepLay = Deep::layout;
 
 // One rank's figures after a step of DP 4 with each policy, and the pages its model buffers
@@ -486,9 +507,11 @@ struct Held {
 template <class ModelT, class Policy>
 Held held_after_a_step(int rank) {
   Held h;
-  host::run(4, [&](host::Comm& comm) {
+  host::run(4, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<Mesh<DP<4>>>(world);
+    auto& comm = ctx.comm<Axis::dp>();
     ModelT m(init);
-    DataParallel<ModelT, 4, Policy, bucket_bytes> dp(m, comm, hp);
+    DataParallel<ModelT, Policy, bucket_bytes> dp(m, ctx, hp);
     std::vector<int> tok, tgt;
     global_batch(0, 1, tok, tgt);
     dp.step(tok, tgt, B, T);
@@ -503,13 +526,13 @@ Held held_after_a_step(int rank) {
 
 template <class E>
 void check_memory_formulas() {
-  using ModelT = GPT<deep, E>;
+  using ModelT = GPT<deep, Mesh<DP<4>>, E>;
   using P = BucketPlan<DeepLay, 4, sizeof(E), bucket_bytes>;
   constexpr std::size_t N = DeepLay::size, S = P::shard_total, t = sizeof(E);
   constexpr std::size_t k = std::is_same_v<E, float> ? 8 : 12;  // fp32 m, v (+ an fp32 master for bf16)
   constexpr std::size_t staging = t * (P::max_padded + P::max_padded / 4);
   constexpr std::size_t unit0 = DeepLay::unit_begin(1), last = N - DeepLay::unit_begin(DeepLay::units - 1),
-                        layer = DeepLay::layer_size;
+                        layer = DeepLay::unit_begin(2) - DeepLay::unit_begin(1);
   const std::size_t page = host_page_size();
   for (int rank : {0, 3}) {
     CAPTURE(rank);
@@ -607,13 +630,14 @@ TEST_CASE("ranks that disagree on the policy get an error, not a hang, through t
   std::vector<int> tok, tgt;
   global_batch(0, 1, tok, tgt);
   CHECK_THROWS_AS(host::run(2,
-                            [&](host::Comm& comm) {
-                              Model m(init);
-                              if (comm.rank() == 0) {
-                                DataParallel<Model, 2, NoZeRO, bucket_bytes> dp(m, comm, hp);
+                            [&](host::Comm& world) {
+                              auto ctx = make_mesh_context<Mesh<DP<2>>>(world);
+                              GPT<cfg, Mesh<DP<2>>> m(init);
+                              if (ctx.rank() == 0) {
+                                DataParallel<decltype(m), NoZeRO, bucket_bytes> dp(m, ctx, hp);
                                 dp.step(tok, tgt, B, T);  // all-reduces...
                               } else {
-                                DataParallel<Model, 2, ZeRO<2>, bucket_bytes> dp(m, comm, hp);
+                                DataParallel<decltype(m), ZeRO<2>, bucket_bytes> dp(m, ctx, hp);
                                 dp.step(tok, tgt, B, T);  // ...against reduce-scatters
                               }
                             }),
@@ -621,7 +645,8 @@ TEST_CASE("ranks that disagree on the policy get an error, not a hang, through t
 }
 
 TEST_CASE("a global batch that does not divide over DP is an error") {
-  using DP4 = DataParallel<Model, 4>;
+  using M4 = Mesh<DP<4>>;
+  using DP4 = DataParallel<GPT<cfg, M4>>;
   CHECK_THROWS_WITH_AS(DP4::rows(0, 6),
                        doctest::Contains("global batch B = 6 is not divisible by the data-parallel size 4"),
                        std::invalid_argument);
@@ -629,9 +654,10 @@ TEST_CASE("a global batch that does not divide over DP is an error") {
   std::vector<int> tok, tgt;
   global_batch(0, 1, tok, tgt);  // 64 ids; 6 rows of 8 use the first 48
   CHECK_THROWS_WITH_AS(host::run(4,
-                                 [&](host::Comm& comm) {
-                                   Model m(init);
-                                   DataParallel<Model, 4, ZeRO<3>> dp(m, comm, hp);
+                                 [&](host::Comm& world) {
+                                   auto ctx = make_mesh_context<M4>(world);
+                                   GPT<cfg, M4> m(init);
+                                   DataParallel<GPT<cfg, M4>, ZeRO<3>> dp(m, ctx, hp);
                                    dp.step(std::span<const int>(tok).first(6 * 8), std::span<const int>(tgt).first(6 * 8),
                                            6, 8);
                                  }),
@@ -639,8 +665,8 @@ TEST_CASE("a global batch that does not divide over DP is an error") {
   // a communicator of the wrong size
   CHECK_THROWS_WITH_AS(host::run(2,
                                  [&](host::Comm& comm) {
-                                   Model m(init);
-                                   DataParallel<Model, 4> dp(m, comm, hp);
+                                   GPT<cfg, M4> m(init);
+                                   DataParallel<GPT<cfg, M4>> dp(m, comm, hp);
                                  }),
-                       doctest::Contains("the communicator has 2 ranks"), std::invalid_argument);
+                       doctest::Contains("(size 4), but got 'world' (size 2)"), std::invalid_argument);
 }

@@ -105,7 +105,11 @@ struct Group {
 struct World {
   World(int n, std::chrono::milliseconds t) : size(n), timeout(t), waiting(n), finished(n, false) {}
 
+  // A rank may call collectives from several threads (its compute thread and a
+  // communication thread, on different groups): each thread of a rank that has ever
+  // waited has its own entry, and the rank is blocked only while all of them wait.
   struct Wait {
+    std::thread::id thread;
     bool active = false;
     std::string what;             // "all_reduce on group tp {0,1}"
     std::function<bool()> done;   // the condition it waits for
@@ -115,7 +119,7 @@ struct World {
   std::chrono::milliseconds timeout;  // per wait, resolved from RunOptions / the environment
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<Wait> waiting;
+  std::vector<std::vector<Wait>> waiting;  // per rank, one per thread that has waited
   std::vector<bool> finished;
   std::string abort_reason;  // empty while healthy
   std::vector<std::shared_ptr<Group>> groups;  // every group of the run, for the end-of-run check
@@ -147,12 +151,15 @@ struct World {
     for (int r = 0; r < size; ++r) {
       if (finished[r]) continue;
       ++live;
-      if (!waiting[r].active || waiting[r].done()) return;
+      if (waiting[r].empty()) return;
+      for (const Wait& w : waiting[r])
+        if (!w.active || w.done()) return;
     }
     if (live == 0) return;
     std::string why = "deadlock: every running rank waits for a peer that will never come:";
     for (int r = 0; r < size; ++r)
-      why += "\n  rank " + std::to_string(r) + (finished[r] ? " has returned from its function" : " waits in " + waiting[r].what);
+      for (const Wait& w : finished[r] ? std::vector<Wait>(1) : waiting[r])
+        why += "\n  rank " + std::to_string(r) + (finished[r] ? " has returned from its function" : " waits in " + w.what);
     abort(why);
   }
 
@@ -162,7 +169,8 @@ struct World {
   void wait(std::unique_lock<std::mutex>& lk, int r, const std::string& what, std::function<bool()> done) {
     if (done()) return;
     if (!abort_reason.empty()) throw_aborted(r, what);
-    waiting[r] = {true, what, done};
+    Wait& slot = slot_of(r);
+    slot = {std::this_thread::get_id(), true, what, done};
     check_deadlock();
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     bool timed_out = false;
@@ -172,12 +180,21 @@ struct World {
         break;
       }
     }
-    waiting[r] = {};
+    slot_of(r) = {std::this_thread::get_id(), false, {}, {}};
     if (timed_out)
       abort("rank " + std::to_string(r) + " timed out after " + std::to_string(timeout.count()) +
             " ms waiting in " + what +
             " (a peer is stuck or never calls it; RunOptions::timeout or FIVED_HOST_TIMEOUT_S sets the limit)");
     if (!abort_reason.empty() && !done()) throw_aborted(r, what);
+  }
+
+  // This thread's entry for rank r (entries are never removed: a reference stays valid
+  // only until the next new thread of the rank, so callers look it up again).
+  Wait& slot_of(int r) {
+    auto& ws = waiting[static_cast<std::size_t>(r)];
+    for (Wait& w : ws)
+      if (w.thread == std::this_thread::get_id()) return w;
+    return ws.emplace_back(Wait{std::this_thread::get_id(), false, {}, {}});
   }
 
   // Blocks until `done()` holds, whatever happens elsewhere. Used where peers

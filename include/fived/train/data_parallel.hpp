@@ -181,6 +181,11 @@ class DataParallel {
   DataParallel(Model& model, MeshContext<typename Model::mesh, Comm>& ctx, const AdamWConfig& config, int accum = 1)
       : DataParallel(model, MeshComm<group>(ctx.template comm<group>()), group::index(ctx.rank()), config, accum) {}
 
+  // grad_comm: this rank's communicator of the mesh's gradient group, given directly.
+  template <Communicator Comm>
+  DataParallel(Model& model, Comm& grad_comm, const AdamWConfig& config, int accum = 1)
+      : DataParallel(model, MeshComm<group>(grad_comm), grad_comm.rank(), config, accum) {}
+
   // After a forward and backward run by the caller (NoZeRO): the gradients reduced over the
   // group, clipped to the global norm and one AdamW step. Returns the clip factor.
   float apply_gradients() {
@@ -292,6 +297,8 @@ class DataParallel {
   // Off: every collective runs on the calling thread. The results are the same bit for bit.
   bool overlap() const { return has_hooks && overlap_; }
 
+  // The clip factor of the last step (1: not clipped).
+  float last_clip() const { return last_clip_; }
   optimizer_type& optimizer() { return opt_; }
   const optimizer_type& optimizer() const { return opt_; }
   int rank() const { return rank_; }
@@ -466,7 +473,7 @@ class DataParallel {
       for (std::size_t i = 0; i < plan::count; ++i) s += sum_of_squares(i);
       s = model_.sum_over_tp(s);
       if constexpr (stage >= 1) comm_.all_reduce(std::span<double>(&s, 1));  // NoZeRO: every replica has the same sum
-      f = opt_.clip_factor(s);
+      f = last_clip_ = opt_.clip_factor(s);
       if (f < 1.0f)
         for (std::size_t i = 0; i < plan::count; ++i) kernels::host::scale(owned_grads(i).data(), owned(i).size(), f);
     }
@@ -494,6 +501,7 @@ class DataParallel {
   int rank_;
   int accum_;
   bool overlap_ = true;
+  float last_clip_ = 1.0f;
   bool reducing_ = false;  // the current micro-batch's gradients are reduced
   bool async_ = false;     // this step's collectives run on the communication thread
   optimizer_type opt_;
