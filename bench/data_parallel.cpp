@@ -29,7 +29,8 @@ namespace {
 struct cfg : fived::gpt_config {
   static constexpr int layers = 4, d_model = 128, heads = 4, vocab = 512, max_seq = 64;
 };
-using Model = fived::GPT<cfg>;
+template <int DP>
+using Model = fived::GPT<cfg, fived::Mesh<fived::DP<DP>>>;
 constexpr int B = 8, T = 64;  // global micro-batch
 
 struct Options {
@@ -43,10 +44,12 @@ struct Row {
 template <int DP, class Policy>
 Row measure(const Options& o, bool overlap) {
   Row row;
-  fived::host::run(DP, [&](fived::host::Comm& comm) {
-    Model m(fived::GptInit{.seed = 1});
-    fived::DataParallel<Model, DP, Policy> dp(m, comm, {.lr = 1e-3f, .weight_decay = 0.1f, .max_norm = 1.0f},
-                                               o.accum);
+  fived::host::run(DP, [&](fived::host::Comm& world) {
+    auto ctx = fived::make_mesh_context<fived::Mesh<fived::DP<DP>>>(world);
+    auto& comm = ctx.template comm<fived::Axis::dp>();
+    Model<DP> m(fived::GptInit{.seed = 1});
+    fived::DataParallel<Model<DP>, Policy> dp(m, ctx, {.lr = 1e-3f, .weight_decay = 0.1f, .max_norm = 1.0f},
+                                              o.accum);
     dp.set_overlap(overlap);
     std::mt19937 rng(5);
     std::uniform_int_distribution<int> id(0, cfg::vocab - 1);
@@ -63,7 +66,7 @@ Row measure(const Options& o, bool overlap) {
     if (comm.rank() != 0) return;
     std::sort(ms.begin(), ms.end());
     const auto mem = dp.memory();
-    const double n = static_cast<double>(Model::layout::size);
+    const double n = static_cast<double>(Model<DP>::layout::size);
     row = {ms[ms.size() / 2], static_cast<double>(mem.params + mem.grads + mem.optimizer) / n,
            static_cast<double>(mem.transient_peak) / n};
   });
@@ -106,7 +109,7 @@ int main(int argc, char** argv) {
     std::printf("# fived data-parallel step on the host backend (ranks as threads)\n");
     std::printf("# model: GPT %d layers, d_model %d, vocab %d: %zu parameters (fp32); global micro-batch %d x %d, "
                 "accum %d\n",
-                cfg::layers, cfg::d_model, cfg::vocab, Model::layout::size, B, T, o.accum);
+                cfg::layers, cfg::d_model, cfg::vocab, Model<1>::layout::size, B, T, o.accum);
     std::printf("# machine: %u hardware threads; step = median of %d steps after 2 warm-up steps, rank 0\n",
                 std::thread::hardware_concurrency(), o.steps);
     std::printf("# held = params + grads + optimizer bytes per parameter between steps; peak = whole units\n"

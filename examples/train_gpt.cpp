@@ -4,8 +4,8 @@
 //             [--serial] [--host] [--peak-tflops P]
 //
 // On the host it trains on Mesh<DP<2>, TP<2>>: four ranks as threads of the host backend,
-// the model split over TP with sequence parallelism (nn::tp::GPT), data-parallel over DP with
-// ZeRO-1 (DataParallel). --serial trains the same model on one rank instead (the runs start
+// the one model (fived::GPT) split over TP with sequence parallelism, data-parallel over DP
+// with ZeRO-1 (DataParallel). --serial trains the same model on one rank instead (the runs start
 // from the same weights and see the same tokens). The trained model is gathered into the
 // serial GPT for sampling and --save (the same safetensors file either way).
 //
@@ -31,6 +31,7 @@
 #include <fstream>
 #include <iterator>
 #include <numbers>
+#include <optional>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -45,8 +46,6 @@
 #include "fived/comm/host.hpp"
 #include "fived/mesh/context.hpp"
 #include "fived/nn/gpt.hpp"
-#include "fived/nn/tp/gpt.hpp"
-#include "fived/optim/adamw.hpp"
 #include "fived/train/data_parallel.hpp"
 
 namespace {
@@ -57,7 +56,7 @@ struct demo_config : fived::gpt_config {
   static constexpr int vocab_multiple = 64;
 };
 template <class Device>
-using ModelOn = fived::GPT<demo_config, float, Device>;
+using ModelOn = fived::GPT<demo_config, fived::Mesh<>, float, Device>;
 using Layout = ModelOn<fived::Host>::layout;
 // The host run's mesh: 2-way data parallel x 2-way tensor parallel, TP fastest.
 using DemoMesh = fived::Mesh<fived::DP<2>, fived::TP<2>>;
@@ -337,10 +336,11 @@ int train(const Options& opt, const std::vector<int>& data, std::size_t split, c
   };
 
   auto& ops = model.ops();
-  // fived::AdamW on the host; on CUDA the same update as a per-tensor loop (below) until
-  // AdamW runs there.
+  // The one optimizer step (DataParallel over Mesh<>: clip + AdamW, no collective) on the
+  // host; on CUDA the same update as a per-tensor loop (below) until AdamW runs there.
   const fived::AdamWConfig adamw = adamw_config(opt);
-  fived::AdamWFor<ModelOn<fived::Host>> optimizer(adamw, {0, Model::on_host ? Layout::size : 0});
+  std::optional<fived::DataParallel<ModelOn<fived::Host>>> trainer;
+  if constexpr (Model::on_host) trainer.emplace(model, adamw);
   auto m = ops.template make_buffer<float>(Model::on_host ? 0 : Model::num_params),
        v = ops.template make_buffer<float>(Model::on_host ? 0 : Model::num_params);
   // MFU (CUDA): FLOPs per token = 6 * params + 12 * L * C * T (attention, causal mask not discounted)
@@ -348,23 +348,24 @@ int train(const Options& opt, const std::vector<int>& data, std::size_t split, c
                                         : 6.0 * static_cast<double>(Layout::size) + 12.0 * Model::L * Model::C * opt.seq);
   const TrainResult r = training_loop(opt, data, split, progress, true, loss_of, [&](const std::vector<int>& tok,
                                                                                      const std::vector<int>& tgt, int step) {
-    model.zero_grad();
-    const float loss = model.forward(tok.data(), tgt.data(), opt.batch, opt.seq);
-    model.backward();
     const float lr = lr_at(opt, step);
     if constexpr (Model::on_host) {
-      optimizer.hp.lr = lr;
-      optimizer.step(model);  // clip the global gradient norm, then AdamW
+      trainer->optimizer().hp.lr = lr;
+      return trainer->step(tok, tgt, opt.batch, opt.seq);  // clip the global gradient norm, then AdamW
     } else {
-      ops.clip_grad_norm(model.grads().data(), model.grads().size(), adamw.max_norm);
+      model.zero_grad();
+      const float loss = model.forward(tok.data(), tgt.data(), opt.batch, opt.seq);
+      model.backward();
+      const float f = fived::kernels::host::clip_factor(ops.sum_of_squares(model.grads().data(), model.grads().size()),
+                                                        adamw.max_norm);
+      if (f < 1.0f) ops.scale(model.grads().data(), model.grads().size(), f);
       for (const fived::ParamInfo& t : Layout::tensors)
         ops.adamw_update(model.params().data() + t.offset, static_cast<float*>(nullptr),
                          model.grads().data() + t.offset, m.data() + t.offset, v.data() + t.offset, t.size(), lr,
-                         adamw.beta1, adamw.beta2, adamw.eps, decltype(optimizer)::decays(t) ? adamw.weight_decay : 0.0f,
-                         step);
+                         adamw.beta1, adamw.beta2, adamw.eps, t.decays() ? adamw.weight_decay : 0.0f, step);
+      ops.synchronize();  // the step is done
+      return static_cast<double>(loss);
     }
-    ops.synchronize();  // CUDA: the step is done (a no-op on the host)
-    return static_cast<double>(loss);
   });
   std::printf("trained %d steps in %.1f s\n", opt.steps, r.seconds);
   return finish(model, opt, data, split, r.val_start, r.val_end);
@@ -375,7 +376,7 @@ int train(const Options& opt, const std::vector<int>& data, std::size_t split, c
 // and shards AdamW over DP (ZeRO-1). Every rank draws the same global batches; rank 0 prints.
 // The trained pieces are gathered into a serial GPT for sampling and saving.
 int train_mesh(const Options& opt, const std::vector<int>& data, std::size_t split) {
-  using TpModel = fived::nn::tp::GPT<demo_config, DemoMesh, fived::nn::tp::SequenceParallel>;
+  using TpModel = fived::GPT<demo_config, DemoMesh, float, fived::Host, fived::SequenceParallel>;
   if (opt.batch % demo_dp != 0 || opt.seq % demo_tp != 0)
     usage(("on " + DemoMesh::name() + " --batch must be a multiple of " + std::to_string(demo_dp) +
            " (DP) and --seq of " + std::to_string(demo_tp) + " (TP, sequence parallel); or use --serial")
@@ -388,23 +389,19 @@ int train_mesh(const Options& opt, const std::vector<int>& data, std::size_t spl
   TrainResult result;
   fived::host::run(DemoMesh::size, [&](fived::host::Comm& world) {
     auto ctx = fived::make_mesh_context<DemoMesh>(world);
-    auto& tp = ctx.comm<fived::Axis::tp>();
     const bool printer = ctx.rank() == 0;
-    TpModel model(ctx.coord(), fived::GptInit{opt.seed, 0.02});
-    fived::nn::tp::Bound bound(model, tp);
-    fived::DataParallel<decltype(bound), demo_dp, fived::ZeRO<1>> dp(bound, ctx.comm<fived::Axis::dp>(),
-                                                                     adamw_config(opt));
+    TpModel model(ctx, fived::GptInit{opt.seed, 0.02});
+    fived::DataParallel<TpModel, fived::ZeRO<1>> dp(model, ctx, adamw_config(opt));
     // Held-out loss: every DP replica evaluates the whole batch over its TP group.
     auto loss_of = [&](const std::vector<int>& tok, const std::vector<int>& tgt) {
-      model.forward(tok.data(), tgt.data(), opt.batch, opt.seq, tp);
-      return model.loss();
+      return model.forward(tok.data(), tgt.data(), opt.batch, opt.seq);
     };
     const TrainResult r = training_loop(opt, data, split, progress, printer, loss_of,
                                         [&](const std::vector<int>& tok, const std::vector<int>& tgt, int step) {
                                           dp.optimizer().hp.lr = lr_at(opt, step);
                                           return dp.step(tok, tgt, opt.batch, opt.seq);
                                         });
-    std::vector<float> all = model.gather_params(tp);
+    std::vector<float> all = model.gather_params();
     if (printer) trained = std::move(all), result = r;
   });
   std::printf("trained %d steps in %.1f s\n", opt.steps, result.seconds);

@@ -29,7 +29,7 @@
 #include <type_traits>
 #include <vector>
 
-#include <fived/nn/cuda/ops.hpp>  // first: GPT<Cfg, T, Cuda> needs Ops<T, Cuda>
+#include <fived/nn/cuda/ops.hpp>  // first: GPT<Cfg, Mesh<>, T, Cuda> needs Ops<T, Cuda>
 #include <fived/nn/gpt.hpp>
 
 #include "gpu_support.hpp"
@@ -73,7 +73,7 @@ using fived::test::max_rel_error;
 // differences cannot flip a whole lr-sized step.
 constexpr float lr = 1e-2f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-2f, wd = 0.1f;
 
-void host_step(GPT<tiny, float, Host>& m) {
+void host_step(GPT<tiny, Mesh<>, float, Host>& m) {
   std::vector<float> mm(m.params().size()), vv(m.params().size());
   m.ops().adamw_update(m.params().data(), static_cast<float*>(nullptr), m.grads().data(), mm.data(), vv.data(),
                        m.params().size(), lr, beta1, beta2, eps, wd, 1);
@@ -81,7 +81,7 @@ void host_step(GPT<tiny, float, Host>& m) {
 
 // On CUDA; bf16 with fp32 master weights (initialised from the bf16 parameters).
 template <class Cfg, class TT>
-void cuda_step(GPT<Cfg, TT, Cuda>& m) {
+void cuda_step(GPT<Cfg, Mesh<>, TT, Cuda>& m) {
   auto& ops = m.ops();
   const std::size_t n = m.params().size();
   Buffer<float, Cuda> mm(n), vv(n), master;
@@ -102,8 +102,8 @@ template <class TT>
 void compare_with_host(double tol, double loss_tol) {
   std::vector<int> tok, tgt;
   batch(tok, tgt);
-  GPT<tiny, float, Host> h(init);
-  GPT<tiny, TT, Cuda> d(init);
+  GPT<tiny, Mesh<>, float, Host> h(init);
+  GPT<tiny, Mesh<>, TT, Cuda> d(init);
   using Lay = GPT<tiny>::layout;
 
   // identical initial parameters (same rounding of the same doubles)
@@ -144,7 +144,7 @@ void compare_with_host(double tol, double loss_tol) {
     CHECK(e < tol);
   }
   // padded vocabulary rows get no gradient
-  const ParamInfo& wte = Lay::info(fived::ParamKind::wte);
+  const ParamInfo& wte = Lay::tensors[static_cast<std::size_t>(*Lay::find("wte.weight"))];
   for (std::size_t i = wte.file_size(); i < wte.size(); ++i) REQUIRE(float(gd[wte.offset + i]) == 0.0f);
 
   // one AdamW step
@@ -181,7 +181,7 @@ TEST_CASE("CUDA bf16 model = host float model within bf16 bounds (fp32 master we
 TEST_CASE("enqueue_forward + loss() = forward; gradients accumulate until zero_grad") {
   std::vector<int> tok, tgt;
   batch(tok, tgt, 5);
-  GPT<tiny, float, Cuda> d(init);
+  GPT<tiny, Mesh<>, float, Cuda> d(init);
   const float l1 = d.forward(tok.data(), tgt.data(), B, T);
   d.zero_grad();
   d.backward();
@@ -205,7 +205,7 @@ TEST_CASE("enqueue_forward + loss() = forward; gradients accumulate until zero_g
 TEST_CASE("token ids are checked on the host before they reach the device") {
   std::vector<int> tok, tgt;
   batch(tok, tgt);
-  GPT<tiny, float, Cuda> d(init);
+  GPT<tiny, Mesh<>, float, Cuda> d(init);
   tok[3] = tiny::vocab;
   CHECK_THROWS_WITH_AS(d.forward(tok.data(), tgt.data(), B, T), doctest::Contains("tokens[3] = 101"),
                        std::invalid_argument);
@@ -221,7 +221,7 @@ TEST_CASE("save on CUDA, load on the host (and back): exact, float and bf16, tie
   auto roundtrip = [&]<class Cfg, class TT>(const char* name) {
     CAPTURE(name);
     const auto path = dir / (std::string("fived_test_gpt_cuda_") + name + ".safetensors");
-    GPT<Cfg, TT, Cuda> d(GptInit{11, 0.05});
+    GPT<Cfg, Mesh<>, TT, Cuda> d(GptInit{11, 0.05});
     // change the parameters on the device first, so that the file is not just the init
     std::vector<int> tok, tgt;
     batch(tok, tgt);
@@ -230,13 +230,13 @@ TEST_CASE("save on CUDA, load on the host (and back): exact, float and bf16, tie
     d.backward();
     cuda_step(d);
     d.save(path);
-    GPT<Cfg, TT, Host> h(GptInit{12, 0.05});
+    GPT<Cfg, Mesh<>, TT, Host> h(GptInit{12, 0.05});
     h.load(path);
     const std::vector<TT> pd = d.params_to_host();
     REQUIRE(pd.size() == h.params().size());
     CHECK(std::memcmp(pd.data(), h.params().data(), pd.size() * sizeof(TT)) == 0);
     // and back: host save, CUDA load
-    GPT<Cfg, TT, Cuda> d2(GptInit{13, 0.05});
+    GPT<Cfg, Mesh<>, TT, Cuda> d2(GptInit{13, 0.05});
     h.save(path);
     d2.load(path);
     const std::vector<TT> p2 = d2.params_to_host();
