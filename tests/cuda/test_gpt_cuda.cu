@@ -43,6 +43,7 @@ using fived::Cuda;
 using fived::GPT;
 using fived::GptInit;
 using fived::Host;
+using fived::Mesh;
 using fived::ParamInfo;
 
 // 2 layers, C = 64, 4 heads (head size 16), vocab 101 padded to 112; T = 20 is not a
@@ -110,7 +111,7 @@ void compare_with_host(double tol, double loss_tol) {
   {
     const std::vector<TT> p = d.params_to_host();
     std::vector<TT> want(h.params().size());
-    fived::init_gpt<tiny>(std::span<TT>(want), init);
+    fived::init_params<Lay>(std::span<TT>(want), 0, init);
     REQUIRE(p.size() == want.size());
     CHECK(std::memcmp(p.data(), want.data(), p.size() * sizeof(TT)) == 0);
   }
