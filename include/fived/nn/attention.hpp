@@ -30,19 +30,17 @@ constexpr std::array<TensorSpec, 4> attention_specs(int layer, int unit, int C, 
 
 template <class S, int Heads>
 struct Attention {
-  using T = typename S::ops_type::value_type;
+  using T = typename S::value_type;
   using stat_t = typename S::stat_t;
-  using Device = typename S::ops_type::device;
   static_assert(Heads % S::tp == 0,
                 "tensor parallelism splits the attention heads over TP: the number of heads must be a multiple of the "
                 "TP extent (change heads in the config, or use a TP that divides it)");
   static constexpr int local_heads = Heads / S::tp;
 
-
   struct Saved {
-    Buffer<T, Device> x_full;  // SP: the gathered input (c_attn's dW)
-    Buffer<T, Device> qkv, atty;
-    Buffer<stat_t, Device> lse;
+    Buffer<T, typename S::device> x_full;  // SP: the gathered input (c_attn's dW)
+    Buffer<T, typename S::device> qkv, atty;
+    Buffer<stat_t, typename S::device> lse;
     void reserve(typename S::ops_type& ops, std::size_t N, std::size_t C) {
       if constexpr (S::sp) x_full = ops.template make_buffer<T>(N * C);
       qkv = ops.template make_buffer<T>(N * 3 * C / S::tp);

@@ -25,8 +25,7 @@ constexpr std::array<TensorSpec, 2> embedding_specs(int V, int Vp, int C, int ma
 
 template <class S>
 struct Embedding {
-  using T = typename S::ops_type::value_type;
-
+  using T = typename S::value_type;
 
   // x (the stream's rows, "=") from tokens [N] (device memory, every rank all of them).
   // partial: [N, C] when SP.

@@ -27,16 +27,14 @@ constexpr std::array<TensorSpec, 1> head_specs(int V, int Vp, int C, int unit) {
 
 template <class S>
 struct Head {
-  using T = typename S::ops_type::value_type;
+  using T = typename S::value_type;
   using stat_t = typename S::stat_t;
-  using Device = typename S::ops_type::device;
-
 
   struct Saved {
-    Buffer<T, Device> x_full;  // SP: the gathered input
-    Buffer<T, Device> logits;  // [N, Vp/TP]; d-logits after a forward with targets
-    Buffer<stat_t, Device> max, sumexp, target;
-    Buffer<float, Device> losses;
+    Buffer<T, typename S::device> x_full;  // SP: the gathered input
+    Buffer<T, typename S::device> logits;  // [N, Vp/TP]; d-logits after a forward with targets
+    Buffer<stat_t, typename S::device> max, sumexp, target;
+    Buffer<float, typename S::device> losses;
     void reserve(typename S::ops_type& ops, std::size_t N, std::size_t C, std::size_t Vp) {
       if constexpr (S::sp) x_full = ops.template make_buffer<T>(N * C);
       logits = ops.template make_buffer<T>(N * Vp / S::tp);

@@ -23,15 +23,13 @@ constexpr std::array<TensorSpec, 2> layernorm_specs(const char* weight, const ch
 
 template <class S>
 struct LayerNorm {
-  using T = typename S::ops_type::value_type;
+  using T = typename S::value_type;
   using stat_t = typename S::stat_t;
-  using Device = typename S::ops_type::device;
-
 
   // What backward needs: the output and the per-row statistics.
   struct Saved {
-    Buffer<T, Device> out;
-    Buffer<stat_t, Device> mean, rstd;
+    Buffer<T, typename S::device> out;
+    Buffer<stat_t, typename S::device> mean, rstd;
     void reserve(typename S::ops_type& ops, std::size_t rows, std::size_t C) {
       out = ops.template make_buffer<T>(rows * C);
       mean = ops.template make_buffer<stat_t>(rows);

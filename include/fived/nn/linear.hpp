@@ -22,7 +22,7 @@ namespace fived {
 
 template <class S>
 struct ColumnParallel {
-  using T = typename S::ops_type::value_type;
+  using T = typename S::value_type;
   using Epilogue = typename S::ops_type::Epilogue;
 
   // y[N, out] = x_full[N, in] W[in, out] + b, out = this rank's columns.
@@ -43,7 +43,7 @@ struct ColumnParallel {
 
 template <class S>
 struct RowParallel {
-  using T = typename S::ops_type::value_type;
+  using T = typename S::value_type;
 
   // y (the stream's rows, "=") = sum over TP of x[N, in] W[in, out] + b. scratch: [N, out] when SP.
   static void forward(S& s, T* y, const T* x, const T* w, const T* b, int in, int out, T* scratch) {

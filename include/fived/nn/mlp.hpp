@@ -23,13 +23,11 @@ constexpr std::array<TensorSpec, 4> mlp_specs(int layer, int unit, int C, int F,
 
 template <class S>
 struct MLP {
-  using T = typename S::ops_type::value_type;
-  using Device = typename S::ops_type::device;
-
+  using T = typename S::value_type;
 
   struct Saved {
-    Buffer<T, Device> x_full;   // SP: the gathered input (c_fc's dW)
-    Buffer<T, Device> pre, h;   // c_fc's output before and after GELU [N, F/TP]
+    Buffer<T, typename S::device> x_full;   // SP: the gathered input (c_fc's dW)
+    Buffer<T, typename S::device> pre, h;   // c_fc's output before and after GELU [N, F/TP]
     void reserve(typename S::ops_type& ops, std::size_t N, std::size_t C, std::size_t F) {
       if constexpr (S::sp) x_full = ops.template make_buffer<T>(N * C);
       pre = ops.template make_buffer<T>(N * F / S::tp);

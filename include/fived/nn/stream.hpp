@@ -51,6 +51,8 @@ struct NoSequenceParallel {
 template <MeshType M, class T, class Device, class SP>
 struct Step {
   using ops_type = Ops<T, Device>;
+  using value_type = T;
+  using device = Device;
   using stat_t = typename ops_type::stat_t;
   static constexpr int tp = M::extent(Axis::tp);
   static constexpr bool sp = SP::enabled && tp > 1;
