@@ -1,7 +1,7 @@
 // Collective benchmark on NCCL. The world comes from the launch environment
 // (fived::nccl::init_world): run it alone for a world of one, or as several
 // processes, e.g. on one GPU (slow loopback sockets, but real NCCL):
-//   tests/cuda/run_nccl_ranks.sh 4 build/bench/collectives_nccl
+//   scripts/launch-local.sh 4 build/bench/collectives_nccl
 // Only rank 0 prints.
 
 #include <cuda_runtime.h>

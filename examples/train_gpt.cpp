@@ -18,9 +18,11 @@
 // Built as C++ (train_gpt) it runs on the host backend: reference kernels in plain C++. Built
 // by nvcc with fived::cuda (train_gpt_cuda: examples/train_gpt_cuda.cu includes this file,
 // FIVED_WITH_CUDA and __CUDACC__ are defined) it runs the same model and loop on the GPU
-// (fp32) when one is present, and on the host otherwise or with --host. MFU there is
-// (6 * params + 12 * L * C * T) * tokens/s / --peak-tflops (default 989.4, H100 SXM bf16
-// dense: a ceiling this fp32 demo cannot reach).
+// (fp32) when one is present, and on the host otherwise or with --host. Started as one
+// process it trains one rank on the GPU; launched as the mesh's 4 processes it trains the
+// mesh over NCCL (on one GPU: scripts/launch-local.sh 4 build/examples/train_gpt_cuda).
+// MFU there is (6 * params + 12 * L * C * T) * tokens/s per GPU / --peak-tflops (default
+// 989.4, H100 SXM bf16 dense: a ceiling this fp32 demo cannot reach).
 
 #include <algorithm>
 #include <chrono>
@@ -31,16 +33,17 @@
 #include <fstream>
 #include <iterator>
 #include <numbers>
-#include <optional>
 #include <random>
 #include <span>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #if defined(FIVED_WITH_CUDA) && defined(__CUDACC__)
 #define FIVED_TRAIN_GPT_CUDA 1
+#include "fived/comm/nccl_bootstrap.hpp"
 #include "fived/nn/cuda/ops.hpp"  // before gpt.hpp: Ops<T, Cuda>
 #endif
 #include "fived/comm/host.hpp"
@@ -325,7 +328,16 @@ int finish(Model& model, const Options& opt, const std::vector<int>& data, std::
   return 0;
 }
 
-// One rank: the serial GPT on the host or on a GPU.
+// FLOPs per token for MFU (CUDA): 6 * params + 12 * L * C * T (attention, causal mask not
+// discounted); 0 on the host, where no MFU is printed.
+template <class Device>
+double flops_per_token(const Options& opt) {
+  if constexpr (std::is_same_v<Device, fived::Host>) return 0.0;
+  else return 6.0 * static_cast<double>(Layout::num_parameters) + 12.0 * demo_config::layers * demo_config::d_model * opt.seq;
+}
+
+// One rank: the serial GPT on the host or on a GPU, trained by the one optimizer step
+// (DataParallel over Mesh<>: clip + AdamW, no collective).
 template <class Device>
 int train(const Options& opt, const std::vector<int>& data, std::size_t split, const std::string& backend) {
   using Model = ModelOn<Device>;
@@ -334,76 +346,67 @@ int train(const Options& opt, const std::vector<int>& data, std::size_t split, c
   auto loss_of = [&](const std::vector<int>& tok, const std::vector<int>& tgt) {
     return model.forward(tok.data(), tgt.data(), opt.batch, opt.seq);
   };
-
-  auto& ops = model.ops();
-  // The one optimizer step (DataParallel over Mesh<>: clip + AdamW, no collective) on the
-  // host; on CUDA the same update as a per-tensor loop (below) until AdamW runs there.
-  const fived::AdamWConfig adamw = adamw_config(opt);
-  std::optional<fived::DataParallel<ModelOn<fived::Host>>> trainer;
-  if constexpr (Model::on_host) trainer.emplace(model, adamw);
-  auto m = ops.template make_buffer<float>(Model::on_host ? 0 : Model::num_params),
-       v = ops.template make_buffer<float>(Model::on_host ? 0 : Model::num_params);
-  // MFU (CUDA): FLOPs per token = 6 * params + 12 * L * C * T (attention, causal mask not discounted)
-  Progress progress(opt, Model::on_host ? 0.0
-                                        : 6.0 * static_cast<double>(Layout::size) + 12.0 * Model::L * Model::C * opt.seq);
-  const TrainResult r = training_loop(opt, data, split, progress, true, loss_of, [&](const std::vector<int>& tok,
-                                                                                     const std::vector<int>& tgt, int step) {
-    const float lr = lr_at(opt, step);
-    if constexpr (Model::on_host) {
-      trainer->optimizer().hp.lr = lr;
-      return trainer->step(tok, tgt, opt.batch, opt.seq);  // clip the global gradient norm, then AdamW
-    } else {
-      model.zero_grad();
-      const float loss = model.forward(tok.data(), tgt.data(), opt.batch, opt.seq);
-      model.backward();
-      const float f = fived::kernels::host::clip_factor(ops.sum_of_squares(model.grads().data(), model.grads().size()),
-                                                        adamw.max_norm);
-      if (f < 1.0f) ops.scale(model.grads().data(), model.grads().size(), f);
-      for (const fived::ParamInfo& t : Layout::tensors)
-        ops.adamw_update(model.params().data() + t.offset, static_cast<float*>(nullptr),
-                         model.grads().data() + t.offset, m.data() + t.offset, v.data() + t.offset, t.size(), lr,
-                         adamw.beta1, adamw.beta2, adamw.eps, t.decays() ? adamw.weight_decay : 0.0f, step);
-      ops.synchronize();  // the step is done
-      return static_cast<double>(loss);
-    }
-  });
+  fived::DataParallel<Model> trainer(model, adamw_config(opt));
+  Progress progress(opt, flops_per_token<Device>(opt));
+  const TrainResult r = training_loop(opt, data, split, progress, true, loss_of,
+                                      [&](const std::vector<int>& tok, const std::vector<int>& tgt, int step) {
+                                        trainer.optimizer().hp.lr = lr_at(opt, step);
+                                        return trainer.step(tok, tgt, opt.batch, opt.seq);  // clip, then AdamW
+                                      });
   std::printf("trained %d steps in %.1f s\n", opt.steps, r.seconds);
   return finish(model, opt, data, split, r.val_start, r.val_end);
 }
 
-// The mesh: DemoMesh's ranks as threads of the host backend. Each rank holds its TP piece of
-// the model (sequence parallel); DataParallel gives each DP rank B / DP rows of every batch
-// and shards AdamW over DP (ZeRO-1). Every rank draws the same global batches; rank 0 prints.
-// The trained pieces are gathered into a serial GPT for sampling and saving.
-int train_mesh(const Options& opt, const std::vector<int>& data, std::size_t split) {
-  using TpModel = fived::GPT<demo_config, DemoMesh, float, fived::Host, fived::SequenceParallel>;
+// The mesh: each rank holds its TP piece of the model (sequence parallel); DataParallel
+// gives each DP rank B / DP rows of every batch and shards AdamW over DP (ZeRO-1). Every
+// rank draws the same global batches; rank 0 prints. On the host the ranks are threads of
+// the host backend; on CUDA each rank is a process of a launch (scripts/launch-local.sh,
+// torchrun, mpirun, srun) talking NCCL. The trained pieces are gathered into a serial GPT on
+// the host for sampling and saving.
+template <class Device>
+int train_mesh(const Options& opt, const std::vector<int>& data, std::size_t split, const std::string& backend) {
+  using TpModel = fived::GPT<demo_config, DemoMesh, float, Device, fived::SequenceParallel>;
   if (opt.batch % demo_dp != 0 || opt.seq % demo_tp != 0)
     usage(("on " + DemoMesh::name() + " --batch must be a multiple of " + std::to_string(demo_dp) +
            " (DP) and --seq of " + std::to_string(demo_tp) + " (TP, sequence parallel); or use --serial")
               .c_str());
-  describe_run(opt, data, split,
-               "host backend, " + DemoMesh::name() + ": " + std::to_string(DemoMesh::size) +
-                   " ranks as threads, TP with sequence parallelism, DP with ZeRO-1");
-  Progress progress(opt, 0.0);
-  std::vector<float> trained;  // the whole model, serial layout
+  // MFU per GPU: the mesh's tokens/s shared by its ranks.
+  Progress progress(opt, flops_per_token<Device>(opt) / DemoMesh::size);
+  std::vector<float> trained;  // the whole model, serial layout (rank 0)
   TrainResult result;
-  fived::host::run(DemoMesh::size, [&](fived::host::Comm& world) {
-    auto ctx = fived::make_mesh_context<DemoMesh>(world);
-    const bool printer = ctx.rank() == 0;
+  bool printer = false;  // this process holds rank 0
+  auto rank_main = [&](auto& ctx) {
+    const bool prints = ctx.rank() == 0;
+    if (prints)
+      describe_run(opt, data, split,
+                   backend + ", " + DemoMesh::name() + ": " + std::to_string(DemoMesh::size) +
+                       " ranks, TP with sequence parallelism, DP with ZeRO-1");
     TpModel model(ctx, fived::GptInit{opt.seed, 0.02});
     fived::DataParallel<TpModel, fived::ZeRO<1>> dp(model, ctx, adamw_config(opt));
     // Held-out loss: every DP replica evaluates the whole batch over its TP group.
     auto loss_of = [&](const std::vector<int>& tok, const std::vector<int>& tgt) {
       return model.forward(tok.data(), tgt.data(), opt.batch, opt.seq);
     };
-    const TrainResult r = training_loop(opt, data, split, progress, printer, loss_of,
+    const TrainResult r = training_loop(opt, data, split, progress, prints, loss_of,
                                         [&](const std::vector<int>& tok, const std::vector<int>& tgt, int step) {
                                           dp.optimizer().hp.lr = lr_at(opt, step);
                                           return dp.step(tok, tgt, opt.batch, opt.seq);
                                         });
     std::vector<float> all = model.gather_params();
-    if (printer) trained = std::move(all), result = r;
-  });
+    if (prints) trained = std::move(all), result = r, printer = true;
+  };
+  if constexpr (std::is_same_v<Device, fived::Host>) {
+    fived::host::run(DemoMesh::size, [&](fived::host::Comm& world) {
+      auto ctx = fived::make_mesh_context<DemoMesh>(world);
+      rank_main(ctx);
+    });
+  } else {
+#if defined(FIVED_TRAIN_GPT_CUDA)
+    auto ctx = fived::make_mesh_context<DemoMesh>(fived::nccl::init_world());
+    rank_main(ctx);
+#endif
+  }
+  if (!printer) return 0;
   std::printf("trained %d steps in %.1f s\n", opt.steps, result.seconds);
   ModelOn<fived::Host> serial;
   std::copy(trained.begin(), trained.end(), serial.params().begin());
@@ -433,14 +436,16 @@ int main(int argc, char** argv) {
   if (!opt.host && fived::cuda::device_count() > 0) {
     cudaDeviceProp prop{};
     FIVED_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    return train<fived::Cuda>(opt, data, split,
-                              std::string("CUDA backend (") + prop.name + ", fp32; MFU of " +
-                                  std::to_string(opt.peak_tflops) + " TFLOP/s)");
+    const std::string gpu = std::string("CUDA backend (") + prop.name + ", fp32; MFU of " +
+                            std::to_string(opt.peak_tflops) + " TFLOP/s per GPU)";
+    // Launched as several processes (scripts/launch-local.sh 4 ..., torchrun, mpirun): the mesh over NCCL.
+    if (fived::launch_env().world_size > 1) return train_mesh<fived::Cuda>(opt, data, split, gpu + ", NCCL");
+    return train<fived::Cuda>(opt, data, split, gpu + ", one rank");
   }
   const std::string backend = opt.host ? "host backend (--host)" : "host backend (no CUDA device)";
 #else
   const std::string backend = "host backend";
 #endif
-  if (!opt.serial) return train_mesh(opt, data, split);
+  if (!opt.serial) return train_mesh<fived::Host>(opt, data, split, backend + " (ranks as threads)");
   return train<fived::Host>(opt, data, split, backend + ", one rank (--serial)");
 }

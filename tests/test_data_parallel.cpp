@@ -670,3 +670,40 @@ TEST_CASE("a global batch that does not divide over DP is an error") {
                                  }),
                        doctest::Contains("(size 4), but got 'world' (size 2)"), std::invalid_argument);
 }
+
+// Workspaces are sized once, from the static layouts: after the first step (which allocates
+// the activations), no step allocates a buffer. Counted over every rank (the counter is
+// process-wide; barriers fence each count), on Mesh<DP<2>, TP<2>> with SP and accumulation.
+template <class Policy>
+void steady_state_allocates_nothing() {
+  using M = Mesh<fived::DP<2>, fived::TP<2>>;
+  using ModelT = GPT<cfg, M, float, Host, SequenceParallel>;
+  std::size_t at_start = 0, after_first = 0, after_fifth = 0;
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    ModelT m(ctx, init);
+    DataParallel<ModelT, Policy, bucket_bytes> dp(m, ctx, hp, 2);
+    std::vector<int> tok, tgt;
+    auto counted = [&](std::size_t& into) {
+      world.barrier();
+      if (world.rank() == 0) into = buffer_allocations<Host>().load();
+      world.barrier();
+    };
+    counted(at_start);
+    for (int s = 0; s < 5; ++s) {
+      global_batch(s, 2, tok, tgt);  // host vectors: reused, sized on the first call
+      dp.step(tok, tgt, B, T);
+      if (s == 0) counted(after_first);
+    }
+    counted(after_fifth);
+  });
+  CHECK(after_first > at_start);  // the count sees allocations: the first step's activations
+  CHECK(after_fifth == after_first);
+}
+
+TEST_CASE("a steady-state step allocates no buffer: steps 2-5 on DP x TP, no ZeRO and ZeRO-1/2/3") {
+  steady_state_allocates_nothing<NoZeRO>();
+  steady_state_allocates_nothing<ZeRO<1>>();
+  steady_state_allocates_nothing<ZeRO<2>>();
+  steady_state_allocates_nothing<ZeRO<3>>();
+}

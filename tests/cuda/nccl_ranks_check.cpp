@@ -2,7 +2,7 @@
 // init_world() (torchrun-style variables or mpirun), runs every collective on
 // rank-valued integers over the world and over a split, and exits 0 when all
 // results are exact. Exits 77 (skipped) without a GPU. Started by
-// run_nccl_ranks.sh, which gives each process its own NCCL_HOSTID so that
+// launch-local.sh, which gives each process its own NCCL_HOSTID so that
 // several ranks can share one GPU.
 
 #include <cstdio>

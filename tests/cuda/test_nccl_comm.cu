@@ -1,6 +1,6 @@
 // fived::nccl::Comm in a world of one process: every collective, split, the
 // bootstrap, and the errors that misuse gets. Exits 77 (skipped) without a GPU.
-// Several ranks are covered by nccl_ranks_check.cpp + run_nccl_ranks.sh.
+// Several ranks are covered by nccl_ranks_check.cpp + launch-local.sh.
 
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>

@@ -111,6 +111,15 @@ class Counting {
     inner_.barrier();
   }
   void synchronize() { inner_.synchronize(); }
+  // Device backends only (comm/group_comm.hpp); counted as an all-reduce.
+  template <class S>
+  void set_compute_stream(S stream) requires requires(C& c) { c.set_compute_stream(stream); } {
+    inner_.set_compute_stream(stream);
+  }
+  void all_reduce_host(std::span<double> values, ReduceOp op) requires requires(C& c) { c.all_reduce_host(values, op); } {
+    tally(counts_->all_reduce, values.size_bytes());
+    inner_.all_reduce_host(values, op);
+  }
   Counting split(int color, int key, std::string name) { return Counting(inner_.split(color, key, std::move(name))); }
 
  private:

@@ -14,6 +14,13 @@
 // calls are `if constexpr` on the group's size, which is what makes GPT<cfg, Mesh<>> the serial
 // model with zero collectives.
 //
+// Devices. A device backend (NCCL) orders its collectives after the work queued on a
+// "compute stream" and makes that stream wait for them (comm/nccl.hpp); set_compute_stream
+// names it (the model's stream for TP, the trainer's communication stream for DP), and is
+// nothing on the host. all_reduce_host reduces a few values the host holds (a loss, a
+// gradient norm): directly on the host backend, through device memory on NCCL, where it
+// waits for the result because the host is about to read it.
+//
 // At extent 1, all_gather and reduce_scatter are identities: the caller passes the same
 // buffer as input and output (the layers do, see nn/stream.hpp), and a different one is a
 // logic_error rather than a silent copy.
@@ -28,7 +35,13 @@
 #include "fived/device/bf16.hpp"
 #include "fived/mesh/mesh.hpp"
 
+// cudaStream_t is `struct CUstream_st*`: naming the struct lets host-only code pass a
+// device's stream through a type-erased communicator without the CUDA headers.
+struct CUstream_st;
+
 namespace fived {
+
+using StreamHandle = CUstream_st*;
 
 class GroupComm {
  public:
@@ -37,6 +50,8 @@ class GroupComm {
   virtual int size() const = 0;
   virtual const std::string& name() const = 0;
   virtual void barrier() = 0;
+  virtual void set_compute_stream(StreamHandle stream) = 0;
+  virtual void all_reduce_host(std::span<double> values, ReduceOp op) = 0;
 
 #define FIVED_GROUP_COMM_OPS(E)                                                     \
   virtual void all_reduce(std::span<E> buf, ReduceOp op) = 0;                       \
@@ -57,6 +72,14 @@ class GroupCommOf final : public GroupComm {
   int size() const override { return c_.size(); }
   const std::string& name() const override { return c_.name(); }
   void barrier() override { c_.barrier(); }
+  void set_compute_stream(StreamHandle stream) override {
+    if constexpr (requires { c_.set_compute_stream(stream); }) c_.set_compute_stream(stream);
+  }
+  // A backend without all_reduce_host works on host memory (host threads).
+  void all_reduce_host(std::span<double> values, ReduceOp op) override {
+    if constexpr (requires { c_.all_reduce_host(values, op); }) c_.all_reduce_host(values, op);
+    else c_.all_reduce(std::span<const double>(values), values, op);
+  }
 
 #define FIVED_GROUP_COMM_OPS(E)                                                                                      \
   void all_reduce(std::span<E> buf, ReduceOp op) override { c_.all_reduce(std::span<const E>(buf), buf, op); }      \
@@ -101,6 +124,14 @@ class MeshComm {
 
   void barrier() {
     if constexpr (size > 1) comm_->barrier();
+  }
+  void set_compute_stream(StreamHandle stream) {
+    if constexpr (size > 1) comm_->set_compute_stream(stream);
+  }
+  // A value the host holds, reduced over the group (returns it unchanged at extent 1).
+  double all_reduce_host(double value, ReduceOp op = ReduceOp::sum) {
+    if constexpr (size > 1) comm_->all_reduce_host(std::span<double>(&value, 1), op);
+    return value;
   }
 
   template <class E>

@@ -49,6 +49,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -289,11 +290,33 @@ class Comm {
     });
   }
 
+  // A few values in host memory (a loss, a gradient norm), reduced over the group: through
+  // this communicator's device scratch, ordered on the compute stream, and waited for (the
+  // caller is about to read them; the wait polls NCCL's error state like synchronize()).
+  void all_reduce_host(std::span<double> values, ReduceOp op = ReduceOp::sum) {
+    constexpr std::string_view what = "all_reduce_host";
+    for (std::size_t done = 0; done < values.size(); done += scratch_values) {
+      const std::size_t n = std::min(scratch_values, values.size() - done);
+      double* host = values.data() + done;
+      usable(what);
+      check(cudaMemcpyAsync(scratch_, host, n * sizeof(double), cudaMemcpyHostToDevice, compute_), what,
+            "cudaMemcpyAsync (to the device)");
+      enqueue(what, [&] {
+        check(ncclAllReduce(scratch_, scratch_, n, ncclFloat64, detail::nccl_op(op), comm_, stream_), what,
+              "ncclAllReduce");
+      });
+      wait(what);  // bounded by the timeout; the copy below then finds the result ready
+      check(cudaMemcpyAsync(host, scratch_, n * sizeof(double), cudaMemcpyDeviceToHost, compute_), what,
+            "cudaMemcpyAsync (to the host)");
+      check(cudaStreamSynchronize(compute_), what, "cudaStreamSynchronize (compute stream)");
+    }
+  }
+
   // Returns when every rank has reached the barrier and all work issued
   // before it, on this rank's compute and communication streams, is done.
   void barrier() {
     constexpr std::string_view what = "barrier";
-    enqueue(what, [&] { check(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_), what, "ncclAllReduce"); });
+    enqueue(what, [&] { check(ncclAllReduce(barrier_, barrier_, 1, ncclFloat64, ncclSum, comm_, stream_), what, "ncclAllReduce"); });
     wait(what);
   }
 
@@ -333,8 +356,9 @@ class Comm {
       check(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest), "init", "cudaStreamCreateWithPriority");
       check(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "init", "cudaEventCreateWithFlags");
       check(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "init", "cudaEventCreateWithFlags");
-      check(cudaMalloc(reinterpret_cast<void**>(&scratch_), sizeof(int)), "init", "cudaMalloc");
-      check(cudaMemset(scratch_, 0, sizeof(int)), "init", "cudaMemset");
+      check(cudaMalloc(reinterpret_cast<void**>(&scratch_), (scratch_values + 1) * sizeof(double)), "init", "cudaMalloc");
+      check(cudaMemset(scratch_, 0, (scratch_values + 1) * sizeof(double)), "init", "cudaMemset");
+      barrier_ = scratch_ + scratch_values;
     } catch (...) {
       release();
       throw;
@@ -348,6 +372,7 @@ class Comm {
     ready_ = std::exchange(o.ready_, nullptr);
     done_ = std::exchange(o.done_, nullptr);
     scratch_ = std::exchange(o.scratch_, nullptr);
+    barrier_ = std::exchange(o.barrier_, nullptr);
     rank_ = o.rank_, size_ = o.size_, device_ = o.device_;
     timeout_ = o.timeout_;
     name_ = std::move(o.name_);
@@ -384,7 +409,7 @@ class Comm {
     if (ready_ != nullptr) cudaEventDestroy(ready_);
     if (done_ != nullptr) cudaEventDestroy(done_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
-    scratch_ = nullptr, ready_ = done_ = nullptr, stream_ = nullptr;
+    scratch_ = barrier_ = nullptr, ready_ = done_ = nullptr, stream_ = nullptr;
   }
 
   // ---- errors --------------------------------------------------------------
@@ -496,7 +521,9 @@ class Comm {
   cudaStream_t stream_ = nullptr;
   cudaStream_t compute_ = cudaStreamPerThread;
   cudaEvent_t ready_ = nullptr, done_ = nullptr;
-  int* scratch_ = nullptr;  // barrier's one element
+  static constexpr std::size_t scratch_values = 16;
+  double* scratch_ = nullptr;  // all_reduce_host's values, then the barrier's element
+  double* barrier_ = nullptr;  // scratch_ + scratch_values, always 0
   int rank_ = 0, size_ = 0, device_ = 0;
   std::chrono::duration<double> timeout_{600.0};
   std::string name_;

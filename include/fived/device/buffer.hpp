@@ -10,6 +10,7 @@
 // pointer cannot reach a CUDA kernel by accident.
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <span>
@@ -19,6 +20,15 @@ namespace fived {
 struct Host {};
 struct Cuda {};
 
+// Buffers of a device allocated so far by this process (all threads). A steady-state
+// training step allocates none: its workspaces are sized once from the static layouts, and
+// the tests count these over steps 2-5.
+template <class Device>
+std::atomic<std::size_t>& buffer_allocations() {
+  static std::atomic<std::size_t> count{0};
+  return count;
+}
+
 template <class T, class Device = Host>
 class Buffer;
 
@@ -26,7 +36,9 @@ template <class T>
 class Buffer<T, Host> {
  public:
   Buffer() = default;
-  explicit Buffer(std::size_t n) : data_(std::make_unique<T[]>(n)), size_(n) {}  // value-initialised (zeros)
+  explicit Buffer(std::size_t n) : data_(std::make_unique<T[]>(n)), size_(n) {  // value-initialised (zeros)
+    if (n != 0) ++buffer_allocations<Host>();
+  }
   Buffer(Buffer&&) noexcept = default;
   Buffer& operator=(Buffer&&) noexcept = default;
 

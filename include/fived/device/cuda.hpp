@@ -158,6 +158,7 @@ class Buffer<T, Cuda> {
   explicit Buffer(std::size_t n) : size_(n) {
     if (n == 0) return;
     FIVED_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&data_), n * sizeof(T)));
+    ++buffer_allocations<Cuda>();
     // The fill runs on the legacy default stream, which non-blocking streams do
     // not wait for: finish it here, so the buffer is zero for every stream.
     cudaError_t e = cudaMemset(data_, 0, n * sizeof(T));

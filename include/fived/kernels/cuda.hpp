@@ -13,6 +13,7 @@
 #include <fived/kernels/cuda/adamw.hpp>
 #include <fived/kernels/cuda/attention.hpp>
 #include <fived/kernels/cuda/common.hpp>
+#include <fived/kernels/cuda/convert.hpp>
 #include <fived/kernels/cuda/crossentropy.hpp>
 #include <fived/kernels/cuda/embedding.hpp>
 #include <fived/kernels/cuda/gelu.hpp>

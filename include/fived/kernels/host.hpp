@@ -4,6 +4,7 @@
 
 #include "fived/kernels/host/adamw.hpp"
 #include "fived/kernels/host/attention.hpp"
+#include "fived/kernels/host/convert.hpp"
 #include "fived/kernels/host/crossentropy.hpp"
 #include "fived/kernels/host/embedding.hpp"
 #include "fived/kernels/host/gelu.hpp"

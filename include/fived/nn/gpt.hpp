@@ -199,10 +199,7 @@ class GPT {
   // The clip norm, every parameter counted once over TP: the parts of r (flat offsets)
   // this rank counts, and a sum over the TP group (nothing to sum at TP 1).
   std::vector<FlatRange> norm_parts(FlatRange r) const { return layout::norm_parts(r, tp_rank()); }
-  double sum_over_tp(double s) {
-    comm_.all_reduce(std::span<double>(&s, 1));
-    return s;
-  }
+  double sum_over_tp(double s) { return comm_.all_reduce_host(s); }
 
   // ---- micro-batch slots ------------------------------------------------------------------
 
@@ -402,6 +399,7 @@ class GPT {
   GPT(AxisComm<M, Axis::tp> comm, const GptInit& init)
       : comm_(std::move(comm)), params_(ops_.template make_buffer<T>(num_params)),
         grads_(ops_.template make_buffer<T>(num_params)), slots_(1) {
+    comm_.set_compute_stream(stream_of(ops_));  // TP collectives in the order of the model's kernels
     ops_.write_from_host(params_, [&](std::span<T> p) { init_params<layout>(p, tp_rank(), init); });
     if constexpr (step_type::sp)
       for (int u = 0; u < layout::units; ++u)
@@ -536,15 +534,19 @@ class GPT {
   }
 
   std::vector<T> gather(const Buffer<T, Device>& local) {
-    const std::vector<T> mine = ops_.to_host(local.span());
     if constexpr (tp == 1) {
-      return mine;
-    } else {
-      std::vector<T> all(mine.size() * static_cast<std::size_t>(tp)), serial(serial_layout::size);
-      comm_.all_gather(std::span<const T>(mine), std::span<T>(all));
-      layout::assemble(std::span<const T>(all), std::span<T>(serial));
+      return ops_.to_host(local.span());
+    } else {  // gathered where the buffers live, then assembled on the host
+      Buffer<T, Device> all = make<T>(local.size() * static_cast<std::size_t>(tp));
+      comm_.all_gather(local.span(), all.span());
+      std::vector<T> serial(serial_layout::size);
+      layout::assemble(std::span<const T>(ops_.to_host(all.span())), std::span<T>(serial));
       return serial;
     }
+  }
+  static StreamHandle stream_of(ops_type& ops) {
+    if constexpr (on_host) return nullptr;
+    else return ops.stream();
   }
 
   static int index_of(std::string_view name) {

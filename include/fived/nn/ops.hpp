@@ -20,10 +20,14 @@
 //     matmul, bias_backward, layernorm_forward, layernorm_backward, gelu_backward,
 //     residual_forward, attention_forward, attention_backward, embedding_forward and
 //     embedding_backward (over a range of the vocabulary: a TP rank's shard), logits_max,
-//     crossentropy_partials, crossentropy_backward, adamw_update, gelu_forward, scale
-//   double sum_of_squares(const T* g, size_t n)   in double; waits for the device on Cuda
+//     crossentropy_partials, crossentropy_backward, adamw_update, gelu_forward, scale,
+//     to_fp32 (fp32 master weights from the parameters)
+//   the global gradient norm, a sum of squares over many pieces read back once:
+//     begin_sum_of_squares(); add_sum_of_squares(g, n) ...; double sum_of_squares()
+//     (accumulated on the device, in float on Cuda; the last call waits for the device)
 //   buffer<U> make_buffer(size_t n)                       n zeroed elements, ready for use
-//   void zero(buffer<U>&)                                 all elements to 0 (stream-ordered)
+//   void zero(buffer<U>&), zero(U* p, size_t n)           elements to 0 (stream-ordered)
+//   void copy(U* dst, const U* src, size_t n)             device to device (stream-ordered)
 //   void upload_ids(buffer<int>& dst, const int* host, size_t n)   host ids -> dst[0, n)
 //   double mean_loss(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N)
 //       mean over i of log(sumexp[i]) + max[i] - target[i], summed in double (waits for
@@ -36,6 +40,7 @@
 // On the host the staging functions hand out the buffer itself (no copy), so the host
 // model does exactly what it did before this layer existed.
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <span>
@@ -125,9 +130,13 @@ struct Ops<T, Host> {
     kernels::host::adamw_update(param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step);
   }
   void gelu_forward(T* out, const T* inp, std::size_t n) { kernels::host::gelu_forward(out, inp, n); }
-  // Sum of squares of n values, in double (read back to the host on a device).
-  double sum_of_squares(const T* g, std::size_t n) { return kernels::host::sum_of_squares(g, n); }
   void scale(T* g, std::size_t n, float factor) { kernels::host::scale(g, n, factor); }
+  void to_fp32(float* dst, const T* src, std::size_t n) { kernels::host::to_fp32(dst, src, n); }
+
+  // The sum of squares of every piece added since begin_sum_of_squares(), in double.
+  void begin_sum_of_squares() { sumsq_ = 0; }
+  void add_sum_of_squares(const T* g, std::size_t n) { sumsq_ += kernels::host::sum_of_squares(g, n); }
+  double sum_of_squares() const { return sumsq_; }
 
   // ---- memory and staging ----------------------------------------------------------------------
 
@@ -138,6 +147,14 @@ struct Ops<T, Host> {
   template <class U>
   void zero(Buffer<U, Host>& b) {
     b.zero();
+  }
+  template <class U>
+  void zero(U* p, std::size_t n) {
+    std::fill_n(p, n, U{});
+  }
+  template <class U>
+  void copy(U* dst, const U* src, std::size_t n) {
+    std::copy_n(src, n, dst);
   }
   void upload_ids(Buffer<int, Host>& dst, const int* host, std::size_t n) {
     for (std::size_t i = 0; i < n; ++i) dst[i] = host[i];
@@ -159,6 +176,9 @@ struct Ops<T, Host> {
     return {s.begin(), s.end()};
   }
   void synchronize() {}
+
+ private:
+  double sumsq_ = 0;
 };
 
 }  // namespace fived

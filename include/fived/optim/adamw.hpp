@@ -1,9 +1,9 @@
 #pragma once
-// AdamW over ranges of a flat parameter buffer, on the host.
+// AdamW over ranges of a flat parameter buffer, on any device.
 //
-//   fived::AdamW<Model::layout, T> opt({.lr = 2e-3f, .beta2 = 0.95f, .weight_decay = 0.1f, .max_norm = 1.0f}, owned);
-//   opt.begin_step();                                            // one step...
-//   for (FlatRange r : opt.owned()) opt.update(params, grads, r);  // ...over each owned range
+//   fived::AdamW<Model::layout, T, Device> opt({.lr = 2e-3f, .beta2 = 0.95f, .weight_decay = 0.1f, .max_norm = 1.0f}, owned);
+//   opt.begin_step();                                                         // one step...
+//   for (FlatRange r : opt.owned()) opt.update(model.ops(), params, grads, r);  // ...over each owned range
 //
 // The training step that clips the global norm and calls this (the one optimizer step of
 // every path, serial included) is DataParallel's (train/data_parallel.hpp); this class is
@@ -21,7 +21,9 @@
 // themselves (no master copy). For any other T (bf16) the optimizer keeps fp32 master weights
 // for its range, copied from the parameters on the first step, and writes T(master) back.
 //
-// Host only for now (AdamW on CUDA is the CUDA/NCCL issue's).
+// Device: the state lives in Buffer<float, Device> (device memory on Cuda, allocated once
+// here) and the update is the fused adamw_update kernel of the Ops passed to update(), queued
+// on its stream; spans and ranges are device memory then (exp_avg() and friends too).
 
 #include <algorithm>
 #include <cstddef>
@@ -32,7 +34,7 @@
 #include <vector>
 
 #include "fived/device/bf16.hpp"
-#include "fived/kernels/host/adamw.hpp"
+#include "fived/device/buffer.hpp"
 #include "fived/kernels/host/norm.hpp"
 #include "fived/optim/flat_range.hpp"
 
@@ -47,11 +49,12 @@ struct AdamWConfig {
   float max_norm = 0.0f;      // global gradient-norm clipping; 0 = off
 };
 
-template <class Layout, class T = float>
+template <class Layout, class T = float, class Device = Host>
 class AdamW {
  public:
   using layout = Layout;
   using value_type = T;
+  using device = Device;
   // No fp32 master copy for float (it is the master) and double (gradient checks).
   static constexpr bool has_master = !(std::is_same_v<T, float> || std::is_same_v<T, double>);
 
@@ -71,19 +74,18 @@ class AdamW {
       start_.push_back(n);
       n += r.size();
     }
-    m_.assign(n, 0.0f);
-    v_.assign(n, 0.0f);
-    if constexpr (has_master) master_.assign(n, 0.0f);
+    m_ = Buffer<float, Device>(n);  // zeroed
+    v_ = Buffer<float, Device>(n);
+    if constexpr (has_master) master_ = Buffer<float, Device>(n);
     master_ready_.assign(owned_.size(), false);
   }
-
 
   std::span<const FlatRange> owned() const { return owned_; }
   std::size_t owned_size() const { return m_.size(); }  // elements, over all owned ranges
   int step_count() const { return step_; }  // steps taken (the next step is step_count() + 1)
-  std::span<const float> exp_avg() const { return m_; }     // first moments of owned(), in order
-  std::span<const float> exp_avg_sq() const { return v_; }  // second moments of owned(), in order
-  std::span<const float> master() const { return master_; } // empty unless has_master
+  std::span<const float> exp_avg() const { return m_.span(); }     // first moments of owned(), in order
+  std::span<const float> exp_avg_sq() const { return v_.span(); }  // second moments of owned(), in order
+  std::span<const float> master() const { return master_.span(); } // empty unless has_master
   // Bytes of optimizer state held (moments, master weights).
   std::size_t state_bytes() const { return (m_.size() + v_.size() + master_.size()) * sizeof(float); }
 
@@ -97,10 +99,13 @@ class AdamW {
   // Counts one step; update() then applies it range by range.
   void begin_step() { ++step_; }
 
-  // The current step (begin_step) over r, which must lie inside one owned range; the first
-  // update of an owned range must cover it whole, since its fp32 masters (if any) start from
-  // the parameters. params[i - base] and grads[i - base] are element i of the flat buffer.
-  void update(std::span<T> params, std::span<const T> grads, FlatRange r, std::size_t base = 0) {
+  // The current step (begin_step) over r, which must lie inside one owned range, with the
+  // kernels of `ops` (an Ops<T, Device>). The first update of an owned range must cover it
+  // whole, since its fp32 masters (if any) start from the parameters. params[i - base] and
+  // grads[i - base] are element i of the flat buffer.
+  template <class Ops>
+  void update(Ops& ops, std::span<T> params, std::span<const T> grads, FlatRange r, std::size_t base = 0) {
+    static_assert(std::is_same_v<typename Ops::device, Device>, "fived::AdamW::update: the Ops' device is not the optimizer's");
     if (step_ == 0) throw std::logic_error("fived::AdamW::update: call begin_step() first");
     const std::size_t k = range_holding(r);
     if (r.begin < base) throw std::invalid_argument("fived::AdamW::update: the range starts before base");
@@ -111,7 +116,7 @@ class AdamW {
       if (!master_ready_[k]) {  // the masters start from the parameters
         if (r != owned_[k])
           throw std::invalid_argument("fived::AdamW::update: the first update of an owned range must cover it whole");
-        for (std::size_t i = r.begin; i < r.end; ++i) master_[start_[k] + i - r.begin] = static_cast<float>(params[i - base]);
+        ops.to_fp32(master_.data() + start_[k], params.data() + shifted.begin, r.size());
       }
     }
     master_ready_[k] = true;
@@ -121,9 +126,8 @@ class AdamW {
       const std::size_t o = start_[k] + (b - owned_[k].begin);
       float* master = nullptr;
       if constexpr (has_master) master = master_.data() + o;
-      kernels::host::adamw_update(params.data() + (b - base), master, grads.data() + (b - base), m_.data() + o,
-                                  v_.data() + o, e - b, hp.lr, hp.beta1, hp.beta2, hp.eps,
-                                  t.decays() ? hp.weight_decay : 0.0f, step_);
+      ops.adamw_update(params.data() + (b - base), master, grads.data() + (b - base), m_.data() + o, v_.data() + o,
+                       e - b, hp.lr, hp.beta1, hp.beta2, hp.eps, t.decays() ? hp.weight_decay : 0.0f, step_);
     }
   }
 
@@ -148,11 +152,11 @@ class AdamW {
   std::vector<std::size_t> start_;  // where owned_[k]'s state starts in m_, v_, master_
   std::vector<bool> master_ready_;
   int step_ = 0;
-  std::vector<float> m_, v_, master_;
+  Buffer<float, Device> m_, v_, master_;
 };
 
-// The optimizer for a model type: AdamW over its layout and element type.
+// The optimizer for a model type: AdamW over its layout, element type and device.
 template <class Model>
-using AdamWFor = AdamW<typename Model::layout, typename Model::value_type>;
+using AdamWFor = AdamW<typename Model::layout, typename Model::value_type, typename Model::device>;
 
 }  // namespace fived

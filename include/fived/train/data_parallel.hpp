@@ -1,5 +1,5 @@
 #pragma once
-// Data-parallel training steps on the host: every DP rank takes its slice of each global
+// Data-parallel training steps, on the host backend and on CUDA: every DP rank takes its slice of each global
 // batch, and the gradients are averaged over the DP group; the policy says how much of the
 // training state each rank holds.
 //
@@ -86,13 +86,21 @@
 // same fp32 masters.
 //
 // Overlap: with a model that calls UnitHooks, a unit's buckets are handed at its
-// after_backward to a communication thread (util/worker.hpp: the host's counterpart of
-// NCCL's communication stream), which reduces them while backward goes on; ZeRO-3's gathers
-// and prefetches run there too, and forward/backward wait only for the unit they are about
-// to use. Before the gradients are touched again (the next micro-batch, the optimizer) the
-// trainer waits for all of it. set_overlap(false), or a model without hooks, runs every
-// collective on the calling thread, after backward for the reductions. The
-// results are the same bit for bit.
+// after_backward to the communication side (train/comm_queue.hpp: a thread on the host, a
+// second stream on CUDA), which reduces them while backward goes on; ZeRO-3's gathers and
+// prefetches run there too, and forward/backward wait only for the unit they are about to
+// use. Before the gradients are touched again (the next micro-batch, the optimizer) the
+// model waits for all of it. set_overlap(false), or a model without hooks, issues every
+// reduction after backward (on the host, on the calling thread). The results are the same
+// bit for bit.
+//
+// Devices: on CUDA (a model with Device = Cuda, in a .cu file) the staging buffers, pieces
+// and optimizer state are device memory, allocated once in the constructor; the step's
+// copies, scalings and AdamW are kernels through Ops, and the collectives NCCL calls on the
+// side stream, ordered by events. The host waits for the device only where it reads a
+// value: the loss of each micro-batch, and the gradient norm when clipping. Given-back memory
+// is the host backend's (release_pages); on CUDA a released range is zeroed but stays
+// allocated (unmapping it needs the driver's virtual memory API, not used yet).
 
 #include <algorithm>
 #include <cstddef>
@@ -109,13 +117,11 @@
 #include "fived/comm/types.hpp"
 #include "fived/device/bf16.hpp"
 #include "fived/device/host_pages.hpp"
-#include "fived/kernels/host/norm.hpp"
-#include "fived/kernels/host/residual.hpp"
 #include "fived/mesh/context.hpp"
 #include "fived/nn/unit_hooks.hpp"
 #include "fived/optim/adamw.hpp"
 #include "fived/train/bucket_plan.hpp"
-#include "fived/util/worker.hpp"
+#include "fived/train/comm_queue.hpp"
 
 namespace fived {
 
@@ -142,7 +148,6 @@ class DataParallel {
   using group = typename Model::mesh::grad_group;
   static constexpr int DP = group::size;
   static_assert(is_zero_policy<Policy>, "fived::DataParallel: the policy must be fived::NoZeRO or fived::ZeRO<S>");
-  static_assert(Model::on_host, "fived::DataParallel runs on the host backend for now (Model::on_host)");
   static_assert(std::is_same_v<typename Model::value_type, float> ||
                     std::is_same_v<typename Model::value_type, double> ||
                     std::is_same_v<typename Model::value_type, bf16>,
@@ -151,6 +156,9 @@ class DataParallel {
  public:
   using model_type = Model;
   using T = typename Model::value_type;
+  using Device = typename Model::device;
+  using ops_type = typename Model::ops_type;
+  using buffer = Buffer<T, Device>;
   using layout = typename Model::layout;
   using policy = Policy;
   using plan = BucketPlan<layout, DP, sizeof(T), BucketBytes>;
@@ -200,14 +208,13 @@ class DataParallel {
 
  private:
   void shard_state() {
+    ops_type& ops = model_.ops();
     if constexpr (stage == 3) {  // the pieces are the parameters from now on
-      for (std::size_t i = 0; i < plan::count; ++i) {
-        const FlatRange o = owned(i);
-        std::copy_n(model_.params().begin() + static_cast<std::ptrdiff_t>(o.begin), o.size(), param_piece(i).begin());
-      }
-      release_pages(model_.params());
+      for (std::size_t i = 0; i < plan::count; ++i)
+        ops.copy(param_piece(i).data(), model_.params().data() + owned(i).begin, owned(i).size());
+      give_back(ops, model_.params());
     }
-    if constexpr (stage >= 2) release_pages(model_.grads());
+    if constexpr (stage >= 2) give_back(ops, model_.grads());
   }
 
  public:
@@ -236,44 +243,50 @@ class DataParallel {
     async_ = overlap();
     peak_ = held_;
     if constexpr (stage < 2) model_.zero_grad();  // ZeRO-2/3: released gradient pages read as zeros
-    else std::fill(grad_pieces_.begin(), grad_pieces_.end(), T{});
+    else model_.ops().zero(grad_pieces_);
     double loss = 0;
     for (int k = 0; k < accum_; ++k) {
       reducing_ = stage >= 2 || k == accum_ - 1;  // NoZeRO, ZeRO-1: one reduction per step
       std::fill(reduced_.begin(), reduced_.end(), false);
       const std::size_t off = (static_cast<std::size_t>(k) * static_cast<std::size_t>(B) + mine.begin) *
                               static_cast<std::size_t>(T_);
+      // The loss is read after backward is queued: on a device the host then waits while
+      // backward runs, not before it.
       if constexpr (has_hooks) {
-        model_.forward(tokens.data() + off, targets.data() + off, b, T_, hooks_);
-        loss += model_.loss();
+        model_.enqueue_forward(tokens.data() + off, targets.data() + off, b, T_, hooks_);
         model_.backward(hooks_);
       } else {
-        model_.forward(tokens.data() + off, targets.data() + off, b, T_);
-        loss += model_.loss();
+        model_.enqueue_forward(tokens.data() + off, targets.data() + off, b, T_);
         for (int u = 0; u < plan::units; ++u) grads_in_use(u);
         model_.backward();
       }
-      if (worker_) worker_->drain();  // the reductions and gathers it was given
-      if (reducing_)
+      loss += model_.loss();
+      queue_.drain();  // the reductions and gathers backward handed over
+      if (reducing_) {
         for (int u = plan::units - 1; u >= 0; --u) reduce_unit(u, false);  // what backward did not reduce
+        queue_.drain();
+      }
     }
     if constexpr (stage == 3)
       for (int u = 0; u < plan::units; ++u) release_params(u);
-    loss /= accum_;
-    comm_.all_reduce(std::span<double>(&loss, 1), ReduceOp::avg);
+    loss = comm_.all_reduce_host(loss / accum_, ReduceOp::avg);
     optimizer_step();
     return loss;
   }
 
-  // The whole parameter buffer (layout::size elements). Under ZeRO<3> an all-gather of every
-  // bucket, so every DP rank must call it; otherwise a copy of the model's parameters.
+  // The whole parameter buffer (layout::size elements), in host memory. Under ZeRO<3> an
+  // all-gather of every bucket, so every DP rank must call it; otherwise a copy of the
+  // model's parameters.
   std::vector<T> full_params() {
     if constexpr (stage < 3) {
-      return std::vector<T>(model_.params().begin(), model_.params().end());
+      return model_.params_to_host();
     } else {
-      std::vector<T> all(layout::size);
-      for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(i, param_piece(i), std::span<T>(all));
-      return all;
+      buffer all = model_.ops().template make_buffer<T>(layout::size);
+      queue_.submit([&](ops_type& ops) {
+        for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(ops, i, param_piece(i), all.span());
+      }, false);
+      queue_.drain();
+      return model_.ops().to_host(std::span<const T>(all.span()));
     }
   }
 
@@ -294,7 +307,7 @@ class DataParallel {
   // after backward. The results are the same bit for bit; what changes is when the
   // collectives are issued.
   void set_overlap(bool on) { overlap_ = on; }
-  // Off: every collective runs on the calling thread. The results are the same bit for bit.
+  // Off: every reduction is issued after backward. The results are the same bit for bit.
   bool overlap() const { return has_hooks && overlap_; }
 
   // The clip factor of the last step (1: not clipped).
@@ -306,16 +319,19 @@ class DataParallel {
 
  private:
   DataParallel(Model& model, MeshComm<group> comm, int rank, const AdamWConfig& config, int accum)
-      : model_(model), comm_(std::move(comm)), rank_(rank), accum_(accum), opt_(config, owned_ranges(rank)) {
+      : model_(model), comm_(std::move(comm)), rank_(rank), accum_(accum), opt_(config, owned_ranges(rank)),
+        queue_(model.ops()) {
     if (accum < 1)
       throw std::invalid_argument("fived::DataParallel: accum (micro-batches per step) must be at least 1, got " +
                                   std::to_string(accum));
+    comm_.set_compute_stream(queue_.stream());  // the group's collectives run on the communication side
+    auto make = [&](std::size_t n) { return model_.ops().template make_buffer<T>(n); };
     if constexpr (stage >= 1) {
-      staging_.assign(plan::max_padded, T{});
-      piece_.assign(plan::max_padded / DP, T{});
+      staging_ = make(plan::max_padded);
+      piece_ = make(plan::max_padded / DP);
     }
-    if constexpr (stage >= 2) grad_pieces_.assign(plan::shard_total, T{});
-    if constexpr (stage == 3) param_pieces_.assign(plan::shard_total, T{});
+    if constexpr (stage >= 2) grad_pieces_ = make(plan::shard_total);
+    if constexpr (stage == 3) param_pieces_ = make(plan::shard_total);
     reduced_.assign(plan::units, false);
     gathered_.assign(plan::units, false);
     gather_ticket_.assign(plan::units, 0);
@@ -330,7 +346,6 @@ class DataParallel {
       if (async_ && reducing_) reduce_unit(u, true);
       done_with_params(u);
     };
-    if constexpr (has_hooks) worker_ = std::make_unique<Worker>();
     shard_state();
   }
 
@@ -344,8 +359,14 @@ class DataParallel {
     return v;
   }
   // This rank's stored piece of bucket i in a sharded buffer (its owned elements first).
-  static std::span<T> piece_of(std::vector<T>& v, std::size_t i) {
-    return std::span<T>(v).subspan(plan::bucket(i).shard_offset, plan::shard_size(i));
+  static std::span<T> piece_of(buffer& v, std::size_t i) {
+    return v.span().subspan(plan::bucket(i).shard_offset, plan::shard_size(i));
+  }
+  // Done with `range` until it is written again: its memory goes back to the system on the
+  // host (and reads as zeros); on a device it is zeroed on the stream of `ops`.
+  static void give_back(ops_type& ops, std::span<T> range) {
+    if constexpr (std::is_same_v<Device, Host>) release_pages(range);
+    else ops.zero(range.data(), range.size());
   }
   std::span<T> param_piece(std::size_t i) { return piece_of(param_pieces_, i); }
   // The gradient of what this rank owns of bucket i, from its first owned element on.
@@ -361,21 +382,22 @@ class DataParallel {
   // ---- gradients ------------------------------------------------------------------------
 
   // Scale bucket i by 1/accum and reduce it over DP: all-reduce in place (NoZeRO), or
-  // reduce-scatter through the padded staging buffer into this rank's piece (ZeRO).
-  void reduce_bucket(std::size_t i) {
+  // reduce-scatter through the padded staging buffer into this rank's piece (ZeRO). `ops`:
+  // the communication side's kernels.
+  void reduce_bucket(ops_type& ops, std::size_t i) {
     const Bucket& bk = plan::bucket(i);
     std::span<T> g = model_.grads().subspan(bk.range.begin, bk.range.size());
-    if (accum_ > 1) kernels::host::scale(g.data(), g.size(), 1.0f / static_cast<float>(accum_));
+    if (accum_ > 1) ops.scale(g.data(), g.size(), 1.0f / static_cast<float>(accum_));
     if constexpr (stage == 0) {
       comm_.all_reduce(g, ReduceOp::avg);
     } else {
-      std::span<T> in = std::span<T>(staging_).first(bk.padded), out = std::span<T>(piece_).first(bk.padded / DP);
-      std::copy(g.begin(), g.end(), in.begin());
-      std::fill(in.begin() + static_cast<std::ptrdiff_t>(g.size()), in.end(), T{});
+      std::span<T> in = staging_.span().first(bk.padded), out = piece_.span().first(bk.padded / DP);
+      ops.copy(in.data(), g.data(), g.size());
+      ops.zero(in.data() + g.size(), in.size() - g.size());
       comm_.reduce_scatter(std::span<const T>(in), out, ReduceOp::avg);
       std::span<T> mine = owned_grads(i);
-      if constexpr (stage == 1) std::copy_n(out.begin(), mine.size(), mine.begin());
-      else kernels::host::residual_forward(mine.data(), mine.data(), out.data(), mine.size());
+      if constexpr (stage == 1) ops.copy(mine.data(), out.data(), mine.size());
+      else ops.residual_forward(mine.data(), mine.data(), out.data(), mine.size());
     }
   }
 
@@ -386,19 +408,12 @@ class DataParallel {
     reduced_[static_cast<std::size_t>(u)] = true;
     if (grads_live_[static_cast<std::size_t>(u)]) held_ -= plan::unit(u).size();  // counted when issued
     grads_live_[static_cast<std::size_t>(u)] = false;
-    run([this, u] {
+    queue_.submit([this, u](ops_type& ops) {
       const FlatRange bs = plan::buckets_of(u);
-      for (std::size_t i = bs.end; i-- > bs.begin;) reduce_bucket(i);
+      for (std::size_t i = bs.end; i-- > bs.begin;) reduce_bucket(ops, i);
       if constexpr (stage >= 2)  // the reduced gradient lives in the pieces now
-        release_pages(model_.grads().subspan(plan::unit(u).begin, plan::unit(u).size()));
+        give_back(ops, model_.grads().subspan(plan::unit(u).begin, plan::unit(u).size()));
     }, async);
-  }
-
-  // Runs `task` now, or queues it on the communication thread; returns its ticket (0: done).
-  std::uint64_t run(std::function<void()> task, bool async) {
-    if (async) return worker_->submit(std::move(task));
-    task();
-    return 0;
   }
 
   // Backward is about to write unit u's gradients (for the transient count under ZeRO-2/3).
@@ -416,13 +431,13 @@ class DataParallel {
 
   // All-gather bucket i into dst (flat-buffer offsets) from every rank's piece; `mine` is
   // this rank's (its owned elements, or the whole stored piece), the rest of it is padding.
-  void gather_bucket(std::size_t i, std::span<const T> mine, std::span<T> dst) {
+  void gather_bucket(ops_type& ops, std::size_t i, std::span<const T> mine, std::span<T> dst) {
     const Bucket& bk = plan::bucket(i);
-    std::span<T> in = std::span<T>(piece_).first(bk.padded / DP), out = std::span<T>(staging_).first(bk.padded);
-    std::copy(mine.begin(), mine.end(), in.begin());
-    std::fill(in.begin() + static_cast<std::ptrdiff_t>(mine.size()), in.end(), T{});
+    std::span<T> in = piece_.span().first(bk.padded / DP), out = staging_.span().first(bk.padded);
+    ops.copy(in.data(), mine.data(), mine.size());
+    ops.zero(in.data() + mine.size(), in.size() - mine.size());
     comm_.all_gather(std::span<const T>(in), out);
-    std::copy_n(out.begin(), bk.range.size(), dst.begin() + static_cast<std::ptrdiff_t>(bk.range.begin));
+    ops.copy(dst.data() + bk.range.begin, out.data(), bk.range.size());
   }
 
   // Starts gathering unit u (on the communication thread when async_). Returns whether it
@@ -431,9 +446,9 @@ class DataParallel {
     if (u < 0 || u >= plan::units || gathered_[static_cast<std::size_t>(u)]) return false;
     gathered_[static_cast<std::size_t>(u)] = true;
     hold(plan::unit(u).size());
-    gather_ticket_[static_cast<std::size_t>(u)] = run([this, u] {
+    gather_ticket_[static_cast<std::size_t>(u)] = queue_.submit([this, u](ops_type& ops) {
       const FlatRange bs = plan::buckets_of(u);
-      for (std::size_t i = bs.begin; i < bs.end; ++i) gather_bucket(i, param_piece(i), model_.params());
+      for (std::size_t i = bs.begin; i < bs.end; ++i) gather_bucket(ops, i, param_piece(i), model_.params());
     }, async_);
     return true;
   }
@@ -441,7 +456,8 @@ class DataParallel {
   void release_params(int u) {
     if (!gathered_[static_cast<std::size_t>(u)]) return;
     gathered_[static_cast<std::size_t>(u)] = false;
-    release_pages(model_.params().subspan(plan::unit(u).begin, plan::unit(u).size()));
+    if constexpr (std::is_same_v<Device, Host>)  // on a device the next gather overwrites it
+      release_pages(model_.params().subspan(plan::unit(u).begin, plan::unit(u).size()));
     held_ -= plan::unit(u).size();
   }
 
@@ -451,7 +467,7 @@ class DataParallel {
   void use_params(int u, int next) {
     if constexpr (stage == 3) {
       if (gather_params(u) || !outer(u)) gather_params(next);
-      if (async_) worker_->wait(gather_ticket_[static_cast<std::size_t>(u)]);
+      queue_.wait(gather_ticket_[static_cast<std::size_t>(u)]);
     }
   }
   void done_with_params(int u) {
@@ -467,33 +483,35 @@ class DataParallel {
   // group), one AdamW step on what this rank owns, then (NoZeRO aside) the new parameters
   // to every replica: all-gathered now under ZeRO-1/2, at their next use under ZeRO-3.
   float optimizer_step() {
+    ops_type& ops = model_.ops();
     float f = 1.0f;
     if (opt_.hp.max_norm > 0) {
-      double s = 0;
-      for (std::size_t i = 0; i < plan::count; ++i) s += sum_of_squares(i);
-      s = model_.sum_over_tp(s);
-      if constexpr (stage >= 1) comm_.all_reduce(std::span<double>(&s, 1));  // NoZeRO: every replica has the same sum
+      ops.begin_sum_of_squares();
+      for (std::size_t i = 0; i < plan::count; ++i) add_sum_of_squares(ops, i);
+      double s = model_.sum_over_tp(ops.sum_of_squares());  // the host reads it: one wait
+      if constexpr (stage >= 1) s = comm_.all_reduce_host(s);  // NoZeRO: every replica has the same sum
       f = last_clip_ = opt_.clip_factor(s);
       if (f < 1.0f)
-        for (std::size_t i = 0; i < plan::count; ++i) kernels::host::scale(owned_grads(i).data(), owned(i).size(), f);
+        for (std::size_t i = 0; i < plan::count; ++i) ops.scale(owned_grads(i).data(), owned(i).size(), f);
     }
     opt_.begin_step();
     for (std::size_t i = 0; i < plan::count; ++i)
-      if (!owned(i).empty()) opt_.update(owned_params(i), owned_grads(i), owned(i), owned(i).begin);
-    if constexpr (stage == 1 || stage == 2)
-      for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(i, owned_params(i), model_.params());
+      if (!owned(i).empty()) opt_.update(ops, owned_params(i), owned_grads(i), owned(i), owned(i).begin);
+    if constexpr (stage == 1 || stage == 2) {
+      queue_.submit([this](ops_type& side) {
+        for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(side, i, owned_params(i), model_.params());
+      }, false);
+      queue_.drain();  // the next forward reads them
+    }
     return f;
   }
 
-  // Sum of squares of what this rank owns of bucket i, counting only the parts the model
+  // Adds the squares of what this rank owns of bucket i, counting only the parts the model
   // says this rank counts (a tensor replicated over TP on TP rank 0 only).
-  double sum_of_squares(std::size_t i) {
+  void add_sum_of_squares(ops_type& ops, std::size_t i) {
     const FlatRange o = owned(i);
     std::span<const T> g = owned_grads(i);
-    double s = 0;
-    for (const FlatRange& p : model_.norm_parts(o))
-      s += model_.ops().sum_of_squares(g.data() + (p.begin - o.begin), p.size());
-    return s;
+    for (const FlatRange& p : model_.norm_parts(o)) ops.add_sum_of_squares(g.data() + (p.begin - o.begin), p.size());
   }
 
   Model& model_;
@@ -506,15 +524,15 @@ class DataParallel {
   bool async_ = false;     // this step's collectives run on the communication thread
   optimizer_type opt_;
   UnitHooks hooks_;
-  std::vector<T> staging_, piece_;  // ZeRO: one bucket, padded, and one piece of it
-  std::vector<T> grad_pieces_;      // ZeRO-2/3: this rank's pieces of the reduced gradient
-  std::vector<T> param_pieces_;     // ZeRO-3: this rank's pieces of the parameters
+  buffer staging_, piece_;  // ZeRO: one bucket, padded, and one piece of it
+  buffer grad_pieces_;      // ZeRO-2/3: this rank's pieces of the reduced gradient
+  buffer param_pieces_;     // ZeRO-3: this rank's pieces of the parameters
   std::vector<bool> reduced_, gathered_, grads_live_;  // per unit
   std::vector<std::uint64_t> gather_ticket_;           // per unit: its ZeRO-3 gather's ticket
   // Elements of gathered parameters and unreduced gradients, counted on the calling thread;
   // a unit's gradients count as given back when its reduction is issued.
   std::size_t held_ = 0, peak_ = 0;
-  std::unique_ptr<Worker> worker_;  // the communication thread; last, so it stops first
+  CommQueue<T, Device> queue_;  // the communication side; last, so it stops first
 };
 
 }  // namespace fived

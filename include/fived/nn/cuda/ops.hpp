@@ -16,7 +16,7 @@
 //
 // Synchronisation: the kernels are asynchronous. Token ids go through pinned staging
 // memory (the host pointer can be reused as soon as forward returns, and the upload does
-// not wait for queued work); mean_loss, sum_of_squares, to_host, read_to_host and
+// not wait for queued work); mean_loss, sum_of_squares(), to_host, read_to_host and
 // write_from_host wait for the stream.
 
 #if !defined(__CUDACC__)
@@ -165,17 +165,17 @@ struct Ops<T, Cuda> {
                     float beta2, float eps, float weight_decay, int step) {
     kernels::cuda::adamw_update(stream(), param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step);
   }
-  // Sum of squares of g[0, n), for a global gradient norm: accumulated in float on the device
-  // into a one-element buffer this Ops owns, then read back (waits for the stream). The
-  // caller adds the parts (tensors, ranks) and scales.
-  double sum_of_squares(const T* g, std::size_t n) {
-    sumsq_.zero(stream());
-    kernels::cuda::sum_of_squares(stream(), sumsq_.data(), g, n);
+  // The global gradient norm: pieces accumulate in float on the device, into a one-element
+  // buffer this Ops owns; sum_of_squares() reads it back (waits for the stream, once).
+  void begin_sum_of_squares() { sumsq_.zero(stream()); }
+  void add_sum_of_squares(const T* g, std::size_t n) { kernels::cuda::sum_of_squares(stream(), sumsq_.data(), g, n); }
+  double sum_of_squares() const {
     float h = 0.0f;
     copy_to_host(&h, sumsq_.data(), 1);
     synchronize();
     return static_cast<double>(h);
   }
+  void to_fp32(float* dst, const T* src, std::size_t n) { kernels::cuda::to_fp32(stream(), dst, src, n); }
   void scale(T* g, std::size_t n, float factor) { kernels::cuda::scale(stream(), g, n, factor); }
 
   // ---- memory and staging ----------------------------------------------------------------------
@@ -188,6 +188,15 @@ struct Ops<T, Cuda> {
   template <class U>
   void zero(Buffer<U, Cuda>& b) {
     b.zero(stream());
+  }
+  template <class U>
+  void zero(U* p, std::size_t n) {
+    if (n != 0) FIVED_CUDA_CHECK(cudaMemsetAsync(p, 0, n * sizeof(U), stream()));
+  }
+  template <class U>
+  void copy(U* dst, const U* src, std::size_t n) {
+    if (n != 0 && dst != src)
+      FIVED_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(U), cudaMemcpyDeviceToDevice, stream()));
   }
   void upload_ids(Buffer<int, Cuda>& dst, const int* host, std::size_t n) {
     if (n > dst.size())

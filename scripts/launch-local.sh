@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Usage: run_nccl_ranks.sh <ranks> [--mpirun <mpiexec>] <program> [args...]
+# Usage: scripts/launch-local.sh <ranks> [--mpirun <mpiexec>] <program> [args...]
+#
+#   scripts/launch-local.sh 4 build/examples/train_gpt_cuda      # Mesh<DP<2>, TP<2>> on one GPU
 #
 # Starts <ranks> processes of <program> on this machine as one NCCL job, the
 # way torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
@@ -13,14 +15,14 @@
 # rather than left waiting for it.
 set -u
 
-n=${1:?usage: run_nccl_ranks.sh <ranks> [--mpirun <mpiexec>] <program> [args...]}
+n=${1:?usage: launch-local.sh <ranks> [--mpirun <mpiexec>] <program> [args...]}
 shift
 mpiexec=""
 if [[ ${1:-} == --mpirun ]]; then
   mpiexec=${2:?--mpirun needs the mpiexec executable}
   shift 2
 fi
-(($# >= 1)) || { echo "run_nccl_ranks.sh: no program given" >&2; exit 2; }
+(($# >= 1)) || { echo "launch-local.sh: no program given" >&2; exit 2; }
 
 # Loopback only; a failed or hung peer becomes an error in bounded time.
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
@@ -45,7 +47,7 @@ for _ in $(seq 50); do
     break
   fi
 done
-[[ -n $port ]] || { echo "run_nccl_ranks.sh: no free port found" >&2; exit 1; }
+[[ -n $port ]] || { echo "launch-local.sh: no free port found" >&2; exit 1; }
 
 declare -A rank_of
 for ((r = 0; r < n; ++r)); do
@@ -67,7 +69,7 @@ while ((${#rank_of[@]} > 0)); do
     if ((rc == 77)); then
       skipped=$((skipped + 1))
     elif ((rc != 0 && !failed)); then
-      echo "run_nccl_ranks.sh: rank $rank exited with $rc; stopping the others" >&2
+      echo "launch-local.sh: rank $rank exited with $rc; stopping the others" >&2
       failed=1
       for other in "${!rank_of[@]}"; do kill "$other" 2>/dev/null; done
     fi
@@ -76,6 +78,6 @@ while ((${#rank_of[@]} > 0)); do
 done
 
 if ((failed)); then exit 1; fi
-if ((skipped == n)); then echo "run_nccl_ranks.sh: no GPU, skipped"; exit 77; fi
-if ((skipped > 0)); then echo "run_nccl_ranks.sh: only some ranks found a GPU" >&2; exit 1; fi
-echo "run_nccl_ranks.sh: all $n ranks succeeded"
+if ((skipped == n)); then echo "launch-local.sh: no GPU, skipped"; exit 77; fi
+if ((skipped > 0)); then echo "launch-local.sh: only some ranks found a GPU" >&2; exit 1; fi
+echo "launch-local.sh: all $n ranks succeeded"

@@ -1,0 +1,15 @@
+#pragma once
+// Host widening to fp32: dst[i] = float(src[i]) (fp32 master weights from bf16 parameters).
+
+#include <cstddef>
+
+#include "fived/device/bf16.hpp"
+
+namespace fived::kernels::host {
+
+template <class T>
+void to_fp32(float* dst, const T* src, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+}  // namespace fived::kernels::host

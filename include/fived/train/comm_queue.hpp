@@ -1,0 +1,72 @@
+#pragma once
+// CommQueue<T, Device>: the communication side of a training step, where a trainer's
+// reductions and gathers run while the model's compute goes on.
+//
+//   CommQueue<T, Device> q(model.ops());
+//   grad_comm.set_compute_stream(q.stream());            // its collectives run on q's side
+//   auto t = q.submit([&](auto& ops) { ...ops.copy(...); grad_comm.reduce_scatter(...); }, true);
+//   q.wait(t);     // the model's next work sees that task's results (and every earlier one's)
+//   q.drain();     // ... every task's
+//
+// A task is a function of the Ops it must issue its kernels through: the communication
+// side's own (on CUDA they are queued on the side stream, so they wait for nothing the
+// compute stream does later).
+//
+//   Host: a Worker thread (util/worker.hpp). submit(task, true) queues the task there and
+//         returns at once; submit(task, false) runs it on the calling thread. wait and
+//         drain block the calling thread.
+//   Cuda: train/cuda/comm_queue.hpp (nvcc). A second stream: submit records an event on
+//         the compute stream, makes the side stream wait for it (the task sees every
+//         gradient computed so far), issues the task's kernels and collectives on the side
+//         stream and records a ticket event there; wait and drain make the COMPUTE STREAM
+//         wait for a ticket's event: the host never blocks, which is what lets backward's
+//         kernels queue up behind the reductions instead of waiting for them.
+// The results are the same either way; only when the work runs differs.
+
+#include <cstdint>
+#include <utility>
+
+#include "fived/comm/group_comm.hpp"
+#include "fived/device/buffer.hpp"
+#include "fived/nn/ops.hpp"
+#include "fived/util/worker.hpp"
+
+namespace fived {
+
+template <class T, class Device>
+class CommQueue;
+
+template <class T>
+class CommQueue<T, Host> {
+ public:
+  using ops_type = Ops<T, Host>;
+
+  explicit CommQueue(ops_type& /*compute*/) {}
+
+  ops_type& ops() { return ops_; }
+  StreamHandle stream() const { return nullptr; }  // no streams on the host
+
+  // Runs task(ops()) on the communication thread (async) or now; returns its ticket (0: done).
+  template <class F>
+  std::uint64_t submit(F&& task, bool async) {
+    if (!async) {
+      task(ops_);
+      return 0;
+    }
+    return worker_.submit([this, task = std::forward<F>(task)]() mutable { task(ops_); });
+  }
+  void wait(std::uint64_t ticket) {
+    if (ticket != 0) worker_.wait(ticket);
+  }
+  void drain() { worker_.drain(); }
+
+ private:
+  ops_type ops_;   // kernels of the communication thread (stateless but for the norm sum, unused here)
+  Worker worker_;  // last: it stops first
+};
+
+}  // namespace fived
+
+#if defined(__CUDACC__)
+#include "fived/train/cuda/comm_queue.hpp"
+#endif
