@@ -1,12 +1,15 @@
 // One GPT-2 124M training step on one GPU: forward, backward, gradient clipping (global
-// norm 1) and AdamW (fp32 master weights, kernels::cuda::adamw_update), bf16 parameters and
-// activations. The counterpart of bench/train_step_pytorch.py (same shape, same steps):
+// norm 1) and AdamW (fp32 master weights), bf16 parameters and activations: the library's
+// one training step, DataParallel<GPT<..., Mesh<>, bf16, Cuda>> (no collective at DP 1). The
+// counterpart of bench/train_step_pytorch.py (same shape, same steps):
 //
 //   bench/train_step [--batch 8] [--seq 1024] [--steps 20] [--warmup 5] [--peak-tflops 989.4]
 //
 // Every step runs on the model's stream; its time is measured with CUDA events around the
 // step (so host launch gaps count, as in PyTorch's synchronised wall clock), and the median
-// over --steps timed steps (after --warmup) is reported with tokens/s and MFU:
+// over --steps timed steps (after --warmup) is reported with tokens/s and MFU. The step
+// waits for the device twice, where the host reads a value: the loss, and the gradient
+// norm for the clip (PyTorch's clip_grad_norm_ keeps the norm on the device).
 //
 //   FLOPs per token = 6 * P + 12 * L * C * T
 //     P = parameters in the buffer (124,475,904: wte with the vocabulary padded to 50304,
@@ -29,6 +32,7 @@
 
 #include <fived/nn/cuda/ops.hpp>
 #include <fived/nn/gpt.hpp>
+#include <fived/train/data_parallel.hpp>
 
 namespace {
 
@@ -92,14 +96,9 @@ int main(int argc, char** argv) {
     auto& ops = model.ops();
     const std::size_t n = Model::num_params;
 
-    // fp32 master weights from the bf16 parameters; Adam moments
-    fived::Buffer<float, fived::Cuda> master, m(n), v(n);
-    {
-      const std::vector<fived::bf16> p = model.params_to_host();
-      const std::vector<float> f(p.begin(), p.end());
-      master = fived::Buffer<float, fived::Cuda>(std::span<const float>(f), ops.stream());
-    }
-    FIVED_CUDA_CHECK(cudaDeviceSynchronize());  // Buffer's zero-fill runs on the legacy stream
+    fived::DataParallel<Model> trainer(
+        model, fived::AdamWConfig{.lr = 6e-4f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f,
+                                  .max_norm = 1.0f});
 
     // a fixed random batch of real token ids (LCG; the values do not matter for speed)
     std::vector<int> tok(static_cast<std::size_t>(B) * T), tgt(tok.size());
@@ -111,21 +110,8 @@ int main(int argc, char** argv) {
       tgt[i] = static_cast<int>((s >> 33) % Model::V);
     }
 
-    fived::Buffer<float, fived::Cuda> sumsq(1);
-    int step_no = 0;
-    auto step = [&] {
-      ++step_no;
-      model.zero_grad();
-      model.enqueue_forward(tok.data(), tgt.data(), B, T);  // does not wait for the loss
-      model.backward();
-      // global-norm clip on the device, no host round trip (AdamW with the clip on CUDA is
-      // the CUDA/NCCL issue's; until then the benchmark calls the kernels itself)
-      FIVED_CUDA_CHECK(cudaMemsetAsync(sumsq.data(), 0, sizeof(float), ops.stream()));
-      fived::kernels::cuda::sum_of_squares(ops.stream(), sumsq.data(), model.grads().data(), n);
-      fived::kernels::cuda::clip_scale(ops.stream(), model.grads().data(), n, sumsq.data(), 1.0f);
-      ops.adamw_update(model.params().data(), master.data(), model.grads().data(), m.data(), v.data(), n, 6e-4f, 0.9f,
-                       0.95f, 1e-8f, 0.1f, step_no);
-    };
+    double loss = 0;
+    auto step = [&] { loss = trainer.step(tok, tgt, B, T); };  // forward, backward, clip, AdamW
 
     for (int i = 0; i < opt.warmup; ++i) step();
     ops.synchronize();
@@ -137,7 +123,6 @@ int main(int argc, char** argv) {
       stop.record(ops.stream());
       ms.push_back(static_cast<double>(fived::cuda::Event::elapsed_ms(start, stop)));
     }
-    const double loss = model.loss();  // the last step's (before its update)
     std::sort(ms.begin(), ms.end());
     const std::size_t k = ms.size();
     const double median_ms = k % 2 ? ms[k / 2] : 0.5 * (ms[k / 2 - 1] + ms[k / 2]);

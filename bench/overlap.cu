@@ -1,0 +1,159 @@
+// Data-parallel step time with the gradient reductions overlapped with backward, issued
+// after it, and with no communication at all, on GPUs over NCCL:
+//
+//   scripts/launch-local.sh 2 build/bench/overlap [--batch 8] [--seq 1024] [--steps 10] [--warmup 3] [--zero 1]
+//
+// Each rank trains GPT-2 124M in bf16 (fp32 masters, AdamW, clip 1.0) with
+// DataParallel<GPT<gpt2_124m, Mesh<DP<2>>, bf16, Cuda>, NoZeRO or ZeRO<1>> on B / 2 rows of a
+// global batch of B. Rows of the table (median wall-clock ms of a step over --steps, after
+// --warmup; every rank waits for the loss at the end of a step, so wall clock is step time):
+//   no communication   rank 0 alone: the serial model on the same B / 2 rows (no collective)
+//   DP 2, after        the reductions issued once backward has finished
+//   DP 2, overlapped   each unit's reductions issued on the side stream as backward finishes it
+// The difference between the last two is what overlap hides; against the first, what
+// communication still costs. Several ranks on ONE GPU share its SMs and talk over loopback
+// sockets (NCCL_HOSTID per rank, see scripts/launch-local.sh): such numbers show whether the
+// overlap works, not what a real DP 2 costs.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <fived/comm/nccl.hpp>
+#include <fived/comm/nccl_bootstrap.hpp>
+#include <fived/mesh/context.hpp>
+#include <fived/nn/cuda/ops.hpp>
+#include <fived/nn/gpt.hpp>
+#include <fived/train/data_parallel.hpp>
+
+namespace {
+
+struct gpt2_124m : fived::gpt_config {};
+using DpMesh = fived::Mesh<fived::DP<2>>;
+using Model = fived::GPT<gpt2_124m, DpMesh, fived::bf16, fived::Cuda>;
+using Serial = fived::GPT<gpt2_124m, fived::Mesh<>, fived::bf16, fived::Cuda>;
+
+struct Options {
+  int batch = 8, seq = 1024, steps = 10, warmup = 3, zero = 1;
+};
+
+[[noreturn]] void usage(const std::string& msg) {
+  std::fprintf(stderr,
+               "%s\nusage: scripts/launch-local.sh 2 overlap [--batch B (8, even)] [--seq T (1024)] [--steps N (10)] "
+               "[--warmup W (3)] [--zero 0|1 (1)]\n",
+               msg.c_str());
+  std::exit(2);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage("missing value after " + std::string(a));
+      return argv[++i];
+    };
+    try {
+      if (a == "--batch") o.batch = std::stoi(value());
+      else if (a == "--seq") o.seq = std::stoi(value());
+      else if (a == "--steps") o.steps = std::stoi(value());
+      else if (a == "--warmup") o.warmup = std::stoi(value());
+      else if (a == "--zero") o.zero = std::stoi(value());
+      else usage("unknown argument " + std::string(a));
+    } catch (const std::logic_error&) {
+      usage("bad number after " + std::string(a));
+    }
+  }
+  if (o.batch < 2 || o.batch % 2 != 0 || o.seq < 1 || o.seq > gpt2_124m::max_seq || o.steps < 1 || o.warmup < 0 ||
+      (o.zero != 0 && o.zero != 1))
+    usage("need an even --batch >= 2, 1 <= --seq <= 1024, --steps >= 1, --warmup >= 0, --zero 0 or 1");
+  return o;
+}
+
+const fived::AdamWConfig hp{.lr = 6e-4f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f,
+                            .max_norm = 1.0f};
+
+// Median wall-clock milliseconds of `step` over opt.steps calls, after opt.warmup.
+template <class Step>
+double median_ms(const Options& opt, Step step) {
+  for (int i = 0; i < opt.warmup; ++i) step();
+  std::vector<double> ms;
+  for (int i = 0; i < opt.steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    step();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+template <class Policy>
+void dp_rows(const Options& opt, fived::MeshContext<DpMesh, fived::nccl::Comm>& ctx, const std::vector<int>& tok,
+             const std::vector<int>& tgt, double& after, double& overlapped) {
+  Model model(ctx, fived::GptInit{1337, 0.02});
+  fived::DataParallel<Model, Policy> dp(model, ctx, hp);
+  dp.set_overlap(false);
+  after = median_ms(opt, [&] { dp.step(tok, tgt, opt.batch, opt.seq); });
+  dp.set_overlap(true);
+  overlapped = median_ms(opt, [&] { dp.step(tok, tgt, opt.batch, opt.seq); });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options opt = parse(argc, argv);
+  if (fived::cuda::device_count() == 0) {
+    std::fprintf(stderr, "overlap: no CUDA device\n");
+    return 1;
+  }
+  try {
+    auto ctx = fived::make_mesh_context<DpMesh>(fived::nccl::init_world());
+    const bool printer = ctx.rank() == 0;
+    std::vector<int> tok(static_cast<std::size_t>(opt.batch) * opt.seq), tgt(tok.size());
+    for (std::size_t i = 0; i < tok.size(); ++i) {
+      tok[i] = static_cast<int>((i * 2654435761u) % Model::V);
+      tgt[i] = static_cast<int>((i * 40503u + 7) % Model::V);
+    }
+
+    double alone = 0;
+    if (printer) {  // the same per-rank work with no collective
+      Serial serial(fived::GptInit{1337, 0.02});
+      fived::DataParallel<Serial> one(serial, hp);
+      const std::size_t half = tok.size() / 2;
+      const std::vector<int> t0(tok.begin(), tok.begin() + static_cast<std::ptrdiff_t>(half)),
+          g0(tgt.begin(), tgt.begin() + static_cast<std::ptrdiff_t>(half));
+      alone = median_ms(opt, [&] { one.step(t0, g0, opt.batch / 2, opt.seq); });
+    }
+    ctx.world().barrier();
+
+    double after = 0, overlapped = 0;
+    if (opt.zero == 0) dp_rows<fived::NoZeRO>(opt, ctx, tok, tgt, after, overlapped);
+    else dp_rows<fived::ZeRO<1>>(opt, ctx, tok, tgt, after, overlapped);
+
+    if (printer) {
+      cudaDeviceProp prop{};
+      int dev = 0;
+      FIVED_CUDA_CHECK(cudaGetDevice(&dev));
+      FIVED_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+      std::printf("device: %s  fived bench/overlap  GPT-2 124M bf16, global batch %d x %d, %s, %d ranks\n", prop.name,
+                  opt.batch, opt.seq, opt.zero ? "ZeRO-1" : "no ZeRO", DpMesh::size);
+      std::printf("%-22s %10s %12s\n", "step", "ms/step", "tokens/s");
+      auto row = [&](const char* name, double ms, double tokens) {
+        std::printf("%-22s %10.1f %12.0f\n", name, ms, tokens / (ms * 1e-3));
+      };
+      const double global = static_cast<double>(opt.batch) * opt.seq;
+      row("no communication", alone, global / 2);
+      row("DP 2, after backward", after, global);
+      row("DP 2, overlapped", overlapped, global);
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "overlap: %s\n", e.what());
+    return 1;
+  }
+}
