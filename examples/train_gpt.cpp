@@ -442,6 +442,11 @@ int main(int argc, char** argv) {
     if (fived::launch_env().world_size > 1) return train_mesh<fived::Cuda>(opt, data, split, gpu + ", NCCL");
     return train<fived::Cuda>(opt, data, split, gpu + ", one rank");
   }
+  if (const int world = fived::launch_env().world_size; world > 1)
+    usage(("launched as " + std::to_string(world) + " processes, but " +
+           (opt.host ? std::string("--host was given") : std::string("there is no CUDA device")) +
+           ": the host backend runs the mesh's ranks as threads of one process; start train_gpt_cuda once")
+              .c_str());
   const std::string backend = opt.host ? "host backend (--host)" : "host backend (no CUDA device)";
 #else
   const std::string backend = "host backend";
