@@ -26,6 +26,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <random>
 #include <span>
 #include <string>
@@ -71,12 +72,11 @@ void global_batch(int step, int n, std::vector<int>& tok, std::vector<int>& tgt)
 
 using Serial = GPT<cfg>;  // the serial layout every comparison is made in
 
-// The launch's world, joined once per process; each mesh gets a copy of it (a split), so
-// one process can build several contexts.
-nccl::Comm& world() {
-  static nccl::Comm w = nccl::init_world();
-  return w;
-}
+// The launch's world, joined once per process in main (and destroyed before main returns,
+// while CUDA is still up); each mesh gets a copy of it (a split), so one process can build
+// several contexts.
+nccl::Comm* the_world = nullptr;
+nccl::Comm& world() { return *the_world; }
 
 template <class A, class B_>
 double tensor_l2_error(const std::vector<A>& got, const std::vector<B_>& ref, const ParamInfo& t) {
@@ -172,7 +172,14 @@ int main(int argc, char** argv) {
     std::puts("test_mesh_cuda: no CUDA device, skipping");
     return test::skip_code;
   }
-  doctest::Context ctx;
-  ctx.applyCommandLine(argc, argv);
-  return ctx.run();
+  try {
+    nccl::Comm w = nccl::init_world();
+    the_world = &w;
+    doctest::Context ctx;
+    ctx.applyCommandLine(argc, argv);
+    return ctx.run();
+  } catch (const std::exception& e) {
+    std::printf("test_mesh_cuda: %s\n", e.what());
+    return 1;
+  }
 }

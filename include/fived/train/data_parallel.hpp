@@ -203,6 +203,7 @@ class DataParallel {
       reduced_[static_cast<std::size_t>(u)] = false;
       reduce_unit(u, false);
     }
+    queue_.drain();  // on a device the reductions were queued on the communication side
     return optimizer_step();
   }
 
