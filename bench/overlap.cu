@@ -31,6 +31,8 @@
 #include <fived/nn/gpt.hpp>
 #include <fived/train/data_parallel.hpp>
 
+#include "cli.hpp"
+
 namespace {
 
 struct gpt2_124m : fived::gpt_config {};
@@ -52,23 +54,15 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage("missing value after " + std::string(a));
-      return argv[++i];
-    };
-    try {
-      if (a == "--batch") o.batch = std::stoi(value());
-      else if (a == "--seq") o.seq = std::stoi(value());
-      else if (a == "--steps") o.steps = std::stoi(value());
-      else if (a == "--warmup") o.warmup = std::stoi(value());
-      else if (a == "--zero") o.zero = std::stoi(value());
-      else usage("unknown argument " + std::string(a));
-    } catch (const std::logic_error&) {
-      usage("bad number after " + std::string(a));
-    }
-  }
+  bench::parse_options(argc, argv, usage, [&](std::string_view a, auto value) {
+    if (a == "--batch") o.batch = std::stoi(value());
+    else if (a == "--seq") o.seq = std::stoi(value());
+    else if (a == "--steps") o.steps = std::stoi(value());
+    else if (a == "--warmup") o.warmup = std::stoi(value());
+    else if (a == "--zero") o.zero = std::stoi(value());
+    else return false;
+    return true;
+  });
   if (o.batch < 2 || o.batch % 2 != 0 || o.seq < 1 || o.seq > gpt2_124m::max_seq || o.steps < 1 || o.warmup < 0 ||
       (o.zero != 0 && o.zero != 1))
     usage("need an even --batch >= 2, 1 <= --seq <= 1024, --steps >= 1, --warmup >= 0, --zero 0 or 1");

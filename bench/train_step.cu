@@ -34,6 +34,8 @@
 #include <fived/nn/gpt.hpp>
 #include <fived/train/data_parallel.hpp>
 
+#include "cli.hpp"
+
 namespace {
 
 struct gpt2_124m : fived::gpt_config {};  // 12 layers, d_model 768, 12 heads, vocab 50257 (50304 padded), T <= 1024
@@ -54,24 +56,16 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage("missing value after " + std::string(a));
-      return argv[++i];
-    };
-    try {
-      if (a == "--batch") o.batch = std::stoi(value());
-      else if (a == "--seq") o.seq = std::stoi(value());
-      else if (a == "--steps") o.steps = std::stoi(value());
-      else if (a == "--warmup") o.warmup = std::stoi(value());
-      else if (a == "--peak-tflops") o.peak_tflops = std::stod(value());
-      else if (a == "-h" || a == "--help") usage("One GPT-2 124M training step (bf16, AdamW) on one GPU.");
-      else usage("unknown argument " + std::string(a));
-    } catch (const std::logic_error&) {
-      usage("bad number after " + std::string(a));
-    }
-  }
+  bench::parse_options(argc, argv, usage, [&](std::string_view a, auto value) {
+    if (a == "--batch") o.batch = std::stoi(value());
+    else if (a == "--seq") o.seq = std::stoi(value());
+    else if (a == "--steps") o.steps = std::stoi(value());
+    else if (a == "--warmup") o.warmup = std::stoi(value());
+    else if (a == "--peak-tflops") o.peak_tflops = std::stod(value());
+    else if (a == "-h" || a == "--help") usage("One GPT-2 124M training step (bf16, AdamW) on one GPU.");
+    else return false;
+    return true;
+  });
   if (o.batch < 1 || o.seq < 1 || o.seq > gpt2_124m::max_seq || o.steps < 1 || o.warmup < 0 || !(o.peak_tflops > 0))
     usage("need --batch >= 1, 1 <= --seq <= 1024, --steps >= 1, --warmup >= 0, --peak-tflops > 0");
   return o;
