@@ -572,3 +572,74 @@ TEST_CASE("GPT<cfg, Mesh<>> reproduces the recorded serial model bit for bit: lo
   reproduces<rec_tiny, bf16>(recorded[2]);
   reproduces<rec_tiny, double>(recorded[3]);
 }
+
+// ---- parts: the layers of a pipeline stage ---------------------------------------------------
+
+namespace {
+struct four_untied : small {
+  static constexpr int layers = 4;
+  static constexpr bool tied = false;
+};
+template <class Part>
+using PartOf = GPT<four_untied, Mesh<>, float, Host, NoSequenceParallel, Part>;
+using Head0 = PartOf<Layers<0, 1>>;  // the embedding and block 0
+using Mid = PartOf<Layers<1, 2>>;    // blocks 1 and 2
+using Tail = PartOf<Layers<3, 1>>;   // block 3, ln_f and the head
+static_assert(Head0::has_embedding && !Head0::has_head && Head0::layout::units == 2);
+static_assert(!Mid::has_embedding && !Mid::has_head && Mid::layout::units == 2 && Mid::layout::count == 24);
+static_assert(!Tail::has_embedding && Tail::has_head && Tail::layout::units == 2 && Tail::layout::count == 15);
+static_assert(Head0::layout::size + Mid::layout::size + Tail::layout::size == GPT<four_untied>::layout::size);
+static_assert(std::is_same_v<GPT<four_untied, Mesh<>, float, Host, NoSequenceParallel, Layers<0, 4>>::layout,
+                             ParamTable<GptSpecs<four_untied, Layers<0, 4>>, 1>> &&
+              GPT<four_untied, Mesh<>, float, Host, NoSequenceParallel, Layers<0, 4>>::layout::size ==
+                  GPT<four_untied>::layout::size);
+
+// Every tensor of a part equals the whole model's tensor of the same name.
+template <class PartModel, class Whole>
+void same_tensors(PartModel& part, Whole& whole, bool grads) {
+  for (const ParamInfo& t : PartModel::layout::tensors) {
+    CAPTURE(t.name());
+    const auto a = grads ? part.grad(t.name()) : part.param(t.name());
+    const auto b = grads ? whole.grad(t.name()) : whole.param(t.name());
+    REQUIRE(a.size() == b.size());
+    CHECK(std::equal(a.data.begin(), a.data.end(), b.data.begin()));
+  }
+}
+}  // namespace
+
+TEST_CASE("parts chained by hand are the whole model, bit for bit: initial weights, loss, every gradient") {
+  constexpr int b = 2, t = 16;
+  std::vector<int> tok, tgt;
+  batch(tok, tgt, b, t, four_untied::vocab);
+  const GptInit init{3, 0.05};
+  GPT<four_untied> whole(init);
+  Head0 p0(init);
+  Mid p1(init);
+  Tail p2(init);
+  same_tensors(p0, whole, false);
+  same_tensors(p1, whole, false);
+  same_tensors(p2, whole, false);
+
+  const float loss = whole.forward(tok.data(), tgt.data(), b, t);
+  whole.backward();
+
+  const std::size_t n = Mid::boundary_size(b, t);
+  auto hand_over = [n](const float* from, float* to) { std::copy_n(from, n, to); };
+  p0.enqueue_forward(tok.data(), tgt.data(), b, t);
+  hand_over(p0.output(0), p1.input(0, b, t));
+  p1.enqueue_forward(tok.data(), tgt.data(), b, t);
+  hand_over(p1.output(0), p2.input(0, b, t));
+  const float part_loss = p2.forward(tok.data(), tgt.data(), b, t);
+  CHECK(p0.loss() == 0.0);  // only the part with the head has a loss
+  CHECK(part_loss == loss);
+
+  p2.backward();
+  hand_over(p2.input_grad(), p1.output_grad(b, t));
+  p1.backward();
+  hand_over(p1.input_grad(), p0.output_grad(b, t));
+  p0.backward();
+  same_tensors(p0, whole, true);
+  same_tensors(p1, whole, true);
+  same_tensors(p2, whole, true);
+  CHECK_THROWS_WITH_AS(p1.backward(), "GPT::backward: call forward first (once per backward)", std::logic_error);
+}

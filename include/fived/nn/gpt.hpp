@@ -77,32 +77,65 @@
 
 namespace fived {
 
-// The parameter table of a GPT: the embedding (unit 0), each block (unit 1 + l: ln_1,
-// attention, ln_2, MLP), ln_f and an untied head (unit L + 1). Random streams follow the
-// order GPT-2 has always had here: (layer + 1) * 64 + position in a block.
+// Which layers one model object holds: blocks [First, First + Count) of the configuration,
+// with the embedding when First == 0 and ln_f, the head and the loss when the part ends at
+// the last block. A pipeline stage (or model chunk) is a part; the serial and TP models hold
+// the whole model (AllLayers).
+template <int First, int Count>
+struct Layers {
+  static constexpr int first = First, count = Count;
+};
+struct AllLayers {};
+
+template <class Cfg, class Part>
+struct part_layers {
+  using type = Part;
+};
 template <class Cfg>
+struct part_layers<Cfg, AllLayers> {
+  using type = Layers<0, Cfg::layers>;
+};
+
+// The parameter table of a GPT (or of a part of one): the embedding (unit 0), each block
+// (ln_1, attention, ln_2, MLP: a unit each), ln_f and an untied head (the last unit); a
+// part's units count from 0 over what it holds. Random streams follow the order GPT-2 has
+// always had here, (layer + 1) * 64 + position in a block, so a part starts with exactly
+// the values its tensors have in the whole model.
+template <class Cfg, class Part = AllLayers>
 struct GptSpecs {
   using dims = gpt_dims<Cfg>;
-  static constexpr int layers = dims::layers;
+  using part = typename part_layers<Cfg, Part>::type;
+  static constexpr int layers = dims::layers;  // the whole model's (residual init)
+  static constexpr int first = part::first, blocks = part::count;
+  static constexpr bool has_embedding = first == 0, has_head = first + blocks == layers;
+  static_assert(first >= 0 && blocks >= 0 && first + blocks <= layers,
+                "GPT Layers<First, Count>: the part must lie inside the configuration's layers");
+  static_assert(has_embedding || has_head || blocks > 0, "GPT Layers<First, Count>: a part must hold something");
   static constexpr int per_block = 12;
-  static constexpr int count = 2 + per_block * layers + 2 + (dims::tied ? 0 : 1);
+  static constexpr int count =
+      (has_embedding ? 2 : 0) + per_block * blocks + (has_head ? 2 + (dims::tied ? 0 : 1) : 0);
+  static constexpr int block_unit(int local) { return (has_embedding ? 1 : 0) + local; }
+  static constexpr int final_unit = block_unit(blocks);  // ln_f and head
   static constexpr std::array<TensorSpec, count> specs = [] {
-    constexpr int L = dims::layers, C = dims::d_model, F = dims::d_ff, V = dims::vocab, Vp = dims::padded_vocab;
+    constexpr int C = dims::d_model, F = dims::d_ff, V = dims::vocab, Vp = dims::padded_vocab;
     std::array<TensorSpec, count> t{};
     std::size_t i = 0;
     auto put = [&](const auto& part) {
       for (const TensorSpec& s : part) t[i++] = s;
     };
-    put(embedding_specs(V, Vp, C, dims::max_seq));
-    for (int l = 0; l < L; ++l) {
+    if constexpr (has_embedding) put(embedding_specs(V, Vp, C, dims::max_seq));
+    for (int k = 0; k < blocks; ++k) {
+      const int l = first + k;
       const std::uint64_t base = static_cast<std::uint64_t>(l + 1) * 64;
-      put(layernorm_specs("ln_1.weight", "ln_1.bias", l, 1 + l, C, base + 2));
-      put(attention_specs(l, 1 + l, C, base + 4));
-      put(layernorm_specs("ln_2.weight", "ln_2.bias", l, 1 + l, C, base + 8));
-      put(mlp_specs(l, 1 + l, C, F, base + 10));
+      put(layernorm_specs("ln_1.weight", "ln_1.bias", l, block_unit(k), C, base + 2));
+      put(attention_specs(l, block_unit(k), C, base + 4));
+      put(layernorm_specs("ln_2.weight", "ln_2.bias", l, block_unit(k), C, base + 8));
+      put(mlp_specs(l, block_unit(k), C, F, base + 10));
     }
-    put(layernorm_specs("ln_f.weight", "ln_f.bias", -1, L + 1, C, 14));
-    if constexpr (!dims::tied) put(head_specs(V, Vp, C, L + 1));
+    if constexpr (has_head) {
+      put(layernorm_specs("ln_f.weight", "ln_f.bias", -1, final_unit, C, 14));
+      if constexpr (!dims::tied) put(head_specs(V, Vp, C, final_unit));
+    }
     return t;
   }();
 };
@@ -122,7 +155,8 @@ struct TensorView {
   T& operator()(std::int64_t r, std::int64_t c) const { return data[static_cast<std::size_t>(r * info->cols + c)]; }
 };
 
-template <class Cfg, MeshType M = Mesh<>, class T = float, class Device = Host, class SP = NoSequenceParallel>
+template <class Cfg, MeshType M = Mesh<>, class T = float, class Device = Host, class SP = NoSequenceParallel,
+          class Part = AllLayers>
 class GPT {
   static_assert(std::is_same_v<Device, Host> || std::is_same_v<Device, Cuda>,
                 "GPT<Cfg, M, T, Device>: the device must be fived::Host or fived::Cuda");
@@ -130,8 +164,10 @@ class GPT {
                 "GPT<Cfg, M, T>: the element type must be float, double (gradient checks) or fived::bf16");
   static_assert(!(std::is_same_v<Device, Cuda> && std::is_same_v<T, double>),
                 "GPT<Cfg, M, double, Cuda>: double is for host gradient checks; on Cuda use float or fived::bf16");
-  static_assert(M::cp == 1 && M::pp == 1,
-                "GPT: context and pipeline parallelism are not built yet; use a mesh of DP and TP (and EP views)");
+  static_assert(M::cp == 1, "GPT: context parallelism is not built yet; use a mesh of DP, PP and TP (and EP views)");
+  static_assert(M::pp == 1 || !std::is_same_v<Part, AllLayers>,
+                "GPT on a mesh with PP > 1: each rank holds one stage's layers, not the whole model; give the model "
+                "its part as the last template argument, Layers<first, count>");
 
  public:
   using config = Cfg;
@@ -144,9 +180,17 @@ class GPT {
   using stat_t = typename ops_type::stat_t;
   using step_type = Step<M, T, Device, SP>;
   static constexpr int tp = M::extent(Axis::tp);
-  using layout = ParamTable<GptSpecs<Cfg>, tp>;  // this rank's flat buffers
-  using serial_layout = typename layout::serial;  // the whole model's (files, gathers)
+  using specs = GptSpecs<Cfg, Part>;
+  using layout = ParamTable<specs, tp>;           // this rank's flat buffers
+  using serial_layout = typename layout::serial;  // the same tensors whole, at TP 1 (files, gathers)
   static constexpr bool on_host = std::is_same_v<Device, Host>;
+  // The part this object holds: blocks [first_layer, first_layer + blocks); the embedding
+  // and the head (with the loss) when it starts or ends the model.
+  static constexpr int first_layer = specs::first, blocks = specs::blocks;
+  static constexpr bool has_embedding = specs::has_embedding, has_head = specs::has_head;
+  static_assert(!(dims::tied && has_head && !has_embedding),
+                "GPT: a tied head reads wte, which this part does not hold (the embedding is on another pipeline "
+                "stage); use an untied configuration (tied = false) with pipeline parallelism");
 
   static constexpr int L = dims::layers, C = dims::d_model, NH = dims::heads, V = dims::vocab;
   static constexpr int Vp = dims::padded_vocab, F = dims::d_ff, max_seq = dims::max_seq;
@@ -234,12 +278,14 @@ class GPT {
     a.loss = 0;
     step_type s = step(a);
 
-    detail::call(hooks.before_forward, 0);
-    Embedding<step_type>::forward(s, a.encoded.data(), a.tokens.data(), P(0), P(1), Vp, C, work_.partial.data());
-    detail::call(hooks.after_forward, 0);
+    if constexpr (has_embedding) {
+      detail::call(hooks.before_forward, 0);
+      Embedding<step_type>::forward(s, a.encoded.data(), a.tokens.data(), P(0), P(1), Vp, C, work_.partial.data());
+      detail::call(hooks.after_forward, 0);
+    }  // else the previous stage's output was received into input(slot)
     const T* x = a.encoded.data();
-    for (int l = 0; l < L; ++l) {
-      detail::call(hooks.before_forward, 1 + l);
+    for (int l = 0; l < blocks; ++l) {
+      detail::call(hooks.before_forward, specs::block_unit(l));
       BlockActs& A = a.blocks[static_cast<std::size_t>(l)];
       const int t = block_first(l);
       Norm::forward(s, A.ln1, x, P(t), P(t + 1), C);
@@ -249,18 +295,24 @@ class GPT {
       Mlp::forward(s, A.mlp, work_.out.data(), A.ln2.out.data(), mlp_params(params_, t + 8), C, F, work_.partial.data());
       ops_.residual_forward(A.res3.data(), A.res2.data(), work_.out.data(), stream_size(s));
       x = A.res3.data();
-      detail::call(hooks.after_forward, 1 + l);
+      detail::call(hooks.after_forward, specs::block_unit(l));
     }
-    detail::call(hooks.before_forward, L + 1);
-    if constexpr (dims::tied) detail::call(hooks.before_forward, 0);  // the head is wte
-    Norm::forward(s, a.lnf, x, P(ln_f_index), P(ln_f_index + 1), C);
-    HeadL::forward(s, a.head, a.lnf.out.data(), P(head_index), Vp, C);
-    if constexpr (dims::tied) detail::call(hooks.after_forward, 0);
-    detail::call(hooks.after_forward, L + 1);
-    if (targets == nullptr) return;
-    HeadL::loss(s, a.head, a.targets.data(), V, Vp);
-    a.loss_pending = a.has_dlogits = true;
-    if constexpr (on_host) loss(slot);
+    if constexpr (!has_head) {  // the stream goes on to the next stage: output(slot)
+      a.output = x;
+      a.has_dlogits = true;
+      return;
+    } else {
+      detail::call(hooks.before_forward, specs::final_unit);
+      if constexpr (dims::tied) detail::call(hooks.before_forward, 0);  // the head is wte
+      Norm::forward(s, a.lnf, x, P(ln_f_index), P(ln_f_index + 1), C);
+      HeadL::forward(s, a.head, a.lnf.out.data(), P(head_index), Vp, C);
+      if constexpr (dims::tied) detail::call(hooks.after_forward, 0);
+      detail::call(hooks.after_forward, specs::final_unit);
+      if (targets == nullptr) return;
+      HeadL::loss(s, a.head, a.targets.data(), V, Vp);
+      a.loss_pending = a.has_dlogits = true;
+      if constexpr (on_host) loss(slot);
+    }
   }
 
   // The mean loss of the slot's last forward with targets (the same on every TP rank), in
@@ -281,24 +333,28 @@ class GPT {
   void backward(const UnitHooks& hooks = {}, int slot = 0) {
     Slot& a = slot_at(slot);
     if (!a.has_dlogits)
-      throw std::logic_error("GPT::backward: call forward(tokens, targets, B, T) with targets first (once per backward)");
+      throw std::logic_error(has_head ? "GPT::backward: call forward(tokens, targets, B, T) with targets first (once "
+                                        "per backward)"
+                                      : "GPT::backward: call forward first (once per backward)");
     a.has_dlogits = false;
     step_type s = step(a);
     T* dres = work_.dres.data();
     T* dln = work_.dln.data();
     T* full = work_.partial.data();  // SP: [N, C] for gathered rows and partial sums
 
-    detail::call(hooks.before_backward, L + 1);
-    if constexpr (dims::tied) detail::call(hooks.before_backward, 0);  // the head is wte
-    HeadL::backward(s, dln, G(head_index), a.head, a.lnf.out.data(), P(head_index), Vp, C, full);
-    ops_.zero(work_.dres);
-    const T* x_last = L > 0 ? a.blocks[static_cast<std::size_t>(L - 1)].res3.data() : a.encoded.data();
-    Norm::backward(s, dres, G(ln_f_index), G(ln_f_index + 1), dln, x_last, P(ln_f_index), a.lnf, C);
-    finish_unit(L + 1);
-    detail::call(hooks.after_backward, L + 1);
+    if constexpr (has_head) {
+      detail::call(hooks.before_backward, specs::final_unit);
+      if constexpr (dims::tied) detail::call(hooks.before_backward, 0);  // the head is wte
+      HeadL::backward(s, dln, G(head_index), a.head, a.lnf.out.data(), P(head_index), Vp, C, full);
+      ops_.zero(work_.dres);
+      const T* x_last = blocks > 0 ? a.blocks[static_cast<std::size_t>(blocks - 1)].res3.data() : a.encoded.data();
+      Norm::backward(s, dres, G(ln_f_index), G(ln_f_index + 1), dln, x_last, P(ln_f_index), a.lnf, C);
+      finish_unit(specs::final_unit);
+      detail::call(hooks.after_backward, specs::final_unit);
+    }  // else dres holds d(output), received into output_grad()
 
-    for (int l = L - 1; l >= 0; --l) {
-      detail::call(hooks.before_backward, 1 + l);
+    for (int l = blocks - 1; l >= 0; --l) {
+      detail::call(hooks.before_backward, specs::block_unit(l));
       BlockActs& A = a.blocks[static_cast<std::size_t>(l)];
       const int t = block_first(l);
       const T* x = l == 0 ? a.encoded.data() : a.blocks[static_cast<std::size_t>(l - 1)].res3.data();
@@ -310,17 +366,43 @@ class GPT {
       Attn::backward(s, dln, attn_params(grads_, t + 2), dres, A.ln1.out.data(), A.attn, attn_params(params_, t + 2),
                      C, work_.dhidden.data(), work_.dqkv.data(), full);
       Norm::backward(s, dres, G(t), G(t + 1), dln, x, P(t), A.ln1, C);
-      finish_unit(1 + l);
-      detail::call(hooks.after_backward, 1 + l);
+      finish_unit(specs::block_unit(l));
+      detail::call(hooks.after_backward, specs::block_unit(l));
     }
-    detail::call(hooks.before_backward, 0);
-    Embedding<step_type>::backward(s, G(0), G(1), dres, a.tokens.data(), Vp, C, full);
-    detail::call(hooks.after_backward, 0);  // wte (which a tied head also wrote) and wpe
+    if constexpr (has_embedding) {
+      detail::call(hooks.before_backward, 0);
+      Embedding<step_type>::backward(s, G(0), G(1), dres, a.tokens.data(), Vp, C, full);
+      detail::call(hooks.after_backward, 0);  // wte (which a tied head also wrote) and wpe
+    }  // else dres holds d(input): input_grad()
   }
+
+  // ---- a pipeline stage's boundary (nn/gpt.hpp parts: Layers<first, count>) -----------------
+  // The stream crossing between stages is this rank's rows of it, [n, C] (n = B*T, or B*T/TP
+  // under sequence parallelism: boundary_size).
+
+  static std::size_t boundary_size(int B, int T_) {
+    const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_);
+    return (step_type::sp ? N / tp : N) * static_cast<std::size_t>(C);
+  }
+  // Where the previous stage's output goes before enqueue_forward(..., slot) (sized for B x T).
+  T* input(int slot, int B, int T_) requires(!has_embedding) {
+    Slot& a = slot_at(slot);
+    reserve(a, B, T_);
+    return a.encoded.data();
+  }
+  // The stream this part hands on, after enqueue_forward(..., slot).
+  const T* output(int slot) const requires(!has_head) { return slots_.at(static_cast<std::size_t>(slot)).output; }
+  // Where the next stage's d(output) goes before backward(slot). Shared by the slots.
+  T* output_grad(int B, int T_) requires(!has_head) {
+    reserve_work(B, T_);
+    return work_.dres.data();
+  }
+  // d(input) after backward: what goes back to the previous stage (until the next backward).
+  const T* input_grad() const requires(!has_embedding) { return work_.dres.data(); }
 
   // This rank's logits [B*T, Vp/TP] (columns [tp_rank * Vp/TP, ...) of the padded
   // vocabulary) of the slot's last forward WITHOUT targets. Device memory on Cuda.
-  std::span<const T> logits(int slot = 0) const {
+  std::span<const T> logits(int slot = 0) const requires(has_head) {
     const Slot& a = slots_.at(static_cast<std::size_t>(slot));
     if (a.has_dlogits)
       throw std::logic_error("GPT::logits: the last forward had targets, its logits were replaced by d-logits");
@@ -357,6 +439,10 @@ class GPT {
   static std::string describe() {
     return std::to_string(L) + " layers, d_model " + std::to_string(C) + ", " + std::to_string(NH) + " heads, vocab " +
            std::to_string(V) + ", max_seq " + std::to_string(max_seq) + (dims::tied ? ", tied" : ", untied") +
+           (blocks != L ? ", the part with blocks " + std::to_string(first_layer) + ".." +
+                              std::to_string(first_layer + blocks - 1) + (has_embedding ? " and the embedding" : "") +
+                              (has_head ? " and the head" : "")
+                        : std::string()) +
            (tp > 1 ? ", over " + M::name() + (step_type::sp ? " with sequence parallelism" : "") : std::string());
   }
 
@@ -366,8 +452,8 @@ class GPT {
   using Mlp = MLP<step_type>;
   using HeadL = Head<step_type>;
 
-  static constexpr int block_first(int l) { return 2 + GptSpecs<Cfg>::per_block * l; }
-  static constexpr int ln_f_index = block_first(L);
+  static constexpr int block_first(int l) { return (has_embedding ? 2 : 0) + specs::per_block * l; }
+  static constexpr int ln_f_index = block_first(blocks);
   static constexpr int head_index = dims::tied ? 0 : ln_f_index + 2;
 
   struct BlockActs {
@@ -384,7 +470,8 @@ class GPT {
     typename Norm::Saved lnf;
     typename HeadL::Saved head;
     int B = 0, T_ = 0;
-    bool has_dlogits = false;
+    const T* output = nullptr;  // the stream leaving the part (parts without the head)
+    bool has_dlogits = false;   // forward done, backward may run (d-logits written, with a head)
     mutable bool loss_pending = false;  // the statistics of the last forward are not summed yet
     mutable double loss = 0;
   };
@@ -495,7 +582,7 @@ class GPT {
                                     std::to_string(ids[i]) + " is outside [0, vocab = " + std::to_string(V) + ")");
   }
 
-  void reserve(Slot& a, int B, int T_) {
+  void reserve_work(int B, int T_) {
     const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_);
     const std::size_t n = step_type::sp ? N / tp : N, c = C, f = F;
     if (N > work_.capacity) {
@@ -509,13 +596,18 @@ class GPT {
       if constexpr (step_type::sp) w.partial = make<T>(N * c);
       work_ = std::move(w);
     }
+  }
+  void reserve(Slot& a, int B, int T_) {
+    reserve_work(B, T_);
+    const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_);
+    const std::size_t n = step_type::sp ? N / tp : N, c = C, f = F;
     if (N <= a.capacity) return;
     Slot s;
     s.capacity = N;
     s.tokens = make<int>(N);
     s.targets = make<int>(N);
     s.encoded = make<T>(n * c);
-    s.blocks.resize(static_cast<std::size_t>(L));
+    s.blocks.resize(static_cast<std::size_t>(blocks));
     for (BlockActs& A : s.blocks) {
       A.ln1.reserve(ops_, n, c);
       A.attn.reserve(ops_, N, c);
@@ -524,8 +616,10 @@ class GPT {
       A.mlp.reserve(ops_, N, c, f);
       A.res3 = make<T>(n * c);
     }
-    s.lnf.reserve(ops_, n, c);
-    s.head.reserve(ops_, N, c, static_cast<std::size_t>(Vp));
+    if constexpr (has_head) {
+      s.lnf.reserve(ops_, n, c);
+      s.head.reserve(ops_, N, c, static_cast<std::size_t>(Vp));
+    }
     a = std::move(s);
   }
   template <class U>
