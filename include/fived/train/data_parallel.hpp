@@ -241,38 +241,99 @@ class DataParallel {
                                   std::to_string(want) + " ids (got " + std::to_string(tokens.size()) + " and " +
                                   std::to_string(targets.size()) + ")");
     const int b = static_cast<int>(mine.size());
-    async_ = overlap();
-    peak_ = held_;
-    if constexpr (stage < 2) model_.zero_grad();  // ZeRO-2/3: released gradient pages read as zeros
-    else model_.ops().zero(grad_pieces_);
+    begin_step();
     double loss = 0;
     for (int k = 0; k < accum_; ++k) {
-      reducing_ = stage >= 2 || k == accum_ - 1;  // NoZeRO, ZeRO-1: one reduction per step
-      std::fill(reduced_.begin(), reduced_.end(), false);
       const std::size_t off = (static_cast<std::size_t>(k) * static_cast<std::size_t>(B) + mine.begin) *
                               static_cast<std::size_t>(T_);
       // The loss is read after backward is queued: on a device the host then waits while
       // backward runs, not before it.
       if constexpr (has_hooks) {
         model_.enqueue_forward(tokens.data() + off, targets.data() + off, b, T_, hooks_);
+        begin_backward(k == accum_ - 1);
         model_.backward(hooks_);
       } else {
         model_.enqueue_forward(tokens.data() + off, targets.data() + off, b, T_);
+        begin_backward(k == accum_ - 1);
         for (int u = 0; u < plan::units; ++u) grads_in_use(u);
         model_.backward();
       }
       loss += model_.loss();
-      queue_.drain();  // the reductions and gathers backward handed over
-      if (reducing_) {
-        for (int u = plan::units - 1; u >= 0; --u) reduce_unit(u, false);  // what backward did not reduce
-        queue_.drain();
-      }
+      end_backward();
     }
-    if constexpr (stage == 3)
-      for (int u = 0; u < plan::units; ++u) release_params(u);
+    end_micro_batches();
     loss = comm_.all_reduce_host(loss / accum_, ReduceOp::avg);
     optimizer_step();
     return loss;
+  }
+
+  // ---- the step in pieces, for a caller that runs the micro-batches itself (a pipeline
+  // executor, whose forwards and backwards interleave):
+  //   begin_step();
+  //   per micro-batch: model.forward(..., hooks()); ... begin_backward(last); model.backward(hooks()); end_backward();
+  //   end_micro_batches();
+  //   update(total sum of squares of the gradient: grad_sum_of_squares() summed over whatever
+  //          else holds parameters, e.g. the other pipeline stages)
+
+  // Zeroes the gradients (or, under ZeRO-2/3, the gradient pieces).
+  void begin_step() {
+    async_ = overlap();
+    peak_ = held_;
+    if constexpr (stage < 2) model_.zero_grad();  // ZeRO-2/3: released gradient pages read as zeros
+    else model_.ops().zero(grad_pieces_);
+  }
+  // What the model's forward and backward must be given.
+  const UnitHooks& hooks() const { return hooks_; }
+  // Before a micro-batch's backward; `last`: the step's last one (NoZeRO and ZeRO-1 reduce
+  // only then, ZeRO-2/3 every micro-batch).
+  void begin_backward(bool last) {
+    reducing_ = stage >= 2 || last;
+    std::fill(reduced_.begin(), reduced_.end(), false);
+  }
+  // After it: waits for what backward handed over, and reduces what it did not.
+  void end_backward() {
+    queue_.drain();
+    if (reducing_) {
+      for (int u = plan::units - 1; u >= 0; --u) reduce_unit(u, false);
+      queue_.drain();
+    }
+  }
+  // After the step's last backward (ZeRO-3: the units still gathered are given back).
+  void end_micro_batches() {
+    if constexpr (stage == 3)
+      for (int u = 0; u < plan::units; ++u) release_params(u);
+  }
+  // This replica's part of the squared global gradient norm, every parameter counted once
+  // over TP and the DP group (a collective over them; on a device the host reads it).
+  double grad_sum_of_squares() {
+    ops_type& ops = model_.ops();
+    ops.begin_sum_of_squares();
+    for (std::size_t i = 0; i < plan::count; ++i) add_sum_of_squares(ops, i);
+    double s = model_.sum_over_tp(ops.sum_of_squares());
+    if constexpr (stage >= 1) s = comm_.all_reduce_host(s);  // NoZeRO: every replica has the same sum
+    return s;
+  }
+  // Clips to the global norm sqrt(total_sum_of_squares) (when max_norm is set), one AdamW
+  // step on what this rank owns, then (NoZeRO aside) the new parameters to every replica:
+  // all-gathered now under ZeRO-1/2, at their next use under ZeRO-3. Returns the clip factor.
+  float update(double total_sum_of_squares) {
+    ops_type& ops = model_.ops();
+    float f = 1.0f;
+    if (opt_.hp.max_norm > 0) {
+      f = last_clip_ = opt_.clip_factor(total_sum_of_squares);
+      if (f < 1.0f)
+        for (std::size_t i = 0; i < plan::count; ++i) ops.scale(owned_grads(i).data(), owned(i).size(), f);
+    }
+    opt_.begin_step();
+    for (std::size_t i = 0; i < plan::count; ++i)
+      if (!owned(i).empty()) opt_.update(ops, owned_params(i), owned_grads(i), owned(i), owned(i).begin);
+    if constexpr (stage == 1 || stage == 2) {
+      queue_.submit([this](ops_type& side) {
+        for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(side, i, owned_params(i), model_.params());
+      }, false);
+      queue_.drain();  // the next forward reads them
+    }
+    return f;
   }
 
   // The whole parameter buffer (layout::size elements), in host memory. Under ZeRO<3> an
@@ -480,32 +541,8 @@ class DataParallel {
 
   // ---- the optimizer step -------------------------------------------------------------------
 
-  // Clip to the global norm (every parameter counted once over DP and the model's own
-  // group), one AdamW step on what this rank owns, then (NoZeRO aside) the new parameters
-  // to every replica: all-gathered now under ZeRO-1/2, at their next use under ZeRO-3.
-  float optimizer_step() {
-    ops_type& ops = model_.ops();
-    float f = 1.0f;
-    if (opt_.hp.max_norm > 0) {
-      ops.begin_sum_of_squares();
-      for (std::size_t i = 0; i < plan::count; ++i) add_sum_of_squares(ops, i);
-      double s = model_.sum_over_tp(ops.sum_of_squares());  // the host reads it: one wait
-      if constexpr (stage >= 1) s = comm_.all_reduce_host(s);  // NoZeRO: every replica has the same sum
-      f = last_clip_ = opt_.clip_factor(s);
-      if (f < 1.0f)
-        for (std::size_t i = 0; i < plan::count; ++i) ops.scale(owned_grads(i).data(), owned(i).size(), f);
-    }
-    opt_.begin_step();
-    for (std::size_t i = 0; i < plan::count; ++i)
-      if (!owned(i).empty()) opt_.update(ops, owned_params(i), owned_grads(i), owned(i), owned(i).begin);
-    if constexpr (stage == 1 || stage == 2) {
-      queue_.submit([this](ops_type& side) {
-        for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(side, i, owned_params(i), model_.params());
-      }, false);
-      queue_.drain();  // the next forward reads them
-    }
-    return f;
-  }
+  // The step of a model that holds every parameter of the run: its own norm, then update().
+  float optimizer_step() { return update(opt_.hp.max_norm > 0 ? grad_sum_of_squares() : 0.0); }
 
   // Adds the squares of what this rank owns of bucket i, counting only the parts the model
   // says this rank counts (a tensor replicated over TP on TP rank 0 only).
