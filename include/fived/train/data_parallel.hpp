@@ -372,6 +372,9 @@ class DataParallel {
   // Off: every reduction is issued after backward. The results are the same bit for bit.
   bool overlap() const { return has_hooks && overlap_; }
 
+  // The mean of a value over the data-parallel group (a loss), on every rank of it.
+  double average(double v) { return comm_.all_reduce_host(v, ReduceOp::avg); }
+
   // The clip factor of the last step (1: not clipped).
   float last_clip() const { return last_clip_; }
   optimizer_type& optimizer() { return opt_; }

@@ -1,0 +1,357 @@
+#pragma once
+// The pipeline executor: one rank's schedule walked through its model chunks, on any
+// backend.
+//
+//   // rank r of Mesh<PP<P>>, one chunk: a GPT part (nn/gpt.hpp) and its trainer
+//   Stage model(ctx, init);
+//   DataParallel<Stage> trainer(model, ctx, adamw, /*accum=*/M);
+//   pipeline::Executor run(program, ctx.comm<Axis::pp>(), std::tie(model), std::tie(trainer));
+//   double loss = run.step(tokens, targets, B, T);   // M micro-batches of [B, T]; the same on every rank
+//
+// `program` is this rank's list of actions (pipeline::Step, from a schedule table): forwards,
+// backwards (full, or split into input and weight parts) and the sends and receives between
+// neighbouring stages, in the order this rank issues them. The executor
+//   - runs a chunk's forward on micro-batch m (tokens from the batch on the first virtual
+//     stage; on the others the activations received from the previous one), in an
+//     activation slot of its own: slots are handed out at the forward (or at the receive
+//     that precedes it) and taken back when the micro-batch's backward is done, so a chunk
+//     holds as many micro-batches as the schedule keeps in flight, no more;
+//   - runs its backward (the loss gradient on the last virtual stage, the gradient received
+//     from the next one elsewhere) and keeps d(input) for the send back;
+//   - issues each run of adjacent communication actions as one grouped send_recv over the
+//     PP communicator, so two neighbours that both send first cannot block each other;
+//   - drives each chunk's DataParallel (train/data_parallel.hpp) through the step in pieces:
+//     begin_step, the hooks, begin/end_backward around every backward (the chunk's M-th
+//     backward is the one NoZeRO and ZeRO-1 reduce), end_micro_batches; then the clip over
+//     every parameter of the pipeline (each chunk's grad_sum_of_squares, summed over the
+//     chunks and all-reduced over PP) and each chunk's AdamW update;
+//   - returns the mean loss over the M micro-batches and the data-parallel group, on every
+//     rank (the last virtual stage computes it; an all-reduce over PP hands it out).
+//
+// A backward split into I and W parts runs the whole backward at I (the model's backward
+// computes both gradients together) and nothing at W: every gradient is the same, but the
+// bubble a zero-bubble schedule removes by moving W is not removed yet.
+
+#include <cstddef>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "fived/comm/communicator.hpp"
+#include "fived/comm/types.hpp"
+#include "fived/device/buffer.hpp"
+#include "fived/optim/flat_range.hpp"
+
+namespace fived::pipeline {
+
+// One action of a rank's program, as the executor reads it.
+enum class Op { forward, backward, backward_input, backward_weight, send_activation, recv_activation,
+                send_gradient, recv_gradient };
+
+struct Step {
+  Op op = Op::forward;
+  int micro = 0;   // micro-batch
+  int chunk = 0;   // this rank's model chunk
+  int peer = -1;   // communication: the PP rank on the other side
+  int group = 0;   // communication: adjacent actions with the same group go out together
+  constexpr bool communicates() const {
+    return op == Op::send_activation || op == Op::recv_activation || op == Op::send_gradient ||
+           op == Op::recv_gradient;
+  }
+};
+
+template <class Models, class Trainers, Communicator C>
+class Executor;
+
+template <class... Models, class... Trainers, Communicator C>
+class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
+  static constexpr int V = sizeof...(Models);
+  static_assert(V >= 1 && sizeof...(Trainers) == V, "pipeline::Executor: one DataParallel per model chunk");
+  using first_model = std::tuple_element_t<0, std::tuple<Models...>>;
+  using T = typename first_model::value_type;
+  using Device = typename first_model::device;
+
+ public:
+  // program: this rank's actions; micro_batches: M; chunks and trainers: this rank's, in
+  // chunk order; pp: this rank's communicator over the PP axis.
+  Executor(std::vector<Step> program, int micro_batches, C& pp, std::tuple<Models&...> chunks,
+           std::tuple<Trainers&...> trainers)
+      : program_(std::move(program)), M_(micro_batches), pp_(pp), chunks_(chunks), trainers_(trainers) {
+    if (M_ < 1) throw std::invalid_argument("pipeline::Executor: needs at least one micro-batch");
+    for (std::size_t i = 0; i < program_.size(); ++i) {
+      const Step& s = program_[i];
+      if (s.chunk < 0 || s.chunk >= V || s.micro < 0 || s.micro >= M_)
+        throw std::invalid_argument("pipeline::Executor: action " + std::to_string(i) + " names chunk " +
+                                    std::to_string(s.chunk) + " and micro-batch " + std::to_string(s.micro) +
+                                    ", outside the " + std::to_string(V) + " chunks and " + std::to_string(M_) +
+                                    " micro-batches of this rank");
+    }
+    slots_needed();
+    for_each_chunk([&]<int c>(auto& model, auto& dp) {
+      model.set_slots(slots_[c]);
+      if (dp.accum() != M_)
+        throw std::invalid_argument("pipeline::Executor: chunk " + std::to_string(c) + "'s DataParallel averages over " +
+                                    std::to_string(dp.accum()) + " micro-batches, the schedule runs " +
+                                    std::to_string(M_) + ": make it with accum = " + std::to_string(M_));
+    });
+    // On a device the point-to-point transfers are ordered with the chunks' kernels.
+    if constexpr (requires { pp_.set_compute_stream(std::get<0>(chunks_).ops().stream()); })
+      pp_.set_compute_stream(std::get<0>(chunks_).ops().stream());
+  }
+
+  // One optimizer step on the global batch: M micro-batches of [B, T] token ids, rows
+  // [m*B, (m+1)*B) for micro-batch m, the same on every rank (each data-parallel rank takes
+  // its rows of every micro-batch). Returns the mean loss, on every rank.
+  double step(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
+    const std::size_t want = static_cast<std::size_t>(M_) * static_cast<std::size_t>(B) * static_cast<std::size_t>(seq);
+    if (tokens.size() != want || targets.size() != want)
+      throw std::invalid_argument("pipeline::Executor::step: tokens and targets must hold micro-batches * B * T = " +
+                                  std::to_string(want) + " ids (got " + std::to_string(tokens.size()) + " and " +
+                                  std::to_string(targets.size()) + ")");
+    auto& dp0 = std::get<0>(trainers_);
+    const FlatRange mine = dp0.rows(dp0.rank(), B);
+    b_ = static_cast<int>(mine.size()), T_ = seq;
+    tokens_ = tokens, targets_ = targets, row0_ = mine.begin, B_ = B;
+    reserve_boundaries();
+    for_each_chunk([&]<int c>(auto&, auto& dp) { dp.begin_step(); });
+    std::fill(backwards_.begin(), backwards_.end(), 0);
+    std::fill(slot_of_.begin(), slot_of_.end(), -1);
+    for (auto& f : free_) f.clear();
+    for (int c = 0; c < V; ++c)
+      for (int k = slots_[static_cast<std::size_t>(c)]; k-- > 0;) free_[static_cast<std::size_t>(c)].push_back(k);
+    loss_ = 0;
+
+    for (std::size_t i = 0; i < program_.size();) {
+      if (!program_[i].communicates()) {
+        compute(program_[i]);
+        ++i;
+        continue;
+      }
+      std::size_t e = i + 1;
+      while (e < program_.size() && program_[e].communicates() && program_[e].group == program_[i].group) ++e;
+      exchange(i, e);
+      i = e;
+    }
+
+    for_each_chunk([&]<int c>(auto&, auto& dp) { dp.end_micro_batches(); });
+    double sumsq = 0;
+    for_each_chunk([&]<int c>(auto&, auto& dp) { sumsq += dp.grad_sum_of_squares(); });
+    sumsq = all_reduce_pp(sumsq);
+    for_each_chunk([&]<int c>(auto&, auto& dp) { dp.update(sumsq); });
+    return dp0.average(all_reduce_pp(loss_) / M_);
+  }
+
+ private:
+  // ---- compute -----------------------------------------------------------------------------
+
+  void compute(const Step& s) {
+    visit_chunk(s.chunk, [&]<int c>(auto& model, auto& dp) {
+      using Model = std::remove_reference_t<decltype(model)>;
+      switch (s.op) {
+        case Op::forward: {
+          const int k = slot(c, s.micro, true);
+          const std::size_t off = row_offset(s.micro);
+          model.enqueue_forward(tokens_.data() + off, targets_.data() + off, b_, T_, dp.hooks(), k);
+          if constexpr (Model::has_head) loss_ += model.loss(k);
+          break;
+        }
+        case Op::backward:
+        case Op::backward_input: {
+          const int k = slot(c, s.micro, false);
+          if constexpr (!Model::has_head)
+            model.ops().copy(model.output_grad(b_, T_), grad_in(c, k), boundary());
+          const bool last = ++backwards_[static_cast<std::size_t>(c)] == M_;
+          dp.begin_backward(last);
+          model.backward(dp.hooks(), k);
+          dp.end_backward();
+          if constexpr (!Model::has_embedding) model.ops().copy(grad_out(c, k), model.input_grad(), boundary());
+          if (s.op == Op::backward) done_with(c, s.micro);
+          break;
+        }
+        case Op::backward_weight:  // computed with the input part (see the top of this file)
+          done_with(c, s.micro);
+          break;
+        default:
+          break;
+      }
+    });
+  }
+
+  // ---- communication -------------------------------------------------------------------------
+
+  // Actions [i, e): one grouped exchange.
+  void exchange(std::size_t i, std::size_t e) {
+    std::vector<SendOp<T>>& sends = sends_;
+    std::vector<RecvOp<T>>& recvs = recvs_;
+    sends.clear(), recvs.clear();
+    for (std::size_t j = i; j < e; ++j) {
+      const Step& s = program_[j];
+      visit_chunk(s.chunk, [&]<int c>(auto& model, auto&) {
+        using Model = std::remove_reference_t<decltype(model)>;
+        const std::size_t n = boundary();
+        switch (s.op) {
+          case Op::send_activation:
+            if constexpr (!Model::has_head)
+              sends.push_back({std::span<const T>(model.output(slot(c, s.micro, false)), n), s.peer});
+            else bad(s, "the chunk with the head has no activations to send");
+            break;
+          case Op::recv_activation:
+            if constexpr (!Model::has_embedding)
+              recvs.push_back({std::span<T>(model.input(slot(c, s.micro, true), b_, T_), n), s.peer});
+            else bad(s, "the chunk with the embedding receives no activations");
+            break;
+          case Op::send_gradient:
+            if constexpr (!Model::has_embedding)
+              sends.push_back({std::span<const T>(grad_out(c, slot(c, s.micro, false)), n), s.peer});
+            else bad(s, "the chunk with the embedding has no input gradient to send");
+            break;
+          case Op::recv_gradient:
+            if constexpr (!Model::has_head)
+              recvs.push_back({std::span<T>(grad_in(c, slot(c, s.micro, false)), n), s.peer});
+            else bad(s, "the chunk with the head receives no gradient");
+            break;
+          default:
+            break;
+        }
+      });
+    }
+    pp_.send_recv(std::span<const SendOp<T>>(sends), std::span<const RecvOp<T>>(recvs));
+    for (std::size_t j = i; j < e; ++j)  // d(input) has left: its slot may go
+      if (program_[j].op == Op::send_gradient) done_with(program_[j].chunk, program_[j].micro);
+  }
+
+  double all_reduce_pp(double v) {
+    if constexpr (requires { pp_.all_reduce_host(std::span<double>(&v, 1), ReduceOp::sum); })
+      pp_.all_reduce_host(std::span<double>(&v, 1), ReduceOp::sum);
+    else
+      pp_.all_reduce(std::span<const double>(&v, 1), std::span<double>(&v, 1), ReduceOp::sum);
+    return v;
+  }
+
+  [[noreturn]] static void bad(const Step& s, const char* why) {
+    throw std::logic_error("pipeline::Executor: micro-batch " + std::to_string(s.micro) + " of chunk " +
+                           std::to_string(s.chunk) + ": " + why + " (the schedule does not fit the model's parts)");
+  }
+
+  // ---- slots and boundary buffers -----------------------------------------------------------
+
+  // Slot of micro-batch m in chunk c; `take`: hand one out if it has none yet.
+  int slot(int c, int m, bool take) {
+    int& k = slot_of_[static_cast<std::size_t>(c * M_ + m)];
+    if (k < 0) {
+      auto& free = free_[static_cast<std::size_t>(c)];
+      if (!take || free.empty())
+        throw std::logic_error("pipeline::Executor: micro-batch " + std::to_string(m) + " of chunk " +
+                               std::to_string(c) + " has no activation slot here (the schedule uses it before its "
+                               "forward, or keeps more in flight than it said)");
+      k = free.back();
+      free.pop_back();
+      holds_[static_cast<std::size_t>(c * M_ + m)] = holds_at_start(c, m);
+    }
+    return k;
+  }
+  // A micro-batch's slot (its activations, and the d(input) kept for the send back) is
+  // free once its backward is done (the full one, or the weight part) and d(input) has been
+  // sent where the program sends it: the later of the two.
+  void done_with(int c, int m) {
+    const std::size_t i = static_cast<std::size_t>(c * M_ + m);
+    if (--holds_[i] > 0) return;
+    int& k = slot_of_[i];
+    if (k >= 0) free_[static_cast<std::size_t>(c)].push_back(k);
+    k = -1;
+  }
+  int holds_at_start(int c, int m) const { return 1 + sends_back_[static_cast<std::size_t>(c * M_ + m)]; }
+
+  // The most micro-batches each chunk holds at once, from a dry walk of the program with
+  // the rule of done_with.
+  void slots_needed() {
+    const std::size_t n = static_cast<std::size_t>(V * M_);
+    sends_back_.assign(n, 0);
+    for (const Step& s : program_)
+      if (s.op == Op::send_gradient) sends_back_[static_cast<std::size_t>(s.chunk * M_ + s.micro)] = 1;
+    std::vector<int> live(V, 0), holds(n, 0);
+    slots_.assign(V, 1);
+    for (const Step& s : program_) {
+      const std::size_t i = static_cast<std::size_t>(s.chunk * M_ + s.micro);
+      int& l = live[static_cast<std::size_t>(s.chunk)];
+      if ((s.op == Op::forward || s.op == Op::recv_activation) && holds[i] == 0) holds[i] = holds_at_start(s.chunk, s.micro), ++l;
+      if ((s.op == Op::backward || s.op == Op::backward_weight || s.op == Op::send_gradient) && holds[i] > 0 && --holds[i] == 0) --l;
+      slots_[static_cast<std::size_t>(s.chunk)] = std::max(slots_[static_cast<std::size_t>(s.chunk)], l);
+    }
+    slot_of_.assign(n, -1);
+    holds_.assign(n, 0);
+    free_.assign(V, {});
+    backwards_.assign(V, 0);
+  }
+
+  std::size_t boundary() const { return first_model::boundary_size(b_, T_); }
+  // Gradients received for (and d(input) kept from) each chunk's slots.
+  void reserve_boundaries() {
+    const std::size_t n = boundary();
+    if (n <= boundary_capacity_) return;
+    boundary_capacity_ = n;
+    grad_in_.clear(), grad_out_.clear();
+    for_each_chunk([&]<int c>(auto& model, auto&) {
+      for (int k = 0; k < slots_[static_cast<std::size_t>(c)]; ++k) {
+        grad_in_.push_back(model.ops().template make_buffer<T>(n));
+        grad_out_.push_back(model.ops().template make_buffer<T>(n));
+      }
+    });
+  }
+  std::size_t buffer_index(int c, int k) const {
+    std::size_t i = 0;
+    for (int d = 0; d < c; ++d) i += static_cast<std::size_t>(slots_[static_cast<std::size_t>(d)]);
+    return i + static_cast<std::size_t>(k);
+  }
+  T* grad_in(int c, int k) { return grad_in_[buffer_index(c, k)].data(); }
+  T* grad_out(int c, int k) { return grad_out_[buffer_index(c, k)].data(); }
+
+  std::size_t row_offset(int m) const {
+    return (static_cast<std::size_t>(m) * static_cast<std::size_t>(B_) + row0_) * static_cast<std::size_t>(T_);
+  }
+
+  // ---- the chunks ----------------------------------------------------------------------------
+
+  template <class F>
+  void for_each_chunk(F&& f) {
+    [&]<std::size_t... c>(std::index_sequence<c...>) {
+      (f.template operator()<static_cast<int>(c)>(std::get<c>(chunks_), std::get<c>(trainers_)), ...);
+    }(std::make_index_sequence<V>{});
+  }
+  template <class F>
+  void visit_chunk(int chunk, F&& f) {
+    for_each_chunk([&]<int c>(auto& model, auto& dp) {
+      if (c == chunk) f.template operator()<c>(model, dp);
+    });
+  }
+
+  std::vector<Step> program_;
+  int M_;
+  C& pp_;
+  std::tuple<Models&...> chunks_;
+  std::tuple<Trainers&...> trainers_;
+  std::vector<int> slots_;       // per chunk: activation slots
+  std::vector<int> slot_of_;     // [chunk * M + m]: the slot micro-batch m holds, or -1
+  std::vector<int> holds_;       // [chunk * M + m]: what it still waits for before its slot is free
+  std::vector<int> sends_back_;  // [chunk * M + m]: 1 if the program sends its d(input)
+  std::vector<std::vector<int>> free_;
+  std::vector<int> backwards_;   // per chunk: backwards run this step
+  std::vector<Buffer<T, Device>> grad_in_, grad_out_;
+  std::size_t boundary_capacity_ = 0;
+  std::vector<SendOp<T>> sends_;
+  std::vector<RecvOp<T>> recvs_;
+  std::span<const int> tokens_, targets_;
+  std::size_t row0_ = 0;
+  int B_ = 0, b_ = 0, T_ = 0;
+  double loss_ = 0;
+};
+
+template <class... Models, class... Trainers, Communicator C>
+Executor(std::vector<Step>, int, C&, std::tuple<Models&...>, std::tuple<Trainers&...>)
+    -> Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C>;
+
+}  // namespace fived::pipeline
