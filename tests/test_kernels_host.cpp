@@ -22,6 +22,7 @@
 #include <numbers>
 #include <random>
 #include <stdexcept>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -717,6 +718,35 @@ TEST_CASE("sum_of_squares, scale, clip_factor closed forms") {
   CHECK(k::clip_factor(169.0, 26.0f) == 1.0f);
   CHECK(k::clip_factor(0.25, 1.0f) == 1.0f);
   CHECK(k::clip_factor(0.0, 1.0f) == 1.0f);
+}
+
+// ---------------------------------------------------------------- regroup
+
+TEST_CASE("regroup: split cuts [outer][n][block] into [n][outer][block], join puts it back") {
+  // outer = 2 rows, n = 3 pieces of block = 2: row o holds a(o,k,b) = 100*o + 10*k + b
+  const std::vector<int> joined = {0, 1, 10, 11, 20, 21,  //
+                                   100, 101, 110, 111, 120, 121};
+  std::vector<int> split(12, -1), back(12, -1);
+  k::regroup(split.data(), joined.data(), 2, 3, 2, k::Blocks::split);
+  CHECK(split == std::vector<int>{0, 1, 100, 101,  //  piece 0 of both rows
+                                  10, 11, 110, 111,  //  piece 1
+                                  20, 21, 120, 121});
+  k::regroup(back.data(), split.data(), 2, 3, 2, k::Blocks::join);
+  CHECK(back == joined);
+
+  // split then join is the identity for any shape, including the degenerate ones
+  for (const auto& [outer, n, block] : {std::tuple{5, 4, 3}, std::tuple{1, 4, 3}, std::tuple{5, 1, 3},
+                                        std::tuple{5, 4, 1}, std::tuple{0, 4, 3}, std::tuple{5, 4, 0}}) {
+    const std::size_t size = static_cast<std::size_t>(outer * n * block);
+    const std::vector<bf16> x = to<bf16>(random_vec(size, 181));
+    std::vector<bf16> s(size), j(size);
+    k::regroup(s.data(), x.data(), outer, n, block, k::Blocks::split);
+    k::regroup(j.data(), s.data(), outer, n, block, k::Blocks::join);
+    CHECK(from(j) == from(x));
+    if (outer == 1 || n == 1) CHECK(from(s) == from(x));  // one row or one piece: nothing moves
+  }
+  CHECK_THROWS_AS(k::regroup(split.data(), joined.data(), 2, 0, 2, k::Blocks::split), std::invalid_argument);
+  CHECK_THROWS_AS(k::regroup(split.data(), joined.data(), -1, 3, 2, k::Blocks::join), std::invalid_argument);
 }
 
 // ---------------------------------------------------------------- float and bf16 against double

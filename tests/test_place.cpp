@@ -10,6 +10,10 @@
 //     pairing of a value with a gradient of dual placement is the sum over all
 //     ranks of local dot products. This is what makes the backward collective
 //     "follow from the type": it is the transpose of the forward one.
+//  3. no allocation: the same transition (and its backward) into a
+//     preallocated view, through a workspace of exactly the advertised size
+//     (redistribute_workspace), gives the allocating form's result; a
+//     steady-state loop of them allocates no buffer.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -20,7 +24,9 @@
 #include <vector>
 
 #include "fived/comm/host.hpp"
+#include "fived/device/buffer.hpp"
 #include "fived/mesh/context.hpp"
+#include "fived/nn/ops.hpp"
 #include "fived/place/redistribute.hpp"
 
 using namespace fived;
@@ -64,9 +70,28 @@ i64 dot(const std::vector<i64>& a, const std::vector<i64>& b) {
 // Results of one run, one slot per world rank, checked on the main thread.
 struct Outcome {
   std::vector<std::vector<i64>> got, want;
+  std::vector<std::vector<i64>> got_back;                // the backward transition's result
+  std::vector<std::vector<i64>> into_view, into_view_back;  // the same, without allocating
   std::vector<i64> pair_forward, pair_backward;  // <y, R(x)> and <R*(y), x> per rank
-  explicit Outcome(int n) : got(n), want(n), pair_forward(n), pair_backward(n) {}
+  explicit Outcome(int n)
+      : got(n), want(n), got_back(n), into_view(n), into_view_back(n), pair_forward(n), pair_backward(n) {}
 };
+
+// redistribute<A, To> of x into a preallocated piece, through a workspace of
+// exactly redistribute_workspace elements, both filled with garbage first (the
+// result must not depend on what they held). Ops<double, Host> moves the i64
+// elements: its data-movement members take any element type.
+template <Axis A, class To, class L, class Comm>
+std::vector<i64> into_view(const Sharded<i64, L>& x, Comm& comm) {
+  using Out = redistributed_layout_t<L, A, To>;
+  Sharded<i64, Out> y(Out(x.layout().global_shape(), x.layout().coord()));
+  Buffer<i64, Host> workspace(redistribute_workspace<A, To>(x.layout()));
+  std::fill_n(y.data(), y.local().size(), i64{777});
+  std::fill_n(workspace.data(), workspace.size(), i64{-555});
+  Ops<double, Host> ops;
+  redistribute<A, To>(x.view(), y.view(), workspace.span(), comm, ops);
+  return y.storage();
+}
 
 template <class M, Axis A, class Background, class From, class To>
 void check_transition() {
@@ -109,6 +134,10 @@ void check_transition() {
     const Sharded<i64, GradOut> dy(grad_layout, piece_of(grad_layout, h));
     const auto dx = redistribute<A, dual_t<From>>(dy, comm);
     static_assert(std::is_same_v<typename decltype(dx)::placements, typename In::placements::gradient>);
+    out.got_back[r] = dx.storage();
+
+    out.into_view[r] = into_view<A, To>(x, comm);
+    out.into_view_back[r] = into_view<A, dual_t<From>>(dy, comm);
     out.pair_forward[r] = dot(dy.storage(), y.storage());
     out.pair_backward[r] = dot(dx.storage(), x.storage());
   });
@@ -125,6 +154,8 @@ void check_transition() {
     } else {
       CHECK(out.got[r] == out.want[r]);
     }
+    CHECK(out.into_view[r] == out.got[r]);
+    CHECK(out.into_view_back[r] == out.got_back[r]);
   }
   CHECK(std::accumulate(out.pair_forward.begin(), out.pair_forward.end(), i64{0}) ==
         std::accumulate(out.pair_backward.begin(), out.pair_backward.end(), i64{0}));
@@ -244,4 +275,134 @@ TEST_CASE("every transition on each axis of TP<2> x CP<2> x DP<2>") {
   every_transition_on<M, Axis::tp, Placements<On<Axis::cp, Shard<1>>, On<Axis::dp, Shard<0>>>>();
   every_transition_on<M, Axis::cp, Placements<On<Axis::tp, Partial>, On<Axis::dp, Shard<1>>>>();
   every_transition_on<M, Axis::dp, Placements<On<Axis::tp, Shard<2>>, On<Axis::cp, Partial>>>();
+}
+
+TEST_CASE("the workspace a transition needs: none where the pieces are contiguous") {
+  using M = Mesh<TP<4>>;
+  using S0 = ShardLayout<M, 3, Placements<On<Axis::tp, Shard<0>>>>;
+  using S1 = ShardLayout<M, 3, Placements<On<Axis::tp, Shard<1>>>>;
+  using R = ShardLayout<M, 3, Replicated>;
+  using P = ShardLayout<M, 3, Placements<On<Axis::tp, Partial>>>;
+  const Coord c{.tp = 2};
+  const S0 s0({8, 4, 12}, c);  // local [2, 4, 12]: 96 elements
+  const S1 s1({8, 4, 12}, c);  // local [8, 1, 12]: 96
+  const R r({8, 4, 12}, c);    // 384
+  const P p({8, 4, 12}, c);    // 384
+  // leading dimension, or no pieces at all: the collective reads and writes the views directly
+  CHECK(redistribute_workspace<Axis::tp, Replicate>(s0) == 0);  // all-gather
+  CHECK(redistribute_workspace<Axis::tp, Partial>(s0) == 0);    // pad
+  CHECK(redistribute_workspace<Axis::tp, Shard<0>>(r) == 0);    // slice
+  CHECK(redistribute_workspace<Axis::tp, Shard<0>>(p) == 0);    // reduce-scatter
+  CHECK(redistribute_workspace<Axis::tp, Replicate>(p) == 0);   // all-reduce
+  CHECK(redistribute_workspace<Axis::tp, Shard<1>>(s1) == 0);   // none
+  // a later dimension: the input is split before the collective, the output joined after
+  CHECK(redistribute_workspace<Axis::tp, Replicate>(s1) == 384);  // joins what it gathers
+  CHECK(redistribute_workspace<Axis::tp, Partial>(s1) == 384);    // joins the padded blocks
+  CHECK(redistribute_workspace<Axis::tp, Shard<2>>(r) == 384);    // splits the whole tensor
+  CHECK(redistribute_workspace<Axis::tp, Shard<1>>(p) == 384);    // splits what it sends
+  CHECK(redistribute_workspace<Axis::tp, Shard<1>>(s0) == 96);    // splits the input only
+  CHECK(redistribute_workspace<Axis::tp, Shard<0>>(s1) == 96);    // joins the output only
+  CHECK(redistribute_workspace<Axis::tp, Shard<2>>(s1) == 192);   // both
+  // what decides is the size of the dimensions before the moving one, not its index
+  CHECK(redistribute_workspace<Axis::tp, Replicate>(S1({1, 4, 12}, c)) == 0);
+}
+
+TEST_CASE("a workspace or an output view that does not fit is a clear error") {
+  using M = Mesh<TP<2>>;
+  using L = ShardLayout<M, 2, Placements<On<Axis::tp, Shard<1>>>>;
+  using Out = redistributed_layout_t<L, Axis::tp, Replicate>;
+  std::vector<std::string> small(M::size), other(M::size);
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    const L layout({3, 4}, ctx.coord());
+    const Sharded<float, L> x(layout, std::vector<float>(6, 1.f));
+    Sharded<float, Out> y(Out({3, 4}, ctx.coord()));
+    REQUIRE(redistribute_workspace<Axis::tp, Replicate>(layout) == 12);
+    std::vector<float> workspace(11);
+    try {
+      redistribute<Axis::tp, Replicate>(x.view(), y.view(), workspace, ctx.comm<Axis::tp>(), HostCopyOps{});
+    } catch (const std::invalid_argument& e) {
+      small[world.rank()] = e.what();
+    }
+    workspace.resize(12);
+    Sharded<float, Out> wrong(Out({3, 8}, ctx.coord()));
+    try {
+      redistribute<Axis::tp, Replicate>(x.view(), wrong.view(), workspace, ctx.comm<Axis::tp>(), HostCopyOps{});
+    } catch (const std::invalid_argument& e) {
+      other[world.rank()] = e.what();
+    }
+  });
+  for (const auto& e : small)
+    CHECK(e == "redistribute: the workspace holds 11 elements but this all_gather needs 12 (size it with "
+               "redistribute_workspace<A, To>(layout))");
+  for (const auto& e : other) CHECK(e.find("the output view belongs to another tensor or rank") != std::string::npos);
+}
+
+TEST_CASE("redistribute into preallocated views allocates nothing, step after step") {
+  using M = Mesh<DP<2>, TP<2>>;
+  using X = ShardLayout<M, 3, Placements<On<Axis::tp, Shard<1>>, On<Axis::dp, Shard<2>>>>;
+  using Gathered = redistributed_layout_t<X, Axis::tp, Replicate>;     // all-gather of dimension 1
+  using Full = redistributed_layout_t<Gathered, Axis::dp, Replicate>;  // all-gather of dimension 2, over dp
+  using Swapped = redistributed_layout_t<X, Axis::tp, Shard<2>>;       // all-to-all, dimension 1 -> 2
+  using Padded = redistributed_layout_t<X, Axis::tp, Partial>;         // pad
+  static_assert(std::is_same_v<redistributed_layout_t<Padded, Axis::tp, Shard<1>>, X>);    // reduce-scatter
+  static_assert(std::is_same_v<redistributed_layout_t<Gathered, Axis::tp, Shard<1>>, X>);  // slice
+  const X::Shape shape{3, 4, 8};  // dimension 0 is not 1: every transition here regroups
+  const auto global = ramp(3 * 4 * 8, 13, 1);
+  const std::vector<float> global_f(global.begin(), global.end());
+  constexpr int steps = 5;
+
+  std::size_t at_start = 0, after_steps = 0, after_allocating = 0;
+  std::vector<int> right(M::size, 0);
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    auto& tp = ctx.comm<Axis::tp>();
+    auto& dp = ctx.comm<Axis::dp>();
+    const Coord c = ctx.coord();
+
+    // Everything a step touches is made here, once; one workspace serves every transition.
+    const auto x = Sharded<float, X>::slice_of(X(shape, c), global_f);
+    Sharded<float, Gathered> gathered{Gathered(shape, c)};
+    Sharded<float, Full> full{Full(shape, c)};
+    Sharded<float, Swapped> swapped{Swapped(shape, c)};
+    Sharded<float, Padded> padded{Padded(shape, c)};
+    Sharded<float, X> scattered{X(shape, c)}, sliced{X(shape, c)};
+    Buffer<float, Host> workspace(std::max({redistribute_workspace<Axis::tp, Replicate>(x.layout()),
+                                            redistribute_workspace<Axis::dp, Replicate>(gathered.layout()),
+                                            redistribute_workspace<Axis::tp, Shard<2>>(x.layout()),
+                                            redistribute_workspace<Axis::tp, Partial>(x.layout()),
+                                            redistribute_workspace<Axis::tp, Shard<1>>(padded.layout()),
+                                            redistribute_workspace<Axis::tp, Shard<1>>(gathered.layout())}));
+    REQUIRE(workspace.size() > 0);
+    Ops<float, Host> ops;
+
+    // The counter is process-wide and the ranks are threads: rank 0 reads it
+    // while the others wait at the barriers around it.
+    const auto count = [&](std::size_t& into) {
+      world.barrier();
+      if (world.rank() == 0) into = buffer_allocations<Host>().load();
+      world.barrier();
+    };
+    count(at_start);
+    for (int s = 0; s < steps; ++s) {
+      redistribute<Axis::tp, Replicate>(x.view(), gathered.view(), workspace.span(), tp, ops);
+      redistribute<Axis::dp, Replicate>(gathered.view(), full.view(), workspace.span(), dp, ops);
+      redistribute<Axis::tp, Shard<2>>(x.view(), swapped.view(), workspace.span(), tp, ops);
+      redistribute<Axis::tp, Partial>(x.view(), padded.view(), workspace.span(), tp, ops);
+      redistribute<Axis::tp, Shard<1>>(padded.view(), scattered.view(), workspace.span(), tp, ops);
+      redistribute<Axis::tp, Shard<1>>(gathered.view(), sliced.view(), workspace.span(), tp, ops);
+    }
+    count(after_steps);
+    // The allocating form does allocate: the counter sees these buffers.
+    const auto gathered_again = redistribute<Axis::tp, Replicate>(x, tp);
+    count(after_allocating);
+
+    const auto swapped_want = Sharded<float, Swapped>::slice_of(Swapped(shape, c), global_f);
+    right[world.rank()] = full.storage() == global_f && swapped.storage() == swapped_want.storage() &&
+                          scattered.storage() == x.storage() && sliced.storage() == x.storage() &&
+                          gathered_again.storage() == gathered.storage();
+  });
+  CHECK(after_steps == at_start);
+  CHECK(after_allocating > after_steps);
+  for (int r = 0; r < M::size; ++r) CHECK(right[r] == 1);
 }

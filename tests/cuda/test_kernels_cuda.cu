@@ -24,10 +24,13 @@
 #include <type_traits>
 #include <vector>
 
+#include <fived/comm/nccl.hpp>
 #include <fived/device/bf16.hpp>
 #include <fived/device/cuda.hpp>
 #include <fived/kernels/cuda.hpp>
 #include <fived/kernels/host.hpp>
+#include <fived/nn/cuda/ops.hpp>
+#include <fived/place/redistribute.hpp>
 
 #include "gpu_support.hpp"
 #include "../support/compare.hpp"
@@ -245,6 +248,36 @@ TEST_CASE_TEMPLATE("gelu and residual", T, ELEMENT_TYPES) {
   CHECK_CLOSE(out, down(d_out), bound<T>(fp32_elem));
 }
 
+TEST_CASE_TEMPLATE("regroup: split and join move the same elements as the host's", T, ELEMENT_TYPES) {
+  struct Shape {
+    long long outer;
+    int n;
+    long long block;
+  };
+  // A pure copy, so the results are equal, not close. Blocks of one element, pieces
+  // of one block, a single row, and sizes that do not fill the last thread block.
+  for (const Shape s : {Shape{6, 4, 33}, Shape{1, 4, 33}, Shape{7, 1, 5}, Shape{300, 3, 1}, Shape{5, 8, 257}}) {
+    CAPTURE(s.outer);
+    CAPTURE(s.n);
+    CAPTURE(s.block);
+    const std::size_t size = static_cast<std::size_t>(s.outer * s.n * s.block);
+    const auto x = rnd<T>(size, 21);
+    std::vector<T> split(size), joined(size);
+    hk::regroup(split.data(), x.data(), s.outer, s.n, s.block, hk::Blocks::split);
+    hk::regroup(joined.data(), x.data(), s.outer, s.n, s.block, hk::Blocks::join);
+    auto d_x = up(x);
+    Buffer<T, Cuda> d_split(size), d_joined(size), d_back(size);
+    ck::regroup(stream(), d_split.data(), d_x.data(), s.outer, s.n, s.block, ck::Blocks::split);
+    ck::regroup(stream(), d_joined.data(), d_x.data(), s.outer, s.n, s.block, ck::Blocks::join);
+    ck::regroup(stream(), d_back.data(), d_split.data(), s.outer, s.n, s.block, ck::Blocks::join);
+    CHECK(down(d_split) == split);
+    CHECK(down(d_joined) == joined);
+    CHECK(down(d_back) == x);
+  }
+  Buffer<T, Cuda> b(8);
+  CHECK_THROWS_AS(ck::regroup(stream(), b.data(), b.data(), 2, 0, 4, ck::Blocks::split), std::invalid_argument);
+}
+
 TEST_CASE_TEMPLATE("embedding forward and backward (repeated tokens)", T, ELEMENT_TYPES) {
   const int B = 3, Tn = 7, C = 40, V = 11;
   std::vector<int> tokens(B * Tn);
@@ -432,6 +465,37 @@ TEST_CASE_TEMPLATE("attention forward and backward (flash-style) against the ref
   Buffer<float, Cuda> l(8);
   CHECK_THROWS_AS(ck::attention_forward(stream(), x.data(), l.data(), x.data(), 1, 1, 100, 3), std::invalid_argument);
   CHECK_THROWS_AS(ck::attention_forward(stream(), x.data(), l.data(), x.data(), 1, 1, 256, 1), std::invalid_argument);
+}
+
+TEST_CASE_TEMPLATE("redistribute on device memory: Ops<T, Cuda>, a workspace and NCCL (a world of one)", T,
+                   ELEMENT_TYPES) {
+  // One rank cuts nothing (the regrouping is the test above): this runs the device path of
+  // place/redistribute.hpp end to end, Sharded<T, L, Cuda> and its views, the ops' copies
+  // and kernels on their stream, and NCCL over device spans ordered after that stream.
+  using fived::Axis;
+  using M = fived::Mesh<fived::TP<1>>;
+  using L = fived::ShardLayout<M, 2, fived::Placements<fived::On<Axis::tp, fived::Shard<1>>>>;
+  using Full = fived::redistributed_layout_t<L, Axis::tp, fived::Replicate>;
+  using Rows = fived::redistributed_layout_t<L, Axis::tp, fived::Shard<0>>;
+  ncclUniqueId id{};
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  auto tp = fived::nccl::Comm::init(1, 0, id, "tp");
+  fived::Ops<T, Cuda> ops;
+  tp.set_compute_stream(ops.stream());
+
+  const auto h = rnd<T>(6 * 8, 22);
+  const fived::Sharded<T, L, Cuda> x(L({6, 8}, fived::Coord{}), up(h));
+  fived::Sharded<T, Full, Cuda> full{Full({6, 8}, fived::Coord{})};
+  fived::Sharded<T, Rows, Cuda> rows{Rows({6, 8}, fived::Coord{})};
+  Buffer<T, Cuda> workspace(std::max(fived::redistribute_workspace<Axis::tp, fived::Replicate>(x.layout()),
+                                     fived::redistribute_workspace<Axis::tp, fived::Shard<0>>(x.layout())));
+  fived::redistribute<Axis::tp, fived::Replicate>(x.view(), full.view(), workspace.span(), tp, ops);  // all-gather
+  fived::redistribute<Axis::tp, fived::Shard<0>>(x.view(), rows.view(), workspace.span(), tp, ops);   // all-to-all
+  ops.synchronize();
+  CHECK(down(full.buffer()) == h);
+  CHECK(down(rows.buffer()) == h);
+  const auto padded = fived::redistribute<Axis::tp, fived::Partial>(x, tp, ops);  // allocating; waits for ops
+  CHECK(down(padded.buffer()) == h);
 }
 
 int main(int argc, char** argv) {

@@ -20,5 +20,6 @@
 #include <fived/kernels/cuda/gemm.hpp>
 #include <fived/kernels/cuda/layernorm.hpp>
 #include <fived/kernels/cuda/norm.hpp>
+#include <fived/kernels/cuda/regroup.hpp>
 #include <fived/kernels/cuda/residual.hpp>
 #endif

@@ -11,4 +11,5 @@
 #include "fived/kernels/host/gemm.hpp"
 #include "fived/kernels/host/layernorm.hpp"
 #include "fived/kernels/host/norm.hpp"
+#include "fived/kernels/host/regroup.hpp"
 #include "fived/kernels/host/residual.hpp"

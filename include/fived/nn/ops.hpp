@@ -22,6 +22,7 @@
 //     embedding_backward (over a range of the vocabulary: a TP rank's shard), logits_max,
 //     crossentropy_partials, crossentropy_backward, adamw_update, gelu_forward, scale,
 //     to_fp32 (fp32 master weights from the parameters)
+//   regroup(U* out, const U* in, outer, n, block, Blocks::split | join)   any U; for redistribute
 //   the global gradient norm, a sum of squares over many pieces read back once:
 //     begin_sum_of_squares(); add_sum_of_squares(g, n) ...; double sum_of_squares()
 //     (accumulated on the device, in float on Cuda; the last call waits for the device)
@@ -132,6 +133,10 @@ struct Ops<T, Host> {
   void gelu_forward(T* out, const T* inp, std::size_t n) { kernels::host::gelu_forward(out, inp, n); }
   void scale(T* g, std::size_t n, float factor) { kernels::host::scale(g, n, factor); }
   void to_fp32(float* dst, const T* src, std::size_t n) { kernels::host::to_fp32(dst, src, n); }
+  template <class U>
+  void regroup(U* out, const U* in, std::int64_t outer, int n, std::int64_t block, kernels::host::Blocks how) {
+    kernels::host::regroup(out, in, outer, n, block, how);
+  }
 
   // The sum of squares of every piece added since begin_sum_of_squares(), in double.
   void begin_sum_of_squares() { sumsq_ = 0; }

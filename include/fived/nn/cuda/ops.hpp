@@ -176,6 +176,10 @@ struct Ops<T, Cuda> {
     return static_cast<double>(h);
   }
   void to_fp32(float* dst, const T* src, std::size_t n) { kernels::cuda::to_fp32(stream(), dst, src, n); }
+  template <class U>
+  void regroup(U* out, const U* in, std::int64_t outer, int n, std::int64_t block, kernels::cuda::Blocks how) {
+    kernels::cuda::regroup(stream(), out, in, outer, n, block, how);
+  }
   void scale(T* g, std::size_t n, float factor) { kernels::cuda::scale(stream(), g, n, factor); }
 
   // ---- memory and staging ----------------------------------------------------------------------
