@@ -5,12 +5,13 @@
 //   // rank r of Mesh<PP<P>>, one chunk: a GPT part (nn/gpt.hpp) and its trainer
 //   Stage model(ctx, init);
 //   DataParallel<Stage> trainer(model, ctx, adamw, /*accum=*/M);
-//   pipeline::Executor run(program, ctx.comm<Axis::pp>(), std::tie(model), std::tie(trainer));
+//   pipeline::Executor run(OneFOneB<P, M>::table, r, ctx.comm<Axis::pp>(), std::tie(model), std::tie(trainer));
 //   double loss = run.step(tokens, targets, B, T);   // M micro-batches of [B, T]; the same on every rank
 //
-// `program` is this rank's list of actions (pipeline::Step, from a schedule table): forwards,
-// backwards (full, or split into input and weight parts) and the sends and receives between
-// neighbouring stages, in the order this rank issues them. The executor
+// `program` is this rank's list of actions (pipeline::Action, pipeline/action.hpp: a row of a
+// schedule table): forwards, backwards (full, or split into input and weight parts) and the
+// sends and receives between neighbouring stages, in the order this rank issues them. The
+// executor
 //   - runs a chunk's forward on micro-batch m (tokens from the batch on the first virtual
 //     stage; on the others the activations received from the previous one), in an
 //     activation slot of its own: slots are handed out at the forward (or at the receive
@@ -18,15 +19,19 @@
 //     holds as many micro-batches as the schedule keeps in flight, no more;
 //   - runs its backward (the loss gradient on the last virtual stage, the gradient received
 //     from the next one elsewhere) and keeps d(input) for the send back;
-//   - issues each run of adjacent communication actions as one grouped send_recv over the
-//     PP communicator, so two neighbours that both send first cannot block each other;
+//   - issues a communication action, with the ones after it marked joins_previous, as one
+//     grouped send_recv over the PP communicator (so two neighbours that both send first
+//     cannot block each other);
 //   - drives each chunk's DataParallel (train/data_parallel.hpp) through the step in pieces:
 //     begin_step, the hooks, begin/end_backward around every backward (the chunk's M-th
 //     backward is the one NoZeRO and ZeRO-1 reduce), end_micro_batches; then the clip over
 //     every parameter of the pipeline (each chunk's grad_sum_of_squares, summed over the
 //     chunks and all-reduced over PP) and each chunk's AdamW update;
 //   - returns the mean loss over the M micro-batches and the data-parallel group, on every
-//     rank (the last virtual stage computes it; an all-reduce over PP hands it out).
+//     rank (the last virtual stage computes it; an all-reduce over PP hands it out);
+//   - hands activations and gradients over in memory between two chunks of this rank that
+//     hold neighbouring virtual stages (the turn of a V-shaped schedule), where the table
+//     has no message: right after the forward (backward) that makes them.
 //
 // A backward split into I and W parts runs the whole backward at I (the model's backward
 // computes both gradients together) and nothing at W: every gradient is the same, but the
@@ -45,24 +50,10 @@
 #include "fived/comm/types.hpp"
 #include "fived/device/buffer.hpp"
 #include "fived/optim/flat_range.hpp"
+#include "fived/pipeline/action.hpp"
+#include "fived/pipeline/stages.hpp"
 
 namespace fived::pipeline {
-
-// One action of a rank's program, as the executor reads it.
-enum class Op { forward, backward, backward_input, backward_weight, send_activation, recv_activation,
-                send_gradient, recv_gradient };
-
-struct Step {
-  Op op = Op::forward;
-  int micro = 0;   // micro-batch
-  int chunk = 0;   // this rank's model chunk
-  int peer = -1;   // communication: the PP rank on the other side
-  int group = 0;   // communication: adjacent actions with the same group go out together
-  constexpr bool communicates() const {
-    return op == Op::send_activation || op == Op::recv_activation || op == Op::send_gradient ||
-           op == Op::recv_gradient;
-  }
-};
 
 template <class Models, class Trainers, Communicator C>
 class Executor;
@@ -76,17 +67,26 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   using Device = typename first_model::device;
 
  public:
-  // program: this rank's actions; micro_batches: M; chunks and trainers: this rank's, in
-  // chunk order; pp: this rank's communicator over the PP axis.
-  Executor(std::vector<Step> program, int micro_batches, C& pp, std::tuple<Models&...> chunks,
+  // shape: the schedule's ranks, micro-batches, chunks and stage order; program: rank
+  // `rank`'s actions; chunks and trainers: this rank's, in chunk order; pp: this rank's
+  // communicator over the PP axis.
+  Executor(Shape shape, int rank, std::vector<Action> program, C& pp, std::tuple<Models&...> chunks,
            std::tuple<Trainers&...> trainers)
-      : program_(std::move(program)), M_(micro_batches), pp_(pp), chunks_(chunks), trainers_(trainers) {
-    if (M_ < 1) throw std::invalid_argument("pipeline::Executor: needs at least one micro-batch");
+      : shape_(shape), rank_(rank), program_(std::move(program)), M_(shape.micro_batches), pp_(pp), chunks_(chunks),
+        trainers_(trainers) {
+    if (!shape_.valid() || shape_.chunks != V || rank < 0 || rank >= shape_.ranks)
+      throw std::invalid_argument("pipeline::Executor: rank " + std::to_string(rank) + " with " + std::to_string(V) +
+                                  " model chunks does not fit the schedule's shape (" + std::to_string(shape_.ranks) +
+                                  " ranks, " + std::to_string(shape_.chunks) + " chunks per rank)");
+    if (pp.size() != shape_.ranks)
+      throw std::invalid_argument("pipeline::Executor: the schedule has " + std::to_string(shape_.ranks) +
+                                  " ranks but the PP communicator " + std::to_string(pp.size()));
     for (std::size_t i = 0; i < program_.size(); ++i) {
-      const Step& s = program_[i];
-      if (s.chunk < 0 || s.chunk >= V || s.micro < 0 || s.micro >= M_)
+      const Action& s = program_[i];
+      if (s.op == Op::none) continue;
+      if (s.chunk < 0 || s.chunk >= V || s.mb < 0 || s.mb >= M_)
         throw std::invalid_argument("pipeline::Executor: action " + std::to_string(i) + " names chunk " +
-                                    std::to_string(s.chunk) + " and micro-batch " + std::to_string(s.micro) +
+                                    std::to_string(s.chunk) + " and micro-batch " + std::to_string(s.mb) +
                                     ", outside the " + std::to_string(V) + " chunks and " + std::to_string(M_) +
                                     " micro-batches of this rank");
     }
@@ -126,13 +126,13 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     loss_ = 0;
 
     for (std::size_t i = 0; i < program_.size();) {
-      if (!program_[i].communicates()) {
+      if (!is_comm(program_[i].op)) {
         compute(program_[i]);
         ++i;
         continue;
       }
       std::size_t e = i + 1;
-      while (e < program_.size() && program_[e].communicates() && program_[e].group == program_[i].group) ++e;
+      while (e < program_.size() && is_comm(program_[e].op) && program_[e].joins_previous) ++e;
       exchange(i, e);
       i = e;
     }
@@ -148,32 +148,41 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
  private:
   // ---- compute -----------------------------------------------------------------------------
 
-  void compute(const Step& s) {
+  void compute(const Action& s) {
     visit_chunk(s.chunk, [&]<int c>(auto& model, auto& dp) {
       using Model = std::remove_reference_t<decltype(model)>;
       switch (s.op) {
         case Op::forward: {
-          const int k = slot(c, s.micro, true);
-          const std::size_t off = row_offset(s.micro);
+          const int k = slot(c, s.mb, true);
+          const std::size_t off = row_offset(s.mb);
           model.enqueue_forward(tokens_.data() + off, targets_.data() + off, b_, T_, dp.hooks(), k);
           if constexpr (Model::has_head) loss_ += model.loss(k);
+          else if (const int next = local_neighbour(c, +1); next >= 0)  // the next stage is here
+            visit_chunk(next, [&]<int n>(auto& to, auto&) {
+              if constexpr (requires { to.input(0, 1, 1); })
+                model.ops().copy(to.input(slot(n, s.mb, true), b_, T_), model.output(k), boundary());
+            });
           break;
         }
         case Op::backward:
-        case Op::backward_input: {
-          const int k = slot(c, s.micro, false);
+        case Op::input_grad: {
+          const int k = slot(c, s.mb, false);
           if constexpr (!Model::has_head)
             model.ops().copy(model.output_grad(b_, T_), grad_in(c, k), boundary());
           const bool last = ++backwards_[static_cast<std::size_t>(c)] == M_;
           dp.begin_backward(last);
           model.backward(dp.hooks(), k);
           dp.end_backward();
-          if constexpr (!Model::has_embedding) model.ops().copy(grad_out(c, k), model.input_grad(), boundary());
-          if (s.op == Op::backward) done_with(c, s.micro);
+          if constexpr (!Model::has_embedding) {
+            const int prev = local_neighbour(c, -1);  // the previous stage is here: straight to it
+            model.ops().copy(prev >= 0 ? grad_in(prev, slot(prev, s.mb, false)) : grad_out(c, k), model.input_grad(),
+                             boundary());
+          }
+          if (s.op == Op::backward) done_with(c, s.mb);
           break;
         }
-        case Op::backward_weight:  // computed with the input part (see the top of this file)
-          done_with(c, s.micro);
+        case Op::weight_grad:  // computed with the input part (see the top of this file)
+          done_with(c, s.mb);
           break;
         default:
           break;
@@ -189,29 +198,29 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     std::vector<RecvOp<T>>& recvs = recvs_;
     sends.clear(), recvs.clear();
     for (std::size_t j = i; j < e; ++j) {
-      const Step& s = program_[j];
+      const Action& s = program_[j];
       visit_chunk(s.chunk, [&]<int c>(auto& model, auto&) {
         using Model = std::remove_reference_t<decltype(model)>;
         const std::size_t n = boundary();
         switch (s.op) {
-          case Op::send_activation:
+          case Op::send_act:
             if constexpr (!Model::has_head)
-              sends.push_back({std::span<const T>(model.output(slot(c, s.micro, false)), n), s.peer});
+              sends.push_back({std::span<const T>(model.output(slot(c, s.mb, false)), n), s.peer});
             else bad(s, "the chunk with the head has no activations to send");
             break;
-          case Op::recv_activation:
+          case Op::recv_act:
             if constexpr (!Model::has_embedding)
-              recvs.push_back({std::span<T>(model.input(slot(c, s.micro, true), b_, T_), n), s.peer});
+              recvs.push_back({std::span<T>(model.input(slot(c, s.mb, true), b_, T_), n), s.peer});
             else bad(s, "the chunk with the embedding receives no activations");
             break;
-          case Op::send_gradient:
+          case Op::send_grad:
             if constexpr (!Model::has_embedding)
-              sends.push_back({std::span<const T>(grad_out(c, slot(c, s.micro, false)), n), s.peer});
+              sends.push_back({std::span<const T>(grad_out(c, slot(c, s.mb, false)), n), s.peer});
             else bad(s, "the chunk with the embedding has no input gradient to send");
             break;
-          case Op::recv_gradient:
+          case Op::recv_grad:
             if constexpr (!Model::has_head)
-              recvs.push_back({std::span<T>(grad_in(c, slot(c, s.micro, false)), n), s.peer});
+              recvs.push_back({std::span<T>(grad_in(c, slot(c, s.mb, false)), n), s.peer});
             else bad(s, "the chunk with the head receives no gradient");
             break;
           default:
@@ -221,7 +230,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     }
     pp_.send_recv(std::span<const SendOp<T>>(sends), std::span<const RecvOp<T>>(recvs));
     for (std::size_t j = i; j < e; ++j)  // d(input) has left: its slot may go
-      if (program_[j].op == Op::send_gradient) done_with(program_[j].chunk, program_[j].micro);
+      if (program_[j].op == Op::send_grad) done_with(program_[j].chunk, program_[j].mb);
   }
 
   double all_reduce_pp(double v) {
@@ -232,8 +241,18 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     return v;
   }
 
-  [[noreturn]] static void bad(const Step& s, const char* why) {
-    throw std::logic_error("pipeline::Executor: micro-batch " + std::to_string(s.micro) + " of chunk " +
+  // The chunk of this rank holding the virtual stage next to chunk c's (+1: after it, -1:
+  // before it), or -1 when that stage is on another rank or does not exist.
+  int local_neighbour(int c, int direction) const {
+    const int s = shape_.stage(rank_, c) + direction;
+    if (s < 0 || s >= shape_.stages() || shape_.rank_of(s) != rank_) return -1;
+    for (int d = 0; d < V; ++d)
+      if (shape_.stage(rank_, d) == s) return d;
+    return -1;
+  }
+
+  [[noreturn]] static void bad(const Action& s, const char* why) {
+    throw std::logic_error("pipeline::Executor: micro-batch " + std::to_string(s.mb) + " of chunk " +
                            std::to_string(s.chunk) + ": " + why + " (the schedule does not fit the model's parts)");
   }
 
@@ -271,15 +290,21 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   void slots_needed() {
     const std::size_t n = static_cast<std::size_t>(V * M_);
     sends_back_.assign(n, 0);
-    for (const Step& s : program_)
-      if (s.op == Op::send_gradient) sends_back_[static_cast<std::size_t>(s.chunk * M_ + s.micro)] = 1;
+    for (const Action& s : program_)
+      if (s.op == Op::send_grad) sends_back_[static_cast<std::size_t>(s.chunk * M_ + s.mb)] = 1;
     std::vector<int> live(V, 0), holds(n, 0);
     slots_.assign(V, 1);
-    for (const Step& s : program_) {
-      const std::size_t i = static_cast<std::size_t>(s.chunk * M_ + s.micro);
+    for (const Action& s : program_) {
+      const std::size_t i = static_cast<std::size_t>(s.chunk * M_ + s.mb);
       int& l = live[static_cast<std::size_t>(s.chunk)];
-      if ((s.op == Op::forward || s.op == Op::recv_activation) && holds[i] == 0) holds[i] = holds_at_start(s.chunk, s.micro), ++l;
-      if ((s.op == Op::backward || s.op == Op::backward_weight || s.op == Op::send_gradient) && holds[i] > 0 && --holds[i] == 0) --l;
+      if ((s.op == Op::forward || s.op == Op::recv_act) && holds[i] == 0) holds[i] = holds_at_start(s.chunk, s.mb), ++l;
+      if (s.op == Op::forward)  // a local hand-over takes the next chunk's slot now
+        if (const int n = local_neighbour(s.chunk, +1); n >= 0) {
+          const std::size_t j = static_cast<std::size_t>(n * M_ + s.mb);
+          if (holds[j] == 0) holds[j] = holds_at_start(n, s.mb), ++live[static_cast<std::size_t>(n)];
+          slots_[static_cast<std::size_t>(n)] = std::max(slots_[static_cast<std::size_t>(n)], live[static_cast<std::size_t>(n)]);
+        }
+      if ((s.op == Op::backward || s.op == Op::weight_grad || s.op == Op::send_grad) && holds[i] > 0 && --holds[i] == 0) --l;
       slots_[static_cast<std::size_t>(s.chunk)] = std::max(slots_[static_cast<std::size_t>(s.chunk)], l);
     }
     slot_of_.assign(n, -1);
@@ -329,7 +354,9 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     });
   }
 
-  std::vector<Step> program_;
+  Shape shape_;
+  int rank_;
+  std::vector<Action> program_;
   int M_;
   C& pp_;
   std::tuple<Models&...> chunks_;
@@ -351,7 +378,14 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
 };
 
 template <class... Models, class... Trainers, Communicator C>
-Executor(std::vector<Step>, int, C&, std::tuple<Models&...>, std::tuple<Trainers&...>)
+Executor(Shape, int, std::vector<Action>, C&, std::tuple<Models&...>, std::tuple<Trainers&...>)
     -> Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C>;
+
+// Rank `rank` of a schedule table (pipeline/table.hpp).
+template <class Table, class... Models, class... Trainers, Communicator C>
+auto make_executor(const Table& table, int rank, C& pp, std::tuple<Models&...> chunks, std::tuple<Trainers&...> trainers) {
+  const auto program = table.program(rank);
+  return Executor(table.shape, rank, std::vector<Action>(program.begin(), program.end()), pp, chunks, trainers);
+}
 
 }  // namespace fived::pipeline

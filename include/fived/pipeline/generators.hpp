@@ -1,0 +1,150 @@
+#pragma once
+// The schedules, as constexpr functions of (P, M[, V]) returning a Schedule.
+// Each decides the order of compute actions on every rank; with_messages()
+// (lower.hpp) places the sends and receives. Bad arguments throw
+// std::invalid_argument with the sentence the generator types (schedules.hpp)
+// static_assert.
+//
+//   gpipe(P, M)             all forwards, then all backwards, both in micro-batch order
+//                           (GPipe as Megatron's and PyTorch's figures draw it)
+//   one_f_one_b(P, M)       PipeDream-flush / Megatron: rank r runs P-1-r warm-up forwards, then
+//                           one forward and one backward at a time, then the remaining backwards
+//   interleaved_1f1b(P,M,V) Megatron's interleaving: chunk c of rank r is virtual stage c·P + r;
+//                           the k-th forward is chunk (k / P) % V of micro-batch
+//                           (k / (P·V))·P + k % P (rounds of P micro-batches per chunk), the
+//                           k-th backward likewise with the chunks reversed; rank r runs
+//                           2(P-1-r) + (V-1)·P warm-up forwards, then 1F1B, then the rest
+//   zb_h1(P, M)             zero bubble H1 (Qi et al. 2023): 1F1B with B split into I and W, and
+//                           W lagging r micro-batches behind I on rank r, so the W's still owed
+//                           when the I's run out fill the cool-down bubble. Between F and I a
+//                           rank holds P-r micro-batches, as in 1F1B; between F and W, P
+//   zb_v(P, M)              ZB-V (Qi et al., section 6; PyTorch's ScheduleZBVZeroBubble order):
+//                           two chunks per rank in a V; warm-up 2(P-r)-1 forwards of chunk 0,
+//                           then r pairs F1 F0, then P-r of F1 I1 W1; steady F0 I0 W0 F1 I1 W1;
+//                           cool-down I's first, W's into the bubble they leave
+//
+// With F = 1, B = 2, I = W = 1 and free messages (simulate.hpp) the bubbles are
+// exactly (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V·M+P-1) for interleaved,
+// (P-1)/(3M+P-1) for ZB-H1 and (P-1)/(6M+P-1) for ZB-V (tests/test_schedule.cpp
+// checks them for P <= 8, M <= 4P, V <= 4). The last two are the ramp-up alone:
+// rank P-1 cannot start before P-1 units, then computes without a gap.
+
+#include <stdexcept>
+#include <vector>
+
+#include "fived/pipeline/lower.hpp"
+#include "fived/pipeline/sentences.hpp"
+
+namespace fived::pipeline {
+
+namespace detail {
+
+using Orders = std::vector<std::vector<Action>>;
+
+constexpr void require(bool ok, const char* sentence) {
+  if (!ok) throw std::invalid_argument(sentence);
+}
+
+// Megatron's 1F1B over a sequence of n virtual micro-batches per rank: `warmup`
+// forwards, then one forward and one backward, then the remaining backwards.
+template <class Forward, class Backward>
+constexpr std::vector<Action> one_forward_one_backward(int n, int warmup, Forward fwd, Backward bwd) {
+  std::vector<Action> order;
+  warmup = warmup < n ? warmup : n;
+  for (int k = 0; k < warmup; ++k) order.push_back(fwd(k));
+  for (int k = 0; k < n - warmup; ++k) order.push_back(fwd(warmup + k)), order.push_back(bwd(k));
+  for (int k = n - warmup; k < n; ++k) order.push_back(bwd(k));
+  return order;
+}
+
+}  // namespace detail
+
+constexpr Schedule gpipe(int P, int M) {
+  detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
+  detail::Orders order(static_cast<std::size_t>(P));
+  for (auto& o : order) {
+    for (int m = 0; m < M; ++m) o.push_back(forward(m));
+    for (int m = 0; m < M; ++m) o.push_back(backward(m));
+  }
+  return with_messages({P, M, 1, StageOrder::looped}, order);
+}
+
+constexpr Schedule one_f_one_b(int P, int M) {
+  detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
+  detail::require(M >= P, FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P);
+  detail::Orders order;
+  for (int r = 0; r < P; ++r)
+    order.push_back(detail::one_forward_one_backward(
+        M, P - 1 - r, [](int k) { return forward(k); }, [](int k) { return backward(k); }));
+  return with_messages({P, M, 1, StageOrder::looped}, order);
+}
+
+constexpr Schedule interleaved_1f1b(int P, int M, int V) {
+  detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
+  detail::require(V >= 2, FIVED_PIPELINE_SAYS_INTERLEAVED_NEEDS_CHUNKS);
+  detail::require(M % P == 0, FIVED_PIPELINE_SAYS_INTERLEAVED_NEEDS_ROUNDS);
+  auto mb = [=](int k) { return k / (P * V) * P + k % P; };
+  auto chunk = [=](int k) { return k % (P * V) / P; };
+  detail::Orders order;
+  for (int r = 0; r < P; ++r)
+    order.push_back(detail::one_forward_one_backward(
+        M * V, 2 * (P - 1 - r) + (V - 1) * P, [=](int k) { return forward(mb(k), chunk(k)); },
+        [=](int k) { return backward(mb(k), V - 1 - chunk(k)); }));
+  return with_messages({P, M, V, StageOrder::looped}, order);
+}
+
+constexpr Schedule zb_h1(int P, int M) {
+  detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
+  detail::require(M >= P, FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P);
+  detail::Orders order(static_cast<std::size_t>(P));
+  for (int r = 0; r < P; ++r) {
+    auto& o = order[static_cast<std::size_t>(r)];
+    const int warmup = P - 1 - r;
+    int w = 0;  // next micro-batch to run W on
+    // After I(i), run the oldest W if more than r wait: W lags r micro-batches behind I.
+    auto after_input_grad = [&](int i) {
+      if (i + 1 - w > r) o.push_back(weight_grad(w++));
+    };
+    for (int k = 0; k < warmup; ++k) o.push_back(forward(k));
+    for (int i = 0; i < M; ++i) {
+      if (warmup + i < M) o.push_back(forward(warmup + i));
+      o.push_back(input_grad(i));
+      after_input_grad(i);
+    }
+    while (w < M) o.push_back(weight_grad(w++));
+  }
+  return with_messages({P, M, 1, StageOrder::looped}, order);
+}
+
+constexpr Schedule zb_v(int P, int M) {
+  detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
+  detail::require(M >= 2 * P, FIVED_PIPELINE_SAYS_V_NEEDS_M_GE_2P);
+  detail::Orders order(static_cast<std::size_t>(P));
+  for (int r = 0; r < P; ++r) {
+    auto& o = order[static_cast<std::size_t>(r)];
+    int f0 = 0, f1 = 0, i0 = 0, i1 = 0;  // next micro-batch of F and I on chunks 0 and 1
+    auto F0 = [&] { o.push_back(forward(f0++, 0)); };
+    auto F1 = [&] { o.push_back(forward(f1++, 1)); };
+    auto IW0 = [&] { o.push_back(input_grad(i0, 0)), o.push_back(weight_grad(i0++, 0)); };
+    auto IW1 = [&] { o.push_back(input_grad(i1, 1)), o.push_back(weight_grad(i1++, 1)); };
+    // Warm-up: chunk 0 until the first micro-batch comes back up the V, then both chunks.
+    for (int k = 0; k < 2 * (P - r) - 1; ++k) F0();
+    for (int k = 0; k < r; ++k) F1(), F0();
+    for (int k = 0; k < P - r; ++k) F1(), IW1();
+    // Steady: F and I+W on chunk 0, then on chunk 1.
+    while (f1 < f0 || f0 < M) {
+      if (f0 < M) F0();
+      IW0();
+      F1(), IW1();
+    }
+    // Cool-down: the I's first, W's into the bubble they leave.
+    int w0 = i0, w1 = i1;
+    for (int k = 0; k < r; ++k) o.push_back(input_grad(i0++, 0)), o.push_back(input_grad(i1++, 1));
+    for (int k = 0; k < P - r; ++k) o.push_back(input_grad(i0++, 0)), o.push_back(weight_grad(w0++, 0));
+    while (w1 < M) o.push_back(weight_grad(w1++, 1));
+    while (w0 < M) o.push_back(weight_grad(w0++, 0));
+  }
+  return with_messages({P, M, 2, StageOrder::vee}, order);
+}
+
+}  // namespace fived::pipeline

@@ -1,0 +1,102 @@
+#pragma once
+// Proven<S>: the proofs of verify() as static_asserts, one sentence per
+// property, and the schedule's numbers as constants.
+//
+//   using namespace fived::pipeline::notation;
+//   struct Mine {
+//     static constexpr fived::pipeline::Table<2, 1> table{
+//         {F(0), send_act(0, 1), recv_grad(0, 1), B(0)},
+//         {recv_act(0, 0), F(0), B(0), send_grad(0, 0)}};
+//   };
+//   static_assert(fived::pipeline::proven<Mine>);   // or name Proven<Mine> anywhere
+//   Proven<Mine>::figures.bubble                    // 0.5: (P-1)/(M+P-1) with P = 2, M = 1
+//
+// S is any type with a `static constexpr Table<...> table`. Every generated
+// schedule type (schedules.hpp) derives from Proven of its table, so using
+// one proves it. A failing property stops compilation with its sentence
+// (sentences.hpp), and FirstFailure<rank, position, micro_batch, chunk> in
+// the same diagnostic says where: the rank, the index in its program (-1 when
+// an action is missing), and the stage's micro-batch and chunk.
+
+#include <array>
+#include <type_traits>
+
+#include "fived/pipeline/sentences.hpp"
+#include "fived/pipeline/simulate.hpp"
+#include "fived/pipeline/verify.hpp"
+
+namespace fived::pipeline {
+
+template <int Rank, int Position, int MicroBatch, int Chunk>
+struct FirstFailure {
+  static_assert(Rank < 0, FIVED_PIPELINE_SAYS_WHERE);
+  static constexpr bool value = true;
+};
+
+// measure() in fixed-size form, for `static constexpr` use.
+template <int P>
+struct StaticFigures {
+  int makespan = 0, blocking_makespan = 0;  // messages free (eager sends) / blocking sends
+  long long idle = 0, rank_time = 0;        // idle and total rank time (P × makespan)
+  double bubble = 0, blocking_bubble = 0;   // idle / rank_time, and the same with blocking sends
+  std::array<int, P> busy{}, peak_activations{}, peak_pending{};
+};
+
+template <int P>
+constexpr StaticFigures<P> static_figures(const Figures& f) {
+  StaticFigures<P> s{f.makespan, f.blocking_makespan, f.idle(), f.rank_time(), f.bubble(), f.blocking_bubble(), {}, {}, {}};
+  for (int r = 0; r < P; ++r) {
+    const auto u = static_cast<std::size_t>(r);
+    s.busy[u] = f.busy[u], s.peak_activations[u] = f.peak_activations[u], s.peak_pending[u] = f.peak_pending[u];
+  }
+  return s;
+}
+
+namespace detail {
+// A generator type whose own constraints fail (M < P for 1F1B, ...) has said so
+// in its static_assert; its table is then empty and not proven again.
+template <class S>
+constexpr bool admissible() {
+  if constexpr (requires { S::admissible; }) return S::admissible;
+  else return true;
+}
+}  // namespace detail
+
+template <class S>
+struct Proven {
+  using table_type = std::remove_cvref_t<decltype(S::table)>;
+  static constexpr const table_type& table = S::table;
+  static constexpr Shape shape = table_type::shape;
+  static constexpr int ranks = table_type::ranks, micro_batches = table_type::micro_batches, chunks = table_type::chunks;
+
+  static constexpr Verdict verdict = detail::admissible<S>() ? verify(S::table.schedule()) : Verdict{};
+
+  static_assert(verdict.failed != Property::shape, FIVED_PIPELINE_SAYS_SHAPE);
+  static_assert(verdict.failed != Property::well_formed, FIVED_PIPELINE_SAYS_WELL_FORMED);
+  static_assert(verdict.failed != Property::one_forward_each, FIVED_PIPELINE_SAYS_ONE_FORWARD_EACH);
+  static_assert(verdict.failed != Property::one_backward_each, FIVED_PIPELINE_SAYS_ONE_BACKWARD_EACH);
+  static_assert(verdict.failed != Property::forward_before_backward, FIVED_PIPELINE_SAYS_FORWARD_BEFORE_BACKWARD);
+  static_assert(verdict.failed != Property::input_grad_before_weight_grad,
+                FIVED_PIPELINE_SAYS_INPUT_GRAD_BEFORE_WEIGHT_GRAD);
+  static_assert(verdict.failed != Property::peers_are_neighbours, FIVED_PIPELINE_SAYS_PEERS_ARE_NEIGHBOURS);
+  static_assert(verdict.failed != Property::one_send_each, FIVED_PIPELINE_SAYS_ONE_SEND_EACH);
+  static_assert(verdict.failed != Property::one_receive_each, FIVED_PIPELINE_SAYS_ONE_RECEIVE_EACH);
+  static_assert(verdict.failed != Property::sends_after_compute, FIVED_PIPELINE_SAYS_SENDS_AFTER_COMPUTE);
+  static_assert(verdict.failed != Property::forward_after_input, FIVED_PIPELINE_SAYS_FORWARD_AFTER_INPUT);
+  static_assert(verdict.failed != Property::backward_after_gradient, FIVED_PIPELINE_SAYS_BACKWARD_AFTER_GRADIENT);
+  static_assert(verdict.failed != Property::sends_match_receives, FIVED_PIPELINE_SAYS_SENDS_MATCH_RECEIVES);
+  static_assert(verdict.failed != Property::no_crossed_sends, FIVED_PIPELINE_SAYS_NO_CROSSED_SENDS);
+  static_assert(verdict.failed != Property::progresses, FIVED_PIPELINE_SAYS_PROGRESSES);
+  static_assert(FirstFailure<verdict.rank, verdict.position, verdict.mb, verdict.chunk>::value);
+
+  static constexpr bool value = verdict.ok() && detail::admissible<S>();
+
+  // Bubble, makespan and peaks (simulate.hpp); computed when first used.
+  static constexpr StaticFigures<table_type::ranks> figures =
+      value ? static_figures<table_type::ranks>(measure(S::table.schedule())) : StaticFigures<table_type::ranks>{};
+};
+
+template <class S>
+inline constexpr bool proven = Proven<S>::value;
+
+}  // namespace fived::pipeline

@@ -1,0 +1,24 @@
+#pragma once
+// Pipeline schedules as compile-time tables, with proofs. One include for all of it:
+//
+//   action.hpp      Action: F, B, I, W, send/recv of activations and gradients; NCCL groups
+//   stages.hpp      Shape: P ranks, M micro-batches, V chunks; looped or V-shaped stages
+//   table.hpp       Schedule (run-time sizes) and Table<P, M, V, Order> (compile time); step_end
+//   dry_run.hpp     all ranks run together under blocking point-to-point, with or without time
+//   verify.hpp      verify(): the properties, the first that fails and where
+//   simulate.hpp    measure(): makespan, bubble, peak activations
+//   lower.hpp       with_messages(): compute orders to a full table with sends and receives
+//   generators.hpp  gpipe, one_f_one_b, interleaved_1f1b, zb_h1, zb_v as constexpr functions
+//   proven.hpp      Proven<S> / proven<S>: the proofs as static_asserts, the numbers as constants
+//   schedules.hpp   GPipe<P, M>, OneFOneB<P, M>, Interleaved1F1B<P, M, V>, ZBH1<P, M>, ZBV<P, M>
+
+#include "fived/pipeline/action.hpp"
+#include "fived/pipeline/dry_run.hpp"
+#include "fived/pipeline/generators.hpp"
+#include "fived/pipeline/lower.hpp"
+#include "fived/pipeline/proven.hpp"
+#include "fived/pipeline/schedules.hpp"
+#include "fived/pipeline/simulate.hpp"
+#include "fived/pipeline/stages.hpp"
+#include "fived/pipeline/table.hpp"
+#include "fived/pipeline/verify.hpp"

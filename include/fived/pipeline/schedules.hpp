@@ -1,0 +1,86 @@
+#pragma once
+// The schedules as types: a proven compile-time table per (P, M[, V]).
+//
+//   using sched = fived::pipeline::OneFOneB</*P=*/4, /*M=*/8>;
+//   sched::table.program(rank)      // what rank `rank` runs, in order (table.hpp)
+//   sched::figures.bubble           // 3/11 (simulate.hpp, proven.hpp)
+//
+// Each type checks its generator's constraints with a sentence, then derives
+// from Proven<> of its table, so naming it runs every proof at compile time.
+
+#include "fived/pipeline/generators.hpp"
+#include "fived/pipeline/proven.hpp"
+#include "fived/pipeline/sentences.hpp"
+
+namespace fived::pipeline {
+
+namespace detail {
+
+template <int P, int M>
+struct GPipeTable {
+  static constexpr bool admissible = P >= 1 && M >= 1;
+  static_assert(admissible, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
+  using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1)>;
+  static constexpr table_type table = admissible ? table_type{gpipe(P, M)} : table_type{};
+};
+
+template <int P, int M>
+struct OneFOneBTable {
+  static constexpr bool admissible = P >= 1 && M >= P;
+  static_assert(P >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
+  static_assert(M >= P, FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P);
+  using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1)>;
+  static constexpr table_type table = admissible ? table_type{one_f_one_b(P, M)} : table_type{};
+};
+
+template <int P, int M, int V>
+struct Interleaved1F1BTable {
+  static constexpr bool admissible = P >= 1 && M >= 1 && V >= 2 && M % P == 0;
+  static_assert(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
+  static_assert(V >= 2, FIVED_PIPELINE_SAYS_INTERLEAVED_NEEDS_CHUNKS);
+  static_assert(P < 1 || M % P == 0, FIVED_PIPELINE_SAYS_INTERLEAVED_NEEDS_ROUNDS);
+  using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1), (V >= 1 ? V : 1)>;
+  static constexpr table_type table = admissible ? table_type{interleaved_1f1b(P, M, V)} : table_type{};
+};
+
+template <int P, int M>
+struct ZBH1Table {
+  static constexpr bool admissible = P >= 1 && M >= P;
+  static_assert(P >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
+  static_assert(M >= P, FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P);
+  using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1)>;
+  static constexpr table_type table = admissible ? table_type{zb_h1(P, M)} : table_type{};
+};
+
+template <int P, int M>
+struct ZBVTable {
+  static constexpr bool admissible = P >= 1 && M >= 2 * P;
+  static_assert(P >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
+  static_assert(M >= 2 * P, FIVED_PIPELINE_SAYS_V_NEEDS_M_GE_2P);
+  using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1), 2, StageOrder::vee>;
+  static constexpr table_type table = admissible ? table_type{zb_v(P, M)} : table_type{};
+};
+
+}  // namespace detail
+
+// All forwards, then all backwards.
+template <int P, int M>
+struct GPipe : Proven<detail::GPipeTable<P, M>> {};
+
+// PipeDream-flush / Megatron 1F1B; needs M >= P.
+template <int P, int M>
+struct OneFOneB : Proven<detail::OneFOneBTable<P, M>> {};
+
+// Megatron's interleaved 1F1B with V chunks per rank; needs V >= 2 and M a multiple of P.
+template <int P, int M, int V>
+struct Interleaved1F1B : Proven<detail::Interleaved1F1BTable<P, M, V>> {};
+
+// Zero bubble H1: 1F1B's memory, W's moved into the cool-down; needs M >= P.
+template <int P, int M>
+struct ZBH1 : Proven<detail::ZBH1Table<P, M>> {};
+
+// ZB-V: two chunks per rank in a V; needs M >= 2P.
+template <int P, int M>
+struct ZBV : Proven<detail::ZBVTable<P, M>> {};
+
+}  // namespace fived::pipeline
