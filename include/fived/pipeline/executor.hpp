@@ -65,6 +65,9 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   using first_model = std::tuple_element_t<0, std::tuple<Models...>>;
   using T = typename first_model::value_type;
   using Device = typename first_model::device;
+  static_assert(V == 1 || std::is_same_v<Device, Host>,
+                "pipeline::Executor: on a device, every model chunk of a rank must queue its kernels on one stream, "
+                "which GPT does not share yet; use one chunk per rank (GPipe, 1F1B, ZB-H1) on CUDA for now");
 
  public:
   // shape: the schedule's ranks, micro-batches, chunks and stage order; program: rank
