@@ -33,9 +33,11 @@
 //     hold neighbouring virtual stages (the turn of a V-shaped schedule), where the table
 //     has no message: right after the forward (backward) that makes them.
 //
-// A backward split into I and W parts runs the whole backward at I (the model's backward
-// computes both gradients together) and nothing at W: every gradient is the same, but the
-// bubble a zero-bubble schedule removes by moving W is not removed yet.
+// A backward split into I and W parts calls the model's backward_input(hooks, slot) at I and
+// backward_weight(hooks, slot) at W when it has them. GPT does not yet (its backward makes
+// both gradients together): it runs the whole backward at I and nothing at W, so every
+// gradient is the same but the bubble a zero-bubble schedule removes by moving W is not
+// removed yet (bench/pipeline measures the schedules with stand-in stages that do split).
 
 #include <cstddef>
 #include <span>
@@ -49,6 +51,7 @@
 #include "fived/comm/communicator.hpp"
 #include "fived/comm/types.hpp"
 #include "fived/device/buffer.hpp"
+#include "fived/nn/unit_hooks.hpp"
 #include "fived/optim/flat_range.hpp"
 #include "fived/pipeline/action.hpp"
 #include "fived/pipeline/stages.hpp"
@@ -148,6 +151,9 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     return dp0.average(all_reduce_pp(loss_) / M_);
   }
 
+  // Activation slots chunk c holds: the most micro-batches it keeps in flight.
+  int slots(int chunk) const { return slots_.at(static_cast<std::size_t>(chunk)); }
+
  private:
   // ---- compute -----------------------------------------------------------------------------
 
@@ -174,7 +180,12 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
             model.ops().copy(model.output_grad(b_, T_), grad_in(c, k), boundary());
           const bool last = ++backwards_[static_cast<std::size_t>(c)] == M_;
           dp.begin_backward(last);
-          model.backward(dp.hooks(), k);
+          if constexpr (splits_backward<Model>) {
+            if (s.op == Op::input_grad) model.backward_input(dp.hooks(), k);
+            else model.backward(dp.hooks(), k);
+          } else {
+            model.backward(dp.hooks(), k);
+          }
           dp.end_backward();
           if constexpr (!Model::has_embedding) {
             const int prev = local_neighbour(c, -1);  // the previous stage is here: straight to it
@@ -184,7 +195,8 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
           if (s.op == Op::backward) done_with(c, s.mb);
           break;
         }
-        case Op::weight_grad:  // computed with the input part (see the top of this file)
+        case Op::weight_grad:  // else computed with the input part (see the top of this file)
+          if constexpr (splits_backward<Model>) model.backward_weight(dp.hooks(), slot(c, s.mb, false));
           done_with(c, s.mb);
           break;
         default:
@@ -243,6 +255,12 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
       pp_.all_reduce(std::span<const double>(&v, 1), std::span<double>(&v, 1), ReduceOp::sum);
     return v;
   }
+
+  template <class Model>
+  static constexpr bool splits_backward = requires(Model& m, const UnitHooks& h) {
+    m.backward_input(h, 0);
+    m.backward_weight(h, 0);
+  };
 
   // The chunk of this rank holding the virtual stage next to chunk c's (+1: after it, -1:
   // before it), or -1 when that stage is on another rank or does not exist.
