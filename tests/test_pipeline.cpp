@@ -224,6 +224,7 @@ template <int P>
 void every_schedule() {
   using namespace pipeline;
   equals_serial<GPipe<P, P>>();
+  equals_serial<GPipe<P, 2 * P>>();
   equals_serial<GPipe<P, 3 * P + 1>>();
   equals_serial<OneFOneB<P, P>>();
   equals_serial<OneFOneB<P, 2 * P>>();
@@ -231,6 +232,7 @@ void every_schedule() {
   equals_serial<Interleaved1F1B<P, P, 2>>();
   equals_serial<Interleaved1F1B<P, 2 * P, 2>>();
   equals_serial<ZBH1<P, P>>();
+  equals_serial<ZBH1<P, 2 * P>>();
   equals_serial<ZBH1<P, 3 * P + 1>>();
   equals_serial<ZBV<P, 2 * P>>();
   equals_serial<ZBV<P, 3 * P + 1>>();
@@ -238,6 +240,7 @@ void every_schedule() {
 
 }  // namespace
 
+// M in {P, 2P, 3P + 1} where the schedule allows it (interleaved: multiples of P; ZB-V: M >= 2P).
 TEST_CASE("PP 2 and 4, every schedule: loss, gradients and weights after 3 steps equal the serial model") {
   every_schedule<2>();
   every_schedule<4>();
