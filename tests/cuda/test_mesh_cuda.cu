@@ -25,8 +25,6 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
-#include <cstdio>
-#include <exception>
 #include <random>
 #include <span>
 #include <string>
@@ -40,7 +38,7 @@
 #include <fived/nn/gpt.hpp>
 #include <fived/train/data_parallel.hpp>
 
-#include "gpu_support.hpp"
+#include "nccl_test_main.hpp"
 #include "../support/compare.hpp"
 
 using namespace fived;
@@ -72,11 +70,6 @@ void global_batch(int step, int n, std::vector<int>& tok, std::vector<int>& tgt)
 
 using Serial = GPT<cfg>;  // the serial layout every comparison is made in
 
-// The launch's world, joined once per process in main (and destroyed before main returns,
-// while CUDA is still up); each mesh gets a copy of it (a split), so one process can build
-// several contexts.
-nccl::Comm* the_world = nullptr;
-nccl::Comm& world() { return *the_world; }
 
 template <class A, class B_>
 double tensor_l2_error(const std::vector<A>& got, const std::vector<B_>& ref, const ParamInfo& t) {
@@ -94,7 +87,7 @@ void parallel_equals_serial() {
   using Par = GPT<cfg, M, E, Cuda, SP>;
   using Ser = GPT<cfg, Mesh<>, E, Cuda>;
   constexpr Bounds bound = bounds<E>;
-  auto ctx = make_mesh_context<M>(world().split(0, world().rank(), "world"));
+  auto ctx = make_mesh_context<M>(test::world().split(0, test::world().rank(), "world"));
   CAPTURE(ctx.rank());
   std::vector<int> tok, tgt;
 
@@ -167,19 +160,4 @@ TEST_CASE("DP 2 x TP 2 with ZeRO-1 equals serial on CUDA: 4 ranks") {
   parallel_equals_serial<M, ZeRO<1>, bf16, SequenceParallel>();
 }
 
-int main(int argc, char** argv) {
-  if (test::gpu_count() == 0) {
-    std::puts("test_mesh_cuda: no CUDA device, skipping");
-    return test::skip_code;
-  }
-  try {
-    nccl::Comm w = nccl::init_world();
-    the_world = &w;
-    doctest::Context ctx;
-    ctx.applyCommandLine(argc, argv);
-    return ctx.run();
-  } catch (const std::exception& e) {
-    std::printf("test_mesh_cuda: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return test::nccl_doctest_main(argc, argv, "test_mesh_cuda"); }

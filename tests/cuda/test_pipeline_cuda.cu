@@ -8,8 +8,6 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
-#include <cstdio>
-#include <exception>
 #include <random>
 #include <vector>
 
@@ -23,7 +21,7 @@
 #include <fived/pipeline/stage_layers.hpp>
 #include <fived/train/data_parallel.hpp>
 
-#include "gpu_support.hpp"
+#include "nccl_test_main.hpp"
 
 using namespace fived;
 
@@ -40,8 +38,6 @@ using Stage = GPT<cfg, PPMesh, float, Cuda, NoSequenceParallel, StageLayers<cfg,
 constexpr int B = 4, T = 16, steps = 3;
 const GptInit init{7, 0.05};
 const AdamWConfig hp{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-2f, .weight_decay = 0.1f, .max_norm = 0.5f};
-
-nccl::Comm* the_world = nullptr;
 
 void global_batch(int step, int n, std::vector<int>& tok, std::vector<int>& tgt) {
   std::mt19937 rng(1000u + static_cast<unsigned>(step));
@@ -81,7 +77,7 @@ void run_stage(MeshContext<PPMesh, nccl::Comm>& ctx) {
 
 template <class Sched>
 void pipeline_equals_serial() {
-  auto ctx = make_mesh_context<PPMesh>(the_world->split(0, the_world->rank(), "world"));
+  auto ctx = make_mesh_context<PPMesh>(test::world().split(0, test::world().rank(), "world"));
   if (ctx.coord()[Axis::pp] == 0) run_stage<Sched, 0>(ctx);
   else run_stage<Sched, 1>(ctx);
 }
@@ -93,19 +89,4 @@ TEST_CASE("PP 2 on CUDA: GPipe and 1F1B equal the serial CUDA model") {
   pipeline_equals_serial<pipeline::OneFOneB<2, 4>>();
 }
 
-int main(int argc, char** argv) {
-  if (test::gpu_count() == 0) {
-    std::puts("test_pipeline_cuda: no CUDA device, skipping");
-    return test::skip_code;
-  }
-  try {
-    nccl::Comm w = nccl::init_world();
-    the_world = &w;
-    doctest::Context ctx;
-    ctx.applyCommandLine(argc, argv);
-    return ctx.run();
-  } catch (const std::exception& e) {
-    std::printf("test_pipeline_cuda: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return test::nccl_doctest_main(argc, argv, "test_pipeline_cuda"); }
