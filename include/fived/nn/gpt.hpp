@@ -10,11 +10,14 @@
 //   auto ctx = fived::make_mesh_context<Mesh<TP<4>>>(world);       // one rank of a TP group
 //   fived::GPT<tiny, Mesh<TP<4>>, float, Host, SequenceParallel> tp_model(ctx, GptInit{.seed = 42});
 //
-// GPT<Cfg, M, T, Device, SP>: the configuration, the mesh (only its TP axis shapes the model;
-// data parallelism is the trainer's, train/data_parallel.hpp), the element type, the device
-// and the sequence-parallel policy. Every collective is a call on AxisComm<M, Axis::tp>,
-// which compiles to nothing at TP 1: GPT<Cfg, Mesh<>> is the serial model, with no
-// communicator at all.
+// GPT<Cfg, M, T, Device, SP, Part>: the configuration, the mesh (its TP axis shapes the
+// model; data parallelism is the trainer's, train/data_parallel.hpp; pipeline stages are
+// the executor's, pipeline/executor.hpp), the element type, the device, the
+// sequence-parallel policy and the part of the layers this object holds (AllLayers, or a
+// pipeline stage's Layers<first, count>: see the boundary functions input/output/
+// output_grad/input_grad). Every collective is a call on AxisComm<M, Axis::tp>, which
+// compiles to nothing at TP 1: GPT<Cfg, Mesh<>> is the serial model, with no communicator
+// at all.
 //
 // Blocks are pre-LayerNorm:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x));
 // logits = ln_f(x) · wte^T (tied; lm_head^T when untied), over the padded vocabulary split
