@@ -68,7 +68,6 @@ TEST_CASE("stage layers: the balanced cut is optimal") {
 // ---- the executor against the serial model ---------------------------------------------------
 
 #include <cmath>
-#include <random>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -79,6 +78,7 @@ TEST_CASE("stage layers: the balanced cut is optimal") {
 #include "fived/pipeline/executor.hpp"
 #include "fived/pipeline/schedules.hpp"
 #include "fived/train/data_parallel.hpp"
+#include "support/batches.hpp"
 
 namespace {
 
@@ -90,12 +90,7 @@ const GptInit init{11, 0.05};
 const AdamWConfig hp{.lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.1f, .max_norm = 0.5f};
 
 void global_batch(int step, int micro, std::vector<int>& tok, std::vector<int>& tgt) {
-  std::mt19937 rng(500u + static_cast<unsigned>(step));
-  std::uniform_int_distribution<int> d(0, model_cfg::vocab - 1);
-  tok.resize(static_cast<std::size_t>(micro) * B * T);
-  tgt.resize(tok.size());
-  for (int& t : tok) t = d(rng);
-  for (std::size_t i = 0; i < tok.size(); ++i) tgt[i] = (tok[i] * 5 + 1) % model_cfg::vocab;
+  test::global_batch(step, micro, B, T, model_cfg::vocab, tok, tgt);
 }
 
 struct Result {

@@ -25,7 +25,6 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
-#include <random>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -39,6 +38,7 @@
 #include <fived/train/data_parallel.hpp>
 
 #include "nccl_test_main.hpp"
+#include "../support/batches.hpp"
 #include "../support/compare.hpp"
 
 using namespace fived;
@@ -58,14 +58,8 @@ struct Bounds {
 template <class E>
 constexpr Bounds bounds = std::is_same_v<E, bf16> ? Bounds{2e-2, 5e-2, 5e-2} : Bounds{1e-4, 1e-3, 1e-3};
 
-// The global batch of a step (the same on every rank): n micro-batches of [B, T].
 void global_batch(int step, int n, std::vector<int>& tok, std::vector<int>& tgt) {
-  std::mt19937 rng(1000u + static_cast<unsigned>(step));
-  std::uniform_int_distribution<int> d(0, cfg::vocab - 1);
-  tok.resize(static_cast<std::size_t>(n) * B * T);
-  tgt.resize(tok.size());
-  for (int& t : tok) t = d(rng);
-  for (std::size_t i = 0; i < tok.size(); ++i) tgt[i] = (tok[i] * 7 + 3) % cfg::vocab;
+  test::global_batch(step, n, B, T, cfg::vocab, tok, tgt);
 }
 
 using Serial = GPT<cfg>;  // the serial layout every comparison is made in

@@ -8,7 +8,6 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
-#include <random>
 #include <vector>
 
 #include <fived/comm/nccl.hpp>
@@ -22,6 +21,7 @@
 #include <fived/train/data_parallel.hpp>
 
 #include "nccl_test_main.hpp"
+#include "../support/batches.hpp"
 
 using namespace fived;
 
@@ -40,12 +40,7 @@ const GptInit init{7, 0.05};
 const AdamWConfig hp{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-2f, .weight_decay = 0.1f, .max_norm = 0.5f};
 
 void global_batch(int step, int n, std::vector<int>& tok, std::vector<int>& tgt) {
-  std::mt19937 rng(1000u + static_cast<unsigned>(step));
-  std::uniform_int_distribution<int> d(0, cfg::vocab - 1);
-  tok.resize(static_cast<std::size_t>(n) * B * T);
-  tgt.resize(tok.size());
-  for (int& t : tok) t = d(rng);
-  for (std::size_t i = 0; i < tok.size(); ++i) tgt[i] = (tok[i] * 7 + 3) % cfg::vocab;
+  test::global_batch(step, n, B, T, cfg::vocab, tok, tgt);
 }
 
 template <class Sched, int stage>
