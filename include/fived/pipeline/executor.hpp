@@ -55,6 +55,7 @@
 #include "fived/optim/flat_range.hpp"
 #include "fived/pipeline/action.hpp"
 #include "fived/pipeline/stages.hpp"
+#include "fived/pipeline/table.hpp"
 
 namespace fived::pipeline {
 
@@ -131,15 +132,11 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
       for (int k = slots_[static_cast<std::size_t>(c)]; k-- > 0;) free_[static_cast<std::size_t>(c)].push_back(k);
     loss_ = 0;
 
-    for (std::size_t i = 0; i < program_.size();) {
-      if (!is_comm(program_[i].op)) {
-        compute(program_[i]);
-        ++i;
-        continue;
-      }
-      std::size_t e = i + 1;
-      while (e < program_.size() && is_comm(program_[e].op) && program_[e].joins_previous) ++e;
-      exchange(i, e);
+    const std::span<const Action> program(program_);
+    for (int i = 0; i < static_cast<int>(program.size());) {  // a compute action, or one comm group
+      const int e = step_end(program, i);
+      if (is_comm(program[static_cast<std::size_t>(i)].op)) exchange(static_cast<std::size_t>(i), static_cast<std::size_t>(e));
+      else compute(program[static_cast<std::size_t>(i)]);
       i = e;
     }
 
