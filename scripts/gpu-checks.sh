@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The checks fived owes a GPU, for a session that is lent one (the device tool: 30 minutes
+# of device time, 10 per command, 8 files back, no network there).
+#
+#   here, once:        bash scripts/gpu-checks.sh prepare
+#                      (copies this machine's doctest into .gpu/, which git ignores: the
+#                      GPU machine has no doctest and cannot fetch one)
+#   on the GPU, with carry [".gpu"]:
+#                      bash scripts/gpu-checks.sh build "$OUT"   # configure for sm_90, build everything
+#                      bash scripts/gpu-checks.sh test "$OUT"    # ctest -L cuda
+#                      bash scripts/gpu-checks.sh bench "$OUT"   # every GPU benchmark, one table file each
+#                      (or "all", when the three fit one command)
+#
+# Each stage appends to a log under the given folder ($OUT on the device) and goes on
+# after a failure, so one call brings back everything it could run; the exit status is
+# that of the last failure. Build folder: build-gpu (BUILD_DIR to change).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+stage=${1:?usage: gpu-checks.sh prepare | build OUT | test OUT | bench OUT | all OUT}
+out=${2:-gpu-out}
+build=${BUILD_DIR:-build-gpu}
+status=0
+
+run() {  # run LOG COMMAND...: the command's output appended to LOG, its status remembered
+  local log=$1
+  shift
+  echo "\$ $*" >>"$log"
+  "$@" >>"$log" 2>&1
+  local rc=$?
+  echo "[exit $rc]" >>"$log"
+  ((rc == 0)) || status=$rc
+}
+
+prepare() {
+  mkdir -p .gpu/doctest
+  cp -r /usr/include/doctest .gpu/doctest/include
+  cp -r /usr/lib/cmake/doctest .gpu/doctest/cmake
+  local exclude
+  exclude=$(git rev-parse --git-path info/exclude)
+  mkdir -p "$(dirname "$exclude")"
+  grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
+  echo "gpu-checks: doctest copied to .gpu/doctest; carry \".gpu\" in the device call"
+}
+
+build() {
+  mkdir -p "$out"
+  if [ -d .gpu/doctest ] && [ ! -d /usr/include/doctest ]; then  # as root on the GPU machine
+    cp -r .gpu/doctest/include /usr/include/doctest && cp -r .gpu/doctest/cmake /usr/lib/cmake/doctest
+  fi
+  run "$out/build.log" nvidia-smi
+  run "$out/build.log" cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90
+  run "$out/build.log" cmake --build "$build" --parallel "$(nproc)"
+}
+
+test_cuda() {
+  mkdir -p "$out"
+  run "$out/ctest-cuda.log" ctest --test-dir "$build" -L cuda --output-on-failure --timeout 300
+}
+
+bench() {
+  mkdir -p "$out"
+  local b=$build/bench
+  run "$out/bench-kernels.txt" "$b/kernels"
+  run "$out/bench-train-step.txt" "$b/train_step"
+  run "$out/bench-train-step.txt" python3 bench/train_step_pytorch.py
+  run "$out/bench-train-step.txt" python3 bench/train_step_pytorch.py --compile
+  run "$out/bench-overlap.txt" bash scripts/launch-local.sh 2 "$b/overlap"
+  run "$out/bench-collectives.txt" bash scripts/launch-local.sh 4 "$b/collectives_nccl"
+  run "$out/train-gpt-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --steps 60
+}
+
+case $stage in
+  prepare) prepare ;;
+  build) build ;;
+  test) test_cuda ;;
+  bench) bench ;;
+  all) build; test_cuda; bench ;;
+  *) echo "gpu-checks.sh: unknown stage '$stage' (prepare, build, test, bench, all)" >&2; exit 2 ;;
+esac
+exit $status
