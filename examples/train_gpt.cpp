@@ -219,7 +219,7 @@ class Progress {
     char vbuf[16] = "-";
     if (val_due(step)) std::snprintf(vbuf, sizeof vbuf, "%.4f", val);
     std::printf("%6d %9.4f %9s %12.0f %9.1f", step, loss_ / n_, vbuf, tokens_ / seconds_, 1e3 * seconds_ / n_);
-    if (flops_ > 0) std::printf(" %8.3f", 100.0 * flops_ * tokens_ / seconds_ / (opt_.peak_tflops * 1e12));
+    if (flops_ > 0) std::printf(" %8.3g", 100.0 * flops_ * tokens_ / seconds_ / (opt_.peak_tflops * 1e12));
     std::printf("\n");
     std::fflush(stdout);
     tokens_ = seconds_ = loss_ = 0;
@@ -436,8 +436,9 @@ int main(int argc, char** argv) {
   if (!opt.host && fived::cuda::device_count() > 0) {
     cudaDeviceProp prop{};
     FIVED_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    const std::string gpu = std::string("CUDA backend (") + prop.name + ", fp32; MFU of " +
-                            std::to_string(opt.peak_tflops) + " TFLOP/s per GPU)";
+    char peak[32];
+    std::snprintf(peak, sizeof peak, "%g", opt.peak_tflops);
+    const std::string gpu = std::string("CUDA backend (") + prop.name + ", fp32; MFU of " + peak + " TFLOP/s per GPU)";
     // Launched as several processes (scripts/launch-local.sh 4 ..., torchrun, mpirun): the mesh over NCCL.
     if (fived::launch_env().world_size > 1) return train_mesh<fived::Cuda>(opt, data, split, gpu + ", NCCL");
     return train<fived::Cuda>(opt, data, split, gpu + ", one rank");

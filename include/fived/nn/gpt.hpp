@@ -328,6 +328,12 @@ class GPT {
     }
     return a.loss;
   }
+  // The same loss, times the slot's rows, added to ops().loss_sum() without waiting: for a
+  // caller that must keep issuing work (a pipeline's last stage) and reads once at the end.
+  void add_to_loss_sum(int slot) {
+    const Slot& a = slots_.at(static_cast<std::size_t>(slot));
+    ops_.add_loss_sum(a.head.max.data(), a.head.sumexp.data(), a.head.target.data(), a.B * a.T_);
+  }
 
   // Accumulates the gradient of the slot's last forward's mean loss into grads(). Hooks
   // (nn/unit_hooks.hpp): before_backward(u) before unit u's parameters are read or its

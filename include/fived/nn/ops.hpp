@@ -33,6 +33,9 @@
 //   double mean_loss(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N)
 //       mean over i of log(sumexp[i]) + max[i] - target[i], summed in double (waits for
 //       the device on CUDA)
+//   begin_loss_sum(); add_loss_sum(max, sumexp, target, N) ...; double loss_sum()
+//       the same sum over i, accumulated on the device in double without waiting; the
+//       last call waits (a pipeline's last stage must not block between its actions)
 //   void write_from_host(buffer<U>& b, F f)    f(std::span<U>) fills all of b in host memory
 //   void read_to_host(const buffer<U>& b, F f) f(std::span<const U>) reads b in host memory
 //   std::vector<U> to_host(std::span<const U> device_span)
@@ -143,6 +146,13 @@ struct Ops<T, Host> {
   void add_sum_of_squares(const T* g, std::size_t n) { sumsq_ += kernels::host::sum_of_squares(g, n); }
   double sum_of_squares() const { return sumsq_; }
 
+  // The loss of every row added since begin_loss_sum(), in double.
+  void begin_loss_sum() { loss_sum_ = 0; }
+  void add_loss_sum(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N) {
+    loss_sum_ += kernels::host::loss_sum(max, sumexp, target, N);
+  }
+  double loss_sum() const { return loss_sum_; }
+
   // ---- memory and staging ----------------------------------------------------------------------
 
   template <class U>
@@ -184,6 +194,7 @@ struct Ops<T, Host> {
 
  private:
   double sumsq_ = 0;
+  double loss_sum_ = 0;
 };
 
 }  // namespace fived

@@ -124,13 +124,15 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     b_ = static_cast<int>(mine.size()), T_ = seq;
     tokens_ = tokens, targets_ = targets, row0_ = mine.begin, B_ = B;
     reserve_boundaries();
-    for_each_chunk([&]<int c>(auto&, auto& dp) { dp.begin_step(); });
+    for_each_chunk([&]<int c>(auto& model, auto& dp) {
+      dp.begin_step();
+      if constexpr (std::remove_reference_t<decltype(model)>::has_head) model.ops().begin_loss_sum();
+    });
     std::fill(backwards_.begin(), backwards_.end(), 0);
     std::fill(slot_of_.begin(), slot_of_.end(), -1);
     for (auto& f : free_) f.clear();
     for (int c = 0; c < V; ++c)
       for (int k = slots_[static_cast<std::size_t>(c)]; k-- > 0;) free_[static_cast<std::size_t>(c)].push_back(k);
-    loss_ = 0;
 
     const std::span<const Action> program(program_);
     for (int i = 0; i < static_cast<int>(program.size());) {  // a compute action, or one comm group
@@ -140,12 +142,20 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
       i = e;
     }
 
-    for_each_chunk([&]<int c>(auto&, auto& dp) { dp.end_micro_batches(); });
+    // The host waited for no device work until here: a rank blocked on its device while its
+    // neighbour needs it inside NCCL (a p2p connection is set up at first use, by both hosts)
+    // would hang the pipeline.
+    double loss = 0;
+    for_each_chunk([&]<int c>(auto& model, auto& dp) {
+      dp.end_micro_batches();
+      if constexpr (std::remove_reference_t<decltype(model)>::has_head)
+        loss = model.ops().loss_sum() / (static_cast<double>(b_) * T_);
+    });
     double sumsq = 0;
     for_each_chunk([&]<int c>(auto&, auto& dp) { sumsq += dp.grad_sum_of_squares(); });
     sumsq = all_reduce_pp(sumsq);
     for_each_chunk([&]<int c>(auto&, auto& dp) { dp.update(sumsq); });
-    return dp0.average(all_reduce_pp(loss_) / M_);
+    return dp0.average(all_reduce_pp(loss) / M_);
   }
 
   // Activation slots chunk c holds: the most micro-batches it keeps in flight.
@@ -162,7 +172,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
           const int k = slot(c, s.mb, true);
           const std::size_t off = row_offset(s.mb);
           model.enqueue_forward(tokens_.data() + off, targets_.data() + off, b_, T_, dp.hooks(), k);
-          if constexpr (Model::has_head) loss_ += model.loss(k);
+          if constexpr (Model::has_head) model.add_to_loss_sum(k);  // read after the program
           else if (const int next = local_neighbour(c, +1); next >= 0)  // the next stage is here
             visit_chunk(next, [&]<int n>(auto& to, auto&) {
               if constexpr (requires { to.input(0, 1, 1); })
@@ -392,7 +402,6 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   std::span<const int> tokens_, targets_;
   std::size_t row0_ = 0;
   int B_ = 0, b_ = 0, T_ = 0;
-  double loss_ = 0;
 };
 
 template <class... Models, class... Trainers, Communicator C>

@@ -7,6 +7,7 @@
 //   crossentropy_partials(s, sumexp, target_logit, logits, targets, max, N, Vs, offset, V)
 //   crossentropy_backward(s, losses, dlogits, logits, targets, max, sumexp, target_logit, N, Vs, offset, V, dloss)
 //   crossentropy_forward_backward(s, losses, dlogits, logits, targets, N, Vp, V, dloss)
+//   add_loss_sum(s, sum, max, sumexp, target_logit, N)   *sum += host::loss_sum(...) (double, device memory)
 // dlogits may alias logits (each element is read, then overwritten, by one
 // thread). losses or dlogits may be null (that output is skipped). One block per row, float accumulation.
 // The convenience is one fused kernel (online max / sum-of-exp in one read, then
@@ -107,6 +108,23 @@ __global__ void crossentropy_fused_kernel(float* losses, T* dlogits, const T* lo
   }
 }
 
+// One block: each thread sums its rows in double, then a fixed-order tree (no atomics, so the
+// result does not vary run to run).
+template <int Threads>
+__global__ void add_loss_sum_kernel(double* sum, const float* max, const float* sumexp, const float* target_logit, int N) {
+  __shared__ double part[Threads];
+  double s = 0;
+  for (int i = static_cast<int>(threadIdx.x); i < N; i += Threads)
+    s += log(static_cast<double>(sumexp[i])) + static_cast<double>(max[i]) - static_cast<double>(target_logit[i]);
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int half = Threads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) part[threadIdx.x] += part[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *sum += part[0];
+}
+
 inline void check_ce_sizes(const char* kernel, int N, int Vs, int offset, int V) {
   require_non_negative(kernel, "N", N);
   require_non_negative(kernel, "Vs", Vs);
@@ -146,6 +164,15 @@ void crossentropy_backward(cudaStream_t stream, float* losses, T* dlogits, const
   detail::crossentropy_backward_kernel<<<static_cast<unsigned>(N), detail::ce_block, 0, stream>>>(
       losses, dev(dlogits), dev(logits), targets, max, sumexp, target_logit, Vs, offset, V, dloss);
   FIVED_CUDA_CHECK_LAUNCH("crossentropy_backward_kernel");
+}
+
+// The loss of N rows from their statistics, added to *sum on the device: the host reads it
+// once, after the work that needs no wait (a pipeline stage keeps issuing its schedule).
+inline void add_loss_sum(cudaStream_t stream, double* sum, const float* max, const float* sumexp,
+                         const float* target_logit, int N) {
+  if (N <= 0) return;
+  detail::add_loss_sum_kernel<256><<<1, 256, 0, stream>>>(sum, max, sumexp, target_logit, N);
+  FIVED_CUDA_CHECK_LAUNCH("add_loss_sum_kernel");
 }
 
 template <class T>

@@ -133,14 +133,18 @@ void crossentropy_forward_backward(float* losses, T* dlogits, const T* logits, c
   crossentropy_backward(losses, dlogits, logits, targets, m.data(), s.data(), tl.data(), N, Vp, 0, V, dloss);
 }
 
-// The mean over rows of log(sumexp[i]) + max[i] - target[i] (the loss from the three
-// statistics), summed in double.
+// The sum over rows of log(sumexp[i]) + max[i] - target[i] (the loss from the three
+// statistics), in double; mean_loss divides it by the rows.
 template <class A>
-double mean_loss(const A* max, const A* sumexp, const A* target, int N) {
+double loss_sum(const A* max, const A* sumexp, const A* target, int N) {
   double sum = 0;
   for (std::size_t i = 0; i < static_cast<std::size_t>(N); ++i)
     sum += std::log(static_cast<double>(sumexp[i])) + static_cast<double>(max[i]) - static_cast<double>(target[i]);
-  return N > 0 ? sum / static_cast<double>(N) : 0.0;
+  return sum;
+}
+template <class A>
+double mean_loss(const A* max, const A* sumexp, const A* target, int N) {
+  return N > 0 ? loss_sum(max, sumexp, target, N) / static_cast<double>(N) : 0.0;
 }
 
 }  // namespace fived::kernels::host

@@ -104,7 +104,7 @@ struct Ops<T, Cuda> {
   using buffer = Buffer<U, Cuda>;
   using Epilogue = kernels::cuda::Epilogue;
 
-  Ops() : lt_(stream_.get()), sumsq_(1) {}
+  Ops() : lt_(stream_.get()), sumsq_(1), loss_sum_(1) {}
   Ops(Ops&&) noexcept = default;  // the stream handle moves with its CublasLt
   Ops& operator=(Ops&&) noexcept = default;
 
@@ -174,6 +174,18 @@ struct Ops<T, Cuda> {
     copy_to_host(&h, sumsq_.data(), 1);
     synchronize();
     return static_cast<double>(h);
+  }
+  // The loss of every row added since begin_loss_sum(), accumulated in double on the device;
+  // loss_sum() reads it back (waits for the stream, once).
+  void begin_loss_sum() { loss_sum_.zero(stream()); }
+  void add_loss_sum(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N) {
+    kernels::cuda::add_loss_sum(stream(), loss_sum_.data(), max, sumexp, target, N);
+  }
+  double loss_sum() const {
+    double h = 0;
+    copy_to_host(&h, loss_sum_.data(), 1);
+    synchronize();
+    return h;
   }
   void to_fp32(float* dst, const T* src, std::size_t n) { kernels::cuda::to_fp32(stream(), dst, src, n); }
   template <class U>
@@ -259,6 +271,7 @@ struct Ops<T, Cuda> {
   cuda::Stream stream_;
   kernels::cuda::CublasLt lt_;
   Buffer<float, Cuda> sumsq_;  // sum_of_squares' device-side accumulator
+  Buffer<double, Cuda> loss_sum_;  // loss_sum's
   ops_detail::PinnedStaging staging_[2];
   int next_staging_ = 0;
 };
