@@ -57,7 +57,10 @@ struct SleepStage {
   using device = fived::Host;
   static constexpr bool has_embedding = Embedding, has_head = Head;
   struct Ops {
+    double losses = 0;
     void copy(float* dst, const float* src, std::size_t n) { std::copy_n(src, n, dst); }
+    void begin_loss_sum() { losses = 0; }
+    double loss_sum() const { return losses; }
     template <class U>
     fived::Buffer<U, fived::Host> make_buffer(std::size_t n) {
       return fived::Buffer<U, fived::Host>(n);
@@ -69,10 +72,11 @@ struct SleepStage {
   float grad = 0;
 
   static std::size_t boundary_size(int, int) { return 1; }
+  static int local_length(int T) { return T; }
   Ops& ops() { return ops_; }
   void set_slots(int k) { acts.assign(static_cast<std::size_t>(k), 0.0f); }
   void enqueue_forward(const int*, const int*, int, int, const fived::UnitHooks&, int) { busy->work(1); }
-  double loss(int) const { return 1.0; }
+  void add_to_loss_sum(int) { ops_.losses += 1.0; }
   void backward(const fived::UnitHooks&, int) { busy->work(2); }
   void backward_input(const fived::UnitHooks&, int) { busy->work(1); }
   void backward_weight(const fived::UnitHooks&, int) { busy->work(1); }
@@ -88,6 +92,7 @@ struct NoTrainer {
   fived::UnitHooks none;
   static fived::FlatRange rows(int, int B) { return {0, static_cast<std::size_t>(B)}; }
   int rank() const { return 0; }
+  int data_rank() const { return 0; }
   int accum() const { return M; }
   void begin_step() {}
   const fived::UnitHooks& hooks() const { return none; }

@@ -56,7 +56,8 @@ class GroupComm {
 #define FIVED_GROUP_COMM_OPS(E)                                                     \
   virtual void all_reduce(std::span<E> buf, ReduceOp op) = 0;                       \
   virtual void all_gather(std::span<const E> send, std::span<E> recv) = 0;          \
-  virtual void reduce_scatter(std::span<const E> send, std::span<E> recv, ReduceOp op) = 0;
+  virtual void reduce_scatter(std::span<const E> send, std::span<E> recv, ReduceOp op) = 0; \
+  virtual void send_recv(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) = 0;
   FIVED_GROUP_COMM_OPS(float)
   FIVED_GROUP_COMM_OPS(double)
   FIVED_GROUP_COMM_OPS(bf16)
@@ -86,6 +87,9 @@ class GroupCommOf final : public GroupComm {
   void all_gather(std::span<const E> send, std::span<E> recv) override { c_.all_gather(send, recv); }               \
   void reduce_scatter(std::span<const E> send, std::span<E> recv, ReduceOp op) override {                           \
     c_.reduce_scatter(send, recv, op);                                                                               \
+  }                                                                                                                  \
+  void send_recv(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) override {                    \
+    c_.send_recv(sends, recvs);                                                                                      \
   }
   FIVED_GROUP_COMM_OPS(float)
   FIVED_GROUP_COMM_OPS(double)
@@ -149,6 +153,11 @@ class MeshComm {
   void reduce_scatter(std::span<const std::type_identity_t<E>> send, std::span<E> recv, ReduceOp op = ReduceOp::sum) {
     if constexpr (size > 1) comm_->reduce_scatter(send, recv, op);
     else same_buffer(send, recv, "reduce_scatter");
+  }
+  // Grouped point-to-point within the group (peers are group ranks); nothing at extent 1.
+  template <class E>
+  void send_recv(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) {
+    if constexpr (size > 1) comm_->send_recv(sends, recvs);
   }
 
  private:

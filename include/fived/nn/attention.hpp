@@ -4,7 +4,8 @@
 //   c_attn  ColumnParallel, the fused [q|k|v] projection [C, 3C] placed as three blocks
 //           each split by heads (TpSplit{1, 3}), so rank r's output [N, 3C/TP] is the
 //           [q|k|v] of heads [r*NH/TP, (r+1)*NH/TP): the layout the attention kernel reads
-//   core    causal attention of the local heads over whole sequences (no collective)
+//   core    causal attention of the local heads over whole sequences (no collective), or
+//           with context parallelism over the CP ring (nn/ring_attention.hpp)
 //   c_proj  RowParallel [C, C] -> the stream
 //
 // Per step on the TP group: without SP one all-reduce forward and one backward; with SP an
@@ -16,6 +17,7 @@
 #include "fived/device/buffer.hpp"
 #include "fived/nn/linear.hpp"
 #include "fived/nn/param_table.hpp"
+#include "fived/nn/ring_attention.hpp"
 
 namespace fived {
 
@@ -36,6 +38,8 @@ struct Attention {
                 "tensor parallelism splits the attention heads over TP: the number of heads must be a multiple of the "
                 "TP extent (change heads in the config, or use a TP that divides it)");
   static constexpr int local_heads = Heads / S::tp;
+  using Ring = RingAttention<S, local_heads>;
+  using RingWork = typename Ring::Work;  // shared by the slots; allocated only under CP
 
   struct Saved {
     Buffer<T, typename S::device> x_full;  // SP: the gathered input (c_attn's dW)
@@ -54,22 +58,26 @@ struct Attention {
   };
 
   // y (the stream's rows) = c_proj(attention(c_attn(x))); x is ln_1's output. partial: [N, C] when SP.
-  static void forward(S& s, Saved& a, T* y, const T* x, Params p, int C, T* partial) {
+  static void forward(S& s, Saved& a, RingWork& ring, T* y, const T* x, Params p, int C, T* partial) {
     const int Cl = C / S::tp;
     const T* x_full = s.gather_rows(x, a.x_full.data(), C);
     ColumnParallel<S>::forward(s, a.qkv.data(), x_full, p.qkv_w, p.qkv_b, C, 3 * Cl);
-    s.ops.attention_forward(a.atty.data(), a.lse.data(), a.qkv.data(), s.B, s.T_, Cl, local_heads);
+    if constexpr (S::cp > 1) Ring::forward(s, ring, a.atty.data(), a.lse.data(), a.qkv.data(), Cl);
+    else s.ops.attention_forward(a.atty.data(), a.lse.data(), a.qkv.data(), s.B, s.T_, Cl, local_heads);
     RowParallel<S>::forward(s, y, a.atty.data(), p.proj_w, p.proj_b, Cl, C, partial);
   }
 
   // dx (the stream's rows, "=") from dy; gradients "+=". x: ln_1's output, as in forward.
   // Work buffers: datty [N, C/TP], dqkv [N, 3C/TP], full [N, C] when SP (dy's rows, then dx's partial).
-  static void backward(S& s, T* dx, Params g, const T* dy, const T* x, const Saved& a, Params p, int C, T* datty,
-                       T* dqkv, T* full) {
+  static void backward(S& s, RingWork& ring, T* dx, Params g, const T* dy, const T* x, const Saved& a, Params p, int C,
+                       T* datty, T* dqkv, T* full) {
     const int Cl = C / S::tp;
     const T* x_full = S::sp ? a.x_full.data() : x;
     RowParallel<S>::backward(s, datty, g.proj_w, g.proj_b, dy, a.atty.data(), p.proj_w, Cl, C, full);
-    s.ops.attention_backward(dqkv, datty, a.qkv.data(), a.atty.data(), a.lse.data(), s.B, s.T_, Cl, local_heads);
+    if constexpr (S::cp > 1)
+      Ring::backward(s, ring, dqkv, datty, a.qkv.data(), a.atty.data(), a.lse.data(), Cl);
+    else
+      s.ops.attention_backward(dqkv, datty, a.qkv.data(), a.atty.data(), a.lse.data(), s.B, s.T_, Cl, local_heads);
     ColumnParallel<S>::backward(s, dx, g.qkv_w, g.qkv_b, dqkv, x_full, p.qkv_w, C, 3 * Cl, full);
   }
 };

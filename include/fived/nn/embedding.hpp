@@ -29,18 +29,29 @@ struct Embedding {
 
   // x (the stream's rows, "=") from tokens [N] (device memory, every rank all of them).
   // partial: [N, C] when SP.
+  // Per chunk of the sequence (context parallelism: nn/stream.hpp), its positions' rows of wpe.
   static void forward(S& s, T* x, const int* tokens, const T* wte, const T* wpe, int Vp, int C, T* partial) {
-    const int rows = Vp / S::tp;
+    const int rows = Vp / S::tp, n = s.chunk_length();
     T* p = s.partial_buffer(x, partial);
-    s.ops.embedding_forward(p, tokens, wte, s.rank() * rows, rows, s.rank() == 0 ? wpe : static_cast<const T*>(nullptr),
-                            s.B, s.T_, C);
+    for (int c = 0; c < S::chunks; ++c) {
+      const std::size_t first = static_cast<std::size_t>(c) * static_cast<std::size_t>(s.B) * static_cast<std::size_t>(n);
+      const T* pos = s.rank() == 0 ? wpe + static_cast<std::size_t>(s.chunk_position(c)) * static_cast<std::size_t>(C)
+                                   : static_cast<const T*>(nullptr);
+      s.ops.embedding_forward(p + first * static_cast<std::size_t>(C), tokens + first, wte, s.rank() * rows, rows, pos,
+                              s.B, n, C);
+    }
     s.reduce_rows(p, x, C);
   }
   // dwte (this rank's rows), dwpe "+=" from dx (the stream's rows). gather: [N, C] when SP.
   static void backward(S& s, T* dwte, T* dwpe, const T* dx, const int* tokens, int Vp, int C, T* gather) {
-    const int rows = Vp / S::tp;
+    const int rows = Vp / S::tp, n = s.chunk_length();
     const T* dx_full = s.gather_rows(dx, gather, C);
-    s.ops.embedding_backward(dwte, dwpe, dx_full, tokens, s.B, s.T_, C, s.rank() * rows, rows);
+    for (int c = 0; c < S::chunks; ++c) {
+      const std::size_t first = static_cast<std::size_t>(c) * static_cast<std::size_t>(s.B) * static_cast<std::size_t>(n);
+      s.ops.embedding_backward(dwte, dwpe + static_cast<std::size_t>(s.chunk_position(c)) * static_cast<std::size_t>(C),
+                               dx_full + first * static_cast<std::size_t>(C), tokens + first, s.B, n, C,
+                               s.rank() * rows, rows);
+    }
   }
 };
 

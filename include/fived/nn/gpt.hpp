@@ -167,7 +167,6 @@ class GPT {
                 "GPT<Cfg, M, T>: the element type must be float, double (gradient checks) or fived::bf16");
   static_assert(!(std::is_same_v<Device, Cuda> && std::is_same_v<T, double>),
                 "GPT<Cfg, M, double, Cuda>: double is for host gradient checks; on Cuda use float or fived::bf16");
-  static_assert(M::cp == 1, "GPT: context parallelism is not built yet; use a mesh of DP, PP and TP (and EP views)");
   static_assert(M::pp == 1 || !std::is_same_v<Part, AllLayers>,
                 "GPT on a mesh with PP > 1: each rank holds one stage's layers, not the whole model; give the model "
                 "its part as the last template argument, Layers<first, count>");
@@ -183,6 +182,8 @@ class GPT {
   using stat_t = typename ops_type::stat_t;
   using step_type = Step<M, T, Device, SP>;
   static constexpr int tp = M::extent(Axis::tp);
+  static constexpr int cp = M::extent(Axis::cp);
+  using sequence_split = LocalSequence<typename step_type::split>;  // context parallelism's
   using specs = GptSpecs<Cfg, Part>;
   using layout = ParamTable<specs, tp>;           // this rank's flat buffers
   using serial_layout = typename layout::serial;  // the same tensors whole, at TP 1 (files, gathers)
@@ -209,13 +210,14 @@ class GPT {
                 "the vocabulary is split over TP: the padded vocabulary must be a multiple of the TP extent (make "
                 "vocab_multiple in the config a multiple of TP)");
 
-  // A mesh without TP needs no communicator.
-  explicit GPT(const GptInit& init = {}) requires(tp == 1) : GPT(AxisComm<M, Axis::tp>(), init) {}
-  // One rank of the mesh: binds its TP communicator. Initialised as the serial model with
-  // the same GptInit, this rank's piece element by element.
+  // A mesh without TP and CP needs no communicator.
+  explicit GPT(const GptInit& init = {}) requires(tp == 1 && cp == 1)
+      : GPT(AxisComm<M, Axis::tp>(), AxisComm<M, Axis::cp>(), init) {}
+  // One rank of the mesh: binds its TP and CP communicators. Initialised as the serial model
+  // with the same GptInit, this rank's piece element by element.
   template <Communicator Comm>
   explicit GPT(MeshContext<M, Comm>& ctx, const GptInit& init = {})
-      : GPT(bind_tp(ctx), init) {}
+      : GPT(bind<Axis::tp>(ctx), bind<Axis::cp>(ctx), init) {}
 
   GPT(const GPT&) = delete;  // a bound communicator and device buffers
   GPT& operator=(const GPT&) = delete;
@@ -260,8 +262,11 @@ class GPT {
 
   // ---- forward / backward --------------------------------------------------------------------
 
-  // tokens and targets: [B, T] ids in [0, vocab), host memory, the same on every TP rank.
-  // Returns the mean loss over B*T (0 without targets). On Cuda this waits for the loss.
+  // tokens and targets: [B, T] ids in [0, vocab), host memory, the same on every TP and CP
+  // rank (under context parallelism each rank keeps its two chunks of every sequence, and T
+  // must be a multiple of 2·CP). Returns the mean loss over this rank's tokens (B*T, or
+  // B*T/CP: the mean over the CP group is the sequences', as DataParallel reports it; 0
+  // without targets). On Cuda this waits for the loss.
   float forward(const int* tokens, const int* targets, int B, int T_, const UnitHooks& hooks = {}, int slot = 0) {
     enqueue_forward(tokens, targets, B, T_, hooks, slot);
     if (targets == nullptr) return 0.0f;
@@ -271,12 +276,12 @@ class GPT {
   void enqueue_forward(const int* tokens, const int* targets, int B, int T_, const UnitHooks& hooks = {},
                        int slot = 0) {
     check_batch(tokens, targets, B, T_);
+    const int Tl = local_length(T_);
     Slot& a = slot_at(slot);
-    reserve(a, B, T_);
-    a.B = B, a.T_ = T_;
-    const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_);
-    ops_.upload_ids(a.tokens, tokens, N);
-    if (targets != nullptr) ops_.upload_ids(a.targets, targets, N);
+    reserve(a, B, Tl);
+    a.B = B, a.T_ = Tl;
+    upload_local(a.tokens, tokens, B, T_);
+    if (targets != nullptr) upload_local(a.targets, targets, B, T_);
     a.has_dlogits = a.loss_pending = false;
     a.loss = 0;
     step_type s = step(a);
@@ -292,7 +297,8 @@ class GPT {
       BlockActs& A = a.blocks[static_cast<std::size_t>(l)];
       const int t = block_first(l);
       Norm::forward(s, A.ln1, x, P(t), P(t + 1), C);
-      Attn::forward(s, A.attn, work_.out.data(), A.ln1.out.data(), attn_params(params_, t + 2), C, work_.partial.data());
+      Attn::forward(s, A.attn, work_.ring, work_.out.data(), A.ln1.out.data(), attn_params(params_, t + 2), C,
+                    work_.partial.data());
       ops_.residual_forward(A.res2.data(), x, work_.out.data(), stream_size(s));
       Norm::forward(s, A.ln2, A.res2.data(), P(t + 6), P(t + 7), C);
       Mlp::forward(s, A.mlp, work_.out.data(), A.ln2.out.data(), mlp_params(params_, t + 8), C, F, work_.partial.data());
@@ -372,8 +378,8 @@ class GPT {
                     work_.dhidden.data(), full);
       Norm::backward(s, dres, G(t + 6), G(t + 7), dln, A.res2.data(), P(t + 6), A.ln2, C);
       // dres holds d(res2)
-      Attn::backward(s, dln, attn_params(grads_, t + 2), dres, A.ln1.out.data(), A.attn, attn_params(params_, t + 2),
-                     C, work_.dhidden.data(), work_.dqkv.data(), full);
+      Attn::backward(s, work_.ring, dln, attn_params(grads_, t + 2), dres, A.ln1.out.data(), A.attn,
+                     attn_params(params_, t + 2), C, work_.dhidden.data(), work_.dqkv.data(), full);
       Norm::backward(s, dres, G(t), G(t + 1), dln, x, P(t), A.ln1, C);
       finish_unit(specs::block_unit(l));
       detail::call(hooks.after_backward, specs::block_unit(l));
@@ -386,24 +392,31 @@ class GPT {
   }
 
   // ---- a pipeline stage's boundary (nn/gpt.hpp parts: Layers<first, count>) -----------------
-  // The stream crossing between stages is this rank's rows of it, [n, C] (n = B*T, or B*T/TP
-  // under sequence parallelism: boundary_size).
+  // The stream crossing between stages is this rank's rows of it, [n, C] (n = B*T/CP, and /TP
+  // under sequence parallelism: boundary_size). B and T are the batch's, as forward takes them.
+
+  // This rank's tokens of each sequence of length T: T, or T/CP (the zig-zag split's error
+  // when T does not cut into 2·CP chunks).
+  static int local_length(int T_) {
+    if constexpr (cp == 1) return T_;
+    else return 2 * step_type::split::chunk_length(T_);
+  }
 
   static std::size_t boundary_size(int B, int T_) {
-    const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_);
+    const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_ / cp);
     return (step_type::sp ? N / tp : N) * static_cast<std::size_t>(C);
   }
   // Where the previous stage's output goes before enqueue_forward(..., slot) (sized for B x T).
   T* input(int slot, int B, int T_) requires(!has_embedding) {
     Slot& a = slot_at(slot);
-    reserve(a, B, T_);
+    reserve(a, B, local_length(T_));
     return a.encoded.data();
   }
   // The stream this part hands on, after enqueue_forward(..., slot).
   const T* output(int slot) const requires(!has_head) { return slots_.at(static_cast<std::size_t>(slot)).output; }
   // Where the next stage's d(output) goes before backward(slot). Shared by the slots.
   T* output_grad(int B, int T_) requires(!has_head) {
-    reserve_work(B, T_);
+    reserve_work(B, local_length(T_));
     return work_.dres.data();
   }
   // d(input) after backward: what goes back to the previous stage (until the next backward).
@@ -452,7 +465,8 @@ class GPT {
                               std::to_string(first_layer + blocks - 1) + (has_embedding ? " and the embedding" : "") +
                               (has_head ? " and the head" : "")
                         : std::string()) +
-           (tp > 1 ? ", over " + M::name() + (step_type::sp ? " with sequence parallelism" : "") : std::string());
+           (tp > 1 || cp > 1 ? ", over " + M::name() + (step_type::sp ? " with sequence parallelism" : "")
+                             : std::string());
   }
 
  private:
@@ -490,24 +504,38 @@ class GPT {
     Buffer<T, Device> out, dres, dln;  // the stream's rows [n, C]
     Buffer<T, Device> dhidden, dqkv;   // [N, F/TP], [N, 3C/TP]
     Buffer<T, Device> partial;         // SP: [N, C] gathered rows or partial sums
+    typename Attn::RingWork ring;      // CP: the ring's blocks and accumulators
   };
 
-  GPT(AxisComm<M, Axis::tp> comm, const GptInit& init)
-      : comm_(std::move(comm)), params_(ops_.template make_buffer<T>(num_params)),
+  GPT(AxisComm<M, Axis::tp> comm, AxisComm<M, Axis::cp> cp_comm, const GptInit& init)
+      : comm_(std::move(comm)), cp_comm_(std::move(cp_comm)), params_(ops_.template make_buffer<T>(num_params)),
         grads_(ops_.template make_buffer<T>(num_params)), slots_(1) {
     comm_.set_compute_stream(stream_of(ops_));  // TP collectives in the order of the model's kernels
+    cp_comm_.set_compute_stream(stream_of(ops_));  // and the ring's transfers
     ops_.write_from_host(params_, [&](std::span<T> p) { init_params<layout>(p, tp_rank(), init); });
     if constexpr (step_type::sp)
       for (int u = 0; u < layout::units; ++u)
         sp_partial_[static_cast<std::size_t>(u)] = ops_.template make_buffer<T>(sp_partial_size(u));
   }
-  template <class Ctx>
-  static AxisComm<M, Axis::tp> bind_tp(Ctx& ctx) {
-    if constexpr (tp == 1) return AxisComm<M, Axis::tp>();
-    else return AxisComm<M, Axis::tp>(ctx.template comm<Axis::tp>());
+  template <Axis A, class Ctx>
+  static AxisComm<M, A> bind(Ctx& ctx) {
+    if constexpr (M::extent(A) == 1) return AxisComm<M, A>();
+    else return AxisComm<M, A>(ctx.template comm<A>());
   }
 
-  step_type step(const Slot& a) { return step_type{ops_, comm_, a.B, a.T_}; }
+  step_type step(const Slot& a) { return step_type{ops_, comm_, cp_comm_, a.B, a.T_}; }
+
+  // A [B, T] batch of ids to dst: all of it, or under CP this rank's chunks (chunk-major).
+  void upload_local(Buffer<int, Device>& dst, const int* ids, int B, int T_) {
+    const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_);
+    if constexpr (cp == 1) {
+      ops_.upload_ids(dst, ids, N);
+    } else {
+      local_ids_.resize(N / cp);  // grows once
+      sequence_split::local_tokens(std::span<const int>(ids, N), B, T_, cp_comm_.rank(), std::span<int>(local_ids_));
+      ops_.upload_ids(dst, local_ids_.data(), local_ids_.size());
+    }
+  }
   std::size_t stream_size(const step_type& s) const {
     return static_cast<std::size_t>(s.local_rows()) * static_cast<std::size_t>(C);
   }
@@ -574,10 +602,12 @@ class GPT {
       throw std::invalid_argument("GPT::forward: needs B >= 1 and 1 <= T <= max_seq = " + std::to_string(max_seq) +
                                   " (got B=" + std::to_string(B) + ", T=" + std::to_string(T_) + ")");
     if (tokens == nullptr) throw std::invalid_argument("GPT::forward: tokens is nullptr");
-    if (step_type::sp && (B * T_) % tp != 0)
-      throw std::invalid_argument("GPT::forward: sequence parallelism splits the B*T = " + std::to_string(B * T_) +
+    const int Tl = local_length(T_);
+    if (step_type::sp && (B * Tl) % tp != 0)
+      throw std::invalid_argument("GPT::forward: sequence parallelism splits this rank's B*T" +
+                                  std::string(cp > 1 ? "/CP" : "") + " = " + std::to_string(B * Tl) +
                                   " tokens over TP = " + std::to_string(tp) +
-                                  ", which does not divide them; use a batch or sequence length that makes B*T a "
+                                  ", which does not divide them; use a batch or sequence length that makes them a "
                                   "multiple of TP, or NoSequenceParallel");
     // Ids are checked on the host on every device (a kernel cannot report a bad one).
     const std::size_t n = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_);
@@ -603,6 +633,7 @@ class GPT {
       w.dhidden = make<T>(N * f / tp);
       w.dqkv = make<T>(N * 3 * c / tp);
       if constexpr (step_type::sp) w.partial = make<T>(N * c);
+      if constexpr (cp > 1) w.ring.reserve(ops_, N, c / tp);
       work_ = std::move(w);
     }
   }
@@ -666,10 +697,12 @@ class GPT {
 
   ops_type ops_;  // first: the buffers below are made by it
   AxisComm<M, Axis::tp> comm_;
+  AxisComm<M, Axis::cp> cp_comm_;
   Buffer<T, Device> params_, grads_;
   std::array<Buffer<T, Device>, layout::units> sp_partial_;  // SP only: per unit
   std::vector<Slot> slots_;
   Work work_;
+  std::vector<int> local_ids_;  // CP: this rank's ids of a batch, on the host before upload
 };
 
 }  // namespace fived

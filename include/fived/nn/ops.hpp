@@ -21,7 +21,8 @@
 //     residual_forward, attention_forward, attention_backward, embedding_forward and
 //     embedding_backward (over a range of the vocabulary: a TP rank's shard), logits_max,
 //     crossentropy_partials, crossentropy_backward, adamw_update, gelu_forward, scale,
-//     to_fp32 (fp32 master weights from the parameters)
+//     to_fp32 (fp32 master weights from the parameters), from_acc (stat_t -> T), and ring
+//     attention's pieces attention_block_forward, attention_row_dot, attention_block_backward
 //   regroup(U* out, const U* in, outer, n, block, Blocks::split | join)   any U; for redistribute
 //   the global gradient norm, a sum of squares over many pieces read back once:
 //     begin_sum_of_squares(); add_sum_of_squares(g, n) ...; double sum_of_squares()
@@ -29,6 +30,7 @@
 //   buffer<U> make_buffer(size_t n)                       n zeroed elements, ready for use
 //   void zero(buffer<U>&), zero(U* p, size_t n)           elements to 0 (stream-ordered)
 //   void copy(U* dst, const U* src, size_t n)             device to device (stream-ordered)
+//   void copy_rows(U* dst, dst_ld, const U* src, src_ld, width, rows)   a strided 2-D copy
 //   void upload_ids(buffer<int>& dst, const int* host, size_t n)   host ids -> dst[0, n)
 //   double mean_loss(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N)
 //       mean over i of log(sumexp[i]) + max[i] - target[i], summed in double (waits for
@@ -108,6 +110,18 @@ struct Ops<T, Host> {
                           int NH) {
     kernels::host::attention_backward(dqkv, dout, qkv, out, lse, B, T_, C, NH);
   }
+  void attention_block_forward(stat_t* o, stat_t* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B,
+                               int n, int C, int NH, bool causal, bool first) {
+    kernels::host::attention_block_forward(o, lse, q, k, v, ldq, ldkv, B, n, C, NH, causal, first);
+  }
+  void attention_row_dot(stat_t* Dd, const T* dout, const T* out, int B, int n, int C, int NH) {
+    kernels::host::attention_row_dot(Dd, dout, out, B, n, C, NH);
+  }
+  void attention_block_backward(stat_t* dq, stat_t* dk, stat_t* dv, int lddkv, const T* dout, const stat_t* Dd,
+                                const stat_t* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B, int n,
+                                int C, int NH, bool causal) {
+    kernels::host::attention_block_backward(dq, dk, dv, lddkv, dout, Dd, lse, q, k, v, ldq, ldkv, B, n, C, NH, causal);
+  }
   void embedding_forward(T* out, const int* tokens, const T* wte, int vocab_begin, int vocab_rows, const T* wpe, int B,
                          int T_, int C) {
     kernels::host::embedding_forward(out, tokens, wte, vocab_begin, vocab_rows, wpe, B, T_, C);
@@ -136,6 +150,7 @@ struct Ops<T, Host> {
   void gelu_forward(T* out, const T* inp, std::size_t n) { kernels::host::gelu_forward(out, inp, n); }
   void scale(T* g, std::size_t n, float factor) { kernels::host::scale(g, n, factor); }
   void to_fp32(float* dst, const T* src, std::size_t n) { kernels::host::to_fp32(dst, src, n); }
+  void from_acc(T* dst, const stat_t* src, std::size_t n) { kernels::host::from_acc(dst, src, n); }
   template <class U>
   void regroup(U* out, const U* in, std::int64_t outer, int n, std::int64_t block, kernels::host::Blocks how) {
     kernels::host::regroup(out, in, outer, n, block, how);
@@ -170,6 +185,10 @@ struct Ops<T, Host> {
   template <class U>
   void copy(U* dst, const U* src, std::size_t n) {
     std::copy_n(src, n, dst);
+  }
+  template <class U>
+  void copy_rows(U* dst, std::size_t dst_ld, const U* src, std::size_t src_ld, std::size_t width, std::size_t rows) {
+    for (std::size_t r = 0; r < rows; ++r) std::copy_n(src + r * src_ld, width, dst + r * dst_ld);
   }
   void upload_ids(Buffer<int, Host>& dst, const int* host, std::size_t n) {
     for (std::size_t i = 0; i < n; ++i) dst[i] = host[i];

@@ -22,8 +22,14 @@
 // row-parallel one reduces forward and gathers its output gradient backward.
 //
 // Step<M, T, Device, SP> is what a layer's forward and backward work with: the device's
-// kernels (Ops), the TP communicator, and the micro-batch's shape. A layer writes a
-// Partial sum into partial_buffer(out, scratch): `out` itself unless SP must scatter it.
+// kernels (Ops), the TP and CP communicators, and the micro-batch's shape on this rank. A
+// layer writes a Partial sum into partial_buffer(out, scratch): `out` itself unless SP must
+// scatter it.
+//
+// Context parallelism: the rank holds T_ = T / CP tokens of each sequence, two chunks of the
+// zig-zag split (context/zigzag.hpp) stored chunk-major, [chunks, B, n]; each chunk is a
+// batch of B sequences of n that starts at position chunk_position(c). At CP 1 that is one
+// chunk, [1, B, T_], at position 0: the serial layout.
 
 #include <cstddef>
 #include <span>
@@ -32,6 +38,7 @@
 #include <type_traits>
 
 #include "fived/comm/group_comm.hpp"
+#include "fived/context/zigzag.hpp"
 #include "fived/mesh/mesh.hpp"
 #include "fived/nn/ops.hpp"
 #include "fived/place/placement.hpp"
@@ -55,7 +62,10 @@ struct Step {
   using device = Device;
   using stat_t = typename ops_type::stat_t;
   static constexpr int tp = M::extent(Axis::tp);
+  static constexpr int cp = M::extent(Axis::cp);
   static constexpr bool sp = SP::enabled && tp > 1;
+  using split = ZigZag<cp>;
+  static constexpr int chunks = cp > 1 ? 2 : 1;
   using stream_placement = std::conditional_t<sp, Shard<0>, Replicate>;
   static_assert(Transition<stream_placement, Replicate>::forward == (sp ? Collective::all_gather : Collective::none) &&
                 Transition<Partial, stream_placement>::forward ==
@@ -63,7 +73,15 @@ struct Step {
 
   ops_type& ops;
   AxisComm<M, Axis::tp>& comm;
-  int B = 0, T_ = 0;
+  AxisComm<M, Axis::cp>& cp_comm;
+  int B = 0, T_ = 0;  // T_: this rank's tokens of each sequence
+
+  int chunk_length() const { return T_ / chunks; }  // n
+  // The position in the sequence of local chunk c's first token.
+  int chunk_position(int c) const {
+    if constexpr (cp == 1) return 0;
+    else return split::chunks_of(cp_comm.rank())[static_cast<std::size_t>(c)] * chunk_length();
+  }
 
   int rows() const { return B * T_; }                    // N: every token of the micro-batch
   int local_rows() const { return rows() / (sp ? tp : 1); }  // n: the stream's rows on this rank

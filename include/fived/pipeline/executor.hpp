@@ -120,7 +120,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
                                   std::to_string(want) + " ids (got " + std::to_string(tokens.size()) + " and " +
                                   std::to_string(targets.size()) + ")");
     auto& dp0 = std::get<0>(trainers_);
-    const FlatRange mine = dp0.rows(dp0.rank(), B);
+    const FlatRange mine = dp0.rows(dp0.data_rank(), B);
     b_ = static_cast<int>(mine.size()), T_ = seq;
     tokens_ = tokens, targets_ = targets, row0_ = mine.begin, B_ = B;
     reserve_boundaries();
@@ -149,7 +149,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     for_each_chunk([&]<int c>(auto& model, auto& dp) {
       dp.end_micro_batches();
       if constexpr (std::remove_reference_t<decltype(model)>::has_head)
-        loss = model.ops().loss_sum() / (static_cast<double>(b_) * T_);
+        loss = model.ops().loss_sum() / (static_cast<double>(b_) * model.local_length(T_));
     });
     double sumsq = 0;
     for_each_chunk([&]<int c>(auto&, auto& dp) { sumsq += dp.grad_sum_of_squares(); });

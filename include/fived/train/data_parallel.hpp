@@ -220,21 +220,28 @@ class DataParallel {
 
  public:
 
-  // Rows of each micro-batch that DP rank r reads: [r*B/DP, (r+1)*B/DP).
+  // Rows of each micro-batch that data rank r reads: [r*B/D, (r+1)*B/D), D the mesh's DP
+  // extent. The CP ranks of a replica read the same rows (the model keeps its part of each
+  // sequence), so D is the group's size over CP.
+  static constexpr int data_ranks = DP / Model::mesh::cp;
   static FlatRange rows(int r, int B) {
-    if (B < 1 || B % DP != 0)
+    if (B < 1 || B % data_ranks != 0)
       throw std::invalid_argument("fived::DataParallel: the global batch B = " + std::to_string(B) +
-                                  " is not divisible by the data-parallel size " + std::to_string(DP) +
-                                  " (every DP rank takes B / DP rows; use a multiple of " + std::to_string(DP) + ")");
-    const std::size_t b = static_cast<std::size_t>(B / DP);
+                                  " is not divisible by the data-parallel size " + std::to_string(data_ranks) +
+                                  " (every DP rank takes B / DP rows; use a multiple of " + std::to_string(data_ranks) +
+                                  ")");
+    const std::size_t b = static_cast<std::size_t>(B / data_ranks);
     return {static_cast<std::size_t>(r) * b, static_cast<std::size_t>(r + 1) * b};
   }
+  // This rank's data rank: its index in the group is cp + CP * dp (mesh/mesh.hpp: CP varies
+  // faster than DP).
+  int data_rank() const { return rank_ / Model::mesh::cp; }
 
   // One optimizer step on the global batch: `accum` micro-batches of [B, T] token ids, rows
   // [k*B, (k+1)*B) for micro-batch k, the same on every rank. Returns the mean loss over the
   // global batch (the same value on every rank).
   double step(std::span<const int> tokens, std::span<const int> targets, int B, int T_) {
-    const FlatRange mine = rows(rank_, B);
+    const FlatRange mine = rows(data_rank(), B);
     const std::size_t want = static_cast<std::size_t>(accum_) * static_cast<std::size_t>(B) * static_cast<std::size_t>(T_);
     if (tokens.size() != want || targets.size() != want)
       throw std::invalid_argument("fived::DataParallel::step: tokens and targets must hold accum * B * T = " +

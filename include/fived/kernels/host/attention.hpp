@@ -9,15 +9,15 @@
 // out is [B,T,C] (heads concatenated), lse is [B,NH,T] in acc_t<T>. The lse is
 // what ring attention (context parallelism) needs to merge partial results.
 //
-// The forward is the straightforward reference: one row buffer of T scores. The
-// backward is flash-style, so neither pass stores the T x T matrix:
+// Both are written as one case of the block kernels below (ring attention's pieces): the
+// forward is the straightforward reference, one row buffer of T scores; the backward is
+// flash-style, so neither pass stores the T x T matrix:
 //   p_tj = exp(s_tj - lse_t),  D_t = dout_t . out_t,  dp_tj = dout_t . v_j,
 //   ds_tj = p_tj (dp_tj - D_t),
 //   dq_t += ds_tj k_j / sqrt(hs),  dk_j += ds_tj q_t / sqrt(hs),  dv_j += p_tj dout_t.
-// dqkv [B,T,3C] is overwritten. The gradients of one (b, h) are summed in an
-// acc_t<T> buffer of [T, 3 hs] (O(T hs), not O(T^2)) and rounded to T once, so
-// bf16 keys and values are not accumulated in bf16 over t.
+// dqkv [B,T,3C] is overwritten.
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <limits>
@@ -42,89 +42,149 @@ inline void check_sizes(const char* what, int B, int T, int C, int NH) {
 }
 }  // namespace detail_attention
 
+// ---- blocks (ring attention) -----------------------------------------------------------
+// One block: the queries of q against the keys and values of k and v, B sequences of n
+// rows each; q's row i of sequence b is q + (b*n + i)*ldq, likewise k, v with ldkv (a qkv
+// buffer has ld = 3C and k = qkv + C, v = qkv + 2C; a packed [k | v] buffer ld = 2C).
+// causal: key j is seen by query i only when j <= i (the diagonal block of a causal
+// sequence); otherwise every key is seen. The results are in acc_t<T>:
+//   o [B, n, C] (row stride C) and lse [B, NH, n]: with `first` they are this block's
+//   attention and log-sum-exp; without, this block is merged into them (the rows' softmax
+//   over the union of the keys, in the stable form
+//   l = max(l1, l2) + log(exp(l1 - max) + exp(l2 - max)),  o = o1 exp(l1 - l) + o2 exp(l2 - l)).
+// A causal block gives every row at least one key, so l stays finite.
 template <class T>
-void attention_forward(T* out, acc_t<T>* lse, const T* qkv, int B, int T_, int C, int NH) {
+void attention_block_forward(acc_t<T>* o, acc_t<T>* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B,
+                             int n, int C, int NH, bool causal, bool first) {
   using A = acc_t<T>;
-  detail_attention::check_sizes("attention_forward", B, T_, C, NH);
-  const std::size_t sT = static_cast<std::size_t>(T_), sC = static_cast<std::size_t>(C);
-  const std::size_t hs = sC / static_cast<std::size_t>(NH), C3 = 3 * sC;
+  detail_attention::check_sizes("attention_block_forward", B, n, C, NH);
+  const std::size_t sn = static_cast<std::size_t>(n), sC = static_cast<std::size_t>(C);
+  const std::size_t hs = sC / static_cast<std::size_t>(NH), lq = static_cast<std::size_t>(ldq),
+                    lkv = static_cast<std::size_t>(ldkv);
   const A scale = static_cast<A>(1) / std::sqrt(static_cast<A>(hs));
-  std::vector<A> s(sT), acc(hs);
+  std::vector<A> s(sn), acc(hs);
   for (std::size_t b = 0; b < static_cast<std::size_t>(B); ++b)
     for (std::size_t h = 0; h < static_cast<std::size_t>(NH); ++h)
-      for (std::size_t t = 0; t < sT; ++t) {
-        const T* q = qkv + (b * sT + t) * C3 + h * hs;
+      for (std::size_t t = 0; t < sn; ++t) {
+        const T* qt = q + (b * sn + t) * lq + h * hs;
+        const std::size_t keys = causal ? t + 1 : sn;
         A m = -std::numeric_limits<A>::infinity();
-        for (std::size_t j = 0; j <= t; ++j) {
-          const T* k = qkv + (b * sT + j) * C3 + sC + h * hs;
+        for (std::size_t j = 0; j < keys; ++j) {
+          const T* kj = k + (b * sn + j) * lkv + h * hs;
           A dot = 0;
-          for (std::size_t d = 0; d < hs; ++d) dot += static_cast<A>(q[d]) * static_cast<A>(k[d]);
+          for (std::size_t d = 0; d < hs; ++d) dot += static_cast<A>(qt[d]) * static_cast<A>(kj[d]);
           s[j] = dot * scale;
           if (s[j] > m) m = s[j];
         }
         A sum = 0;
-        for (std::size_t j = 0; j <= t; ++j) {
-          s[j] = std::exp(s[j] - m);
-          sum += s[j];
-        }
+        for (std::size_t j = 0; j < keys; ++j) sum += s[j] = std::exp(s[j] - m);
         for (std::size_t d = 0; d < hs; ++d) acc[d] = 0;
-        for (std::size_t j = 0; j <= t; ++j) {
-          const T* v = qkv + (b * sT + j) * C3 + 2 * sC + h * hs;
+        for (std::size_t j = 0; j < keys; ++j) {  // the block's own output, normalised
+          const T* vj = v + (b * sn + j) * lkv + h * hs;
           const A p = s[j] / sum;
-          for (std::size_t d = 0; d < hs; ++d) acc[d] += p * static_cast<A>(v[d]);
+          for (std::size_t d = 0; d < hs; ++d) acc[d] += p * static_cast<A>(vj[d]);
         }
-        T* o = out + (b * sT + t) * sC + h * hs;
-        for (std::size_t d = 0; d < hs; ++d) o[d] = static_cast<T>(acc[d]);
-        lse[(b * static_cast<std::size_t>(NH) + h) * sT + t] = m + std::log(sum);
+        const A l_new = m + std::log(sum);
+        A& l = lse[(b * static_cast<std::size_t>(NH) + h) * sn + t];
+        A* ot = o + (b * sn + t) * sC + h * hs;
+        if (first) {
+          for (std::size_t d = 0; d < hs; ++d) ot[d] = acc[d];
+          l = l_new;
+        } else {
+          const A top = std::max(l, l_new), merged = top + std::log(std::exp(l - top) + std::exp(l_new - top));
+          const A keep = std::exp(l - merged), add = std::exp(l_new - merged);
+          for (std::size_t d = 0; d < hs; ++d) ot[d] = ot[d] * keep + acc[d] * add;
+          l = merged;
+        }
       }
 }
 
+// Dd[b, h, i] = dout[b, i, h, :] . out[b, i, h, :] (rows of C, [B, n, C]): the backward's D.
+template <class T>
+void attention_row_dot(acc_t<T>* Dd, const T* dout, const T* out, int B, int n, int C, int NH) {
+  using A = acc_t<T>;
+  detail_attention::check_sizes("attention_row_dot", B, n, C, NH);
+  const std::size_t sn = static_cast<std::size_t>(n), sC = static_cast<std::size_t>(C);
+  const std::size_t hs = sC / static_cast<std::size_t>(NH);
+  for (std::size_t b = 0; b < static_cast<std::size_t>(B); ++b)
+    for (std::size_t h = 0; h < static_cast<std::size_t>(NH); ++h)
+      for (std::size_t t = 0; t < sn; ++t) {
+        A D = 0;
+        for (std::size_t d = 0; d < hs; ++d)
+          D += static_cast<A>(dout[(b * sn + t) * sC + h * hs + d]) * static_cast<A>(out[(b * sn + t) * sC + h * hs + d]);
+        Dd[(b * static_cast<std::size_t>(NH) + h) * sn + t] = D;
+      }
+}
+
+// The gradients of one block, given the rows' final lse (over every key of the sequence)
+// and Dd: p = exp(s - lse) is then the block's share of the softmax, and
+//   dq += ds k / sqrt(hs),  dk += ds q / sqrt(hs),  dv += p dout,  ds = p (dout . v - D).
+// dq [B, n, C] (row stride C), dk and dv (row stride lddkv) are acc_t<T> and "+=".
+template <class T>
+void attention_block_backward(acc_t<T>* dq, acc_t<T>* dk, acc_t<T>* dv, int lddkv, const T* dout, const acc_t<T>* Dd,
+                              const acc_t<T>* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B, int n,
+                              int C, int NH, bool causal) {
+  using A = acc_t<T>;
+  detail_attention::check_sizes("attention_block_backward", B, n, C, NH);
+  const std::size_t sn = static_cast<std::size_t>(n), sC = static_cast<std::size_t>(C);
+  const std::size_t hs = sC / static_cast<std::size_t>(NH), lq = static_cast<std::size_t>(ldq),
+                    lkv = static_cast<std::size_t>(ldkv), ld = static_cast<std::size_t>(lddkv);
+  const A scale = static_cast<A>(1) / std::sqrt(static_cast<A>(hs));
+  for (std::size_t b = 0; b < static_cast<std::size_t>(B); ++b)
+    for (std::size_t h = 0; h < static_cast<std::size_t>(NH); ++h)
+      for (std::size_t t = 0; t < sn; ++t) {
+        const T* qt = q + (b * sn + t) * lq + h * hs;
+        const T* go = dout + (b * sn + t) * sC + h * hs;
+        const std::size_t row = (b * static_cast<std::size_t>(NH) + h) * sn + t;
+        const A l = lse[row], D = Dd[row];
+        A* dqt = dq + (b * sn + t) * sC + h * hs;
+        for (std::size_t j = 0, keys = causal ? t + 1 : sn; j < keys; ++j) {
+          const T* kj = k + (b * sn + j) * lkv + h * hs;
+          const T* vj = v + (b * sn + j) * lkv + h * hs;
+          A dot = 0, dp = 0;
+          for (std::size_t d = 0; d < hs; ++d) {
+            dot += static_cast<A>(qt[d]) * static_cast<A>(kj[d]);
+            dp += static_cast<A>(go[d]) * static_cast<A>(vj[d]);
+          }
+          const A p = std::exp(dot * scale - l);
+          const A ds = p * (dp - D) * scale;
+          A* dkj = dk + (b * sn + j) * ld + h * hs;
+          A* dvj = dv + (b * sn + j) * ld + h * hs;
+          for (std::size_t d = 0; d < hs; ++d) {
+            dqt[d] += ds * static_cast<A>(kj[d]);
+            dkj[d] += ds * static_cast<A>(qt[d]);
+            dvj[d] += p * static_cast<A>(go[d]);
+          }
+        }
+      }
+}
+
+// ---- whole causal sequences: one block ----------------------------------------------------
+
+template <class T>
+void attention_forward(T* out, acc_t<T>* lse, const T* qkv, int B, int T_, int C, int NH) {
+  detail_attention::check_sizes("attention_forward", B, T_, C, NH);
+  std::vector<acc_t<T>> o(static_cast<std::size_t>(B) * static_cast<std::size_t>(T_) * static_cast<std::size_t>(C));
+  attention_block_forward(o.data(), lse, qkv, qkv + C, qkv + 2 * C, 3 * C, 3 * C, B, T_, C, NH, true, true);
+  for (std::size_t i = 0; i < o.size(); ++i) out[i] = static_cast<T>(o[i]);
+}
+
+// dqkv [B,T,3C] is overwritten; each (b, h)'s gradients are summed in acc_t<T> and rounded
+// to T once, so bf16 keys and values are not accumulated in bf16 over t.
 template <class T>
 void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const acc_t<T>* lse, int B, int T_, int C,
                         int NH) {
   using A = acc_t<T>;
   detail_attention::check_sizes("attention_backward", B, T_, C, NH);
-  const std::size_t sT = static_cast<std::size_t>(T_), sC = static_cast<std::size_t>(C);
-  const std::size_t hs = sC / static_cast<std::size_t>(NH), C3 = 3 * sC;
-  const A scale = static_cast<A>(1) / std::sqrt(static_cast<A>(hs));
-  std::vector<A> g(sT * 3 * hs);  // [T, dq | dk | dv] of one (b, h)
-  for (std::size_t b = 0; b < static_cast<std::size_t>(B); ++b)
-    for (std::size_t h = 0; h < static_cast<std::size_t>(NH); ++h) {
-      for (auto& x : g) x = 0;
-      for (std::size_t t = 0; t < sT; ++t) {
-        const T* q = qkv + (b * sT + t) * C3 + h * hs;
-        const T* go = dout + (b * sT + t) * sC + h * hs;
-        const T* o = out + (b * sT + t) * sC + h * hs;
-        const A l = lse[(b * static_cast<std::size_t>(NH) + h) * sT + t];
-        A D = 0;
-        for (std::size_t d = 0; d < hs; ++d) D += static_cast<A>(go[d]) * static_cast<A>(o[d]);
-        A* dq = g.data() + t * 3 * hs;
-        for (std::size_t j = 0; j <= t; ++j) {
-          const T* k = qkv + (b * sT + j) * C3 + sC + h * hs;
-          const T* v = qkv + (b * sT + j) * C3 + 2 * sC + h * hs;
-          A dot = 0, dp = 0;
-          for (std::size_t d = 0; d < hs; ++d) {
-            dot += static_cast<A>(q[d]) * static_cast<A>(k[d]);
-            dp += static_cast<A>(go[d]) * static_cast<A>(v[d]);
-          }
-          const A p = std::exp(dot * scale - l);
-          const A ds = p * (dp - D) * scale;
-          A* dk = g.data() + j * 3 * hs + hs;
-          A* dv = dk + hs;
-          for (std::size_t d = 0; d < hs; ++d) {
-            dq[d] += ds * static_cast<A>(k[d]);
-            dk[d] += ds * static_cast<A>(q[d]);
-            dv[d] += p * static_cast<A>(go[d]);
-          }
-        }
-      }
-      for (std::size_t t = 0; t < sT; ++t) {
-        T* row = dqkv + (b * sT + t) * C3 + h * hs;
-        const A* gt = g.data() + t * 3 * hs;
-        for (std::size_t part = 0; part < 3; ++part)
-          for (std::size_t d = 0; d < hs; ++d) row[part * sC + d] = static_cast<T>(gt[part * hs + d]);
-      }
-    }
+  const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_), sC = static_cast<std::size_t>(C);
+  std::vector<A> g(N * 3 * sC, A(0)), Dd(N * static_cast<std::size_t>(NH));
+  attention_row_dot(Dd.data(), dout, out, B, T_, C, NH);
+  std::vector<A> dq(N * sC, A(0));
+  attention_block_backward(dq.data(), g.data() + sC, g.data() + 2 * sC, 3 * C, dout, Dd.data(), lse, qkv, qkv + C,
+                           qkv + 2 * C, 3 * C, 3 * C, B, T_, C, NH, true);
+  for (std::size_t r = 0; r < N; ++r)
+    for (std::size_t c = 0; c < 3 * sC; ++c)
+      dqkv[r * 3 * sC + c] = static_cast<T>(c < sC ? dq[r * sC + c] : g[r * 3 * sC + c]);
 }
 
 }  // namespace fived::kernels::host

@@ -1,0 +1,142 @@
+#pragma once
+// Ring attention: causal self-attention of sequences split over the CP axis (context
+// parallelism), forward and backward.
+//
+// Each rank holds two chunks of every sequence (the zig-zag split, context/zigzag.hpp),
+// chunk-major: its q, k and v are [2, B, n] blocks of rows of qkv. The keys and values
+// travel round the CP ring: at step s a rank holds those of rank r - s, computes the blocks
+// ring_blocks lists (full for chunks in the past, causal on the diagonal, none for the
+// future) and merges each into its queries' output with the block's log-sum-exp, in
+// stat_t (ops: attention_block_forward). After CP steps every query has met every key in
+// its past, and the output is rounded to T once.
+//
+// Backward: the keys and values go round again (the forward kept only the merged output and
+// its log-sum-exp, as flash attention does), with an accumulator of their gradient that
+// each rank adds its queries' share to and passes on. After the CP-th hop the accumulator
+// is back with the rank that owns those keys and values, complete. dq stays local.
+//
+//   forward:  the packed [k | v] of the local rows (copy_rows), then per step: send the
+//             block in hand on and receive the next (double buffer), compute this step's
+//             blocks
+//   backward: per step: the same for [k | v]; compute the blocks into dq and the
+//             travelling d[k | v]; send d[k | v] on and receive the previous rank's
+//
+// Each exchange is one grouped send_recv to the next rank and from the previous one over
+// the CP communicator (AxisComm<M, Axis::cp>). The buffers are allocated once (Work, with
+// the model's other work buffers); no step reuses a block it did not just receive.
+
+#include <cstddef>
+#include <span>
+
+#include "fived/comm/types.hpp"
+#include "fived/context/zigzag.hpp"
+#include "fived/device/buffer.hpp"
+
+namespace fived {
+
+template <class S, int Heads>
+struct RingAttention {
+  using T = typename S::value_type;
+  using stat_t = typename S::stat_t;
+  using Device = typename S::device;
+
+  // Shared by every micro-batch slot: the ring's buffers for N local rows and Cl channels.
+  struct Work {
+    Buffer<T, Device> kv[2];         // packed [k | v], [N, 2 Cl]: the block in hand and the next
+    Buffer<stat_t, Device> o;        // the forward's output accumulator [N, Cl]
+    Buffer<stat_t, Device> dq;       // [N, Cl]
+    Buffer<stat_t, Device> dkv[2];   // the travelling d[k | v], [N, 2 Cl]
+    Buffer<stat_t, Device> Dd;       // dout . out per row and head, [N, Heads]
+    Buffer<stat_t, Device> dqkv;     // d[q | k | v] before it is rounded to T, [N, 3 Cl]
+    std::size_t capacity = 0;
+
+    void reserve(typename S::ops_type& ops, std::size_t N, std::size_t Cl) {
+      if (N <= capacity) return;
+      capacity = N;
+      for (auto& b : kv) b = ops.template make_buffer<T>(N * 2 * Cl);
+      o = ops.template make_buffer<stat_t>(N * Cl);
+      dq = ops.template make_buffer<stat_t>(N * Cl);
+      for (auto& b : dkv) b = ops.template make_buffer<stat_t>(N * 2 * Cl);
+      Dd = ops.template make_buffer<stat_t>(N * Heads);
+      dqkv = ops.template make_buffer<stat_t>(N * 3 * Cl);
+    }
+  };
+
+  // atty [N, Cl] and lse [2, B, Heads, n] from qkv [N, 3 Cl] (this rank's rows, chunk-major).
+  static void forward(S& s, Work& w, T* atty, stat_t* lse, const T* qkv, int Cl) {
+    const Shape z(s, Cl);
+    auto& ops = s.ops;
+    ops.copy_rows(w.kv[0].data(), z.ld_kv, qkv + Cl, z.ld_qkv, z.ld_kv, z.N);
+    bool seen[2] = {false, false};
+    for (int step = 0; step < S::cp; ++step) {
+      const int cur = step % 2;
+      if (step + 1 < S::cp) pass_on(s, w.kv[cur], w.kv[1 - cur], z.N * z.ld_kv);
+      const RingStep plan = ring_blocks<typename S::split>(s.cp_comm.rank(), step);
+      for (int i = 0; i < plan.count; ++i) {
+        const RingBlock& b = plan.blocks[static_cast<std::size_t>(i)];
+        const T* k = w.kv[cur].data() + z.chunk(b.k) * z.ld_kv;
+        ops.attention_block_forward(w.o.data() + z.chunk(b.q) * Cl, lse + z.stats(b.q), qkv + z.chunk(b.q) * z.ld_qkv,
+                                    k, k + Cl, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, b.causal, !seen[b.q]);
+        seen[b.q] = true;
+      }
+    }
+    ops.from_acc(atty, w.o.data(), z.N * static_cast<std::size_t>(Cl));
+  }
+
+  // dqkv [N, 3 Cl] ("=") from datty, with the forward's qkv, atty and lse.
+  static void backward(S& s, Work& w, T* dqkv, const T* datty, const T* qkv, const T* atty, const stat_t* lse, int Cl) {
+    const Shape z(s, Cl);
+    auto& ops = s.ops;
+    for (int c = 0; c < 2; ++c)
+      ops.attention_row_dot(w.Dd.data() + z.stats(c), datty + z.chunk(c) * Cl, atty + z.chunk(c) * Cl, s.B, z.n, Cl,
+                            Heads);
+    ops.zero(w.dq);
+    ops.zero(w.dkv[0]);
+    ops.copy_rows(w.kv[0].data(), z.ld_kv, qkv + Cl, z.ld_qkv, z.ld_kv, z.N);
+    for (int step = 0; step < S::cp; ++step) {
+      const int cur = step % 2;
+      if (step + 1 < S::cp) pass_on(s, w.kv[cur], w.kv[1 - cur], z.N * z.ld_kv);
+      const RingStep plan = ring_blocks<typename S::split>(s.cp_comm.rank(), step);
+      for (int i = 0; i < plan.count; ++i) {
+        const RingBlock& b = plan.blocks[static_cast<std::size_t>(i)];
+        const T* k = w.kv[cur].data() + z.chunk(b.k) * z.ld_kv;
+        stat_t* dk = w.dkv[cur].data() + z.chunk(b.k) * z.ld_kv;
+        ops.attention_block_backward(w.dq.data() + z.chunk(b.q) * Cl, dk, dk + Cl, z.ld_kv,
+                                     datty + z.chunk(b.q) * Cl, w.Dd.data() + z.stats(b.q), lse + z.stats(b.q),
+                                     qkv + z.chunk(b.q) * z.ld_qkv, k, k + Cl, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads,
+                                     b.causal);
+      }
+      pass_on(s, w.dkv[cur], w.dkv[1 - cur], z.N * z.ld_kv);  // after the last step: this rank's own, complete
+    }
+    const stat_t* mine = w.dkv[S::cp % 2].data();
+    ops.copy_rows(w.dqkv.data(), z.ld_qkv, w.dq.data(), static_cast<std::size_t>(Cl), static_cast<std::size_t>(Cl), z.N);
+    ops.copy_rows(w.dqkv.data() + Cl, z.ld_qkv, mine, z.ld_kv, z.ld_kv, z.N);
+    ops.from_acc(dqkv, w.dqkv.data(), z.N * z.ld_qkv);
+  }
+
+ private:
+  // Offsets into the chunk-major local rows.
+  struct Shape {
+    std::size_t N, n, rows_per_chunk, ld_qkv, ld_kv;
+    Shape(const S& s, int Cl)
+        : N(static_cast<std::size_t>(s.B) * static_cast<std::size_t>(s.T_)),
+          n(static_cast<std::size_t>(s.chunk_length())),
+          rows_per_chunk(static_cast<std::size_t>(s.B) * n),
+          ld_qkv(3 * static_cast<std::size_t>(Cl)),
+          ld_kv(2 * static_cast<std::size_t>(Cl)) {}
+    std::size_t chunk(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk; }  // first row
+    std::size_t stats(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk * Heads; }
+  };
+
+  // Sends the first `count` elements of `held` to the next rank of the ring and receives the
+  // previous rank's into `next`.
+  template <class E>
+  static void pass_on(S& s, Buffer<E, Device>& held, Buffer<E, Device>& next, std::size_t count) {
+    const int P = S::cp, r = s.cp_comm.rank();
+    const SendOp<E> send{std::span<const E>(held.data(), count), (r + 1) % P};
+    const RecvOp<E> recv{std::span<E>(next.data(), count), (r + P - 1) % P};
+    s.cp_comm.send_recv(std::span<const SendOp<E>>(&send, 1), std::span<const RecvOp<E>>(&recv, 1));
+  }
+};
+
+}  // namespace fived
