@@ -21,8 +21,8 @@ out=${2:-gpu-out}
 build=${BUILD_DIR:-build-gpu}
 status=0
 cuda_targets="test_nccl_comm nccl_ranks_check test_nccl_mesh_context test_kernels_cuda test_gpt_cuda
-  test_mesh_cuda test_pipeline_cuda bench_kernels bench_train_step bench_overlap bench_collectives_nccl
-  train_gpt_cuda"
+  test_mesh_cuda test_pipeline_cuda test_context_cuda bench_kernels bench_train_step bench_overlap
+  bench_collectives_nccl bench_ring_attention train_gpt_cuda"
 
 run() {  # run LOG COMMAND...: the command's output appended to LOG, its status remembered
   local log=$1
@@ -69,6 +69,7 @@ bench() {
   run "$out/bench-train-step.txt" python3 bench/train_step_pytorch.py
   run "$out/bench-train-step.txt" python3 bench/train_step_pytorch.py --compile
   run "$out/bench-overlap.txt" bash scripts/launch-local.sh 2 "$b/overlap"
+  run "$out/bench-ring-attention.txt" bash scripts/launch-local.sh 2 "$b/ring_attention"
   run "$out/bench-collectives.txt" bash scripts/launch-local.sh 4 "$b/collectives_nccl"
   run "$out/train-gpt-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --steps 60
 }

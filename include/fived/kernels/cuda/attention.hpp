@@ -14,6 +14,15 @@
 // query tile accumulates dQ over the key tiles at or before it.
 // Correctness first: scores and products are fp32 FMAs from shared memory (no
 // tensor cores). The head size is padded to 32, 64 or 128 inside the kernels.
+//
+// Ring attention's blocks (context parallelism), contract of the host block kernels:
+//   attention_block_forward(s, o, lse, q, k, v, ldq, ldkv, B, n, C, NH, causal, first)
+//   attention_row_dot(s, Dd, dout, out, B, n, C, NH)
+//   attention_block_backward(s, dq, dk, dv, lddkv, dout, Dd, lse, q, k, v, ldq, ldkv, B, n, C, NH, causal)
+// o, lse, dq, dk, dv are float. These are one warp per query (or key) row walking the
+// other side's rows with warp reductions: simple and deterministic, and far from the tile
+// kernels above in speed (they are what CP runs until the tile kernels take q, k and v
+// from separate buffers).
 
 #include <cmath>
 #include <cstddef>
@@ -402,6 +411,183 @@ void attention_backward(cudaStream_t stream, E* dqkv, const E* dout, const E* qk
   detail::attention_dispatch<detail::AttentionBackward, device_t<E>>(hs, stream, dev(dqkv), dev(dout), dev(qkv), lse,
                                                                      static_cast<const float*>(Dd.get()), B, T, C, NH,
                                                                      hs);
+}
+
+// ---- ring attention's blocks --------------------------------------------------------------
+
+namespace detail {
+
+inline constexpr int block_row_warps = 8;  // rows (warps) per thread block
+inline constexpr int block_dims = 4;       // head size up to 4 x 32 = 128 per lane set
+
+// Row r of B * NH * n: (b, h, t) with t fastest.
+struct BlockRow {
+  int b, h, t;
+  __device__ BlockRow(long long r, int n, int NH)
+      : b(static_cast<int>(r / (static_cast<long long>(n) * NH))), h(static_cast<int>((r / n) % NH)),
+        t(static_cast<int>(r % n)) {}
+};
+
+template <class E>
+__device__ __forceinline__ void load_row(float (&x)[block_dims], const E* p, int hs, int lane, float mul) {
+#pragma unroll
+  for (int i = 0; i < block_dims; ++i) {
+    const int d = lane + 32 * i;
+    x[i] = d < hs ? to_float(p[d]) * mul : 0.0f;
+  }
+}
+__device__ __forceinline__ float row_dot(const float (&a)[block_dims], const float (&b)[block_dims]) {
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < block_dims; ++i) s += a[i] * b[i];
+  return warp_sum(s);
+}
+
+template <class E>
+__global__ void attention_block_forward_kernel(float* o, float* lse, const E* q, const E* k, const E* v, int ldq,
+                                               int ldkv, int B, int n, int C, int NH, int hs, float scale, bool causal,
+                                               bool first) {
+  const long long r = static_cast<long long>(blockIdx.x) * block_row_warps + threadIdx.x / 32;
+  if (r >= static_cast<long long>(B) * NH * n) return;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const BlockRow at(r, n, NH);
+  const std::size_t base = static_cast<std::size_t>(at.b) * n;
+  float qr[block_dims], kr[block_dims], vr[block_dims], acc[block_dims] = {};
+  load_row(qr, q + (base + at.t) * ldq + static_cast<std::size_t>(at.h) * hs, hs, lane, scale);
+  float m = -INFINITY, l = 0.0f;
+  for (int j = 0, keys = causal ? at.t + 1 : n; j < keys; ++j) {
+    load_row(kr, k + (base + j) * ldkv + static_cast<std::size_t>(at.h) * hs, hs, lane, 1.0f);
+    load_row(vr, v + (base + j) * ldkv + static_cast<std::size_t>(at.h) * hs, hs, lane, 1.0f);
+    const float s = row_dot(qr, kr), m_new = fmaxf(m, s);
+    const float corr = expf(m - m_new), p = expf(s - m_new);
+    l = l * corr + p;
+#pragma unroll
+    for (int i = 0; i < block_dims; ++i) acc[i] = acc[i] * corr + p * vr[i];
+    m = m_new;
+  }
+  const float l_new = m + logf(l);
+  const std::size_t srow = (static_cast<std::size_t>(at.b) * NH + at.h) * n + at.t;
+  float* out = o + (base + at.t) * C + static_cast<std::size_t>(at.h) * hs;
+  float keep = 0.0f, add = 1.0f / l, merged = l_new;
+  if (!first) {
+    const float lo = lse[srow], top = fmaxf(lo, l_new);
+    merged = top + logf(expf(lo - top) + expf(l_new - top));
+    keep = expf(lo - merged), add = expf(l_new - merged) / l;
+  }
+#pragma unroll
+  for (int i = 0; i < block_dims; ++i) {
+    const int d = lane + 32 * i;
+    if (d < hs) out[d] = (first ? 0.0f : out[d] * keep) + acc[i] * add;
+  }
+  __syncwarp();  // every lane has read lse[srow]
+  if (lane == 0) lse[srow] = merged;
+}
+
+// dq of one query row over the block's keys.
+template <class E>
+__global__ void attention_block_backward_q_kernel(float* dq, const E* dout, const float* Dd, const float* lse,
+                                                  const E* q, const E* k, const E* v, int ldq, int ldkv, int B, int n,
+                                                  int C, int NH, int hs, float scale, bool causal) {
+  const long long r = static_cast<long long>(blockIdx.x) * block_row_warps + threadIdx.x / 32;
+  if (r >= static_cast<long long>(B) * NH * n) return;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const BlockRow at(r, n, NH);
+  const std::size_t base = static_cast<std::size_t>(at.b) * n, head = static_cast<std::size_t>(at.h) * hs;
+  const std::size_t srow = (static_cast<std::size_t>(at.b) * NH + at.h) * n + at.t;
+  float qr[block_dims], gr[block_dims], kr[block_dims], vr[block_dims], acc[block_dims] = {};
+  load_row(qr, q + (base + at.t) * ldq + head, hs, lane, 1.0f);
+  load_row(gr, dout + (base + at.t) * C + head, hs, lane, 1.0f);
+  const float l = lse[srow], D = Dd[srow];
+  for (int j = 0, keys = causal ? at.t + 1 : n; j < keys; ++j) {
+    load_row(kr, k + (base + j) * ldkv + head, hs, lane, 1.0f);
+    load_row(vr, v + (base + j) * ldkv + head, hs, lane, 1.0f);
+    const float p = expf(row_dot(qr, kr) * scale - l), ds = p * (row_dot(gr, vr) - D) * scale;
+#pragma unroll
+    for (int i = 0; i < block_dims; ++i) acc[i] += ds * kr[i];
+  }
+  float* out = dq + (base + at.t) * C + head;
+#pragma unroll
+  for (int i = 0; i < block_dims; ++i)
+    if (lane + 32 * i < hs) out[lane + 32 * i] += acc[i];
+}
+
+// dk and dv of one key row over the block's queries.
+template <class E>
+__global__ void attention_block_backward_kv_kernel(float* dk, float* dv, int lddkv, const E* dout, const float* Dd,
+                                                   const float* lse, const E* q, const E* k, const E* v, int ldq,
+                                                   int ldkv, int B, int n, int C, int NH, int hs, float scale,
+                                                   bool causal) {
+  const long long r = static_cast<long long>(blockIdx.x) * block_row_warps + threadIdx.x / 32;
+  if (r >= static_cast<long long>(B) * NH * n) return;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const BlockRow at(r, n, NH);  // at.t: the key row
+  const std::size_t base = static_cast<std::size_t>(at.b) * n, head = static_cast<std::size_t>(at.h) * hs;
+  const std::size_t stats = (static_cast<std::size_t>(at.b) * NH + at.h) * n;
+  float kr[block_dims], vr[block_dims], qr[block_dims], gr[block_dims], ak[block_dims] = {}, av[block_dims] = {};
+  load_row(kr, k + (base + at.t) * ldkv + head, hs, lane, 1.0f);
+  load_row(vr, v + (base + at.t) * ldkv + head, hs, lane, 1.0f);
+  for (int i = causal ? at.t : 0; i < n; ++i) {
+    load_row(qr, q + (base + i) * ldq + head, hs, lane, 1.0f);
+    load_row(gr, dout + (base + i) * C + head, hs, lane, 1.0f);
+    const float p = expf(row_dot(qr, kr) * scale - lse[stats + i]);
+    const float ds = p * (row_dot(gr, vr) - Dd[stats + i]) * scale;
+#pragma unroll
+    for (int d = 0; d < block_dims; ++d) ak[d] += ds * qr[d], av[d] += p * gr[d];
+  }
+  float* outk = dk + (base + at.t) * lddkv + head;
+  float* outv = dv + (base + at.t) * lddkv + head;
+#pragma unroll
+  for (int d = 0; d < block_dims; ++d)
+    if (lane + 32 * d < hs) outk[lane + 32 * d] += ak[d], outv[lane + 32 * d] += av[d];
+}
+
+inline unsigned block_row_grid(int B, int n, int NH, const char* kernel) {
+  const long long rows = static_cast<long long>(B) * NH * n;
+  const long long blocks = (rows + block_row_warps - 1) / block_row_warps;
+  require(blocks <= 0x7fffffffLL, kernel, "too many rows for one grid");
+  return static_cast<unsigned>(blocks);
+}
+
+}  // namespace detail
+
+template <class E>
+void attention_block_forward(cudaStream_t stream, float* o, float* lse, const E* q, const E* k, const E* v, int ldq,
+                             int ldkv, int B, int n, int C, int NH, bool causal, bool first) {
+  static_assert(is_element_v<E>, "attention_block_forward: element type must be float or fived::bf16");
+  const int hs = detail::attention_check("attention_block_forward", B, n, C, NH);
+  if (B == 0 || n == 0) return;
+  detail::attention_block_forward_kernel<<<detail::block_row_grid(B, n, NH, "attention_block_forward"),
+                                           32 * detail::block_row_warps, 0, stream>>>(
+      o, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, hs, 1.0f / sqrtf(static_cast<float>(hs)), causal, first);
+  FIVED_CUDA_CHECK_LAUNCH("attention_block_forward_kernel");
+}
+
+template <class E>
+void attention_row_dot(cudaStream_t stream, float* Dd, const E* dout, const E* out, int B, int n, int C, int NH) {
+  static_assert(is_element_v<E>, "attention_row_dot: element type must be float or fived::bf16");
+  const int hs = detail::attention_check("attention_row_dot", B, n, C, NH);
+  if (B == 0 || n == 0) return;
+  const std::size_t rows = static_cast<std::size_t>(B) * n * NH;
+  detail::attention_dot_kernel<<<detail::grid_for(rows, 8, 0x7fffffffu), 256, 0, stream>>>(Dd, dev(dout), dev(out), B,
+                                                                                           n, C, NH, hs);
+  FIVED_CUDA_CHECK_LAUNCH("attention_dot_kernel");
+}
+
+template <class E>
+void attention_block_backward(cudaStream_t stream, float* dq, float* dk, float* dv, int lddkv, const E* dout,
+                              const float* Dd, const float* lse, const E* q, const E* k, const E* v, int ldq, int ldkv,
+                              int B, int n, int C, int NH, bool causal) {
+  static_assert(is_element_v<E>, "attention_block_backward: element type must be float or fived::bf16");
+  const int hs = detail::attention_check("attention_block_backward", B, n, C, NH);
+  if (B == 0 || n == 0) return;
+  const unsigned grid = detail::block_row_grid(B, n, NH, "attention_block_backward");
+  const float scale = 1.0f / sqrtf(static_cast<float>(hs));
+  detail::attention_block_backward_q_kernel<<<grid, 32 * detail::block_row_warps, 0, stream>>>(
+      dq, dev(dout), Dd, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, hs, scale, causal);
+  FIVED_CUDA_CHECK_LAUNCH("attention_block_backward_q_kernel");
+  detail::attention_block_backward_kv_kernel<<<grid, 32 * detail::block_row_warps, 0, stream>>>(
+      dk, dv, lddkv, dev(dout), Dd, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, hs, scale, causal);
+  FIVED_CUDA_CHECK_LAUNCH("attention_block_backward_kv_kernel");
 }
 
 }  // namespace fived::kernels::cuda

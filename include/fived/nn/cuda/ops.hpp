@@ -140,6 +140,19 @@ struct Ops<T, Cuda> {
                           int NH) {
     kernels::cuda::attention_backward(stream(), dqkv, dout, qkv, out, lse, B, T_, C, NH);
   }
+  void attention_block_forward(stat_t* o, stat_t* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B,
+                               int n, int C, int NH, bool causal, bool first) {
+    kernels::cuda::attention_block_forward(stream(), o, lse, q, k, v, ldq, ldkv, B, n, C, NH, causal, first);
+  }
+  void attention_row_dot(stat_t* Dd, const T* dout, const T* out, int B, int n, int C, int NH) {
+    kernels::cuda::attention_row_dot(stream(), Dd, dout, out, B, n, C, NH);
+  }
+  void attention_block_backward(stat_t* dq, stat_t* dk, stat_t* dv, int lddkv, const T* dout, const stat_t* Dd,
+                                const stat_t* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B, int n,
+                                int C, int NH, bool causal) {
+    kernels::cuda::attention_block_backward(stream(), dq, dk, dv, lddkv, dout, Dd, lse, q, k, v, ldq, ldkv, B, n, C, NH,
+                                            causal);
+  }
   void embedding_forward(T* out, const int* tokens, const T* wte, int vocab_begin, int vocab_rows, const T* wpe, int B,
                          int T_, int C) {
     kernels::cuda::embedding_forward(stream(), out, tokens, wte, vocab_begin, vocab_rows, wpe, B, T_, C);
@@ -188,6 +201,7 @@ struct Ops<T, Cuda> {
     return h;
   }
   void to_fp32(float* dst, const T* src, std::size_t n) { kernels::cuda::to_fp32(stream(), dst, src, n); }
+  void from_acc(T* dst, const stat_t* src, std::size_t n) { kernels::cuda::from_acc(stream(), dst, src, n); }
   template <class U>
   void regroup(U* out, const U* in, std::int64_t outer, int n, std::int64_t block, kernels::cuda::Blocks how) {
     kernels::cuda::regroup(stream(), out, in, outer, n, block, how);
@@ -214,6 +228,13 @@ struct Ops<T, Cuda> {
     if (n != 0 && dst != src)
       FIVED_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(U), cudaMemcpyDeviceToDevice, stream()));
   }
+  template <class U>
+  void copy_rows(U* dst, std::size_t dst_ld, const U* src, std::size_t src_ld, std::size_t width, std::size_t rows) {
+    if (width != 0 && rows != 0)
+      FIVED_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_ld * sizeof(U), src, src_ld * sizeof(U), width * sizeof(U), rows,
+                                         cudaMemcpyDeviceToDevice, stream()));
+  }
+
   void upload_ids(Buffer<int, Cuda>& dst, const int* host, std::size_t n) {
     if (n > dst.size())
       throw std::invalid_argument("fived::Ops<T, Cuda>::upload_ids: " + std::to_string(n) +
