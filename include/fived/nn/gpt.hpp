@@ -15,9 +15,11 @@
 // the executor's, pipeline/executor.hpp), the element type, the device, the
 // sequence-parallel policy and the part of the layers this object holds (AllLayers, or a
 // pipeline stage's Layers<first, count>: see the boundary functions input/output/
-// output_grad/input_grad). Every collective is a call on AxisComm<M, Axis::tp>, which
-// compiles to nothing at TP 1: GPT<Cfg, Mesh<>> is the serial model, with no communicator
-// at all.
+// output_grad/input_grad). Every collective is a call on AxisComm<M, Axis::tp> or, for
+// ring attention under context parallelism (nn/ring_attention.hpp), AxisComm<M, Axis::cp>;
+// each compiles to nothing at extent 1: GPT<Cfg, Mesh<>> is the serial model, with no
+// communicator at all. Under CP every rank takes the whole [B, T] batch and keeps its two
+// zig-zag chunks of each sequence (context/zigzag.hpp).
 //
 // Blocks are pre-LayerNorm:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x));
 // logits = ln_f(x) · wte^T (tied; lm_head^T when untied), over the padded vocabulary split
