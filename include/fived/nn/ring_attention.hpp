@@ -65,22 +65,13 @@ struct RingAttention {
   // atty [N, Cl] and lse [2, B, Heads, n] from qkv [N, 3 Cl] (this rank's rows, chunk-major).
   static void forward(S& s, Work& w, T* atty, stat_t* lse, const T* qkv, int Cl) {
     const Shape z(s, Cl);
-    auto& ops = s.ops;
-    ops.copy_rows(w.kv[0].data(), z.ld_kv, qkv + Cl, z.ld_qkv, z.ld_kv, z.N);
     bool seen[2] = {false, false};
-    for (int step = 0; step < S::cp; ++step) {
-      const int cur = step % 2;
-      if (step + 1 < S::cp) pass_on(s, w.kv[cur], w.kv[1 - cur], z.N * z.ld_kv);
-      const RingStep plan = ring_blocks<typename S::split>(s.cp_comm.rank(), step);
-      for (int i = 0; i < plan.count; ++i) {
-        const RingBlock& b = plan.blocks[static_cast<std::size_t>(i)];
-        const T* k = w.kv[cur].data() + z.chunk(b.k) * z.ld_kv;
-        ops.attention_block_forward(w.o.data() + z.chunk(b.q) * Cl, lse + z.stats(b.q), qkv + z.chunk(b.q) * z.ld_qkv,
+    walk_ring(s, w, z, qkv, Cl, [&](const RingBlock& b, const T* k, int) {
+      s.ops.attention_block_forward(w.o.data() + z.chunk(b.q) * Cl, lse + z.stats(b.q), qkv + z.chunk(b.q) * z.ld_qkv,
                                     k, k + Cl, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, b.causal, !seen[b.q]);
-        seen[b.q] = true;
-      }
-    }
-    ops.from_acc(atty, w.o.data(), z.N * static_cast<std::size_t>(Cl));
+      seen[b.q] = true;
+    }, [](int) {});
+    s.ops.from_acc(atty, w.o.data(), z.N * static_cast<std::size_t>(Cl));
   }
 
   // dqkv [N, 3 Cl] ("=") from datty, with the forward's qkv, atty and lse.
@@ -92,22 +83,14 @@ struct RingAttention {
                             Heads);
     ops.zero(w.dq);
     ops.zero(w.dkv[0]);
-    ops.copy_rows(w.kv[0].data(), z.ld_kv, qkv + Cl, z.ld_qkv, z.ld_kv, z.N);
-    for (int step = 0; step < S::cp; ++step) {
-      const int cur = step % 2;
-      if (step + 1 < S::cp) pass_on(s, w.kv[cur], w.kv[1 - cur], z.N * z.ld_kv);
-      const RingStep plan = ring_blocks<typename S::split>(s.cp_comm.rank(), step);
-      for (int i = 0; i < plan.count; ++i) {
-        const RingBlock& b = plan.blocks[static_cast<std::size_t>(i)];
-        const T* k = w.kv[cur].data() + z.chunk(b.k) * z.ld_kv;
-        stat_t* dk = w.dkv[cur].data() + z.chunk(b.k) * z.ld_kv;
-        ops.attention_block_backward(w.dq.data() + z.chunk(b.q) * Cl, dk, dk + Cl, z.ld_kv,
-                                     datty + z.chunk(b.q) * Cl, w.Dd.data() + z.stats(b.q), lse + z.stats(b.q),
-                                     qkv + z.chunk(b.q) * z.ld_qkv, k, k + Cl, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads,
-                                     b.causal);
-      }
-      pass_on(s, w.dkv[cur], w.dkv[1 - cur], z.N * z.ld_kv);  // after the last step: this rank's own, complete
-    }
+    walk_ring(s, w, z, qkv, Cl, [&](const RingBlock& b, const T* k, int cur) {
+      stat_t* dk = w.dkv[cur].data() + z.chunk(b.k) * z.ld_kv;
+      ops.attention_block_backward(w.dq.data() + z.chunk(b.q) * Cl, dk, dk + Cl, z.ld_kv, datty + z.chunk(b.q) * Cl,
+                                   w.Dd.data() + z.stats(b.q), lse + z.stats(b.q), qkv + z.chunk(b.q) * z.ld_qkv, k,
+                                   k + Cl, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, b.causal);
+    }, [&](int cur) {  // d[k | v] goes on; after the last step this rank's own comes back, complete
+      pass_on(s, w.dkv[cur], w.dkv[1 - cur], z.N * z.ld_kv);
+    });
     const stat_t* mine = w.dkv[S::cp % 2].data();
     ops.copy_rows(w.dqkv.data(), z.ld_qkv, w.dq.data(), static_cast<std::size_t>(Cl), static_cast<std::size_t>(Cl), z.N);
     ops.copy_rows(w.dqkv.data() + Cl, z.ld_qkv, mine, z.ld_kv, z.ld_kv, z.N);
@@ -127,6 +110,24 @@ struct RingAttention {
     std::size_t chunk(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk; }  // first row
     std::size_t stats(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk * Heads; }
   };
+
+  // The ring, shared by forward and backward: this rank's [k | v] packed into kv[0], then per
+  // step the block in hand passed on while block(b, k of b's key chunk, buffer index) runs
+  // over the step's blocks (ring_blocks), then after_step(buffer index).
+  template <class Block, class AfterStep>
+  static void walk_ring(S& s, Work& w, const Shape& z, const T* qkv, int Cl, Block&& block, AfterStep&& after_step) {
+    s.ops.copy_rows(w.kv[0].data(), z.ld_kv, qkv + Cl, z.ld_qkv, z.ld_kv, z.N);
+    for (int step = 0; step < S::cp; ++step) {
+      const int cur = step % 2;
+      if (step + 1 < S::cp) pass_on(s, w.kv[cur], w.kv[1 - cur], z.N * z.ld_kv);
+      const RingStep plan = ring_blocks<typename S::split>(s.cp_comm.rank(), step);
+      for (int i = 0; i < plan.count; ++i) {
+        const RingBlock& b = plan.blocks[static_cast<std::size_t>(i)];
+        block(b, static_cast<const T*>(w.kv[cur].data() + z.chunk(b.k) * z.ld_kv), cur);
+      }
+      after_step(cur);
+    }
+  }
 
   // Sends the first `count` elements of `held` to the next rank of the ring and receives the
   // previous rank's into `next`.
