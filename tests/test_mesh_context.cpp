@@ -124,7 +124,7 @@ TEST_CASE("MeshContext: group communicators match the mesh's groups") {
   check_mesh<Mesh<PP<2>, TP<3>>>();
   check_mesh<Mesh<TP<2>, DP<4>, EP<4>>>();
   check_mesh<Mesh<PP<2>, DP<2>, CP<2>, EP<2>>>();
-  check_mesh<Mesh<TP<2>, DP<3>, PP<2>, EP<3>>>();  // 12 ranks, expert view across TP and DP
+  check_mesh<Mesh<TP<2>, DP<3>, PP<2>, EP<3>>>();  // 12 ranks, EP across DP within each TP slice
 }
 
 TEST_CASE("MeshContext: the group communicators work together in one step") {

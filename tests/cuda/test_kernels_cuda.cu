@@ -467,6 +467,194 @@ TEST_CASE_TEMPLATE("attention forward and backward (flash-style) against the ref
   CHECK_THROWS_AS(ck::attention_forward(stream(), x.data(), l.data(), x.data(), 1, 1, 256, 1), std::invalid_argument);
 }
 
+// Mixture of experts. Each kernel gets the host's outputs of the step before it on both
+// sides (scores -> top-k -> plan -> rows), so the integer results (expert, pos, token_of,
+// the kept counts) must be equal, not close. Cases: k = 1 and 2, E = 4 and 8, softmax and
+// sigmoid, capacities that drop assignments (0: all of them), an expert no token picks (a
+// bias of -10 on it: the bias only selects), C above one block (300), and N = 0.
+TEST_CASE_TEMPLATE("mixture of experts: router, dispatch plan, gather, combine and their backwards", T,
+                   ELEMENT_TYPES) {
+  struct Case {
+    int N, E, k, capacity, C;
+    bool sigmoid, renormalize, bias, idle_expert, drops;
+  };
+  ck::DispatchScratch scratch;  // shared by the cases: it grows and is reused
+  for (const Case m : {Case{37, 4, 1, -1, 40, false, false, false, false, false},
+                       Case{37, 8, 2, -1, 40, true, true, true, false, false},
+                       Case{37, 8, 2, 6, 300, false, true, true, true, true},
+                       Case{37, 4, 2, 10, 40, true, false, true, true, true},
+                       Case{64, 4, 1, 9, 33, false, false, false, false, true},
+                       Case{20, 4, 2, 0, 40, false, true, false, false, true},
+                       Case{0, 4, 2, 3, 40, false, true, true, false, false}}) {
+    const int N = m.N, E = m.E, k = m.k, C = m.C;
+    CAPTURE(N);
+    CAPTURE(E);
+    CAPTURE(k);
+    CAPTURE(m.capacity);
+    CAPTURE(m.sigmoid);
+    CAPTURE(m.renormalize);
+    const std::size_t NE = static_cast<std::size_t>(N) * E, NK = static_cast<std::size_t>(N) * k;
+    const std::size_t NC = static_cast<std::size_t>(N) * C;
+
+    // router_scores
+    const auto logits = rnd<T>(NE, 40, -3.0f, 3.0f);
+    std::vector<float> scores(NE);
+    hk::router_scores(scores.data(), logits.data(), N, E, m.sigmoid);
+    auto d_logits = up(logits);
+    Buffer<float, Cuda> d_scores(NE);
+    ck::router_scores(stream(), d_scores.data(), d_logits.data(), N, E, m.sigmoid);
+    CHECK_CLOSE(scores, down(d_scores), fp32_elem);
+
+    // router_topk, from the host's scores
+    std::vector<float> bias;
+    if (m.bias) {
+      bias = rnd<float>(static_cast<std::size_t>(E), 41, -0.1f, 0.1f);
+      if (m.idle_expert) bias[static_cast<std::size_t>(E) - 1] = -10.0f;
+    }
+    auto d_hscores = up(scores);
+    auto d_bias = up(bias);
+    std::vector<int> expert(NK);
+    std::vector<float> gate(NK);
+    hk::router_topk(expert.data(), gate.data(), scores.data(), m.bias ? bias.data() : nullptr, N, E, k,
+                    m.renormalize);
+    Buffer<int, Cuda> d_expert(NK);
+    Buffer<float, Cuda> d_gate(NK);
+    ck::router_topk(stream(), d_expert.data(), d_gate.data(), d_hscores.data(), m.bias ? d_bias.data() : nullptr, N,
+                    E, k, m.renormalize);
+    CHECK(down(d_expert) == expert);
+    CHECK_CLOSE(gate, down(d_gate), fp32_elem);
+
+    // dispatch_plan, from the host's experts; unwritten entries stay -7 on both sides
+    auto d_hexpert = up(expert);
+    auto d_hgate = up(gate);
+    std::vector<int> token_of(NK, -7), pos(NK, -7), counts(static_cast<std::size_t>(E), -7);
+    hk::dispatch_plan(token_of.data(), pos.data(), counts.data(), expert.data(), N, k, E, m.capacity);
+    auto d_token_of = up(std::vector<int>(NK, -7)), d_pos = up(std::vector<int>(NK, -7));
+    std::vector<int> got_counts(static_cast<std::size_t>(E), -7);
+    ck::dispatch_plan(stream(), scratch, d_token_of.data(), d_pos.data(), got_counts.data(), d_hexpert.data(), N, k, E,
+                      m.capacity);
+    CHECK(got_counts == counts);
+    CHECK(down(d_pos) == pos);
+    CHECK(down(d_token_of) == token_of);
+    if (m.idle_expert) CHECK(counts[static_cast<std::size_t>(E) - 1] == 0);  // the case tests what it says
+    if (m.drops) CHECK(std::count(pos.begin(), pos.end(), -1) > 0);
+    int rows = 0;
+    for (const int c : counts) rows += c;
+    const std::size_t RC = static_cast<std::size_t>(rows) * C;
+
+    // gather_rows (the dispatch): a copy, exact
+    const auto x = rnd<T>(NC, 42);
+    std::vector<T> xp(RC);
+    hk::gather_rows(xp.data(), x.data(), token_of.data(), rows, C);
+    auto d_x = up(x);
+    Buffer<T, Cuda> d_xp(RC);
+    ck::gather_rows(stream(), d_xp.data(), d_x.data(), d_token_of.data(), rows, C);
+    CHECK(down(d_xp) == xp);
+
+    // moe_combine
+    const auto y = rnd<T>(RC, 43);
+    auto d_y = up(y);
+    std::vector<T> out(NC);
+    hk::moe_combine(out.data(), y.data(), pos.data(), gate.data(), N, k, C);
+    Buffer<T, Cuda> d_out(NC);
+    ck::moe_combine(stream(), d_out.data(), d_y.data(), d_pos.data(), d_hgate.data(), N, k, C);
+    CHECK_CLOSE(out, down(d_out), bound<T>(fp32_elem));
+
+    // moe_combine_backward: dgate starts at 7 (a dropped assignment must get 0)
+    const auto dout = rnd<T>(NC, 44);
+    auto d_dout = up(dout);
+    auto dy = rnd<T>(RC, 45);
+    auto d_dy = up(dy);
+    std::vector<float> dgate(NK, 7.0f);
+    auto d_dgate = up(dgate);
+    hk::moe_combine_backward(dy.data(), dgate.data(), dout.data(), y.data(), pos.data(), gate.data(), N, k, C);
+    ck::moe_combine_backward(stream(), d_dy.data(), d_dgate.data(), d_dout.data(), d_y.data(), d_pos.data(),
+                             d_hgate.data(), N, k, C);
+    CHECK_CLOSE(dy, down(d_dy), bound<T>(fp32_elem));
+    CHECK_CLOSE(dgate, down(d_dgate), fp32_sum);  // a dot product over C, summed in another order
+
+    // moe_dispatch_backward ("+=")
+    const auto dxp = rnd<T>(RC, 46);
+    auto d_dxp = up(dxp);
+    auto dx = rnd<T>(NC, 47);
+    auto d_dx = up(dx);
+    hk::moe_dispatch_backward(dx.data(), dxp.data(), pos.data(), N, k, C);
+    ck::moe_dispatch_backward(stream(), d_dx.data(), d_dxp.data(), d_pos.data(), N, k, C);
+    CHECK_CLOSE(dx, down(d_dx), bound<T>(fp32_elem));
+
+    // router_backward, with and without the load-balancing term
+    const auto dg = rnd<float>(NK, 48), daux = rnd<float>(static_cast<std::size_t>(E), 49, -0.1f, 0.1f);
+    auto d_dg = up(dg), d_daux = up(daux);
+    for (const bool with_aux : {false, true}) {
+      CAPTURE(with_aux);
+      std::vector<T> dlogits(NE);
+      hk::router_backward(dlogits.data(), dg.data(), scores.data(), expert.data(), gate.data(),
+                          with_aux ? daux.data() : nullptr, N, E, k, m.renormalize, m.sigmoid);
+      Buffer<T, Cuda> d_dlogits(NE);
+      ck::router_backward(stream(), d_dlogits.data(), d_dg.data(), d_hscores.data(), d_hexpert.data(), d_hgate.data(),
+                          with_aux ? d_daux.data() : nullptr, N, E, k, m.renormalize, m.sigmoid);
+      CHECK_CLOSE(dlogits, down(d_dlogits), bound<T>(fp32_elem * 10));
+    }
+
+    // router_score_sums ("=": starts at 7)
+    std::vector<float> sums(static_cast<std::size_t>(E), 7.0f);
+    auto d_sums = up(sums);
+    hk::router_score_sums(sums.data(), scores.data(), N, E);
+    ck::router_score_sums(stream(), d_sums.data(), d_hscores.data(), N, E);
+    CHECK_CLOSE(sums, down(d_sums), fp32_sum);
+  }
+
+  {  // ties go to the lower expert (strictly greater replaces), with and without renormalising
+    const int N = 3, E = 4, k = 2;
+    const std::vector<float> tied = {0.25f, 0.25f, 0.25f, 0.25f, 0.1f, 0.3f, 0.3f, 0.3f, 0.5f, 0.5f, 0.0f, 0.0f};
+    auto d_tied = up(tied);
+    for (const bool renormalize : {false, true}) {
+      std::vector<int> expert(N * k);
+      std::vector<float> gate(N * k);
+      hk::router_topk(expert.data(), gate.data(), tied.data(), nullptr, N, E, k, renormalize);
+      CHECK(expert == std::vector<int>{0, 1, 1, 2, 0, 1});
+      Buffer<int, Cuda> d_expert(N * k);
+      Buffer<float, Cuda> d_gate(N * k);
+      ck::router_topk(stream(), d_expert.data(), d_gate.data(), d_tied.data(), nullptr, N, E, k, renormalize);
+      CHECK(down(d_expert) == expert);
+      CHECK(down(d_gate) == gate);
+    }
+  }
+
+  {  // misuse: k > E, and expert ids outside [0, E) (found on the device, thrown after the sync)
+    Buffer<int, Cuda> e(8), t(8), p(8);
+    Buffer<float, Cuda> g(8), s(16);
+    CHECK_THROWS_AS(ck::router_topk(stream(), e.data(), g.data(), s.data(), nullptr, 2, 4, 5, false),
+                    std::invalid_argument);
+    std::vector<int> c(4);
+    for (const int wrong : {4, -1}) {
+      auto bad = up(std::vector<int>{0, 1, wrong, 2});
+      CHECK_THROWS_AS(ck::dispatch_plan(stream(), scratch, t.data(), p.data(), c.data(), bad.data(), 2, 2, 4, -1),
+                      std::invalid_argument);
+    }
+  }
+
+  {  // Ops<T, Cuda>: upload, and dispatch_plan on its own buffers, allocated once
+    fived::Ops<T, Cuda> ops;
+    const int N = 29, k = 2, E = 8, capacity = 5;
+    std::vector<int> expert(static_cast<std::size_t>(N) * k);
+    for (std::size_t i = 0; i < expert.size(); ++i) expert[i] = static_cast<int>((i * 5 + i / 3) % E);
+    Buffer<int, Cuda> d_expert(expert.size()), d_token_of(expert.size()), d_pos(expert.size());
+    ops.upload(d_expert.data(), expert.data(), expert.size());
+    std::vector<int> token_of(expert.size(), 0), pos(expert.size()), counts(E), got(E);
+    hk::dispatch_plan(token_of.data(), pos.data(), counts.data(), expert.data(), N, k, E, capacity);
+    ops.dispatch_plan(d_token_of.data(), d_pos.data(), got.data(), d_expert.data(), N, k, E, capacity);
+    CHECK(got == counts);
+    const std::size_t allocations = fived::buffer_allocations<Cuda>().load();
+    ops.dispatch_plan(d_token_of.data(), d_pos.data(), got.data(), d_expert.data(), 10, k, E, capacity);
+    ops.dispatch_plan(d_token_of.data(), d_pos.data(), got.data(), d_expert.data(), N, k, E, capacity);
+    CHECK(fived::buffer_allocations<Cuda>().load() == allocations);  // same or smaller sizes: none
+    CHECK(got == counts);
+    CHECK(down(d_pos) == pos);
+    CHECK(down(d_token_of) == token_of);
+  }
+}
+
 TEST_CASE_TEMPLATE("redistribute on device memory: Ops<T, Cuda>, a workspace and NCCL (a world of one)", T,
                    ELEMENT_TYPES) {
   // One rank cuts nothing (the regrouping is the test above): this runs the device path of

@@ -9,7 +9,8 @@
 // GroupComm is the type-erased face of one group's communicator (host threads, NCCL,
 // Counting<...>), so that a model's type names its mesh but not its backend: one
 // GPT<cfg, Mesh<TP<2>>> runs over host threads in a test and over NCCL on GPUs. It carries
-// the three collectives a layer needs, for the element types a model moves (its T and its
+// the collectives a layer needs (and a mixture of experts' all_to_all_v, with its counts
+// exchanged first by all_to_all_host), for the element types a model moves (its T and its
 // statistics). AxisComm holds one when its axis has extent > 1 and none otherwise; its
 // calls are `if constexpr` on the group's size, which is what makes GPT<cfg, Mesh<>> the serial
 // model with zero collectives.
@@ -25,6 +26,9 @@
 // buffer as input and output (the layers do, see nn/stream.hpp), and a different one is a
 // logic_error rather than a silent copy.
 
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <stdexcept>
@@ -52,12 +56,15 @@ class GroupComm {
   virtual void barrier() = 0;
   virtual void set_compute_stream(StreamHandle stream) = 0;
   virtual void all_reduce_host(std::span<double> values, ReduceOp op) = 0;
+  virtual void all_to_all_host(std::span<const std::int64_t> send, std::span<std::int64_t> recv) = 0;
 
 #define FIVED_GROUP_COMM_OPS(E)                                                     \
   virtual void all_reduce(std::span<E> buf, ReduceOp op) = 0;                       \
   virtual void all_gather(std::span<const E> send, std::span<E> recv) = 0;          \
   virtual void reduce_scatter(std::span<const E> send, std::span<E> recv, ReduceOp op) = 0; \
-  virtual void send_recv(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) = 0;
+  virtual void send_recv(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) = 0;          \
+  virtual void all_to_all_v(std::span<const E> send, std::span<const std::size_t> send_counts, std::span<E> recv, \
+                            std::span<const std::size_t> recv_counts) = 0;
   FIVED_GROUP_COMM_OPS(float)
   FIVED_GROUP_COMM_OPS(double)
   FIVED_GROUP_COMM_OPS(bf16)
@@ -81,6 +88,10 @@ class GroupCommOf final : public GroupComm {
     if constexpr (requires { c_.all_reduce_host(values, op); }) c_.all_reduce_host(values, op);
     else c_.all_reduce(std::span<const double>(values), values, op);
   }
+  void all_to_all_host(std::span<const std::int64_t> send, std::span<std::int64_t> recv) override {
+    if constexpr (requires { c_.all_to_all_host(send, recv); }) c_.all_to_all_host(send, recv);
+    else c_.template all_to_all<std::int64_t>(send, recv);
+  }
 
 #define FIVED_GROUP_COMM_OPS(E)                                                                                      \
   void all_reduce(std::span<E> buf, ReduceOp op) override { c_.all_reduce(std::span<const E>(buf), buf, op); }      \
@@ -90,6 +101,10 @@ class GroupCommOf final : public GroupComm {
   }                                                                                                                  \
   void send_recv(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) override {                    \
     c_.send_recv(sends, recvs);                                                                                      \
+  }                                                                                                                  \
+  void all_to_all_v(std::span<const E> send, std::span<const std::size_t> send_counts, std::span<E> recv,           \
+                    std::span<const std::size_t> recv_counts) override {                                             \
+    c_.template all_to_all_v<E>(send, send_counts, recv, recv_counts);                                               \
   }
   FIVED_GROUP_COMM_OPS(float)
   FIVED_GROUP_COMM_OPS(double)
@@ -137,6 +152,16 @@ class MeshComm {
     if constexpr (size > 1) comm_->all_reduce_host(std::span<double>(&value, 1), op);
     return value;
   }
+  // A few values the host holds, reduced in place (unchanged at extent 1).
+  void all_reduce_host(std::span<double> values, ReduceOp op = ReduceOp::sum) {
+    if constexpr (size > 1) comm_->all_reduce_host(values, op);
+  }
+  // Integers the host holds (token counts), exchanged in equal blocks: block j to group
+  // rank j. At extent 1 recv is a copy of send.
+  void all_to_all_host(std::span<const std::int64_t> send, std::span<std::int64_t> recv) {
+    if constexpr (size > 1) comm_->all_to_all_host(send, recv);
+    else std::copy(send.begin(), send.end(), recv.begin());
+  }
 
   template <class E>
   void all_reduce(std::span<E> buf, ReduceOp op = ReduceOp::sum) {
@@ -153,6 +178,13 @@ class MeshComm {
   void reduce_scatter(std::span<const std::type_identity_t<E>> send, std::span<E> recv, ReduceOp op = ReduceOp::sum) {
     if constexpr (size > 1) comm_->reduce_scatter(send, recv, op);
     else same_buffer(send, recv, "reduce_scatter");
+  }
+  // Per-peer counts (elements), blocks packed in group-rank order (comm/communicator.hpp).
+  // Not at extent 1, where there is no one to exchange with: the caller uses its buffer.
+  template <class E>
+  void all_to_all_v(std::span<const std::type_identity_t<E>> send, std::span<const std::size_t> send_counts,
+                    std::span<E> recv, std::span<const std::size_t> recv_counts) requires(size > 1) {
+    comm_->all_to_all_v(send, send_counts, recv, recv_counts);
   }
   // Grouped point-to-point within the group (peers are group ranks); nothing at extent 1.
   template <class E>

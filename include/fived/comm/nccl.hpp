@@ -312,6 +312,31 @@ class Comm {
     }
   }
 
+  // An all-to-all of a few integers the host holds (a mixture of experts' token counts,
+  // which size the all_to_all_v that follows): through a device buffer of this
+  // communicator, grown when a longer exchange comes, and waited for.
+  void all_to_all_host(std::span<const std::int64_t> send, std::span<std::int64_t> recv) {
+    constexpr std::string_view what = "all_to_all_host";
+    expect(what, args::all_to_all(rank_, size_, send, recv));
+    usable(what);
+    if (send.size() > exchange_size_) {
+      check(cudaStreamSynchronize(compute_), what, "cudaStreamSynchronize (before growing its buffer)");
+      if (exchange_ != nullptr) check(cudaFree(exchange_), what, "cudaFree");
+      exchange_ = nullptr, exchange_size_ = 0;
+      check(cudaMalloc(reinterpret_cast<void**>(&exchange_), 2 * send.size() * sizeof(std::int64_t)), what, "cudaMalloc");
+      exchange_size_ = send.size();
+    }
+    std::int64_t* in = exchange_;
+    std::int64_t* out = exchange_ + exchange_size_;
+    check(cudaMemcpyAsync(in, send.data(), send.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice, compute_), what,
+          "cudaMemcpyAsync (to the device)");
+    all_to_all<std::int64_t>(std::span<const std::int64_t>(in, send.size()), std::span<std::int64_t>(out, recv.size()));
+    wait(what);
+    check(cudaMemcpyAsync(recv.data(), out, recv.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost, compute_), what,
+          "cudaMemcpyAsync (to the host)");
+    check(cudaStreamSynchronize(compute_), what, "cudaStreamSynchronize (compute stream)");
+  }
+
   // Returns when every rank has reached the barrier and all work issued
   // before it, on this rank's compute and communication streams, is done.
   void barrier() {
@@ -373,6 +398,8 @@ class Comm {
     done_ = std::exchange(o.done_, nullptr);
     scratch_ = std::exchange(o.scratch_, nullptr);
     barrier_ = std::exchange(o.barrier_, nullptr);
+    exchange_ = std::exchange(o.exchange_, nullptr);
+    exchange_size_ = std::exchange(o.exchange_size_, 0);
     rank_ = o.rank_, size_ = o.size_, device_ = o.device_;
     timeout_ = o.timeout_;
     name_ = std::move(o.name_);
@@ -406,6 +433,7 @@ class Comm {
       }
     }
     if (scratch_ != nullptr) cudaFree(scratch_);
+    if (exchange_ != nullptr) cudaFree(exchange_);
     if (ready_ != nullptr) cudaEventDestroy(ready_);
     if (done_ != nullptr) cudaEventDestroy(done_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -524,6 +552,8 @@ class Comm {
   static constexpr std::size_t scratch_values = 16;
   double* scratch_ = nullptr;  // all_reduce_host's values, then the barrier's element
   double* barrier_ = nullptr;  // scratch_ + scratch_values, always 0
+  std::int64_t* exchange_ = nullptr;  // all_to_all_host's send and receive halves
+  std::size_t exchange_size_ = 0;
   int rank_ = 0, size_ = 0, device_ = 0;
   std::chrono::duration<double> timeout_{600.0};
   std::string name_;

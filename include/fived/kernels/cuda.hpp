@@ -19,6 +19,7 @@
 #include <fived/kernels/cuda/gelu.hpp>
 #include <fived/kernels/cuda/gemm.hpp>
 #include <fived/kernels/cuda/layernorm.hpp>
+#include <fived/kernels/cuda/moe.hpp>
 #include <fived/kernels/cuda/norm.hpp>
 #include <fived/kernels/cuda/regroup.hpp>
 #include <fived/kernels/cuda/residual.hpp>

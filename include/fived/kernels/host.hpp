@@ -10,6 +10,7 @@
 #include "fived/kernels/host/gelu.hpp"
 #include "fived/kernels/host/gemm.hpp"
 #include "fived/kernels/host/layernorm.hpp"
+#include "fived/kernels/host/moe.hpp"
 #include "fived/kernels/host/norm.hpp"
 #include "fived/kernels/host/regroup.hpp"
 #include "fived/kernels/host/residual.hpp"

@@ -39,9 +39,10 @@ struct BasicMesh {
   static constexpr int tp = TP_, cp = CP_, dp = DP_, pp = PP_, ep = EP_;
   static constexpr int size = tp * cp * dp * pp;
 
-  static_assert((tp * cp * dp) % ep == 0,
-                "EP<N> must divide DP*CP*TP: the expert view is carved out of the data-, context- and "
-                "tensor-parallel ranks of each pipeline stage, so choose an EP extent that divides their product");
+  static_assert((cp * dp) % ep == 0,
+                "EP<N> must divide DP*CP: the expert view is carved out of the data- and context-parallel ranks "
+                "of each pipeline stage (the experts themselves are split over TP like the dense MLP), so choose "
+                "an EP extent that divides DP*CP");
 
   static constexpr int extent(Axis a) {
     switch (a) {
@@ -178,17 +179,24 @@ struct AxisGroup : GroupMembers<AxisGroup<M, S>> {
   }
 };
 
-// The expert view (Megatron's expert rank order with expert-TP = 1): the
-// DP·CP·TP ranks of one pipeline stage are refactored as EP × EDP, EP fastest.
+// The expert view (Megatron's expert rank order with expert-TP = TP): each expert is split
+// over TP like the dense MLP, and the DP·CP ranks of one pipeline stage that share a TP
+// coordinate are refactored as EP × EDP, EP fastest. So a TP group never spans two EP
+// ranks: every rank of an EP group holds the same TP slice of different experts, and
+// tokens cross the EP group while the TP ranks of a replica route the same tokens alike.
 template <class M>
 struct ExpertView {
   static constexpr int stage_size = M::tp * M::cp * M::dp;
-  static constexpr int edp = stage_size / M::ep;
+  static constexpr int edp = M::cp * M::dp / M::ep;
   static constexpr int local(int rank) { return rank % stage_size; }
   static constexpr int stage(int rank) { return rank / stage_size; }
-  static constexpr int ep_coord(int rank) { return local(rank) % M::ep; }
-  static constexpr int edp_coord(int rank) { return local(rank) / M::ep; }
-  static constexpr int rank_of(int stage, int ep, int edp_c) { return stage * stage_size + edp_c * M::ep + ep; }
+  static constexpr int tp_coord(int rank) { return local(rank) % M::tp; }
+  static constexpr int data(int rank) { return local(rank) / M::tp; }  // cp + CP * dp
+  static constexpr int ep_coord(int rank) { return data(rank) % M::ep; }
+  static constexpr int edp_coord(int rank) { return data(rank) / M::ep; }
+  static constexpr int rank_of(int stage, int tp, int ep, int edp_c) {
+    return stage * stage_size + (edp_c * M::ep + ep) * M::tp + tp;
+  }
 };
 
 // Ranks holding different experts of the same layer: all-to-all of tokens.
@@ -198,20 +206,27 @@ struct ExpertParallel : GroupMembers<ExpertParallel<M>> {
   static constexpr int size = M::ep;
   static constexpr int count = M::size / size;
   static constexpr int index(int rank) { return V::ep_coord(rank); }
-  static constexpr int color(int rank) { return V::stage(rank) * V::edp + V::edp_coord(rank); }
-  static constexpr int member(int color, int index) { return V::rank_of(color / V::edp, index, color % V::edp); }
+  static constexpr int color(int rank) { return (V::stage(rank) * V::edp + V::edp_coord(rank)) * M::tp + V::tp_coord(rank); }
+  static constexpr int member(int color, int index) {
+    const int c = color / M::tp;
+    return V::rank_of(c / V::edp, color % M::tp, index, c % V::edp);
+  }
   static std::string name() { return "ep"; }
 };
 
-// Ranks holding the same experts: expert gradients reduce over this group.
+// Ranks holding the same experts (the same TP slice of them): expert gradients reduce over
+// this group.
 template <class M>
 struct ExpertDataParallel : GroupMembers<ExpertDataParallel<M>> {
   using V = ExpertView<M>;
   static constexpr int size = V::edp;
   static constexpr int count = M::size / size;
   static constexpr int index(int rank) { return V::edp_coord(rank); }
-  static constexpr int color(int rank) { return V::stage(rank) * M::ep + V::ep_coord(rank); }
-  static constexpr int member(int color, int index) { return V::rank_of(color / M::ep, color % M::ep, index); }
+  static constexpr int color(int rank) { return (V::stage(rank) * M::ep + V::ep_coord(rank)) * M::tp + V::tp_coord(rank); }
+  static constexpr int member(int color, int index) {
+    const int c = color / M::tp;
+    return V::rank_of(c / M::ep, color % M::tp, c % M::ep, index);
+  }
   static std::string name() { return "edp"; }
 };
 

@@ -12,6 +12,18 @@
 
 namespace fived {
 
+// How a mixture of experts keeps its experts' loads even (besides the auxiliary loss, whose
+// coefficient is aux_loss_coef): with AuxLossFreeBias each MoE layer keeps a bias per expert,
+// added to the scores for the top-k selection only (not to the gates), and moved after every
+// step by bias_update_rate * sign(mean load - load), the loads summed over every rank that
+// routes tokens (DeepSeek-V3's auxiliary-loss-free balancing).
+struct NoRouterBias {
+  static constexpr bool bias = false;
+};
+struct AuxLossFreeBias {
+  static constexpr bool bias = true;
+};
+
 // GPT-2 124M ("gpt2" on Hugging Face). Derive and hide the members to change them.
 struct gpt_config {
   static constexpr int layers = 12;      // transformer blocks
@@ -25,6 +37,20 @@ struct gpt_config {
   // friendly GEMM shapes; a multiple of TP for the vocab-parallel loss later). Padded rows
   // are zero, get zero gradient and never count in the loss. 1 turns padding off.
   static constexpr int vocab_multiple = 128;
+
+  // Mixture of experts (nn/moe.hpp): experts > 0 replaces the MLP of every moe_every-th block
+  // (blocks moe_every-1, 2*moe_every-1, ...) by `experts` MLPs of the same width, each token
+  // sent to top_k of them by a linear router. 0 experts: a dense model.
+  static constexpr int experts = 0;
+  static constexpr int top_k = 2;
+  static constexpr int moe_every = 1;
+  static constexpr bool router_sigmoid = false;    // scores: softmax over the experts, or sigmoid
+  static constexpr bool renormalize_gates = true;  // gates = the chosen scores / their sum
+  static constexpr double aux_loss_coef = 0.01;    // Switch load-balancing loss; 0 turns it off
+  using balancing = NoRouterBias;                  // or AuxLossFreeBias
+  static constexpr double bias_update_rate = 1e-3;
+  static constexpr double capacity_factor = 0;     // 0: dropless; else each expert takes at most
+                                                   // ceil(factor * tokens * top_k / experts) of a rank's
 };
 
 // Everything the model derives from a configuration, checked once here.
@@ -47,6 +73,18 @@ struct gpt_dims {
   static_assert(max_seq >= 1, "gpt config: max_seq must be at least 1");
   static_assert(mlp_ratio >= 1, "gpt config: mlp_ratio must be at least 1");
   static_assert(vocab_multiple >= 1, "gpt config: vocab_multiple must be at least 1 (1 means no padding)");
+
+  static constexpr int experts = Cfg::experts;
+  static constexpr int top_k = Cfg::top_k;
+  static constexpr int moe_every = Cfg::moe_every;
+  static_assert(experts >= 0, "gpt config: experts must be 0 (dense) or more");
+  static_assert(experts == 0 || (top_k >= 1 && top_k <= experts),
+                "gpt config: top_k must be between 1 and the number of experts");
+  static_assert(moe_every >= 1, "gpt config: moe_every must be at least 1 (1: every block has experts)");
+  static_assert(Cfg::aux_loss_coef >= 0 && Cfg::capacity_factor >= 0 && Cfg::bias_update_rate >= 0,
+                "gpt config: aux_loss_coef, capacity_factor and bias_update_rate cannot be negative");
+  // Whether block `layer` has a mixture of experts instead of the MLP.
+  static constexpr bool is_moe(int layer) { return experts > 0 && layer % moe_every == moe_every - 1; }
 
   static constexpr int head_size = d_model / heads;
   static constexpr int d_ff = mlp_ratio * d_model;  // MLP hidden width

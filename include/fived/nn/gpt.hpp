@@ -75,6 +75,7 @@
 #include "fived/nn/init.hpp"
 #include "fived/nn/layernorm.hpp"
 #include "fived/nn/mlp.hpp"
+#include "fived/nn/moe.hpp"
 #include "fived/nn/ops.hpp"
 #include "fived/nn/param_table.hpp"
 #include "fived/nn/stream.hpp"
@@ -116,11 +117,18 @@ struct GptSpecs {
   static_assert(first >= 0 && blocks >= 0 && first + blocks <= layers,
                 "GPT Layers<First, Count>: the part must lie inside the configuration's layers");
   static_assert(has_embedding || has_head || blocks > 0, "GPT Layers<First, Count>: a part must hold something");
-  static constexpr int per_block = 12;
-  static constexpr int count =
-      (has_embedding ? 2 : 0) + per_block * blocks + (has_head ? 2 + (dims::tied ? 0 : 1) : 0);
+  // Dense tensors of block l: ln_1, attention, ln_2, then the MLP's 4 or a mixture of
+  // experts' router (its experts are in ExpertSpecs).
+  static constexpr int block_specs(int l) { return 8 + (dims::is_moe(l) ? 1 : 4); }
+  static constexpr int block_first(int local) {  // index of the part's block `local`'s first spec
+    int i = has_embedding ? 2 : 0;
+    for (int k = 0; k < local; ++k) i += block_specs(first + k);
+    return i;
+  }
+  static constexpr int count = block_first(blocks) + (has_head ? 2 + (dims::tied ? 0 : 1) : 0);
   static constexpr int block_unit(int local) { return (has_embedding ? 1 : 0) + local; }
   static constexpr int final_unit = block_unit(blocks);  // ln_f and head
+  static constexpr int units = has_head ? final_unit + 1 : block_unit(blocks);
   static constexpr std::array<TensorSpec, count> specs = [] {
     constexpr int C = dims::d_model, F = dims::d_ff, V = dims::vocab, Vp = dims::padded_vocab;
     std::array<TensorSpec, count> t{};
@@ -135,11 +143,38 @@ struct GptSpecs {
       put(layernorm_specs("ln_1.weight", "ln_1.bias", l, block_unit(k), C, base + 2));
       put(attention_specs(l, block_unit(k), C, base + 4));
       put(layernorm_specs("ln_2.weight", "ln_2.bias", l, block_unit(k), C, base + 8));
-      put(mlp_specs(l, block_unit(k), C, F, base + 10));
+      if (dims::is_moe(l)) put(router_specs(l, block_unit(k), C, dims::experts, base + 16));
+      else put(mlp_specs(l, block_unit(k), C, F, base + 10));
     }
     if constexpr (has_head) {
       put(layernorm_specs("ln_f.weight", "ln_f.bias", -1, final_unit, C, 14));
       if constexpr (!dims::tied) put(head_specs(V, Vp, C, final_unit));
+    }
+    return t;
+  }();
+};
+
+// The experts of a GPT's part, in their own table (a second flat buffer: they reduce over
+// the expert-data group, not DP x CP): 4 stacked tensors per MoE block, in the model's units.
+template <class Cfg, class Part = AllLayers>
+struct ExpertSpecs {
+  using dense = GptSpecs<Cfg, Part>;
+  using dims = typename dense::dims;
+  static constexpr int layers = dims::layers, units = dense::units;
+  static constexpr int moe_blocks = [] {
+    int n = 0;
+    for (int k = 0; k < dense::blocks; ++k) n += dims::is_moe(dense::first + k) ? 1 : 0;
+    return n;
+  }();
+  static constexpr std::array<TensorSpec, 4 * moe_blocks> specs = [] {
+    std::array<TensorSpec, 4 * moe_blocks> t{};
+    std::size_t i = 0;
+    for (int k = 0; k < dense::blocks; ++k) {
+      const int l = dense::first + k;
+      if (!dims::is_moe(l)) continue;
+      for (const TensorSpec& x : expert_specs(l, dense::block_unit(k), dims::d_model, dims::d_ff, dims::experts,
+                                              static_cast<std::uint64_t>(l + 1) * 64 + 17))
+        t[i++] = x;
     }
     return t;
   }();
@@ -189,6 +224,13 @@ class GPT {
   using specs = GptSpecs<Cfg, Part>;
   using layout = ParamTable<specs, tp>;           // this rank's flat buffers
   using serial_layout = typename layout::serial;  // the same tensors whole, at TP 1 (files, gathers)
+  // A mixture of experts keeps its experts in a second pair of flat buffers (nn/moe.hpp):
+  // this rank's experts (E/EP) and their TP slice.
+  static constexpr int ep = M::ep;
+  using expert_specs = ExpertSpecs<Cfg, Part>;
+  using expert_layout = ParamTable<expert_specs, tp, ep>;
+  static constexpr bool has_experts = expert_layout::count > 0;
+  static constexpr int moe_blocks = expert_specs::moe_blocks;
   static constexpr bool on_host = std::is_same_v<Device, Host>;
   // The part this object holds: blocks [first_layer, first_layer + blocks); the embedding
   // and the head (with the loss) when it starts or ends the model.
@@ -208,18 +250,21 @@ class GPT {
   static_assert(F % tp == 0,
                 "tensor parallelism splits the MLP hidden width (mlp_ratio * d_model) over TP: make it a multiple of "
                 "the TP extent");
+  static_assert(dims::experts % ep == 0,
+                "expert parallelism spreads the experts over EP: the number of experts must be a multiple of the EP "
+                "extent (change experts in the config, or use an EP that divides it)");
   static_assert(Vp % tp == 0,
                 "the vocabulary is split over TP: the padded vocabulary must be a multiple of the TP extent (make "
                 "vocab_multiple in the config a multiple of TP)");
 
-  // A mesh without TP and CP needs no communicator.
-  explicit GPT(const GptInit& init = {}) requires(tp == 1 && cp == 1)
-      : GPT(AxisComm<M, Axis::tp>(), AxisComm<M, Axis::cp>(), init) {}
-  // One rank of the mesh: binds its TP and CP communicators. Initialised as the serial model
-  // with the same GptInit, this rank's piece element by element.
+  // A mesh without TP and CP (and EP, for a mixture of experts) needs no communicator.
+  explicit GPT(const GptInit& init = {}) requires(tp == 1 && cp == 1 && (ep == 1 || !has_experts))
+      : GPT(AxisComm<M, Axis::tp>(), AxisComm<M, Axis::cp>(), ep_comm_type(), 0, init) {}
+  // One rank of the mesh: binds its TP, CP and EP communicators. Initialised as the serial
+  // model with the same GptInit, this rank's piece element by element.
   template <Communicator Comm>
   explicit GPT(MeshContext<M, Comm>& ctx, const GptInit& init = {})
-      : GPT(bind<Axis::tp>(ctx), bind<Axis::cp>(ctx), init) {}
+      : GPT(bind<Axis::tp>(ctx), bind<Axis::cp>(ctx), bind_ep(ctx), M::expert_group::index(ctx.rank()), init) {}
 
   GPT(const GPT&) = delete;  // a bound communicator and device buffers
   GPT& operator=(const GPT&) = delete;
@@ -239,7 +284,10 @@ class GPT {
   TensorView<const T> param(std::string_view name) const { return view(params_, index_of(name)); }
   TensorView<const T> grad(std::string_view name) const { return view(grads_, index_of(name)); }
 
-  void zero_grad() { ops_.zero(grads_); }
+  void zero_grad() {
+    ops_.zero(grads_);
+    if constexpr (has_experts) ops_.zero(expert_grads_);
+  }
   std::vector<T> params_to_host() const { return ops_.to_host(params_.span()); }
   std::vector<T> grads_to_host() const { return ops_.to_host(grads_.span()); }
 
@@ -251,6 +299,101 @@ class GPT {
   // this rank counts, and a sum over the TP group (nothing to sum at TP 1).
   std::vector<FlatRange> norm_parts(FlatRange r) const { return layout::norm_parts(r, tp_rank()); }
   double sum_over_tp(double s) { return comm_.all_reduce_host(s); }
+
+  // ---- a mixture of experts ------------------------------------------------------------------
+
+  // The expert buffers as a trainer sees a model (train/data_parallel.hpp drives them beside
+  // the dense ones): reduced over the expert-data group and scaled by 1/EP, because each
+  // expert's gradient sums the mean losses of the EP ranks whose tokens it took; the clip
+  // norm sums over TP (each parameter once) and over EP (different experts).
+  class Experts {
+   public:
+    using mesh = M;
+    using value_type = T;
+    using device = Device;
+    using ops_type = typename GPT::ops_type;
+    using layout = expert_layout;
+    using grad_group = typename M::expert_data_group;
+    static constexpr double grad_scale = 1.0 / ep;
+    static constexpr bool calls_hooks = true;  // the model's forward and backward call them for it
+
+    explicit Experts(GPT& m) : m_(m) {}
+    ops_type& ops() { return m_.ops_; }
+    std::span<T> params() { return m_.expert_params_.span(); }
+    std::span<T> grads() { return m_.expert_grads_.span(); }
+    void zero_grad() { m_.ops_.zero(m_.expert_grads_); }
+    std::vector<T> params_to_host() const { return m_.ops_.to_host(std::span<const T>(m_.expert_params_.span())); }
+    std::vector<FlatRange> norm_parts(FlatRange r) const { return layout::norm_parts(r, m_.tp_rank()); }
+    double sum_over_tp(double s) { return m_.ep_comm_.all_reduce_host(m_.comm_.all_reduce_host(s)); }
+
+   private:
+    GPT& m_;
+  };
+  Experts& experts() requires(has_experts) { return experts_view_; }
+  int ep_rank() const { return ep_rank_; }
+
+  // This rank's expert buffers (its E/EP experts, its TP slice of them: expert_layout); device
+  // memory on Cuda, *_to_host() copies.
+  std::span<T> expert_params() requires(has_experts) { return expert_params_.span(); }
+  std::span<T> expert_grads() requires(has_experts) { return expert_grads_.span(); }
+  std::vector<T> expert_params_to_host() const requires(has_experts) {
+    return ops_.to_host(std::span<const T>(expert_params_.span()));
+  }
+  std::vector<T> expert_grads_to_host() const requires(has_experts) {
+    return ops_.to_host(std::span<const T>(expert_grads_.span()));
+  }
+
+  // The load-balancing loss of the slot's last forward: the sum over the part's MoE blocks
+  // (0 without them, or with aux_loss_coef 0). Its gradient is in backward(); loss() is the
+  // language model's alone.
+  double aux_loss(int slot = 0) const {
+    double a = 0;
+    if constexpr (has_experts)
+      for (int l = 0; l < blocks; ++l)
+        if (is_moe_block(l)) a += slots_.at(static_cast<std::size_t>(slot)).blocks[static_cast<std::size_t>(l)].moe.aux;
+    return a;
+  }
+
+  // After an optimizer step (DataParallel::update calls it with its gradient group, DP x CP):
+  // the rows each expert took in the step's training forwards, summed over the group (every
+  // rank that routes tokens), become expert_loads(); with AuxLossFreeBias each MoE block's
+  // selection bias moves by bias_update_rate * sign(mean load - load). Nothing without experts.
+  template <GroupView G>
+  void balance_experts(MeshComm<G>& group) {
+    if constexpr (has_experts) {
+      group.all_reduce_host(std::span<double>(loads_));
+      last_loads_ = loads_;
+      if constexpr (Cfg::balancing::bias) {
+        for (int m = 0; m < moe_blocks; ++m) {
+          const std::span<const double> load(loads_.data() + m * dims::experts, dims::experts);
+          double mean = 0;
+          for (double x : load) mean += x / dims::experts;
+          for (int e = 0; e < dims::experts; ++e) {
+            const double d = mean - load[static_cast<std::size_t>(e)];
+            bias_host_[static_cast<std::size_t>(m * dims::experts + e)] +=
+                static_cast<float>(Cfg::bias_update_rate * ((d > 0) - (d < 0)));
+          }
+        }
+        ops_.upload(router_bias_.data(), bias_host_.data(), bias_host_.size());
+      }
+      std::fill(loads_.begin(), loads_.end(), 0.0);
+    }
+  }
+  // Rows per expert in the last balanced step, [MoE block][expert] (empty before the first).
+  const std::vector<double>& expert_loads() const { return last_loads_; }
+  // The selection bias of the part's m-th MoE block (AuxLossFreeBias), [expert].
+  std::span<const float> router_bias(int m) const {
+    return std::span<const float>(bias_host_).subspan(static_cast<std::size_t>(m * dims::experts), dims::experts);
+  }
+  // Sets it (a resumed run's, or a test's skewed router); the same on every rank of a replica.
+  void set_router_bias(int m, std::span<const float> bias) requires(Cfg::balancing::bias) {
+    if (m < 0 || m >= moe_blocks || bias.size() != static_cast<std::size_t>(dims::experts))
+      throw std::invalid_argument("GPT::set_router_bias: block " + std::to_string(m) + " of " +
+                                  std::to_string(moe_blocks) + " MoE blocks, " + std::to_string(bias.size()) +
+                                  " values for " + std::to_string(dims::experts) + " experts");
+    std::copy(bias.begin(), bias.end(), bias_host_.begin() + static_cast<std::ptrdiff_t>(m * dims::experts));
+    ops_.upload(router_bias_.data(), bias_host_.data(), bias_host_.size());
+  }
 
   // ---- micro-batch slots ------------------------------------------------------------------
 
@@ -303,7 +446,19 @@ class GPT {
                     work_.partial.data());
       ops_.residual_forward(A.res2.data(), x, work_.out.data(), stream_size(s));
       Norm::forward(s, A.ln2, A.res2.data(), P(t + 6), P(t + 7), C);
-      Mlp::forward(s, A.mlp, work_.out.data(), A.ln2.out.data(), mlp_params(params_, t + 8), C, F, work_.partial.data());
+      if (is_moe_block(l)) {
+        if constexpr (has_experts) {
+          Moe::forward(s, A.moe, work_.moe, work_.out.data(), A.ln2.out.data(), moe_params(params_, expert_params_, l),
+                       Cfg::balancing::bias ? router_bias_.data() + moe_index(l) * dims::experts : nullptr, C, F,
+                       work_.partial.data());
+          if (targets != nullptr)  // a training step's loads, for balance_experts
+            for (int e = 0; e < dims::experts; ++e)
+              loads_[static_cast<std::size_t>(moe_index(l) * dims::experts + e)] += A.moe.counts[static_cast<std::size_t>(e)];
+        }
+      } else {
+        Mlp::forward(s, A.mlp, work_.out.data(), A.ln2.out.data(), mlp_params(params_, t + 8), C, F,
+                     work_.partial.data());
+      }
       ops_.residual_forward(A.res3.data(), A.res2.data(), work_.out.data(), stream_size(s));
       x = A.res3.data();
       detail::call(hooks.after_forward, specs::block_unit(l));
@@ -376,8 +531,14 @@ class GPT {
       const int t = block_first(l);
       const T* x = l == 0 ? a.encoded.data() : a.blocks[static_cast<std::size_t>(l - 1)].res3.data();
       // dres holds d(res3)
-      Mlp::backward(s, dln, mlp_params(grads_, t + 8), dres, A.ln2.out.data(), A.mlp, mlp_params(params_, t + 8), C, F,
-                    work_.dhidden.data(), full);
+      if (is_moe_block(l)) {
+        if constexpr (has_experts)
+          Moe::backward(s, A.moe, work_.moe, dln, moe_params(grads_, expert_grads_, l), dres, A.ln2.out.data(),
+                        moe_params(params_, expert_params_, l), C, F, full);
+      } else {
+        Mlp::backward(s, dln, mlp_params(grads_, t + 8), dres, A.ln2.out.data(), A.mlp, mlp_params(params_, t + 8), C, F,
+                      work_.dhidden.data(), full);
+      }
       Norm::backward(s, dres, G(t + 6), G(t + 7), dln, A.res2.data(), P(t + 6), A.ln2, C);
       // dres holds d(res2)
       Attn::backward(s, work_.ring, dln, attn_params(grads_, t + 2), dres, A.ln1.out.data(), A.attn,
@@ -439,6 +600,9 @@ class GPT {
   // The whole model's file (nn/checkpoint.hpp): gathered over TP, written by TP rank 0
   // (atomic: "<path>.tmp", then rename); every rank returns once the file is complete.
   void save(const std::filesystem::path& path, const std::map<std::string, std::string>& metadata = {}) {
+    if constexpr (has_experts)
+      throw std::logic_error("GPT::save: a mixture of experts cannot be saved yet (its experts live in a second "
+                             "buffer the GPT-2 file has no names for); checkpoints of MoE models are issue 16");
     if constexpr (tp == 1) {
       ops_.read_to_host(params_, [&](std::span<const T> p) { save_gpt<serial_layout>(path, p, metadata); });
     } else {
@@ -453,6 +617,8 @@ class GPT {
   // io::SafetensorsError naming it, and the model is left unchanged.
   void load(const std::filesystem::path& path) { load(io::SafetensorsFile::read(path)); }
   void load(const io::SafetensorsFile& f) {
+    if constexpr (has_experts)
+      throw std::logic_error("GPT::load: a mixture of experts cannot be loaded from a GPT-2 file yet");
     std::vector<T> serial(serial_layout::size);
     load_gpt<serial_layout>(f, std::span<T>(serial), describe());
     ops_.write_from_host(params_, [&](std::span<T> p) {
@@ -467,7 +633,10 @@ class GPT {
                               std::to_string(first_layer + blocks - 1) + (has_embedding ? " and the embedding" : "") +
                               (has_head ? " and the head" : "")
                         : std::string()) +
-           (tp > 1 || cp > 1 ? ", over " + M::name() + (step_type::sp ? " with sequence parallelism" : "")
+           (dims::experts > 0 ? ", " + std::to_string(dims::experts) + " experts top-" + std::to_string(dims::top_k) +
+                                    " every " + std::to_string(dims::moe_every) + " blocks"
+                              : std::string()) +
+           (tp > 1 || cp > 1 || (ep > 1 && has_experts) ? ", over " + M::name() + (step_type::sp ? " with sequence parallelism" : "")
                              : std::string());
   }
 
@@ -477,14 +646,25 @@ class GPT {
   using Mlp = MLP<step_type>;
   using HeadL = Head<step_type>;
 
-  static constexpr int block_first(int l) { return (has_embedding ? 2 : 0) + specs::per_block * l; }
+  using Moe = MoE<step_type, Cfg>;
+  using ep_comm_type = typename step_type::ep_comm_type;
+
+  static constexpr int block_first(int l) { return specs::block_first(l); }
+  static constexpr bool is_moe_block(int l) { return dims::is_moe(first_layer + l); }
+  // Which of the part's MoE blocks block l is (its experts' place in the expert table).
+  static constexpr int moe_index(int l) {
+    int m = 0;
+    for (int k = 0; k < l; ++k) m += is_moe_block(k) ? 1 : 0;
+    return m;
+  }
   static constexpr int ln_f_index = block_first(blocks);
   static constexpr int head_index = dims::tied ? 0 : ln_f_index + 2;
 
   struct BlockActs {
     typename Norm::Saved ln1, ln2;
     typename Attn::Saved attn;
-    typename Mlp::Saved mlp;
+    typename Mlp::Saved mlp;  // or, in an MoE block:
+    typename Moe::Saved moe;
     Buffer<T, Device> res2, res3;
   };
   struct Slot {
@@ -507,14 +687,25 @@ class GPT {
     Buffer<T, Device> dhidden, dqkv;   // [N, F/TP], [N, 3C/TP]
     Buffer<T, Device> partial;         // SP: [N, C] gathered rows or partial sums
     typename Attn::RingWork ring;      // CP: the ring's blocks and accumulators
+    typename Moe::Work moe;            // mixture of experts: router and dispatch buffers
   };
 
-  GPT(AxisComm<M, Axis::tp> comm, AxisComm<M, Axis::cp> cp_comm, const GptInit& init)
-      : comm_(std::move(comm)), cp_comm_(std::move(cp_comm)), params_(ops_.template make_buffer<T>(num_params)),
-        grads_(ops_.template make_buffer<T>(num_params)), slots_(1) {
+  GPT(AxisComm<M, Axis::tp> comm, AxisComm<M, Axis::cp> cp_comm, ep_comm_type ep_comm, int ep_rank,
+      const GptInit& init)
+      : comm_(std::move(comm)), cp_comm_(std::move(cp_comm)), ep_comm_(std::move(ep_comm)), ep_rank_(ep_rank),
+        params_(ops_.template make_buffer<T>(num_params)), grads_(ops_.template make_buffer<T>(num_params)),
+        expert_params_(ops_.template make_buffer<T>(expert_layout::size)),
+        expert_grads_(ops_.template make_buffer<T>(expert_layout::size)),
+        router_bias_(ops_.template make_buffer<float>(std::max(moe_blocks * dims::experts, 1))), slots_(1),
+        experts_view_(*this) {
     comm_.set_compute_stream(stream_of(ops_));  // TP collectives in the order of the model's kernels
     cp_comm_.set_compute_stream(stream_of(ops_));  // and the ring's transfers
+    ep_comm_.set_compute_stream(stream_of(ops_));  // and the experts' all-to-all
     ops_.write_from_host(params_, [&](std::span<T> p) { init_params<layout>(p, tp_rank(), init); });
+    if constexpr (has_experts)
+      ops_.write_from_host(expert_params_, [&](std::span<T> p) { init_params<expert_layout>(p, tp_rank(), init, ep_rank_); });
+    loads_.assign(static_cast<std::size_t>(moe_blocks * dims::experts), 0.0);
+    bias_host_.assign(loads_.size(), 0.0f);
     if constexpr (step_type::sp)
       for (int u = 0; u < layout::units; ++u)
         sp_partial_[static_cast<std::size_t>(u)] = ops_.template make_buffer<T>(sp_partial_size(u));
@@ -524,8 +715,23 @@ class GPT {
     if constexpr (M::extent(A) == 1) return AxisComm<M, A>();
     else return AxisComm<M, A>(ctx.template comm<A>());
   }
+  template <class Ctx>
+  static ep_comm_type bind_ep(Ctx& ctx) {
+    if constexpr (ep == 1) return ep_comm_type();
+    else return ep_comm_type(ctx.template comm<typename M::expert_group>());
+  }
 
-  step_type step(const Slot& a) { return step_type{ops_, comm_, cp_comm_, a.B, a.T_}; }
+  step_type step(const Slot& a) { return step_type{ops_, comm_, cp_comm_, a.B, a.T_, &ep_comm_}; }
+
+  T* at_expert(Buffer<T, Device>& b, int i) {
+    return b.data() + expert_layout::tensors[static_cast<std::size_t>(i)].offset;
+  }
+  // Block l's router (in the dense buffer `dense`) and its experts (in `experts`).
+  typename Moe::Params moe_params(Buffer<T, Device>& dense, Buffer<T, Device>& experts, int l) {
+    const int e = 4 * moe_index(l);
+    return {at(dense, block_first(l) + 8), at_expert(experts, e), at_expert(experts, e + 1), at_expert(experts, e + 2),
+            at_expert(experts, e + 3)};
+  }
 
   // A [B, T] batch of ids to dst: all of it, or under CP this rank's chunks (chunk-major).
   void upload_local(Buffer<int, Device>& dst, const int* ids, int B, int T_) {
@@ -636,6 +842,7 @@ class GPT {
       w.dqkv = make<T>(N * 3 * c / tp);
       if constexpr (step_type::sp) w.partial = make<T>(N * c);
       if constexpr (cp > 1) w.ring.reserve(ops_, N, c / tp);
+      if constexpr (has_experts) w.moe.reserve(ops_, N, c);
       work_ = std::move(w);
     }
   }
@@ -655,7 +862,8 @@ class GPT {
       A.attn.reserve(ops_, N, c);
       A.res2 = make<T>(n * c);
       A.ln2.reserve(ops_, n, c);
-      A.mlp.reserve(ops_, N, c, f);
+      if (is_moe_block(static_cast<int>(&A - s.blocks.data()))) A.moe.reserve(ops_, N, c);
+      else A.mlp.reserve(ops_, N, c, f);
       A.res3 = make<T>(n * c);
     }
     if constexpr (has_head) {
@@ -700,11 +908,18 @@ class GPT {
   ops_type ops_;  // first: the buffers below are made by it
   AxisComm<M, Axis::tp> comm_;
   AxisComm<M, Axis::cp> cp_comm_;
+  ep_comm_type ep_comm_;
+  int ep_rank_ = 0;
   Buffer<T, Device> params_, grads_;
+  Buffer<T, Device> expert_params_, expert_grads_;  // empty without a mixture of experts
+  Buffer<float, Device> router_bias_;               // AuxLossFreeBias: [MoE block][expert]
+  std::vector<float> bias_host_;                    // the same, in host memory
+  std::vector<double> loads_, last_loads_;          // rows per expert: this step's here, the last step's summed
   std::array<Buffer<T, Device>, layout::units> sp_partial_;  // SP only: per unit
   std::vector<Slot> slots_;
   Work work_;
   std::vector<int> local_ids_;  // CP: this rank's ids of a batch, on the host before upload
+  Experts experts_view_;
 };
 
 }  // namespace fived

@@ -79,10 +79,10 @@ inline double init_value(const TensorSpec& t, int layers, const GptInit& how, st
   return 0.0;
 }
 
-// Rank r's flat buffer of a ParamTable, element by element: every piece equals the same
-// piece of the serial model's tensors.
+// The flat buffer of TP rank tp_rank (and EP rank ep_rank) of a ParamTable, element by
+// element: every piece equals the same piece of the serial model's tensors.
 template <class Table, class T>
-void init_params(std::span<T> params, int tp_rank, const GptInit& how = {}) {
+void init_params(std::span<T> params, int tp_rank, const GptInit& how = {}, int ep_rank = 0) {
   if (params.size() != Table::size)
     throw std::invalid_argument("init_params: the buffer has " + std::to_string(params.size()) +
                                 " elements, the layout needs " + std::to_string(Table::size));
@@ -90,7 +90,7 @@ void init_params(std::span<T> params, int tp_rank, const GptInit& how = {}) {
     const ParamInfo& t = Table::tensors[static_cast<std::size_t>(i)];
     for (std::size_t j = 0; j < t.size(); ++j)
       params[t.offset + j] = static_cast<T>(init_value(
-          t.spec, Table::layers, how, static_cast<std::size_t>(Table::global_index(i, tp_rank, static_cast<std::int64_t>(j)))));
+          t.spec, Table::layers, how, static_cast<std::size_t>(Table::global_index(i, tp_rank, static_cast<std::int64_t>(j), ep_rank))));
   }
 }
 

@@ -22,7 +22,10 @@
 //     embedding_backward (over a range of the vocabulary: a TP rank's shard), logits_max,
 //     crossentropy_partials, crossentropy_backward, adamw_update, gelu_forward, scale,
 //     to_fp32 (fp32 master weights from the parameters), from_acc (stat_t -> T), and ring
-//     attention's pieces attention_block_forward, attention_row_dot, attention_block_backward
+//     attention's pieces attention_block_forward, attention_row_dot, attention_block_backward;
+//     a mixture of experts' router_scores, router_topk, dispatch_plan (counts to host memory),
+//     gather_rows, moe_combine(_backward), moe_dispatch_backward, router_backward,
+//     router_score_sums
 //   regroup(U* out, const U* in, outer, n, block, Blocks::split | join)   any U; for redistribute
 //   the global gradient norm, a sum of squares over many pieces read back once:
 //     begin_sum_of_squares(); add_sum_of_squares(g, n) ...; double sum_of_squares()
@@ -32,6 +35,7 @@
 //   void copy(U* dst, const U* src, size_t n)             device to device (stream-ordered)
 //   void copy_rows(U* dst, dst_ld, const U* src, src_ld, width, rows)   a strided 2-D copy
 //   void upload_ids(buffer<int>& dst, const int* host, size_t n)   host ids -> dst[0, n)
+//   void upload(U* dst, const U* host, size_t n)   a few host values into device memory
 //   double mean_loss(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N)
 //       mean over i of log(sumexp[i]) + max[i] - target[i], summed in double (waits for
 //       the device on CUDA)
@@ -156,6 +160,39 @@ struct Ops<T, Host> {
     kernels::host::regroup(out, in, outer, n, block, how);
   }
 
+  // Mixture of experts (kernels/host/moe.hpp). dispatch_plan writes the per-expert counts
+  // to host memory (on CUDA it waits for them: the all-to-all's sizes are host values).
+  void router_scores(stat_t* scores, const T* logits, int N, int E, bool sigmoid) {
+    kernels::host::router_scores(scores, logits, N, E, sigmoid);
+  }
+  void router_topk(int* expert, stat_t* gate, const stat_t* scores, const float* bias, int N, int E, int k,
+                   bool renormalize) {
+    kernels::host::router_topk(expert, gate, scores, bias, N, E, k, renormalize);
+  }
+  void dispatch_plan(int* token_of, int* pos, int* host_counts, const int* expert, int N, int k, int E, int capacity) {
+    kernels::host::dispatch_plan(token_of, pos, host_counts, expert, N, k, E, capacity);
+  }
+  void gather_rows(T* out, const T* x, const int* index, int rows, int C) {
+    kernels::host::gather_rows(out, x, index, rows, C);
+  }
+  void moe_combine(T* out, const T* y, const int* pos, const stat_t* gate, int N, int k, int C) {
+    kernels::host::moe_combine(out, y, pos, gate, N, k, C);
+  }
+  void moe_combine_backward(T* dy, stat_t* dgate, const T* dout, const T* y, const int* pos, const stat_t* gate, int N,
+                            int k, int C) {
+    kernels::host::moe_combine_backward(dy, dgate, dout, y, pos, gate, N, k, C);
+  }
+  void moe_dispatch_backward(T* dx, const T* dxp, const int* pos, int N, int k, int C) {
+    kernels::host::moe_dispatch_backward(dx, dxp, pos, N, k, C);
+  }
+  void router_backward(T* dlogits, const stat_t* dgate, const stat_t* scores, const int* expert, const stat_t* gate,
+                       const float* daux, int N, int E, int k, bool renormalize, bool sigmoid) {
+    kernels::host::router_backward(dlogits, dgate, scores, expert, gate, daux, N, E, k, renormalize, sigmoid);
+  }
+  void router_score_sums(stat_t* sums, const stat_t* scores, int N, int E) {
+    kernels::host::router_score_sums(sums, scores, N, E);
+  }
+
   // The sum of squares of every piece added since begin_sum_of_squares(), in double.
   void begin_sum_of_squares() { sumsq_ = 0; }
   void add_sum_of_squares(const T* g, std::size_t n) { sumsq_ += kernels::host::sum_of_squares(g, n); }
@@ -192,6 +229,11 @@ struct Ops<T, Host> {
   }
   void upload_ids(Buffer<int, Host>& dst, const int* host, std::size_t n) {
     for (std::size_t i = 0; i < n; ++i) dst[i] = host[i];
+  }
+  // n values from host memory into the device's memory (complete on return).
+  template <class U>
+  void upload(U* dst, const U* host, std::size_t n) {
+    std::copy_n(host, n, dst);
   }
   // Mean cross-entropy from the loss statistics, summed in double.
   double mean_loss(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N) const {

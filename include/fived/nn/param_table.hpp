@@ -13,7 +13,10 @@
 //              dimension cut as `groups` equal blocks each split over TP (3 for the fused
 //              [q|k|v] projection, so a rank holds the q, k and v of the same heads)
 //   reduce     the group its gradient is reduced over: the mesh's grad_group (DP x CP) for
-//              every dense tensor (experts, later, their expert-data group)
+//              every dense tensor, the expert-data group for experts
+//   experts    > 0: the tensor stacks that many experts' matrices along its rows (each expert
+//              rows / experts of them), split over EP by whole experts; a TP split of rows
+//              then cuts each expert's rows (nn/moe.hpp)
 //   sp_partial its gradient is a sum over the rows this rank holds, so under sequence
 //              parallelism it is Partial over TP until the model reduces it (LayerNorms)
 //   unit       what a trainer gathers, reduces and frees together (nn/unit_hooks.hpp)
@@ -21,9 +24,11 @@
 //   init, stream   how it starts (nn/init.hpp); the stream is fixed forever, so adding a
 //              layer or untying the head does not change any other tensor's first values
 //
-// ParamTable<Specs, TP> lays out one rank's pieces back to back in spec order, so a unit
-// is a contiguous range and every offset is a compile-time constant; TP = 1 is the serial
-// buffer. From the table derive the offsets, units, names, initialisation by element
+// ParamTable<Specs, TP, EP> lays out one rank's pieces back to back in spec order, so a unit
+// is a contiguous range and every offset is a compile-time constant; TP = EP = 1 is the
+// serial buffer. A model keeps dense and expert tensors in two tables (two flat buffers),
+// because they reduce over different groups; Specs may then set `units` to the model's
+// count, so units with no tensor of the table are empty ranges. From the table derive the offsets, units, names, initialisation by element
 // (global_index), the serial <-> piece maps (slice, assemble) and which gradients a rank
 // counts in the global norm (counted_once).
 
@@ -43,7 +48,7 @@
 namespace fived {
 
 enum class Init : std::uint8_t { zeros, ones, normal, normal_residual };  // residual: std / sqrt(2 layers)
-enum class ReduceGroup : std::uint8_t { grad_group };
+enum class ReduceGroup : std::uint8_t { grad_group, expert_data };
 
 // The placement of a parameter on the TP axis: Replicate (dim < 0) or Shard of dimension
 // `dim`, seen as `groups` equal blocks side by side, each split over TP.
@@ -65,6 +70,7 @@ struct TensorSpec {
   bool decays = false;
   Init init = Init::zeros;
   std::uint64_t stream = 0;
+  int experts = 0;  // > 0: rows stack this many experts, split over EP
 
   // "h.3.mlp.c_fc.weight", "wte.weight", ...
   std::string full_name() const { return (layer >= 0 ? "h." + std::to_string(layer) + "." : std::string()) + name; }
@@ -101,36 +107,47 @@ struct ParamInfo {
 };
 
 // Specs: a type with `static constexpr std::array<TensorSpec, n> specs` and `static
-// constexpr int layers` (for the residual init's std).
-template <class Specs, int TP = 1>
+// constexpr int layers` (for the residual init's std); optionally `static constexpr int
+// units` (default: the last spec's unit + 1).
+template <class Specs, int TP = 1, int EP = 1>
 struct ParamTable {
   static constexpr auto& specs = Specs::specs;
   static constexpr int count = static_cast<int>(specs.size());
-  static constexpr int tp = TP;
+  static constexpr int tp = TP, ep = EP;
   static constexpr int layers = Specs::layers;
-  static_assert(TP >= 1, "ParamTable: the TP extent must be at least 1");
+  static_assert(TP >= 1 && EP >= 1, "ParamTable: the TP and EP extents must be at least 1");
 
  private:
-  static constexpr std::int64_t piece(std::int64_t n, TpSplit s, int dim) {
-    return s.dim == dim ? n / TP : n;
+  static constexpr bool given_units = requires { Specs::units; };
+  static constexpr std::int64_t piece(const TensorSpec& s, int dim) {
+    const std::int64_t n = dim == 0 ? s.rows : s.cols;
+    const std::int64_t e = dim == 0 && s.experts > 0 ? n / EP : n;
+    return s.tp.dim == dim ? e / TP : e;
   }
   static constexpr bool splits_evenly() {
     for (const TensorSpec& s : specs) {
+      if (s.experts > 0) {
+        if (s.rows % s.experts != 0 || s.experts % EP != 0) return false;
+        if (s.tp.dim == 0 && (s.rows / s.experts) % TP != 0) return false;
+        if (s.tp.dim == 1 && s.cols % TP != 0) return false;
+        continue;
+      }
       const std::int64_t n = s.tp.dim == 0 ? s.rows : s.tp.dim == 1 ? s.cols : 0;
       if (s.tp.dim >= 0 && (s.tp.groups < 1 || n % (static_cast<std::int64_t>(s.tp.groups) * TP) != 0)) return false;
     }
     return true;
   }
   static constexpr bool units_contiguous() {
-    for (int i = 1; i < count; ++i)
-      if (specs[static_cast<std::size_t>(i)].unit != specs[static_cast<std::size_t>(i - 1)].unit &&
-          specs[static_cast<std::size_t>(i)].unit != specs[static_cast<std::size_t>(i - 1)].unit + 1)
-        return false;
-    return specs[0].unit == 0;
+    if (count == 0) return true;
+    for (int i = 1; i < count; ++i) {
+      const int a = specs[static_cast<std::size_t>(i - 1)].unit, b = specs[static_cast<std::size_t>(i)].unit;
+      if (given_units ? b < a : b != a && b != a + 1) return false;
+    }
+    return given_units || specs[0].unit == 0;
   }
   static_assert(splits_evenly(),
-                "ParamTable: a tensor split over TP does not divide into TP equal pieces (per fused block); the model's "
-                "own checks name which dimension to change");
+                "ParamTable: a tensor split over TP (or its experts over EP) does not divide into equal pieces (per "
+                "fused block); the model's own checks name which dimension to change");
   static_assert(units_contiguous(), "ParamTable: units must number 0, 1, 2, ... in spec order, each contiguous");
 
   static constexpr std::array<ParamInfo, count> build() {
@@ -138,7 +155,7 @@ struct ParamTable {
     std::size_t off = 0;
     for (int i = 0; i < count; ++i) {
       const TensorSpec& s = specs[static_cast<std::size_t>(i)];
-      t[static_cast<std::size_t>(i)] = ParamInfo{s, off, piece(s.rows, s.tp, 0), piece(s.cols, s.tp, 1)};
+      t[static_cast<std::size_t>(i)] = ParamInfo{s, off, piece(s, 0), piece(s, 1)};
       off += t[static_cast<std::size_t>(i)].size();
     }
     return t;
@@ -146,7 +163,7 @@ struct ParamTable {
 
  public:
   static constexpr std::array<ParamInfo, count> tensors = build();
-  static constexpr std::size_t size = tensors[count - 1].end();  // elements of a rank's buffer
+  static constexpr std::size_t size = count == 0 ? 0 : tensors[count == 0 ? 0 : count - 1].end();  // a rank's buffer
   // Real parameters of the whole model, as Hugging Face counts them (no padded rows).
   static constexpr std::size_t num_parameters = [] {
     std::size_t n = 0;
@@ -154,7 +171,10 @@ struct ParamTable {
     return n;
   }();
 
-  static constexpr int units = specs[count - 1].unit + 1;
+  static constexpr int units = [] {
+    if constexpr (given_units) return Specs::units;
+    else return specs[count - 1].unit + 1;
+  }();
   // Unit u is [unit_begin(u), unit_begin(u + 1)) of the flat buffer.
   static constexpr std::size_t unit_begin(int u) {
     for (const ParamInfo& t : tensors)
@@ -169,13 +189,20 @@ struct ParamTable {
     return std::nullopt;
   }
 
-  // Element `local` (row-major in the piece) of tensor i on TP rank r, as an element index
-  // of the whole tensor: what initialises a piece by element and maps it to the serial one.
-  static constexpr std::int64_t global_index(int i, int r, std::int64_t local) {
+  // Element `local` (row-major in the piece) of tensor i on TP rank r (and EP rank e), as an
+  // element index of the whole tensor: what initialises a piece by element and maps it to
+  // the serial one.
+  static constexpr std::int64_t global_index(int i, int r, std::int64_t local, int e = 0) {
     const ParamInfo& t = tensors[static_cast<std::size_t>(i)];
     const TpSplit s = t.spec.tp;
     std::int64_t row = local / t.cols, col = local % t.cols;
-    if (s.dim == 0) row = split_index(t.spec.rows, s.groups, r, row);
+    if (t.spec.experts > 0) {  // whole experts over EP, then each expert's rows over TP
+      const std::int64_t rows_of = t.spec.rows / t.spec.experts, mine = s.dim == 0 ? rows_of / TP : rows_of;
+      const std::int64_t expert = e * (t.spec.experts / EP) + row / mine, within = row % mine;
+      row = expert * rows_of + (s.dim == 0 ? r * mine + within : within);
+    } else if (s.dim == 0) {
+      row = split_index(t.spec.rows, s.groups, r, row);
+    }
     if (s.dim == 1) col = split_index(t.spec.cols, s.groups, r, col);
     return row * t.spec.cols + col;
   }
@@ -198,23 +225,25 @@ struct ParamTable {
     return parts;
   }
 
-  // Rank r's buffer from the serial buffer (ParamTable<Specs, 1>'s), and back: all_pieces
-  // holds every rank's buffer in rank order; replicated tensors are taken from rank 0.
+  // Rank (r, e)'s buffer (TP rank r, EP rank e) from the serial buffer (ParamTable<Specs>'s),
+  // and back: all_pieces holds every rank's buffer, EP-major (piece e * TP + r);
+  // replicated tensors are taken from TP rank 0.
   template <class T>
-  static void slice(std::span<const T> serial, std::span<T> local, int r) {
+  static void slice(std::span<const T> serial, std::span<T> local, int r, int e = 0) {
     check_sizes(serial.size(), local.size(), 1, "slice");
-    for_each_element(r, [&](std::size_t l, std::size_t g) { local[l] = serial[g]; });
+    for_each_element(r, e, [&](std::size_t l, std::size_t g) { local[l] = serial[g]; });
   }
   template <class T>
   static void assemble(std::span<const T> all_pieces, std::span<T> serial) {
-    check_sizes(serial.size(), all_pieces.size(), TP, "assemble");
-    for (int r = TP; r-- > 0;) {
-      const std::span<const T> local = all_pieces.subspan(static_cast<std::size_t>(r) * size, size);
-      for_each_element(r, [&](std::size_t l, std::size_t g) { serial[g] = local[l]; });
-    }
+    check_sizes(serial.size(), all_pieces.size(), TP * EP, "assemble");
+    for (int e = EP; e-- > 0;)
+      for (int r = TP; r-- > 0;) {
+        const std::span<const T> local = all_pieces.subspan(static_cast<std::size_t>(e * TP + r) * size, size);
+        for_each_element(r, e, [&](std::size_t l, std::size_t g) { serial[g] = local[l]; });
+      }
   }
 
-  using serial = ParamTable<Specs, 1>;
+  using serial = ParamTable<Specs, 1, 1>;
 
  private:
   // Along a split dimension of n elements cut as `groups` blocks: local index j of rank r.
@@ -222,14 +251,14 @@ struct ParamTable {
     const std::int64_t piece = n / groups / TP;
     return (j / piece) * (n / groups) + static_cast<std::int64_t>(r) * piece + j % piece;
   }
-  // f(local offset, serial offset) for every element of rank r's buffer.
+  // f(local offset, serial offset) for every element of rank (r, e)'s buffer.
   template <class F>
-  static void for_each_element(int r, F&& f) {
+  static void for_each_element(int r, int e, F&& f) {
     for (int i = 0; i < count; ++i) {
       const ParamInfo& t = tensors[static_cast<std::size_t>(i)];
       const std::size_t g0 = serial::tensors[static_cast<std::size_t>(i)].offset;
       for (std::size_t j = 0; j < t.size(); ++j)
-        f(t.offset + j, g0 + static_cast<std::size_t>(global_index(i, r, static_cast<std::int64_t>(j))));
+        f(t.offset + j, g0 + static_cast<std::size_t>(global_index(i, r, static_cast<std::int64_t>(j), e)));
     }
   }
   static void check_sizes(std::size_t serial_n, std::size_t local_n, int ranks, const char* fn) {

@@ -22,7 +22,7 @@
 // row-parallel one reduces forward and gathers its output gradient backward.
 //
 // Step<M, T, Device, SP> is what a layer's forward and backward work with: the device's
-// kernels (Ops), the TP and CP communicators, and the micro-batch's shape on this rank. A
+// kernels (Ops), the TP and CP communicators (and EP's, for a mixture of experts), and the micro-batch's shape on this rank. A
 // layer writes a Partial sum into partial_buffer(out, scratch): `out` itself unless SP must
 // scatter it.
 //
@@ -71,10 +71,14 @@ struct Step {
                 Transition<Partial, stream_placement>::forward ==
                     (sp ? Collective::reduce_scatter : Collective::all_reduce));
 
+  static constexpr int ep = M::ep;
+  using ep_comm_type = MeshComm<typename M::expert_group>;
+
   ops_type& ops;
   AxisComm<M, Axis::tp>& comm;
   AxisComm<M, Axis::cp>& cp_comm;
   int B = 0, T_ = 0;  // T_: this rank's tokens of each sequence
+  ep_comm_type* ep_comm = nullptr;  // a mixture of experts' all-to-all (EP > 1)
 
   int chunk_length() const { return T_ / chunks; }  // n
   // The position in the sequence of local chunk c's first token.

@@ -143,9 +143,37 @@ inline constexpr bool is_zero_policy<NoZeRO> = true;
 template <int S>
 inline constexpr bool is_zero_policy<ZeRO<S>> = true;
 
+namespace dp_detail {
+// The group a model's gradients reduce over: its own (a GPT's experts: the expert-data group)
+// or its mesh's gradient group (DP x CP).
+template <class Model>
+struct reduce_group {
+  using type = typename Model::mesh::grad_group;
+};
+template <class Model>
+  requires requires { typename Model::grad_group; }
+struct reduce_group<Model> {
+  using type = typename Model::grad_group;
+};
+template <class Model>
+constexpr double grad_scale() {
+  if constexpr (requires { Model::grad_scale; }) return Model::grad_scale;
+  else return 1.0;
+}
+}  // namespace dp_detail
+
+// A model with a mixture of experts: its expert buffers (GPT::Experts) get a DataParallel of
+// their own over the expert-data group, driven by this one.
+template <class Model>
+concept HasExperts = requires(Model& m) {
+  typename Model::Experts;
+  requires Model::has_experts;
+  m.experts();
+};
+
 template <class Model, class Policy = NoZeRO, std::size_t BucketBytes = (std::size_t{4} << 20)>
 class DataParallel {
-  using group = typename Model::mesh::grad_group;
+  using group = typename dp_detail::reduce_group<Model>::type;
   static constexpr int DP = group::size;
   static_assert(is_zero_policy<Policy>, "fived::DataParallel: the policy must be fived::NoZeRO or fived::ZeRO<S>");
   static_assert(std::is_same_v<typename Model::value_type, float> ||
@@ -171,7 +199,7 @@ class DataParallel {
   static constexpr bool has_hooks = requires(Model& m, const int* ids, const UnitHooks& h) {
     m.forward(ids, ids, 1, 1, h);
     m.backward(h);
-  };
+  } || requires { requires Model::calls_hooks; };
   static_assert(stage < 3 || (has_hooks && plan::has_units),
                 "fived::DataParallel: ZeRO<3> gathers each unit's parameters just before the model uses them, so the "
                 "model must call UnitHooks in forward and backward and its layout must have units (fived::GPT does): "
@@ -183,15 +211,21 @@ class DataParallel {
 
   // One replica: a mesh whose gradient group has one rank. accum: micro-batches per step.
   DataParallel(Model& model, const AdamWConfig& config, int accum = 1) requires(DP == 1)
-      : DataParallel(model, MeshComm<group>(), 0, config, accum) {}
-  // ctx: this rank's MeshContext; the gradient group's communicator is taken from it.
+      : DataParallel(model, MeshComm<group>(), 0, config, accum) {
+    if constexpr (HasExperts<Model>) experts_ = std::make_unique<expert_trainer>(model.experts(), config, accum);
+  }
+  // ctx: this rank's MeshContext; the gradient group's communicator is taken from it (and
+  // the expert-data group's, for a model with a mixture of experts).
   template <Communicator Comm>
   DataParallel(Model& model, MeshContext<typename Model::mesh, Comm>& ctx, const AdamWConfig& config, int accum = 1)
-      : DataParallel(model, MeshComm<group>(ctx.template comm<group>()), group::index(ctx.rank()), config, accum) {}
+      : DataParallel(model, MeshComm<group>(ctx.template comm<group>()), group::index(ctx.rank()), config, accum) {
+    if constexpr (HasExperts<Model>) experts_ = std::make_unique<expert_trainer>(model.experts(), ctx, config, accum);
+  }
 
   // grad_comm: this rank's communicator of the mesh's gradient group, given directly.
   template <Communicator Comm>
   DataParallel(Model& model, Comm& grad_comm, const AdamWConfig& config, int accum = 1)
+    requires(!HasExperts<Model>)
       : DataParallel(model, MeshComm<group>(grad_comm), grad_comm.rank(), config, accum) {}
 
   // After a forward and backward run by the caller (NoZeRO): the gradients reduced over the
@@ -199,11 +233,8 @@ class DataParallel {
   float apply_gradients() {
     static_assert(stage == 0, "fived::DataParallel::apply_gradients: under ZeRO use step(), which reduces each "
                               "micro-batch as backward finishes it");
-    for (int u = plan::units - 1; u >= 0; --u) {
-      reduced_[static_cast<std::size_t>(u)] = false;
-      reduce_unit(u, false);
-    }
-    queue_.drain();  // on a device the reductions were queued on the communication side
+    if constexpr (HasExperts<Model>) experts_->reduce_all();
+    reduce_all();
     return optimizer_step();
   }
 
@@ -284,6 +315,7 @@ class DataParallel {
 
   // Zeroes the gradients (or, under ZeRO-2/3, the gradient pieces).
   void begin_step() {
+    if constexpr (HasExperts<Model>) experts_->begin_step();
     async_ = overlap();
     peak_ = held_;
     if constexpr (stage < 2) model_.zero_grad();  // ZeRO-2/3: released gradient pages read as zeros
@@ -294,11 +326,13 @@ class DataParallel {
   // Before a micro-batch's backward; `last`: the step's last one (NoZeRO and ZeRO-1 reduce
   // only then, ZeRO-2/3 every micro-batch).
   void begin_backward(bool last) {
+    if constexpr (HasExperts<Model>) experts_->begin_backward(last);
     reducing_ = stage >= 2 || last;
     std::fill(reduced_.begin(), reduced_.end(), false);
   }
   // After it: waits for what backward handed over, and reduces what it did not.
   void end_backward() {
+    if constexpr (HasExperts<Model>) experts_->end_backward();
     queue_.drain();
     if (reducing_) {
       for (int u = plan::units - 1; u >= 0; --u) reduce_unit(u, false);
@@ -307,6 +341,7 @@ class DataParallel {
   }
   // After the step's last backward (ZeRO-3: the units still gathered are given back).
   void end_micro_batches() {
+    if constexpr (HasExperts<Model>) experts_->end_micro_batches();
     if constexpr (stage == 3)
       for (int u = 0; u < plan::units; ++u) release_params(u);
   }
@@ -318,6 +353,7 @@ class DataParallel {
     for (std::size_t i = 0; i < plan::count; ++i) add_sum_of_squares(ops, i);
     double s = model_.sum_over_tp(ops.sum_of_squares());
     if constexpr (stage >= 1) s = comm_.all_reduce_host(s);  // NoZeRO: every replica has the same sum
+    if constexpr (HasExperts<Model>) s += experts_->grad_sum_of_squares();
     return s;
   }
   // Clips to the global norm sqrt(total_sum_of_squares) (when max_norm is set), one AdamW
@@ -339,6 +375,10 @@ class DataParallel {
         for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(side, i, owned_params(i), model_.params());
       }, false);
       queue_.drain();  // the next forward reads them
+    }
+    if constexpr (HasExperts<Model>) {
+      experts_->update(total_sum_of_squares);
+      model_.balance_experts(comm_);
     }
     return f;
   }
@@ -365,17 +405,29 @@ class DataParallel {
     std::size_t transient_peak = 0;  // ZeRO-2/3: whole units held during the last step
     std::size_t total() const { return params + grads + optimizer + staging; }
   };
+  // With a mixture of experts, the expert buffers' state is included.
   Memory memory() const {
     const std::size_t t = sizeof(T);
-    return {(stage < 3 ? layout::size : plan::shard_total) * t, (stage < 2 ? layout::size : plan::shard_total) * t,
-            opt_.state_bytes(), (staging_.size() + piece_.size()) * t, stage >= 2 ? peak_ * t : 0};
+    Memory m{(stage < 3 ? layout::size : plan::shard_total) * t, (stage < 2 ? layout::size : plan::shard_total) * t,
+             opt_.state_bytes(), (staging_.size() + piece_.size()) * t, stage >= 2 ? peak_ * t : 0};
+    if constexpr (HasExperts<Model>) {
+      const Memory e = experts_->memory();
+      m.params += e.params, m.grads += e.grads, m.optimizer += e.optimizer, m.staging += e.staging;
+      m.transient_peak += e.transient_peak;
+    }
+    return m;
   }
+  // The DataParallel of the model's expert buffers (a mixture of experts).
+  auto& experts() requires HasExperts<Model> { return *experts_; }
 
   // Reduce each unit's buckets during backward, as soon as the model has finished it (on by
   // default; needs a model that calls UnitHooks, as GPT does). Off: every reduction runs
   // after backward. The results are the same bit for bit; what changes is when the
   // collectives are issued.
-  void set_overlap(bool on) { overlap_ = on; }
+  void set_overlap(bool on) {
+    overlap_ = on;
+    if constexpr (HasExperts<Model>) experts_->set_overlap(on);
+  }
   // Off: every reduction is issued after backward. The results are the same bit for bit.
   bool overlap() const { return has_hooks && overlap_; }
 
@@ -408,15 +460,23 @@ class DataParallel {
     gathered_.assign(plan::units, false);
     gather_ticket_.assign(plan::units, 0);
     grads_live_.assign(plan::units, false);
-    hooks_.before_forward = [this](int u) { use_params(u, u + 1); };
-    hooks_.after_forward = [this](int u) { done_with_params(u); };
+    hooks_.before_forward = [this](int u) {
+      use_params(u, u + 1);
+      if constexpr (HasExperts<Model>) detail::call(experts_->hooks().before_forward, u);
+    };
+    hooks_.after_forward = [this](int u) {
+      done_with_params(u);
+      if constexpr (HasExperts<Model>) detail::call(experts_->hooks().after_forward, u);
+    };
     hooks_.before_backward = [this](int u) {
       grads_in_use(u);
       use_params(u, u - 1);
+      if constexpr (HasExperts<Model>) detail::call(experts_->hooks().before_backward, u);
     };
     hooks_.after_backward = [this](int u) {
       if (async_ && reducing_) reduce_unit(u, true);
       done_with_params(u);
+      if constexpr (HasExperts<Model>) detail::call(experts_->hooks().after_backward, u);
     };
     shard_state();
   }
@@ -459,7 +519,8 @@ class DataParallel {
   void reduce_bucket(ops_type& ops, std::size_t i) {
     const Bucket& bk = plan::bucket(i);
     std::span<T> g = model_.grads().subspan(bk.range.begin, bk.range.size());
-    if (accum_ > 1) ops.scale(g.data(), g.size(), 1.0f / static_cast<float>(accum_));
+    constexpr double scale = dp_detail::grad_scale<Model>();
+    if (accum_ > 1 || scale != 1.0) ops.scale(g.data(), g.size(), static_cast<float>(scale / accum_));
     if constexpr (stage == 0) {
       comm_.all_reduce(g, ReduceOp::avg);
     } else {
@@ -562,6 +623,31 @@ class DataParallel {
     for (const FlatRange& p : model_.norm_parts(o)) ops.add_sum_of_squares(g.data() + (p.begin - o.begin), p.size());
   }
 
+  // Every unit's reductions after backward (apply_gradients).
+  void reduce_all() {
+    for (int u = plan::units - 1; u >= 0; --u) {
+      reduced_[static_cast<std::size_t>(u)] = false;
+      reduce_unit(u, false);
+    }
+    queue_.drain();  // on a device the reductions were queued on the communication side
+  }
+  template <class, class, std::size_t>
+  friend class DataParallel;
+
+  // The experts' own trainer: over the expert-data group; ZeRO only where that group has
+  // more than one rank.
+  struct no_experts {};
+  template <class X>
+  struct expert_trainer_of {
+    using type = no_experts;
+  };
+  template <HasExperts X>
+  struct expert_trainer_of<X> {
+    using E = typename X::Experts;
+    using type = DataParallel<E, std::conditional_t<(E::grad_group::size > 1), Policy, NoZeRO>, BucketBytes>;
+  };
+  using expert_trainer = typename expert_trainer_of<Model>::type;
+
   Model& model_;
   MeshComm<group> comm_;
   int rank_;
@@ -581,6 +667,7 @@ class DataParallel {
   // a unit's gradients count as given back when its reduction is issued.
   std::size_t held_ = 0, peak_ = 0;
   CommQueue<T, Device> queue_;  // the communication side; last, so it stops first
+  std::unique_ptr<expert_trainer> experts_;  // a mixture of experts' (built after this one)
 };
 
 }  // namespace fived

@@ -16,8 +16,8 @@
 //
 // Synchronisation: the kernels are asynchronous. Token ids go through pinned staging
 // memory (the host pointer can be reused as soon as forward returns, and the upload does
-// not wait for queued work); mean_loss, sum_of_squares(), to_host, read_to_host and
-// write_from_host wait for the stream.
+// not wait for queued work); mean_loss, sum_of_squares(), to_host, read_to_host,
+// write_from_host and dispatch_plan (the MoE counts) wait for the stream.
 
 #if !defined(__CUDACC__)
 #error "fived/nn/cuda/ops.hpp holds device code: include it from a .cu file compiled by nvcc"
@@ -208,6 +208,40 @@ struct Ops<T, Cuda> {
   }
   void scale(T* g, std::size_t n, float factor) { kernels::cuda::scale(stream(), g, n, factor); }
 
+  // Mixture of experts (kernels/cuda/moe.hpp). dispatch_plan writes the kept per-expert counts
+  // to host memory and waits for the stream (the all-to-all's sizes are host values); its
+  // sort and count buffers are kept here and grow only with N*k or E.
+  void router_scores(stat_t* scores, const T* logits, int N, int E, bool sigmoid) {
+    kernels::cuda::router_scores(stream(), scores, logits, N, E, sigmoid);
+  }
+  void router_topk(int* expert, stat_t* gate, const stat_t* scores, const float* bias, int N, int E, int k,
+                   bool renormalize) {
+    kernels::cuda::router_topk(stream(), expert, gate, scores, bias, N, E, k, renormalize);
+  }
+  void dispatch_plan(int* token_of, int* pos, int* host_counts, const int* expert, int N, int k, int E, int capacity) {
+    kernels::cuda::dispatch_plan(stream(), dispatch_, token_of, pos, host_counts, expert, N, k, E, capacity);
+  }
+  void gather_rows(T* out, const T* x, const int* index, int rows, int C) {
+    kernels::cuda::gather_rows(stream(), out, x, index, rows, C);
+  }
+  void moe_combine(T* out, const T* y, const int* pos, const stat_t* gate, int N, int k, int C) {
+    kernels::cuda::moe_combine(stream(), out, y, pos, gate, N, k, C);
+  }
+  void moe_combine_backward(T* dy, stat_t* dgate, const T* dout, const T* y, const int* pos, const stat_t* gate, int N,
+                            int k, int C) {
+    kernels::cuda::moe_combine_backward(stream(), dy, dgate, dout, y, pos, gate, N, k, C);
+  }
+  void moe_dispatch_backward(T* dx, const T* dxp, const int* pos, int N, int k, int C) {
+    kernels::cuda::moe_dispatch_backward(stream(), dx, dxp, pos, N, k, C);
+  }
+  void router_backward(T* dlogits, const stat_t* dgate, const stat_t* scores, const int* expert, const stat_t* gate,
+                       const float* daux, int N, int E, int k, bool renormalize, bool sigmoid) {
+    kernels::cuda::router_backward(stream(), dlogits, dgate, scores, expert, gate, daux, N, E, k, renormalize, sigmoid);
+  }
+  void router_score_sums(stat_t* sums, const stat_t* scores, int N, int E) {
+    kernels::cuda::router_score_sums(stream(), sums, scores, N, E);
+  }
+
   // ---- memory and staging ----------------------------------------------------------------------
 
   // Zero-filled (complete on return: see Buffer<T, Cuda>).
@@ -244,6 +278,15 @@ struct Ops<T, Cuda> {
     ops_detail::PinnedStaging& s = staging_[next_staging_];
     next_staging_ = 1 - next_staging_;
     s.upload(dst.data(), host, n * sizeof(int), stream());
+  }
+  // n values from host memory into device memory dst, ordered on the stream; `host` can be
+  // reused on return. Through pinned staging memory of its own (not the ids' two): the copy
+  // does not wait for the queued work, and a pinned `host` (which cudaMemcpyAsync would read
+  // later, asynchronously) is safe too. An upload waits only for the previous upload's copy.
+  template <class U>
+  void upload(U* dst, const U* host, std::size_t n) {
+    static_assert(std::is_trivially_copyable_v<U>, "fived::Ops<T, Cuda>::upload copies bytes");
+    upload_staging_.upload(dst, host, n * sizeof(U), stream());
   }
   // Mean cross-entropy from the [N] statistics: downloads them (waits for the stream) and
   // sums in double on the host, as Ops<T, Host> does.
@@ -295,6 +338,8 @@ struct Ops<T, Cuda> {
   Buffer<double, Cuda> loss_sum_;  // loss_sum's
   ops_detail::PinnedStaging staging_[2];
   int next_staging_ = 0;
+  ops_detail::PinnedStaging upload_staging_;  // upload's
+  kernels::cuda::DispatchScratch dispatch_;  // dispatch_plan's sort and count buffers
 };
 
 }  // namespace fived

@@ -1,0 +1,319 @@
+#pragma once
+// A mixture of experts in place of a block's MLP: a linear router picks top_k of E experts
+// for every token, the tokens travel to the ranks holding their experts (all-to-all over
+// EP), each expert is the MLP of nn/mlp.hpp applied to its contiguous rows, and the outputs
+// come home weighted by the gates.
+//
+//   x ─gather_rows─► x_full [N, C] ─router─► scores [N, E] ─top-k─► expert, gate [N, k]
+//     ─dispatch_plan─► rows sorted by expert ─all_to_all_v(EP)─► [local expert][source rank]
+//     ─E/EP expert MLPs (F split over TP)─► ─all_to_all_v back─► Σ_j gate · y ─reduce_rows─► y
+//
+// Placement. The experts' weights are stacked along their rows in the expert buffer (nn/
+// param_table.hpp: `experts`), whole experts over EP, each expert's hidden width F over TP as
+// the dense MLP's (c_fc columns, c_proj rows). EP is carved out of DP·CP (mesh/mesh.hpp), so
+// the TP ranks of a replica hold the same rows, route them alike (the router weight is
+// replicated over TP) and exchange them with the same TP slice of the other EP ranks; the
+// expert outputs are Partial over TP like the MLP's, and one reduce_rows finishes them.
+// Gradients: the router's dx is complete on every TP rank, so TP rank 0 adds it to the
+// partial sum (as RowParallel adds its bias); a gate's gradient <dy, y_e> is Partial over TP
+// and is all-reduced over TP ([N·k] values) before the router's backward.
+//
+// Counts first. The per-expert counts are exchanged (all_to_all_host over EP) before the
+// rows, so each rank knows what it receives; the all_to_all_v with per-peer counts then
+// moves them. Every rank joins every collective of forward and backward, also with zero
+// tokens to send or receive. Those counts are host values: on CUDA the routing waits for
+// the device once per MoE layer (dropless routing cannot size a transfer otherwise).
+//
+// Balancing. The Switch load-balancing loss, aux = coef · E · Σ_e f_e · P_e (f_e: the share
+// of the k·N assignments kept for expert e, P_e: the mean score of e), over the tokens of a
+// replica's micro-batch (summed over CP); its gradient coef·E·f_e/N on every score joins the
+// router's backward. It is reported apart from the language-model loss (aux_loss()). With
+// AuxLossFreeBias (nn/config.hpp) the selection adds a per-expert bias that the model moves
+// after each step towards equal loads (GPT::balance_experts).
+//
+// At EP 1 the exchanges vanish: the sorted rows are the experts' rows, and this is the
+// serial mixture of experts every parallel run is compared with.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "fived/comm/group_comm.hpp"
+#include "fived/device/buffer.hpp"
+#include "fived/nn/config.hpp"
+#include "fived/nn/param_table.hpp"
+#include "fived/nn/stream.hpp"
+
+namespace fived {
+
+// router.weight [C, E]: a dense tensor, replicated over TP.
+constexpr std::array<TensorSpec, 1> router_specs(int layer, int unit, int C, int E, std::uint64_t stream) {
+  return {matrix_spec("mlp.router.weight", layer, C, E, {}, unit, Init::normal, stream)};
+}
+
+// The experts, stacked: c_fc.weight [E·C, F], c_fc.bias [E, F], c_proj.weight [E·F, C],
+// c_proj.bias [E, C]; whole experts over EP, F over TP; reduced over the expert-data group.
+constexpr std::array<TensorSpec, 4> expert_specs(int layer, int unit, int C, int F, int E, std::uint64_t stream) {
+  auto expert = [E](TensorSpec s, bool decays) {
+    s.reduce = ReduceGroup::expert_data;
+    s.experts = E;
+    s.decays = decays;
+    return s;
+  };
+  return {expert(matrix_spec("mlp.experts.c_fc.weight", layer, std::int64_t{E} * C, F, {1, 1}, unit, Init::normal, stream), true),
+          expert(matrix_spec("mlp.experts.c_fc.bias", layer, E, F, {1, 1}, unit, Init::zeros, stream + 1), false),
+          expert(matrix_spec("mlp.experts.c_proj.weight", layer, std::int64_t{E} * F, C, {0, 1}, unit,
+                             Init::normal_residual, stream + 2),
+                 true),
+          expert(matrix_spec("mlp.experts.c_proj.bias", layer, E, C, {}, unit, Init::zeros, stream + 3), false)};
+}
+
+template <class S, class Cfg>
+struct MoE {
+  using T = typename S::value_type;
+  using Device = typename S::device;
+  using stat_t = typename S::stat_t;
+  using ops_type = typename S::ops_type;
+  using dims = gpt_dims<Cfg>;
+  static constexpr int E = dims::experts, K = dims::top_k, EP = S::ep, El = E / (EP > 0 ? EP : 1);
+  static constexpr bool sigmoid = Cfg::router_sigmoid, renormalize = Cfg::renormalize_gates;
+  static constexpr double coef = Cfg::aux_loss_coef;
+  static_assert(E % EP == 0,
+                "a mixture of experts spreads its experts over EP: the number of experts must be a multiple of the EP "
+                "extent");
+
+  template <class U>
+  using buffer = Buffer<U, Device>;
+
+  // The router in the dense buffer; this rank's experts (E/EP of them, F/TP wide) in the
+  // expert buffer.
+  struct Params {
+    T *router, *fc_w, *fc_b, *proj_w, *proj_b;
+  };
+
+  // What forward keeps for backward (one per block and micro-batch slot). Rows that arrive
+  // from other EP ranks are data dependent: those buffers grow when more arrive, never shrink.
+  struct Saved {
+    buffer<T> x_full;                  // SP: the gathered input
+    buffer<stat_t> scores, gate;       // [N, E], [N·k]
+    buffer<int> expert, pos, token_of;  // [N·k]: chosen expert, row in dispatch order, row's token
+    buffer<T> y;                       // [N·k, C]: expert outputs in dispatch order (Partial on TP)
+    buffer<T> x_exp, pre, h;           // [R, C], [R, F/TP] x2: this rank's experts' rows
+    buffer<float> daux;                // [E]: the balancing loss's gradient per score
+    std::vector<int> counts;           // [E]: rows kept per expert, this rank's tokens
+    std::vector<std::int64_t> from;    // [EP·El]: rows from peer p for local expert j
+    std::vector<std::size_t> send, recv;  // elements to / from each EP peer
+    int kept = 0, received = 0;
+    double aux = 0;  // this layer's load-balancing loss
+
+    void reserve(ops_type& ops, std::size_t N, std::size_t C) {
+      if constexpr (S::sp) x_full = ops.template make_buffer<T>(N * C);
+      scores = ops.template make_buffer<stat_t>(N * E);
+      gate = ops.template make_buffer<stat_t>(N * K);
+      expert = ops.template make_buffer<int>(N * K);
+      pos = ops.template make_buffer<int>(N * K);
+      token_of = ops.template make_buffer<int>(N * K);
+      y = ops.template make_buffer<T>(N * K * C);
+      daux = ops.template make_buffer<float>(E);
+      counts.assign(E, 0);
+      from.assign(static_cast<std::size_t>(EP) * El, 0);
+      send.assign(EP, 0);
+      recv.assign(EP, 0);
+    }
+  };
+  // Shared by the slots: what one forward or backward uses and leaves behind.
+  struct Work {
+    buffer<T> logits;    // [N, E]: the router's logits, then their gradient
+    buffer<stat_t> dgate, sums;  // [N·k], [E]
+    buffer<T> rows;      // [N·k, C]: rows in dispatch order (to send, or d(y), dx)
+    buffer<T> staging, y_exp, dh;  // [R, C] x2, [R, F/TP]
+    std::vector<double> stats;
+    void reserve(ops_type& ops, std::size_t N, std::size_t C) {
+      logits = ops.template make_buffer<T>(N * E);
+      dgate = ops.template make_buffer<stat_t>(N * K);
+      sums = ops.template make_buffer<stat_t>(E);
+      rows = ops.template make_buffer<T>(N * K * C);
+    }
+  };
+
+  // Each expert's capacity on this rank (-1: dropless).
+  static int capacity(int N) {
+    if constexpr (Cfg::capacity_factor <= 0) return -1;
+    else return static_cast<int>(std::ceil(Cfg::capacity_factor * N * K / E));
+  }
+
+  // y (the stream's rows, "=") from x (the stream's rows). bias: [E] selection bias or null.
+  // partial: [N, C] scratch when SP.
+  static void forward(S& s, Saved& a, Work& w, T* y, const T* x, Params p, const float* bias, int C, int F,
+                      T* partial) {
+    const int N = s.rows(), Fl = F / S::tp;
+    ops_type& ops = s.ops;
+    const T* xf = s.gather_rows(x, a.x_full.data(), C);
+    ops.matmul(w.logits.data(), xf, p.router, static_cast<const T*>(nullptr), N, E, C, false, false);
+    ops.router_scores(a.scores.data(), w.logits.data(), N, E, sigmoid);
+    ops.router_topk(a.expert.data(), a.gate.data(), a.scores.data(), bias, N, E, K, renormalize);
+    ops.dispatch_plan(a.token_of.data(), a.pos.data(), a.counts.data(), a.expert.data(), N, K, E, capacity(N));
+    a.kept = 0;
+    for (int c : a.counts) a.kept += c;
+    balancing_loss(s, a, w, N);
+    exchange_counts(s, a, C);
+    grow(ops, a.x_exp, a.received, C), grow(ops, a.pre, a.received, Fl), grow(ops, a.h, a.received, Fl);
+    grow(ops, w.staging, a.received, C), grow(ops, w.y_exp, a.received, C), grow(ops, w.dh, a.received, Fl);
+
+    // the rows to their experts: [E][...] here, [El][EP] there
+    if constexpr (EP == 1) {
+      ops.gather_rows(a.x_exp.data(), xf, a.token_of.data(), a.kept, C);
+    } else {
+      ops.gather_rows(w.rows.data(), xf, a.token_of.data(), a.kept, C);
+      to_experts(s, a, w, w.rows.data(), a.x_exp.data(), C);
+    }
+    T* y_exp = EP == 1 ? a.y.data() : w.y_exp.data();
+    for_each_expert(a, [&](int j, std::size_t off, int n) {
+      ops.matmul(a.h.data() + off * Fl, a.x_exp.data() + off * C, p.fc_w + j * std::size_t(C) * Fl, p.fc_b + j * std::size_t(Fl),
+                 n, Fl, C, false, false, false, ops_type::Epilogue::gelu, a.pre.data() + off * Fl);
+      ops.matmul(y_exp + off * C, a.h.data() + off * Fl, p.proj_w + j * std::size_t(Fl) * C,
+                 s.rank() == 0 ? p.proj_b + j * std::size_t(C) : static_cast<const T*>(nullptr), n, C, Fl, false, false);
+    });
+    if constexpr (EP > 1) from_experts(s, a, w, y_exp, a.y.data(), C);
+
+    T* out = s.partial_buffer(y, partial);
+    ops.moe_combine(out, a.y.data(), a.pos.data(), a.gate.data(), N, K, C);
+    s.reduce_rows(out, y, C);
+  }
+
+  // dx (the stream's rows, "=") from dy; router and expert gradients "+=". x: the forward's
+  // input (the stream's rows); full: [N, C] scratch when SP.
+  static void backward(S& s, Saved& a, Work& w, T* dx, Params g, const T* dy, const T* x, Params p, int C, int F,
+                       T* full) {
+    const int N = s.rows(), Fl = F / S::tp;
+    ops_type& ops = s.ops;
+    const T* xf = S::sp ? a.x_full.data() : x;
+    const T* dyf = s.gather_rows(dy, full, C);
+    ops.moe_combine_backward(w.rows.data(), w.dgate.data(), dyf, a.y.data(), a.pos.data(), a.gate.data(), N, K, C);
+    s.comm.all_reduce(std::span<stat_t>(w.dgate.data(), static_cast<std::size_t>(N) * K));  // Partial over TP
+
+    // d(y) to the experts; their backward leaves dx of their rows in place of d(y)
+    T* d_exp = EP == 1 ? w.rows.data() : w.y_exp.data();
+    if constexpr (EP > 1) to_experts(s, a, w, w.rows.data(), d_exp, C);
+    for_each_expert(a, [&](int j, std::size_t off, int n) {
+      T* dyj = d_exp + off * C;
+      T* dh = w.dh.data() + off * Fl;
+      const T* w1 = p.fc_w + j * std::size_t(C) * Fl;
+      ops.matmul(dh, dyj, p.proj_w + j * std::size_t(Fl) * C, static_cast<const T*>(nullptr), n, Fl, C, false, true);
+      ops.matmul(g.proj_w + j * std::size_t(Fl) * C, a.h.data() + off * Fl, dyj, static_cast<const T*>(nullptr), Fl, C, n,
+                 true, false, true);
+      ops.bias_backward(g.proj_b + j * std::size_t(C), dyj, n, C);
+      ops.gelu_backward(dh, a.pre.data() + off * Fl, dh, static_cast<std::size_t>(n) * Fl);
+      ops.matmul(g.fc_w + j * std::size_t(C) * Fl, a.x_exp.data() + off * C, dh, static_cast<const T*>(nullptr), C, Fl, n,
+                 true, false, true);
+      ops.bias_backward(g.fc_b + j * std::size_t(Fl), dh, n, Fl);
+      ops.matmul(dyj, dh, w1, static_cast<const T*>(nullptr), n, C, Fl, false, true);  // dx of the rows
+    });
+    if constexpr (EP > 1) from_experts(s, a, w, d_exp, w.rows.data(), C);
+
+    // the router, then every token's rows added up
+    T* out = s.partial_buffer(dx, full);
+    T* dlogits = w.logits.data();
+    ops.router_backward(dlogits, w.dgate.data(), a.scores.data(), a.expert.data(), a.gate.data(),
+                        coef > 0 ? a.daux.data() : static_cast<const float*>(nullptr), N, E, K, renormalize, sigmoid);
+    ops.matmul(g.router, xf, dlogits, static_cast<const T*>(nullptr), C, E, N, true, false, true);
+    if (s.rank() == 0) ops.matmul(out, dlogits, p.router, static_cast<const T*>(nullptr), N, C, E, false, true);
+    else ops.zero(out, static_cast<std::size_t>(N) * C);
+    ops.moe_dispatch_backward(out, w.rows.data(), a.pos.data(), N, K, C);
+    s.reduce_rows(out, dx, C);
+  }
+
+ private:
+  template <class U>
+  static void grow(ops_type& ops, buffer<U>& b, int rows, int width) {
+    const std::size_t n = static_cast<std::size_t>(std::max(rows, 1)) * static_cast<std::size_t>(width);
+    if (b.size() < n) b = ops.template make_buffer<U>(n);
+  }
+
+  // f(local expert j, first row, rows) for every local expert with rows ([El][EP] order).
+  template <class F>
+  static void for_each_expert(const Saved& a, F&& f) {
+    std::size_t off = 0;
+    for (int j = 0; j < El; ++j) {
+      std::int64_t n = 0;
+      for (int q = 0; q < EP; ++q) n += a.from[static_cast<std::size_t>(q) * El + j];
+      if (n > 0) f(j, off, static_cast<int>(n));
+      off += static_cast<std::size_t>(n);
+    }
+  }
+
+  // The balancing loss's value and gradient from this micro-batch's counts and score sums
+  // (summed over CP: the replica's tokens).
+  static void balancing_loss(S& s, Saved& a, Work& w, int N) {
+    a.aux = 0;
+    if constexpr (coef > 0) {
+      s.ops.router_score_sums(w.sums.data(), a.scores.data(), N, E);
+      const std::vector<stat_t> sums = s.ops.to_host(std::span<const stat_t>(w.sums.data(), E));
+      w.stats.assign(2 * E, 0.0);
+      for (int e = 0; e < E; ++e) w.stats[e] = a.counts[e], w.stats[E + e] = static_cast<double>(sums[e]);
+      s.cp_comm.all_reduce_host(std::span<double>(w.stats));
+      const double tokens = static_cast<double>(N) * S::cp, assignments = tokens * K;
+      std::array<float, E> daux{};
+      for (int e = 0; e < E; ++e) {
+        const double f = w.stats[e] / assignments, P = w.stats[E + e] / tokens;
+        a.aux += coef * E * f * P;
+        // d aux / d score, times CP: the replica's gradient is averaged over CP
+        daux[static_cast<std::size_t>(e)] = static_cast<float>(coef * E * f / N);
+      }
+      s.ops.upload(a.daux.data(), daux.data(), E);
+    }
+  }
+
+  // Counts first: how many rows of each of its experts every peer sends.
+  static void exchange_counts(S& s, Saved& a, int C) {
+    if constexpr (EP == 1) {
+      for (int e = 0; e < E; ++e) a.from[static_cast<std::size_t>(e)] = a.counts[static_cast<std::size_t>(e)];
+    } else {
+      std::array<std::int64_t, E> mine{};
+      for (int e = 0; e < E; ++e) mine[static_cast<std::size_t>(e)] = a.counts[static_cast<std::size_t>(e)];
+      s.ep_comm->all_to_all_host(std::span<const std::int64_t>(mine), std::span<std::int64_t>(a.from));
+      for (int q = 0; q < EP; ++q) {
+        std::int64_t out = 0, in = 0;
+        for (int j = 0; j < El; ++j) out += mine[static_cast<std::size_t>(q) * El + j], in += a.from[static_cast<std::size_t>(q) * El + j];
+        a.send[static_cast<std::size_t>(q)] = static_cast<std::size_t>(out) * C;
+        a.recv[static_cast<std::size_t>(q)] = static_cast<std::size_t>(in) * C;
+      }
+    }
+    a.received = 0;
+    for (std::int64_t n : a.from) a.received += static_cast<int>(n);
+  }
+
+  // [peer][j] blocks (as they arrive) <-> [j][peer] (each expert's rows together).
+  static void regroup(S& s, const Saved& a, T* dst, const T* src, int C, bool to_expert_major) {
+    std::size_t peer_major = 0;
+    for (int q = 0; q < EP; ++q)
+      for (int j = 0; j < El; ++j) {
+        std::size_t expert_major = 0;
+        for (int jj = 0; jj < j; ++jj)
+          for (int qq = 0; qq < EP; ++qq) expert_major += static_cast<std::size_t>(a.from[static_cast<std::size_t>(qq) * El + jj]);
+        for (int qq = 0; qq < q; ++qq) expert_major += static_cast<std::size_t>(a.from[static_cast<std::size_t>(qq) * El + j]);
+        const std::size_t n = static_cast<std::size_t>(a.from[static_cast<std::size_t>(q) * El + j]) * C;
+        if (to_expert_major) s.ops.copy(dst + expert_major * C, src + peer_major * C, n);
+        else s.ops.copy(dst + peer_major * C, src + expert_major * C, n);
+        peer_major += n / C;
+      }
+  }
+  // rows in dispatch order -> the experts' rows on their ranks ([El][EP]).
+  static void to_experts(S& s, Saved& a, Work& w, const T* rows, T* dst, int C) {
+    s.ep_comm->template all_to_all_v<T>(std::span<const T>(rows, static_cast<std::size_t>(a.kept) * C), a.send,
+                                        std::span<T>(w.staging.data(), static_cast<std::size_t>(a.received) * C), a.recv);
+    regroup(s, a, dst, w.staging.data(), C, true);
+  }
+  // ... and back.
+  static void from_experts(S& s, Saved& a, Work& w, const T* src, T* rows, int C) {
+    regroup(s, a, w.staging.data(), src, C, false);
+    s.ep_comm->template all_to_all_v<T>(std::span<const T>(w.staging.data(), static_cast<std::size_t>(a.received) * C),
+                                        a.recv, std::span<T>(rows, static_cast<std::size_t>(a.kept) * C), a.send);
+  }
+};
+
+}  // namespace fived
