@@ -142,14 +142,14 @@ void check_equal(const Result& got, const Result& ref, bool grads) {
 
 }  // namespace
 
-TEST_CASE("serial MoE: every router and expert gradient (with the balancing loss) against finite differences") {
-  using cfg = moe_cfg<4, 2>;
+template <class cfg>
+void gradient_check() {
   using Model = GPT<cfg, Mesh<>, double>;
   Model m(GptInit{3, 0.2});
   constexpr int b = 2, t = 6;
   std::vector<int> tok(b * t), tgt(b * t);
   for (int i = 0; i < b * t; ++i) tok[i] = (i * 11 + 2) % cfg::vocab, tgt[i] = (i * 5 + 1) % cfg::vocab;
-  auto total = [&] { return m.forward(tok.data(), tgt.data(), b, t) + m.aux_loss(); };
+  auto total = [&] { m.forward(tok.data(), tgt.data(), b, t); return m.loss() + m.aux_loss(); };
   (void)total();
   const double aux = m.aux_loss();
   CHECK(aux > 0);
@@ -158,7 +158,7 @@ TEST_CASE("serial MoE: every router and expert gradient (with the balancing loss
   const std::vector<double> dense = m.grads_to_host(), experts = m.expert_grads_to_host();
   // the loss of a perturbed model (routing must not change: the choice is a step function)
   auto numeric = [&](std::span<double> p, std::size_t i) {
-    const double eps = 1e-5, x = p[i];
+    const double eps = 1e-6, x = p[i];
     p[i] = x + eps;
     const double up = total();
     p[i] = x - eps;
@@ -179,6 +179,16 @@ TEST_CASE("serial MoE: every router and expert gradient (with the balancing loss
   CAPTURE(checked);
   CHECK(checked > 500);
   CHECK(worst < 1e-7);
+}
+
+struct sigmoid_3 : moe_cfg<8, 3> {
+  static constexpr bool router_sigmoid = true;
+};
+
+TEST_CASE("serial MoE: router, LayerNorm and expert gradients (with the balancing loss) against finite differences") {
+  gradient_check<moe_cfg<4, 2>>();      // softmax, gates renormalised over the top 2
+  gradient_check<moe_cfg<4, 1, false>>();  // Switch: the gate is the score
+  gradient_check<sigmoid_3>();           // sigmoid scores, top 3 of 8, renormalised
 }
 
 TEST_CASE("EP 2 and 4, 4 and 8 experts, top-1 and top-2: 3 steps equal the serial model") {
@@ -203,8 +213,8 @@ TEST_CASE("experts and ranks that get no tokens: every collective still joined, 
     test::global_batch(s, 1, B, T, cfg::vocab, tok, tgt);
     ref.losses.push_back(dp.step(tok, tgt, B / 4, T));
   }
-  REQUIRE(serial.expert_loads().size() == 8);
-  CHECK(serial.expert_loads()[2] + serial.expert_loads()[7] == 0);
+  REQUIRE(serial.expert_loads().size() == 16);  // 2 MoE blocks x 8 experts; the bias is on block 0
+  CHECK(std::accumulate(serial.expert_loads().begin() + 2, serial.expert_loads().begin() + 8, 0.0) == 0);
   ref.weights.assign(serial.params().begin(), serial.params().end());
   ref.grads.assign(serial.grads().begin(), serial.grads().end());
   ref.expert_weights.assign(serial.expert_params().begin(), serial.expert_params().end());

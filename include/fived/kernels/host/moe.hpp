@@ -26,6 +26,7 @@
 //
 // Scores, gates and their gradients are acc_t<T> (fp32 for bf16); rows are T.
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <stdexcept>
