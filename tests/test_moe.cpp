@@ -50,6 +50,9 @@ struct half_cfg : moe_cfg<4, 2> {
   using balancing = AuxLossFreeBias;
 };
 
+struct capped_4 : top2_4 {
+  static constexpr double capacity_factor = 1.0;  // each expert takes at most N·k/E of a rank's rows
+};
 struct biased_8 : top1_8 {
   using balancing = AuxLossFreeBias;
 };
@@ -197,6 +200,18 @@ TEST_CASE("EP 2 and 4, 4 and 8 experts, top-1 and top-2: 3 steps equal the seria
   check_equal(mesh_run<top1_8, Mesh<DP<4>, EP<4>>>(), serial_run<top1_8>(4), true);
   check_equal(mesh_run<top2_8, Mesh<DP<4>, EP<4>>>(), serial_run<top2_8>(4), true);
   check_equal(mesh_run<top2_8, Mesh<DP<4>, EP<2>>>(), serial_run<top2_8>(4), true);  // expert data 2
+}
+
+TEST_CASE("a capacity factor drops what is over each expert's capacity, alike on the mesh and serially") {
+  GPT<capped_4> m(init);
+  std::vector<int> tok, tgt;
+  test::global_batch(0, 1, B, T, capped_4::vocab, tok, tgt);
+  DataParallel<GPT<capped_4>> dp(m, hp);
+  dp.step(tok, tgt, B, T);
+  double kept = 0;
+  for (double x : m.expert_loads()) kept += x;
+  CHECK(kept < 2.0 * B * T * capped_4::top_k);  // two MoE blocks: some assignments were dropped
+  check_equal(mesh_run<capped_4, Mesh<DP<2>, EP<2>>>(), serial_run<capped_4>(2), true);
 }
 
 TEST_CASE("experts and ranks that get no tokens: every collective still joined, results equal serial") {
