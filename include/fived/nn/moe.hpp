@@ -287,19 +287,22 @@ struct MoE {
     for (std::int64_t n : a.from) a.received += static_cast<int>(n);
   }
 
-  // [peer][j] blocks (as they arrive) <-> [j][peer] (each expert's rows together).
+  // [peer][j] blocks (as they arrive) <-> [j][peer] (each expert's rows together). Block
+  // (q, j) starts at the sum of the blocks before it in either order; `at[j]` walks the
+  // expert-major starts while q advances.
   static void regroup(S& s, const Saved& a, T* dst, const T* src, int C, bool to_expert_major) {
+    std::array<std::size_t, El> at{};
+    for (int j = 1; j < El; ++j)
+      for (int q = 0; q < EP; ++q) at[static_cast<std::size_t>(j)] += static_cast<std::size_t>(a.from[static_cast<std::size_t>(q) * El + j - 1]);
+    for (int j = 1; j < El; ++j) at[static_cast<std::size_t>(j)] += at[static_cast<std::size_t>(j - 1)];
     std::size_t peer_major = 0;
     for (int q = 0; q < EP; ++q)
       for (int j = 0; j < El; ++j) {
-        std::size_t expert_major = 0;
-        for (int jj = 0; jj < j; ++jj)
-          for (int qq = 0; qq < EP; ++qq) expert_major += static_cast<std::size_t>(a.from[static_cast<std::size_t>(qq) * El + jj]);
-        for (int qq = 0; qq < q; ++qq) expert_major += static_cast<std::size_t>(a.from[static_cast<std::size_t>(qq) * El + j]);
-        const std::size_t n = static_cast<std::size_t>(a.from[static_cast<std::size_t>(q) * El + j]) * C;
-        if (to_expert_major) s.ops.copy(dst + expert_major * C, src + peer_major * C, n);
-        else s.ops.copy(dst + peer_major * C, src + expert_major * C, n);
-        peer_major += n / C;
+        const std::size_t rows = static_cast<std::size_t>(a.from[static_cast<std::size_t>(q) * El + j]);
+        std::size_t& expert_major = at[static_cast<std::size_t>(j)];
+        if (to_expert_major) s.ops.copy(dst + expert_major * C, src + peer_major * C, rows * C);
+        else s.ops.copy(dst + peer_major * C, src + expert_major * C, rows * C);
+        expert_major += rows, peer_major += rows;
       }
   }
   // rows in dispatch order -> the experts' rows on their ranks ([El][EP]).
