@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <memory>
 #include <span>
+#include <utility>
 
 namespace fived {
 
@@ -29,6 +30,15 @@ std::atomic<std::size_t>& buffer_allocations() {
   return count;
 }
 
+// Bytes held by the live buffers of a device in this process (all threads): what the
+// library's own buffers occupy right now. Progress lines report it as memory in use on the
+// host; tests measure a step's activations with it against the planner's figure.
+template <class Device>
+std::atomic<std::size_t>& buffer_bytes_held() {
+  static std::atomic<std::size_t> bytes{0};
+  return bytes;
+}
+
 template <class T, class Device = Host>
 class Buffer;
 
@@ -38,9 +48,20 @@ class Buffer<T, Host> {
   Buffer() = default;
   explicit Buffer(std::size_t n) : data_(std::make_unique<T[]>(n)), size_(n) {  // value-initialised (zeros)
     if (n != 0) ++buffer_allocations<Host>();
+    buffer_bytes_held<Host>() += n * sizeof(T);
   }
-  Buffer(Buffer&&) noexcept = default;
-  Buffer& operator=(Buffer&&) noexcept = default;
+  Buffer(Buffer&& o) noexcept : data_(std::move(o.data_)), size_(std::exchange(o.size_, 0)) {}
+  Buffer& operator=(Buffer&& o) noexcept {
+    if (this != &o) {
+      buffer_bytes_held<Host>() -= size_ * sizeof(T);
+      data_ = std::move(o.data_);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { buffer_bytes_held<Host>() -= size_ * sizeof(T); }
 
   T* data() { return data_.get(); }
   const T* data() const { return data_.get(); }

@@ -168,6 +168,7 @@ class Buffer<T, Cuda> {
       data_ = nullptr;
       ::fived::cuda::check(e, "cudaMemset(data_, 0, n * sizeof(T))", __FILE__, __LINE__);
     }
+    buffer_bytes_held<Cuda>() += n * sizeof(T);
   }
   // Allocates and copies `host` (ordered on `stream`, complete on return).
   Buffer(std::span<const T> host, cudaStream_t stream) : Buffer(host.size()) { upload(host, stream); }
@@ -228,7 +229,10 @@ class Buffer<T, Cuda> {
                                   " elements, the device buffer " + std::to_string(size_));
   }
   void release() noexcept {
-    if (data_ != nullptr) (void)cudaFree(data_);
+    if (data_ != nullptr) {
+      (void)cudaFree(data_);
+      buffer_bytes_held<Cuda>() -= size_ * sizeof(T);
+    }
     data_ = nullptr;
     size_ = 0;
   }

@@ -41,15 +41,24 @@ struct Attention {
   using Ring = RingAttention<S, local_heads>;
   using RingWork = typename Ring::Work;  // shared by the slots; allocated only under CP
 
-  struct Saved {
-    Buffer<T, typename S::device> x_full;  // SP: the gathered input (c_attn's dW)
-    Buffer<T, typename S::device> qkv, atty;
+  // The core attention's output and its log-sum-exp (what ring attention merges): kept per
+  // slot, or one shared copy recomputed in backward (SelectiveRecompute, nn/recompute.hpp).
+  struct Core {
+    Buffer<T, typename S::device> atty;
     Buffer<stat_t, typename S::device> lse;
     void reserve(typename S::ops_type& ops, std::size_t N, std::size_t C) {
-      if constexpr (S::sp) x_full = ops.template make_buffer<T>(N * C);
-      qkv = ops.template make_buffer<T>(N * 3 * C / S::tp);
       atty = ops.template make_buffer<T>(N * C / S::tp);
       lse = ops.template make_buffer<stat_t>(N * local_heads);
+    }
+  };
+  struct Saved {
+    Buffer<T, typename S::device> x_full;  // SP: the gathered input (c_attn's dW)
+    Buffer<T, typename S::device> qkv;
+    Core core;  // empty when the model recomputes it
+    void reserve(typename S::ops_type& ops, std::size_t N, std::size_t C, bool keep_core) {
+      if constexpr (S::sp) x_full = ops.template make_buffer<T>(N * C);
+      qkv = ops.template make_buffer<T>(N * 3 * C / S::tp);
+      if (keep_core) core.reserve(ops, N, C);
     }
   };
   // The tensors' pointers, in spec order (weights or gradients).
@@ -57,27 +66,34 @@ struct Attention {
     T *qkv_w, *qkv_b, *proj_w, *proj_b;
   };
 
-  // y (the stream's rows) = c_proj(attention(c_attn(x))); x is ln_1's output. partial: [N, C] when SP.
-  static void forward(S& s, Saved& a, RingWork& ring, T* y, const T* x, Params p, int C, T* partial) {
+  // y (the stream's rows) = c_proj(attention(c_attn(x))); x is ln_1's output. core: where the
+  // core attention's output goes (the slot's, or the shared one). partial: [N, C] when SP.
+  static void forward(S& s, Saved& a, Core& core, RingWork& ring, T* y, const T* x, Params p, int C, T* partial) {
     const int Cl = C / S::tp;
     const T* x_full = s.gather_rows(x, a.x_full.data(), C);
     ColumnParallel<S>::forward(s, a.qkv.data(), x_full, p.qkv_w, p.qkv_b, C, 3 * Cl);
-    if constexpr (S::cp > 1) Ring::forward(s, ring, a.atty.data(), a.lse.data(), a.qkv.data(), Cl);
-    else s.ops.attention_forward(a.atty.data(), a.lse.data(), a.qkv.data(), s.B, s.T_, Cl, local_heads);
-    RowParallel<S>::forward(s, y, a.atty.data(), p.proj_w, p.proj_b, Cl, C, partial);
+    core_forward(s, a, core, ring, C);
+    RowParallel<S>::forward(s, y, core.atty.data(), p.proj_w, p.proj_b, Cl, C, partial);
+  }
+  // The core attention alone, from the kept q|k|v: forward's middle, and what backward runs
+  // again first when the model recomputes it.
+  static void core_forward(S& s, const Saved& a, Core& core, RingWork& ring, int C) {
+    const int Cl = C / S::tp;
+    if constexpr (S::cp > 1) Ring::forward(s, ring, core.atty.data(), core.lse.data(), a.qkv.data(), Cl);
+    else s.ops.attention_forward(core.atty.data(), core.lse.data(), a.qkv.data(), s.B, s.T_, Cl, local_heads);
   }
 
   // dx (the stream's rows, "=") from dy; gradients "+=". x: ln_1's output, as in forward.
   // Work buffers: datty [N, C/TP], dqkv [N, 3C/TP], full [N, C] when SP (dy's rows, then dx's partial).
-  static void backward(S& s, RingWork& ring, T* dx, Params g, const T* dy, const T* x, const Saved& a, Params p, int C,
-                       T* datty, T* dqkv, T* full) {
+  static void backward(S& s, RingWork& ring, T* dx, Params g, const T* dy, const T* x, const Saved& a,
+                       const Core& core, Params p, int C, T* datty, T* dqkv, T* full) {
     const int Cl = C / S::tp;
     const T* x_full = S::sp ? a.x_full.data() : x;
-    RowParallel<S>::backward(s, datty, g.proj_w, g.proj_b, dy, a.atty.data(), p.proj_w, Cl, C, full);
+    RowParallel<S>::backward(s, datty, g.proj_w, g.proj_b, dy, core.atty.data(), p.proj_w, Cl, C, full);
     if constexpr (S::cp > 1)
-      Ring::backward(s, ring, dqkv, datty, a.qkv.data(), a.atty.data(), a.lse.data(), Cl);
+      Ring::backward(s, ring, dqkv, datty, a.qkv.data(), core.atty.data(), core.lse.data(), Cl);
     else
-      s.ops.attention_backward(dqkv, datty, a.qkv.data(), a.atty.data(), a.lse.data(), s.B, s.T_, Cl, local_heads);
+      s.ops.attention_backward(dqkv, datty, a.qkv.data(), core.atty.data(), core.lse.data(), s.B, s.T_, Cl, local_heads);
     ColumnParallel<S>::backward(s, dx, g.qkv_w, g.qkv_b, dqkv, x_full, p.qkv_w, C, 3 * Cl, full);
   }
 };

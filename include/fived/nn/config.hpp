@@ -10,6 +10,8 @@
 // Nothing in a configuration is a run-time value: every parameter offset follows from it
 // at compile time (nn/layout.hpp).
 
+#include "fived/nn/recompute.hpp"
+
 namespace fived {
 
 // How a mixture of experts keeps its experts' loads even (besides the auxiliary loss, whose
@@ -26,6 +28,10 @@ struct AuxLossFreeBias {
 
 // GPT-2 124M ("gpt2" on Hugging Face). Derive and hide the members to change them.
 struct gpt_config {
+  // What backward recomputes instead of keeping (nn/recompute.hpp): NoRecompute,
+  // SelectiveRecompute (attention's core) or FullRecompute (each block).
+  using recompute = NoRecompute;
+
   static constexpr int layers = 12;      // transformer blocks
   static constexpr int d_model = 768;    // C: width of the residual stream
   static constexpr int heads = 12;       // attention heads; head size = d_model / heads
@@ -64,7 +70,10 @@ struct gpt_dims {
   static constexpr bool tied = Cfg::tied;
   static constexpr int mlp_ratio = Cfg::mlp_ratio;
   static constexpr int vocab_multiple = Cfg::vocab_multiple;
+  using recompute = typename Cfg::recompute;
 
+  static_assert(RecomputePolicy<recompute>,
+                "gpt config: recompute must be fived::NoRecompute, SelectiveRecompute or FullRecompute");
   static_assert(layers >= 1, "gpt config: layers must be at least 1");
   static_assert(d_model >= 1, "gpt config: d_model must be at least 1");
   static_assert(heads >= 1, "gpt config: heads must be at least 1");

@@ -215,6 +215,7 @@ class GPT {
   using value_type = T;
   using device = Device;
   using sequence_parallel = SP;
+  using recompute = typename gpt_dims<Cfg>::recompute;  // nn/recompute.hpp
   using ops_type = Ops<T, Device>;
   using stat_t = typename ops_type::stat_t;
   using step_type = Step<M, T, Device, SP>;
@@ -350,7 +351,7 @@ class GPT {
     double a = 0;
     if constexpr (has_experts)
       for (int l = 0; l < blocks; ++l)
-        if (is_moe_block(l)) a += slots_.at(static_cast<std::size_t>(slot)).blocks[static_cast<std::size_t>(l)].moe.aux;
+        if (is_moe_block(l)) a += slots_.at(static_cast<std::size_t>(slot)).aux[static_cast<std::size_t>(l)];
     return a;
   }
 
@@ -439,28 +440,17 @@ class GPT {
     const T* x = a.encoded.data();
     for (int l = 0; l < blocks; ++l) {
       detail::call(hooks.before_forward, specs::block_unit(l));
-      BlockActs& A = a.blocks[static_cast<std::size_t>(l)];
-      const int t = block_first(l);
-      Norm::forward(s, A.ln1, x, P(t), P(t + 1), C);
-      Attn::forward(s, A.attn, work_.ring, work_.out.data(), A.ln1.out.data(), attn_params(params_, t + 2), C,
-                    work_.partial.data());
-      ops_.residual_forward(A.res2.data(), x, work_.out.data(), stream_size(s));
-      Norm::forward(s, A.ln2, A.res2.data(), P(t + 6), P(t + 7), C);
-      if (is_moe_block(l)) {
-        if constexpr (has_experts) {
-          Moe::forward(s, A.moe, work_.moe, work_.out.data(), A.ln2.out.data(), moe_params(params_, expert_params_, l),
-                       Cfg::balancing::bias ? router_bias_.data() + moe_index(l) * dims::experts : nullptr, C, F,
-                       work_.partial.data());
+      BlockActs& A = acts(a, l);
+      T* out = a.blocks[static_cast<std::size_t>(l)].res3.data();  // kept under every recompute policy
+      block_forward(s, A, x, out, l);
+      if constexpr (has_experts)
+        if (is_moe_block(l)) {
+          a.aux[static_cast<std::size_t>(l)] = A.moe.aux;
           if (targets != nullptr)  // a training step's loads, for balance_experts
             for (int e = 0; e < dims::experts; ++e)
               loads_[static_cast<std::size_t>(moe_index(l) * dims::experts + e)] += A.moe.counts[static_cast<std::size_t>(e)];
         }
-      } else {
-        Mlp::forward(s, A.mlp, work_.out.data(), A.ln2.out.data(), mlp_params(params_, t + 8), C, F,
-                     work_.partial.data());
-      }
-      ops_.residual_forward(A.res3.data(), A.res2.data(), work_.out.data(), stream_size(s));
-      x = A.res3.data();
+      x = out;
       detail::call(hooks.after_forward, specs::block_unit(l));
     }
     if constexpr (!has_head) {  // the stream goes on to the next stage: output(slot)
@@ -527,9 +517,11 @@ class GPT {
 
     for (int l = blocks - 1; l >= 0; --l) {
       detail::call(hooks.before_backward, specs::block_unit(l));
-      BlockActs& A = a.blocks[static_cast<std::size_t>(l)];
+      BlockActs& A = acts(a, l);
       const int t = block_first(l);
       const T* x = l == 0 ? a.encoded.data() : a.blocks[static_cast<std::size_t>(l - 1)].res3.data();
+      if constexpr (recompute::whole_block) block_forward(s, A, x, work_.block.res3.data(), l);
+      else if constexpr (recompute::attention_core) Attn::core_forward(s, A.attn, core(A), work_.ring, C);
       // dres holds d(res3)
       if (is_moe_block(l)) {
         if constexpr (has_experts)
@@ -541,7 +533,7 @@ class GPT {
       }
       Norm::backward(s, dres, G(t + 6), G(t + 7), dln, A.res2.data(), P(t + 6), A.ln2, C);
       // dres holds d(res2)
-      Attn::backward(s, work_.ring, dln, attn_params(grads_, t + 2), dres, A.ln1.out.data(), A.attn,
+      Attn::backward(s, work_.ring, dln, attn_params(grads_, t + 2), dres, A.ln1.out.data(), A.attn, core(A),
                      attn_params(params_, t + 2), C, work_.dhidden.data(), work_.dqkv.data(), full);
       Norm::backward(s, dres, G(t), G(t + 1), dln, x, P(t), A.ln1, C);
       finish_unit(specs::block_unit(l));
@@ -637,7 +629,9 @@ class GPT {
                                     " every " + std::to_string(dims::moe_every) + " blocks"
                               : std::string()) +
            (tp > 1 || cp > 1 || (ep > 1 && has_experts) ? ", over " + M::name() + (step_type::sp ? " with sequence parallelism" : "")
-                             : std::string());
+                             : std::string()) +
+           (recompute::attention_core || recompute::whole_block ? std::string(", recompute: ") + recompute::name
+                                                                : std::string());
   }
 
  private:
@@ -657,15 +651,32 @@ class GPT {
     for (int k = 0; k < l; ++k) m += is_moe_block(k) ? 1 : 0;
     return m;
   }
+  static constexpr bool has_mlp_block = [] {
+    for (int l = 0; l < blocks; ++l)
+      if (!is_moe_block(l)) return true;
+    return false;
+  }();
   static constexpr int ln_f_index = block_first(blocks);
   static constexpr int head_index = dims::tied ? 0 : ln_f_index + 2;
 
+  // What a block's forward leaves for its backward. A slot keeps one per block; under
+  // FullRecompute only res3 (the next block's input), the rest in the one work_.block.
   struct BlockActs {
     typename Norm::Saved ln1, ln2;
     typename Attn::Saved attn;
     typename Mlp::Saved mlp;  // or, in an MoE block:
     typename Moe::Saved moe;
     Buffer<T, Device> res2, res3;
+
+    void reserve(ops_type& ops, std::size_t N, std::size_t n, bool mlp_block, bool moe_block) {
+      ln1.reserve(ops, n, C);
+      attn.reserve(ops, N, C, !recompute::attention_core);
+      res2 = ops.template make_buffer<T>(n * C);
+      ln2.reserve(ops, n, C);
+      if (moe_block) moe.reserve(ops, N, C);
+      if (mlp_block) mlp.reserve(ops, N, C, F);
+      res3 = ops.template make_buffer<T>(n * C);
+    }
   };
   struct Slot {
     std::size_t capacity = 0;  // B*T the buffers hold
@@ -674,6 +685,7 @@ class GPT {
     std::vector<BlockActs> blocks;
     typename Norm::Saved lnf;
     typename HeadL::Saved head;
+    std::vector<double> aux;  // per block: an MoE block's load-balancing loss
     int B = 0, T_ = 0;
     const T* output = nullptr;  // the stream leaving the part (parts without the head)
     bool has_dlogits = false;   // forward done, backward may run (d-logits written, with a head)
@@ -688,7 +700,39 @@ class GPT {
     Buffer<T, Device> partial;         // SP: [N, C] gathered rows or partial sums
     typename Attn::RingWork ring;      // CP: the ring's blocks and accumulators
     typename Moe::Work moe;            // mixture of experts: router and dispatch buffers
+    BlockActs block;                   // FullRecompute: the block being run
+    typename Attn::Core core;          // SelectiveRecompute: the core attention being run
   };
+
+  // Where block l of slot a keeps what its backward reads, and its core attention's output.
+  BlockActs& acts(Slot& a, int l) {
+    if constexpr (recompute::whole_block) return work_.block;
+    else return a.blocks[static_cast<std::size_t>(l)];
+  }
+  typename Attn::Core& core(BlockActs& A) {
+    if constexpr (recompute::attention_core) return work_.core;
+    else return A.attn.core;
+  }
+
+  // Block l's forward from x (the stream's rows) into A, its output to `out`: what forward
+  // runs, and what backward runs again under FullRecompute.
+  void block_forward(step_type& s, BlockActs& A, const T* x, T* out, int l) {
+    const int t = block_first(l);
+    Norm::forward(s, A.ln1, x, P(t), P(t + 1), C);
+    Attn::forward(s, A.attn, core(A), work_.ring, work_.out.data(), A.ln1.out.data(), attn_params(params_, t + 2), C,
+                  work_.partial.data());
+    ops_.residual_forward(A.res2.data(), x, work_.out.data(), stream_size(s));
+    Norm::forward(s, A.ln2, A.res2.data(), P(t + 6), P(t + 7), C);
+    if (is_moe_block(l)) {
+      if constexpr (has_experts)
+        Moe::forward(s, A.moe, work_.moe, work_.out.data(), A.ln2.out.data(), moe_params(params_, expert_params_, l),
+                     Cfg::balancing::bias ? router_bias_.data() + moe_index(l) * dims::experts : nullptr, C, F,
+                     work_.partial.data());
+    } else {
+      Mlp::forward(s, A.mlp, work_.out.data(), A.ln2.out.data(), mlp_params(params_, t + 8), C, F, work_.partial.data());
+    }
+    ops_.residual_forward(out, A.res2.data(), work_.out.data(), stream_size(s));
+  }
 
   GPT(AxisComm<M, Axis::tp> comm, AxisComm<M, Axis::cp> cp_comm, ep_comm_type ep_comm, int ep_rank,
       const GptInit& init)
@@ -843,13 +887,15 @@ class GPT {
       if constexpr (step_type::sp) w.partial = make<T>(N * c);
       if constexpr (cp > 1) w.ring.reserve(ops_, N, c / tp);
       if constexpr (has_experts) w.moe.reserve(ops_, N, c);
+      if constexpr (recompute::whole_block) w.block.reserve(ops_, N, n, has_mlp_block, has_experts);
+      if constexpr (recompute::attention_core) w.core.reserve(ops_, N, c);
       work_ = std::move(w);
     }
   }
   void reserve(Slot& a, int B, int T_) {
     reserve_work(B, T_);
     const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_);
-    const std::size_t n = step_type::sp ? N / tp : N, c = C, f = F;
+    const std::size_t n = step_type::sp ? N / tp : N, c = C;
     if (N <= a.capacity) return;
     Slot s;
     s.capacity = N;
@@ -857,14 +903,11 @@ class GPT {
     s.targets = make<int>(N);
     s.encoded = make<T>(n * c);
     s.blocks.resize(static_cast<std::size_t>(blocks));
-    for (BlockActs& A : s.blocks) {
-      A.ln1.reserve(ops_, n, c);
-      A.attn.reserve(ops_, N, c);
-      A.res2 = make<T>(n * c);
-      A.ln2.reserve(ops_, n, c);
-      if (is_moe_block(static_cast<int>(&A - s.blocks.data()))) A.moe.reserve(ops_, N, c);
-      else A.mlp.reserve(ops_, N, c, f);
-      A.res3 = make<T>(n * c);
+    s.aux.assign(static_cast<std::size_t>(blocks), 0.0);
+    for (int l = 0; l < blocks; ++l) {
+      BlockActs& A = s.blocks[static_cast<std::size_t>(l)];
+      if constexpr (recompute::whole_block) A.res3 = make<T>(n * c);  // the next block's input
+      else A.reserve(ops_, N, n, !is_moe_block(l), is_moe_block(l));
     }
     if constexpr (has_head) {
       s.lnf.reserve(ops_, n, c);
