@@ -103,6 +103,7 @@
 // allocated (unmapping it needs the driver's virtual memory API, not used yet).
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -362,6 +363,7 @@ class DataParallel {
   float update(double total_sum_of_squares) {
     ops_type& ops = model_.ops();
     float f = 1.0f;
+    last_norm_ = std::sqrt(total_sum_of_squares);
     if (opt_.hp.max_norm > 0) {
       f = last_clip_ = opt_.clip_factor(total_sum_of_squares);
       if (f < 1.0f)
@@ -436,6 +438,8 @@ class DataParallel {
 
   // The clip factor of the last step (1: not clipped).
   float last_clip() const { return last_clip_; }
+  // The global gradient norm of the last update, before clipping (every axis counted).
+  double grad_norm() const { return last_norm_; }
   optimizer_type& optimizer() { return opt_; }
   const optimizer_type& optimizer() const { return opt_; }
   int rank() const { return rank_; }
@@ -654,6 +658,7 @@ class DataParallel {
   int accum_;
   bool overlap_ = true;
   float last_clip_ = 1.0f;
+  double last_norm_ = 0;
   bool reducing_ = false;  // the current micro-batch's gradients are reduced
   bool async_ = false;     // this step's collectives run on the communication thread
   optimizer_type opt_;

@@ -1,0 +1,277 @@
+#pragma once
+// Trainer: one mesh, one model, one optimizer policy, one schedule, every axis at once.
+//
+//   using mesh  = Mesh<DP<2>, PP<2>, CP<2>, TP<2>, EP<2>>;          // 16 ranks; EP a view of DP x CP
+//   using model = GPT<cfg, mesh, float, Host, SequenceParallel>;     // the whole model, as the user names it
+//   Trainer<model, ZeRO<1>, pipeline::OneFOneB<2, 4>> t(ctx, {.adamw = hp, .lr = WarmupCosine{...}}, GptInit{1});
+//   double loss = t.step(step, tokens, targets, B, T);   // the global batch: 4 micro-batches of [B, T]
+//
+// Each rank builds what the mesh gives it: on a PP mesh its chunks of the model (the
+// schedule's stages of it, cut by StageLayers: balanced by FLOPs, or equal for schedules with
+// several chunks per rank), each split over TP, its sequences' zig-zag chunks under CP, its
+// experts under EP; a DataParallel per chunk (the policy's ZeRO over DP x CP, the experts'
+// own over the expert-data group); and the pipeline executor walking its row of the schedule.
+// Without a pipeline the schedule is 1F1B on one stage, which is gradient accumulation over
+// its M micro-batches: `Accumulate<M>`. So there is one step for every mesh: forward and
+// backward as the schedule says, gradients reduced as the policy says, the clip over every
+// parameter once (all axes), AdamW at the learning rate of the step (train/lr_schedule.hpp).
+//
+// fit() is the loop around it: batches from a sampler (train/token_data.hpp), a progress
+// line every N steps (train/progress.hpp), a callback for evaluation.
+//
+// The context must outlive the trainer (the executor holds its PP communicator). Recompute is
+// the model's configuration's (nn/recompute.hpp).
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "fived/comm/group_comm.hpp"
+#include "fived/device/buffer.hpp"
+#include "fived/mesh/context.hpp"
+#include "fived/nn/gpt.hpp"
+#include "fived/pipeline/executor.hpp"
+#include "fived/pipeline/schedules.hpp"
+#include "fived/pipeline/stage_layers.hpp"
+#include "fived/train/data_parallel.hpp"
+#include "fived/train/lr_schedule.hpp"
+#include "fived/train/progress.hpp"
+#include "fived/train/token_data.hpp"
+
+namespace fived {
+
+// No pipeline: M micro-batches of gradient accumulation, which is 1F1B on one stage.
+template <int M = 1>
+using Accumulate = pipeline::OneFOneB<1, M>;
+
+struct TrainerConfig {
+  AdamWConfig adamw;  // its lr is replaced every step by lr(step)
+  WarmupCosine lr;
+};
+
+// The model's FLOPs per token of a training step (forward and backward), the MFU numerator:
+// 6 per parameter a token meets (the experts it is routed to, not all) and 12·L·C·T for
+// attention's two T-long products (no causal discount, as PaLM and llm.c count).
+template <class Cfg>
+constexpr double flops_per_token(int T) {
+  using dims = gpt_dims<Cfg>;
+  double params = static_cast<double>(ParamTable<GptSpecs<Cfg>, 1>::num_parameters);
+  if constexpr (ExpertSpecs<Cfg>::moe_blocks > 0)
+    params += static_cast<double>(ParamTable<ExpertSpecs<Cfg>, 1, 1>::num_parameters) * dims::top_k / dims::experts;
+  return 6.0 * params + 12.0 * dims::layers * dims::d_model * static_cast<double>(T);
+}
+
+namespace trainer_detail {
+// What a GPT type names, read without instantiating it (GPT<cfg, mesh with PP> whole is only a
+// name here: each rank instantiates its parts).
+template <class Model>
+struct gpt_args;
+template <class Cfg, MeshType M, class T, class D, class SP, class P>
+struct gpt_args<GPT<Cfg, M, T, D, SP, P>> {
+  using config = Cfg;
+  using mesh = M;
+  using value_type = T;
+  using device = D;
+  template <class Part>
+  using with_part = GPT<Cfg, M, T, D, SP, Part>;
+};
+}  // namespace trainer_detail
+
+template <class Model, class Policy = NoZeRO, class Schedule = Accumulate<1>, template <class> class Cost = FlopCost>
+class Trainer {
+ public:
+  using args = trainer_detail::gpt_args<Model>;
+  using mesh = typename args::mesh;
+  using config = typename args::config;
+  using value_type = typename args::value_type;
+  using device = typename args::device;
+  static constexpr pipeline::Shape shape = Schedule::table.shape;
+  static constexpr int P = shape.ranks, V = shape.chunks, M = shape.micro_batches;
+  static_assert(P == mesh::pp,
+                "fived::Trainer: the schedule's pipeline ranks must equal the mesh's PP extent (use "
+                "pipeline::OneFOneB<PP, M> or another schedule over PP ranks; Accumulate<M> when PP is 1)");
+  // Schedules with several chunks per rank hand over at equal steps: equal parts.
+  using cut = StageLayers<config, P * V, Cost, (V > 1)>;
+  // The model of pipeline stage s (the whole model without a pipeline).
+  template <int s>
+  using stage_model =
+      std::conditional_t<P * V == 1, Model, typename args::template with_part<typename cut::template part<s>>>;
+  using serial_layout = ParamTable<GptSpecs<config>, 1>;  // the whole model's, at TP 1
+  using serial_expert_layout = ParamTable<ExpertSpecs<config>, 1, 1>;
+
+  template <Communicator C>
+  Trainer(MeshContext<mesh, C>& ctx, const TrainerConfig& cfg, const GptInit& init = {}) : cfg_(cfg) {
+    const int pp = ctx.coord()[Axis::pp];
+    [&]<std::size_t... r>(std::index_sequence<r...>) {
+      ((pp == static_cast<int>(r) ? void(rank_ = std::make_unique<RankOf<static_cast<int>(r), C>>(ctx, cfg, init)) : void()),
+       ...);
+    }(std::make_index_sequence<P>{});
+    world_rank_ = ctx.rank();
+  }
+
+  // One optimizer step at the learning rate of `step` (from 1) on the global batch: M
+  // micro-batches of [B, T] ids, micro-batch k in rows [kB, (k+1)B), the same on every rank.
+  // Returns the mean loss over the global batch, on every rank.
+  double step(int step, std::span<const int> tokens, std::span<const int> targets, int B, int T) {
+    lr_ = cfg_.lr(step);
+    rank_->set_lr(static_cast<float>(lr_));
+    return rank_->step(tokens, targets, B, T);
+  }
+  double lr() const { return lr_; }
+  double grad_norm() const { return rank_->grad_norm(); }
+  int world_rank() const { return world_rank_; }
+
+  // The whole model in the serial layout (serial_layout), on every rank: each stage's part
+  // gathered over TP and summed over PP. A collective over the mesh. Not under ZeRO-3 yet
+  // (its parameters live in pieces between steps).
+  std::vector<value_type> serial_params() { return rank_->serial_params(false); }
+  // The same for the experts of a mixture of experts (serial_expert_layout): gathered over TP
+  // and EP as well.
+  std::vector<value_type> serial_expert_params() { return rank_->serial_params(true); }
+
+  // Bytes the library's buffers hold on this rank's device: the process's on CUDA (a rank per
+  // process), the process's over the ranks on the host backend (the ranks are its threads).
+  static std::size_t memory_in_use() { return buffer_bytes_held<device>() / (std::is_same_v<device, Host> ? mesh::size : 1); }
+
+  struct FitOptions {
+    int log_every = 10;
+    double peak_flops = 0;          // one device's, for MFU (0: none)
+    std::FILE* out = stdout;        // rank 0 prints; null: nothing
+  };
+  // Steps [first, last] on batches drawn from `data`; after each step `after(step, loss)`.
+  // Returns the seconds spent in the steps.
+  template <class After>
+  double fit(const BatchSampler& data, int first, int last, int B, int T, const FitOptions& o, After&& after) {
+    ProgressLog log(world_rank_ == 0 ? o.out : nullptr, mesh::size, flops_per_token<config>(T), o.peak_flops,
+                    o.log_every);
+    log.header();
+    std::vector<int> tok, tgt;
+    double total = 0;
+    for (int s = first; s <= last; ++s) {
+      data.fill(static_cast<std::uint64_t>(s), M, B, T, tok, tgt);
+      const auto t0 = std::chrono::steady_clock::now();
+      const double loss = step(s, tok, tgt, B, T);
+      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      total += dt;
+      log.add({s, loss, lr_, grad_norm(), dt, static_cast<double>(M) * B * T}, memory_in_use(), s == last);
+      after(s, loss);
+    }
+    return total;
+  }
+
+ private:
+  struct Rank {
+    virtual ~Rank() = default;
+    virtual double step(std::span<const int> tokens, std::span<const int> targets, int B, int T) = 0;
+    virtual void set_lr(float lr) = 0;
+    virtual double grad_norm() const = 0;
+    virtual std::vector<value_type> serial_params(bool experts) = 0;
+  };
+
+  // Pipeline rank R: its chunks (stages shape.stage(R, c)), their trainers, the executor.
+  template <int R, Communicator C>
+  class RankOf final : public Rank {
+    template <std::size_t c>
+    using chunk = stage_model<shape.stage(R, static_cast<int>(c))>;
+    template <class Seq>
+    struct tuples;
+    template <std::size_t... c>
+    struct tuples<std::index_sequence<c...>> {
+      using models = std::tuple<std::unique_ptr<chunk<c>>...>;
+      using trainers = std::tuple<std::unique_ptr<DataParallel<chunk<c>, Policy>>...>;
+      using executor = pipeline::Executor<std::tuple<chunk<c>&...>, std::tuple<DataParallel<chunk<c>, Policy>&...>, C>;
+    };
+    using chunks = std::make_index_sequence<V>;
+    using types = tuples<chunks>;
+
+   public:
+    RankOf(MeshContext<mesh, C>& ctx, const TrainerConfig& cfg, const GptInit& init)
+        : pp_(ctx.template comm<typename mesh::pp_group>()),
+          tp_(ctx.template comm<typename mesh::tp_group>()),
+          ep_(ctx.template comm<typename mesh::expert_group>()) {
+      [&]<std::size_t... c>(std::index_sequence<c...>) {
+        ((std::get<c>(models_) = std::make_unique<chunk<c>>(ctx, init)), ...);
+        ((std::get<c>(trainers_) = std::make_unique<DataParallel<chunk<c>, Policy>>(*std::get<c>(models_), ctx, cfg.adamw, M)),
+         ...);
+        executor_.emplace(shape, R, programme(), ctx.template comm<Axis::pp>(), std::tie(*std::get<c>(models_)...),
+                          std::tie(*std::get<c>(trainers_)...));
+      }(chunks{});
+    }
+
+    double step(std::span<const int> tokens, std::span<const int> targets, int B, int T) override {
+      return executor_->step(tokens, targets, B, T);
+    }
+    void set_lr(float lr) override {
+      [&]<std::size_t... c>(std::index_sequence<c...>) { ((std::get<c>(trainers_)->optimizer().hp.lr = lr), ...); }(chunks{});
+    }
+    double grad_norm() const override { return std::get<0>(trainers_)->grad_norm(); }
+
+    std::vector<value_type> serial_params(bool experts) override {
+      std::vector<double> whole(experts ? serial_expert_layout::size : serial_layout::size, 0.0);
+      [&]<std::size_t... c>(std::index_sequence<c...>) { (add_part(*std::get<c>(models_), experts, whole), ...); }(chunks{});
+      // Each element is on one stage (and, for experts, one EP and TP rank), zeros elsewhere.
+      if (experts) tp_.all_reduce_host(std::span<double>(whole)), ep_.all_reduce_host(std::span<double>(whole));
+      pp_.all_reduce_host(std::span<double>(whole));
+      std::vector<value_type> out(whole.size());
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<value_type>(whole[i]);
+      return out;
+    }
+
+   private:
+    static std::vector<pipeline::Action> programme() {
+      const auto p = Schedule::table.program(R);
+      return {p.begin(), p.end()};
+    }
+    // Adds a part's tensors, in its serial layout, to the whole model's at their names.
+    template <class From, class To>
+    static void put(std::span<const value_type> part, std::vector<double>& whole) {
+      for (const ParamInfo& t : From::tensors) {
+        const ParamInfo& to = To::tensors[static_cast<std::size_t>(*To::find(t.name()))];
+        for (std::size_t i = 0; i < t.size(); ++i) whole[to.offset + i] += static_cast<double>(part[t.offset + i]);
+      }
+    }
+    template <class Part>
+    void add_part(Part& part, bool experts, std::vector<double>& whole) {
+      if constexpr (Policy::stage == 3) {
+        throw std::logic_error("fived::Trainer::serial_params: not yet under ZeRO-3 (parameters live in pieces)");
+      } else if (!experts) {
+        const std::vector<value_type> p = part.gather_params();  // the part whole over TP
+        put<typename Part::serial_layout, serial_layout>(p, whole);
+      } else if constexpr (Part::has_experts) {  // this rank's piece in place, the other pieces zero
+        using EL = typename Part::expert_layout;
+        std::vector<value_type> pieces(EL::size * static_cast<std::size_t>(mesh::ep * mesh::tp)), mine(EL::serial::size);
+        const std::vector<value_type> own = part.expert_params_to_host();
+        std::copy(own.begin(), own.end(),
+                  pieces.begin() + static_cast<std::ptrdiff_t>(EL::size * static_cast<std::size_t>(part.ep_rank() * mesh::tp + part.tp_rank())));
+        EL::assemble(std::span<const value_type>(pieces), std::span<value_type>(mine));
+        put<typename EL::serial, serial_expert_layout>(mine, whole);
+      }
+    }
+
+    MeshComm<typename mesh::pp_group> pp_;
+    MeshComm<typename mesh::tp_group> tp_;
+    MeshComm<typename mesh::expert_group> ep_;
+    typename types::models models_;
+    typename types::trainers trainers_;
+    std::optional<typename types::executor> executor_;
+  };
+
+  TrainerConfig cfg_;
+  std::unique_ptr<Rank> rank_;
+  double lr_ = 0;
+  int world_rank_ = 0;
+};
+
+}  // namespace fived

@@ -1,0 +1,158 @@
+// The 5D trainer against the serial model, on the host backend (ranks as threads).
+//
+// Mesh<DP<2>, PP<2>, CP<2>, TP<2>> (16 ranks) with an EP<2> view: a mixture of experts in
+// every second block, ZeRO-1, 1F1B over 4 micro-batches, sequence parallelism and selective
+// recomputation, trained by one Trainer for 3 steps on the warmup + cosine learning rate,
+// equals the serial GPT trained by the one optimizer step on the same global batches: every
+// step's loss, the dense and the expert weights after the last step. The serial model takes
+// each data rank's rows of a micro-batch as a micro-batch of its own (the balancing loss is
+// a statistic of the micro-batch a replica routes).
+
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <vector>
+
+#include "fived/comm/host.hpp"
+#include "fived/train/trainer.hpp"
+#include "support/batches.hpp"
+#include "support/compare.hpp"
+
+using namespace fived;
+
+namespace {
+
+struct five_cfg : gpt_config {
+  static constexpr int layers = 4, d_model = 32, heads = 4, vocab = 53, max_seq = 32, vocab_multiple = 16;
+  static constexpr bool tied = false;  // pipeline stages
+  static constexpr int experts = 4, top_k = 2, moe_every = 2, mlp_ratio = 2;
+  static constexpr double aux_loss_coef = 0.05;
+  using recompute = SelectiveRecompute;
+};
+struct serial_cfg : five_cfg {
+  using recompute = NoRecompute;  // the reference keeps everything
+};
+
+constexpr int B = 4, T = 16, steps = 3;
+const GptInit init{5, 0.05};
+const TrainerConfig hp{
+    .adamw = {.lr = 0, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.1f, .max_norm = 0.5f},
+    .lr = {.peak = 3e-3, .warmup = 1, .total = steps, .floor = 0.1}};
+
+struct Result {
+  std::vector<double> losses;
+  std::vector<float> weights, experts;  // serial layouts
+};
+
+// The serial model: `micro` micro-batches of B rows per step, each fed as `data_ranks` of B/data_ranks.
+template <class Cfg>
+Result serial_run(int micro, int data_ranks) {
+  GPT<Cfg> m(init);
+  DataParallel<GPT<Cfg>> dp(m, hp.adamw, micro * data_ranks);
+  Result r;
+  std::vector<int> tok, tgt;
+  for (int s = 1; s <= steps; ++s) {
+    test::global_batch(s, micro, B, T, Cfg::vocab, tok, tgt);
+    dp.optimizer().hp.lr = static_cast<float>(hp.lr(s));
+    r.losses.push_back(dp.step(tok, tgt, B / data_ranks, T));
+  }
+  r.weights.assign(m.params().begin(), m.params().end());
+  r.experts.assign(m.expert_params().begin(), m.expert_params().end());
+  return r;
+}
+
+template <class M, class Policy, class Sched, class SP = SequenceParallel>
+std::vector<Result> trainer_run() {
+  using Model = GPT<five_cfg, M, float, Host, SP>;
+  std::vector<Result> out(M::size);
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    Trainer<Model, Policy, Sched> t(ctx, hp, init);
+    Result& r = out[static_cast<std::size_t>(ctx.rank())];
+    std::vector<int> tok, tgt;
+    for (int s = 1; s <= steps; ++s) {
+      test::global_batch(s, Sched::table.micro_batches, B, T, five_cfg::vocab, tok, tgt);
+      r.losses.push_back(t.step(s, tok, tgt, B, T));
+    }
+    r.weights = t.serial_params();
+    r.experts = t.serial_expert_params();
+  });
+  return out;
+}
+
+void check_equal(const std::vector<Result>& ranks, const Result& ref) {
+  for (const Result& got : ranks) {
+    for (int s = 0; s < steps; ++s) {
+      CAPTURE(s);
+      const auto i = static_cast<std::size_t>(s);
+      CHECK(std::abs(got.losses[i] - ref.losses[i]) <= 1e-5 * ref.losses[i]);
+    }
+    CHECK(test::max_rel_error(got.weights, ref.weights) <= 1e-5);
+    CHECK(test::max_rel_error(got.experts, ref.experts) <= 1e-5);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("5D: Mesh<DP<2>, PP<2>, CP<2>, TP<2>> with EP<2>, MoE in half the blocks, ZeRO-1, 1F1B, selective "
+          "recomputation: 3 steps equal the serial model") {
+  using M = Mesh<DP<2>, PP<2>, CP<2>, TP<2>, EP<2>>;
+  static_assert(M::size == 16 && M::ep == 2);
+  using Sched = pipeline::OneFOneB<2, 4>;
+  const Result ref = serial_run<serial_cfg>(Sched::table.micro_batches, 2);
+  check_equal(trainer_run<M, ZeRO<1>, Sched>(), ref);
+}
+
+TEST_CASE("without a pipeline the trainer accumulates: Mesh<DP<2>, TP<2>> and the serial mesh, 2 micro-batches") {
+  const Result ref = serial_run<serial_cfg>(2, 2);
+  check_equal(trainer_run<Mesh<DP<2>, TP<2>>, ZeRO<1>, Accumulate<2>>(), ref);
+  check_equal(trainer_run<Mesh<>, NoZeRO, Accumulate<4>>(), serial_run<serial_cfg>(4, 1));
+}
+
+TEST_CASE("the learning rate warms up linearly, then falls on a cosine to its floor") {
+  const WarmupCosine lr{.peak = 1.0, .warmup = 4, .total = 14, .floor = 0.1};
+  CHECK(lr(1) == doctest::Approx(0.25));
+  CHECK(lr(4) == doctest::Approx(1.0));
+  CHECK(lr(9) == doctest::Approx(0.55));  // half way down the cosine
+  CHECK(lr(14) == doctest::Approx(0.1));
+  CHECK(lr(100) == doctest::Approx(0.1));
+}
+
+TEST_CASE("token files: ids of 2 or 4 bytes, mapped; a bad file is an error that names it") {
+  const auto dir = std::filesystem::temp_directory_path() / "fived_test_trainer";
+  std::filesystem::create_directories(dir);
+  const auto file = dir / "ids.bin";
+  {
+    std::ofstream f(file, std::ios::binary);
+    const unsigned char bytes[] = {1, 0, 2, 1, 52, 0};  // 1, 258, 52 as uint16
+    f.write(reinterpret_cast<const char*>(bytes), sizeof bytes);
+  }
+  const TokenStream s = TokenStream::map_file(file, 2, 300);
+  REQUIRE(s.size() == 3);
+  CHECK(s[0] == 1);
+  CHECK(s[1] == 258);
+  CHECK(s[2] == 52);
+  const TokenStream small = TokenStream::map_file(file, 2, 100);
+  CHECK_THROWS_WITH_AS(small[1], ("TokenStream: " + file.string() + ": token 1 is 258, outside the vocabulary of 100").c_str(),
+                       std::runtime_error);
+  CHECK_THROWS_WITH_AS(TokenStream::map_file(file, 4, 300),
+                       ("TokenStream: " + file.string() + ": 6 bytes is not a whole number of 4-byte token ids").c_str(),
+                       std::runtime_error);
+  CHECK_THROWS_AS(TokenStream::map_file(dir / "missing.bin", 2, 300), std::runtime_error);
+  CHECK_THROWS_WITH_AS(TokenStream::map_file(dir, 2, 300), ("TokenStream: " + dir.string() + ": not a regular file").c_str(),
+                       std::runtime_error);
+  // The sampler: the same batch for the same step, windows inside the part it was given.
+  const TokenStream text = TokenStream::bytes_of("abcdefghijklmnopqrstuvwxyz");
+  const BatchSampler sampler(text, 0, 20, 7);
+  std::vector<int> tok, tgt, tok2, tgt2;
+  sampler.fill(3, 2, 2, 5, tok, tgt);
+  sampler.fill(3, 2, 2, 5, tok2, tgt2);
+  CHECK(tok == tok2);
+  for (std::size_t i = 0; i < tok.size(); ++i) CHECK((tgt[i] == tok[i] + 1 && tgt[i] < 'a' + 20));
+  CHECK_THROWS_AS(sampler.fill(1, 1, 1, 20, tok, tgt), std::invalid_argument);
+  std::filesystem::remove_all(dir);
+}
