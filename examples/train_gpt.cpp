@@ -1,118 +1,192 @@
-// Train a small byte-level GPT on a mesh on the host (or on a GPU, see below).
+// Train a small byte-level GPT on a mesh chosen on the command line.
 //
-//   train_gpt [text-file] [--steps N] [--batch B] [--seq T] [--lr LR] [--seed S] [--save out.safetensors]
-//             [--serial] [--host] [--peak-tflops P]
+//   train_gpt [text-file] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] [--seq T] [--lr LR]
+//             [--seed S] [--log-every N] [--save out.safetensors] [--host] [--serial] [--list-meshes]
 //
-// On the host it trains on Mesh<DP<2>, TP<2>>: four ranks as threads of the host backend,
-// the one model (fived::GPT) split over TP with sequence parallelism, data-parallel over DP
-// with ZeRO-1 (DataParallel). --serial trains the same model on one rank instead (the runs start
-// from the same weights and see the same tokens). The trained model is gathered into the
-// serial GPT for sampling and --save (the same safetensors file either way).
+// A thin program over fived::Trainer (train/trainer.hpp): one model (4 layers, d_model 128, 4
+// heads, byte vocabulary), one optimizer policy (AdamW, ZeRO-1 wherever the mesh has data
+// ranks), one schedule (1F1B over 2·PP micro-batches on a pipeline, else the whole batch at
+// once), and the mesh picked from the compiled ones by --mesh (default dp2.tp2):
 //
-// With a text file, trains on its bytes (vocab 256). Without one, on a corpus the program
-// generates: lines of additions ("17+5=22"), whose loss drops visibly within a
-// minute or two on two CPU cores. Prints step, loss and tokens/s; MFU is reported on CUDA only.
-// Ends with a sample of generated text (and, on the generated corpus, a few sums completed
-// greedily).
+//   serial            one rank                  dp2.tp2          DP 2 x TP 2 (SP)
+//   tp4               TP 4 (SP)                 pp2.dp2          PP 2 x DP 2, 1F1B
+//   cp2.tp2           CP 2 x TP 2 (SP)          dp2.pp2.cp2.tp2  all four axes: 16 ranks
 //
-// Built as C++ (train_gpt) it runs on the host backend: reference kernels in plain C++. Built
-// by nvcc with fived::cuda (train_gpt_cuda: examples/train_gpt_cuda.cu includes this file,
-// FIVED_WITH_CUDA and __CUDACC__ are defined) it runs the same model and loop on the GPU
-// (fp32) when one is present, and on the host otherwise or with --host. Started as one
-// process it trains one rank on the GPU; launched as the mesh's 4 processes it trains the
-// mesh over NCCL (on one GPU: scripts/launch-local.sh 4 build/examples/train_gpt_cuda).
-// MFU there is (6 * params + 12 * L * C * T) * tokens/s per GPU / --peak-tflops (default
-// 989.4, H100 SXM bf16 dense: a ceiling this fp32 demo cannot reach).
+// On the host backend the ranks are threads of this process. Built by nvcc with fived::cuda
+// (train_gpt_cuda, examples/train_gpt_cuda.cu includes this file) it trains on the GPU when
+// there is one: one process per rank of the mesh, launched by scripts/launch-local.sh, torchrun,
+// mpirun or srun (one process for --mesh serial), over NCCL; --host stays on the host.
+//
+// Data: a text file's bytes, or --tokens: a file of little-endian uint16 token ids (< 256 for
+// this model); without either, generated lines of additions ("17+5=22"), whose loss falls
+// visibly within a minute on two CPU cores. The last 10% is held out. Every run with the same
+// --seed draws the same batches and starts from the same weights on every mesh, so the
+// meshes' losses agree to the printed digits.
+//
+// Prints a progress line every --log-every steps (loss, learning rate, gradient norm,
+// tokens/s, tokens/s per GPU, MFU against the device's own peak on CUDA, memory), the held-out
+// loss every fifth line, then a sample and, on the generated corpus, a few sums completed
+// greedily. The trained weights are gathered into the serial model for that and for --save
+// (Hugging Face GPT-2 names). Exit status 0 when the held-out loss fell.
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
-#include <numbers>
 #include <random>
 #include <span>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <type_traits>
 #include <vector>
 
 #if defined(FIVED_WITH_CUDA) && defined(__CUDACC__)
 #define FIVED_TRAIN_GPT_CUDA 1
 #include "fived/comm/nccl_bootstrap.hpp"
+#include "fived/device/peak.hpp"
 #include "fived/nn/cuda/ops.hpp"  // before gpt.hpp: Ops<T, Cuda>
 #endif
+#include "fived/comm/bootstrap.hpp"
 #include "fived/comm/host.hpp"
 #include "fived/mesh/context.hpp"
 #include "fived/nn/gpt.hpp"
-#include "fived/train/data_parallel.hpp"
+#include "fived/train/trainer.hpp"
 
 namespace {
 
-// 4 layers, d_model 128, 4 heads, byte vocabulary: 0.84M parameters.
-struct demo_config : fived::gpt_config {
+using namespace fived;
+
+// 4 layers, d_model 128, 4 heads, byte vocabulary: 0.87M parameters. Untied, so that pipeline
+// stages can hold the embedding and the head apart.
+struct demo_config : gpt_config {
   static constexpr int layers = 4, d_model = 128, heads = 4, vocab = 256, max_seq = 128;
   static constexpr int vocab_multiple = 64;
+  static constexpr bool tied = false;
 };
-template <class Device>
-using ModelOn = fived::GPT<demo_config, fived::Mesh<>, float, Device>;
-using Layout = ModelOn<fived::Host>::layout;
-// The host run's mesh: 2-way data parallel x 2-way tensor parallel, TP fastest.
-using DemoMesh = fived::Mesh<fived::DP<2>, fived::TP<2>>;
-constexpr int demo_dp = DemoMesh::extent(fived::Axis::dp), demo_tp = DemoMesh::extent(fived::Axis::tp);
+using Serial = GPT<demo_config>;  // sampling, held-out loss and --save, on the host
 
 struct Options {
-  std::string file, save;
-  int steps = 300, batch = 8, seq = 64;
-  float lr = 2e-3f;
+  std::string file, tokens, save, mesh = "dp2.tp2";
+  int steps = 300, batch = 8, seq = 64, log_every = 0;
+  double lr = 2e-3;
   unsigned seed = 1337;
-  bool host = false;           // stay on the host even when a GPU is there (CUDA build)
-  bool serial = false;         // one rank instead of the mesh (host)
-  double peak_tflops = 989.4;  // for MFU on CUDA
+  bool host = false;  // stay on the host even when a GPU is there (CUDA build)
 };
 
-[[noreturn]] void usage(const char* msg) {
+[[noreturn]] void usage(const std::string& msg) {
   std::fprintf(stderr,
-               "%s\nusage: train_gpt [text-file] [--steps N] [--batch B] [--seq T (<= %d)] [--lr LR] [--seed S] "
-               "[--save out.safetensors] [--serial] [--host] [--peak-tflops P]\n",
-               msg, demo_config::max_seq);
+               "%s\nusage: train_gpt [text-file] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] "
+               "[--seq T (<= %d)] [--lr LR] [--seed S] [--log-every N] [--save out.safetensors] [--host] [--serial] "
+               "[--list-meshes]\n",
+               msg.c_str(), demo_config::max_seq);
   std::exit(2);
+}
+
+// The whole argument as a number, or a usage error that names the option ("5abc" is not 5).
+template <class N>
+N number(std::string_view option, const std::string& s) {
+  N v{};
+  const char* end = s.data() + s.size();
+  const auto [p, ec] = std::from_chars(s.data(), end, v);
+  if (ec != std::errc() || p != end || s.empty())
+    usage("bad value '" + s + "' after " + std::string(option) + ": expected a whole " +
+          (std::is_integral_v<N> ? "integer" : "number") + (ec == std::errc::result_out_of_range ? " in range" : ""));
+  return v;
+}
+
+// ---- the meshes this program is compiled for ----------------------------------------------------
+
+template <class M>
+using policy_for = std::conditional_t<(M::grad_group::size > 1), ZeRO<1>, NoZeRO>;
+template <class M>
+using schedule_for = std::conditional_t<(M::pp > 1), pipeline::OneFOneB<M::pp, 2 * M::pp>, Accumulate<1>>;
+template <class M>
+using sp_for = std::conditional_t<(M::tp > 1), SequenceParallel, NoSequenceParallel>;
+
+struct Corpus {
+  TokenStream data;
+  std::size_t split = 0;  // [0, split) trains, [split, size) is held out
+  bool sums = false;      // the generated corpus of additions
+};
+
+template <class M>
+int train_on(const Options& opt, const Corpus& corpus);
+
+struct MeshChoice {
+  const char* name;
+  int ranks;
+  int (*run)(const Options&, const Corpus&);
+};
+#define FIVED_MESH(name, ...) MeshChoice{name, __VA_ARGS__::size, &train_on<__VA_ARGS__>}
+const MeshChoice meshes[] = {
+    FIVED_MESH("serial", Mesh<>),
+    FIVED_MESH("dp2.tp2", Mesh<DP<2>, TP<2>>),
+    FIVED_MESH("tp4", Mesh<TP<4>>),
+    FIVED_MESH("pp2.dp2", Mesh<PP<2>, DP<2>>),
+    FIVED_MESH("cp2.tp2", Mesh<CP<2>, TP<2>>),
+    FIVED_MESH("dp2.pp2.cp2.tp2", Mesh<DP<2>, PP<2>, CP<2>, TP<2>>),
+};
+#undef FIVED_MESH
+
+const MeshChoice& find_mesh(const std::string& name) {
+  for (const MeshChoice& m : meshes)
+    if (name == m.name) return m;
+  std::string known;
+  for (const MeshChoice& m : meshes) known += std::string(known.empty() ? "" : ", ") + m.name;
+  usage("unknown mesh '" + name + "'; this program is compiled for: " + known);
 }
 
 Options parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
-    std::string_view a = argv[i];
+    const std::string_view a = argv[i];
     auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage(("missing value after " + std::string(a)).c_str());
+      if (i + 1 >= argc) usage("missing value after " + std::string(a));
       return argv[++i];
     };
-    try {
-      if (a == "--steps") o.steps = std::stoi(value());
-      else if (a == "--batch") o.batch = std::stoi(value());
-      else if (a == "--seq") o.seq = std::stoi(value());
-      else if (a == "--lr") o.lr = std::stof(value());
-      else if (a == "--seed") o.seed = static_cast<unsigned>(std::stoul(value()));
-      else if (a == "--save") o.save = value();
-      else if (a == "--host") o.host = true;
-      else if (a == "--serial") o.serial = true;
-      else if (a == "--peak-tflops") o.peak_tflops = std::stod(value());
-      else if (a == "-h" || a == "--help") usage("Trains a byte-level GPT on a mesh on the host.");
-      else if (!a.empty() && a[0] == '-') usage(("unknown option " + std::string(a)).c_str());
-      else if (o.file.empty()) o.file = a;
-      else usage("more than one text file given");
-    } catch (const std::logic_error&) {
-      usage(("bad number after " + std::string(a)).c_str());
-    }
+    if (a == "--steps") o.steps = number<int>(a, value());
+    else if (a == "--batch") o.batch = number<int>(a, value());
+    else if (a == "--seq") o.seq = number<int>(a, value());
+    else if (a == "--lr") o.lr = number<double>(a, value());
+    else if (a == "--seed") o.seed = number<unsigned>(a, value());
+    else if (a == "--log-every") o.log_every = number<int>(a, value());
+    else if (a == "--save") o.save = value();
+    else if (a == "--tokens") o.tokens = value();
+    else if (a == "--mesh") o.mesh = value();
+    else if (a == "--serial") o.mesh = "serial";
+    else if (a == "--host") o.host = true;
+    else if (a == "--list-meshes") {
+      for (const MeshChoice& m : meshes) std::printf("%-18s %2d ranks\n", m.name, m.ranks);
+      std::exit(0);
+    } else if (a == "-h" || a == "--help") usage("Trains a byte-level GPT on a mesh.");
+    else if (!a.empty() && a[0] == '-') usage("unknown option " + std::string(a));
+    else if (o.file.empty()) o.file = a;
+    else usage("more than one text file given");
   }
-  if (o.steps < 1 || o.batch < 1 || o.seq < 2 || o.seq > demo_config::max_seq || !(o.lr > 0))
-    usage("need --steps >= 1, --batch >= 1, 2 <= --seq <= 128, --lr > 0");
+  if (o.steps < 1 || o.batch < 1 || o.batch > 4096 || o.seq < 2 || o.seq > demo_config::max_seq ||
+      !(o.lr > 0 && o.lr < 1) || o.log_every < 0)
+    usage("need --steps >= 1, 1 <= --batch <= 4096, 2 <= --seq <= " + std::to_string(demo_config::max_seq) +
+          ", 0 < --lr < 1, --log-every >= 0");
+  if (!o.file.empty() && !o.tokens.empty()) usage("give a text file or --tokens, not both");
+  if (o.log_every == 0) o.log_every = std::max(1, o.steps / 20);
+  (void)find_mesh(o.mesh);  // an unknown mesh is an error before anything runs
+  if (!o.save.empty()) {  // a path that cannot be written fails now, not after the run
+    const std::filesystem::path dir = std::filesystem::absolute(o.save).parent_path();
+    if (!std::filesystem::is_directory(dir)) usage("--save " + o.save + ": the folder " + dir.string() + " does not exist");
+    if (std::filesystem::is_directory(o.save)) usage("--save " + o.save + " is a folder; give a file name");
+  }
   return o;
 }
+
+// ---- data, evaluation, sampling -----------------------------------------------------------------
 
 // "a+b=c\n" lines with a, b in [0, max_operand].
 constexpr int max_operand = 19;
@@ -127,21 +201,46 @@ std::string arithmetic_corpus(std::size_t bytes, unsigned seed) {
   return s;
 }
 
-// Next byte from the model given a context (cropped to max_seq): greedy when temperature is 0.
-template <class Model>
-int next_token(Model& model, const std::vector<int>& ctx, float temperature, std::mt19937& rng) {
+Corpus load(const Options& opt) {
+  Corpus c;
+  if (!opt.tokens.empty()) {
+    c.data = TokenStream::map_file(opt.tokens, 2, demo_config::vocab);
+  } else if (!opt.file.empty()) {
+    if (std::filesystem::is_directory(opt.file)) usage(opt.file + " is a folder; give a text file");
+    std::ifstream in(opt.file, std::ios::binary);
+    if (!in) usage("cannot read " + opt.file);
+    c.data = TokenStream::bytes_of(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()),
+                                   opt.file);
+  } else {
+    c.data = TokenStream::bytes_of(arithmetic_corpus(1 << 20, opt.seed), "generated corpus of additions");
+    c.sums = true;
+  }
+  // Both parts need windows of seq + 1 tokens, the held-out part a few of them.
+  const std::size_t need = static_cast<std::size_t>(opt.seq + 1) * 20;
+  if (c.data.size() < need)
+    usage(c.data.name() + " has " + std::to_string(c.data.size()) + " tokens; --seq " + std::to_string(opt.seq) +
+          " needs at least " + std::to_string(need) + " (20 windows of seq + 1)");
+  c.split = c.data.size() * 9 / 10;
+  return c;
+}
+
+// The mean loss over 4 fixed held-out batches of the serial model.
+double held_out_loss(Serial& model, const Options& opt, const Corpus& c) {
+  const BatchSampler held(c.data, c.split, c.data.size(), opt.seed + 1);
+  std::vector<int> tok, tgt;
+  double sum = 0;
+  for (int i = 0; i < 4; ++i) {
+    held.fill(static_cast<std::uint64_t>(i), 1, opt.batch, opt.seq, tok, tgt);
+    sum += model.forward(tok.data(), tgt.data(), opt.batch, opt.seq);
+  }
+  return sum / 4;
+}
+
+// Next token from the model given a context (cropped to max_seq): greedy when temperature is 0.
+int next_token(Serial& model, const std::vector<int>& ctx, float temperature, std::mt19937& rng) {
   const int T = static_cast<int>(std::min<std::size_t>(ctx.size(), demo_config::max_seq));
   model.forward(ctx.data() + ctx.size() - static_cast<std::size_t>(T), nullptr, 1, T);
-  std::vector<float> last;  // the last position's logits, in host memory
-  if constexpr (Model::on_host) {
-    const auto l = model.logits().subspan(static_cast<std::size_t>(T - 1) * Model::Vp, Model::V);
-    last.assign(l.begin(), l.end());
-  } else {
-    const std::vector<float> all = model.logits_to_host();
-    last.assign(all.begin() + static_cast<std::ptrdiff_t>(T - 1) * Model::Vp,
-                all.begin() + static_cast<std::ptrdiff_t>(T - 1) * Model::Vp + Model::V);
-  }
-  const std::span<const float> logits(last);
+  const auto logits = model.logits().subspan(static_cast<std::size_t>(T - 1) * Serial::Vp, Serial::V);
   if (temperature <= 0) return static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
   const float mx = *std::max_element(logits.begin(), logits.end());
   std::vector<double> p(logits.size());
@@ -150,173 +249,42 @@ int next_token(Model& model, const std::vector<int>& ctx, float temperature, std
   return pick(rng);
 }
 
-std::string printable(const std::string& s) {
+std::string printable(const std::vector<int>& ids) {
   std::string o;
-  for (unsigned char c : s) o += (c == '\n' || c == '\t' || (c >= 0x20 && c < 0x7f)) ? static_cast<char>(c) : '?';
+  for (int c : ids) o += (c == '\n' || c == '\t' || (c >= 0x20 && c < 0x7f)) ? static_cast<char>(c) : '?';
   return o;
-}
-
-// B windows of T + 1 bytes from data[begin, end): tokens and next-byte targets.
-void fill_batch(const std::vector<int>& data, std::size_t begin, std::size_t end, int B, int T, std::mt19937& rng,
-                std::vector<int>& tok, std::vector<int>& tgt) {
-  tok.resize(static_cast<std::size_t>(B) * static_cast<std::size_t>(T));
-  tgt.resize(tok.size());
-  std::uniform_int_distribution<std::size_t> start(begin, end - static_cast<std::size_t>(T) - 1);
-  for (int b = 0; b < B; ++b) {
-    const std::size_t s = start(rng);
-    for (int t = 0; t < T; ++t) {
-      tok[static_cast<std::size_t>(b * T + t)] = data[s + static_cast<std::size_t>(t)];
-      tgt[static_cast<std::size_t>(b * T + t)] = data[s + static_cast<std::size_t>(t) + 1];
-    }
-  }
-}
-
-// The mean loss over 4 fixed held-out batches; loss_of(tok, tgt) runs one forward.
-template <class LossOf>
-double held_out_loss(const Options& opt, const std::vector<int>& data, std::size_t split, LossOf loss_of) {
-  std::mt19937 rng(opt.seed + 1);  // the same held-out windows every time
-  std::vector<int> tok, tgt;
-  double sum = 0;
-  for (int i = 0; i < 4; ++i) {
-    fill_batch(data, split, data.size(), opt.batch, opt.seq, rng, tok, tgt);
-    sum += loss_of(tok, tgt);
-  }
-  return sum / 4;
-}
-
-// Linear warmup over the first 5% of the steps, then cosine down to 10% of --lr.
-float lr_at(const Options& opt, int step) {
-  const int warmup = std::max(1, opt.steps / 20);
-  if (step <= warmup) return opt.lr * static_cast<float>(step) / static_cast<float>(warmup);
-  const double progress = static_cast<double>(step - warmup) / std::max(1, opt.steps - warmup);
-  return opt.lr * static_cast<float>(0.1 + 0.45 * (1 + std::cos(std::numbers::pi * progress)));
-}
-
-// AdamW with global-norm clipping at 1, weight decay 0.1 on matrices only.
-fived::AdamWConfig adamw_config(const Options& opt) {
-  return {.lr = opt.lr, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f, .max_norm = 1.0f};
-}
-
-// The progress table: a row every steps/20 steps (mean loss, tokens/s, ms/step and, on
-// CUDA, MFU), with the held-out loss every fifth row and at the end.
-class Progress {
- public:
-  Progress(const Options& opt, double mfu_flops_per_token) : opt_(opt), flops_(mfu_flops_per_token) {}
-
-  void header(double val_start) const {
-    std::printf("%6s %9s %9s %12s %9s%s\n", "step", "loss", "val", "tokens/s", "ms/step", flops_ > 0 ? "     MFU%" : "");
-    std::printf("%6d %9s %9.4f %12s %9s\n", 0, "-", val_start, "-", "-");
-  }
-  bool row_due(int step) const { return step % every() == 0 || step == opt_.steps; }
-  bool val_due(int step) const { return row_due(step) && (step % (every() * 5) == 0 || step == opt_.steps); }
-  // Adds a step; prints a row when one is due (val: the held-out loss, when val_due).
-  void add(int step, double loss, double seconds, double val) {
-    tokens_ += static_cast<double>(opt_.batch) * opt_.seq;
-    seconds_ += seconds;
-    loss_ += loss;
-    ++n_;
-    if (!row_due(step)) return;
-    char vbuf[16] = "-";
-    if (val_due(step)) std::snprintf(vbuf, sizeof vbuf, "%.4f", val);
-    std::printf("%6d %9.4f %9s %12.0f %9.1f", step, loss_ / n_, vbuf, tokens_ / seconds_, 1e3 * seconds_ / n_);
-    if (flops_ > 0) std::printf(" %8.3g", 100.0 * flops_ * tokens_ / seconds_ / (opt_.peak_tflops * 1e12));
-    std::printf("\n");
-    std::fflush(stdout);
-    tokens_ = seconds_ = loss_ = 0;
-    n_ = 0;
-  }
-
- private:
-  int every() const { return std::max(1, opt_.steps / 20); }
-  const Options& opt_;
-  double flops_;
-  double tokens_ = 0, seconds_ = 0, loss_ = 0;
-  int n_ = 0;
-};
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-void describe_run(const Options& opt, const std::vector<int>& data, std::size_t split, const std::string& backend) {
-  std::printf("train_gpt: %s, %zu bytes (%zu train, %zu held out)\n",
-              opt.file.empty() ? "generated corpus of additions" : opt.file.c_str(), data.size(), split,
-              data.size() - split);
-  std::printf("model: %s; %zu parameters (%zu in the buffer, vocab padded to %d)\n",
-              ModelOn<fived::Host>::describe().c_str(), Layout::num_parameters, Layout::size,
-              ModelOn<fived::Host>::Vp);
-  std::printf("training: %d steps, batch %d x seq %d, AdamW lr %g (warmup, cosine), %s\n", opt.steps, opt.batch,
-              opt.seq, static_cast<double>(opt.lr), backend.c_str());
-}
-
-struct TrainResult {
-  double val_start = 0, val_end = 0, seconds = 0;
-};
-
-// The loop both paths share: a batch per step from the training part (the same sequence on
-// every rank), one_step(tok, tgt, step) -> loss, the held-out loss when a row wants it, and
-// the progress table (printed where `prints`).
-template <class LossOf, class Step>
-TrainResult training_loop(const Options& opt, const std::vector<int>& data, std::size_t split, Progress& progress,
-                          bool prints, LossOf loss_of, Step one_step) {
-  TrainResult r;
-  r.val_start = r.val_end = held_out_loss(opt, data, split, loss_of);
-  if (prints) progress.header(r.val_start);
-  std::mt19937 rng(opt.seed);
-  std::vector<int> tok, tgt;
-  const auto t_start = std::chrono::steady_clock::now();
-  for (int step = 1; step <= opt.steps; ++step) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fill_batch(data, 0, split, opt.batch, opt.seq, rng, tok, tgt);
-    const double loss = one_step(tok, tgt, step);
-    const double dt = seconds_since(t0);
-    if (progress.val_due(step)) r.val_end = held_out_loss(opt, data, split, loss_of);
-    if (prints) progress.add(step, loss, dt, r.val_end);
-  }
-  r.seconds = seconds_since(t_start);
-  return r;
 }
 
 // After training: save, sample, complete sums; the exit status says whether the held-out
 // loss fell (the demo's promise).
-template <class Model>
-int finish(Model& model, const Options& opt, const std::vector<int>& data, std::size_t split, double val_start,
-           double val_end) {
+int finish(Serial& model, const Options& opt, const Corpus& c, double val_start, double val_end) {
   if (!opt.save.empty()) {
-    model.save(opt.save, {{"steps", std::to_string(opt.steps)}});
+    model.save(opt.save, {{"steps", std::to_string(opt.steps)}, {"mesh", opt.mesh}});
     std::printf("saved %s (Hugging Face GPT-2 names)\n", opt.save.c_str());
   }
-
-  std::mt19937 srng(opt.seed + 2);
-  std::vector<int> ctx(data.begin() + static_cast<std::ptrdiff_t>(split),
-                       data.begin() + static_cast<std::ptrdiff_t>(split) + 16);
-  std::string prompt(ctx.begin(), ctx.end()), out;
-  for (int i = 0; i < 200; ++i) {
-    const int next = next_token(model, ctx, 0.8f, srng);
-    ctx.push_back(next);
-    out += static_cast<char>(next);
-  }
-  std::printf("\nsample (temperature 0.8) after the held-out prompt \"%s\":\n%s%s\n",
-              printable(prompt).c_str(), printable(prompt).c_str(), printable(out).c_str());
-
-  if (opt.file.empty()) {  // greedy completions of unseen sums
-    std::mt19937 qrng(opt.seed + 3);
+  std::mt19937 rng(opt.seed + 2);
+  std::vector<int> ctx;
+  for (std::size_t i = c.split; i < std::min(c.data.size(), c.split + 16); ++i) ctx.push_back(c.data[i]);
+  const std::vector<int> prompt = ctx;
+  for (int i = 0; i < 200; ++i) ctx.push_back(next_token(model, ctx, 0.8f, rng));
+  std::printf("\nsample (temperature 0.8) after the held-out prompt \"%s\":\n%s\n", printable(prompt).c_str(),
+              printable(ctx).c_str());
+  if (c.sums) {  // greedy completions of unseen sums
     std::uniform_int_distribution<int> d(0, max_operand);
     int right = 0;
     const int n = 10;
     std::printf("\ngreedy completions:");
     for (int q = 0; q < n; ++q) {
-      const int a = d(qrng), b = d(qrng);
+      const int a = d(rng), b = d(rng);
       const std::string p = "\n" + std::to_string(a) + "+" + std::to_string(b) + "=";
-      std::vector<int> c(p.begin(), p.end());
-      std::string ans;
+      std::vector<int> s(p.begin(), p.end()), ans;
       for (int i = 0; i < 4; ++i) {
-        const int next = next_token(model, c, 0.0f, srng);
+        const int next = next_token(model, s, 0.0f, rng);
         if (next == '\n') break;
-        c.push_back(next);
-        ans += static_cast<char>(next);
+        s.push_back(next);
+        ans.push_back(next);
       }
-      right += ans == std::to_string(a + b);
+      right += printable(ans) == std::to_string(a + b);
       std::printf(" %d+%d=%s", a, b, printable(ans).c_str());
     }
     std::printf("\n%d of %d correct\n", right, n);
@@ -328,130 +296,96 @@ int finish(Model& model, const Options& opt, const std::vector<int>& data, std::
   return 0;
 }
 
-// FLOPs per token for MFU (CUDA): 6 * params + 12 * L * C * T (attention, causal mask not
-// discounted); 0 on the host, where no MFU is printed.
-template <class Device>
-double flops_per_token(const Options& opt) {
-  if constexpr (std::is_same_v<Device, fived::Host>) return 0.0;
-  else return 6.0 * static_cast<double>(Layout::num_parameters) + 12.0 * demo_config::layers * demo_config::d_model * opt.seq;
-}
+// ---- one run on mesh M ------------------------------------------------------------------------
 
-// One rank: the serial GPT on the host or on a GPU, trained by the one optimizer step
-// (DataParallel over Mesh<>: clip + AdamW, no collective).
-template <class Device>
-int train(const Options& opt, const std::vector<int>& data, std::size_t split, const std::string& backend) {
-  using Model = ModelOn<Device>;
-  Model model(fived::GptInit{opt.seed, 0.02});
-  describe_run(opt, data, split, backend);
-  auto loss_of = [&](const std::vector<int>& tok, const std::vector<int>& tgt) {
-    return model.forward(tok.data(), tgt.data(), opt.batch, opt.seq);
-  };
-  fived::DataParallel<Model> trainer(model, adamw_config(opt));
-  Progress progress(opt, flops_per_token<Device>(opt));
-  const TrainResult r = training_loop(opt, data, split, progress, true, loss_of,
-                                      [&](const std::vector<int>& tok, const std::vector<int>& tgt, int step) {
-                                        trainer.optimizer().hp.lr = lr_at(opt, step);
-                                        return trainer.step(tok, tgt, opt.batch, opt.seq);  // clip, then AdamW
-                                      });
-  std::printf("trained %d steps in %.1f s\n", opt.steps, r.seconds);
-  return finish(model, opt, data, split, r.val_start, r.val_end);
-}
-
-// The mesh: each rank holds its TP piece of the model (sequence parallel); DataParallel
-// gives each DP rank B / DP rows of every batch and shards AdamW over DP (ZeRO-1). Every
-// rank draws the same global batches; rank 0 prints. On the host the ranks are threads of
-// the host backend; on CUDA each rank is a process of a launch (scripts/launch-local.sh,
-// torchrun, mpirun, srun) talking NCCL. The trained pieces are gathered into a serial GPT on
-// the host for sampling and saving.
-template <class Device>
-int train_mesh(const Options& opt, const std::vector<int>& data, std::size_t split, const std::string& backend) {
-  using TpModel = fived::GPT<demo_config, DemoMesh, float, Device, fived::SequenceParallel>;
-  if (opt.batch % demo_dp != 0 || opt.seq % demo_tp != 0)
-    usage(("on " + DemoMesh::name() + " --batch must be a multiple of " + std::to_string(demo_dp) +
-           " (DP) and --seq of " + std::to_string(demo_tp) + " (TP, sequence parallel); or use --serial")
-              .c_str());
-  // MFU per GPU: the mesh's tokens/s shared by its ranks.
-  Progress progress(opt, flops_per_token<Device>(opt) / DemoMesh::size);
-  std::vector<float> trained;  // the whole model, serial layout (rank 0)
-  TrainResult result;
-  bool printer = false;  // this process holds rank 0
-  auto rank_main = [&](auto& ctx) {
-    const bool prints = ctx.rank() == 0;
-    if (prints)
-      describe_run(opt, data, split,
-                   backend + ", " + DemoMesh::name() + ": " + std::to_string(DemoMesh::size) +
-                       " ranks, TP with sequence parallelism, DP with ZeRO-1");
-    TpModel model(ctx, fived::GptInit{opt.seed, 0.02});
-    fived::DataParallel<TpModel, fived::ZeRO<1>> dp(model, ctx, adamw_config(opt));
-    // Held-out loss: every DP replica evaluates the whole batch over its TP group.
-    auto loss_of = [&](const std::vector<int>& tok, const std::vector<int>& tgt) {
-      return model.forward(tok.data(), tgt.data(), opt.batch, opt.seq);
-    };
-    const TrainResult r = training_loop(opt, data, split, progress, prints, loss_of,
-                                        [&](const std::vector<int>& tok, const std::vector<int>& tgt, int step) {
-                                          dp.optimizer().hp.lr = lr_at(opt, step);
-                                          return dp.step(tok, tgt, opt.batch, opt.seq);
-                                        });
-    std::vector<float> all = model.gather_params();
-    if (prints) trained = std::move(all), result = r, printer = true;
-  };
-  if constexpr (std::is_same_v<Device, fived::Host>) {
-    fived::host::run(DemoMesh::size, [&](fived::host::Comm& world) {
-      auto ctx = fived::make_mesh_context<DemoMesh>(world);
-      rank_main(ctx);
-    });
-  } else {
-#if defined(FIVED_TRAIN_GPT_CUDA)
-    auto ctx = fived::make_mesh_context<DemoMesh>(fived::nccl::init_world());
-    rank_main(ctx);
-#endif
+template <class M, class Device, class Ctx>
+int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::string& backend, double peak) {
+  using Model = GPT<demo_config, M, float, Device, sp_for<M>>;
+  using Sched = schedule_for<M>;
+  using T = Trainer<Model, policy_for<M>, Sched>;
+  constexpr int micro = Sched::table.micro_batches;
+  const bool prints = ctx.rank() == 0;
+  const int B = opt.batch / micro;  // rows per micro-batch
+  if (prints) {
+    std::printf("train_gpt: %s, %zu tokens (%zu train, %zu held out)\n", corpus.data.name().c_str(), corpus.data.size(),
+                corpus.split, corpus.data.size() - corpus.split);
+    std::printf("model: %s; %zu parameters\n", Serial::describe().c_str(), Serial::layout::num_parameters);
+    std::printf("mesh: %s, %d rank%s (%s): %s%s%s\n", M::name().c_str(), M::size, M::size == 1 ? "" : "s", backend.c_str(),
+                policy_for<M>::stage ? "ZeRO-1" : "no ZeRO", M::tp > 1 ? ", sequence parallel" : "",
+                M::pp > 1 ? (", 1F1B over " + std::to_string(micro) + " micro-batches of " + std::to_string(B)).c_str() : "");
+    std::printf("training: %d steps, batch %d x seq %d, AdamW lr %g (warmup, cosine)\n", opt.steps, opt.batch, opt.seq,
+                opt.lr);
   }
-  if (!printer) return 0;
-  std::printf("trained %d steps in %.1f s\n", opt.steps, result.seconds);
-  ModelOn<fived::Host> serial;
-  std::copy(trained.begin(), trained.end(), serial.params().begin());
-  return finish(serial, opt, data, split, result.val_start, result.val_end);
+  const TrainerConfig hp{
+      .adamw = {.lr = 0, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f, .max_norm = 1.0f},
+      .lr = {.peak = opt.lr, .warmup = std::max(1, opt.steps / 20), .total = opt.steps, .floor = 0.1}};
+  T trainer(ctx, hp, GptInit{opt.seed, 0.02});
+  Serial eval;  // rank 0's serial copy of the trained weights, on the host
+  auto held_out = [&] {  // a collective: every rank gathers, rank 0 evaluates
+    const std::vector<float> w = trainer.serial_params();
+    if (!prints) return 0.0;
+    std::copy(w.begin(), w.end(), eval.params().begin());
+    return held_out_loss(eval, opt, corpus);
+  };
+  const double val_start = held_out();
+  double val_end = val_start;
+  if (prints) std::printf("held-out loss %.4f before training\n", val_start);
+  const BatchSampler train(corpus.data, 0, corpus.split, opt.seed);
+  const double seconds = trainer.fit(train, 1, opt.steps, B, opt.seq, {opt.log_every, peak, stdout},
+                                     [&](int s, double) {
+                                       if (s % (5 * opt.log_every) != 0 && s != opt.steps) return;
+                                       val_end = held_out();
+                                       if (prints) std::printf("held-out loss %.4f at step %d\n", val_end, s);
+                                     });
+  if (!prints) return 0;
+  std::printf("trained %d steps in %.1f s\n", opt.steps, seconds);
+  return finish(eval, opt, corpus, val_start, val_end);
+}
+
+template <class M>
+int train_on(const Options& opt, const Corpus& corpus) {
+  constexpr int micro = schedule_for<M>::table.micro_batches;
+  if (opt.batch % (micro * M::dp) != 0 || (opt.seq * opt.batch / micro / M::dp) % (2 * M::cp * M::tp) != 0 ||
+      opt.seq % (2 * M::cp) != 0)
+    usage("on " + M::name() + " --batch must be a multiple of " + std::to_string(micro * M::dp) + " (" +
+          std::to_string(micro) + " micro-batches x DP " + std::to_string(M::dp) + ") and --seq of " +
+          std::to_string(2 * M::cp * M::tp) + " (2 x CP x TP: zig-zag chunks, sequence parallelism)");
+#if defined(FIVED_TRAIN_GPT_CUDA)
+  if (!opt.host && cuda::device_count() > 0) {
+    const LaunchEnv env = launch_env();
+    if (env.world_size != M::size)
+      usage("--mesh " + opt.mesh + " needs " + std::to_string(M::size) + " processes, one per rank, but this launch has " +
+            std::to_string(env.world_size) + ": scripts/launch-local.sh " + std::to_string(M::size) +
+            " build/examples/train_gpt_cuda --mesh " + opt.mesh + " (or torchrun, mpirun, srun)");
+    cudaDeviceProp prop{};
+    FIVED_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    auto ctx = make_mesh_context<M>(nccl::init_world());
+    return train_rank<M, Cuda>(ctx, opt, corpus, std::string("CUDA, ") + prop.name + ", fp32, NCCL",
+                               cuda::peak_bf16_flops(0));
+  }
+  if (const int world = launch_env().world_size; world > 1)
+    usage("launched as " + std::to_string(world) + " processes, but " +
+          (opt.host ? std::string("--host was given") : std::string("there is no CUDA device")) +
+          ": the host backend runs the mesh's ranks as threads of one process; start train_gpt_cuda once");
+#endif
+  int status = 0;
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    const int s = train_rank<M, Host>(ctx, opt, corpus, "host backend, ranks as threads", 0.0);
+    if (ctx.rank() == 0) status = s;
+  });
+  return status;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const Options opt = parse(argc, argv);
-
-  std::string text;
-  if (!opt.file.empty()) {
-    std::ifstream in(opt.file, std::ios::binary);
-    if (!in) usage(("cannot read " + opt.file).c_str());
-    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  } else {
-    text = arithmetic_corpus(1 << 20, opt.seed);
+  try {
+    const Corpus corpus = load(opt);
+    return find_mesh(opt.mesh).run(opt, corpus);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_gpt: %s\n", e.what());
+    return 1;
   }
-  if (text.size() < static_cast<std::size_t>(opt.seq) * 20)
-    usage(("the text has " + std::to_string(text.size()) + " bytes; it needs at least 20 * seq").c_str());
-  std::vector<int> data(text.begin(), text.end());
-  for (int& t : data) t &= 0xff;
-  const std::size_t split = data.size() * 9 / 10;  // last 10% held out
-
-#if defined(FIVED_TRAIN_GPT_CUDA)
-  if (!opt.host && fived::cuda::device_count() > 0) {
-    cudaDeviceProp prop{};
-    FIVED_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    char peak[32];
-    std::snprintf(peak, sizeof peak, "%g", opt.peak_tflops);
-    const std::string gpu = std::string("CUDA backend (") + prop.name + ", fp32; MFU of " + peak + " TFLOP/s per GPU)";
-    // Launched as several processes (scripts/launch-local.sh 4 ..., torchrun, mpirun): the mesh over NCCL.
-    if (fived::launch_env().world_size > 1) return train_mesh<fived::Cuda>(opt, data, split, gpu + ", NCCL");
-    return train<fived::Cuda>(opt, data, split, gpu + ", one rank");
-  }
-  if (const int world = fived::launch_env().world_size; world > 1)
-    usage(("launched as " + std::to_string(world) + " processes, but " +
-           (opt.host ? std::string("--host was given") : std::string("there is no CUDA device")) +
-           ": the host backend runs the mesh's ranks as threads of one process; start train_gpt_cuda once")
-              .c_str());
-  const std::string backend = opt.host ? "host backend (--host)" : "host backend (no CUDA device)";
-#else
-  const std::string backend = "host backend";
-#endif
-  if (!opt.serial) return train_mesh<fived::Host>(opt, data, split, backend + " (ranks as threads)");
-  return train<fived::Host>(opt, data, split, backend + ", one rank (--serial)");
 }
