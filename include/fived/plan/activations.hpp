@@ -1,0 +1,138 @@
+#pragma once
+// Bytes of activations one rank keeps, per micro-batch slot and shared, as constexpr
+// functions of a model and one micro-batch's Rows (plan/layout.hpp). They mirror, buffer for
+// buffer, what fived's GPT reserves: the Saved structs of nn/layernorm.hpp, nn/attention.hpp
+// (with its Core), nn/mlp.hpp, nn/moe.hpp, nn/head.hpp, and GPT's Slot, BlockActs and Work
+// (nn/gpt.hpp). A change there is a change here.
+//
+// Notation: N = micro_batch·sequence/CP tokens on the rank, n = N/TP rows of the residual
+// stream under sequence parallelism (else N), t bytes an element, st bytes a statistic.
+//
+//   per block    ln_1 out [n, C] + stats [n] (mean, rstd; RMSNorm: rstd)
+//                attention: SP's gathered input [N, C]; q|k|v [N, (H + 2·KV)·hd/TP];
+//                           core output [N, H·hd/TP] + log-sum-exp [N, H/TP] stat
+//                res2 [n, C]; ln_2 out [n, C] + stats
+//                FFN: SP's gathered input [N, C]; pre-activation and GELU output
+//                     [N, F/TP] each (SwiGLU: gate, up and their product, 3 of them)
+//                or MoE: SP's gathered input; scores [N, E] stat; gates [N·k] stat; chosen
+//                     expert, dispatch position, token of each row: int [N·k] x3; expert
+//                     outputs y [N·k, C]; this rank's expert rows x [R, C], pre and h
+//                     [R, Fe/TP] (SwiGLU: 3); the balancing gradient [E] float; shared
+//                     experts as FFNs of width Fe over all N tokens
+//                res3 [n, C]
+//   per slot     token ids and targets int [N] each, the embedding output [n, C], the
+//                blocks, and with the head: ln_f out [n, C] + stats, SP's gathered input,
+//                logits [N, Vp/TP], max, sum of exp, target logit [N] stat, losses [N] float
+//   recompute    SelectiveRecompute keeps no core output or log-sum-exp per block: one
+//                shared Core. FullRecompute keeps only res3 per block (the next block's
+//                input): one shared block (attention, FFN and MoE if the part has them).
+//   work         shared by the slots: the stream's gradient buffers [n, C] x3, d(hidden)
+//                [N, F/TP], d(q|k|v), SP's [N, C] and its LayerNorm gradient partials, the
+//                ring's buffers under CP, the MoE's.
+//
+// R, the rows this rank's experts receive, is data dependent; the plan takes the balanced
+// case, R = N·k (every rank receives as many rows as it sends). With micro_batch·sequence = T
+// tokens, TP = 1 and no MoE, a GELU block keeps 2 + 6 + 2 + 2 + 2 + 8 + 8 + 2 = 32·T·C
+// bytes in bf16 plus its statistics; Megatron's count (Korthikanti et al. 2022) is
+// 34·s·b·h + 5·a·s²·b: the 2 more are its two dropout masks (fived has no dropout) and the
+// s² term is the attention matrix, which flash-style attention never stores (the log-sum-exp
+// [N, H] replaces it). Under SP Megatron keeps 34·s·b·h/t; fived keeps the gathered inputs of
+// c_attn and c_fc whole ([N, C] each, 4·s·b·h more), which Megatron gathers again in backward.
+
+#include <cstdint>
+
+#include "fived/plan/layout.hpp"
+#include "fived/plan/model.hpp"
+
+namespace fived::plan {
+
+using Bytes = std::uint64_t;
+
+namespace detail {
+constexpr Bytes bytes(std::int64_t elements, int each) { return static_cast<Bytes>(elements) * static_cast<Bytes>(each); }
+}  // namespace detail
+
+// A norm's output [rows, C] and its statistics.
+constexpr Bytes norm_bytes(const Transformer& m, std::int64_t rows, const Rows& a) {
+  return detail::bytes(rows * m.d_model, a.t) + detail::bytes(rows * m.norm_vectors(), a.st);
+}
+// The core attention's output and log-sum-exp (Attention::Core).
+constexpr Bytes core_bytes(const Transformer& m, const Rows& a) {
+  return detail::bytes(a.N * (m.attention_width() / a.tp), a.t) + detail::bytes(a.N * (m.heads / a.tp), a.st);
+}
+// Attention::Saved: the gathered input, q|k|v, and the core unless it is recomputed.
+constexpr Bytes attention_bytes(const Transformer& m, const Rows& a, bool keep_core) {
+  return (a.sp ? detail::bytes(a.N * m.d_model, a.t) : 0) + detail::bytes(a.N * (m.qkv_width() / a.tp), a.t) +
+         (keep_core ? core_bytes(m, a) : 0);
+}
+// MLP::Saved: the gathered input, and the FFN's hidden activations.
+constexpr Bytes ffn_hidden_bytes(const Transformer& m, std::int64_t rows, int width, const Rows& a) {
+  return detail::bytes(rows * (width / a.tp) * (m.gated ? 3 : 2), a.t);
+}
+constexpr Bytes mlp_bytes(const Transformer& m, const Rows& a) {
+  return (a.sp ? detail::bytes(a.N * m.d_model, a.t) : 0) + ffn_hidden_bytes(m, a.N, m.d_ff, a);
+}
+// MoE::Saved, with R = N·k rows for this rank's experts (balanced routing), plus the shared
+// experts' hidden activations.
+constexpr Bytes moe_bytes(const Transformer& m, const Rows& a) {
+  const std::int64_t Nk = a.N * m.top_k;
+  return (a.sp ? detail::bytes(a.N * m.d_model, a.t) : 0) + detail::bytes(a.N * m.experts + Nk, a.st) +
+         detail::bytes(3 * Nk, 4) + detail::bytes(Nk * m.d_model, a.t) + detail::bytes(Nk * m.d_model, a.t) +
+         ffn_hidden_bytes(m, Nk, m.expert_d_ff, a) + detail::bytes(m.experts, 4) +
+         m.shared_experts * ffn_hidden_bytes(m, a.N, m.expert_d_ff, a);
+}
+// Everything block `layer`'s forward leaves for its backward (BlockActs), core included or not.
+constexpr Bytes whole_block_bytes(const Transformer& m, const Rows& a, bool mlp, bool moe, bool keep_core) {
+  return 2 * norm_bytes(m, a.n, a) + attention_bytes(m, a, keep_core) + detail::bytes(2 * a.n * m.d_model, a.t) +
+         (mlp ? mlp_bytes(m, a) : 0) + (moe ? moe_bytes(m, a) : 0);
+}
+// What a slot keeps for block `layer` under the layout's recomputation.
+constexpr Bytes block_bytes(const Transformer& m, int layer, const Rows& a) {
+  if (a.recompute == Recompute::full) return detail::bytes(a.n * m.d_model, a.t);  // res3: the next block's input
+  return whole_block_bytes(m, a, !m.is_moe(layer), m.is_moe(layer), a.recompute == Recompute::none);
+}
+// Head::Saved and ln_f.
+constexpr Bytes head_bytes(const Transformer& m, const Rows& a) {
+  return norm_bytes(m, a.n, a) + (a.sp ? detail::bytes(a.N * m.d_model, a.t) : 0) +
+         detail::bytes(a.N * (m.padded_vocab / a.tp), a.t) + detail::bytes(3 * a.N, a.st) + detail::bytes(a.N, 4);
+}
+// One micro-batch slot of a part (GPT::Slot): ids, the embedding's output, the blocks, the head.
+constexpr Bytes slot_bytes(const Transformer& m, const Blocks& part, const Rows& a) {
+  Bytes s = detail::bytes(2 * a.N, 4) + detail::bytes(a.n * m.d_model, a.t);
+  for (int l = part.first; l < part.first + part.count; ++l) s += block_bytes(m, l, a);
+  return s + (part.head ? head_bytes(m, a) : 0);
+}
+
+// The buffers recomputation runs in, one per part (GPT::Work::block or ::core).
+constexpr Bytes recompute_bytes(const Transformer& m, const Blocks& part, const Rows& a) {
+  bool mlp = false, moe = false;
+  for (int l = part.first; l < part.first + part.count; ++l) (m.is_moe(l) ? moe : mlp) = true;
+  if (a.recompute == Recompute::full) return whole_block_bytes(m, a, mlp, moe, true);
+  if (a.recompute == Recompute::selective) return core_bytes(m, a);
+  return 0;
+}
+
+// GPT::Work of a part: what one forward or backward uses and leaves behind, shared by its
+// slots. A gated FFN (not in fived's GPT) is given d(gate) and d(up) where GELU has one d(h).
+constexpr Bytes work_bytes(const Transformer& m, const Blocks& part, const Rows& a) {
+  bool moe = false;
+  for (int l = part.first; l < part.first + part.count; ++l) moe = moe || m.is_moe(l);
+  const std::int64_t C = m.d_model, qkv = m.qkv_width() / a.tp, q = m.attention_width() / a.tp;
+  const std::int64_t kv = qkv - q;  // packed k|v columns of the local heads
+  Bytes w = detail::bytes(3 * a.n * C, a.t)                              // out, dres, dln
+            + detail::bytes(a.N * (m.d_ff / a.tp) * (m.gated ? 2 : 1), a.t)  // dhidden (also d(core))
+            + detail::bytes(a.N * qkv, a.t)                              // dqkv
+            + (a.sp ? detail::bytes(a.N * C, a.t) : 0);                  // SP's gathered or partial rows
+  if (a.sp)  // SP: each unit's LayerNorm gradients, partial over TP until the unit's all-reduce
+    w += detail::bytes((2 * part.count + (part.head ? 1 : 0)) * m.norm_elements(), a.t);
+  if (a.cp > 1)  // RingAttention::Work: k|v in hand and next, o, dq, d[k|v] x2, Dd, dqkv in stat precision
+    w += detail::bytes(2 * a.N * kv, a.t) + detail::bytes(2 * a.N * q + 2 * a.N * kv + a.N * (m.heads / a.tp) + a.N * qkv, a.st);
+  if (moe) {  // MoE::Work: router logits, d(gate), score sums, rows in dispatch order, staging, y, d(h)
+    const std::int64_t Nk = a.N * m.top_k;
+    w += detail::bytes(a.N * m.experts, a.t) + detail::bytes(Nk + m.experts, a.st) + detail::bytes(3 * Nk * C, a.t) +
+         detail::bytes(Nk * (m.expert_d_ff / a.tp) * (m.gated ? 2 : 1), a.t);
+  }
+  return w;
+}
+
+}  // namespace fived::plan

@@ -1,0 +1,59 @@
+#pragma once
+// Published model configurations as plan::Transformer values, for planning runs of them
+// (examples/plan.cpp, tests/test_plan.cpp). Their parameter counts against the papers:
+//
+//   gpt2_124m     fived's gpt_config: 124,439,808, what Hugging Face counts for "gpt2"
+//   llama3_405b   405,853,388,800: Llama 3's "405B" (Dubey et al. 2024, Table 3: 126 layers,
+//                 d_model 16384, FFN 53248, 128 heads, 8 KV heads, vocabulary 128K; the
+//                 Hugging Face checkpoint's vocabulary is 128,256)
+//   deepseek_v3   672,149,632,000 total, 38.6B active per token, against the paper's 671B and
+//                 37B (DeepSeek-AI 2024, without the multi-token-prediction module). The
+//                 difference is the attention: DeepSeek-V3 uses multi-head latent attention
+//                 (low-rank q and k|v projections, 187.1M parameters per layer), which this
+//                 description approximates by multi-head attention with kv_heads = heads
+//                 (4·C² = 205.5M per layer): +18.4M per layer, +1.12B over 61 layers, which
+//                 is the whole gap. Its activations are approximated the same way (q, k, v
+//                 of 56 channels per head instead of MLA's 192/192/128).
+
+#include "fived/nn/config.hpp"
+#include "fived/plan/model.hpp"
+
+namespace fived::plan {
+
+inline constexpr Transformer gpt2_124m = from_gpt<gpt_config>();
+
+inline constexpr Transformer llama3_405b{.layers = 126,
+                                         .d_model = 16384,
+                                         .heads = 128,
+                                         .kv_heads = 8,
+                                         .d_ff = 53248,
+                                         .gated = true,
+                                         .vocab = 128256,
+                                         .padded_vocab = 128256,
+                                         .tied = false,
+                                         .biases = false,
+                                         .norm = Norm::rms_norm,
+                                         .positions = 0};
+
+// 61 layers, the first 3 dense (FFN 18432), then 256 routed experts (top 8) and 1 shared
+// expert of width 2048 in each block; MLA approximated as above.
+inline constexpr Transformer deepseek_v3{.layers = 61,
+                                         .d_model = 7168,
+                                         .heads = 128,
+                                         .kv_heads = 128,
+                                         .d_ff = 18432,
+                                         .gated = true,
+                                         .vocab = 129280,
+                                         .padded_vocab = 129280,
+                                         .tied = false,
+                                         .biases = false,
+                                         .norm = Norm::rms_norm,
+                                         .positions = 0,
+                                         .experts = 256,
+                                         .top_k = 8,
+                                         .moe_every = 1,
+                                         .dense_first = 3,
+                                         .expert_d_ff = 2048,
+                                         .shared_experts = 1};
+
+}  // namespace fived::plan
