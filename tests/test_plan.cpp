@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <mutex>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "fived/comm/counting.hpp"
@@ -32,6 +33,7 @@
 #include "fived/plan/models.hpp"
 #include "fived/plan/plan.hpp"
 #include "fived/train/data_parallel.hpp"
+#include "fived/train/trainer.hpp"
 
 using namespace fived;
 using plan::Bytes;
@@ -205,15 +207,17 @@ TEST_CASE("Llama-3-405B on Mesh<DP<128>, TP<8>, PP<16>>, bf16, SP, ZeRO-1, 1F1B,
   const plan::Traffic& x = P::traffic_by_rank[1];
   // TP with SP: per block and micro-batch 2 all-gathers [n, C] and 2 reduce-scatters [N, C] in
   // forward, again in the recomputed forward, and in backward; one all-reduce of the two norms'
-  // gradients.
+  // gradients; and the step's gradient norm summed over TP (8 bytes).
   CHECK(x.tp.all_gather == Tally{6 * 8 * 16, 6 * 8 * 16 * n * C * t});
   CHECK(x.tp.reduce_scatter == Tally{6 * 8 * 16, 6 * 8 * 16 * Nt * C * t});
-  CHECK(x.tp.all_reduce == Tally{8 * 16, 8 * 16 * 2 * C * t});
+  CHECK(x.tp.all_reduce == Tally{8 * 16 + 1, 8 * 16 * 2 * C * t + 8});
   // PP: 16 activations forward and 16 gradients back, [n, C] each.
   CHECK(x.pp.send_recv.bytes == 32 * n * C * t);
   // DP: 8 x 191 buckets, reduce-scattered whole and gathered in 128 pieces.
   CHECK(x.grad.reduce_scatter == Tally{8 * 191, t * N});
   CHECK(x.grad.all_gather == Tally{8 * 191, t * N / 128});
+  CHECK(x.grad.all_reduce == Tally{2, 16});  // the norm's sum under ZeRO, the mean loss
+  CHECK(x.pp.all_reduce == Tally{2, 16});    // the norm's sum and the loss over the stages
   CHECK(x.cp.total_calls() + x.ep.total_calls() + x.expert_data.total_calls() == 0);
 }
 
@@ -360,39 +364,78 @@ TEST_CASE("the demo's activation and work buffers are what the model allocates, 
   check_buffers_held<FullRecompute>();
 }
 
-TEST_CASE("the demo's collectives in one ZeRO-1 step are what a Counting communicator sees") {
-  using P = DemoPlan<1>;
-  std::vector<int> tok, tgt;
-  batch(tok, tgt);
+// The layout of a trainer's run, for the planner.
+template <class M, class Policy, class Sched, class R, int B, int T>
+struct trainer_run : plan::layout {
+  using mesh = M;
+  using schedule = Sched;
+  using recompute = R;
+  static constexpr bool sequence_parallel = M::tp > 1;
+  static constexpr int zero = Policy::stage, element_bytes = 4, micro_batch = B / M::dp, sequence = T;
+  // the trainer's cut of the blocks (FlopCost), which the plan then follows
+  static constexpr auto bounds = StageLayers<demo_cfg<R>, Sched::table.shape.ranks * Sched::table.shape.chunks>::bounds;
+};
+
+// One trainer step of the demo GPT on mesh M, every group's collectives counted on every rank,
+// against the plan of the same run: calls and bytes, kind by kind, for TP, CP, PP and DP x CP
+// (host values included). Dense: an expert all-to-all's bytes depend on the routing.
+template <class M, class Policy, class Sched, class R = NoRecompute>
+void check_step_traffic() {
+  using SP = std::conditional_t<(M::tp > 1), SequenceParallel, NoSequenceParallel>;
+  using Model = GPT<demo_cfg<R>, M, float, Host, SP>;
+  using Trainer = fived::Trainer<Model, Policy, Sched>;
+  constexpr int micro = Sched::table.micro_batches, B = 4, T = 32;
+  using P = plan::Plan<plan::from_gpt<demo_cfg<R>>(), trainer_run<M, Policy, Sched, R, B, T>>;
+  std::vector<int> tok(static_cast<std::size_t>(micro * B * T)), tgt(tok.size());
+  for (std::size_t i = 0; i < tok.size(); ++i) tok[i] = static_cast<int>(i * 7 % 256), tgt[i] = static_cast<int>(i * 13 % 256);
   std::mutex mu;
-  std::vector<CommCounts> tp(DemoMesh::size), dp(DemoMesh::size);
-  host::run(DemoMesh::size, [&](host::Comm& world) {
-    auto ctx = make_mesh_context<DemoMesh>(Counting<host::Comm>(world));
-    DemoModel<NoRecompute> model(ctx, GptInit{.seed = 1});
-    DataParallel<DemoModel<NoRecompute>, ZeRO<1>> trainer(model, ctx, AdamWConfig{});  // no clipping: no norm sums
-    const CommCounts tp0 = ctx.comm<Axis::tp>().counts(), dp0 = ctx.comm<DemoMesh::grad_group>().counts();
-    trainer.step(tok, tgt, demo_B, demo_T);
+  std::vector<plan::Traffic> got(M::size);
+  std::vector<int> pp_rank(M::size);
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(Counting<host::Comm>(world));
+    const TrainerConfig hp{.adamw = {.max_norm = 1.0f}, .lr = {.peak = 1e-3}};
+    Trainer t(ctx, hp, GptInit{.seed = 1});
+    auto counts = [&] {
+      return plan::Traffic{ctx.template comm<Axis::tp>().counts(), ctx.template comm<Axis::cp>().counts(),
+                           ctx.template comm<typename M::expert_group>().counts(), ctx.template comm<Axis::pp>().counts(),
+                           ctx.template comm<typename M::grad_group>().counts(),
+                           ctx.template comm<typename M::expert_data_group>().counts()};
+    };
+    const plan::Traffic before = counts();
+    t.step(1, tok, tgt, B, T);
+    const plan::Traffic after = counts();
     std::lock_guard lock(mu);
-    tp[static_cast<std::size_t>(ctx.rank())] = ctx.comm<Axis::tp>().counts() - tp0;
-    dp[static_cast<std::size_t>(ctx.rank())] = ctx.comm<DemoMesh::grad_group>().counts() - dp0;
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    got[r] = {after.tp - before.tp, after.cp - before.cp, after.ep - before.ep, after.pp - before.pp,
+              after.grad - before.grad, after.expert_data - before.expert_data};
+    pp_rank[r] = ctx.coord()[Axis::pp];
   });
+  for (int r = 0; r < M::size; ++r) {
+    CAPTURE(M::name());
+    CAPTURE(r);
+    const plan::Traffic& want = P::traffic_by_rank[static_cast<std::size_t>(pp_rank[static_cast<std::size_t>(r)])];
+    const plan::Traffic& x = got[static_cast<std::size_t>(r)];
+    CHECK(x.tp == want.tp);
+    CHECK(x.cp == want.cp);
+    CHECK(x.pp == want.pp);
+    CHECK(x.grad == want.grad);
+    CHECK(x.ep.total_calls() == 0);
+    CHECK(x.tp.total_calls() + x.cp.total_calls() + x.pp.total_calls() + x.grad.total_calls() > 0);
+  }
+}
+
+TEST_CASE("a trainer step's collectives are the plan's, group by group, on every rank of five meshes") {
   // TP with SP, 4 blocks (Megatron's counts, as tests/test_tp_gpt.cpp checks them): forward
   // RS 1 + 8, AG 8 + 1, AR 3 (the loss); backward RS 1 + 8, AG 8 + 1, AR 4 + 1 (LayerNorms).
+  using P = DemoPlan<1>;
   CHECK(P::traffic.tp.reduce_scatter.calls == 18);
   CHECK(P::traffic.tp.all_gather.calls == 18);
-  CHECK(P::traffic.tp.all_reduce.calls == 8);
-  for (int r = 0; r < DemoMesh::size; ++r) {
-    CAPTURE(r);
-    const CommCounts& x = tp[static_cast<std::size_t>(r)];
-    CHECK(x == P::traffic.tp);
-    // DP: the plan's reduce-scatters and all-gathers, and the step's mean loss (8 bytes), which
-    // the plan leaves out.
-    const CommCounts& y = dp[static_cast<std::size_t>(r)];
-    CHECK(y.reduce_scatter == P::traffic.grad.reduce_scatter);
-    CHECK(y.all_gather == P::traffic.grad.all_gather);
-    CHECK(y.all_reduce == Tally{1, 8});
-    CHECK(y.total_calls() == P::traffic.grad.total_calls() + 1);
-  }
+  CHECK(P::traffic.tp.all_reduce.calls == 8 + 1);  // + the gradient norm's sum over TP
+  check_step_traffic<Mesh<DP<2>, TP<2>>, ZeRO<1>, Accumulate<2>>();
+  check_step_traffic<Mesh<PP<2>, DP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 4>>();
+  check_step_traffic<Mesh<CP<2>, TP<2>>, NoZeRO, Accumulate<1>, SelectiveRecompute>();  // the ring twice forward
+  check_step_traffic<Mesh<DP<2>, TP<2>>, ZeRO<3>, Accumulate<2>, FullRecompute>();     // blocks again in backward
+  check_step_traffic<Mesh<DP<2>, PP<2>, CP<2>, TP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 4>>();
 }
 
 }  // namespace

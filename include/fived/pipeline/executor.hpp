@@ -256,6 +256,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   }
 
   double all_reduce_pp(double v) {
+    if (pp_.size() == 1) return v;  // no pipeline (Accumulate<M>): nothing to reduce
     if constexpr (requires { pp_.all_reduce_host(std::span<double>(&v, 1), ReduceOp::sum); })
       pp_.all_reduce_host(std::span<double>(&v, 1), ReduceOp::sum);
     else

@@ -27,10 +27,11 @@
 //   experts     the same over the expert-data group, for the expert buffer
 //
 // The counts of the TP layers are the ones architecture.md gives and tests/test_tp_gpt.cpp
-// checks with Counting; tests/test_plan.cpp checks a whole ZeRO-1 step of the demo on
-// Mesh<DP<2>, TP<2>> the same way. Left out: the step's host values (the mean loss over DP,
-// the gradient norm's sums over TP and DP: 8 bytes each; the experts' loads for the
-// selection bias, E doubles per MoE block).
+// checks with Counting; tests/test_plan.cpp checks whole trainer steps of small meshes the
+// same way. The step's host values (step_scalars) count too: every chunk's gradient norm
+// summed over TP and, under ZeRO, over its group (the experts': over TP, EP and theirs), the
+// experts' loads of each MoE block (E doubles over DP x CP), the mean loss over DP x CP, and
+// over PP the norm and the loss: an all-reduce of 8 bytes each, as the trainer issues them.
 
 #include <cstdint>
 #include <span>
@@ -142,6 +143,36 @@ constexpr Traffic layer_traffic(const Transformer& m, const Blocks& part, const 
         tally(r.ep.all_to_all, forwards * M, m.experts * 8);
         tally(r.ep.all_to_all_v, (2 * forwards + 2) * std::int64_t{M}, Nk * C * a.t);
       }
+  return r;
+}
+
+// The host values one chunk's optimizer step reduces (8-byte doubles, an all-reduce each):
+// its gradient norm's sum over TP (DataParallel::grad_sum_of_squares, GPT::sum_over_tp) and,
+// under ZeRO, over DP x CP; with experts the same for the expert buffer (over TP, EP and the
+// expert-data group) and the loads of its MoE blocks over DP x CP (GPT::balance_experts).
+constexpr Traffic chunk_scalars(const Transformer& m, const Blocks& part, const Rows& a, int grad, int edp, int zero,
+                                int expert_zero) {
+  using detail::tally;
+  Traffic r;
+  if (a.tp > 1) tally(r.tp.all_reduce, 1, 8);
+  if (zero >= 1 && grad > 1) tally(r.grad.all_reduce, 1, 8);
+  int moe = 0;
+  for (int l = part.first; l < part.first + part.count; ++l) moe += m.is_moe(l) ? 1 : 0;
+  if (moe > 0) {
+    if (a.tp > 1) tally(r.tp.all_reduce, 1, 8);
+    if (a.ep > 1) tally(r.ep.all_reduce, 1, 8);
+    if (expert_zero >= 1 && edp > 1) tally(r.expert_data.all_reduce, 1, 8);
+    if (grad > 1) tally(r.grad.all_reduce, 1, std::int64_t{moe} * m.experts * 8);
+  }
+  return r;
+}
+
+// The host values of the whole step on a pipeline rank of P (pipeline/executor.hpp): the mean
+// loss over DP x CP, and over PP the norm's sum and the loss.
+constexpr Traffic step_scalars(int grad, int P) {
+  Traffic r;
+  if (grad > 1) detail::tally(r.grad.all_reduce, 1, 8);
+  if (P > 1) detail::tally(r.pp.all_reduce, 2, 8);
   return r;
 }
 

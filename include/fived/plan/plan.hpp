@@ -102,8 +102,13 @@ struct Plan : Setup<Model, Layout> {
   // What a pipeline rank issues in one step.
   static constexpr Traffic traffic_of_rank(int rank) {
     Traffic r;
-    for (int c = 0; c < V; ++c) r += part_traffic[static_cast<std::size_t>(shape.stage(rank, c))];
+    for (int c = 0; c < V; ++c) {
+      const int p = shape.stage(rank, c);
+      r += part_traffic[static_cast<std::size_t>(p)];
+      r += chunk_scalars(Model, setup::part(p), rows, grad, edp, zero, expert_zero);
+    }
     r.pp = pipeline_traffic(schedule::table.program(rank), rows.n * Model.d_model * t);
+    r += step_scalars(grad, P);
     return r;
   }
 
