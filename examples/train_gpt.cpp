@@ -8,9 +8,10 @@
 // ranks), one schedule (1F1B over 2·PP micro-batches on a pipeline, else the whole batch at
 // once), and the mesh picked from the compiled ones by --mesh (default dp2.tp2):
 //
-//   serial            one rank                  dp2.tp2          DP 2 x TP 2 (SP)
-//   tp4               TP 4 (SP)                 pp2.dp2          PP 2 x DP 2, 1F1B
-//   cp2.tp2           CP 2 x TP 2 (SP)          dp2.pp2.cp2.tp2  all four axes: 16 ranks
+//   serial            one rank                  dp2              DP 2
+//   dp2.tp2           DP 2 x TP 2 (SP)          tp4              TP 4 (SP)
+//   pp2.dp2           PP 2 x DP 2, 1F1B         cp2.tp2          CP 2 x TP 2 (SP)
+//   dp2.pp2.cp2.tp2   all four axes: 16 ranks
 //
 // On the host backend the ranks are threads of this process. Built by nvcc with fived::cuda
 // (train_gpt_cuda, examples/train_gpt_cuda.cu includes this file) it trains on the GPU when
@@ -36,6 +37,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -128,6 +130,7 @@ struct MeshChoice {
 #define FIVED_MESH(name, ...) MeshChoice{name, __VA_ARGS__::size, &train_on<__VA_ARGS__>}
 const MeshChoice meshes[] = {
     FIVED_MESH("serial", Mesh<>),
+    FIVED_MESH("dp2", Mesh<DP<2>>),
     FIVED_MESH("dp2.tp2", Mesh<DP<2>, TP<2>>),
     FIVED_MESH("tp4", Mesh<TP<4>>),
     FIVED_MESH("pp2.dp2", Mesh<PP<2>, DP<2>>),
@@ -224,16 +227,18 @@ Corpus load(const Options& opt) {
   return c;
 }
 
-// The mean loss over 4 fixed held-out batches of the serial model.
-double held_out_loss(Serial& model, const Options& opt, const Corpus& c) {
+// The mean loss of the serial model over `batches` fixed held-out batches; a progress bar on
+// `bar` (the final, longer evaluation on a terminal).
+double held_out_loss(Serial& model, const Options& opt, const Corpus& c, int batches = 4, std::FILE* bar = nullptr) {
   const BatchSampler held(c.data, c.split, c.data.size(), opt.seed + 1);
   std::vector<int> tok, tgt;
   double sum = 0;
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < batches; ++i) {
     held.fill(static_cast<std::uint64_t>(i), 1, opt.batch, opt.seq, tok, tgt);
     sum += model.forward(tok.data(), tgt.data(), opt.batch, opt.seq);
+    progress_bar(bar, "evaluating", static_cast<std::size_t>(i + 1), static_cast<std::size_t>(batches));
   }
-  return sum / 4;
+  return sum / batches;
 }
 
 // Next token from the model given a context (cropped to max_seq): greedy when temperature is 0.
@@ -339,6 +344,9 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
                                      });
   if (!prints) return 0;
   std::printf("trained %d steps in %.1f s\n", opt.steps, seconds);
+  const int final_batches = 32;
+  std::printf("held-out loss %.4f over %d batches\n",
+              held_out_loss(eval, opt, corpus, final_batches, isatty(fileno(stderr)) ? stderr : nullptr), final_batches);
   return finish(eval, opt, corpus, val_start, val_end);
 }
 
@@ -351,7 +359,7 @@ int train_on(const Options& opt, const Corpus& corpus) {
           std::to_string(micro) + " micro-batches x DP " + std::to_string(M::dp) + ") and --seq of " +
           std::to_string(2 * M::cp * M::tp) + " (2 x CP x TP: zig-zag chunks, sequence parallelism)");
 #if defined(FIVED_TRAIN_GPT_CUDA)
-  if (!opt.host && cuda::device_count() > 0) {
+  if (!opt.host && fived::cuda::device_count() > 0) {
     const LaunchEnv env = launch_env();
     if (env.world_size != M::size)
       usage("--mesh " + opt.mesh + " needs " + std::to_string(M::size) + " processes, one per rank, but this launch has " +
@@ -361,7 +369,7 @@ int train_on(const Options& opt, const Corpus& corpus) {
     FIVED_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     auto ctx = make_mesh_context<M>(nccl::init_world());
     return train_rank<M, Cuda>(ctx, opt, corpus, std::string("CUDA, ") + prop.name + ", fp32, NCCL",
-                               cuda::peak_bf16_flops(0));
+                               fived::cuda::peak_bf16_flops(0));
   }
   if (const int world = launch_env().world_size; world > 1)
     usage("launched as " + std::to_string(world) + " processes, but " +

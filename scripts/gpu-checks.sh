@@ -21,7 +21,7 @@ out=${2:-gpu-out}
 build=${BUILD_DIR:-build-gpu}
 status=0
 cuda_targets="test_nccl_comm nccl_ranks_check test_nccl_mesh_context test_kernels_cuda test_gpt_cuda
-  test_mesh_cuda test_pipeline_cuda test_context_cuda bench_kernels bench_train_step bench_overlap
+  test_mesh_cuda test_pipeline_cuda test_context_cuda test_moe_cuda test_trainer_cuda bench_kernels bench_train_step bench_overlap
   bench_collectives_nccl bench_ring_attention train_gpt_cuda"
 
 run() {  # run LOG COMMAND...: the command's output appended to LOG, its status remembered
@@ -72,6 +72,9 @@ bench() {
   run "$out/bench-ring-attention.txt" bash scripts/launch-local.sh 2 "$b/ring_attention"
   run "$out/bench-collectives.txt" bash scripts/launch-local.sh 4 "$b/collectives_nccl"
   run "$out/train-gpt-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --steps 60
+  # The trainer's progress lines (tok/s, MFU) on Mesh<DP<2>> as two processes, and on one rank.
+  run "$out/trainer-cuda.txt" bash scripts/launch-local.sh 2 "$build/examples/train_gpt_cuda" --mesh dp2 --steps 100 --batch 16 --seq 128
+  run "$out/trainer-cuda.txt" "$build/examples/train_gpt_cuda" --mesh serial --steps 100 --batch 16 --seq 128
 }
 
 case $stage in
