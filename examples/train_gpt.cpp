@@ -99,8 +99,9 @@ N number(std::string_view option, const std::string& s) {
   const char* end = s.data() + s.size();
   const auto [p, ec] = std::from_chars(s.data(), end, v);
   if (ec != std::errc() || p != end || s.empty())
-    usage("bad value '" + s + "' after " + std::string(option) + ": expected a whole " +
-          (std::is_integral_v<N> ? "integer" : "number") + (ec == std::errc::result_out_of_range ? " in range" : ""));
+    usage("bad value '" + s + "' after " + std::string(option) + ": expected " +
+          (std::is_unsigned_v<N> ? "a non-negative integer" : std::is_integral_v<N> ? "an integer" : "a number") +
+          (ec == std::errc::result_out_of_range ? " in range" : "") + ", and nothing after it");
   return v;
 }
 

@@ -1273,6 +1273,22 @@ TEST_CASE("FIVED_HOST_TIMEOUT_S is parsed strictly and never overrides RunOption
   // an explicit timeout must be positive
   CHECK_THROWS_AS(host::run(2, [](Comm&) {}, host::RunOptions{.timeout = std::chrono::milliseconds(0)}),
                   std::invalid_argument);
+
+  // huge values are a year, not an overflow into a timeout of 1 ms or one already past: a
+  // barrier after a short sleep still succeeds
+  const auto year = std::chrono::milliseconds(static_cast<std::int64_t>(host::detail::max_timeout_s) * 1000);
+  for (const char* huge : {"1e10", "1e300"}) {
+    CAPTURE(huge);
+    setenv("FIVED_HOST_TIMEOUT_S", huge, 1);
+    CHECK(host::detail::resolve_timeout({}) == year);
+    auto r = run_misuse(2, [](Comm& w) {
+      if (w.rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      w.barrier();
+    });
+    CHECK(r.run_kind == none);
+  }
+  CHECK(host::detail::resolve_timeout(host::RunOptions{.timeout = std::chrono::hours(24 * 3650)}) == year);
+  unsetenv("FIVED_HOST_TIMEOUT_S");
 }
 
 TEST_CASE("synchronize is a no-op and name() is the group's name by reference") {

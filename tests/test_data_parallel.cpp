@@ -644,6 +644,27 @@ TEST_CASE("ranks that disagree on the policy get an error, not a hang, through t
                   CommError);
 }
 
+TEST_CASE("ranks started from different weights are an error at construction, on every rank, not a silent drift") {
+  for (bool one_weight : {false, true}) {
+    CAPTURE(one_weight);
+    std::vector<std::string> errors(2);
+    host::run(2, [&](host::Comm& world) {
+      auto ctx = make_mesh_context<Mesh<DP<2>>>(world);
+      GPT<cfg, Mesh<DP<2>>> m(GptInit{.seed = one_weight ? 1u : 1u + static_cast<unsigned>(ctx.rank())});
+      if (one_weight && ctx.rank() == 1) m.params()[5] += 1.0f;  // one weight differs
+      try {
+        DataParallel<decltype(m), ZeRO<1>, bucket_bytes> dp(m, ctx, hp);
+      } catch (const std::invalid_argument& e) {
+        errors[static_cast<std::size_t>(ctx.rank())] = e.what();
+      }
+    });
+    for (const std::string& e : errors)
+      CHECK(e == "fived::DataParallel: the ranks of the data-parallel group cp*dp hold different initial weights, so their "
+                 "replicas would drift apart: give every rank the same GptInit seed (or load the same weights) before "
+                 "making the trainer");
+  }
+}
+
 TEST_CASE("a global batch that does not divide over DP is an error") {
   using M4 = Mesh<DP<4>>;
   using DP4 = DataParallel<GPT<cfg, M4>>;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fived/io/safetensors.hpp"
@@ -224,4 +225,46 @@ TEST_CASE("missing tensor, and writer misuse") {
                        SafetensorsError);
   CHECK_THROWS_WITH_AS(w.write("/nonexistent/dir/x.safetensors"), doctest::Contains("cannot open for writing"),
                        SafetensorsError);
+}
+
+TEST_CASE("a field or metadata key given twice is an error, not a silent merge") {
+  CHECK(contains(error_of(make_file(R"({"a":{"dtype":"F32","shape":[1],"shape":[1],"data_offsets":[0,4]}})", 4)),
+                 "tensor \"a\" has \"shape\" twice"));
+  CHECK(contains(error_of(make_file(R"({"a":{"dtype":"F32","dtype":"F64","shape":[1],"data_offsets":[0,4]}})", 4)),
+                 "tensor \"a\" has \"dtype\" twice"));
+  CHECK(contains(error_of(make_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"data_offsets":[0,4]}})", 4)),
+                 "tensor \"a\" has \"data_offsets\" twice"));
+  CHECK(contains(error_of(make_file(R"({"__metadata__":{"k":"1","k":"2"}})", 0)), "metadata key \"k\" appears twice"));
+}
+
+TEST_CASE("writing: a failed rename says why; concurrent writers of one path never collide; nothing is left behind") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / "fived_test_safetensors_write";
+  fs::remove_all(dir);
+  fs::create_directories(dir / "a_folder");
+  std::vector<float> a(1000, 1.0f);
+  SafetensorsWriter w;
+  w.add("x", {1000}, std::span<const float>(a));
+  // Renaming a file over a non-empty folder fails: the message carries the rename's error.
+  fs::create_directories(dir / "a_folder" / "inside");
+  const std::string err = [&] {
+    try {
+      w.write(dir / "a_folder");
+    } catch (const SafetensorsError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  }();
+  CHECK(contains(err, "cannot rename"));
+  CHECK(!contains(err, "Success"));
+  // Eight threads write the same path at once: each through its own temporary file, and the
+  // file that stays is one of theirs, whole.
+  std::vector<std::thread> writers;
+  for (int i = 0; i < 8; ++i) writers.emplace_back([&] { w.write(dir / "same.safetensors"); });
+  for (auto& t : writers) t.join();
+  CHECK(SafetensorsFile::read(dir / "same.safetensors").at("x").shape == std::vector<std::int64_t>{1000});
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(dir)) files += e.is_regular_file() ? 1 : 0;
+  CHECK(files == 1);  // no temporary file left
+  fs::remove_all(dir);
 }

@@ -211,15 +211,19 @@ struct World {
   }
 };
 
-// RunOptions::timeout if set, else FIVED_HOST_TIMEOUT_S, else 300 s.
+inline constexpr double max_timeout_s = 365.0 * 24 * 3600;
+
+// RunOptions::timeout if set, else FIVED_HOST_TIMEOUT_S, else 300 s; at most a year.
 inline std::chrono::milliseconds resolve_timeout(const RunOptions& o) {
   if (o.timeout) {
     if (o.timeout->count() <= 0)
       throw std::invalid_argument("fived::host::run: RunOptions::timeout is " + std::to_string(o.timeout->count()) +
                                   " ms: it must be positive (leave it unset for FIVED_HOST_TIMEOUT_S or 300 s)");
-    return *o.timeout;
+    return std::min(*o.timeout, std::chrono::milliseconds(static_cast<std::int64_t>(max_timeout_s) * 1000));
   }
-  const auto s = util::env_seconds("FIVED_HOST_TIMEOUT_S", 300.0);
+  // At most a year: a longer wait is no timeout, and far larger values (1e10, 1e300 s) would
+  // overflow the clock's arithmetic into a timeout already past.
+  const auto s = std::min(util::env_seconds("FIVED_HOST_TIMEOUT_S", 300.0), std::chrono::duration<double>(max_timeout_s));
   // at least 1 ms: a sub-millisecond value must not become a timeout of zero
   return std::max(std::chrono::milliseconds(1), std::chrono::ceil<std::chrono::milliseconds>(s));
 }

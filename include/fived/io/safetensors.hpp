@@ -15,14 +15,16 @@
 // was expected.
 //
 // Writing: `SafetensorsWriter` collects (name, dtype, shape, bytes) views and `write(path)`
-// writes "<path>.tmp", flushes it to disk and renames it over <path> (atomic on POSIX). The
-// header is padded with spaces to a multiple of 8 bytes, so the data section starts 8-byte
-// aligned, and tensors are ordered by decreasing element size (then name), so every tensor
+// writes "<path>.tmp.<pid>.<n>", flushes it to disk, renames it over <path> and flushes the
+// folder (atomic on POSIX; a killed writer leaves only its temporary file). The header is
+// padded with spaces to a multiple of 8 bytes, so the data section starts 8-byte aligned,
+// and tensors are ordered by decreasing element size (then name), so every tensor
 // is aligned to its element size — what the reference implementation does.
 //
 // Only little-endian hosts are supported (static_assert).
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cstddef>
@@ -42,6 +44,7 @@
 #include <vector>
 
 #if __has_include(<unistd.h>)
+#include <fcntl.h>
 #include <unistd.h>
 #define FIVED_SAFETENSORS_HAS_FSYNC 1
 #endif
@@ -49,6 +52,29 @@
 #include "fived/device/bf16.hpp"
 
 namespace fived::io {
+
+namespace detail {
+inline long process_id() {
+#ifdef FIVED_SAFETENSORS_HAS_FSYNC
+  return static_cast<long>(::getpid());
+#else
+  return 0;
+#endif
+}
+// Flushes the folder holding `path` (its entry for a renamed file) to disk.
+inline void sync_folder(const std::filesystem::path& path) {
+#ifdef FIVED_SAFETENSORS_HAS_FSYNC
+  const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return;  // a folder that cannot be opened cannot be flushed either; the rename stands
+  (void)::fsync(fd);
+  ::close(fd);
+#else
+  (void)path;
+#endif
+}
+}  // namespace detail
+
 
 static_assert(std::endian::native == std::endian::little,
               "fived::io::safetensors supports little-endian hosts only (the format is little-endian)");
@@ -568,9 +594,11 @@ class SafetensorsFile {
     while (!P.peek('}')) {
       if (!first) P.expect(',', "',' or '}' in \"__metadata__\"");
       first = false;
+      const std::size_t key_pos = (P.ws(), P.pos());
       std::string k = P.string("a metadata key");
       P.expect(':', "':' after a metadata key");
       std::string v = P.string("a metadata value (metadata values must be strings)");
+      if (metadata_.count(k)) P.fail_at(key_pos, "metadata key \"" + k + "\" appears twice");
       metadata_[std::move(k)] = std::move(v);
     }
     P.expect('}', "'}'");
@@ -590,6 +618,8 @@ class SafetensorsFile {
       const std::size_t field_pos = (P.ws(), P.pos());
       std::string field = P.string("a field name (\"dtype\", \"shape\" or \"data_offsets\")");
       P.expect(':', "':' after \"" + field + "\"");
+      if ((field == "dtype" && has_dtype) || (field == "shape" && has_shape) || (field == "data_offsets" && has_offsets))
+        P.fail_at(field_pos, "tensor \"" + name + "\" has \"" + field + "\" twice");
       if (field == "dtype") {
         const std::size_t at = (P.ws(), P.pos());
         std::string d = P.string("the dtype");
@@ -611,7 +641,6 @@ class SafetensorsFile {
       } else {
         P.skip_value();  // unknown fields are ignored, as the reference implementation does
       }
-      (void)field_pos;
     }
     P.expect('}', "'}'");
     if (!has_dtype || !has_shape || !has_offsets)
@@ -689,10 +718,13 @@ class SafetensorsWriter {
     return out;
   }
 
-  // Writes "<path>.tmp", flushes it to disk, renames it to path.
+  // Writes "<path>.tmp.<pid>.<n>" (a name no other writer, thread or process, uses), flushes
+  // it to disk, renames it to path and flushes the folder, so the new name survives a crash.
+  // A killed writer leaves its temporary file behind, never a partial <path>.
   void write(const std::filesystem::path& path) const {
+    static std::atomic<unsigned> counter{0};
     std::filesystem::path tmp = path;
-    tmp += ".tmp";
+    tmp += ".tmp." + std::to_string(detail::process_id()) + "." + std::to_string(counter++);
     std::FILE* f = std::fopen(tmp.c_str(), "wb");
     if (!f) throw SafetensorsError(tmp.string() + ": cannot open for writing (" + std::strerror(errno) + ")");
     bool ok = true;
@@ -706,16 +738,19 @@ class SafetensorsWriter {
     const int err = errno;
     ok = (std::fclose(f) == 0) && ok;
     if (!ok) {
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
+      std::error_code ignored;
+      std::filesystem::remove(tmp, ignored);
       throw SafetensorsError(tmp.string() + ": write failed (" + std::strerror(err) + ")");
     }
     std::error_code ec;
     std::filesystem::rename(tmp, path, ec);
     if (ec) {
-      std::filesystem::remove(tmp, ec);
-      throw SafetensorsError(path.string() + ": cannot rename " + tmp.string() + " to it (" + ec.message() + ")");
+      const std::string why = ec.message();  // before the clean-up's own error code replaces it
+      std::error_code ignored;
+      std::filesystem::remove(tmp, ignored);
+      throw SafetensorsError(path.string() + ": cannot rename " + tmp.string() + " to it (" + why + ")");
     }
+    detail::sync_folder(path);
   }
 
  private:

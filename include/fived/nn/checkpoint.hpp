@@ -6,7 +6,7 @@
 //
 //   save_gpt<Layout>(path, params, metadata)    every tensor in T's dtype (F32, F64 or
 //                                               BF16); wte/lm_head without the padded
-//                                               vocabulary rows; atomic (<path>.tmp, rename)
+//                                               vocabulary rows; atomic (a temporary, rename)
 //   load_gpt<Layout>(file, params, what)        names with or without "transformer.";
 //                                               HF's attention-mask buffers and, in a tied
 //                                               model, lm_head.weight are ignored; any

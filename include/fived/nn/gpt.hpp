@@ -590,7 +590,7 @@ class GPT {
   // ---- safetensors, with Hugging Face GPT-2 names and shapes ---------------------------------
 
   // The whole model's file (nn/checkpoint.hpp): gathered over TP, written by TP rank 0
-  // (atomic: "<path>.tmp", then rename); every rank returns once the file is complete.
+  // (atomic: a temporary file, then rename); every rank returns once the file is complete.
   void save(const std::filesystem::path& path, const std::map<std::string, std::string>& metadata = {}) {
     if constexpr (has_experts)
       throw std::logic_error("GPT::save: a mixture of experts cannot be saved yet (its experts live in a second "

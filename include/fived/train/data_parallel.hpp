@@ -103,6 +103,7 @@
 // allocated (unmapping it needs the driver's virtual memory API, not used yet).
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -482,7 +483,29 @@ class DataParallel {
       done_with_params(u);
       if constexpr (HasExperts<Model>) detail::call(experts_->hooks().after_backward, u);
     };
+    check_replicas_agree();
     shard_state();
+  }
+
+  // Every rank of the group must start from the same weights, or the replicas drift apart
+  // silently (ranks initialised from different seeds). PyTorch's DDP broadcasts rank 0's; a
+  // fived model initialises each rank's piece alone from the seed, so a difference is a
+  // mistake to report: a 64-bit hash of the parameters, compared over the group (its halves
+  // as doubles: max and max of the negation agree only if every rank has the same).
+  void check_replicas_agree() {
+    if constexpr (DP > 1 && requires { model_.params_to_host(); }) {
+      const std::vector<T> p = model_.params_to_host();
+      std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the bytes
+      for (const std::byte b : std::as_bytes(std::span<const T>(p))) h = (h ^ static_cast<std::uint64_t>(b)) * 1099511628211ull;
+      const double hi = static_cast<double>(h >> 32), lo = static_cast<double>(h & 0xffffffffu);
+      std::array<double, 4> v{hi, lo, -hi, -lo};
+      comm_.all_reduce_host(std::span<double>(v), ReduceOp::max);
+      if (v[0] != -v[2] || v[1] != -v[3])
+        throw std::invalid_argument(
+            "fived::DataParallel: the ranks of the data-parallel group " + group::name() +
+            " hold different initial weights, so their replicas would drift apart: give every rank the same "
+            "GptInit seed (or load the same weights) before making the trainer");
+    }
   }
 
   // What this rank's optimizer owns of bucket i: the whole bucket without ZeRO, else its piece.
