@@ -1377,3 +1377,25 @@ TEST_CASE("misuse: after an abort every call fails at once") {
 TEST_CASE("host::run rejects a world without ranks") {
   CHECK_THROWS_AS(host::run(0, [](Comm&) {}), std::invalid_argument);
 }
+
+TEST_CASE("a rank whose compute thread runs while its communication thread waits is not deadlocked") {
+  // Rank 0 waits at a barrier for rank 1, whose own thread is busy (it has called no
+  // collective yet) while a second thread of rank 1 waits in an all-reduce on another group
+  // that rank 0 joins after the barrier. Nothing is stuck: rank 1's own thread is running.
+  std::vector<std::int32_t> sums(2, 0);
+  host::run(2, [&](Comm& w) {
+    Comm g = w.split(0, w.rank(), "g");
+    std::vector<std::int32_t> v(1, w.rank() + 1);
+    if (w.rank() == 0) {
+      w.barrier();
+      g.all_reduce<std::int32_t>(std::span<std::int32_t>(v));
+    } else {
+      std::thread side([&] { g.all_reduce<std::int32_t>(std::span<std::int32_t>(v)); });
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // compute
+      w.barrier();
+      side.join();
+    }
+    sums[static_cast<std::size_t>(w.rank())] = v[0];
+  });
+  CHECK(sums == std::vector<std::int32_t>{3, 3});
+}

@@ -106,8 +106,9 @@ struct World {
   World(int n, std::chrono::milliseconds t) : size(n), timeout(t), waiting(n), finished(n, false) {}
 
   // A rank may call collectives from several threads (its compute thread and a
-  // communication thread, on different groups): each thread of a rank that has ever
-  // waited has its own entry, and the rank is blocked only while all of them wait.
+  // communication thread, on different groups): its own thread from the start and every
+  // thread from its first collective have an entry, and the rank is blocked only while all
+  // of them wait. (A thread that ended keeps its entry, idle: the timeout still applies.)
   struct Wait {
     std::thread::id thread;
     bool active = false;
@@ -167,6 +168,10 @@ struct World {
   // A wait whose condition already holds completes even after an abort, so a
   // collective that finished is reported as finished; the next call throws.
   void wait(std::unique_lock<std::mutex>& lk, int r, const std::string& what, std::function<bool()> done) {
+    // Every thread that calls a collective has an entry, also one whose peers are always there
+    // first: otherwise a rank whose compute thread is running, unseen, while its communication
+    // thread waits would count as blocked, and a healthy run as deadlocked.
+    (void)slot_of(r);
     if (done()) return;
     if (!abort_reason.empty()) throw_aborted(r, what);
     Wait& slot = slot_of(r);
@@ -536,6 +541,10 @@ void run(int n, F&& fn, RunOptions opts = {}) {
   threads.reserve(n);
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
+      {
+        std::lock_guard lk(world->mu);
+        (void)world->slot_of(r);  // the rank's own thread counts from the start (see World::wait)
+      }
       Comm comm(world, group, r);
       try {
         fn(comm);
