@@ -53,6 +53,14 @@
 
 namespace fived::io {
 
+static_assert(std::endian::native == std::endian::little,
+              "fived::io::safetensors supports little-endian hosts only (the format is little-endian)");
+
+class SafetensorsError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 namespace detail {
 inline long process_id() {
 #ifdef FIVED_SAFETENSORS_HAS_FSYNC
@@ -73,16 +81,38 @@ inline void sync_folder(const std::filesystem::path& path) {
   (void)path;
 #endif
 }
+// Writes n bytes to path atomically: "<path>.tmp.<pid>.<k>" (a name no other writer, thread
+// or process, uses), flushed to disk, renamed to path, the folder flushed so the new name
+// survives a crash. A killed writer leaves its temporary file behind, never a partial path.
+inline void write_atomically(const std::filesystem::path& path, const void* data, std::size_t n) {
+  static std::atomic<unsigned> counter{0};
+  std::filesystem::path tmp = path;
+  tmp += ".tmp." + std::to_string(process_id()) + "." + std::to_string(counter++);
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (!f) throw SafetensorsError(tmp.string() + ": cannot open for writing (" + std::strerror(errno) + ")");
+  bool ok = n == 0 || std::fwrite(data, 1, n, f) == n;
+  ok = ok && std::fflush(f) == 0;
+#ifdef FIVED_SAFETENSORS_HAS_FSYNC
+  ok = ok && ::fsync(fileno(f)) == 0;
+#endif
+  const int err = errno;
+  ok = (std::fclose(f) == 0) && ok;
+  if (!ok) {
+    std::error_code ignored;
+    std::filesystem::remove(tmp, ignored);
+    throw SafetensorsError(tmp.string() + ": write failed (" + std::strerror(err) + ")");
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    const std::string why = ec.message();  // before the clean-up's own error code replaces it
+    std::error_code ignored;
+    std::filesystem::remove(tmp, ignored);
+    throw SafetensorsError(path.string() + ": cannot rename " + tmp.string() + " to it (" + why + ")");
+  }
+  sync_folder(path);
+}
 }  // namespace detail
-
-
-static_assert(std::endian::native == std::endian::little,
-              "fived::io::safetensors supports little-endian hosts only (the format is little-endian)");
-
-class SafetensorsError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 enum class Dtype : std::uint8_t { BOOL, U8, I8, I16, U16, F16, BF16, I32, U32, F32, I64, U64, F64 };
 
@@ -203,13 +233,13 @@ namespace detail {
 // where (byte offset in the file) and what was expected.
 class HeaderParser {
  public:
-  HeaderParser(std::string_view text, std::string source, std::size_t base)
-      : s_(text), source_(std::move(source)), base_(base) {}
+  // kind: what the text is, in errors ("safetensors header"; a checkpoint's manifest).
+  HeaderParser(std::string_view text, std::string source, std::size_t base, std::string kind = "safetensors header")
+      : s_(text), source_(std::move(source)), base_(base), kind_(std::move(kind)) {}
 
   [[noreturn]] void fail(const std::string& what) const { fail_at(pos_, what); }
   [[noreturn]] void fail_at(std::size_t pos, const std::string& what) const {
-    throw SafetensorsError(source_ + ": safetensors header, byte " + std::to_string(base_ + pos) + " of the file: " +
-                           what);
+    throw SafetensorsError(source_ + ": " + kind_ + ", byte " + std::to_string(base_ + pos) + " of the file: " + what);
   }
 
   std::string found() const {
@@ -396,6 +426,7 @@ class HeaderParser {
   std::string_view s_;
   std::string source_;
   std::size_t base_;
+  std::string kind_;
   std::size_t pos_ = 0;
 };
 
@@ -718,39 +749,14 @@ class SafetensorsWriter {
     return out;
   }
 
-  // Writes "<path>.tmp.<pid>.<n>" (a name no other writer, thread or process, uses), flushes
-  // it to disk, renames it to path and flushes the folder, so the new name survives a crash.
-  // A killed writer leaves its temporary file behind, never a partial <path>.
+  // Writes the file atomically (detail::write_atomically).
   void write(const std::filesystem::path& path) const {
-    static std::atomic<unsigned> counter{0};
-    std::filesystem::path tmp = path;
-    tmp += ".tmp." + std::to_string(detail::process_id()) + "." + std::to_string(counter++);
-    std::FILE* f = std::fopen(tmp.c_str(), "wb");
-    if (!f) throw SafetensorsError(tmp.string() + ": cannot open for writing (" + std::strerror(errno) + ")");
-    bool ok = true;
+    std::vector<std::byte> bytes;
     emit([&](const void* p, std::size_t n) {
-      if (ok && n && std::fwrite(p, 1, n, f) != n) ok = false;
+      auto b = static_cast<const std::byte*>(p);
+      bytes.insert(bytes.end(), b, b + n);
     });
-    ok = ok && std::fflush(f) == 0;
-#ifdef FIVED_SAFETENSORS_HAS_FSYNC
-    ok = ok && ::fsync(fileno(f)) == 0;
-#endif
-    const int err = errno;
-    ok = (std::fclose(f) == 0) && ok;
-    if (!ok) {
-      std::error_code ignored;
-      std::filesystem::remove(tmp, ignored);
-      throw SafetensorsError(tmp.string() + ": write failed (" + std::strerror(err) + ")");
-    }
-    std::error_code ec;
-    std::filesystem::rename(tmp, path, ec);
-    if (ec) {
-      const std::string why = ec.message();  // before the clean-up's own error code replaces it
-      std::error_code ignored;
-      std::filesystem::remove(tmp, ignored);
-      throw SafetensorsError(path.string() + ": cannot rename " + tmp.string() + " to it (" + why + ")");
-    }
-    detail::sync_folder(path);
+    detail::write_atomically(path, bytes.data(), bytes.size());
   }
 
  private:

@@ -106,6 +106,33 @@ struct ParamInfo {
   std::size_t file_size() const { return static_cast<std::size_t>(spec.file_rows * spec.cols); }
 };
 
+// A rank's piece of a tensor, for any TP and EP extents (compile-time in ParamTable, read from a
+// file by a checkpoint loader that reshards): its extent along dimension `dim`, and the index
+// in the whole tensor of its element `local` (row-major in the piece) on TP rank r, EP rank e.
+constexpr std::int64_t piece_extent(const TensorSpec& s, int dim, int TP, int EP) {
+  const std::int64_t n = dim == 0 ? s.rows : s.cols;
+  const std::int64_t e = dim == 0 && s.experts > 0 ? n / EP : n;
+  return s.tp.dim == dim ? e / TP : e;
+}
+constexpr std::int64_t whole_index(const TensorSpec& s, int TP, int EP, int r, int e, std::int64_t local) {
+  const std::int64_t piece_cols = piece_extent(s, 1, TP, EP);
+  std::int64_t row = local / piece_cols, col = local % piece_cols;
+  // along a split dimension of n elements cut as `groups` blocks: local index j of rank r
+  auto split = [&](std::int64_t n, std::int64_t j) {
+    const std::int64_t piece = n / s.tp.groups / TP;
+    return (j / piece) * (n / s.tp.groups) + static_cast<std::int64_t>(r) * piece + j % piece;
+  };
+  if (s.experts > 0) {  // whole experts over EP, then each expert's rows over TP
+    const std::int64_t rows_of = s.rows / s.experts, mine = s.tp.dim == 0 ? rows_of / TP : rows_of;
+    const std::int64_t expert = e * (s.experts / EP) + row / mine, within = row % mine;
+    row = expert * rows_of + (s.tp.dim == 0 ? r * mine + within : within);
+  } else if (s.tp.dim == 0) {
+    row = split(s.rows, row);
+  }
+  if (s.tp.dim == 1) col = split(s.cols, col);
+  return row * s.cols + col;
+}
+
 // Specs: a type with `static constexpr std::array<TensorSpec, n> specs` and `static
 // constexpr int layers` (for the residual init's std); optionally `static constexpr int
 // units` (default: the last spec's unit + 1).
@@ -119,11 +146,7 @@ struct ParamTable {
 
  private:
   static constexpr bool given_units = requires { Specs::units; };
-  static constexpr std::int64_t piece(const TensorSpec& s, int dim) {
-    const std::int64_t n = dim == 0 ? s.rows : s.cols;
-    const std::int64_t e = dim == 0 && s.experts > 0 ? n / EP : n;
-    return s.tp.dim == dim ? e / TP : e;
-  }
+  static constexpr std::int64_t piece(const TensorSpec& s, int dim) { return piece_extent(s, dim, TP, EP); }
   static constexpr bool splits_evenly() {
     for (const TensorSpec& s : specs) {
       if (s.experts > 0) {
@@ -193,18 +216,7 @@ struct ParamTable {
   // element index of the whole tensor: what initialises a piece by element and maps it to
   // the serial one.
   static constexpr std::int64_t global_index(int i, int r, std::int64_t local, int e = 0) {
-    const ParamInfo& t = tensors[static_cast<std::size_t>(i)];
-    const TpSplit s = t.spec.tp;
-    std::int64_t row = local / t.cols, col = local % t.cols;
-    if (t.spec.experts > 0) {  // whole experts over EP, then each expert's rows over TP
-      const std::int64_t rows_of = t.spec.rows / t.spec.experts, mine = s.dim == 0 ? rows_of / TP : rows_of;
-      const std::int64_t expert = e * (t.spec.experts / EP) + row / mine, within = row % mine;
-      row = expert * rows_of + (s.dim == 0 ? r * mine + within : within);
-    } else if (s.dim == 0) {
-      row = split_index(t.spec.rows, s.groups, r, row);
-    }
-    if (s.dim == 1) col = split_index(t.spec.cols, s.groups, r, col);
-    return row * t.spec.cols + col;
+    return whole_index(tensors[static_cast<std::size_t>(i)].spec, TP, EP, r, e, local);
   }
 
   // Whether TP rank r counts tensor i's gradient in the global norm: a split tensor's
@@ -246,11 +258,6 @@ struct ParamTable {
   using serial = ParamTable<Specs, 1, 1>;
 
  private:
-  // Along a split dimension of n elements cut as `groups` blocks: local index j of rank r.
-  static constexpr std::int64_t split_index(std::int64_t n, int groups, int r, std::int64_t j) {
-    const std::int64_t piece = n / groups / TP;
-    return (j / piece) * (n / groups) + static_cast<std::int64_t>(r) * piece + j % piece;
-  }
   // f(local offset, serial offset) for every element of rank (r, e)'s buffer.
   template <class F>
   static void for_each_element(int r, int e, F&& f) {

@@ -89,6 +89,26 @@ class AdamW {
   // Bytes of optimizer state held (moments, master weights).
   std::size_t state_bytes() const { return (m_.size() + v_.size() + master_.size()) * sizeof(float); }
 
+  // Where the state of r (inside one owned range) starts in exp_avg(), exp_avg_sq(), master().
+  std::size_t state_offset(FlatRange r) const {
+    const std::size_t k = range_holding(r);
+    return start_[k] + (r.begin - owned_[k].begin);
+  }
+  // A resumed run's state (train/checkpoint.hpp): the step count and, over owned() in order,
+  // the moments and (has_master) the fp32 masters, written with `ops` (an Ops<T, Device>).
+  template <class Ops>
+  void restore(Ops& ops, int step, std::span<const float> m, std::span<const float> v, std::span<const float> master) {
+    if (m.size() != m_.size() || v.size() != v_.size() || master.size() != master_.size() || step < 0)
+      throw std::invalid_argument("fived::AdamW::restore: the state has " + std::to_string(m.size()) + " moments for " +
+                                  std::to_string(m_.size()) + " owned elements (and " + std::to_string(master.size()) +
+                                  " masters for " + std::to_string(master_.size()) + ")");
+    ops.upload(m_.data(), m.data(), m.size());
+    ops.upload(v_.data(), v.data(), v.size());
+    if constexpr (has_master) ops.upload(master_.data(), master.data(), master.size());
+    master_ready_.assign(owned_.size(), has_master);
+    step_ = step;
+  }
+
   // min(1, max_norm / (sqrt(total) + 1e-6)); 1 when clipping is off.
   float clip_factor(double total_sum_of_squares) const {
     return hp.max_norm > 0 ? kernels::host::clip_factor(total_sum_of_squares, hp.max_norm) : 1.0f;

@@ -138,6 +138,9 @@ struct ZeRO {
   static constexpr int stage = Stage;
 };
 
+// The kinds of state a training step carries over to the next (checkpoints save each).
+enum class TrainState { params, master, exp_avg, exp_avg_sq };
+
 template <class Policy>
 inline constexpr bool is_zero_policy = false;
 template <>
@@ -437,6 +440,74 @@ class DataParallel {
   // The mean of a value over the data-parallel group (a loss), on every rank of it.
   double average(double v) { return comm_.all_reduce_host(v, ReduceOp::avg); }
 
+  // ---- checkpoints (train/checkpoint.hpp) -------------------------------------------------
+
+  // What this rank saves: its piece of every bucket (plan::owned), whatever the policy, so the
+  // group's ranks together save every element of the buffer once.
+  std::vector<FlatRange> save_ranges() const {
+    std::vector<FlatRange> v;
+    for (std::size_t i = 0; i < plan::count; ++i)
+      if (const FlatRange r = plan::owned(i, rank_); !r.empty()) v.push_back(r);
+    return v;
+  }
+  // The values of a kind of state over `r` (one of save_ranges()), in host memory: the
+  // parameters, or AdamW's fp32 masters (bf16 models), first or second moments.
+  using State = TrainState;
+  std::vector<double> save_state(State kind, FlatRange r) {
+    ops_type& ops = model_.ops();
+    std::vector<double> out(r.size());
+    if (kind == State::params) {
+      std::span<const T> from;
+      if constexpr (stage == 3) {  // the piece holds the owned elements first
+        const std::size_t i = bucket_of(r);
+        from = param_piece(i).subspan(r.begin - owned(i).begin, r.size());
+      } else {
+        from = model_.params().subspan(r.begin, r.size());
+      }
+      const std::vector<T> h = ops.to_host(from);
+      for (std::size_t k = 0; k < h.size(); ++k) out[k] = static_cast<double>(static_cast<acc_t<T>>(h[k]));
+      return out;
+    }
+    const std::span<const float> s = kind == State::master ? opt_.master() : kind == State::exp_avg ? opt_.exp_avg() : opt_.exp_avg_sq();
+    const std::vector<float> h = ops.to_host(s.subspan(opt_.state_offset(r), r.size()));
+    std::copy(h.begin(), h.end(), out.begin());
+    return out;
+  }
+  // Restores the step's state: fetch(kind, range) gives the values of any range of the flat
+  // buffer (from a checkpoint of any mesh); `step` is AdamW's step count.
+  template <class Fetch>
+  void load_state(Fetch&& fetch, int step) {
+    if constexpr (HasExperts<Model>)
+      throw std::logic_error("fived::DataParallel::load_state: checkpoints of a mixture of experts are not built yet");
+    ops_type& ops = model_.ops();
+    auto as = [](const std::vector<double>& d, auto* out) {
+      using U = std::remove_pointer_t<decltype(out)>;
+      std::vector<U> v(d.size());
+      for (std::size_t k = 0; k < d.size(); ++k) v[k] = static_cast<U>(d[k]);
+      return v;
+    };
+    if constexpr (stage == 3) {
+      for (std::size_t i = 0; i < plan::count; ++i) {
+        const std::vector<T> v = as(fetch(State::params, owned(i)), static_cast<T*>(nullptr));
+        ops.upload(param_piece(i).data(), v.data(), v.size());
+      }
+    } else {
+      const std::vector<T> v = as(fetch(State::params, FlatRange{0, layout::size}), static_cast<T*>(nullptr));
+      ops.upload(model_.params().data(), v.data(), v.size());
+    }
+    std::vector<float> m, v, master;
+    for (const FlatRange& r : opt_.owned()) {
+      auto put = [&](State k, std::vector<float>& to) {
+        const std::vector<float> x = as(fetch(k, r), static_cast<float*>(nullptr));
+        to.insert(to.end(), x.begin(), x.end());
+      };
+      put(State::exp_avg, m), put(State::exp_avg_sq, v);
+      if constexpr (optimizer_type::has_master) put(State::master, master);
+    }
+    opt_.restore(ops, step, m, v, master);
+  }
+  int optimizer_steps() const { return opt_.step_count(); }
+
   // The clip factor of the last step (1: not clipped).
   float last_clip() const { return last_clip_; }
   // The global gradient norm of the last update, before clipping (every axis counted).
@@ -532,6 +603,13 @@ class DataParallel {
   std::span<T> owned_grads(std::size_t i) {
     if constexpr (stage >= 2) return piece_of(grad_pieces_, i).first(owned(i).size());
     else return model_.grads().subspan(owned(i).begin, owned(i).size());
+  }
+  // The bucket holding flat range r.
+  static std::size_t bucket_of(FlatRange r) {
+    for (std::size_t i = 0; i < plan::count; ++i)
+      if (plan::bucket(i).range.contains(r)) return i;
+    throw std::invalid_argument("fived::DataParallel: range [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
+                                ") is not inside one bucket");
   }
   std::span<T> owned_params(std::size_t i) {
     if constexpr (stage == 3) return param_piece(i).first(owned(i).size());

@@ -27,6 +27,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -44,6 +46,7 @@
 #include "fived/pipeline/executor.hpp"
 #include "fived/pipeline/schedules.hpp"
 #include "fived/pipeline/stage_layers.hpp"
+#include "fived/train/checkpoint.hpp"
 #include "fived/train/data_parallel.hpp"
 #include "fived/train/lr_schedule.hpp"
 #include "fived/train/progress.hpp"
@@ -118,6 +121,7 @@ class Trainer {
        ...);
     }(std::make_index_sequence<P>{});
     world_rank_ = ctx.rank();
+    world_ = std::make_unique<GroupCommOf<C>>(ctx.world());
   }
 
   // One optimizer step at the learning rate of `step` (from 1) on the global batch: M
@@ -133,8 +137,7 @@ class Trainer {
   int world_rank() const { return world_rank_; }
 
   // The whole model in the serial layout (serial_layout), on every rank: each stage's part
-  // gathered over TP and summed over PP. A collective over the mesh. Not under ZeRO-3 yet
-  // (its parameters live in pieces between steps).
+  // gathered over TP (under ZeRO-3 over DP first) and summed over PP. A collective.
   std::vector<value_type> serial_params() { return rank_->serial_params(false); }
   // The same for the experts of a mixture of experts (serial_expert_layout): gathered over TP
   // and EP as well.
@@ -143,6 +146,52 @@ class Trainer {
   // Bytes the library's buffers hold on this rank's device: the process's on CUDA (a rank per
   // process), the process's over the ranks on the host backend (the ranks are its threads).
   static std::size_t memory_in_use() { return buffer_bytes_held<device>() / (std::is_same_v<device, Host> ? mesh::size : 1); }
+
+  // ---- checkpoints (train/checkpoint.hpp) ------------------------------------------------
+
+  // Saves the state after `step` under dir/step-<step>: each rank its share, then the
+  // manifest. A collective; returns when the checkpoint is committed.
+  void save(const std::filesystem::path& dir, int step) {
+    const std::filesystem::path folder = checkpoint::step_folder(dir, step);
+    std::filesystem::create_directories(folder);
+    const std::filesystem::path mine = folder / checkpoint::rank_file(world_rank_);
+    rank_->write_shard(mine);
+    // every file's size and hash to rank 0 (as doubles: 32-bit halves, summed over the world)
+    const std::uint64_t h = checkpoint::file_hash(mine), n = std::filesystem::file_size(mine);
+    std::vector<double> all(3 * static_cast<std::size_t>(mesh::size), 0.0);
+    all[3 * static_cast<std::size_t>(world_rank_)] = static_cast<double>(h >> 32);
+    all[3 * static_cast<std::size_t>(world_rank_) + 1] = static_cast<double>(h & 0xffffffffu);
+    all[3 * static_cast<std::size_t>(world_rank_) + 2] = static_cast<double>(n);
+    world_->all_reduce_host(std::span<double>(all), ReduceOp::sum);  // also: every file is written
+    if (world_rank_ == 0) {
+      checkpoint::Manifest m{step, rank_->adam_step(), mesh::size, mesh::name(), model_name(), {}};
+      for (int r = 0; r < mesh::size; ++r) {
+        const auto at = 3 * static_cast<std::size_t>(r);
+        m.files.push_back({checkpoint::rank_file(r), static_cast<std::uint64_t>(all[at + 2]),
+                           static_cast<std::uint64_t>(all[at]) << 32 | static_cast<std::uint64_t>(all[at + 1])});
+      }
+      checkpoint::write_manifest(folder, m);
+    }
+    world_->barrier();
+  }
+
+  // Loads the checkpoint of `step` under dir (the latest complete one when not given), saved
+  // from this model on any mesh, ZeRO stage or schedule: parameters and AdamW's state. Every
+  // rank reads every file (resharding assembles whole tensors in host memory). Returns the
+  // step it holds; training goes on at the next one.
+  int load(const std::filesystem::path& dir, std::optional<int> step = std::nullopt) {
+    if (!step) step = checkpoint::latest_step(dir);
+    if (!step) throw io::SafetensorsError(dir.string() + ": holds no complete checkpoint (no step-*/manifest.json)");
+    const std::filesystem::path folder = checkpoint::step_folder(dir, *step);
+    const checkpoint::Manifest m = checkpoint::read_manifest(folder);
+    if (m.model != model_name())
+      throw io::SafetensorsError((folder / "manifest.json").string() + ": a checkpoint of " + m.model +
+                                 ", not of this model (" + model_name() + ")");
+    std::map<std::string, Whole> whole;  // per kind of state
+    for (const checkpoint::FileEntry& f : m.files) gather(io::SafetensorsFile::read(folder / f.name), whole);
+    rank_->load(whole, m.adam_step);
+    return m.step;
+  }
 
   struct FitOptions {
     int log_every = 10;
@@ -171,12 +220,66 @@ class Trainer {
   }
 
  private:
+  // One kind of state for the whole model, in the serial layout, and which elements a
+  // checkpoint gave.
+  struct Whole {
+    std::vector<double> values;
+    std::vector<bool> given;
+  };
+  static std::string model_name() { return GPT<config>::describe(); }
+
+  // Scatters every entry of a rank's file ("<kind>/<tensor>/<first element of its piece>")
+  // to its whole tensors, through the piece's placement in the file's metadata.
+  static void gather(const io::SafetensorsFile& f, std::map<std::string, Whole>& whole) {
+    auto meta = [&](const char* key) {
+      const auto it = f.metadata().find(key);
+      if (it == f.metadata().end()) throw io::SafetensorsError(f.source() + ": lacks the metadata \"" + key + "\"");
+      try {
+        return std::stoi(it->second);
+      } catch (const std::exception&) {
+        throw io::SafetensorsError(f.source() + ": metadata \"" + key + "\" is not a number");
+      }
+    };
+    const int tp = meta("tp"), tp_rank = meta("tp_rank"), ep = meta("ep"), ep_rank = meta("ep_rank");
+    if (tp < 1 || ep < 1 || tp_rank < 0 || tp_rank >= tp || ep_rank < 0 || ep_rank >= ep)
+      throw io::SafetensorsError(f.source() + ": its placement (tp " + std::to_string(tp_rank) + " of " +
+                                 std::to_string(tp) + ", ep " + std::to_string(ep_rank) + " of " + std::to_string(ep) +
+                                 ") is not one");
+    for (const io::TensorEntry& e : f.tensors()) {
+      const std::size_t a = e.name.find('/'), b = e.name.rfind('/');
+      const auto i = a == std::string::npos || a == b ? std::nullopt : serial_layout::find(e.name.substr(a + 1, b - a - 1));
+      if (!i) throw io::SafetensorsError(f.source() + ": entry '" + e.name + "' names no tensor of this model");
+      const ParamInfo& t = serial_layout::tensors[static_cast<std::size_t>(*i)];
+      const std::int64_t piece = piece_extent(t.spec, 0, tp, ep) * piece_extent(t.spec, 1, tp, ep);
+      std::int64_t first = -1;
+      try {
+        first = std::stoll(e.name.substr(b + 1));
+      } catch (const std::exception&) {
+      }
+      if (first < 0 || e.shape.size() != 1 || first + e.shape[0] > piece)
+        throw io::SafetensorsError(f.source() + ": entry '" + e.name + "' does not fit the tensor's piece of " +
+                                   std::to_string(piece) + " elements");
+      std::vector<double> v(e.numel());
+      f.read_into(e, std::span<double>(v));
+      Whole& w = whole[e.name.substr(0, a)];
+      if (w.values.empty()) w.values.assign(serial_layout::size, 0.0), w.given.assign(serial_layout::size, false);
+      for (std::size_t k = 0; k < v.size(); ++k) {
+        const auto at = t.offset + static_cast<std::size_t>(whole_index(t.spec, tp, ep, tp_rank, ep_rank, first + static_cast<std::int64_t>(k)));
+        w.values[at] = v[k];
+        w.given[at] = true;
+      }
+    }
+  }
+
   struct Rank {
     virtual ~Rank() = default;
     virtual double step(std::span<const int> tokens, std::span<const int> targets, int B, int T) = 0;
     virtual void set_lr(float lr) = 0;
     virtual double grad_norm() const = 0;
     virtual std::vector<value_type> serial_params(bool experts) = 0;
+    virtual void write_shard(const std::filesystem::path& file) = 0;
+    virtual void load(const std::map<std::string, Whole>& whole, int adam_step) = 0;
+    virtual int adam_step() const = 0;
   };
 
   // Pipeline rank R: its chunks (stages shape.stage(R, c)), their trainers, the executor.
@@ -199,7 +302,9 @@ class Trainer {
     RankOf(MeshContext<mesh, C>& ctx, const TrainerConfig& cfg, const GptInit& init)
         : pp_(ctx.template comm<typename mesh::pp_group>()),
           tp_(ctx.template comm<typename mesh::tp_group>()),
-          ep_(ctx.template comm<typename mesh::expert_group>()) {
+          ep_(ctx.template comm<typename mesh::expert_group>()),
+          tp_rank_(mesh::tp_group::index(ctx.rank())),
+          ep_rank_(mesh::expert_group::index(ctx.rank())) {
       [&]<std::size_t... c>(std::index_sequence<c...>) {
         ((std::get<c>(models_) = std::make_unique<chunk<c>>(ctx, init)), ...);
         ((std::get<c>(trainers_) = std::make_unique<DataParallel<chunk<c>, Policy>>(*std::get<c>(models_), ctx, cfg.adamw, M)),
@@ -219,7 +324,9 @@ class Trainer {
 
     std::vector<value_type> serial_params(bool experts) override {
       std::vector<double> whole(experts ? serial_expert_layout::size : serial_layout::size, 0.0);
-      [&]<std::size_t... c>(std::index_sequence<c...>) { (add_part(*std::get<c>(models_), experts, whole), ...); }(chunks{});
+      [&]<std::size_t... c>(std::index_sequence<c...>) {
+        (add_part(*std::get<c>(models_), *std::get<c>(trainers_), experts, whole), ...);
+      }(chunks{});
       // Each element is on one stage (and, for experts, one EP and TP rank), zeros elsewhere.
       if (experts) tp_.all_reduce_host(std::span<double>(whole)), ep_.all_reduce_host(std::span<double>(whole));
       pp_.all_reduce_host(std::span<double>(whole));
@@ -228,7 +335,82 @@ class Trainer {
       return out;
     }
 
+    int adam_step() const override { return std::get<0>(trainers_)->optimizer_steps(); }
+
+    void write_shard(const std::filesystem::path& file) override {
+      io::SafetensorsWriter w;
+      std::vector<std::vector<value_type>> params;  // the writer keeps views: the values live here
+      std::vector<std::vector<float>> states;
+      [&]<std::size_t... c>(std::index_sequence<c...>) { (add_shard(*std::get<c>(trainers_), w, params, states), ...); }(chunks{});
+      w.add_metadata("tp", std::to_string(mesh::tp)), w.add_metadata("ep", std::to_string(mesh::ep));
+      w.add_metadata("tp_rank", std::to_string(tp_rank_)), w.add_metadata("ep_rank", std::to_string(ep_rank_));
+      w.write(file);
+    }
+
+    void load(const std::map<std::string, Whole>& whole, int adam_step) override {
+      [&]<std::size_t... c>(std::index_sequence<c...>) { (load_chunk(*std::get<c>(trainers_), whole, adam_step), ...); }(chunks{});
+    }
+
    private:
+    using State = TrainState;
+    static constexpr const char* kind_name(State k) {
+      return k == State::params ? "params" : k == State::master ? "master" : k == State::exp_avg ? "exp_avg" : "exp_avg_sq";
+    }
+
+    template <class D>
+    void add_shard(D& dp, io::SafetensorsWriter& w, std::vector<std::vector<value_type>>& params,
+                   std::vector<std::vector<float>>& states) {
+      using L = typename D::layout;
+      std::vector<State> kinds{State::params, State::exp_avg, State::exp_avg_sq};
+      if constexpr (D::optimizer_type::has_master) kinds.push_back(State::master);
+      for (const FlatRange& r : dp.save_ranges())
+        for (State k : kinds) {
+          const std::vector<double> v = dp.save_state(k, r);
+          for (const ParamInfo& t : L::tensors) {
+            const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
+            if (b >= e) continue;
+            const std::string name = std::string(kind_name(k)) + "/" + t.name() + "/" + std::to_string(b - t.offset);
+            const auto from = v.begin() + static_cast<std::ptrdiff_t>(b - r.begin), to = from + static_cast<std::ptrdiff_t>(e - b);
+            if (k == State::params) {
+              auto& x = params.emplace_back(e - b);
+              std::transform(from, to, x.begin(), [](double d) { return static_cast<value_type>(static_cast<acc_t<value_type>>(d)); });
+              w.add(name, {static_cast<std::int64_t>(e - b)}, std::span<const value_type>(x));
+            } else {
+              auto& x = states.emplace_back(e - b);
+              std::transform(from, to, x.begin(), [](double d) { return static_cast<float>(d); });
+              w.add(name, {static_cast<std::int64_t>(e - b)}, std::span<const float>(x));
+            }
+          }
+        }
+    }
+
+    template <class D>
+    void load_chunk(D& dp, const std::map<std::string, Whole>& whole, int adam_step) {
+      using L = typename D::layout;
+      auto fetch = [&](State k, FlatRange r) {
+        // a bf16 model's masters, from a checkpoint without them: its parameters
+        const char* kind = k == State::master && !whole.count("master") ? "params" : kind_name(k);
+        const auto it = whole.find(kind);
+        if (it == whole.end()) throw io::SafetensorsError(std::string("the checkpoint holds no \"") + kind + "\" state");
+        std::vector<double> out(r.size());
+        for (int i = 0; i < L::count; ++i) {
+          const ParamInfo& t = L::tensors[static_cast<std::size_t>(i)];
+          const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
+          if (b >= e) continue;
+          const std::size_t base = serial_layout::tensors[static_cast<std::size_t>(*serial_layout::find(t.name()))].offset;
+          for (std::size_t j = b; j < e; ++j) {
+            const std::size_t at = base + static_cast<std::size_t>(L::global_index(i, tp_rank_, static_cast<std::int64_t>(j - t.offset), ep_rank_));
+            if (!it->second.given[at])
+              throw io::SafetensorsError("the checkpoint lacks element " + std::to_string(at - base) + " of " + t.name() +
+                                         " (" + kind + "): a rank's file is missing");
+            out[j - r.begin] = it->second.values[at];
+          }
+        }
+        return out;
+      };
+      dp.load_state(fetch, adam_step);
+    }
+
     static std::vector<pipeline::Action> programme() {
       const auto p = Schedule::table.program(R);
       return {p.begin(), p.end()};
@@ -241,11 +423,13 @@ class Trainer {
         for (std::size_t i = 0; i < t.size(); ++i) whole[to.offset + i] += static_cast<double>(part[t.offset + i]);
       }
     }
-    template <class Part>
-    void add_part(Part& part, bool experts, std::vector<double>& whole) {
-      if constexpr (Policy::stage == 3) {
-        throw std::logic_error("fived::Trainer::serial_params: not yet under ZeRO-3 (parameters live in pieces)");
-      } else if (!experts) {
+    template <class Part, class D>
+    void add_part(Part& part, D& dp, bool experts, std::vector<double>& whole) {
+      if (!experts) {
+        if constexpr (Policy::stage == 3) {  // the pieces gathered over DP into the model's buffer first
+          const std::vector<value_type> full = dp.full_params();
+          part.ops().upload(part.params().data(), full.data(), full.size());
+        }
         const std::vector<value_type> p = part.gather_params();  // the part whole over TP
         put<typename Part::serial_layout, serial_layout>(p, whole);
       } else if constexpr (Part::has_experts) {  // this rank's piece in place, the other pieces zero
@@ -262,6 +446,7 @@ class Trainer {
     MeshComm<typename mesh::pp_group> pp_;
     MeshComm<typename mesh::tp_group> tp_;
     MeshComm<typename mesh::expert_group> ep_;
+    int tp_rank_ = 0, ep_rank_ = 0;
     typename types::models models_;
     typename types::trainers trainers_;
     std::optional<typename types::executor> executor_;
@@ -269,6 +454,7 @@ class Trainer {
 
   TrainerConfig cfg_;
   std::unique_ptr<Rank> rank_;
+  std::unique_ptr<GroupComm> world_;
   double lr_ = 0;
   int world_rank_ = 0;
 };

@@ -1,0 +1,208 @@
+#pragma once
+// Sharded training checkpoints: each rank writes what it owns, a manifest commits the step.
+//
+//   <dir>/step-00000042/rank-00000.safetensors ... rank-<W-1>.safetensors
+//   <dir>/step-00000042/manifest.json
+//
+// A rank's file holds, for every bucket piece its DataParallel saves (its share of the
+// group: every element once over the group, whatever the ZeRO stage), each tensor's part of
+// it as one entry per kind of state: "params/<name>/<a>" in the model's dtype, and
+// "master/...", "exp_avg/...", "exp_avg_sq/..." in fp32, a 1-D run of the rank's piece of the
+// tensor from element a. The file's metadata names the piece: "tp", "tp_rank", "ep", "ep_rank"
+// (nn/param_table.hpp's whole_index maps it to the whole tensor for any extents). No rank
+// gathers the model: saving the 405B layout costs each rank its own shard.
+//
+// Atomic: every file is written under a temporary name, fsynced and renamed (io/safetensors),
+// and the manifest, which names every file with its size and FNV-1a 64 hash, is written last
+// the same way, after a barrier. A step without a manifest, or whose files do not match it,
+// is not a checkpoint; a crash at any moment leaves the previous one whole.
+//
+// The manifest is a small JSON object: format, step, the mesh and model it was saved from,
+// AdamW's step count and the files. The data position is the step (the trainer's batches are
+// a function of the seed and the step) and the learning rate a function of it; there is no
+// other random state in a step.
+
+#include <array>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fived/io/safetensors.hpp"
+
+namespace fived::checkpoint {
+
+inline std::filesystem::path step_folder(const std::filesystem::path& dir, int step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08d", step);
+  return dir / name;
+}
+inline std::string rank_file(int rank) {
+  char name[40];
+  std::snprintf(name, sizeof name, "rank-%05d.safetensors", rank);
+  return name;
+}
+
+// FNV-1a 64 over a file's bytes.
+inline std::uint64_t file_hash(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw io::SafetensorsError(path.string() + ": cannot open for reading");
+  std::uint64_t h = 1469598103934665603ull;
+  std::array<char, 1 << 16> buf{};
+  while (in) {
+    in.read(buf.data(), buf.size());
+    for (std::streamsize i = 0; i < in.gcount(); ++i)
+      h = (h ^ static_cast<unsigned char>(buf[static_cast<std::size_t>(i)])) * 1099511628211ull;
+  }
+  return h;
+}
+
+struct FileEntry {
+  std::string name;
+  std::uint64_t bytes = 0, hash = 0;
+};
+struct Manifest {
+  int step = 0, adam_step = 0, world = 0;
+  std::string mesh, model;
+  std::vector<FileEntry> files;
+};
+
+namespace detail {
+inline std::string hex(std::uint64_t v) {
+  char s[20];
+  std::snprintf(s, sizeof s, "%016llx", static_cast<unsigned long long>(v));
+  return s;
+}
+}  // namespace detail
+
+// Writes <folder>/manifest.json atomically (a temporary name, fsync, rename, the folder fsynced).
+inline void write_manifest(const std::filesystem::path& folder, const Manifest& m) {
+  std::string j = "{\n  \"format\": \"fived-checkpoint-1\",\n  \"step\": " + std::to_string(m.step) +
+                  ",\n  \"adam_step\": " + std::to_string(m.adam_step) + ",\n  \"world\": " + std::to_string(m.world) +
+                  ",\n  \"mesh\": ";
+  io::detail::json_string(j, m.mesh);
+  j += ",\n  \"model\": ";
+  io::detail::json_string(j, m.model);
+  j += ",\n  \"files\": [";
+  for (std::size_t i = 0; i < m.files.size(); ++i) {
+    j += i ? ",\n    {\"name\": " : "\n    {\"name\": ";
+    io::detail::json_string(j, m.files[i].name);
+    j += ", \"bytes\": " + std::to_string(m.files[i].bytes) + ", \"fnv1a64\": \"" + detail::hex(m.files[i].hash) + "\"}";
+  }
+  j += "\n  ]\n}\n";
+  io::detail::write_atomically(folder / "manifest.json", j.data(), j.size());
+}
+
+// Reads and checks a manifest: every field, and every file it names against its size and
+// hash. Errors are io::SafetensorsError naming the manifest and what is wrong.
+inline Manifest read_manifest(const std::filesystem::path& folder) {
+  const std::filesystem::path path = folder / "manifest.json";
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw io::SafetensorsError(path.string() + ": no manifest (the step was not completed, or is not a checkpoint)");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  io::detail::HeaderParser P(text, path.string(), 0, "checkpoint manifest");
+  Manifest m;
+  bool format = false, step = false, adam = false, world = false, mesh = false, model = false, files = false;
+  auto once = [&](bool& seen, const std::string& key, std::size_t at) {
+    if (seen) P.fail_at(at, "\"" + key + "\" appears twice");
+    seen = true;
+  };
+  auto small_int = [&](const char* what) {
+    const std::uint64_t v = P.uint(what);
+    if (v > 1'000'000'000) P.fail(std::string(what) + " is out of range");
+    return static_cast<int>(v);
+  };
+  P.expect('{', "'{' (a manifest is a JSON object)");
+  for (bool first = true; !P.peek('}'); first = false) {
+    if (!first) P.expect(',', "',' or '}'");
+    const std::size_t at = (P.ws(), P.pos());
+    const std::string key = P.string("a field name");
+    P.expect(':', "':'");
+    if (key == "format") {
+      once(format, key, at);
+      if (P.string("the format") != "fived-checkpoint-1") P.fail_at(at, "unknown format (expected \"fived-checkpoint-1\")");
+    } else if (key == "step") once(step, key, at), m.step = small_int("the step");
+    else if (key == "adam_step") once(adam, key, at), m.adam_step = small_int("the AdamW step");
+    else if (key == "world") once(world, key, at), m.world = small_int("the world size");
+    else if (key == "mesh") once(mesh, key, at), m.mesh = P.string("the mesh");
+    else if (key == "model") once(model, key, at), m.model = P.string("the model");
+    else if (key == "files") {
+      once(files, key, at);
+      P.expect('[', "'[' (the files)");
+      for (bool f1 = true; !P.peek(']'); f1 = false) {
+        if (!f1) P.expect(',', "',' or ']'");
+        FileEntry e;
+        bool n = false, b = false, h = false;
+        P.expect('{', "'{' (a file)");
+        for (bool f2 = true; !P.peek('}'); f2 = false) {
+          if (!f2) P.expect(',', "',' or '}'");
+          const std::size_t at2 = (P.ws(), P.pos());
+          const std::string k = P.string("a file field");
+          P.expect(':', "':'");
+          if (k == "name") once(n, k, at2), e.name = P.string("the file name");
+          else if (k == "bytes") once(b, k, at2), e.bytes = P.uint("the file size");
+          else if (k == "fnv1a64") {
+            once(h, k, at2);
+            const std::string x = P.string("the hash");
+            std::size_t used = 0;
+            try {
+              e.hash = std::stoull(x, &used, 16);
+            } catch (const std::exception&) {
+              used = 0;
+            }
+            if (x.size() != 16 || used != 16) P.fail_at(at2, "the hash must be 16 hexadecimal digits");
+          } else P.fail_at(at2, "unknown file field \"" + k + "\"");
+        }
+        P.expect('}', "'}'");
+        if (!n || !b || !h) P.fail("a file entry lacks its name, bytes or fnv1a64");
+        if (e.name.empty() || e.name.find('/') != std::string::npos || e.name.find("..") != std::string::npos)
+          P.fail("file name \"" + e.name + "\" is not a plain file name in the step's folder");
+        m.files.push_back(std::move(e));
+      }
+      P.expect(']', "']'");
+    } else P.fail_at(at, "unknown field \"" + key + "\"");
+  }
+  P.expect('}', "'}'");
+  P.ws();
+  if (!P.at_end()) P.fail("trailing characters after the manifest");
+  if (!(format && step && adam && world && mesh && model && files))
+    throw io::SafetensorsError(path.string() + ": the manifest lacks a field (format, step, adam_step, world, mesh, "
+                               "model and files are required)");
+  if (static_cast<int>(m.files.size()) != m.world)
+    throw io::SafetensorsError(path.string() + ": names " + std::to_string(m.files.size()) + " files for a world of " +
+                               std::to_string(m.world));
+  for (const FileEntry& f : m.files) {
+    const std::filesystem::path p = folder / f.name;
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(p, ec);
+    if (ec || size != f.bytes)
+      throw io::SafetensorsError(p.string() + ": " + (ec ? "missing" : "has " + std::to_string(size) + " bytes") +
+                                 ", the manifest says " + std::to_string(f.bytes));
+    if (file_hash(p) != f.hash) throw io::SafetensorsError(p.string() + ": its contents do not match the manifest's hash");
+  }
+  return m;
+}
+
+// The latest step under `dir` whose manifest exists (the one to resume from), if any.
+inline std::optional<int> latest_step(const std::filesystem::path& dir) {
+  std::optional<int> best;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.size() != 13 || n.rfind("step-", 0) != 0 || !std::filesystem::exists(e.path() / "manifest.json")) continue;
+    try {
+      const int s = std::stoi(n.substr(5));
+      if (!best || s > *best) best = s;
+    } catch (const std::exception&) {
+    }
+  }
+  return best;
+}
+
+}  // namespace fived::checkpoint

@@ -1,0 +1,159 @@
+// Sharded checkpoints (train/checkpoint.hpp, Trainer::save / load) on the host backend.
+//
+// Bitwise resume: 4 steps straight, or 2 steps, save, a new run (new ranks, new objects, a
+// model initialised from another seed) that loads and trains steps 3 and 4: the losses of
+// steps 3 and 4 and the final weights are bit for bit the same, for the serial mesh, DP with
+// ZeRO-1 and ZeRO-3, TP with SP, and a 3D mesh with a pipeline.
+// Resharding: a checkpoint saved on Mesh<DP<2>, TP<2>> (ZeRO-1) loads on Mesh<TP<4>>, on the
+// serial mesh and on Mesh<PP<2>, DP<2>>, optimizer state included: the next step's loss is the
+// one the original mesh computes (within 1e-5: another reduction order), and a checkpoint
+// saved there loads back.
+// Refusal: a missing manifest, a file that does not match it, another model.
+
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "fived/comm/host.hpp"
+#include "fived/train/trainer.hpp"
+#include "support/batches.hpp"
+
+using namespace fived;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct cfg : gpt_config {
+  static constexpr int layers = 2, d_model = 32, heads = 4, vocab = 53, max_seq = 32, vocab_multiple = 16;
+  static constexpr bool tied = false;  // pipeline stages
+};
+struct other_cfg : cfg {
+  static constexpr int layers = 3;
+};
+
+constexpr int B = 4, T = 16;
+const TrainerConfig hp{
+    .adamw = {.lr = 0, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.1f, .max_norm = 0.5f},
+    .lr = {.peak = 3e-3, .warmup = 1, .total = 6, .floor = 0.1}};
+
+struct Run {
+  std::vector<double> losses;  // of the steps run, in order
+  std::vector<float> weights;  // the serial layout, after the last
+};
+
+fs::path fresh(const std::string& name) {
+  const fs::path d = fs::temp_directory_path() / ("fived_test_checkpoint_" + name);
+  fs::remove_all(d);
+  return d;
+}
+
+// Steps [first, last] on mesh M; loads `from` first (if given), saves at `save_at` to `to`.
+template <class M, class Policy, class Sched, class C = cfg>
+Run train(int first, int last, const fs::path& from = {}, int save_at = -1, const fs::path& to = {}, unsigned seed = 5) {
+  using Model = GPT<C, M, float, Host, std::conditional_t<(M::tp > 1), SequenceParallel, NoSequenceParallel>>;
+  constexpr int micro = Sched::table.micro_batches;
+  Run out;
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    Trainer<Model, Policy, Sched> t(ctx, hp, GptInit{seed, 0.05});
+    if (!from.empty())
+      if (const int loaded = t.load(from); loaded != first - 1)
+        throw std::runtime_error("loaded step " + std::to_string(loaded) + ", expected " + std::to_string(first - 1));
+    std::vector<int> tok, tgt;
+    std::vector<double> losses;
+    for (int s = first; s <= last; ++s) {
+      test::global_batch(s, micro, B, T, C::vocab, tok, tgt);
+      losses.push_back(t.step(s, tok, tgt, B, T));
+      if (s == save_at) t.save(to, s);
+    }
+    std::vector<float> w = t.serial_params();
+    if (ctx.rank() == 0) out.losses = losses, out.weights = std::move(w);
+  });
+  return out;
+}
+
+template <class M, class Policy, class Sched>
+void resume_is_bitwise(const std::string& name) {
+  CAPTURE(name);
+  const fs::path dir = fresh(name);
+  const Run straight = train<M, Policy, Sched>(1, 4);
+  const Run before = train<M, Policy, Sched>(1, 2, {}, 2, dir);
+  REQUIRE(fs::exists(checkpoint::step_folder(dir, 2) / "manifest.json"));
+  const Run after = train<M, Policy, Sched>(3, 4, dir, -1, {}, /*another seed: the load must replace it*/ 99);
+  CHECK(before.losses == std::vector<double>(straight.losses.begin(), straight.losses.begin() + 2));
+  CHECK(after.losses == std::vector<double>(straight.losses.begin() + 2, straight.losses.end()));
+  CHECK(after.weights == straight.weights);
+  CHECK(after.weights != train<M, Policy, Sched>(3, 4, {}, -1, {}, 99).weights);  // the load mattered
+  fs::remove_all(dir);
+}
+
+}  // namespace
+
+TEST_CASE("resume is bitwise: serial, DP 2 with ZeRO-1 and ZeRO-3, TP 2 with SP, and DP 2 x PP 2 x TP 2 with 1F1B") {
+  resume_is_bitwise<Mesh<>, NoZeRO, Accumulate<2>>("serial");
+  resume_is_bitwise<Mesh<DP<2>>, ZeRO<1>, Accumulate<2>>("dp2_zero1");
+  resume_is_bitwise<Mesh<DP<2>>, ZeRO<3>, Accumulate<1>>("dp2_zero3");
+  resume_is_bitwise<Mesh<TP<2>>, NoZeRO, Accumulate<1>>("tp2");
+  resume_is_bitwise<Mesh<DP<2>, PP<2>, TP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 2>>("dp2_pp2_tp2");
+}
+
+TEST_CASE("a checkpoint reshards: Mesh<DP<2>, TP<2>> -> Mesh<TP<4>> -> serial -> Mesh<PP<2>, DP<2>>, optimizer state included") {
+  using From = Mesh<DP<2>, TP<2>>;
+  const fs::path a = fresh("reshard_a"), b = fresh("reshard_b"), c = fresh("reshard_c");
+  const Run original = train<From, ZeRO<1>, Accumulate<2>>(1, 5);
+  (void)train<From, ZeRO<1>, Accumulate<2>>(1, 2, {}, 2, a);
+  auto close = [](const std::vector<double>& got, const std::vector<double>& want) {
+    REQUIRE(got.size() == want.size());
+    for (std::size_t i = 0; i < got.size(); ++i) CHECK(std::abs(got[i] - want[i]) <= 1e-5 * want[i]);
+  };
+  // steps 3 and 4 on TP 4 (2 micro-batches accumulated, as the original); saved at 3
+  const Run tp4 = train<Mesh<TP<4>>, NoZeRO, Accumulate<2>>(3, 3, a, 3, b);
+  close(tp4.losses, {original.losses[2]});
+  // step 4 on one rank, from TP 4's checkpoint; saved at 4
+  const Run serial = train<Mesh<>, NoZeRO, Accumulate<2>>(4, 4, b, 4, c);
+  close(serial.losses, {original.losses[3]});
+  // step 5 on a pipeline with data parallelism, from the serial checkpoint
+  const Run pp = train<Mesh<PP<2>, DP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 2>>(5, 5, c);
+  close(pp.losses, {original.losses[4]});
+  double diff = 0, scale = 0;
+  for (std::size_t i = 0; i < pp.weights.size(); ++i)
+    diff = std::max(diff, double(std::abs(pp.weights[i] - original.weights[i]))), scale = std::max(scale, double(std::abs(original.weights[i])));
+  CHECK(diff <= 1e-5 * scale);
+  for (const fs::path& d : {a, b, c}) fs::remove_all(d);
+}
+
+TEST_CASE("what is not a checkpoint is refused with the reason: no manifest, a changed file, another model") {
+  const fs::path dir = fresh("refuse");
+  (void)train<Mesh<DP<2>>, ZeRO<1>, Accumulate<1>>(1, 1, {}, 1, dir);
+  const fs::path step = checkpoint::step_folder(dir, 1);
+  auto load_error = [&](auto run) {
+    try {
+      run();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  // another model
+  CHECK(load_error([&] { train<Mesh<>, NoZeRO, Accumulate<1>, other_cfg>(2, 2, dir); }).find("not of this model") !=
+        std::string::npos);
+  // a changed byte
+  {
+    std::fstream f(step / checkpoint::rank_file(1), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-1, std::ios::end);
+    f.put('x');
+  }
+  CHECK(load_error([&] { train<Mesh<DP<2>>, ZeRO<1>, Accumulate<1>>(2, 2, dir); })
+            .find("rank-00001.safetensors: its contents do not match the manifest's hash") != std::string::npos);
+  // no manifest: the step is not a checkpoint, and the folder holds none
+  fs::remove(step / "manifest.json");
+  CHECK(load_error([&] { train<Mesh<DP<2>>, ZeRO<1>, Accumulate<1>>(2, 2, dir); }).find("holds no complete checkpoint") !=
+        std::string::npos);
+  fs::remove_all(dir);
+}
