@@ -1,7 +1,8 @@
 // Train a small byte-level GPT on a mesh chosen on the command line.
 //
 //   train_gpt [text-file] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] [--seq T] [--lr LR]
-//             [--seed S] [--log-every N] [--save out.safetensors] [--host] [--serial] [--list-meshes]
+//             [--seed S] [--log-every N] [--save out.safetensors] [--checkpoints DIR [--save-every N] [--resume]]
+//             [--host] [--serial] [--list-meshes]
 //
 // A thin program over fived::Trainer (train/trainer.hpp): one model (4 layers, d_model 128, 4
 // heads, byte vocabulary), one optimizer policy (AdamW, ZeRO-1 wherever the mesh has data
@@ -29,6 +30,10 @@
 // loss every fifth line, then a sample and, on the generated corpus, a few sums completed
 // greedily. The trained weights are gathered into the serial model for that and for --save
 // (Hugging Face GPT-2 names). Exit status 0 when the held-out loss fell.
+//
+// --checkpoints DIR saves a sharded checkpoint (train/checkpoint.hpp: each rank its share,
+// optimizer state included) every --save-every steps and at the end; --resume goes on from
+// the latest one in DIR, saved on this mesh or any other (it is resharded as it loads).
 
 #include <algorithm>
 #include <charconv>
@@ -76,8 +81,9 @@ struct demo_config : gpt_config {
 using Serial = GPT<demo_config>;  // sampling, held-out loss and --save, on the host
 
 struct Options {
-  std::string file, tokens, save, mesh = "dp2.tp2";
-  int steps = 300, batch = 8, seq = 64, log_every = 0;
+  std::string file, tokens, save, mesh = "dp2.tp2", checkpoints;
+  int steps = 300, batch = 8, seq = 64, log_every = 0, save_every = 0;
+  bool resume = false;  // from the latest checkpoint in `checkpoints`
   double lr = 2e-3;
   unsigned seed = 1337;
   bool host = false;  // stay on the host even when a GPU is there (CUDA build)
@@ -86,8 +92,8 @@ struct Options {
 [[noreturn]] void usage(const std::string& msg) {
   std::fprintf(stderr,
                "%s\nusage: train_gpt [text-file] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] "
-               "[--seq T (<= %d)] [--lr LR] [--seed S] [--log-every N] [--save out.safetensors] [--host] [--serial] "
-               "[--list-meshes]\n",
+               "[--seq T (<= %d)] [--lr LR] [--seed S] [--log-every N] [--save out.safetensors] [--checkpoints DIR "
+               "[--save-every N] [--resume]] [--host] [--serial] [--list-meshes]\n",
                msg.c_str(), demo_config::max_seq);
   std::exit(2);
 }
@@ -163,6 +169,9 @@ Options parse(int argc, char** argv) {
     else if (a == "--seed") o.seed = number<unsigned>(a, value());
     else if (a == "--log-every") o.log_every = number<int>(a, value());
     else if (a == "--save") o.save = value();
+    else if (a == "--checkpoints") o.checkpoints = value();
+    else if (a == "--save-every") o.save_every = number<int>(a, value());
+    else if (a == "--resume") o.resume = true;
     else if (a == "--tokens") o.tokens = value();
     else if (a == "--mesh") o.mesh = value();
     else if (a == "--serial") o.mesh = "serial";
@@ -180,6 +189,14 @@ Options parse(int argc, char** argv) {
     usage("need --steps >= 1, 1 <= --batch <= 4096, 2 <= --seq <= " + std::to_string(demo_config::max_seq) +
           ", 0 < --lr < 1, --log-every >= 0");
   if (!o.file.empty() && !o.tokens.empty()) usage("give a text file or --tokens, not both");
+  if (o.save_every < 0) usage("--save-every must be 0 (at the end only) or more");
+  if ((o.resume || o.save_every > 0) && o.checkpoints.empty()) usage("--resume and --save-every need --checkpoints DIR");
+  if (!o.checkpoints.empty()) {  // a folder that cannot be made fails now, not at the first save
+    std::error_code ec;
+    std::filesystem::create_directories(o.checkpoints, ec);
+    if (ec || !std::filesystem::is_directory(o.checkpoints))
+      usage("--checkpoints " + o.checkpoints + ": cannot make that folder (" + ec.message() + ")");
+  }
   if (o.log_every == 0) o.log_every = std::max(1, o.steps / 20);
   (void)find_mesh(o.mesh);  // an unknown mesh is an error before anything runs
   if (!o.save.empty()) {  // a path that cannot be written fails now, not after the run
@@ -262,8 +279,8 @@ std::string printable(const std::vector<int>& ids) {
 }
 
 // After training: save, sample, complete sums; the exit status says whether the held-out
-// loss fell (the demo's promise).
-int finish(Serial& model, const Options& opt, const Corpus& c, double val_start, double val_end) {
+// loss fell (the demo's promise, for a run from the start).
+int finish(Serial& model, const Options& opt, const Corpus& c, double val_start, double val_end, bool must_fall) {
   if (!opt.save.empty()) {
     model.save(opt.save, {{"steps", std::to_string(opt.steps)}, {"mesh", opt.mesh}});
     std::printf("saved %s (Hugging Face GPT-2 names)\n", opt.save.c_str());
@@ -295,7 +312,7 @@ int finish(Serial& model, const Options& opt, const Corpus& c, double val_start,
     }
     std::printf("\n%d of %d correct\n", right, n);
   }
-  if (!(val_end < val_start)) {
+  if (must_fall && !(val_end < val_start)) {
     std::printf("held-out loss did not fall (%.4f -> %.4f)\n", val_start, val_end);
     return 1;
   }
@@ -333,22 +350,36 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
     std::copy(w.begin(), w.end(), eval.params().begin());
     return held_out_loss(eval, opt, corpus);
   };
+  int first = 1;
+  if (opt.resume) {  // from any mesh's checkpoint: the state is resharded onto this one
+    if (!checkpoint::latest_step(opt.checkpoints)) {
+      if (prints) std::printf("no checkpoint in %s yet: starting at step 1\n", opt.checkpoints.c_str());
+    } else {
+      first = trainer.load(opt.checkpoints) + 1;
+      if (prints) std::printf("resumed from %s at step %d\n", opt.checkpoints.c_str(), first - 1);
+    }
+  }
   const double val_start = held_out();
   double val_end = val_start;
-  if (prints) std::printf("held-out loss %.4f before training\n", val_start);
+  if (prints) std::printf("held-out loss %.4f %s\n", val_start, first > 1 ? "at the checkpoint" : "before training");
   const BatchSampler train(corpus.data, 0, corpus.split, opt.seed);
-  const double seconds = trainer.fit(train, 1, opt.steps, B, opt.seq, {opt.log_every, peak, stdout},
+  const double seconds = trainer.fit(train, first, opt.steps, B, opt.seq, {opt.log_every, peak, stdout},
                                      [&](int s, double) {
+                                       if (!opt.checkpoints.empty() &&
+                                           ((opt.save_every > 0 && s % opt.save_every == 0) || s == opt.steps)) {
+                                         trainer.save(opt.checkpoints, s);
+                                         if (prints) std::printf("checkpoint of step %d in %s\n", s, opt.checkpoints.c_str());
+                                       }
                                        if (s % (5 * opt.log_every) != 0 && s != opt.steps) return;
                                        val_end = held_out();
                                        if (prints) std::printf("held-out loss %.4f at step %d\n", val_end, s);
                                      });
   if (!prints) return 0;
-  std::printf("trained %d steps in %.1f s\n", opt.steps, seconds);
+  std::printf("trained %d steps in %.1f s\n", opt.steps - first + 1, seconds);
   const int final_batches = 32;
   std::printf("held-out loss %.4f over %d batches\n",
               held_out_loss(eval, opt, corpus, final_batches, isatty(fileno(stderr)) ? stderr : nullptr), final_batches);
-  return finish(eval, opt, corpus, val_start, val_end);
+  return finish(eval, opt, corpus, val_start, val_end, /*must_fall=*/first == 1);
 }
 
 template <class M>
