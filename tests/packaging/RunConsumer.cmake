@@ -1,4 +1,4 @@
-# Run as: cmake -DMODE=<find_package|add_subdirectory|fetchcontent> -DFIVED_SOURCE_DIR=...
+# Run as: cmake -DMODE=<find_package|add_subdirectory|fetchcontent|vcpkg_port> -DFIVED_SOURCE_DIR=...
 #               -DFIVED_BINARY_DIR=... -DCONSUMER_DIR=... -DWORK_DIR=... -DCONFIG=...
 #               -DGENERATOR=... -DCONSUMER_ARGS=<list> -P RunConsumer.cmake
 #
@@ -44,6 +44,26 @@ if(MODE STREQUAL "find_package")
   # Only the private prefix may provide fived: no package registries, and the
   # consumer checks that fived_DIR lies under the prefix.
   list(APPEND mode_args "-DCMAKE_PREFIX_PATH=${prefix}" -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF
+       -DCMAKE_FIND_USE_SYSTEM_PACKAGE_REGISTRY=OFF "-DFIVED_CONSUMER_EXPECT_PREFIX=${prefix}")
+elseif(MODE STREQUAL "vcpkg_port")
+  # The overlay port's steps, run the way the port runs them, without vcpkg (absent offline):
+  # fived's sources configured with the port's options in Release (vcpkg_cmake_configure),
+  # installed into a packages folder (vcpkg_cmake_install; the package lands in share/fived,
+  # where vcpkg_cmake_config_fixup expects it), then found there by the consumer.
+  include("${FIVED_SOURCE_DIR}/ports/fived/options.cmake")
+  set(prefix "${WORK_DIR}/packages")
+  set(port_build "${WORK_DIR}/port-build")
+  set(compiler_args ${CONSUMER_ARGS})
+  list(FILTER compiler_args INCLUDE REGEX "^-DCMAKE_(CXX_COMPILER|MAKE_PROGRAM)=")
+  step(port-configure "${CMAKE_COMMAND}" -S "${FIVED_SOURCE_DIR}" -B "${port_build}" -G "${GENERATOR}"
+       -DCMAKE_BUILD_TYPE=Release "-DCMAKE_INSTALL_PREFIX=${prefix}" ${FIVED_PORT_OPTIONS} ${compiler_args})
+  step(port-install "${CMAKE_COMMAND}" --install "${port_build}" ${config_args})
+  foreach(file IN ITEMS share/fived/fivedConfig.cmake share/fived/fivedTargets.cmake include/fived/fived.hpp)
+    if(NOT EXISTS "${prefix}/${file}")
+      message(FATAL_ERROR "[${MODE}] the port installed no ${file}")
+    endif()
+  endforeach()
+  set(mode_args -DFIVED_CONSUMER_MODE=find_package "-DCMAKE_PREFIX_PATH=${prefix}" -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF
        -DCMAKE_FIND_USE_SYSTEM_PACKAGE_REGISTRY=OFF "-DFIVED_CONSUMER_EXPECT_PREFIX=${prefix}")
 elseif(MODE STREQUAL "add_subdirectory" OR MODE STREQUAL "fetchcontent")
   # fived's CUDA detection (nvcc compiler checks) only costs time here: what is
