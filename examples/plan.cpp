@@ -101,16 +101,6 @@ struct gpt2_run : plan::layout {
   static constexpr int zero = 1, element_bytes = 2, micro_batch = 16, sequence = 1024;
 };
 
-// Llama 3's 8K pre-training layout.
-template <class Schedule, class R>
-struct llama_run : plan::layout {
-  using mesh = Mesh<DP<128>, TP<8>, PP<16>>;
-  using schedule = Schedule;
-  using recompute = R;
-  static constexpr bool sequence_parallel = true;
-  static constexpr int zero = 1, element_bytes = 2, micro_batch = 1, sequence = 8192;
-};
-
 // DeepSeek-V3's layout (see the top of this file).
 template <class R>
 struct deepseek_run : plan::layout {
@@ -177,12 +167,12 @@ Config make(std::string_view name) {
     using one = pipeline::OneFOneB<16, 16>;
     using two = pipeline::Interleaved1F1B<16, 16, 2>;
     return {"llama3-405b", "Llama-3-405B (126 layers, d_model 16384, 128 heads, 8 KV heads, SwiGLU 53248)",
-            describe_layout<llama_run<one, FullRecompute>>("16 micro-batches"), m.parameters(),
+            describe_layout<plan::llama3_405b_run<one, FullRecompute>>("16 micro-batches"), m.parameters(),
             m.active_parameters(),
-            {column<plan::Plan<m, llama_run<one, FullRecompute>>>("1F1B, full"),
-             column<plan::Plan<m, llama_run<one, SelectiveRecompute>>>("1F1B, selective"),
-             column<plan::Plan<m, llama_run<two, FullRecompute>>>("interleaved V2, full"),
-             column<plan::Plan<m, llama_run<two, SelectiveRecompute>>>("interleaved V2, sel.")}};
+            {column<plan::Plan<m, plan::llama3_405b_run<one, FullRecompute>>>("1F1B, full"),
+             column<plan::Plan<m, plan::llama3_405b_run<one, SelectiveRecompute>>>("1F1B, selective"),
+             column<plan::Plan<m, plan::llama3_405b_run<two, FullRecompute>>>("interleaved V2, full"),
+             column<plan::Plan<m, plan::llama3_405b_run<two, SelectiveRecompute>>>("interleaved V2, sel.")}};
   }
   if (name == "deepseek-v3") {
     constexpr plan::Transformer m = plan::deepseek_v3;

@@ -174,9 +174,9 @@ namespace {
 constexpr int kill_steps = 40;
 const char* const child_env = "FIVED_TEST_CHECKPOINT_CHILD";
 
-// The serial run's weights after each step, and a trainer loading `dir`'s latest checkpoint.
-std::vector<std::vector<float>> weights_after_each_step() {
-  std::vector<std::vector<float>> w;
+// kill_steps steps of the serial run, `after(trainer, step)` after each.
+template <class After>
+void serial_steps(After&& after) {
   host::run(1, [&](host::Comm& world) {
     auto ctx = make_mesh_context<Mesh<>>(world);
     Trainer<GPT<cfg>, NoZeRO, Accumulate<1>> t(ctx, hp, GptInit{5, 0.05});
@@ -184,30 +184,21 @@ std::vector<std::vector<float>> weights_after_each_step() {
     for (int s = 1; s <= kill_steps; ++s) {
       test::global_batch(s, 1, B, T, cfg::vocab, tok, tgt);
       t.step(s, tok, tgt, B, T);
-      w.push_back(t.serial_params());
+      after(t, s);
     }
   });
-  return w;
 }
 }  // namespace
 
 // Run by the test below as a child process: trains and saves after every step, until killed.
 TEST_CASE("child: trains and saves every step" * doctest::skip(std::getenv(child_env) == nullptr)) {
   const fs::path dir = std::getenv(child_env);
-  host::run(1, [&](host::Comm& world) {
-    auto ctx = make_mesh_context<Mesh<>>(world);
-    Trainer<GPT<cfg>, NoZeRO, Accumulate<1>> t(ctx, hp, GptInit{5, 0.05});
-    std::vector<int> tok, tgt;
-    for (int s = 1; s <= kill_steps; ++s) {
-      test::global_batch(s, 1, B, T, cfg::vocab, tok, tgt);
-      t.step(s, tok, tgt, B, T);
-      t.save(dir, s);
-    }
-  });
+  serial_steps([&](auto& t, int s) { t.save(dir, s); });
 }
 
 TEST_CASE("a saving process killed (SIGKILL) at any moment leaves its last complete checkpoint loadable, bit for bit") {
-  const std::vector<std::vector<float>> reference = weights_after_each_step();
+  std::vector<std::vector<float>> reference;  // the weights after each step
+  serial_steps([&](auto& t, int) { reference.push_back(t.serial_params()); });
   std::mt19937 rng(7);
   int loaded = 0, mid_save = 0;
   for (int round = 0; round < 12; ++round) {

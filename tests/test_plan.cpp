@@ -135,21 +135,13 @@ TEST_CASE("Llama-3-405B and DeepSeek-V3 have their papers' parameter counts") {
 
 // ---- Llama-3-405B, by hand --------------------------------------------------------------------
 
-template <class Schedule, class R>
-struct llama_run : plan::layout {
-  using mesh = Mesh<DP<128>, TP<8>, PP<16>>;
-  using schedule = Schedule;
-  using recompute = R;
-  static constexpr bool sequence_parallel = true;
-  static constexpr int zero = 1, element_bytes = 2, micro_batch = 1, sequence = 8192;
-};
-using LlamaFull = plan::Plan<plan::llama3_405b, llama_run<pipeline::OneFOneB<16, 16>, FullRecompute>>;
-using LlamaSelective = plan::Plan<plan::llama3_405b, llama_run<pipeline::OneFOneB<16, 16>, SelectiveRecompute>>;
+using LlamaFull = plan::Plan<plan::llama3_405b, plan::llama3_405b_run<pipeline::OneFOneB<16, 16>, FullRecompute>>;
+using LlamaSelective = plan::Plan<plan::llama3_405b, plan::llama3_405b_run<pipeline::OneFOneB<16, 16>, SelectiveRecompute>>;
 
 // 80 GB: full recomputation fits; selective does not (see examples/plan.cpp for why).
 static_assert(plan::fits<LlamaFull>(80ull << 30));
 static_assert(plan::require_fits<LlamaFull, (80ull << 30)>);
-static_assert(plan::fits<plan::llama3_405b, llama_run<pipeline::OneFOneB<16, 16>, FullRecompute>>(80ull << 30));
+static_assert(plan::fits<plan::llama3_405b, plan::llama3_405b_run<pipeline::OneFOneB<16, 16>, FullRecompute>>(80ull << 30));
 static_assert(!plan::fits<LlamaSelective>(80ull << 30));
 
 TEST_CASE("Llama-3-405B on Mesh<DP<128>, TP<8>, PP<16>>, bf16, SP, ZeRO-1, 1F1B, full recompute: every figure by hand") {
@@ -226,7 +218,7 @@ TEST_CASE("the bubble and the micro-batches in flight are the schedule's (pipeli
   CHECK(LlamaFull::bubble == one.bubble());
   CHECK(LlamaFull::bubble == doctest::Approx(15.0 / 31));  // (P - 1) / (M + P - 1)
   for (int r = 0; r < 16; ++r) CHECK(LlamaFull::by_rank[static_cast<std::size_t>(r)].in_flight == one.peak_activations[static_cast<std::size_t>(r)]);
-  using Interleaved = plan::Plan<plan::llama3_405b, llama_run<pipeline::Interleaved1F1B<16, 16, 2>, FullRecompute>>;
+  using Interleaved = plan::Plan<plan::llama3_405b, plan::llama3_405b_run<pipeline::Interleaved1F1B<16, 16, 2>, FullRecompute>>;
   const pipeline::Figures two = pipeline::measure(pipeline::interleaved_1f1b(16, 16, 2));
   CHECK(Interleaved::bubble == two.bubble());
   CHECK(Interleaved::bubble == doctest::Approx(15.0 / 47));  // (P - 1) / (V M + P - 1)

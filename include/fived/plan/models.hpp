@@ -15,7 +15,10 @@
 //                 is the whole gap. Its activations are approximated the same way (q, k, v
 //                 of 56 channels per head instead of MLA's 192/192/128).
 
+#include "fived/mesh/mesh.hpp"
 #include "fived/nn/config.hpp"
+#include "fived/nn/recompute.hpp"
+#include "fived/plan/layout.hpp"
 #include "fived/plan/model.hpp"
 
 namespace fived::plan {
@@ -34,6 +37,17 @@ inline constexpr Transformer llama3_405b{.layers = 126,
                                          .biases = false,
                                          .norm = Norm::rms_norm,
                                          .positions = 0};
+
+// Llama 3's 8K pre-training layout (Dubey et al. 2024: TP 8, PP 16, DP 128 on 16K GPUs, bf16,
+// a micro-batch of one 8192-token sequence); the schedule and the recomputation are the caller's.
+template <class Schedule, class R>
+struct llama3_405b_run : layout {
+  using mesh = Mesh<DP<128>, TP<8>, PP<16>>;
+  using schedule = Schedule;
+  using recompute = R;
+  static constexpr bool sequence_parallel = true;
+  static constexpr int zero = 1, element_bytes = 2, micro_batch = 1, sequence = 8192;
+};
 
 // 61 layers, the first 3 dense (FFN 18432), then 256 routed experts (top 8) and 1 shared
 // expert of width 2048 in each block; MLA approximated as above.
