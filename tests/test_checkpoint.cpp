@@ -238,3 +238,26 @@ TEST_CASE("a saving process killed (SIGKILL) at any moment leaves its last compl
   MESSAGE(loaded << " of 12 kills after a complete save, " << mid_save << " in the middle of one");
   CHECK(loaded >= 6);  // most kills land after the first save
 }
+
+namespace {
+struct moe_cfg : cfg {
+  static constexpr int experts = 4, top_k = 2, moe_every = 2;
+};
+}  // namespace
+
+TEST_CASE("a mixture of experts is refused, on every rank, before anything is written") {
+  using moe = moe_cfg;
+  const fs::path dir = fresh("moe");
+  std::vector<std::string> errors(2);
+  host::run(2, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<Mesh<DP<2>, EP<2>>>(world);
+    Trainer<GPT<moe, Mesh<DP<2>, EP<2>>>, NoZeRO, Accumulate<1>> t(ctx, hp, GptInit{5, 0.05});
+    try {
+      t.save(dir, 1);
+    } catch (const std::logic_error& e) {
+      errors[static_cast<std::size_t>(ctx.rank())] = e.what();
+    }
+  });
+  for (const std::string& e : errors) CHECK(e.find("checkpoints of a mixture of experts are not built yet") != std::string::npos);
+  CHECK(!fs::exists(dir));
+}

@@ -152,6 +152,7 @@ class Trainer {
   // Saves the state after `step` under dir/step-<step>: each rank its share, then the
   // manifest. A collective; returns when the checkpoint is committed.
   void save(const std::filesystem::path& dir, int step) {
+    refuse_experts("save");
     const std::filesystem::path folder = checkpoint::step_folder(dir, step);
     std::filesystem::create_directories(folder);
     const std::filesystem::path mine = folder / checkpoint::rank_file(world_rank_);
@@ -180,6 +181,7 @@ class Trainer {
   // rank reads every file (resharding assembles whole tensors in host memory). Returns the
   // step it holds; training goes on at the next one.
   int load(const std::filesystem::path& dir, std::optional<int> step = std::nullopt) {
+    refuse_experts("load");
     if (!step) step = checkpoint::latest_step(dir);
     if (!step) throw io::SafetensorsError(dir.string() + ": holds no complete checkpoint (no step-*/manifest.json)");
     const std::filesystem::path folder = checkpoint::step_folder(dir, *step);
@@ -227,6 +229,14 @@ class Trainer {
     std::vector<bool> given;
   };
   static std::string model_name() { return GPT<config>::describe(); }
+  // On every rank alike, before any file or collective: the expert buffers and the router's
+  // bias are not in checkpoints yet.
+  static void refuse_experts(const char* what) {
+    if constexpr (ExpertSpecs<config>::moe_blocks > 0)
+      throw std::logic_error(std::string("fived::Trainer::") + what +
+                             ": checkpoints of a mixture of experts are not built yet (the expert buffers and the "
+                             "router's selection bias are not saved)");
+  }
 
   // Scatters every entry of a rank's file ("<kind>/<tensor>/<first element of its piece>")
   // to its whole tensors, through the piece's placement in the file's metadata.
