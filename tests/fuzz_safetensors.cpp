@@ -5,12 +5,17 @@
 //
 //   fuzz_safetensors [iterations (4000)] [seed (1)]
 //
+// Then as many mutants of a checkpoint's manifest (train/checkpoint.hpp), read with the file it
+// names: each is read or refused with a SafetensorsError naming the manifest or the file.
+//
 // Seeds: files written by SafetensorsWriter (several dtypes, metadata, an empty tensor) and a
 // small GPT's checkpoint (nn/checkpoint.hpp). Mutations: bit flips and random bytes in the
 // header, truncation, a forged header length, bytes appended, and JSON-aware edits (a field
 // repeated, a number replaced by a huge, negative or fractional one, a quote or brace
 // removed). A mutant that still parses is read whole (every tensor into floats or its own
 // dtype) and loaded into the GPT, whose own checks must refuse what does not fit.
+
+#include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -23,9 +28,13 @@
 #include <string>
 #include <vector>
 
+#include <filesystem>
+#include <fstream>
+
 #include "fived/io/safetensors.hpp"
 #include "fived/nn/checkpoint.hpp"
 #include "fived/nn/gpt.hpp"
+#include "fived/train/checkpoint.hpp"
 
 using namespace fived;
 
@@ -183,5 +192,51 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("%ld mutants: %ld refused with a SafetensorsError, %ld loaded\n", iterations, refused, parsed);
+
+  // Manifests: a valid one naming one real file, mutated as text.
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("fived_fuzz_manifest_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  {
+    std::ofstream f(dir / "rank-00000.safetensors", std::ios::binary);
+    f.write(reinterpret_cast<const char*>(seeds[0].data()), static_cast<std::streamsize>(seeds[0].size()));
+  }
+  checkpoint::Manifest valid{7, 7, 1, "Mesh<>", "a model", {}};
+  valid.files.push_back({"rank-00000.safetensors", seeds[0].size(), checkpoint::file_hash(dir / "rank-00000.safetensors")});
+  checkpoint::write_manifest(dir, valid);
+  std::string text;
+  {
+    std::ifstream in(dir / "manifest.json", std::ios::binary);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  if (checkpoint::read_manifest(dir).step != 7) return 1;  // the seed reads
+  long read = 0, bad = 0;
+  for (long i = 0; i < iterations / 2; ++i) {
+    std::vector<std::byte> header(8 + text.size());
+    const std::uint64_t n = text.size();
+    std::memcpy(header.data(), &n, 8);
+    std::memcpy(header.data() + 8, text.data(), text.size());
+    const std::vector<std::byte> m = mutate(header, rng);  // its JSON-aware edits, as if a header
+    {
+      std::ofstream out(dir / "manifest.json", std::ios::binary | std::ios::trunc);
+      if (m.size() > 8) out.write(reinterpret_cast<const char*>(m.data()) + 8, static_cast<std::streamsize>(m.size() - 8));
+    }
+    try {
+      (void)checkpoint::read_manifest(dir);
+      ++read;
+    } catch (const io::SafetensorsError& e) {
+      const std::string w = e.what();
+      if (w.find("manifest.json") == std::string::npos && w.find("rank-00000") == std::string::npos) {
+        std::fprintf(stderr, "manifest mutant %ld: an error that names neither file: %s\n", i, e.what());
+        return 1;
+      }
+      ++bad;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "manifest mutant %ld: not a SafetensorsError: %s\n", i, e.what());
+      return 1;
+    }
+  }
+  fs::remove_all(dir);
+  std::printf("%ld manifest mutants: %ld refused with a SafetensorsError, %ld read\n", iterations / 2, bad, read);
   return 0;
 }

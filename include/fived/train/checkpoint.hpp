@@ -182,8 +182,8 @@ inline Manifest read_manifest(const std::filesystem::path& folder) {
     std::error_code ec;
     const auto size = std::filesystem::file_size(p, ec);
     if (ec || size != f.bytes)
-      throw io::SafetensorsError(p.string() + ": " + (ec ? "missing" : "has " + std::to_string(size) + " bytes") +
-                                 ", the manifest says " + std::to_string(f.bytes));
+      throw io::SafetensorsError(path.string() + ": names " + f.name + " of " + std::to_string(f.bytes) + " bytes, which " +
+                                 (ec ? std::string("is missing") : "has " + std::to_string(size)));
     if (file_hash(p) != f.hash) throw io::SafetensorsError(p.string() + ": its contents do not match the manifest's hash");
   }
   return m;
