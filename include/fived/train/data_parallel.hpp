@@ -475,10 +475,9 @@ class DataParallel {
   }
   // Restores the step's state: fetch(kind, range) gives the values of any range of the flat
   // buffer (from a checkpoint of any mesh); `step` is AdamW's step count.
+  // (A mixture of experts' expert buffers are their own DataParallel's: experts().)
   template <class Fetch>
   void load_state(Fetch&& fetch, int step) {
-    if constexpr (HasExperts<Model>)
-      throw std::logic_error("fived::DataParallel::load_state: checkpoints of a mixture of experts are not built yet");
     ops_type& ops = model_.ops();
     auto as = [](const std::vector<double>& d, auto* out) {
       using U = std::remove_pointer_t<decltype(out)>;

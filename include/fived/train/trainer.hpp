@@ -152,7 +152,6 @@ class Trainer {
   // Saves the state after `step` under dir/step-<step>: each rank its share, then the
   // manifest. A collective; returns when the checkpoint is committed.
   void save(const std::filesystem::path& dir, int step) {
-    refuse_experts("save");
     const std::filesystem::path folder = checkpoint::step_folder(dir, step);
     std::filesystem::create_directories(folder);
     const std::filesystem::path mine = folder / checkpoint::rank_file(world_rank_);
@@ -181,7 +180,6 @@ class Trainer {
   // rank reads every file (resharding assembles whole tensors in host memory). Returns the
   // step it holds; training goes on at the next one.
   int load(const std::filesystem::path& dir, std::optional<int> step = std::nullopt) {
-    refuse_experts("load");
     if (!step) step = checkpoint::latest_step(dir);
     if (!step) throw io::SafetensorsError(dir.string() + ": holds no complete checkpoint (no step-*/manifest.json)");
     const std::filesystem::path folder = checkpoint::step_folder(dir, *step);
@@ -189,9 +187,9 @@ class Trainer {
     if (m.model != model_name())
       throw io::SafetensorsError((folder / "manifest.json").string() + ": a checkpoint of " + m.model +
                                  ", not of this model (" + model_name() + ")");
-    std::map<std::string, Whole> whole;  // per kind of state
-    for (const checkpoint::FileEntry& f : m.files) gather(io::SafetensorsFile::read(folder / f.name), whole);
-    rank_->load(whole, m.adam_step);
+    Loaded loaded;
+    for (const checkpoint::FileEntry& f : m.files) gather(io::SafetensorsFile::read(folder / f.name), loaded);
+    rank_->load(loaded, m.adam_step);
     return m.step;
   }
 
@@ -222,25 +220,36 @@ class Trainer {
   }
 
  private:
-  // One kind of state for the whole model, in the serial layout, and which elements a
-  // checkpoint gave.
+  // One kind of state for the whole model, in the serial layouts (the dense buffer, then the
+  // experts'), and which elements a checkpoint gave; and the MoE blocks' selection biases.
   struct Whole {
     std::vector<double> values;
     std::vector<bool> given;
   };
-  static std::string model_name() { return GPT<config>::describe(); }
-  // On every rank alike, before any file or collective: the expert buffers and the router's
-  // bias are not in checkpoints yet.
-  static void refuse_experts(const char* what) {
-    if constexpr (ExpertSpecs<config>::moe_blocks > 0)
-      throw std::logic_error(std::string("fived::Trainer::") + what +
-                             ": checkpoints of a mixture of experts are not built yet (the expert buffers and the "
-                             "router's selection bias are not saved)");
+  struct Loaded {
+    std::map<std::string, Whole> state;        // per kind of state
+    std::map<int, std::vector<float>> bias;    // per MoE block of the model, in order
+  };
+  static constexpr std::size_t whole_size = serial_layout::size + serial_expert_layout::size;
+  // Where a tensor starts in a Whole, by name (dense or expert), with its whole spec.
+  static std::optional<std::pair<std::size_t, const ParamInfo*>> whole_tensor(std::string_view name) {
+    if (const auto i = serial_layout::find(name))
+      return std::pair{serial_layout::tensors[static_cast<std::size_t>(*i)].offset, &serial_layout::tensors[static_cast<std::size_t>(*i)]};
+    if (const auto i = serial_expert_layout::find(name))
+      return std::pair{serial_layout::size + serial_expert_layout::tensors[static_cast<std::size_t>(*i)].offset,
+                       &serial_expert_layout::tensors[static_cast<std::size_t>(*i)]};
+    return std::nullopt;
   }
-
+  // The MoE blocks before layer `first` (the first of a part's is the model's next).
+  static constexpr int moe_blocks_before(int first) {
+    int n = 0;
+    for (int l = 0; l < first; ++l) n += gpt_dims<config>::is_moe(l) ? 1 : 0;
+    return n;
+  }
+  static std::string model_name() { return GPT<config>::describe(); }
   // Scatters every entry of a rank's file ("<kind>/<tensor>/<first element of its piece>")
   // to its whole tensors, through the piece's placement in the file's metadata.
-  static void gather(const io::SafetensorsFile& f, std::map<std::string, Whole>& whole) {
+  static void gather(const io::SafetensorsFile& f, Loaded& loaded) {
     auto meta = [&](const char* key) {
       const auto it = f.metadata().find(key);
       if (it == f.metadata().end()) throw io::SafetensorsError(f.source() + ": lacks the metadata \"" + key + "\"");
@@ -257,10 +266,25 @@ class Trainer {
                                  ") is not one");
     for (const io::TensorEntry& e : f.tensors()) {
       const std::size_t a = e.name.find('/'), b = e.name.rfind('/');
-      const auto i = a == std::string::npos || a == b ? std::nullopt : serial_layout::find(e.name.substr(a + 1, b - a - 1));
-      if (!i) throw io::SafetensorsError(f.source() + ": entry '" + e.name + "' names no tensor of this model");
-      const ParamInfo& t = serial_layout::tensors[static_cast<std::size_t>(*i)];
-      const std::int64_t piece = piece_extent(t.spec, 0, tp, ep) * piece_extent(t.spec, 1, tp, ep);
+      const std::string kind = e.name.substr(0, a == std::string::npos ? 0 : a);
+      const std::string tensor = a == std::string::npos || a == b ? std::string() : e.name.substr(a + 1, b - a - 1);
+      if (kind == "router_bias") {  // "router_bias/<MoE block>/0"
+        int block = -1;
+        try {
+          block = std::stoi(tensor);
+        } catch (const std::exception&) {
+        }
+        if (block < 0 || block >= ExpertSpecs<config>::moe_blocks || e.numel() != static_cast<std::size_t>(gpt_dims<config>::experts))
+          throw io::SafetensorsError(f.source() + ": entry '" + e.name + "' is no MoE block's selection bias of this model");
+        std::vector<float>& v = loaded.bias[block];
+        v.resize(e.numel());
+        f.read_into(e, std::span<float>(v));
+        continue;
+      }
+      const auto where = whole_tensor(tensor);
+      if (!where) throw io::SafetensorsError(f.source() + ": entry '" + e.name + "' names no tensor of this model");
+      const auto [base, t] = *where;
+      const std::int64_t piece = piece_extent(t->spec, 0, tp, ep) * piece_extent(t->spec, 1, tp, ep);
       std::int64_t first = -1;
       try {
         first = std::stoll(e.name.substr(b + 1));
@@ -271,10 +295,10 @@ class Trainer {
                                    std::to_string(piece) + " elements");
       std::vector<double> v(e.numel());
       f.read_into(e, std::span<double>(v));
-      Whole& w = whole[e.name.substr(0, a)];
-      if (w.values.empty()) w.values.assign(serial_layout::size, 0.0), w.given.assign(serial_layout::size, false);
+      Whole& w = loaded.state[kind];
+      if (w.values.empty()) w.values.assign(whole_size, 0.0), w.given.assign(whole_size, false);
       for (std::size_t k = 0; k < v.size(); ++k) {
-        const auto at = t.offset + static_cast<std::size_t>(whole_index(t.spec, tp, ep, tp_rank, ep_rank, first + static_cast<std::int64_t>(k)));
+        const auto at = base + static_cast<std::size_t>(whole_index(t->spec, tp, ep, tp_rank, ep_rank, first + static_cast<std::int64_t>(k)));
         w.values[at] = v[k];
         w.given[at] = true;
       }
@@ -288,7 +312,7 @@ class Trainer {
     virtual double grad_norm() const = 0;
     virtual std::vector<value_type> serial_params(bool experts) = 0;
     virtual void write_shard(const std::filesystem::path& file) = 0;
-    virtual void load(const std::map<std::string, Whole>& whole, int adam_step) = 0;
+    virtual void load(const Loaded& loaded, int adam_step) = 0;
     virtual int adam_step() const = 0;
   };
 
@@ -351,20 +375,56 @@ class Trainer {
       io::SafetensorsWriter w;
       std::vector<std::vector<value_type>> params;  // the writer keeps views: the values live here
       std::vector<std::vector<float>> states;
-      [&]<std::size_t... c>(std::index_sequence<c...>) { (add_shard(*std::get<c>(trainers_), w, params, states), ...); }(chunks{});
+      [&]<std::size_t... c>(std::index_sequence<c...>) {
+        (add_chunk(*std::get<c>(models_), *std::get<c>(trainers_), w, params, states), ...);
+      }(chunks{});
       w.add_metadata("tp", std::to_string(mesh::tp)), w.add_metadata("ep", std::to_string(mesh::ep));
       w.add_metadata("tp_rank", std::to_string(tp_rank_)), w.add_metadata("ep_rank", std::to_string(ep_rank_));
       w.write(file);
     }
 
-    void load(const std::map<std::string, Whole>& whole, int adam_step) override {
-      [&]<std::size_t... c>(std::index_sequence<c...>) { (load_chunk(*std::get<c>(trainers_), whole, adam_step), ...); }(chunks{});
+    void load(const Loaded& loaded, int adam_step) override {
+      [&]<std::size_t... c>(std::index_sequence<c...>) {
+        (load_model_chunk(*std::get<c>(models_), *std::get<c>(trainers_), loaded, adam_step), ...);
+      }(chunks{});
     }
 
    private:
     using State = TrainState;
     static constexpr const char* kind_name(State k) {
       return k == State::params ? "params" : k == State::master ? "master" : k == State::exp_avg ? "exp_avg" : "exp_avg_sq";
+    }
+
+    // A chunk's dense state, its experts' and its MoE blocks' selection biases.
+    template <class Part, class D>
+    void add_chunk(Part& part, D& dp, io::SafetensorsWriter& w, std::vector<std::vector<value_type>>& params,
+                   std::vector<std::vector<float>>& states) {
+      add_shard(dp, w, params, states);
+      if constexpr (Part::has_experts) {
+        add_shard(dp.experts(), w, params, states);
+        if constexpr (config::balancing::bias)
+          for (int m = 0; m < Part::moe_blocks; ++m) {
+            const std::span<const float> b = part.router_bias(m);
+            auto& x = states.emplace_back(b.begin(), b.end());
+            w.add("router_bias/" + std::to_string(moe_blocks_before(Part::first_layer) + m) + "/0",
+                  {static_cast<std::int64_t>(x.size())}, std::span<const float>(x));
+          }
+      }
+    }
+    template <class Part, class D>
+    void load_model_chunk(Part& part, D& dp, const Loaded& loaded, int adam_step) {
+      load_chunk(dp, loaded.state, adam_step);
+      if constexpr (Part::has_experts) {
+        load_chunk(dp.experts(), loaded.state, adam_step);
+        if constexpr (config::balancing::bias)
+          for (int m = 0; m < Part::moe_blocks; ++m) {
+            const auto it = loaded.bias.find(moe_blocks_before(Part::first_layer) + m);
+            if (it == loaded.bias.end())
+              throw io::SafetensorsError("the checkpoint holds no selection bias for MoE block " +
+                                         std::to_string(moe_blocks_before(Part::first_layer) + m));
+            part.set_router_bias(m, it->second);
+          }
+      }
     }
 
     template <class D>
@@ -407,7 +467,7 @@ class Trainer {
           const ParamInfo& t = L::tensors[static_cast<std::size_t>(i)];
           const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
           if (b >= e) continue;
-          const std::size_t base = serial_layout::tensors[static_cast<std::size_t>(*serial_layout::find(t.name()))].offset;
+          const std::size_t base = whole_tensor(t.name())->first;
           for (std::size_t j = b; j < e; ++j) {
             const std::size_t at = base + static_cast<std::size_t>(L::global_index(i, tp_rank_, static_cast<std::int64_t>(j - t.offset), ep_rank_));
             if (!it->second.given[at])
