@@ -29,12 +29,14 @@
 #include <fstream>
 #include <iterator>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "fived/io/safetensors.hpp"
+#include "fived/util/fnv.hpp"
 
 namespace fived::checkpoint {
 
@@ -53,14 +55,13 @@ inline std::string rank_file(int rank) {
 inline std::uint64_t file_hash(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw io::SafetensorsError(path.string() + ": cannot open for reading");
-  std::uint64_t h = 1469598103934665603ull;
+  util::Fnv1a64 h;
   std::array<char, 1 << 16> buf{};
   while (in) {
     in.read(buf.data(), buf.size());
-    for (std::streamsize i = 0; i < in.gcount(); ++i)
-      h = (h ^ static_cast<unsigned char>(buf[static_cast<std::size_t>(i)])) * 1099511628211ull;
+    h.add(std::as_bytes(std::span<const char>(buf.data(), static_cast<std::size_t>(in.gcount()))));
   }
-  return h;
+  return h.value();
 }
 
 struct FileEntry {

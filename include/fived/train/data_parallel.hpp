@@ -124,6 +124,7 @@
 #include "fived/optim/adamw.hpp"
 #include "fived/train/bucket_plan.hpp"
 #include "fived/train/comm_queue.hpp"
+#include "fived/util/fnv.hpp"
 
 namespace fived {
 
@@ -565,8 +566,9 @@ class DataParallel {
   void check_replicas_agree() {
     if constexpr (DP > 1 && requires { model_.params_to_host(); }) {
       const std::vector<T> p = model_.params_to_host();
-      std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the bytes
-      for (const std::byte b : std::as_bytes(std::span<const T>(p))) h = (h ^ static_cast<std::uint64_t>(b)) * 1099511628211ull;
+      util::Fnv1a64 hash;
+      hash.add(std::as_bytes(std::span<const T>(p)));
+      const std::uint64_t h = hash.value();
       const double hi = static_cast<double>(h >> 32), lo = static_cast<double>(h & 0xffffffffu);
       std::array<double, 4> v{hi, lo, -hi, -lo};
       comm_.all_reduce_host(std::span<double>(v), ReduceOp::max);
