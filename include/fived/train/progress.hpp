@@ -48,10 +48,8 @@ class ProgressLog {
                    per_gpu, mfu, bytes(memory_bytes).c_str());
       std::fflush(out_);
     }
-    last_tps_ = tps;
     loss_ = seconds_ = tokens_ = 0, n_ = 0;
   }
-  double last_tokens_per_second() const { return last_tps_; }
 
   static std::string bytes(std::size_t b) {
     const char* unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -68,7 +66,7 @@ class ProgressLog {
   int ranks_;
   double flops_, peak_;
   int every_;
-  double loss_ = 0, seconds_ = 0, tokens_ = 0, last_tps_ = 0;
+  double loss_ = 0, seconds_ = 0, tokens_ = 0;
   int n_ = 0;
 };
 

@@ -187,9 +187,9 @@ class Trainer {
     if (m.model != model_name())
       throw io::SafetensorsError((folder / "manifest.json").string() + ": a checkpoint of " + m.model +
                                  ", not of this model (" + model_name() + ")");
-    Loaded loaded;
-    for (const checkpoint::FileEntry& f : m.files) gather(io::SafetensorsFile::read(folder / f.name), loaded);
-    rank_->load(loaded, m.adam_step);
+    checkpoint::Restored<config> restored;
+    for (const checkpoint::FileEntry& f : m.files) restored.add(io::SafetensorsFile::read(folder / f.name));
+    rank_->load(restored, m.adam_step);
     return m.step;
   }
 
@@ -220,26 +220,6 @@ class Trainer {
   }
 
  private:
-  // One kind of state for the whole model, in the serial layouts (the dense buffer, then the
-  // experts'), and which elements a checkpoint gave; and the MoE blocks' selection biases.
-  struct Whole {
-    std::vector<double> values;
-    std::vector<bool> given;
-  };
-  struct Loaded {
-    std::map<std::string, Whole> state;        // per kind of state
-    std::map<int, std::vector<float>> bias;    // per MoE block of the model, in order
-  };
-  static constexpr std::size_t whole_size = serial_layout::size + serial_expert_layout::size;
-  // Where a tensor starts in a Whole, by name (dense or expert), with its whole spec.
-  static std::optional<std::pair<std::size_t, const ParamInfo*>> whole_tensor(std::string_view name) {
-    if (const auto i = serial_layout::find(name))
-      return std::pair{serial_layout::tensors[static_cast<std::size_t>(*i)].offset, &serial_layout::tensors[static_cast<std::size_t>(*i)]};
-    if (const auto i = serial_expert_layout::find(name))
-      return std::pair{serial_layout::size + serial_expert_layout::tensors[static_cast<std::size_t>(*i)].offset,
-                       &serial_expert_layout::tensors[static_cast<std::size_t>(*i)]};
-    return std::nullopt;
-  }
   // The MoE blocks before layer `first` (the first of a part's is the model's next).
   static constexpr int moe_blocks_before(int first) {
     int n = 0;
@@ -247,63 +227,6 @@ class Trainer {
     return n;
   }
   static std::string model_name() { return GPT<config>::describe(); }
-  // Scatters every entry of a rank's file ("<kind>/<tensor>/<first element of its piece>")
-  // to its whole tensors, through the piece's placement in the file's metadata.
-  static void gather(const io::SafetensorsFile& f, Loaded& loaded) {
-    auto meta = [&](const char* key) {
-      const auto it = f.metadata().find(key);
-      if (it == f.metadata().end()) throw io::SafetensorsError(f.source() + ": lacks the metadata \"" + key + "\"");
-      try {
-        return std::stoi(it->second);
-      } catch (const std::exception&) {
-        throw io::SafetensorsError(f.source() + ": metadata \"" + key + "\" is not a number");
-      }
-    };
-    const int tp = meta("tp"), tp_rank = meta("tp_rank"), ep = meta("ep"), ep_rank = meta("ep_rank");
-    if (tp < 1 || ep < 1 || tp_rank < 0 || tp_rank >= tp || ep_rank < 0 || ep_rank >= ep)
-      throw io::SafetensorsError(f.source() + ": its placement (tp " + std::to_string(tp_rank) + " of " +
-                                 std::to_string(tp) + ", ep " + std::to_string(ep_rank) + " of " + std::to_string(ep) +
-                                 ") is not one");
-    for (const io::TensorEntry& e : f.tensors()) {
-      const std::size_t a = e.name.find('/'), b = e.name.rfind('/');
-      const std::string kind = e.name.substr(0, a == std::string::npos ? 0 : a);
-      const std::string tensor = a == std::string::npos || a == b ? std::string() : e.name.substr(a + 1, b - a - 1);
-      if (kind == "router_bias") {  // "router_bias/<MoE block>/0"
-        int block = -1;
-        try {
-          block = std::stoi(tensor);
-        } catch (const std::exception&) {
-        }
-        if (block < 0 || block >= ExpertSpecs<config>::moe_blocks || e.numel() != static_cast<std::size_t>(gpt_dims<config>::experts))
-          throw io::SafetensorsError(f.source() + ": entry '" + e.name + "' is no MoE block's selection bias of this model");
-        std::vector<float>& v = loaded.bias[block];
-        v.resize(e.numel());
-        f.read_into(e, std::span<float>(v));
-        continue;
-      }
-      const auto where = whole_tensor(tensor);
-      if (!where) throw io::SafetensorsError(f.source() + ": entry '" + e.name + "' names no tensor of this model");
-      const auto [base, t] = *where;
-      const std::int64_t piece = piece_extent(t->spec, 0, tp, ep) * piece_extent(t->spec, 1, tp, ep);
-      std::int64_t first = -1;
-      try {
-        first = std::stoll(e.name.substr(b + 1));
-      } catch (const std::exception&) {
-      }
-      if (first < 0 || e.shape.size() != 1 || first + e.shape[0] > piece)
-        throw io::SafetensorsError(f.source() + ": entry '" + e.name + "' does not fit the tensor's piece of " +
-                                   std::to_string(piece) + " elements");
-      std::vector<double> v(e.numel());
-      f.read_into(e, std::span<double>(v));
-      Whole& w = loaded.state[kind];
-      if (w.values.empty()) w.values.assign(whole_size, 0.0), w.given.assign(whole_size, false);
-      for (std::size_t k = 0; k < v.size(); ++k) {
-        const auto at = base + static_cast<std::size_t>(whole_index(t->spec, tp, ep, tp_rank, ep_rank, first + static_cast<std::int64_t>(k)));
-        w.values[at] = v[k];
-        w.given[at] = true;
-      }
-    }
-  }
 
   struct Rank {
     virtual ~Rank() = default;
@@ -312,7 +235,7 @@ class Trainer {
     virtual double grad_norm() const = 0;
     virtual std::vector<value_type> serial_params(bool experts) = 0;
     virtual void write_shard(const std::filesystem::path& file) = 0;
-    virtual void load(const Loaded& loaded, int adam_step) = 0;
+    virtual void load(const checkpoint::Restored<config>& restored, int adam_step) = 0;
     virtual int adam_step() const = 0;
   };
 
@@ -383,17 +306,14 @@ class Trainer {
       w.write(file);
     }
 
-    void load(const Loaded& loaded, int adam_step) override {
+    void load(const checkpoint::Restored<config>& restored, int adam_step) override {
       [&]<std::size_t... c>(std::index_sequence<c...>) {
-        (load_model_chunk(*std::get<c>(models_), *std::get<c>(trainers_), loaded, adam_step), ...);
+        (load_chunk(*std::get<c>(models_), *std::get<c>(trainers_), restored, adam_step), ...);
       }(chunks{});
     }
 
    private:
     using State = TrainState;
-    static constexpr const char* kind_name(State k) {
-      return k == State::params ? "params" : k == State::master ? "master" : k == State::exp_avg ? "exp_avg" : "exp_avg_sq";
-    }
 
     // A chunk's dense state, its experts' and its MoE blocks' selection biases.
     template <class Part, class D>
@@ -406,24 +326,25 @@ class Trainer {
           for (int m = 0; m < Part::moe_blocks; ++m) {
             const std::span<const float> b = part.router_bias(m);
             auto& x = states.emplace_back(b.begin(), b.end());
-            w.add("router_bias/" + std::to_string(moe_blocks_before(Part::first_layer) + m) + "/0",
+            w.add(checkpoint::bias_entry_name(moe_blocks_before(Part::first_layer) + m),
                   {static_cast<std::int64_t>(x.size())}, std::span<const float>(x));
           }
       }
     }
+    // A chunk's dense state, its experts' and its MoE blocks' selection biases.
     template <class Part, class D>
-    void load_model_chunk(Part& part, D& dp, const Loaded& loaded, int adam_step) {
-      load_chunk(dp, loaded.state, adam_step);
+    void load_chunk(Part& part, D& dp, const checkpoint::Restored<config>& restored, int adam_step) {
+      auto from = [&](auto& trainer) {
+        using L = typename std::remove_reference_t<decltype(trainer)>::layout;
+        trainer.load_state([&](State k, FlatRange r) { return restored.template values<L>(k, r, tp_rank_, ep_rank_); },
+                           adam_step);
+      };
+      from(dp);
       if constexpr (Part::has_experts) {
-        load_chunk(dp.experts(), loaded.state, adam_step);
+        from(dp.experts());
         if constexpr (config::balancing::bias)
-          for (int m = 0; m < Part::moe_blocks; ++m) {
-            const auto it = loaded.bias.find(moe_blocks_before(Part::first_layer) + m);
-            if (it == loaded.bias.end())
-              throw io::SafetensorsError("the checkpoint holds no selection bias for MoE block " +
-                                         std::to_string(moe_blocks_before(Part::first_layer) + m));
-            part.set_router_bias(m, it->second);
-          }
+          for (int m = 0; m < Part::moe_blocks; ++m)
+            part.set_router_bias(m, restored.bias(moe_blocks_before(Part::first_layer) + m));
       }
     }
 
@@ -439,7 +360,7 @@ class Trainer {
           for (const ParamInfo& t : L::tensors) {
             const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
             if (b >= e) continue;
-            const std::string name = std::string(kind_name(k)) + "/" + t.name() + "/" + std::to_string(b - t.offset);
+            const std::string name = checkpoint::entry_name(k, t.name(), b - t.offset);
             const auto from = v.begin() + static_cast<std::ptrdiff_t>(b - r.begin), to = from + static_cast<std::ptrdiff_t>(e - b);
             if (k == State::params) {
               auto& x = params.emplace_back(e - b);
@@ -452,33 +373,6 @@ class Trainer {
             }
           }
         }
-    }
-
-    template <class D>
-    void load_chunk(D& dp, const std::map<std::string, Whole>& whole, int adam_step) {
-      using L = typename D::layout;
-      auto fetch = [&](State k, FlatRange r) {
-        // a bf16 model's masters, from a checkpoint without them: its parameters
-        const char* kind = k == State::master && !whole.count("master") ? "params" : kind_name(k);
-        const auto it = whole.find(kind);
-        if (it == whole.end()) throw io::SafetensorsError(std::string("the checkpoint holds no \"") + kind + "\" state");
-        std::vector<double> out(r.size());
-        for (int i = 0; i < L::count; ++i) {
-          const ParamInfo& t = L::tensors[static_cast<std::size_t>(i)];
-          const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
-          if (b >= e) continue;
-          const std::size_t base = whole_tensor(t.name())->first;
-          for (std::size_t j = b; j < e; ++j) {
-            const std::size_t at = base + static_cast<std::size_t>(L::global_index(i, tp_rank_, static_cast<std::int64_t>(j - t.offset), ep_rank_));
-            if (!it->second.given[at])
-              throw io::SafetensorsError("the checkpoint lacks element " + std::to_string(at - base) + " of " + t.name() +
-                                         " (" + kind + "): a rank's file is missing");
-            out[j - r.begin] = it->second.values[at];
-          }
-        }
-        return out;
-      };
-      dp.load_state(fetch, adam_step);
     }
 
     static std::vector<pipeline::Action> programme() {
