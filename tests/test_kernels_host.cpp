@@ -469,14 +469,14 @@ const std::vector<int> ce_targets = {3, 0, 9};
 
 // Loss sum and dlogits through the three-step API on one shard, everything in acc_t.
 template <class T>
-double ce_single(const Vec& logits, Vec* dlogits, Vec* losses, float dloss) {
+double ce_single(const Vec& logits, Vec* dlogits, Vec* losses, double dloss) {
   using A = fived::acc_t<T>;
   auto tl = to<T>(logits);
   std::vector<A> m(CE_N), s(CE_N), t(CE_N);
   k::logits_max(m.data(), tl.data(), CE_N, CE_VP, 0, CE_V);
   k::crossentropy_partials(s.data(), t.data(), tl.data(), ce_targets.data(), m.data(), CE_N, CE_VP, 0, CE_V);
   std::vector<T> d(tl.size());
-  std::vector<float> lo(CE_N);
+  std::vector<A> lo(CE_N);
   k::crossentropy_backward(lo.data(), d.data(), tl.data(), ce_targets.data(), m.data(), s.data(), t.data(), CE_N, CE_VP,
                            0, CE_V, dloss);
   if (dlogits) *dlogits = from(d);
@@ -491,14 +491,14 @@ double ce_single(const Vec& logits, Vec* dlogits, Vec* losses, float dloss) {
 
 TEST_CASE("cross-entropy: loss against -log softmax over the real vocabulary, dlogits against finite differences") {
   Vec logits = ce_logits(101);
-  const float dloss = 0.37f;
+  const double dloss = 0.37;
   Vec d, losses;
   ce_single<double>(logits, &d, &losses, dloss);
   for (int i = 0; i < CE_N; ++i) {
     double z = 0;
     for (int j = 0; j < CE_V; ++j) z += std::exp(logits[static_cast<std::size_t>(i * CE_VP + j)]);
     const double ref = -std::log(std::exp(logits[static_cast<std::size_t>(i * CE_VP + ce_targets[static_cast<std::size_t>(i)])]) / z);
-    CHECK(losses[static_cast<std::size_t>(i)] == doctest::Approx(ref).epsilon(1e-6));  // losses are float
+    CHECK(losses[static_cast<std::size_t>(i)] == doctest::Approx(ref).epsilon(1e-13));  // in the model's precision
     for (int j = CE_V; j < CE_VP; ++j) CHECK(d[static_cast<std::size_t>(i * CE_VP + j)] == 0.0);
   }
   // Padding columns included: their finite difference is 0, as their dlogits.
@@ -507,10 +507,10 @@ TEST_CASE("cross-entropy: loss against -log softmax over the real vocabulary, dl
 
   // The convenience call, and dlogits aliasing logits, give the same.
   std::vector<double> inplace = logits;
-  std::vector<float> lo(CE_N);
+  std::vector<double> lo(CE_N);
   k::crossentropy_forward_backward(lo.data(), inplace.data(), inplace.data(), ce_targets.data(), CE_N, CE_VP, CE_V, dloss);
   CHECK(max_rel_error(inplace, d) < exact_bound);
-  for (int i = 0; i < CE_N; ++i) CHECK(lo[static_cast<std::size_t>(i)] == float(losses[static_cast<std::size_t>(i)]));
+  for (int i = 0; i < CE_N; ++i) CHECK(lo[static_cast<std::size_t>(i)] == losses[static_cast<std::size_t>(i)]);
 
   const std::vector<int> bad = {3, 10, 0};  // 10 is a padding column, not a token
   CHECK_THROWS_AS(k::crossentropy_forward_backward(lo.data(), inplace.data(), logits.data(), bad.data(), CE_N, CE_VP,
@@ -520,7 +520,7 @@ TEST_CASE("cross-entropy: loss against -log softmax over the real vocabulary, dl
 
 TEST_CASE("cross-entropy vocab shards (2 and 4): combined by hand, same losses and dlogits as one shard") {
   const Vec logits = ce_logits(111);
-  const float dloss = 1.0f / 3;
+  const double dloss = 1.0 / 3;
   Vec d_ref, loss_ref;
   ce_single<double>(logits, &d_ref, &loss_ref, dloss);
   for (int S : {2, 4}) {
@@ -556,12 +556,12 @@ TEST_CASE("cross-entropy vocab shards (2 and 4): combined by hand, same losses a
     }
     Vec d_cat(logits.size());
     for (int s = 0; s < S; ++s) {
-      std::vector<float> lo(CE_N);
+      Vec lo(CE_N);
       Vec& sh = shard[static_cast<std::size_t>(s)];
       k::crossentropy_backward(lo.data(), sh.data(), sh.data(), ce_targets.data(), gmax.data(), sumexp.data(),
                                tlogit.data(), CE_N, Vs, s * Vs, CE_V, dloss);  // in place
       for (int i = 0; i < CE_N; ++i) {
-        CHECK(lo[static_cast<std::size_t>(i)] == doctest::Approx(loss_ref[static_cast<std::size_t>(i)]).epsilon(1e-6));
+        CHECK(lo[static_cast<std::size_t>(i)] == doctest::Approx(loss_ref[static_cast<std::size_t>(i)]).epsilon(1e-13));
         for (int j = 0; j < Vs; ++j)
           d_cat[static_cast<std::size_t>(i * CE_VP + s * Vs + j)] = sh[static_cast<std::size_t>(i * Vs + j)];
       }
@@ -667,12 +667,13 @@ TEST_CASE("adamw: two steps against a hand-computed update; fp32 master with bf1
   CHECK(max_rel_error(from(pf), w) < 1e-6);
   CHECK(max_rel_error(from(mf), m) < 1e-6);
   CHECK(max_rel_error(from(vf), v) < 1e-6);
-  // double param, no master: the moments are float, so about 1e-7
-  std::vector<double> pd = w0;
-  std::vector<float> md(n, 0.f), vd(n, 0.f);
+  // double param, no master: the moments are double too, so exact to a double's precision
+  std::vector<double> pd = w0, md(n, 0.0), vd(n, 0.0);
   k::adamw_update(pd.data(), nullptr, g1.data(), md.data(), vd.data(), n, lr, b1, b2, eps, wd, 1);
   k::adamw_update(pd.data(), nullptr, g2.data(), md.data(), vd.data(), n, lr, b1, b2, eps, wd, 2);
-  CHECK(max_rel_error(pd, w) < 1e-6);
+  CHECK(max_rel_error(pd, w) < 1e-14);
+  CHECK(max_rel_error(md, m) < 1e-14);
+  CHECK(max_rel_error(vd, v) < 1e-14);
   // bf16 param, fp32 master (same float gradients): master equals the float run exactly.
   std::vector<float> master(w0.begin(), w0.end()), mb(n, 0.f), vb(n, 0.f);
   std::vector<bf16> pb = to<bf16>(w0);
@@ -710,8 +711,13 @@ TEST_CASE("sum_of_squares, scale, clip_factor closed forms") {
   k::scale(sb.data(), sb.size(), 0.25f);
   CHECK(float(sb[0]) == 0.25f);
   CHECK(float(sb[1]) == -0.5f);
-  CHECK(k::clip_factor(169.0, 1.0f) == doctest::Approx(1.0 / (13.0 + 1e-6)).epsilon(1e-7));
-  CHECK(k::clip_factor(169.0, 6.5f) == doctest::Approx(6.5 / (13.0 + 1e-6)).epsilon(1e-7));
+  // A double factor reaches a double gradient unrounded: 1/3 is a double's 1/3, not a float's.
+  std::vector<double> sd = {3.0, -6.0};
+  k::scale(sd.data(), sd.size(), 1.0 / 3.0);
+  CHECK(sd == std::vector<double>{3.0 * (1.0 / 3.0), -6.0 * (1.0 / 3.0)});
+  CHECK(sd[0] != 3.0 * static_cast<double>(1.0f / 3.0f));
+  CHECK(k::clip_factor(169.0, 1.0) == 1.0 / (13.0 + 1e-6));  // in double, never through float
+  CHECK(k::clip_factor(169.0, 6.5) == 6.5 / (13.0 + 1e-6));
   // where the +1e-6 matters: norm 1e-5, so the factor is 1e-6 / 1.1e-5, not 0.1
   const double tiny = 1e-6 / (1e-5 + 1e-6);
   CHECK(std::abs(k::clip_factor(1e-10, 1e-6f) - tiny) <= 1e-5 * tiny);

@@ -57,7 +57,7 @@ Result serial_run(int micro, int data_ranks) {
   std::vector<int> tok, tgt;
   for (int s = 1; s <= steps; ++s) {
     test::global_batch(s, micro, B, T, Cfg::vocab, tok, tgt);
-    dp.optimizer().hp.lr = static_cast<float>(hp.lr(s));
+    dp.optimizer().hp.lr = hp.lr(s);
     r.losses.push_back(dp.step(tok, tgt, B / data_ranks, T));
   }
   r.weights.assign(m.params().begin(), m.params().end());

@@ -420,7 +420,7 @@ TEST_CASE_TEMPLATE("gradient norm: sum of squares, scale, clip", T, ELEMENT_TYPE
   const float got = down(total)[0];
   CHECK(std::fabs(got - ref) / ref <= 1e-5);
   const float max_norm = 1.0f;
-  const float f = hk::clip_factor(ref, max_norm);
+  const double f = hk::clip_factor(ref, max_norm);
   CHECK(ck::clip_factor(ref, max_norm) == f);
   auto h1 = g1;
   hk::scale(h1.data(), n, f);

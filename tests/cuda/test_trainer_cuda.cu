@@ -48,7 +48,7 @@ void trainer_equals_serial() {
   for (int s = 1; s <= steps; ++s) {
     CAPTURE(s);
     test::global_batch(s, micro, B, T, cfg<R>::vocab, tok, tgt);
-    sdp.optimizer().hp.lr = static_cast<float>(hp.lr(s));
+    sdp.optimizer().hp.lr = hp.lr(s);
     const double lt = t.step(s, tok, tgt, B, T), ls = sdp.step(tok, tgt, B, T);
     CHECK(std::abs(lt - ls) <= 1e-5 * std::abs(ls));
   }

@@ -413,10 +413,10 @@ class GPT {
   // must be a multiple of 2·CP). Returns the mean loss over this rank's tokens (B*T, or
   // B*T/CP: the mean over the CP group is the sequences', as DataParallel reports it; 0
   // without targets). On Cuda this waits for the loss.
-  float forward(const int* tokens, const int* targets, int B, int T_, const UnitHooks& hooks = {}, int slot = 0) {
+  double forward(const int* tokens, const int* targets, int B, int T_, const UnitHooks& hooks = {}, int slot = 0) {
     enqueue_forward(tokens, targets, B, T_, hooks, slot);
-    if (targets == nullptr) return 0.0f;
-    return static_cast<float>(loss(slot));
+    if (targets == nullptr) return 0.0;
+    return loss(slot);
   }
 
   void enqueue_forward(const int* tokens, const int* targets, int B, int T_, const UnitHooks& hooks = {},

@@ -34,14 +34,14 @@ struct Head {
     Buffer<T, typename S::device> x_full;  // SP: the gathered input
     Buffer<T, typename S::device> logits;  // [N, Vp/TP]; d-logits after a forward with targets
     Buffer<stat_t, typename S::device> max, sumexp, target;
-    Buffer<float, typename S::device> losses;
+    Buffer<stat_t, typename S::device> losses;
     void reserve(typename S::ops_type& ops, std::size_t N, std::size_t C, std::size_t Vp) {
       if constexpr (S::sp) x_full = ops.template make_buffer<T>(N * C);
       logits = ops.template make_buffer<T>(N * Vp / S::tp);
       max = ops.template make_buffer<stat_t>(N);
       sumexp = ops.template make_buffer<stat_t>(N);
       target = ops.template make_buffer<stat_t>(N);
-      losses = ops.template make_buffer<float>(N);
+      losses = ops.template make_buffer<stat_t>(N);
     }
   };
 
@@ -61,7 +61,7 @@ struct Head {
     s.comm.all_reduce(sumexp);
     s.comm.all_reduce(target);
     s.ops.crossentropy_backward(a.losses.data(), a.logits.data(), a.logits.data(), targets, max.data(), sumexp.data(),
-                                target.data(), N, Vl, first, V, 1.0f / static_cast<float>(N));
+                                target.data(), N, Vl, first, V, 1.0 / N);
   }
 
   // dx (the stream's rows, "=") from the d-logits; dW "+=". partial: [N, C] when SP.

@@ -103,7 +103,7 @@ struct MoE {
     buffer<int> expert, pos, token_of;  // [N·k]: chosen expert, row in dispatch order, row's token
     buffer<T> y;                       // [N·k, C]: expert outputs in dispatch order (Partial on TP)
     buffer<T> x_exp, pre, h;           // [R, C], [R, F/TP] x2: this rank's experts' rows
-    buffer<float> daux;                // [E]: the balancing loss's gradient per score
+    buffer<stat_t> daux;               // [E]: the balancing loss's gradient per score
     std::vector<int> counts;           // [E]: rows kept per expert, this rank's tokens
     std::vector<std::int64_t> from;    // [EP·El]: rows from peer p for local expert j
     std::vector<std::size_t> send, recv;  // elements to / from each EP peer
@@ -118,7 +118,7 @@ struct MoE {
       pos = ops.template make_buffer<int>(N * K);
       token_of = ops.template make_buffer<int>(N * K);
       y = ops.template make_buffer<T>(N * K * C);
-      daux = ops.template make_buffer<float>(E);
+      daux = ops.template make_buffer<stat_t>(E);
       counts.assign(E, 0);
       from.assign(static_cast<std::size_t>(EP) * El, 0);
       send.assign(EP, 0);
@@ -219,7 +219,7 @@ struct MoE {
     T* out = s.partial_buffer(dx, full);
     T* dlogits = w.logits.data();
     ops.router_backward(dlogits, w.dgate.data(), a.scores.data(), a.expert.data(), a.gate.data(),
-                        coef > 0 ? a.daux.data() : static_cast<const float*>(nullptr), N, E, K, renormalize, sigmoid);
+                        coef > 0 ? a.daux.data() : static_cast<const stat_t*>(nullptr), N, E, K, renormalize, sigmoid);
     ops.matmul(g.router, xf, dlogits, static_cast<const T*>(nullptr), C, E, N, true, false, true);
     if (s.rank() == 0) ops.matmul(out, dlogits, p.router, static_cast<const T*>(nullptr), N, C, E, false, true);
     else ops.zero(out, static_cast<std::size_t>(N) * C);
@@ -257,12 +257,12 @@ struct MoE {
       for (int e = 0; e < E; ++e) w.stats[e] = a.counts[e], w.stats[E + e] = static_cast<double>(sums[e]);
       s.cp_comm.all_reduce_host(std::span<double>(w.stats));
       const double tokens = static_cast<double>(N) * S::cp, assignments = tokens * K;
-      std::array<float, E> daux{};
+      std::array<stat_t, E> daux{};
       for (int e = 0; e < E; ++e) {
         const double f = w.stats[e] / assignments, P = w.stats[E + e] / tokens;
         a.aux += coef * E * f * P;
         // d aux / d score, times CP: the replica's gradient is averaged over CP
-        daux[static_cast<std::size_t>(e)] = static_cast<float>(coef * E * f / N);
+        daux[static_cast<std::size_t>(e)] = static_cast<stat_t>(coef * E * f / N);
       }
       s.ops.upload(a.daux.data(), daux.data(), E);
     }

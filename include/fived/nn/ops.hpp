@@ -47,6 +47,10 @@
 //   std::vector<U> to_host(std::span<const U> device_span)
 //   void synchronize()                         waits for the device's queued work
 //
+// Scalars that cross this interface (the loss gradient 1/N, scale factors, AdamW's
+// hyperparameters) are double, and each kernel rounds them once to the precision it
+// computes in: a double model is exact to a double's precision, never to a float's.
+//
 // On the host the staging functions hand out the buffer itself (no copy), so the host
 // model does exactly what it did before this layer existed.
 
@@ -141,18 +145,18 @@ struct Ops<T, Host> {
                              const stat_t* max, int N, int Vs, int offset, int V) {
     kernels::host::crossentropy_partials(sumexp, target_logit, logits, targets, max, N, Vs, offset, V);
   }
-  void crossentropy_backward(float* losses, T* dlogits, const T* logits, const int* targets, const stat_t* max,
+  void crossentropy_backward(stat_t* losses, T* dlogits, const T* logits, const int* targets, const stat_t* max,
                              const stat_t* sumexp, const stat_t* target_logit, int N, int Vs, int offset, int V,
-                             float dloss) {
+                             double dloss) {
     kernels::host::crossentropy_backward(losses, dlogits, logits, targets, max, sumexp, target_logit, N, Vs, offset, V,
                                          dloss);
   }
-  void adamw_update(T* param, float* master, const T* grad, float* m, float* v, std::size_t n, float lr, float beta1,
-                    float beta2, float eps, float weight_decay, int step) {
+  void adamw_update(T* param, adamw_state_t<T>* master, const T* grad, adamw_state_t<T>* m, adamw_state_t<T>* v,
+                    std::size_t n, double lr, double beta1, double beta2, double eps, double weight_decay, int step) {
     kernels::host::adamw_update(param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step);
   }
   void gelu_forward(T* out, const T* inp, std::size_t n) { kernels::host::gelu_forward(out, inp, n); }
-  void scale(T* g, std::size_t n, float factor) { kernels::host::scale(g, n, factor); }
+  void scale(T* g, std::size_t n, double factor) { kernels::host::scale(g, n, factor); }
   void to_fp32(float* dst, const T* src, std::size_t n) { kernels::host::to_fp32(dst, src, n); }
   void from_acc(T* dst, const stat_t* src, std::size_t n) { kernels::host::from_acc(dst, src, n); }
   template <class U>
@@ -186,7 +190,7 @@ struct Ops<T, Host> {
     kernels::host::moe_dispatch_backward(dx, dxp, pos, N, k, C);
   }
   void router_backward(T* dlogits, const stat_t* dgate, const stat_t* scores, const int* expert, const stat_t* gate,
-                       const float* daux, int N, int E, int k, bool renormalize, bool sigmoid) {
+                       const stat_t* daux, int N, int E, int k, bool renormalize, bool sigmoid) {
     kernels::host::router_backward(dlogits, dgate, scores, expert, gate, daux, N, E, k, renormalize, sigmoid);
   }
   void router_score_sums(stat_t* sums, const stat_t* scores, int N, int E) {

@@ -17,11 +17,14 @@
 // offsets minus `base` (update's last argument, 0 by default): a ZeRO-3 rank passes its
 // piece of a bucket with base = the piece's first offset.
 //
-// Precision: moments are fp32. For T = float or double the update is done on the parameters
-// themselves (no master copy). For any other T (bf16) the optimizer keeps fp32 master weights
-// for its range, copied from the parameters on the first step, and writes T(master) back.
+// Precision: the state (moments, masters) is state_type = adamw_state_t<T>: double for a
+// double model (exact to a double's precision, the reference every other run is checked
+// against), fp32 otherwise. The hyperparameters are double and each kernel rounds them
+// once. For T = float or double the update is done on the parameters themselves (no master
+// copy). For any other T (bf16) the optimizer keeps fp32 master weights for its range,
+// copied from the parameters on the first step, and writes T(master) back.
 //
-// Device: the state lives in Buffer<float, Device> (device memory on Cuda, allocated once
+// Device: the state lives in Buffer<state_type, Device> (device memory on Cuda, allocated once
 // here) and the update is the fused adamw_update kernel of the Ops passed to update(), queued
 // on its stream; spans and ranges are device memory then (exp_avg() and friends too).
 
@@ -35,18 +38,19 @@
 
 #include "fived/device/bf16.hpp"
 #include "fived/device/buffer.hpp"
+#include "fived/kernels/host/adamw.hpp"
 #include "fived/kernels/host/norm.hpp"
 #include "fived/optim/flat_range.hpp"
 
 namespace fived {
 
 struct AdamWConfig {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;  // on 2-D tensors only (see decays())
-  float max_norm = 0.0f;      // global gradient-norm clipping; 0 = off
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;  // on 2-D tensors only (see decays())
+  double max_norm = 0.0;      // global gradient-norm clipping; 0 = off
 };
 
 template <class Layout, class T = float, class Device = Host>
@@ -55,6 +59,7 @@ class AdamW {
   using layout = Layout;
   using value_type = T;
   using device = Device;
+  using state_type = adamw_state_t<T>;
   // No fp32 master copy for float (it is the master) and double (gradient checks).
   static constexpr bool has_master = !(std::is_same_v<T, float> || std::is_same_v<T, double>);
 
@@ -74,20 +79,20 @@ class AdamW {
       start_.push_back(n);
       n += r.size();
     }
-    m_ = Buffer<float, Device>(n);  // zeroed
-    v_ = Buffer<float, Device>(n);
-    if constexpr (has_master) master_ = Buffer<float, Device>(n);
+    m_ = Buffer<state_type, Device>(n);  // zeroed
+    v_ = Buffer<state_type, Device>(n);
+    if constexpr (has_master) master_ = Buffer<state_type, Device>(n);
     master_ready_.assign(owned_.size(), false);
   }
 
   std::span<const FlatRange> owned() const { return owned_; }
   std::size_t owned_size() const { return m_.size(); }  // elements, over all owned ranges
   int step_count() const { return step_; }  // steps taken (the next step is step_count() + 1)
-  std::span<const float> exp_avg() const { return m_.span(); }     // first moments of owned(), in order
-  std::span<const float> exp_avg_sq() const { return v_.span(); }  // second moments of owned(), in order
-  std::span<const float> master() const { return master_.span(); } // empty unless has_master
+  std::span<const state_type> exp_avg() const { return m_.span(); }     // first moments of owned(), in order
+  std::span<const state_type> exp_avg_sq() const { return v_.span(); }  // second moments of owned(), in order
+  std::span<const state_type> master() const { return master_.span(); } // empty unless has_master
   // Bytes of optimizer state held (moments, master weights).
-  std::size_t state_bytes() const { return (m_.size() + v_.size() + master_.size()) * sizeof(float); }
+  std::size_t state_bytes() const { return (m_.size() + v_.size() + master_.size()) * sizeof(state_type); }
 
   // Where the state of r (inside one owned range) starts in exp_avg(), exp_avg_sq(), master().
   std::size_t state_offset(FlatRange r) const {
@@ -97,7 +102,8 @@ class AdamW {
   // A resumed run's state (train/checkpoint.hpp): the step count and, over owned() in order,
   // the moments and (has_master) the fp32 masters, written with `ops` (an Ops<T, Device>).
   template <class Ops>
-  void restore(Ops& ops, int step, std::span<const float> m, std::span<const float> v, std::span<const float> master) {
+  void restore(Ops& ops, int step, std::span<const state_type> m, std::span<const state_type> v,
+               std::span<const state_type> master) {
     if (m.size() != m_.size() || v.size() != v_.size() || master.size() != master_.size() || step < 0)
       throw std::invalid_argument("fived::AdamW::restore: the state has " + std::to_string(m.size()) + " moments for " +
                                   std::to_string(m_.size()) + " owned elements (and " + std::to_string(master.size()) +
@@ -110,8 +116,8 @@ class AdamW {
   }
 
   // min(1, max_norm / (sqrt(total) + 1e-6)); 1 when clipping is off.
-  float clip_factor(double total_sum_of_squares) const {
-    return hp.max_norm > 0 ? kernels::host::clip_factor(total_sum_of_squares, hp.max_norm) : 1.0f;
+  double clip_factor(double total_sum_of_squares) const {
+    return hp.max_norm > 0 ? kernels::host::clip_factor(total_sum_of_squares, hp.max_norm) : 1.0;
   }
 
   // ---- steps -----------------------------------------------------------------------------
@@ -144,10 +150,10 @@ class AdamW {
       const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
       if (b >= e) continue;
       const std::size_t o = start_[k] + (b - owned_[k].begin);
-      float* master = nullptr;
+      state_type* master = nullptr;
       if constexpr (has_master) master = master_.data() + o;
       ops.adamw_update(params.data() + (b - base), master, grads.data() + (b - base), m_.data() + o, v_.data() + o,
-                       e - b, hp.lr, hp.beta1, hp.beta2, hp.eps, t.decays() ? hp.weight_decay : 0.0f, step_);
+                       e - b, hp.lr, hp.beta1, hp.beta2, hp.eps, t.decays() ? hp.weight_decay : 0.0, step_);
     }
   }
 
@@ -172,7 +178,7 @@ class AdamW {
   std::vector<std::size_t> start_;  // where owned_[k]'s state starts in m_, v_, master_
   std::vector<bool> master_ready_;
   int step_ = 0;
-  Buffer<float, Device> m_, v_, master_;
+  Buffer<state_type, Device> m_, v_, master_;
 };
 
 // The optimizer for a model type: AdamW over its layout, element type and device.

@@ -236,7 +236,7 @@ class DataParallel {
 
   // After a forward and backward run by the caller (NoZeRO): the gradients reduced over the
   // group, clipped to the global norm and one AdamW step. Returns the clip factor.
-  float apply_gradients() {
+  double apply_gradients() {
     static_assert(stage == 0, "fived::DataParallel::apply_gradients: under ZeRO use step(), which reduces each "
                               "micro-batch as backward finishes it");
     if constexpr (HasExperts<Model>) experts_->reduce_all();
@@ -365,13 +365,13 @@ class DataParallel {
   // Clips to the global norm sqrt(total_sum_of_squares) (when max_norm is set), one AdamW
   // step on what this rank owns, then (NoZeRO aside) the new parameters to every replica:
   // all-gathered now under ZeRO-1/2, at their next use under ZeRO-3. Returns the clip factor.
-  float update(double total_sum_of_squares) {
+  double update(double total_sum_of_squares) {
     ops_type& ops = model_.ops();
-    float f = 1.0f;
+    double f = 1.0;
     last_norm_ = std::sqrt(total_sum_of_squares);
     if (opt_.hp.max_norm > 0) {
       f = last_clip_ = opt_.clip_factor(total_sum_of_squares);
-      if (f < 1.0f)
+      if (f < 1.0)
         for (std::size_t i = 0; i < plan::count; ++i) ops.scale(owned_grads(i).data(), owned(i).size(), f);
     }
     opt_.begin_step();
@@ -469,8 +469,9 @@ class DataParallel {
       for (std::size_t k = 0; k < h.size(); ++k) out[k] = static_cast<double>(static_cast<acc_t<T>>(h[k]));
       return out;
     }
-    const std::span<const float> s = kind == State::master ? opt_.master() : kind == State::exp_avg ? opt_.exp_avg() : opt_.exp_avg_sq();
-    const std::vector<float> h = ops.to_host(s.subspan(opt_.state_offset(r), r.size()));
+    using S = typename optimizer_type::state_type;
+    const std::span<const S> s = kind == State::master ? opt_.master() : kind == State::exp_avg ? opt_.exp_avg() : opt_.exp_avg_sq();
+    const std::vector<S> h = ops.to_host(s.subspan(opt_.state_offset(r), r.size()));
     std::copy(h.begin(), h.end(), out.begin());
     return out;
   }
@@ -495,10 +496,11 @@ class DataParallel {
       const std::vector<T> v = as(fetch(State::params, FlatRange{0, layout::size}), static_cast<T*>(nullptr));
       ops.upload(model_.params().data(), v.data(), v.size());
     }
-    std::vector<float> m, v, master;
+    using S = typename optimizer_type::state_type;
+    std::vector<S> m, v, master;
     for (const FlatRange& r : opt_.owned()) {
-      auto put = [&](State k, std::vector<float>& to) {
-        const std::vector<float> x = as(fetch(k, r), static_cast<float*>(nullptr));
+      auto put = [&](State k, std::vector<S>& to) {
+        const std::vector<S> x = as(fetch(k, r), static_cast<S*>(nullptr));
         to.insert(to.end(), x.begin(), x.end());
       };
       put(State::exp_avg, m), put(State::exp_avg_sq, v);
@@ -509,7 +511,7 @@ class DataParallel {
   int optimizer_steps() const { return opt_.step_count(); }
 
   // The clip factor of the last step (1: not clipped).
-  float last_clip() const { return last_clip_; }
+  double last_clip() const { return last_clip_; }
   // The global gradient norm of the last update, before clipping (every axis counted).
   double grad_norm() const { return last_norm_; }
   optimizer_type& optimizer() { return opt_; }
@@ -626,7 +628,7 @@ class DataParallel {
     const Bucket& bk = plan::bucket(i);
     std::span<T> g = model_.grads().subspan(bk.range.begin, bk.range.size());
     constexpr double scale = dp_detail::grad_scale<Model>();
-    if (accum_ > 1 || scale != 1.0) ops.scale(g.data(), g.size(), static_cast<float>(scale / accum_));
+    if (accum_ > 1 || scale != 1.0) ops.scale(g.data(), g.size(), scale / accum_);
     if constexpr (stage == 0) {
       comm_.all_reduce(g, ReduceOp::avg);
     } else {
@@ -719,7 +721,7 @@ class DataParallel {
   // ---- the optimizer step -------------------------------------------------------------------
 
   // The step of a model that holds every parameter of the run: its own norm, then update().
-  float optimizer_step() { return update(opt_.hp.max_norm > 0 ? grad_sum_of_squares() : 0.0); }
+  double optimizer_step() { return update(opt_.hp.max_norm > 0 ? grad_sum_of_squares() : 0.0); }
 
   // Adds the squares of what this rank owns of bucket i, counting only the parts the model
   // says this rank counts (a tensor replicated over TP on TP rank 0 only).
@@ -759,7 +761,7 @@ class DataParallel {
   int rank_;
   int accum_;
   bool overlap_ = true;
-  float last_clip_ = 1.0f;
+  double last_clip_ = 1.0;
   double last_norm_ = 0;
   bool reducing_ = false;  // the current micro-batch's gradients are reduced
   bool async_ = false;     // this step's collectives run on the communication thread

@@ -129,7 +129,7 @@ class Trainer {
   // Returns the mean loss over the global batch, on every rank.
   double step(int step, std::span<const int> tokens, std::span<const int> targets, int B, int T) {
     lr_ = cfg_.lr(step);
-    rank_->set_lr(static_cast<float>(lr_));
+    rank_->set_lr(lr_);
     return rank_->step(tokens, targets, B, T);
   }
   double lr() const { return lr_; }
@@ -231,7 +231,7 @@ class Trainer {
   struct Rank {
     virtual ~Rank() = default;
     virtual double step(std::span<const int> tokens, std::span<const int> targets, int B, int T) = 0;
-    virtual void set_lr(float lr) = 0;
+    virtual void set_lr(double lr) = 0;
     virtual double grad_norm() const = 0;
     virtual std::vector<value_type> serial_params(bool experts) = 0;
     virtual void write_shard(const std::filesystem::path& file) = 0;
@@ -274,7 +274,7 @@ class Trainer {
     double step(std::span<const int> tokens, std::span<const int> targets, int B, int T) override {
       return executor_->step(tokens, targets, B, T);
     }
-    void set_lr(float lr) override {
+    void set_lr(double lr) override {
       [&]<std::size_t... c>(std::index_sequence<c...>) { ((std::get<c>(trainers_)->optimizer().hp.lr = lr), ...); }(chunks{});
     }
     double grad_norm() const override { return std::get<0>(trainers_)->grad_norm(); }
@@ -297,7 +297,7 @@ class Trainer {
     void write_shard(const std::filesystem::path& file) override {
       io::SafetensorsWriter w;
       std::vector<std::vector<value_type>> params;  // the writer keeps views: the values live here
-      std::vector<std::vector<float>> states;
+      HeldValues states;
       [&]<std::size_t... c>(std::index_sequence<c...>) {
         (add_chunk(*std::get<c>(models_), *std::get<c>(trainers_), w, params, states), ...);
       }(chunks{});
@@ -314,18 +314,29 @@ class Trainer {
 
    private:
     using State = TrainState;
+    // Values a SafetensorsWriter points at until it has written: optimizer state in its own
+    // precision, selection biases in float.
+    struct HeldValues {
+      std::vector<std::vector<float>> floats;
+      std::vector<std::vector<double>> doubles;
+      template <class S>
+      std::vector<std::vector<S>>& of() {
+        if constexpr (std::is_same_v<S, double>) return doubles;
+        else return floats;
+      }
+    };
 
     // A chunk's dense state, its experts' and its MoE blocks' selection biases.
     template <class Part, class D>
     void add_chunk(Part& part, D& dp, io::SafetensorsWriter& w, std::vector<std::vector<value_type>>& params,
-                   std::vector<std::vector<float>>& states) {
+                   HeldValues& states) {
       add_shard(dp, w, params, states);
       if constexpr (Part::has_experts) {
         add_shard(dp.experts(), w, params, states);
         if constexpr (config::balancing::bias)
           for (int m = 0; m < Part::moe_blocks; ++m) {
             const std::span<const float> b = part.router_bias(m);
-            auto& x = states.emplace_back(b.begin(), b.end());
+            auto& x = states.floats.emplace_back(b.begin(), b.end());
             w.add(checkpoint::bias_entry_name(moe_blocks_before(Part::first_layer) + m),
                   {static_cast<std::int64_t>(x.size())}, std::span<const float>(x));
           }
@@ -350,7 +361,7 @@ class Trainer {
 
     template <class D>
     void add_shard(D& dp, io::SafetensorsWriter& w, std::vector<std::vector<value_type>>& params,
-                   std::vector<std::vector<float>>& states) {
+                   HeldValues& states) {
       using L = typename D::layout;
       std::vector<State> kinds{State::params, State::exp_avg, State::exp_avg_sq};
       if constexpr (D::optimizer_type::has_master) kinds.push_back(State::master);
@@ -367,9 +378,10 @@ class Trainer {
               std::transform(from, to, x.begin(), [](double d) { return static_cast<value_type>(static_cast<acc_t<value_type>>(d)); });
               w.add(name, {static_cast<std::int64_t>(e - b)}, std::span<const value_type>(x));
             } else {
-              auto& x = states.emplace_back(e - b);
-              std::transform(from, to, x.begin(), [](double d) { return static_cast<float>(d); });
-              w.add(name, {static_cast<std::int64_t>(e - b)}, std::span<const float>(x));
+              using S = typename D::optimizer_type::state_type;  // AdamW's precision: double for a double model
+              auto& x = states.template of<S>().emplace_back(e - b);
+              std::transform(from, to, x.begin(), [](double d) { return static_cast<S>(d); });
+              w.add(name, {static_cast<std::int64_t>(e - b)}, std::span<const S>(x));
             }
           }
         }

@@ -157,12 +157,12 @@ void crossentropy_partials(cudaStream_t stream, float* sumexp, float* target_log
 template <class T>
 void crossentropy_backward(cudaStream_t stream, float* losses, T* dlogits, const T* logits, const int* targets,
                            const float* max, const float* sumexp, const float* target_logit, int N, int Vs, int offset,
-                           int V, float dloss) {
+                           int V, double dloss) {
   static_assert(is_element_v<T>, "crossentropy_backward: element type must be float or fived::bf16");
   detail::check_ce_sizes("crossentropy_backward", N, Vs, offset, V);
   if (N == 0 || (losses == nullptr && dlogits == nullptr)) return;
   detail::crossentropy_backward_kernel<<<static_cast<unsigned>(N), detail::ce_block, 0, stream>>>(
-      losses, dev(dlogits), dev(logits), targets, max, sumexp, target_logit, Vs, offset, V, dloss);
+      losses, dev(dlogits), dev(logits), targets, max, sumexp, target_logit, Vs, offset, V, static_cast<float>(dloss));
   FIVED_CUDA_CHECK_LAUNCH("crossentropy_backward_kernel");
 }
 
@@ -177,14 +177,14 @@ inline void add_loss_sum(cudaStream_t stream, double* sum, const float* max, con
 
 template <class T>
 void crossentropy_forward_backward(cudaStream_t stream, float* losses, T* dlogits, const T* logits, const int* targets,
-                                   int N, int Vp, int V, float dloss) {
+                                   int N, int Vp, int V, double dloss) {
   static_assert(is_element_v<T>, "crossentropy_forward_backward: element type must be float or fived::bf16");
   detail::check_ce_sizes("crossentropy_forward_backward", N, Vp, 0, V);
   if (N == 0 || (losses == nullptr && dlogits == nullptr)) return;
   detail::require(V <= Vp, "crossentropy_forward_backward",
                   "the real vocabulary V (" + std::to_string(V) + ") exceeds the padded one Vp (" + std::to_string(Vp) + ")");
   detail::crossentropy_fused_kernel<<<static_cast<unsigned>(N), detail::ce_block, 0, stream>>>(
-      losses, dev(dlogits), dev(logits), targets, Vp, V, dloss);
+      losses, dev(dlogits), dev(logits), targets, Vp, V, static_cast<float>(dloss));
   FIVED_CUDA_CHECK_LAUNCH("crossentropy_fused_kernel");
 }
 

@@ -66,16 +66,17 @@ void sum_of_squares(cudaStream_t stream, float* out_accumulate, const T* g, std:
 }
 
 template <class T>
-void scale(cudaStream_t stream, T* g, std::size_t n, float factor) {
+void scale(cudaStream_t stream, T* g, std::size_t n, double factor) {  // rounded once to float, the compute type
   static_assert(is_element_v<T>, "scale: element type must be float or fived::bf16");
   if (n == 0) return;
-  detail::scale_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(dev(g), n, factor, nullptr, 0.0f);
+  detail::scale_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(dev(g), n, static_cast<float>(factor), nullptr,
+                                                                     0.0f);
   FIVED_CUDA_CHECK_LAUNCH("scale_kernel");
 }
 
-inline float clip_factor(double total_sum_of_squares, float max_norm) {
-  const double f = static_cast<double>(max_norm) / (std::sqrt(total_sum_of_squares) + 1e-6);
-  return f < 1.0 ? static_cast<float>(f) : 1.0f;
+inline double clip_factor(double total_sum_of_squares, double max_norm) {
+  const double f = max_norm / (std::sqrt(total_sum_of_squares) + 1e-6);
+  return f < 1.0 ? f : 1.0;
 }
 
 // g *= clip_factor(*total_sum_of_squares, max_norm), the factor computed on the device.

@@ -4,11 +4,13 @@
 //   m  = beta1 m + (1 - beta1) g
 //   v  = beta2 v + (1 - beta2) g^2
 //   w -= lr * (m / (1 - beta1^step)) / (sqrt(v / (1 - beta2^step)) + eps)
-// step counts from 1. With fp32 master weights (master != nullptr) w is the master
-// copy, the update is in float, and param = T(master) afterwards: bf16 parameters
-// never accumulate rounding error over steps. With master == nullptr the update is
-// done on param itself, in acc_t<T>; that is only allowed for T = float or double
-// (a bf16 parameter without a master copy throws). The moments m and v are float.
+// step counts from 1. The state S (moments, and master weights where there are any) is
+// adamw_state_t<T>: double for a double model, float otherwise, and the update is computed
+// in S. With master weights (master != nullptr) w is the master copy and param =
+// T(master) afterwards: bf16 parameters never accumulate rounding error over steps. With
+// master == nullptr the update is done on param itself; that is only allowed for T = float
+// or double (a bf16 parameter without a master copy throws). The hyperparameters arrive in
+// double; the bias corrections are computed in double and rounded once to S.
 // Weight decay is applied to whatever tensor it is given: the caller passes
 // weight_decay = 0 for biases, LayerNorm parameters and embeddings if it wants the
 // GPT-2 convention.
@@ -21,36 +23,39 @@
 
 #include "fived/device/bf16.hpp"
 
+namespace fived {
+// The precision of AdamW's state (moments, masters) for parameters of type T.
+template <class T>
+using adamw_state_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+}  // namespace fived
+
 namespace fived::kernels::host {
 
-template <class T>
-void adamw_update(T* param, float* master, const T* grad, float* m, float* v, std::size_t n, float lr, float beta1,
-                  float beta2, float eps, float weight_decay, int step) {
+template <class T, class S>
+void adamw_update(T* param, std::type_identity_t<S>* master, const T* grad, S* m, S* v, std::size_t n, double lr,
+                  double beta1, double beta2, double eps, double weight_decay, int step) {
+  static_assert(std::is_same_v<S, adamw_state_t<T>>,
+                "fived::kernels::host::adamw_update: the state must be adamw_state_t<T> (double for double parameters, "
+                "float otherwise)");
   if (step < 1)
     throw std::invalid_argument("fived::kernels::host::adamw_update: step counts from 1 (got " + std::to_string(step) +
                                 ")");
   if (master == nullptr && !(std::is_same_v<T, float> || std::is_same_v<T, double>))
     throw std::invalid_argument(
         "fived::kernels::host::adamw_update: a bf16 parameter needs fp32 master weights (master is nullptr)");
-  using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  const A b1 = beta1, b2 = beta2, e = eps, wd = weight_decay, l = lr;
-  const A bc1 = A(1) - std::pow(b1, static_cast<A>(step));
-  const A bc2 = A(1) - std::pow(b2, static_cast<A>(step));
+  const S b1 = static_cast<S>(beta1), b2 = static_cast<S>(beta2), e = static_cast<S>(eps);
+  const S wd = static_cast<S>(weight_decay), l = static_cast<S>(lr);
+  const S one_b1 = static_cast<S>(1 - beta1), one_b2 = static_cast<S>(1 - beta2);
+  const S bc1 = static_cast<S>(1 - std::pow(beta1, step)), bc2 = static_cast<S>(1 - std::pow(beta2, step));
   for (std::size_t i = 0; i < n; ++i) {
-    const A g = static_cast<A>(grad[i]);
-    const A mi = b1 * static_cast<A>(m[i]) + (A(1) - b1) * g;
-    const A vi = b2 * static_cast<A>(v[i]) + (A(1) - b2) * g * g;
-    m[i] = static_cast<float>(mi);
-    v[i] = static_cast<float>(vi);
-    A w = master != nullptr ? static_cast<A>(master[i]) : static_cast<A>(param[i]);
+    const S g = static_cast<S>(grad[i]);
+    m[i] = b1 * m[i] + one_b1 * g;
+    v[i] = b2 * v[i] + one_b2 * g * g;
+    S w = master != nullptr ? master[i] : static_cast<S>(param[i]);
     w -= l * wd * w;
-    w -= l * (mi / bc1) / (std::sqrt(vi / bc2) + e);
-    if (master != nullptr) {
-      master[i] = static_cast<float>(w);
-      param[i] = static_cast<T>(master[i]);
-    } else {
-      param[i] = static_cast<T>(w);
-    }
+    w -= l * (m[i] / bc1) / (std::sqrt(v[i] / bc2) + e);
+    if (master != nullptr) master[i] = w;
+    param[i] = static_cast<T>(w);
   }
 }
 

@@ -19,8 +19,8 @@
 //                             read before it is written, so the probabilities are
 //                             never stored next to the logits.
 // crossentropy_forward_backward is the single-shard convenience (offset 0, Vs = Vp).
-// losses are float (for reporting; a double gradient check should form the loss from
-// the acc_t partials, as log(sumexp) + max - target_logit, to keep double precision).
+// losses are acc_t<T> and dloss (1/N for a mean) arrives in double, rounded once to acc_t<T>:
+// a double model's loss gradient is exact to a double's precision.
 // losses or dlogits may be nullptr to skip that output (e.g. evaluation only).
 
 #include <cmath>
@@ -92,9 +92,9 @@ void crossentropy_partials(acc_t<T>* sumexp, acc_t<T>* target_logit, const T* lo
 }
 
 template <class T>
-void crossentropy_backward(float* losses, T* dlogits, const T* logits, const int* targets, const acc_t<T>* max,
+void crossentropy_backward(acc_t<T>* losses, T* dlogits, const T* logits, const int* targets, const acc_t<T>* max,
                            const acc_t<T>* sumexp, const acc_t<T>* target_logit, int N, int Vs, int offset, int V,
-                           float dloss) {
+                           double dloss) {
   using A = acc_t<T>;
   detail_ce::check_sizes("crossentropy_backward", N, Vs, offset, V);
   const std::size_t nv = detail_ce::valid_columns(Vs, offset, V), sVs = static_cast<std::size_t>(Vs);
@@ -102,7 +102,7 @@ void crossentropy_backward(float* losses, T* dlogits, const T* logits, const int
     const int tgt = targets[i];
     detail_ce::check_target("crossentropy_backward", tgt, static_cast<int>(i), V);
     const A m = max[i], s = sumexp[i];
-    if (losses != nullptr) losses[i] = static_cast<float>(std::log(s) + m - target_logit[i]);
+    if (losses != nullptr) losses[i] = std::log(s) + m - target_logit[i];
     if (dlogits == nullptr) continue;
     const T* row = logits + i * sVs;
     T* drow = dlogits + i * sVs;
@@ -119,8 +119,8 @@ void crossentropy_backward(float* losses, T* dlogits, const T* logits, const int
 }
 
 template <class T>
-void crossentropy_forward_backward(float* losses, T* dlogits, const T* logits, const int* targets, int N, int Vp, int V,
-                                   float dloss) {
+void crossentropy_forward_backward(acc_t<T>* losses, T* dlogits, const T* logits, const int* targets, int N, int Vp,
+                                   int V, double dloss) {
   using A = acc_t<T>;
   detail_ce::check_sizes("crossentropy_forward_backward", N, Vp, 0, V);
   if (Vp < V)

@@ -173,7 +173,7 @@ void moe_dispatch_backward(T* dx, const T* dxp, const int* pos, int N, int k, in
 
 template <class T, class A>
 void router_backward(T* dlogits, const A* dgate, const A* scores, const int* expert, const A* gate,
-                     const float* daux, int N, int E, int k, bool renormalize, bool sigmoid) {
+                     const A* daux, int N, int E, int k, bool renormalize, bool sigmoid) {
   using detail_moe::at;
   std::vector<A> ds(static_cast<std::size_t>(E));
   for (int t = 0; t < N; ++t) {
@@ -181,7 +181,7 @@ void router_backward(T* dlogits, const A* dgate, const A* scores, const int* exp
     const A* dg = dgate + at(t, k);
     const A* g = gate + at(t, k);
     const int* ex = expert + at(t, k);
-    for (int e = 0; e < E; ++e) ds[static_cast<std::size_t>(e)] = daux ? static_cast<A>(daux[e]) : A(0);
+    for (int e = 0; e < E; ++e) ds[static_cast<std::size_t>(e)] = daux ? daux[e] : A(0);
     // gate_j = s_j / S, S the sum of the chosen scores: ds_i = (dg_i - sum_j dg_j gate_j) / S
     A dot = 0, S = 1;
     if (renormalize) {

@@ -23,16 +23,18 @@ double sum_of_squares(const T* g, std::size_t n) {
   return s;
 }
 
+// factor arrives in double and is rounded once to the precision the gradient is computed
+// in (acc_t<T>): a double model's 1/3 stays a double's 1/3.
 template <class T>
-void scale(T* g, std::size_t n, float factor) {
+void scale(T* g, std::size_t n, double factor) {
   using A = acc_t<T>;
   const A f = static_cast<A>(factor);
   for (std::size_t i = 0; i < n; ++i) g[i] = static_cast<T>(static_cast<A>(g[i]) * f);
 }
 
-inline float clip_factor(double total_sum_of_squares, float max_norm) {
-  const double f = static_cast<double>(max_norm) / (std::sqrt(total_sum_of_squares) + 1e-6);
-  return static_cast<float>(f < 1.0 ? f : 1.0);
+inline double clip_factor(double total_sum_of_squares, double max_norm) {
+  const double f = max_norm / (std::sqrt(total_sum_of_squares) + 1e-6);
+  return f < 1.0 ? f : 1.0;
 }
 
 }  // namespace fived::kernels::host

@@ -168,14 +168,14 @@ struct Ops<T, Cuda> {
                              const stat_t* max, int N, int Vs, int offset, int V) {
     kernels::cuda::crossentropy_partials(stream(), sumexp, target_logit, logits, targets, max, N, Vs, offset, V);
   }
-  void crossentropy_backward(float* losses, T* dlogits, const T* logits, const int* targets, const stat_t* max,
+  void crossentropy_backward(stat_t* losses, T* dlogits, const T* logits, const int* targets, const stat_t* max,
                              const stat_t* sumexp, const stat_t* target_logit, int N, int Vs, int offset, int V,
-                             float dloss) {
+                             double dloss) {
     kernels::cuda::crossentropy_backward(stream(), losses, dlogits, logits, targets, max, sumexp, target_logit, N, Vs,
                                          offset, V, dloss);
   }
-  void adamw_update(T* param, float* master, const T* grad, float* m, float* v, std::size_t n, float lr, float beta1,
-                    float beta2, float eps, float weight_decay, int step) {
+  void adamw_update(T* param, float* master, const T* grad, float* m, float* v, std::size_t n, double lr, double beta1,
+                    double beta2, double eps, double weight_decay, int step) {
     kernels::cuda::adamw_update(stream(), param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step);
   }
   // The global gradient norm: pieces accumulate in float on the device, into a one-element
@@ -206,7 +206,7 @@ struct Ops<T, Cuda> {
   void regroup(U* out, const U* in, std::int64_t outer, int n, std::int64_t block, kernels::cuda::Blocks how) {
     kernels::cuda::regroup(stream(), out, in, outer, n, block, how);
   }
-  void scale(T* g, std::size_t n, float factor) { kernels::cuda::scale(stream(), g, n, factor); }
+  void scale(T* g, std::size_t n, double factor) { kernels::cuda::scale(stream(), g, n, factor); }
 
   // Mixture of experts (kernels/cuda/moe.hpp). dispatch_plan writes the kept per-expert counts
   // to host memory and waits for the stream (the all-to-all's sizes are host values); its
@@ -235,7 +235,7 @@ struct Ops<T, Cuda> {
     kernels::cuda::moe_dispatch_backward(stream(), dx, dxp, pos, N, k, C);
   }
   void router_backward(T* dlogits, const stat_t* dgate, const stat_t* scores, const int* expert, const stat_t* gate,
-                       const float* daux, int N, int E, int k, bool renormalize, bool sigmoid) {
+                       const stat_t* daux, int N, int E, int k, bool renormalize, bool sigmoid) {
     kernels::cuda::router_backward(stream(), dlogits, dgate, scores, expert, gate, daux, N, E, k, renormalize, sigmoid);
   }
   void router_score_sums(stat_t* sums, const stat_t* scores, int N, int E) {
