@@ -19,6 +19,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -108,6 +109,9 @@ struct BatchSampler {
   const TokenStream* data;
   std::size_t begin = 0, end = 0;
   std::uint64_t seed = 0;
+  // Windows start at begin + a multiple of `align`: for data made of samples of one length
+  // (a corpus of fixed-width lines), every window then starts at a sample's first token.
+  std::size_t align = 1;
 
   BatchSampler(const TokenStream& d, std::size_t b, std::size_t e, std::uint64_t s) : data(&d), begin(b), end(e), seed(s) {
     if (e > d.size() || b >= e) throw std::invalid_argument("BatchSampler: [" + std::to_string(b) + ", " +
@@ -126,9 +130,10 @@ struct BatchSampler {
     tok.resize(rows * static_cast<std::size_t>(T));
     tgt.resize(tok.size());
     std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + step);
-    std::uniform_int_distribution<std::size_t> start(begin, end - static_cast<std::size_t>(T) - 1);
+    const std::size_t a = std::max<std::size_t>(align, 1);
+    std::uniform_int_distribution<std::size_t> start(0, (end - begin - static_cast<std::size_t>(T) - 1) / a);
     for (std::size_t r = 0; r < rows; ++r) {
-      const std::size_t s = start(rng);
+      const std::size_t s = begin + start(rng) * a;
       for (int t = 0; t < T; ++t) {
         const std::size_t i = r * static_cast<std::size_t>(T) + static_cast<std::size_t>(t);
         tok[i] = (*data)[s + static_cast<std::size_t>(t)];
