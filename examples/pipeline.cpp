@@ -31,7 +31,7 @@ struct cfg : gpt_config {  // 4 blocks, d_model 64, an untied head (tied weights
 };
 using mesh = Mesh<PP<2>>;
 using sched = pipeline::OneFOneB<2, 4>;  // P = 2 ranks, M = 4 micro-batches: proven when named
-using cut = StageLayers<cfg, 2>;         // the blocks over 2 stages, balanced by FLOPs
+using cut = StageLayers<GPT<cfg>, 2>;         // the blocks over 2 stages, balanced by FLOPs
 template <int stage>
 using Stage = GPT<cfg, mesh, float, Host, NoSequenceParallel, cut::part<stage>>;
 

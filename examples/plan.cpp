@@ -79,9 +79,9 @@ namespace {
 // ---- the configurations ------------------------------------------------------------------
 
 // examples/train_gpt's model and mesh: TP with SP, DP with ZeRO-1, fp32, its default batch
-// of 8 sequences of 64 (4 per DP rank).
+// of 32 sequences of 20 (16 per DP rank).
 struct demo_config : gpt_config {
-  static constexpr int layers = 4, d_model = 128, heads = 4, vocab = 256, max_seq = 128;
+  static constexpr int layers = 2, d_model = 64, heads = 4, vocab = 256, max_seq = 128;
   static constexpr int vocab_multiple = 64;
   static constexpr bool tied = false;
 };
@@ -90,7 +90,7 @@ struct demo_run : plan::layout {
   using mesh = Mesh<DP<2>, TP<2>>;
   using recompute = R;
   static constexpr bool sequence_parallel = true;
-  static constexpr int zero = 1, element_bytes = 4, micro_batch = 4, sequence = 64;
+  static constexpr int zero = 1, element_bytes = 4, micro_batch = 16, sequence = 20;
 };
 
 // GPT-2 124M data-parallel on 8 GPUs, bf16, ZeRO-1, llm.c's micro-batch of 16 x 1024.

@@ -121,7 +121,7 @@ TEST_CASE("Mesh<DP<2>, CP<2>, TP<2>> (SP): 3 steps equal the serial model, witho
 namespace {
 template <int stage>
 using PPStage = GPT<untied_cfg, Mesh<PP<2>, CP<2>>, float, Host, NoSequenceParallel,
-                    StageLayers<untied_cfg, 2, UniformCost>::part<stage>>;
+                    StageLayers<GPT<untied_cfg>, 2, UniformCost>::part<stage>>;
 
 template <int stage, class Ctx>
 void pp_rank(Ctx& ctx, Result& out, int T) {

@@ -15,6 +15,7 @@
 #include "fived/io/safetensors.hpp"
 #include "fived/kernels/host.hpp"
 #include "fived/nn/config.hpp"
+#include "fived/model/contract.hpp"
 #include "fived/nn/gpt.hpp"
 #include "fived/nn/init.hpp"
 #include "fived/train/data_parallel.hpp"
@@ -593,6 +594,11 @@ static_assert(Head0::has_embedding && !Head0::has_head && Head0::layout::units =
 static_assert(!Mid::has_embedding && !Mid::has_head && Mid::layout::units == 2 && Mid::layout::count == 24);
 static_assert(!Tail::has_embedding && Tail::has_head && Tail::layout::units == 2 && Tail::layout::count == 15);
 static_assert(Head0::layout::size + Mid::layout::size + Tail::layout::size == GPT<four_untied>::layout::size);
+// Every part satisfies the model contract (model/contract.hpp), and names the others.
+static_assert(check_model<GPT<four_untied>>::ok && ModelPart<GPT<four_untied>>);
+static_assert(ModelPart<Head0> && ModelPart<Mid> && ModelPart<Tail>);
+static_assert(std::is_same_v<GPT<four_untied>::part<Layers<1, 2>>, Mid>);
+static_assert(ModelType<GPT<four_untied, Mesh<PP<2>>>>, "the whole model on a PP mesh is a type to read facts from");
 static_assert(std::is_same_v<GPT<four_untied, Mesh<>, float, Host, NoSequenceParallel, Layers<0, 4>>::layout,
                              ParamTable<GptSpecs<four_untied, Layers<0, 4>>, 1>> &&
               GPT<four_untied, Mesh<>, float, Host, NoSequenceParallel, Layers<0, 4>>::layout::size ==

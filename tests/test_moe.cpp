@@ -287,7 +287,7 @@ TEST_CASE("the auxiliary-loss-free bias moves a skewed router's loads towards ba
 namespace {
 template <int stage>
 using PPStage = GPT<half_cfg, Mesh<DP<2>, PP<2>, EP<2>>, float, Host, NoSequenceParallel,
-                    StageLayers<half_cfg, 2, UniformCost>::part<stage>>;
+                    StageLayers<GPT<half_cfg>, 2, UniformCost>::part<stage>>;
 
 template <int stage, class Ctx>
 void pp_rank(Ctx& ctx, Result& out) {

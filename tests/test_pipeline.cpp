@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "fived/nn/gpt.hpp"
 #include "fived/pipeline/stage_layers.hpp"
 
 using namespace fived;
@@ -21,21 +22,21 @@ struct big_vocab : eight {
 };
 
 // Uniform costs: equal parts, the remainder on the first parts.
-using U4 = StageLayers<eight, 4, UniformCost>;
+using U4 = StageLayers<GPT<eight>, 4, UniformCost>;
 static_assert(U4::bounds == std::array<int, 5>{0, 2, 4, 6, 8});
-using U3 = StageLayers<eight, 3, UniformCost>;
+using U3 = StageLayers<GPT<eight>, 3, UniformCost>;
 static_assert(U3::count(0) + U3::count(1) + U3::count(2) == 8 && U3::cost_of(0) <= 3 && U3::cost_of(1) <= 3 &&
               U3::cost_of(2) <= 3);
 // FLOP costs: the head weighs 3 blocks here, so the last part gets fewer blocks.
-using F4 = StageLayers<big_vocab, 4>;
-static_assert(FlopCost<big_vocab>::head() == 3.0 * FlopCost<big_vocab>::block());
+using F4 = StageLayers<GPT<big_vocab>, 4>;
+static_assert(FlopCost<GPT<big_vocab>>::head() == 3.0 * FlopCost<GPT<big_vocab>>::block());
 static_assert(F4::count(3) == 1 && F4::count(0) + F4::count(1) + F4::count(2) == 7);
-static_assert(F4::cost_of(3) == 4 * FlopCost<big_vocab>::block(), "the slowest part: 1 block + the head");
+static_assert(F4::cost_of(3) == 4 * FlopCost<GPT<big_vocab>>::block(), "the slowest part: 1 block + the head");
 // Even: equal parts whatever the cost.
-using E4 = StageLayers<big_vocab, 4, FlopCost, true>;
+using E4 = StageLayers<GPT<big_vocab>, 4, FlopCost, true>;
 static_assert(E4::bounds == std::array<int, 5>{0, 2, 4, 6, 8});
 // One part is the whole model.
-static_assert(StageLayers<eight, 1>::bounds == std::array<int, 2>{0, 8});
+static_assert(StageLayers<GPT<eight>, 1>::bounds == std::array<int, 2>{0, 8});
 static_assert(std::is_same_v<U4::part<1>, Layers<2, 2>> && std::is_same_v<F4::part<3>, Layers<7, 1>>);
 
 // The most expensive part is the least possible: no other cut of 8 blocks into 4 does better.
@@ -48,8 +49,8 @@ double brute_force_best() {
         const int bounds[] = {0, a, b, c, 8};
         double worst = 0;
         for (int p = 0; p < Parts; ++p) {
-          const double cost = (bounds[p + 1] - bounds[p]) * FlopCost<big_vocab>::block() +
-                              (p == Parts - 1 ? FlopCost<big_vocab>::head() : 0.0);
+          const double cost = (bounds[p + 1] - bounds[p]) * FlopCost<GPT<big_vocab>>::block() +
+                              (p == Parts - 1 ? FlopCost<GPT<big_vocab>>::head() : 0.0);
           worst = std::max(worst, cost);
         }
         best = std::min(best, worst);
@@ -115,7 +116,7 @@ Result serial_run(int micro) {
 // Chunk c of rank r holds virtual stage shape.stage(r, c): its part of the 8 blocks.
 template <class Sched, class M, class SP, int r, int c>
 using ChunkModel = GPT<model_cfg, M, float, Host, SP,
-                       typename StageLayers<model_cfg, Sched::table.ranks * Sched::table.chunks, UniformCost,
+                       typename StageLayers<GPT<model_cfg>, Sched::table.ranks * Sched::table.chunks, UniformCost,
                                             true>::template part<Sched::table.shape.stage(r, c)>>;
 
 // A model chunk and its trainer (averaging over `micro` micro-batches), made in place.

@@ -93,7 +93,7 @@ struct four_parts : plan::layout {
   static constexpr int sequence = 32;
 };
 static_assert(plan::Setup<plan::from_gpt<ten_layers>(), four_parts>::bounds == std::array<int, 5>{0, 2, 5, 8, 10});
-using cut = StageLayers<ten_layers, 4>;
+using cut = StageLayers<GPT<ten_layers>, 4>;
 struct trainer_parts : four_parts {
   static constexpr auto bounds = cut::bounds;
 };
@@ -365,7 +365,7 @@ struct trainer_run : plan::layout {
   static constexpr bool sequence_parallel = M::tp > 1;
   static constexpr int zero = Policy::stage, element_bytes = 4, micro_batch = B / M::dp, sequence = T;
   // the trainer's cut of the blocks (FlopCost), which the plan then follows
-  static constexpr auto bounds = StageLayers<demo_cfg<R>, Sched::table.shape.ranks * Sched::table.shape.chunks>::bounds;
+  static constexpr auto bounds = StageLayers<GPT<demo_cfg<R>>, Sched::table.shape.ranks * Sched::table.shape.chunks>::bounds;
 };
 
 // One trainer step of the demo GPT on mesh M, every group's collectives counted on every rank,

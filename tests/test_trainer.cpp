@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "fived/comm/host.hpp"
+#include "fived/nn/gpt.hpp"
 #include "fived/train/trainer.hpp"
 #include "support/batches.hpp"
 #include "support/compare.hpp"

@@ -13,6 +13,7 @@
 #include "fived/mesh/axis.hpp"
 #include "fived/mesh/context.hpp"
 #include "fived/mesh/mesh.hpp"
+#include "fived/model/contract.hpp"
 #include "fived/nn/gpt.hpp"
 #include "fived/optim/adamw.hpp"
 #include "fived/pipeline/executor.hpp"
@@ -23,6 +24,7 @@
 #include "fived/place/redistribute.hpp"
 #include "fived/place/sharded.hpp"
 #include "fived/train/data_parallel.hpp"
+#include "fived/train/trainer.hpp"
 
 #if defined(FIVED_WITH_CUDA)
 #include "fived/comm/nccl.hpp"

@@ -34,7 +34,7 @@ struct cfg : gpt_config {
 using Serial = GPT<cfg, Mesh<>, float, Cuda>;
 using PPMesh = Mesh<PP<2>>;
 template <int stage>
-using Stage = GPT<cfg, PPMesh, float, Cuda, NoSequenceParallel, StageLayers<cfg, 2, UniformCost>::part<stage>>;
+using Stage = GPT<cfg, PPMesh, float, Cuda, NoSequenceParallel, StageLayers<GPT<cfg>, 2, UniformCost>::part<stage>>;
 constexpr int B = 4, T = 16, steps = 3;
 const GptInit init{7, 0.05};
 const AdamWConfig hp{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-2f, .weight_decay = 0.1f, .max_norm = 0.5f};

@@ -14,6 +14,7 @@
 #include <fived/comm/nccl.hpp>
 #include <fived/nn/cuda/ops.hpp>  // before gpt.hpp: Ops<T, Cuda>
 #include <fived/mesh/context.hpp>
+#include <fived/nn/gpt.hpp>
 #include <fived/train/trainer.hpp>
 
 #include "nccl_test_main.hpp"

@@ -67,6 +67,7 @@
 #include "fived/io/safetensors.hpp"
 #include "fived/mesh/context.hpp"
 #include "fived/mesh/mesh.hpp"
+#include "fived/model/layers.hpp"
 #include "fived/nn/attention.hpp"
 #include "fived/nn/checkpoint.hpp"
 #include "fived/nn/config.hpp"
@@ -83,16 +84,9 @@
 
 namespace fived {
 
-// Which layers one model object holds: blocks [First, First + Count) of the configuration,
-// with the embedding when First == 0 and ln_f, the head and the loss when the part ends at
-// the last block. A pipeline stage (or model chunk) is a part; the serial and TP models hold
-// the whole model (AllLayers).
-template <int First, int Count>
-struct Layers {
-  static constexpr int first = First, count = Count;
-};
-struct AllLayers {};
-
+// The part a GPT object holds (model/layers.hpp): Layers<First, Count> is blocks [First,
+// First + Count) of the configuration, with the embedding when First == 0 and ln_f, the
+// head and the loss when the part ends at the last block; AllLayers is the whole model.
 template <class Cfg, class Part>
 struct part_layers {
   using type = Part;
@@ -204,9 +198,6 @@ class GPT {
                 "GPT<Cfg, M, T>: the element type must be float, double (gradient checks) or fived::bf16");
   static_assert(!(std::is_same_v<Device, Cuda> && std::is_same_v<T, double>),
                 "GPT<Cfg, M, double, Cuda>: double is for host gradient checks; on Cuda use float or fived::bf16");
-  static_assert(M::pp == 1 || !std::is_same_v<Part, AllLayers>,
-                "GPT on a mesh with PP > 1: each rank holds one stage's layers, not the whole model; give the model "
-                "its part as the last template argument, Layers<first, count>");
 
  public:
   using config = Cfg;
@@ -231,6 +222,7 @@ class GPT {
   using expert_specs = ExpertSpecs<Cfg, Part>;
   using expert_layout = ParamTable<expert_specs, tp, ep>;
   static constexpr bool has_experts = expert_layout::count > 0;
+  static constexpr bool has_router_bias = has_experts && Cfg::balancing::bias;
   static constexpr int moe_blocks = expert_specs::moe_blocks;
   static constexpr bool on_host = std::is_same_v<Device, Host>;
   // The part this object holds: blocks [first_layer, first_layer + blocks); the embedding
@@ -244,6 +236,39 @@ class GPT {
   static constexpr int L = dims::layers, C = dims::d_model, NH = dims::heads, V = dims::vocab;
   static constexpr int Vp = dims::padded_vocab, F = dims::d_ff, max_seq = dims::max_seq;
   static constexpr std::size_t num_params = layout::size;  // this rank's buffer elements, padding included
+
+  // ---- what the model contract asks of a model type (model/contract.hpp, docs/model.md) -----
+
+  using init_type = GptInit;
+  static constexpr int layers = dims::layers;  // the whole model's blocks: what pipeline stages cut
+  template <class P>
+  using part = GPT<Cfg, M, T, Device, SP, P>;  // the same model holding other layers
+  using serial_expert_layout = typename expert_layout::serial;
+  // Matmul FLOPs per token of the forward, what StageLayers balances stages by: a block's
+  // (qkv, proj and the MLP at ratio r: 2·(3 + 1 + 2r)·C²), the embedding's (none), the head's.
+  static constexpr double block_flops() { return 2.0 * (3.0 + 1.0 + 2.0 * dims::mlp_ratio) * double(C) * C; }
+  static constexpr double embedding_flops() { return 0.0; }
+  static constexpr double head_flops() { return 2.0 * double(C) * Vp; }
+  // The whole model's FLOPs per token of a training step (forward and backward), the MFU
+  // numerator: 6 per parameter a token meets (the experts it is routed to, not all) and
+  // 12·L·C·T for attention's two T-long products (no causal discount, as PaLM and llm.c).
+  static constexpr double flops_per_token(int T_) {
+    double n = static_cast<double>(ParamTable<GptSpecs<Cfg>, 1>::num_parameters);
+    if constexpr (ExpertSpecs<Cfg>::moe_blocks > 0)
+      n += static_cast<double>(ParamTable<ExpertSpecs<Cfg>, 1, 1>::num_parameters) * dims::top_k / dims::experts;
+    return 6.0 * n + 12.0 * L * C * static_cast<double>(T_);
+  }
+  // A mixture of experts, for checkpoints: the MoE blocks of the whole model before block
+  // `layer` (a part's MoE block m is the model's moe_blocks_before(first_layer) + m), the
+  // experts of each, and whether this part keeps a selection bias per MoE block.
+  static constexpr int moe_blocks_before(int layer) {
+    int n = 0;
+    for (int l = 0; l < layer; ++l) n += dims::is_moe(l) ? 1 : 0;
+    return n;
+  }
+  static constexpr int experts_per_block = dims::experts;
+  // The configuration's name, the same on every mesh and part (what a checkpoint records).
+  static std::string config_name() { return GPT<Cfg>::describe(); }
 
   static_assert(NH % tp == 0,
                 "tensor parallelism splits the attention heads over TP: the number of heads must be a multiple of the "
@@ -742,6 +767,10 @@ class GPT {
         expert_grads_(ops_.template make_buffer<T>(expert_layout::size)),
         router_bias_(ops_.template make_buffer<float>(std::max(moe_blocks * dims::experts, 1))), slots_(1),
         experts_view_(*this) {
+    // (The whole model on a PP mesh is a type the Trainer reads facts from, never an object.)
+    static_assert(M::pp == 1 || !std::is_same_v<Part, AllLayers>,
+                  "GPT on a mesh with PP > 1: each rank holds one stage's layers, not the whole model; give the model "
+                  "its part as the last template argument, Layers<first, count> (fived::Trainer does this for you)");
     comm_.set_compute_stream(stream_of(ops_));  // TP collectives in the order of the model's kernels
     cp_comm_.set_compute_stream(stream_of(ops_));  // and the ring's transfers
     ep_comm_.set_compute_stream(stream_of(ops_));  // and the experts' all-to-all

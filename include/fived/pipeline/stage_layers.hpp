@@ -1,20 +1,22 @@
 #pragma once
-// Which layers each pipeline stage holds: the blocks of a GPT cut into S contiguous parts
-// (S = P stages, or P·V model chunks for interleaved and V-shaped schedules), the embedding
-// on the first part and ln_f + head (and the loss) on the last, balanced by a cost.
+// Which layers each pipeline stage holds: the blocks of a model (model/contract.hpp: its
+// `layers`) cut into S contiguous parts (S = P stages, or P·V model chunks for interleaved
+// and V-shaped schedules), the embedding on the first part and the final norm + head (and
+// the loss) on the last, balanced by a cost.
 //
-//   using cut = StageLayers<cfg, 4>;                  // 4 parts, balanced by FlopCost
+//   using model = GPT<cfg, Mesh<PP<4>>>;
+//   using cut = StageLayers<model, 4>;                // 4 parts, balanced by FlopCost
 //   static_assert(cut::first(1) == 3 && cut::count(1) == 3);
-//   GPT<cfg, Mesh<PP<4>>, float, Host, NoSequenceParallel, cut::part<1>> stage1(ctx, init);
+//   model::part<cut::part<1>> stage1(ctx, init);
 //
 // Balance: contiguous parts minimising the most expensive one (exact, by dynamic
 // programming over the blocks at compile time); ties go to the split that puts blocks
 // earlier. The cost is a type the user may replace: `block()` per transformer block,
-// `embedding()` and `head()` added to the first and last parts. FlopCost counts the matmul
-// FLOPs per token (a block: 24·C² for qkv, proj and the MLP at ratio 4 (2·(3+1+2·r)·C²);
-// the head: 2·C·Vp; the embedding: nothing), so a large vocabulary moves blocks off the
-// last stage, as Megatron's uneven first/last stages do by hand. UniformCost gives every
-// block 1 and the ends 0.
+// `embedding()` and `head()` added to the first and last parts. FlopCost takes the model's
+// own matmul FLOPs per token (block_flops(), embedding_flops(), head_flops(): for GPT-2 a
+// block is 24·C², the head 2·C·Vp), so a large vocabulary moves blocks off the last stage,
+// as Megatron's uneven first/last stages do by hand. UniformCost gives every block 1 and the
+// ends 0.
 //
 // Even<true> (schedules that need it, e.g. interleaved 1F1B: every chunk the same number
 // of blocks) splits the blocks equally and ignores the cost; the layers must divide.
@@ -22,32 +24,28 @@
 #include <array>
 #include <cstdint>
 
-#include "fived/nn/config.hpp"
-#include "fived/nn/gpt.hpp"
+#include "fived/model/layers.hpp"
 
 namespace fived {
 
 // Matmul FLOPs per token, forward (the backward is twice that everywhere, so it cancels).
-template <class Cfg>
+template <class Model>
 struct FlopCost {
-  using dims = gpt_dims<Cfg>;
-  static constexpr double block() {
-    return 2.0 * (3.0 + 1.0 + 2.0 * dims::mlp_ratio) * static_cast<double>(dims::d_model) * dims::d_model;
-  }
-  static constexpr double embedding() { return 0.0; }
-  static constexpr double head() { return 2.0 * static_cast<double>(dims::d_model) * dims::padded_vocab; }
+  static constexpr double block() { return Model::block_flops(); }
+  static constexpr double embedding() { return Model::embedding_flops(); }
+  static constexpr double head() { return Model::head_flops(); }
 };
 
-template <class Cfg>
+template <class Model>
 struct UniformCost {
   static constexpr double block() { return 1.0; }
   static constexpr double embedding() { return 0.0; }
   static constexpr double head() { return 0.0; }
 };
 
-template <class Cfg, int Parts, template <class> class Cost = FlopCost, bool Even = false>
+template <class Model, int Parts, template <class> class Cost = FlopCost, bool Even = false>
 struct StageLayers {
-  static constexpr int layers = gpt_dims<Cfg>::layers;
+  static constexpr int layers = Model::layers;
   static_assert(Parts >= 1, "StageLayers: a pipeline needs at least one part");
   static_assert(layers >= Parts,
                 "StageLayers: the model has fewer transformer blocks than pipeline parts (stages x chunks); every "
@@ -57,7 +55,7 @@ struct StageLayers {
                 "not divide evenly over the parts (stages x chunks); change the layers, the stages or the chunks");
 
  private:
-  using cost = Cost<Cfg>;
+  using cost = Cost<Model>;
   // The cost of part p holding blocks [b, e).
   static constexpr double part_cost(int p, int b, int e) {
     return (e - b) * cost::block() + (p == 0 ? cost::embedding() : 0.0) + (p == Parts - 1 ? cost::head() : 0.0);
@@ -99,7 +97,7 @@ struct StageLayers {
   static constexpr int first(int p) { return bounds[static_cast<std::size_t>(p)]; }
   static constexpr int count(int p) { return bounds[static_cast<std::size_t>(p + 1)] - bounds[static_cast<std::size_t>(p)]; }
   static constexpr double cost_of(int p) { return part_cost(p, first(p), first(p) + count(p)); }
-  // The GPT part (nn/gpt.hpp) of pipeline part p.
+  // The layers of pipeline part p: the stage's model is Model::part<part<p>>.
   template <int p>
   using part = Layers<first(p), count(p)>;
 };

@@ -17,7 +17,7 @@
 // the same way, after a barrier. A step without a manifest, or whose files do not match it,
 // is not a checkpoint; a crash at any moment leaves the previous one whole.
 //
-// Loading, on any mesh: Restored<Cfg> scatters every rank's file into whole tensors (each
+// Loading, on any mesh: Restored<Model> scatters every rank's file into whole tensors (each
 // piece placed by the metadata), from which a rank takes the ranges it holds.
 //
 // The manifest is a small JSON object: format, step, the mesh and model it was saved from,
@@ -42,7 +42,8 @@
 #include <vector>
 
 #include "fived/io/safetensors.hpp"
-#include "fived/nn/gpt.hpp"
+#include "fived/model/contract.hpp"
+#include "fived/nn/param_table.hpp"
 #include "fived/train/data_parallel.hpp"
 #include "fived/util/fnv.hpp"
 
@@ -210,15 +211,44 @@ inline std::string entry_name(TrainState k, const std::string& tensor, std::size
 // The selection bias of the model's MoE block `block`.
 inline std::string bias_entry_name(int block) { return "router_bias/" + std::to_string(block) + "/0"; }
 
+// A model without a mixture of experts: no expert tensors.
+struct NoExpertLayout {
+  static constexpr std::size_t size = 0;
+  static constexpr int count = 0;
+  static constexpr std::array<ParamInfo, 0> tensors{};
+  static std::optional<int> find(std::string_view) { return std::nullopt; }
+};
+template <class Model>
+struct expert_layout_of {
+  using type = NoExpertLayout;
+};
+template <class Model>
+  requires requires { typename Model::serial_expert_layout; }
+struct expert_layout_of<Model> {
+  using type = typename Model::serial_expert_layout;
+};
+// The MoE blocks of a whole model and the experts of each (0 without).
+template <class Model>
+constexpr int moe_blocks_of() {
+  if constexpr (requires { Model::moe_blocks_before(0); }) return Model::moe_blocks_before(Model::layers);
+  else return 0;
+}
+template <class Model>
+constexpr int experts_per_block_of() {
+  if constexpr (requires { Model::experts_per_block; }) return Model::experts_per_block;
+  else return 0;
+}
+
 // A whole model's state as a checkpoint's files give it, whatever mesh wrote them: every kind
-// of state in the serial layouts of Cfg (the dense buffer, then the experts'), with which
-// elements were given, and each MoE block's selection bias. add() scatters a rank's file
-// through its pieces' placement (the file's metadata and nn/param_table.hpp's whole_index).
-template <class Cfg>
+// of state in the serial layouts of Model (the whole model's type: the dense buffer, then the
+// experts'), with which elements were given, and each MoE block's selection bias. add()
+// scatters a rank's file through its pieces' placement (the file's metadata and
+// nn/param_table.hpp's whole_index).
+template <ModelType Model>
 class Restored {
  public:
-  using dense = ParamTable<GptSpecs<Cfg>, 1>;
-  using experts = ParamTable<ExpertSpecs<Cfg>, 1, 1>;
+  using dense = typename Model::serial_layout;
+  using experts = typename expert_layout_of<Model>::type;
 
   void add(const io::SafetensorsFile& f) {
     auto meta = [&](const char* key) {
@@ -245,7 +275,8 @@ class Restored {
           block = std::stoi(tensor);
         } catch (const std::exception&) {
         }
-        if (block < 0 || block >= ExpertSpecs<Cfg>::moe_blocks || e.numel() != static_cast<std::size_t>(gpt_dims<Cfg>::experts))
+        if (block < 0 || block >= moe_blocks_of<Model>() ||
+            e.numel() != static_cast<std::size_t>(experts_per_block_of<Model>()))
           throw io::SafetensorsError(f.source() + ": entry '" + e.name + "' is no MoE block's selection bias of this model");
         std::vector<float>& v = bias_[block];
         v.resize(e.numel());

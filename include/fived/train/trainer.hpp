@@ -42,7 +42,7 @@
 #include "fived/comm/group_comm.hpp"
 #include "fived/device/buffer.hpp"
 #include "fived/mesh/context.hpp"
-#include "fived/nn/gpt.hpp"
+#include "fived/model/contract.hpp"
 #include "fived/pipeline/executor.hpp"
 #include "fived/pipeline/schedules.hpp"
 #include "fived/pipeline/stage_layers.hpp"
@@ -63,58 +63,30 @@ struct TrainerConfig {
   WarmupCosine lr;
 };
 
-// The model's FLOPs per token of a training step (forward and backward), the MFU numerator:
-// 6 per parameter a token meets (the experts it is routed to, not all) and 12·L·C·T for
-// attention's two T-long products (no causal discount, as PaLM and llm.c count).
-template <class Cfg>
-constexpr double flops_per_token(int T) {
-  using dims = gpt_dims<Cfg>;
-  double params = static_cast<double>(ParamTable<GptSpecs<Cfg>, 1>::num_parameters);
-  if constexpr (ExpertSpecs<Cfg>::moe_blocks > 0)
-    params += static_cast<double>(ParamTable<ExpertSpecs<Cfg>, 1, 1>::num_parameters) * dims::top_k / dims::experts;
-  return 6.0 * params + 12.0 * dims::layers * dims::d_model * static_cast<double>(T);
-}
-
-namespace trainer_detail {
-// What a GPT type names, read without instantiating it (GPT<cfg, mesh with PP> whole is only a
-// name here: each rank instantiates its parts).
-template <class Model>
-struct gpt_args;
-template <class Cfg, MeshType M, class T, class D, class SP, class P>
-struct gpt_args<GPT<Cfg, M, T, D, SP, P>> {
-  using config = Cfg;
-  using mesh = M;
-  using value_type = T;
-  using device = D;
-  template <class Part>
-  using with_part = GPT<Cfg, M, T, D, SP, Part>;
-};
-}  // namespace trainer_detail
-
 template <class Model, class Policy = NoZeRO, class Schedule = Accumulate<1>, template <class> class Cost = FlopCost>
 class Trainer {
+  static_assert(check_model<Model>::ok, "fived::Trainer: the model does not satisfy the model contract (see above)");
+
  public:
-  using args = trainer_detail::gpt_args<Model>;
-  using mesh = typename args::mesh;
-  using config = typename args::config;
-  using value_type = typename args::value_type;
-  using device = typename args::device;
+  using mesh = typename Model::mesh;
+  using value_type = typename Model::value_type;
+  using device = typename Model::device;
+  using init_type = typename Model::init_type;
   static constexpr pipeline::Shape shape = Schedule::table.shape;
   static constexpr int P = shape.ranks, V = shape.chunks, M = shape.micro_batches;
   static_assert(P == mesh::pp,
                 "fived::Trainer: the schedule's pipeline ranks must equal the mesh's PP extent (use "
                 "pipeline::OneFOneB<PP, M> or another schedule over PP ranks; Accumulate<M> when PP is 1)");
   // Schedules with several chunks per rank hand over at equal steps: equal parts.
-  using cut = StageLayers<config, P * V, Cost, (V > 1)>;
+  using cut = StageLayers<Model, P * V, Cost, (V > 1)>;
   // The model of pipeline stage s (the whole model without a pipeline).
   template <int s>
-  using stage_model =
-      std::conditional_t<P * V == 1, Model, typename args::template with_part<typename cut::template part<s>>>;
-  using serial_layout = ParamTable<GptSpecs<config>, 1>;  // the whole model's, at TP 1
-  using serial_expert_layout = ParamTable<ExpertSpecs<config>, 1, 1>;
+  using stage_model = std::conditional_t<P * V == 1, Model, typename Model::template part<typename cut::template part<s>>>;
+  using serial_layout = typename Model::serial_layout;  // the whole model's, at TP 1
+  using serial_expert_layout = typename checkpoint::expert_layout_of<Model>::type;
 
   template <Communicator C>
-  Trainer(MeshContext<mesh, C>& ctx, const TrainerConfig& cfg, const GptInit& init = {}) : cfg_(cfg) {
+  Trainer(MeshContext<mesh, C>& ctx, const TrainerConfig& cfg, const init_type& init = {}) : cfg_(cfg) {
     const int pp = ctx.coord()[Axis::pp];
     [&]<std::size_t... r>(std::index_sequence<r...>) {
       ((pp == static_cast<int>(r) ? void(rank_ = std::make_unique<RankOf<static_cast<int>(r), C>>(ctx, cfg, init)) : void()),
@@ -187,7 +159,7 @@ class Trainer {
     if (m.model != model_name())
       throw io::SafetensorsError((folder / "manifest.json").string() + ": a checkpoint of " + m.model +
                                  ", not of this model (" + model_name() + ")");
-    checkpoint::Restored<config> restored;
+    checkpoint::Restored<Model> restored;
     for (const checkpoint::FileEntry& f : m.files) restored.add(io::SafetensorsFile::read(folder / f.name));
     rank_->load(restored, m.adam_step);
     return m.step;
@@ -202,7 +174,7 @@ class Trainer {
   // Returns the seconds spent in the steps.
   template <class After>
   double fit(const BatchSampler& data, int first, int last, int B, int T, const FitOptions& o, After&& after) {
-    ProgressLog log(world_rank_ == 0 ? o.out : nullptr, mesh::size, flops_per_token<config>(T), o.peak_flops,
+    ProgressLog log(world_rank_ == 0 ? o.out : nullptr, mesh::size, Model::flops_per_token(T), o.peak_flops,
                     o.log_every);
     log.header();
     std::vector<int> tok, tgt;
@@ -220,13 +192,7 @@ class Trainer {
   }
 
  private:
-  // The MoE blocks before layer `first` (the first of a part's is the model's next).
-  static constexpr int moe_blocks_before(int first) {
-    int n = 0;
-    for (int l = 0; l < first; ++l) n += gpt_dims<config>::is_moe(l) ? 1 : 0;
-    return n;
-  }
-  static std::string model_name() { return GPT<config>::describe(); }
+  static std::string model_name() { return Model::config_name(); }
 
   struct Rank {
     virtual ~Rank() = default;
@@ -235,7 +201,7 @@ class Trainer {
     virtual double grad_norm() const = 0;
     virtual std::vector<value_type> serial_params(bool experts) = 0;
     virtual void write_shard(const std::filesystem::path& file) = 0;
-    virtual void load(const checkpoint::Restored<config>& restored, int adam_step) = 0;
+    virtual void load(const checkpoint::Restored<Model>& restored, int adam_step) = 0;
     virtual int adam_step() const = 0;
   };
 
@@ -256,7 +222,7 @@ class Trainer {
     using types = tuples<chunks>;
 
    public:
-    RankOf(MeshContext<mesh, C>& ctx, const TrainerConfig& cfg, const GptInit& init)
+    RankOf(MeshContext<mesh, C>& ctx, const TrainerConfig& cfg, const init_type& init)
         : pp_(ctx.template comm<typename mesh::pp_group>()),
           tp_(ctx.template comm<typename mesh::tp_group>()),
           ep_(ctx.template comm<typename mesh::expert_group>()),
@@ -306,7 +272,7 @@ class Trainer {
       w.write(file);
     }
 
-    void load(const checkpoint::Restored<config>& restored, int adam_step) override {
+    void load(const checkpoint::Restored<Model>& restored, int adam_step) override {
       [&]<std::size_t... c>(std::index_sequence<c...>) {
         (load_chunk(*std::get<c>(models_), *std::get<c>(trainers_), restored, adam_step), ...);
       }(chunks{});
@@ -333,18 +299,18 @@ class Trainer {
       add_shard(dp, w, params, states);
       if constexpr (Part::has_experts) {
         add_shard(dp.experts(), w, params, states);
-        if constexpr (config::balancing::bias)
+        if constexpr (Part::has_router_bias)
           for (int m = 0; m < Part::moe_blocks; ++m) {
             const std::span<const float> b = part.router_bias(m);
             auto& x = states.floats.emplace_back(b.begin(), b.end());
-            w.add(checkpoint::bias_entry_name(moe_blocks_before(Part::first_layer) + m),
+            w.add(checkpoint::bias_entry_name(Model::moe_blocks_before(Part::first_layer) + m),
                   {static_cast<std::int64_t>(x.size())}, std::span<const float>(x));
           }
       }
     }
     // A chunk's dense state, its experts' and its MoE blocks' selection biases.
     template <class Part, class D>
-    void load_chunk(Part& part, D& dp, const checkpoint::Restored<config>& restored, int adam_step) {
+    void load_chunk(Part& part, D& dp, const checkpoint::Restored<Model>& restored, int adam_step) {
       auto from = [&](auto& trainer) {
         using L = typename std::remove_reference_t<decltype(trainer)>::layout;
         trainer.load_state([&](State k, FlatRange r) { return restored.template values<L>(k, r, tp_rank_, ep_rank_); },
@@ -353,9 +319,9 @@ class Trainer {
       from(dp);
       if constexpr (Part::has_experts) {
         from(dp.experts());
-        if constexpr (config::balancing::bias)
+        if constexpr (Part::has_router_bias)
           for (int m = 0; m < Part::moe_blocks; ++m)
-            part.set_router_bias(m, restored.bias(moe_blocks_before(Part::first_layer) + m));
+            part.set_router_bias(m, restored.bias(Model::moe_blocks_before(Part::first_layer) + m));
       }
     }
 
