@@ -383,7 +383,7 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
   }
   const TrainerConfig hp{
       .adamw = {.lr = 0, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f, .max_norm = 1.0f},
-      .lr = {.peak = opt.lr, .warmup = std::max(1, opt.steps / 20), .total = opt.steps, .floor = 0.1}};
+      .lr = WarmupCosine{.peak = opt.lr, .warmup = std::max(1, opt.steps / 20), .total = opt.steps, .floor = 0.1}};
   T trainer(ctx, hp, GptInit{opt.seed, 0.02});
   Serial eval;  // rank 0's serial copy of the trained weights, on the host
   auto held_out = [&] {  // a collective: every rank gathers, rank 0 evaluates

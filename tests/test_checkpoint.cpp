@@ -51,7 +51,7 @@ struct other_cfg : cfg {
 constexpr int B = 4, T = 16;
 const TrainerConfig hp{
     .adamw = {.lr = 0, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.1f, .max_norm = 0.5f},
-    .lr = {.peak = 3e-3, .warmup = 1, .total = 6, .floor = 0.1}};
+    .lr = WarmupCosine{.peak = 3e-3, .warmup = 1, .total = 6, .floor = 0.1}};
 
 struct Run {
   std::vector<double> losses;           // of the steps run, in order

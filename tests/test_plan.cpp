@@ -385,7 +385,7 @@ void check_step_traffic() {
   std::vector<int> pp_rank(M::size);
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(Counting<host::Comm>(world));
-    const TrainerConfig hp{.adamw = {.max_norm = 1.0f}, .lr = {.peak = 1e-3}};
+    const TrainerConfig hp{.adamw = {.max_norm = 1.0f}, .lr = WarmupCosine{.peak = 1e-3}};
     Trainer t(ctx, hp, GptInit{.seed = 1});
     auto counts = [&] {
       return plan::Traffic{ctx.template comm<Axis::tp>().counts(), ctx.template comm<Axis::cp>().counts(),

@@ -42,7 +42,7 @@ constexpr int B = 4, T = 16, steps = 3;
 const GptInit init{5, 0.05};
 const TrainerConfig hp{
     .adamw = {.lr = 0, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.1f, .max_norm = 0.5f},
-    .lr = {.peak = 3e-3, .warmup = 1, .total = steps, .floor = 0.1}};
+    .lr = WarmupCosine{.peak = 3e-3, .warmup = 1, .total = steps, .floor = 0.1}};
 
 struct Result {
   std::vector<double> losses;
@@ -156,4 +156,126 @@ TEST_CASE("token files: ids of 2 or 4 bytes, mapped; a bad file is an error that
   for (std::size_t i = 0; i < tok.size(); ++i) CHECK((tgt[i] == tok[i] + 1 && tgt[i] < 'a' + 20));
   CHECK_THROWS_AS(sampler.fill(1, 1, 1, 20, tok, tgt), std::invalid_argument);
   std::filesystem::remove_all(dir);
+}
+
+// ---- a Trainer an outside user drives: given weights, the gradient read between reduction
+// and update, any learning-rate schedule --------------------------------------------------
+
+namespace {
+
+struct hf_tiny : gpt_config {  // tests/data/hf_tiny_gpt2.safetensors (make_hf_fixture.py)
+  static constexpr int layers = 2, d_model = 16, heads = 2, vocab = 37, max_seq = 8, vocab_multiple = 8;
+};
+struct untied4 : gpt_config {
+  static constexpr int layers = 4, d_model = 16, heads = 2, vocab = 37, max_seq = 8, vocab_multiple = 8;
+  static constexpr bool tied = false;
+};
+
+// The serial model's gradient of the mean loss over `micro` micro-batches of [b, t].
+template <class Cfg>
+std::vector<float> serial_grads(GPT<Cfg>& m, const std::vector<int>& tok, const std::vector<int>& tgt, int micro, int b,
+                                int t) {
+  m.zero_grad();
+  for (int k = 0; k < micro; ++k) {
+    m.forward(tok.data() + k * b * t, tgt.data() + k * b * t, b, t);
+    m.backward();
+  }
+  std::vector<float> g(m.grads().begin(), m.grads().end());
+  for (float& x : g) x /= static_cast<float>(micro);
+  return g;
+}
+
+// Per tensor of the serial layout, max |got - ref| / max |ref|: the worst one.
+template <class L>
+double worst_tensor(const std::vector<float>& got, const std::vector<float>& ref) {
+  REQUIRE(got.size() == ref.size());
+  double worst = 0;
+  for (const ParamInfo& info : L::tensors) worst = std::max(worst, test::max_rel_error(got, ref, info.offset, info.size()));
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("a Trainer on Mesh<DP<2>, TP<2>> starts from the Hugging Face GPT-2 fixture; its gradient, read after the "
+          "reduction, is the serial model's") {
+  using M = Mesh<DP<2>, TP<2>>;
+  using Model = GPT<hf_tiny, M, float, Host, SequenceParallel>;
+  const std::string file = std::string(FIVED_TEST_DATA_DIR) + "/hf_tiny_gpt2.safetensors";
+  constexpr int b = 4, t = 8;
+  std::vector<int> tok, tgt;
+  test::global_batch(1, 2, b, t, hf_tiny::vocab, tok, tgt);
+  GPT<hf_tiny> serial;
+  serial.load(file);
+  const std::vector<float> ref = serial_grads(serial, tok, tgt, 2, b, t);
+  const std::vector<float> weights(serial.params().begin(), serial.params().end());
+  std::vector<std::vector<float>> got(M::size), loaded(M::size);
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    Trainer<Model, ZeRO<1>, Accumulate<2>> tr(ctx, {.adamw = {.max_norm = 1.0}, .lr = ConstantLr{1e-3}}, GptInit{99});
+    tr.load_weights(file);
+    loaded[static_cast<std::size_t>(ctx.rank())] = tr.serial_params();
+    tr.reduce(1, tok, tgt, b, t);
+    got[static_cast<std::size_t>(ctx.rank())] = tr.serial_grads();
+    tr.update();
+  });
+  for (int r = 0; r < M::size; ++r) {
+    CAPTURE(r);
+    CHECK(loaded[static_cast<std::size_t>(r)] == weights);  // the file's weights, on every rank
+    const double e = worst_tensor<GPT<hf_tiny>::serial_layout>(got[static_cast<std::size_t>(r)], ref);
+    if (r == 0) MESSAGE("DP 2 x TP 2 (SP, ZeRO-1) from the HF file: gradient within " << e << " of serial");
+    CHECK(e <= 1e-5);
+  }
+}
+
+TEST_CASE("a Trainer on Mesh<DP<2>, PP<2>, TP<2>> (1F1B, ZeRO-2) starts from the serial model's weights; its gathered "
+          "gradient is the serial model's, and update() then equals step()") {
+  using M = Mesh<DP<2>, PP<2>, TP<2>>;
+  using Model = GPT<untied4, M, float, Host, SequenceParallel>;
+  using Sched = pipeline::OneFOneB<2, 4>;
+  constexpr int b = 2, t = 8;
+  std::vector<int> tok, tgt;
+  test::global_batch(1, 4, b, t, untied4::vocab, tok, tgt);
+  GPT<untied4> serial(GptInit{3, 0.1});
+  const std::vector<float> ref = serial_grads(serial, tok, tgt, 4, b, t);
+  const std::vector<float> weights(serial.params().begin(), serial.params().end());
+  std::vector<std::vector<float>> got(M::size), split(M::size), whole(M::size);
+  const TrainerConfig cfg{.adamw = {.weight_decay = 0.1, .max_norm = 0.5},
+                          .lr = WarmupStableDecay{.peak = 1e-2, .warmup = 0, .total = 10, .decay = 5}};
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    const auto me = static_cast<std::size_t>(ctx.rank());
+    Trainer<Model, ZeRO<2>, Sched> a(ctx, cfg, GptInit{99});  // another init: the loaded weights must win
+    a.load_serial(weights);
+    a.reduce(1, tok, tgt, b, t);
+    got[me] = a.serial_grads();
+    a.update();
+    split[me] = a.serial_params();
+    Trainer<Model, ZeRO<2>, Sched> c(ctx, cfg, GptInit{99});
+    c.load_serial(weights);
+    c.step(1, tok, tgt, b, t);
+    whole[me] = c.serial_params();
+  });
+  for (int r = 0; r < M::size; ++r) {
+    CAPTURE(r);
+    const double e = worst_tensor<GPT<untied4>::serial_layout>(got[static_cast<std::size_t>(r)], ref);
+    if (r == 0) MESSAGE("DP 2 x PP 2 x TP 2 (SP, ZeRO-2, 1F1B) from serial weights: gradient within " << e << " of serial");
+    CHECK(e <= 1e-5);
+    CHECK(split[static_cast<std::size_t>(r)] == whole[static_cast<std::size_t>(r)]);  // reduce + update == step
+    CHECK(split[static_cast<std::size_t>(r)] != weights);                             // and it moved
+  }
+}
+
+TEST_CASE("learning-rate schedules: constant, warmup-stable-decay, any callable") {
+  CHECK(ConstantLr{2e-4}(1) == 2e-4);
+  CHECK(ConstantLr{2e-4}(1000) == 2e-4);
+  const WarmupStableDecay wsd{.peak = 1.0, .warmup = 2, .total = 10, .decay = 4, .floor = 0.1};
+  CHECK(wsd(1) == doctest::Approx(0.5));
+  CHECK(wsd(2) == doctest::Approx(1.0));
+  CHECK(wsd(6) == doctest::Approx(1.0));    // stable until total - decay
+  CHECK(wsd(8) == doctest::Approx(0.55));   // halfway down
+  CHECK(wsd(10) == doctest::Approx(0.1));
+  CHECK(wsd(50) == doctest::Approx(0.1));
+  const LrSchedule mine = [](int step) { return 1.0 / step; };
+  const TrainerConfig cfg{.lr = mine};
+  CHECK(cfg.lr(4) == 0.25);
 }

@@ -35,7 +35,7 @@ constexpr int B = 4, T = 16, steps = 3;
 const GptInit init{7, 0.05};
 const TrainerConfig hp{
     .adamw = {.lr = 0, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.1f, .max_norm = 0.5f},
-    .lr = {.peak = 1e-2, .warmup = 1, .total = steps, .floor = 0.1}};
+    .lr = WarmupCosine{.peak = 1e-2, .warmup = 1, .total = steps, .floor = 0.1}};
 
 template <class M, class Policy, class Sched, class R>
 void trainer_equals_serial() {

@@ -60,6 +60,8 @@ concept ModelPart = ModelType<M> && requires(M& m, const M& cm, const int* ids, 
   { cm.loss(k) } -> std::convertible_to<double>;
   { cm.norm_parts(r) } -> std::convertible_to<std::vector<FlatRange>>;
   { m.sum_over_tp(s) } -> std::convertible_to<double>;
+  { m.params_to_host() } -> std::convertible_to<std::vector<typename M::value_type>>;
+  { m.gather_params() } -> std::convertible_to<std::vector<typename M::value_type>>;
   { M::local_length(k) } -> std::convertible_to<int>;
   { M::boundary_size(k, k) } -> std::convertible_to<std::size_t>;
 } && (M::has_embedding || requires(M& m, int k) {
@@ -68,7 +70,7 @@ concept ModelPart = ModelType<M> && requires(M& m, const M& cm, const int* ids, 
 }) && (M::has_head || requires(M& m, int k) {
   { m.output(k) } -> std::convertible_to<const typename M::value_type*>;
   { m.output_grad(k, k) } -> std::convertible_to<typename M::value_type*>;
-});
+}) && (!M::has_head || requires(M& m, int k) { m.add_to_loss_sum(k); });
 
 // Each requirement of ModelType as a sentence (instantiate to check; `ok` is then true).
 template <class M>

@@ -634,13 +634,20 @@ class GPT {
   // io::SafetensorsError naming it, and the model is left unchanged.
   void load(const std::filesystem::path& path) { load(io::SafetensorsFile::read(path)); }
   void load(const io::SafetensorsFile& f) {
+    const std::vector<T> serial = read_serial(f);
+    ops_.write_from_host(params_, [&](std::span<T> p) {
+      layout::slice(std::span<const T>(serial), p, tp_rank());
+    });
+  }
+
+  // The part's tensors of a Hugging Face GPT-2 file, in serial_layout (the model contract's
+  // way in for given weights: Trainer::load_weights).
+  static std::vector<T> read_serial(const io::SafetensorsFile& f) {
     if constexpr (has_experts)
       throw std::logic_error("GPT::load: a mixture of experts cannot be loaded from a GPT-2 file yet");
     std::vector<T> serial(serial_layout::size);
     load_gpt<serial_layout>(f, std::span<T>(serial), describe());
-    ops_.write_from_host(params_, [&](std::span<T> p) {
-      layout::slice(std::span<const T>(serial), p, tp_rank());
-    });
+    return serial;
   }
 
   static std::string describe() {

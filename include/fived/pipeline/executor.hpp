@@ -34,7 +34,7 @@
 //     has no message: right after the forward (backward) that makes them.
 //
 // A backward split into I and W parts calls the model's backward_input(hooks, slot) at I and
-// backward_weight(hooks, slot) at W when it has them. GPT does not yet (its backward makes
+// backward_weight(hooks, slot) at W when it has them. fived's own model does not yet (its backward makes
 // both gradients together): it runs the whole backward at I and nothing at W, so every
 // gradient is the same but the bubble a zero-bubble schedule removes by moving W is not
 // removed yet (bench/pipeline measures the schedules with stand-in stages that do split).
@@ -71,7 +71,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   using Device = typename first_model::device;
   static_assert(V == 1 || std::is_same_v<Device, Host>,
                 "pipeline::Executor: on a device, every model chunk of a rank must queue its kernels on one stream, "
-                "which GPT does not share yet; use one chunk per rank (GPipe, 1F1B, ZB-H1) on CUDA for now");
+                "which the model's parts do not share yet; use one chunk per rank (GPipe, 1F1B, ZB-H1) on CUDA for now");
 
  public:
   // shape: the schedule's ranks, micro-batches, chunks and stage order; program: rank
@@ -114,6 +114,15 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   // [m*B, (m+1)*B) for micro-batch m, the same on every rank (each data-parallel rank takes
   // its rows of every micro-batch). Returns the mean loss, on every rank.
   double step(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
+    const double loss = reduce(tokens, targets, B, seq);
+    update();
+    return loss;
+  }
+
+  // The step without its update: forwards and backwards as the table says, the gradients
+  // reduced as each chunk's policy says (read them now: DataParallel::reduced_grads). Returns
+  // the mean loss, on every rank.
+  double reduce(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
     const std::size_t want = static_cast<std::size_t>(M_) * static_cast<std::size_t>(B) * static_cast<std::size_t>(seq);
     if (tokens.size() != want || targets.size() != want)
       throw std::invalid_argument("pipeline::Executor::step: tokens and targets must hold micro-batches * B * T = " +
@@ -151,11 +160,16 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
       if constexpr (std::remove_reference_t<decltype(model)>::has_head)
         loss = model.ops().loss_sum() / (static_cast<double>(b_) * model.local_length(T_));
     });
+    return dp0.average(all_reduce_pp(loss) / M_);
+  }
+
+  // After reduce(): the clip over every parameter of the pipeline (each chunk's part of the
+  // norm, summed over PP) and each chunk's AdamW step.
+  void update() {
     double sumsq = 0;
     for_each_chunk([&]<int c>(auto&, auto& dp) { sumsq += dp.grad_sum_of_squares(); });
     sumsq = all_reduce_pp(sumsq);
     for_each_chunk([&]<int c>(auto&, auto& dp) { dp.update(sumsq); });
-    return dp0.average(all_reduce_pp(loss) / M_);
   }
 
   // Activation slots chunk c holds: the most micro-batches it keeps in flight.

@@ -10,7 +10,7 @@
 //   P::shard_total            // what a rank holds of a sharded buffer: the sum of its pieces
 //
 // Buckets never cross a unit. A layout's units (Layout::units, Layout::unit_begin(u)) are
-// for a GPT the embeddings, each layer, and the final LayerNorm with the head. So a bucket is
+// for a transformer the embeddings, each layer, and the final norm with the head. So a bucket is
 // complete as soon as backward finishes its unit, and ZeRO-3 gathers a unit as whole
 // buckets. A unit larger than BucketBytes is cut into buckets of BucketBytes, the last
 // one shorter. A layout without units is a single unit.

@@ -307,6 +307,24 @@ class Restored {
     }
   }
 
+  // A start from given weights instead of files: the whole dense model in serial_layout
+  // order, fresh AdamW moments (zero), no selection bias moved (zero). Experts are not given:
+  // a model with a mixture of experts starts from its own initialisation.
+  template <class U>
+  void start_from(std::span<const U> dense) {
+    if (dense.size() != dense::size)
+      throw std::invalid_argument("checkpoint::Restored::start_from: " + std::to_string(dense.size()) +
+                                  " values for a model of " + std::to_string(dense::size) + " (its serial_layout)");
+    if constexpr (experts::size > 0)
+      throw std::invalid_argument("checkpoint::Restored::start_from: a model with a mixture of experts needs its "
+                                  "experts given too; start it from its own initialisation or a checkpoint");
+    Whole& p = state_["params"];
+    p.values.assign(size, 0.0), p.given.assign(size, true);
+    for (std::size_t i = 0; i < dense.size(); ++i) p.values[i] = static_cast<double>(static_cast<acc_t<U>>(dense[i]));
+    for (const char* k : {"exp_avg", "exp_avg_sq"}) state_[k] = Whole{std::vector<double>(size, 0.0), std::vector<bool>(size, true)};
+    for (int b = 0; b < moe_blocks_of<Model>(); ++b) bias_[b].assign(static_cast<std::size_t>(experts_per_block_of<Model>()), 0.0f);
+  }
+
   // Values [b, e) of a rank's buffer laid out by L (its TP rank, EP rank), of kind k: for
   // DataParallel::load_state. A bf16 model's masters from a checkpoint without them are its
   // parameters.

@@ -53,7 +53,7 @@
 //            The first and last units (embeddings with a tied head, ln_f) stay gathered from
 //            their first use to the end of the step, as FSDP keeps its root unit. AdamW
 //            updates the pieces; the next step's gathers distribute them.
-// ZeRO<3> needs a model that calls UnitHooks (nn/unit_hooks.hpp), as fived::GPT does.
+// ZeRO<3> needs a model that calls UnitHooks (nn/unit_hooks.hpp; docs/model.md).
 //
 // Memory per rank (memory()), N = layout::size elements, S = plan::shard_total (about N/DP:
 // each bucket padded to a multiple of 64 DP elements, then divided by DP), O = elements owned
@@ -150,7 +150,7 @@ template <int S>
 inline constexpr bool is_zero_policy<ZeRO<S>> = true;
 
 namespace dp_detail {
-// The group a model's gradients reduce over: its own (a GPT's experts: the expert-data group)
+// The group a model's gradients reduce over: its own (a model's experts: the expert-data group)
 // or its mesh's gradient group (DP x CP).
 template <class Model>
 struct reduce_group {
@@ -168,7 +168,7 @@ constexpr double grad_scale() {
 }
 }  // namespace dp_detail
 
-// A model with a mixture of experts: its expert buffers (GPT::Experts) get a DataParallel of
+// A model with a mixture of experts: its expert buffers (Model::Experts) get a DataParallel of
 // their own over the expert-data group, driven by this one.
 template <class Model>
 concept HasExperts = requires(Model& m) {
@@ -208,7 +208,7 @@ class DataParallel {
   } || requires { requires Model::calls_hooks; };
   static_assert(stage < 3 || (has_hooks && plan::has_units),
                 "fived::DataParallel: ZeRO<3> gathers each unit's parameters just before the model uses them, so the "
-                "model must call UnitHooks in forward and backward and its layout must have units (fived::GPT does): "
+                "model must call UnitHooks in forward and backward and its layout must have units (docs/model.md): "
                 "use ZeRO<1> or ZeRO<2> with this model");
 
   // The hooks given to the model point at this object.
@@ -406,6 +406,23 @@ class DataParallel {
     }
   }
 
+  // The gradient after the step's reduction and before its update (between end_micro_batches
+  // and update): the whole layout's, averaged over the group and scaled as the optimizer will
+  // see it, in host memory, the same on every rank of the group. Under ZeRO each rank holds
+  // only its pieces reduced, so this all-gathers them (a collective over the group).
+  std::vector<T> reduced_grads() {
+    if constexpr (stage == 0) {
+      return model_.ops().to_host(std::span<const T>(model_.grads()));
+    } else {
+      buffer all = model_.ops().template make_buffer<T>(layout::size);
+      queue_.submit([&](ops_type& ops) {
+        for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(ops, i, owned_grads(i), all.span());
+      }, false);
+      queue_.drain();
+      return model_.ops().to_host(std::span<const T>(all.span()));
+    }
+  }
+
   // Bytes this rank holds for training state between steps (see the top of this file).
   struct Memory {
     std::size_t params = 0, grads = 0, optimizer = 0, staging = 0;
@@ -428,7 +445,7 @@ class DataParallel {
   auto& experts() requires HasExperts<Model> { return *experts_; }
 
   // Reduce each unit's buckets during backward, as soon as the model has finished it (on by
-  // default; needs a model that calls UnitHooks, as GPT does). Off: every reduction runs
+  // default; needs a model that calls UnitHooks). Off: every reduction runs
   // after backward. The results are the same bit for bit; what changes is when the
   // collectives are issued.
   void set_overlap(bool on) {

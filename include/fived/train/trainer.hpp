@@ -60,7 +60,7 @@ using Accumulate = pipeline::OneFOneB<1, M>;
 
 struct TrainerConfig {
   AdamWConfig adamw;  // its lr is replaced every step by lr(step)
-  WarmupCosine lr;
+  LrSchedule lr = WarmupCosine{};  // any callable double(int step): train/lr_schedule.hpp
 };
 
 template <class Model, class Policy = NoZeRO, class Schedule = Accumulate<1>, template <class> class Cost = FlopCost>
@@ -104,6 +104,36 @@ class Trainer {
     rank_->set_lr(lr_);
     return rank_->step(tokens, targets, B, T);
   }
+  // The same step in two halves, for a caller that looks at the gradient in between:
+  // reduce() runs the forwards and backwards and reduces the gradients (the learning rate of
+  // `step` is set for the update) and returns the mean loss; serial_grads() then gives the
+  // reduced gradient in the serial layout; update() clips and steps AdamW.
+  double reduce(int step, std::span<const int> tokens, std::span<const int> targets, int B, int T) {
+    lr_ = cfg_.lr(step);
+    rank_->set_lr(lr_);
+    return rank_->reduce(tokens, targets, B, T);
+  }
+  void update() { rank_->update(); }
+  // After reduce(), before update(): the gradient of the global batch's mean loss, reduced
+  // over DP (and CP), gathered over TP and PP into serial_layout, on every rank (a
+  // collective). The dense buffers only: a mixture of experts' expert gradients are not in it.
+  std::vector<value_type> serial_grads() { return rank_->serial_grads(); }
+
+  // Starts from given weights: the whole dense model in serial_layout order (e.g. the serial
+  // model's params()), with fresh optimizer state. Each rank keeps only its part. A collective.
+  void load_serial(std::span<const value_type> dense) {
+    checkpoint::Restored<Model> start;
+    start.start_from(dense);
+    rank_->load(start, 0);
+  }
+  // ... or from a file the model reads (Model::read_serial: GPT reads Hugging Face GPT-2 files).
+  void load_weights(const std::filesystem::path& file)
+    requires requires(const io::SafetensorsFile& f) { Model::read_serial(f); }
+  {
+    const std::vector<value_type> dense = Model::read_serial(io::SafetensorsFile::read(file));
+    load_serial(dense);
+  }
+
   double lr() const { return lr_; }
   double grad_norm() const { return rank_->grad_norm(); }
   int world_rank() const { return world_rank_; }
@@ -197,6 +227,9 @@ class Trainer {
   struct Rank {
     virtual ~Rank() = default;
     virtual double step(std::span<const int> tokens, std::span<const int> targets, int B, int T) = 0;
+    virtual double reduce(std::span<const int> tokens, std::span<const int> targets, int B, int T) = 0;
+    virtual void update() = 0;
+    virtual std::vector<value_type> serial_grads() = 0;
     virtual void set_lr(double lr) = 0;
     virtual double grad_norm() const = 0;
     virtual std::vector<value_type> serial_params(bool experts) = 0;
@@ -221,6 +254,10 @@ class Trainer {
     using chunks = std::make_index_sequence<V>;
     using types = tuples<chunks>;
 
+    static_assert([]<std::size_t... c>(std::index_sequence<c...>) { return (ModelPart<chunk<c>> && ...); }(chunks{}),
+                  "fived::Trainer: a pipeline part of the model does not satisfy ModelPart (model/contract.hpp, "
+                  "docs/model.md): check its forward, backward, buffers and stage boundary");
+
    public:
     RankOf(MeshContext<mesh, C>& ctx, const TrainerConfig& cfg, const init_type& init)
         : pp_(ctx.template comm<typename mesh::pp_group>()),
@@ -239,6 +276,20 @@ class Trainer {
 
     double step(std::span<const int> tokens, std::span<const int> targets, int B, int T) override {
       return executor_->step(tokens, targets, B, T);
+    }
+    double reduce(std::span<const int> tokens, std::span<const int> targets, int B, int T) override {
+      return executor_->reduce(tokens, targets, B, T);
+    }
+    void update() override { executor_->update(); }
+    std::vector<value_type> serial_grads() override {
+      std::vector<double> whole(serial_layout::size, 0.0);
+      [&]<std::size_t... c>(std::index_sequence<c...>) {
+        (add_grads(*std::get<c>(models_), *std::get<c>(trainers_), whole), ...);
+      }(chunks{});
+      pp_.all_reduce_host(std::span<double>(whole));  // each element is on one stage, zeros elsewhere
+      std::vector<value_type> out(whole.size());
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<value_type>(whole[i]);
+      return out;
     }
     void set_lr(double lr) override {
       [&]<std::size_t... c>(std::index_sequence<c...>) { ((std::get<c>(trainers_)->optimizer().hp.lr = lr), ...); }(chunks{});
@@ -358,12 +409,25 @@ class Trainer {
       return {p.begin(), p.end()};
     }
     // Adds a part's tensors, in its serial layout, to the whole model's at their names.
-    template <class From, class To>
-    static void put(std::span<const value_type> part, std::vector<double>& whole) {
+    template <class From, class To, class U>
+    static void put(std::span<const U> part, std::vector<double>& whole) {
       for (const ParamInfo& t : From::tensors) {
         const ParamInfo& to = To::tensors[static_cast<std::size_t>(*To::find(t.name()))];
         for (std::size_t i = 0; i < t.size(); ++i) whole[to.offset + i] += static_cast<double>(part[t.offset + i]);
       }
+    }
+    // A chunk's reduced gradient: its TP piece (the same on every DP rank), the TP pieces
+    // assembled into the chunk's serial layout, added into the whole model's.
+    template <class Part, class D>
+    void add_grads(Part&, D& dp, std::vector<double>& whole) {
+      using L = typename Part::layout;
+      const std::vector<value_type> mine = dp.reduced_grads();
+      std::vector<double> pieces(L::size * static_cast<std::size_t>(mesh::tp), 0.0), serial(L::serial::size);
+      for (std::size_t k = 0; k < mine.size(); ++k)
+        pieces[static_cast<std::size_t>(tp_rank_) * L::size + k] = static_cast<double>(static_cast<acc_t<value_type>>(mine[k]));
+      tp_.all_reduce_host(std::span<double>(pieces));
+      L::assemble(std::span<const double>(pieces), std::span<double>(serial));
+      put<typename L::serial, serial_layout>(std::span<const double>(serial), whole);
     }
     template <class Part, class D>
     void add_part(Part& part, D& dp, bool experts, std::vector<double>& whole) {
@@ -373,7 +437,7 @@ class Trainer {
           part.ops().upload(part.params().data(), full.data(), full.size());
         }
         const std::vector<value_type> p = part.gather_params();  // the part whole over TP
-        put<typename Part::serial_layout, serial_layout>(p, whole);
+        put<typename Part::serial_layout, serial_layout>(std::span<const value_type>(p), whole);
       } else if constexpr (Part::has_experts) {  // this rank's piece in place, the other pieces zero
         using EL = typename Part::expert_layout;
         std::vector<value_type> pieces(EL::size * static_cast<std::size_t>(mesh::ep * mesh::tp)), mine(EL::serial::size);
@@ -381,7 +445,7 @@ class Trainer {
         std::copy(own.begin(), own.end(),
                   pieces.begin() + static_cast<std::ptrdiff_t>(EL::size * static_cast<std::size_t>(part.ep_rank() * mesh::tp + part.tp_rank())));
         EL::assemble(std::span<const value_type>(pieces), std::span<value_type>(mine));
-        put<typename EL::serial, serial_expert_layout>(mine, whole);
+        put<typename EL::serial, serial_expert_layout>(std::span<const value_type>(mine), whole);
       }
     }
 
