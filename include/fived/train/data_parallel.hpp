@@ -394,16 +394,8 @@ class DataParallel {
   // all-gather of every bucket, so every DP rank must call it; otherwise a copy of the
   // model's parameters.
   std::vector<T> full_params() {
-    if constexpr (stage < 3) {
-      return model_.params_to_host();
-    } else {
-      buffer all = model_.ops().template make_buffer<T>(layout::size);
-      queue_.submit([&](ops_type& ops) {
-        for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(ops, i, param_piece(i), all.span());
-      }, false);
-      queue_.drain();
-      return model_.ops().to_host(std::span<const T>(all.span()));
-    }
+    if constexpr (stage < 3) return model_.params_to_host();
+    else return gathered([this](std::size_t i) { return std::span<const T>(param_piece(i)); });
   }
 
   // The gradient after the step's reduction and before its update (between end_micro_batches
@@ -411,16 +403,8 @@ class DataParallel {
   // see it, in host memory, the same on every rank of the group. Under ZeRO each rank holds
   // only its pieces reduced, so this all-gathers them (a collective over the group).
   std::vector<T> reduced_grads() {
-    if constexpr (stage == 0) {
-      return model_.ops().to_host(std::span<const T>(model_.grads()));
-    } else {
-      buffer all = model_.ops().template make_buffer<T>(layout::size);
-      queue_.submit([&](ops_type& ops) {
-        for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(ops, i, owned_grads(i), all.span());
-      }, false);
-      queue_.drain();
-      return model_.ops().to_host(std::span<const T>(all.span()));
-    }
+    if constexpr (stage == 0) return model_.ops().to_host(std::span<const T>(model_.grads()));
+    else return gathered([this](std::size_t i) { return std::span<const T>(owned_grads(i)); });
   }
 
   // Bytes this rank holds for training state between steps (see the top of this file).
@@ -619,6 +603,17 @@ class DataParallel {
     else ops.zero(range.data(), range.size());
   }
   std::span<T> param_piece(std::size_t i) { return piece_of(param_pieces_, i); }
+  // The whole buffer from every rank's piece of every bucket (piece(i): this rank's of bucket
+  // i), all-gathered over the group, in host memory.
+  template <class Piece>
+  std::vector<T> gathered(Piece&& piece) {
+    buffer all = model_.ops().template make_buffer<T>(layout::size);
+    queue_.submit([&](ops_type& ops) {
+      for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(ops, i, piece(i), all.span());
+    }, false);
+    queue_.drain();
+    return model_.ops().to_host(std::span<const T>(all.span()));
+  }
   // The gradient of what this rank owns of bucket i, from its first owned element on.
   std::span<T> owned_grads(std::size_t i) {
     if constexpr (stage >= 2) return piece_of(grad_pieces_, i).first(owned(i).size());
