@@ -185,33 +185,39 @@ std::vector<float> serial_grads(GPT<Cfg>& m, const std::vector<int>& tok, const 
   return g;
 }
 
-// Per tensor of the serial layout, max |got - ref| / max |ref|: the worst one.
+// Per tensor of the serial layout, max |got - ref| / max |ref|: the worst one (and its name).
 template <class L>
-double worst_tensor(const std::vector<float>& got, const std::vector<float>& ref) {
+double worst_tensor(const std::vector<float>& got, const std::vector<float>& ref, std::string* where = nullptr) {
   REQUIRE(got.size() == ref.size());
   double worst = 0;
-  for (const ParamInfo& info : L::tensors) worst = std::max(worst, test::max_rel_error(got, ref, info.offset, info.size()));
+  for (const ParamInfo& info : L::tensors)
+    if (const double e = test::max_rel_error(got, ref, info.offset, info.size()); e > worst) {
+      worst = e;
+      if (where) *where = info.name();
+    }
   return worst;
 }
 
 }  // namespace
 
-TEST_CASE("a Trainer on Mesh<DP<2>, TP<2>> starts from the Hugging Face GPT-2 fixture; its gradient, read after the "
-          "reduction, is the serial model's") {
-  using M = Mesh<DP<2>, TP<2>>;
+// From the Hugging Face fixture (tied GPT-2: on a pipeline the last stage's head holds a copy
+// of wte) onto mesh M: the weights every rank gathers are the file's, and the gradient read
+// after one reduction is the serial model's.
+template <class M, class Policy, class Sched>
+void from_hf_file(const char* what) {
   using Model = GPT<hf_tiny, M, float, Host, SequenceParallel>;
   const std::string file = std::string(FIVED_TEST_DATA_DIR) + "/hf_tiny_gpt2.safetensors";
-  constexpr int b = 4, t = 8;
+  constexpr int b = 4, t = 8, micro = Sched::table.micro_batches;
   std::vector<int> tok, tgt;
-  test::global_batch(1, 2, b, t, hf_tiny::vocab, tok, tgt);
+  test::global_batch(1, micro, b, t, hf_tiny::vocab, tok, tgt);
   GPT<hf_tiny> serial;
   serial.load(file);
-  const std::vector<float> ref = serial_grads(serial, tok, tgt, 2, b, t);
+  const std::vector<float> ref = serial_grads(serial, tok, tgt, micro, b, t);
   const std::vector<float> weights(serial.params().begin(), serial.params().end());
   std::vector<std::vector<float>> got(M::size), loaded(M::size);
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
-    Trainer<Model, ZeRO<1>, Accumulate<2>> tr(ctx, {.adamw = {.max_norm = 1.0}, .lr = ConstantLr{1e-3}}, GptInit{99});
+    Trainer<Model, Policy, Sched> tr(ctx, {.adamw = {.max_norm = 1.0}, .lr = ConstantLr{1e-3}}, GptInit{99});
     tr.load_weights(file);
     loaded[static_cast<std::size_t>(ctx.rank())] = tr.serial_params();
     tr.reduce(1, tok, tgt, b, t);
@@ -221,10 +227,17 @@ TEST_CASE("a Trainer on Mesh<DP<2>, TP<2>> starts from the Hugging Face GPT-2 fi
   for (int r = 0; r < M::size; ++r) {
     CAPTURE(r);
     CHECK(loaded[static_cast<std::size_t>(r)] == weights);  // the file's weights, on every rank
-    const double e = worst_tensor<GPT<hf_tiny>::serial_layout>(got[static_cast<std::size_t>(r)], ref);
-    if (r == 0) MESSAGE("DP 2 x TP 2 (SP, ZeRO-1) from the HF file: gradient within " << e << " of serial");
+    std::string where;
+    const double e = worst_tensor<GPT<hf_tiny>::serial_layout>(got[static_cast<std::size_t>(r)], ref, &where);
+    if (r == 0) MESSAGE(std::string(what) << " from the HF file: gradient within " << e << " (" << where << ") of serial");
     CHECK(e <= 1e-5);
   }
+}
+
+TEST_CASE("a Trainer starts from the Hugging Face GPT-2 fixture; its gradient, read after the reduction, is the "
+          "serial model's: Mesh<DP<2>, TP<2>> and Mesh<DP<2>, PP<2>, TP<2>> (tied across the stages)") {
+  from_hf_file<Mesh<DP<2>, TP<2>>, ZeRO<1>, Accumulate<2>>("DP 2 x TP 2 (SP, ZeRO-1)");
+  from_hf_file<Mesh<DP<2>, PP<2>, TP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 4>>("DP 2 x PP 2 x TP 2 (SP, ZeRO-1, 1F1B)");
 }
 
 TEST_CASE("a Trainer on Mesh<DP<2>, PP<2>, TP<2>> (1F1B, ZeRO-2) starts from the serial model's weights; its gathered "
@@ -278,4 +291,76 @@ TEST_CASE("learning-rate schedules: constant, warmup-stable-decay, any callable"
   const LrSchedule mine = [](int step) { return 1.0 / step; };
   const TrainerConfig cfg{.lr = mine};
   CHECK(cfg.lr(4) == 0.25);
+}
+
+// ---- tied embeddings across pipeline stages -----------------------------------------------
+
+namespace {
+
+struct tied4 : gpt_config {  // GPT-2's tie: the head multiplies by wte
+  static constexpr int layers = 4, d_model = 16, heads = 2, vocab = 37, max_seq = 16, vocab_multiple = 8;
+};
+static_assert(GPT<tied4, Mesh<PP<2>>, float, Host, NoSequenceParallel, Layers<2, 2>>::has_tied_copy);
+static_assert(!GPT<tied4, Mesh<PP<2>>, float, Host, NoSequenceParallel, Layers<0, 2>>::has_tied_copy);
+
+constexpr int tied_steps = 3;
+// eps 1e-4: the attention key bias has an exactly zero gradient, so its computed gradient is
+// float rounding noise, which AdamW with a small eps turns into steps of random sign (2e-5
+// relative with eps 1e-6): a measure of summation order, not of the tie.
+const TrainerConfig tied_hp{.adamw = {.beta2 = 0.95, .eps = 1e-4, .weight_decay = 0.1, .max_norm = 0.5},
+                            .lr = ConstantLr{3e-3}};
+
+std::vector<std::vector<float>> serial_tied(int micro, std::vector<double>& losses) {
+  GPT<tied4> m(GptInit{7, 0.1});
+  DataParallel<GPT<tied4>> dp(m, tied_hp.adamw, micro);
+  dp.optimizer().hp.lr = 3e-3;
+  std::vector<int> tok, tgt;
+  for (int s = 1; s <= tied_steps; ++s) {
+    test::global_batch(s, micro, 4, 8, tied4::vocab, tok, tgt);
+    losses.push_back(dp.step(tok, tgt, 4, 8));
+  }
+  return {std::vector<float>(m.params().begin(), m.params().end())};
+}
+
+template <class M, class Policy, class Sched, class SP>
+void tied_equals_serial(const char* what) {
+  using Model = GPT<tied4, M, float, Host, SP>;
+  constexpr int micro = Sched::table.micro_batches;
+  std::vector<double> ref_losses;
+  const std::vector<float> ref = serial_tied(micro, ref_losses)[0];
+  std::vector<std::vector<double>> losses(M::size);
+  std::vector<std::vector<float>> weights(M::size);
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    Trainer<Model, Policy, Sched> t(ctx, tied_hp, GptInit{7, 0.1});
+    std::vector<int> tok, tgt;
+    for (int s = 1; s <= tied_steps; ++s) {
+      test::global_batch(s, micro, 4, 8, tied4::vocab, tok, tgt);
+      losses[static_cast<std::size_t>(ctx.rank())].push_back(t.step(s, tok, tgt, 4, 8));
+    }
+    weights[static_cast<std::size_t>(ctx.rank())] = t.serial_params();
+  });
+  double worst = 0, worst_loss = 0;
+  std::string where;
+  for (int r = 0; r < M::size; ++r) {
+    const auto i = static_cast<std::size_t>(r);
+    for (int s = 0; s < tied_steps; ++s)
+      worst_loss = std::max(worst_loss, std::abs(losses[i][static_cast<std::size_t>(s)] - ref_losses[static_cast<std::size_t>(s)]) /
+                                            ref_losses[static_cast<std::size_t>(s)]);
+    worst = std::max(worst, worst_tensor<GPT<tied4>::serial_layout>(weights[i], ref, &where));
+  }
+  MESSAGE(std::string(what) << ": losses within " << worst_loss << ", weights within " << worst << " (" << where
+                            << ") of serial after " << tied_steps << " steps");
+  CHECK(worst_loss <= 1e-5);
+  CHECK(worst <= 1e-5);
+}
+
+}  // namespace
+
+TEST_CASE("tied GPT-2 embeddings across pipeline stages (the head's copy of wte, gradients summed): equal serial") {
+  tied_equals_serial<Mesh<PP<2>>, NoZeRO, pipeline::OneFOneB<2, 4>, NoSequenceParallel>("PP 2, 1F1B");
+  tied_equals_serial<Mesh<DP<2>, PP<2>, TP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 4>, SequenceParallel>(
+      "DP 2 x PP 2 x TP 2, 1F1B, ZeRO-1, SP");
+  tied_equals_serial<Mesh<DP<2>, PP<2>, TP<2>>, ZeRO<2>, pipeline::Interleaved1F1B<2, 4, 2>, SequenceParallel>(
+      "DP 2 x PP 2 x TP 2, interleaved 1F1B (2 chunks), ZeRO-2, SP");
 }

@@ -119,7 +119,11 @@ struct GptSpecs {
     for (int k = 0; k < local; ++k) i += block_specs(first + k);
     return i;
   }
-  static constexpr int count = block_first(blocks) + (has_head ? 2 + (dims::tied ? 0 : 1) : 0);
+  // A tied head on a part without the embedding keeps a copy of wte (Megatron's
+  // word_embeddings_for_head): the same spec, so the same values; its gradient is summed with
+  // the embedding stage's each step (tied_copy, pipeline/executor.hpp).
+  static constexpr bool tied_copy = dims::tied && has_head && !has_embedding;
+  static constexpr int count = block_first(blocks) + (has_head ? 2 + (dims::tied && !tied_copy ? 0 : 1) : 0);
   static constexpr int block_unit(int local) { return (has_embedding ? 1 : 0) + local; }
   static constexpr int final_unit = block_unit(blocks);  // ln_f and head
   static constexpr int units = has_head ? final_unit + 1 : block_unit(blocks);
@@ -143,6 +147,11 @@ struct GptSpecs {
     if constexpr (has_head) {
       put(layernorm_specs("ln_f.weight", "ln_f.bias", -1, final_unit, C, 14));
       if constexpr (!dims::tied) put(head_specs(V, Vp, C, final_unit));
+      if constexpr (tied_copy) {
+        TensorSpec wte = embedding_specs(V, Vp, C, dims::max_seq)[0];
+        wte.unit = final_unit, wte.tied_copy = true;
+        t[i++] = wte;
+      }
     }
     return t;
   }();
@@ -229,9 +238,11 @@ class GPT {
   // and the head (with the loss) when it starts or ends the model.
   static constexpr int first_layer = specs::first, blocks = specs::blocks;
   static constexpr bool has_embedding = specs::has_embedding, has_head = specs::has_head;
-  static_assert(!(dims::tied && has_head && !has_embedding),
-                "GPT: a tied head reads wte, which this part does not hold (the embedding is on another pipeline "
-                "stage); use an untied configuration (tied = false) with pipeline parallelism");
+  // A tied head on a stage without the embedding keeps its own copy of wte (GptSpecs::tied_copy).
+  static constexpr bool has_tied_copy = specs::tied_copy;
+  // The tensor tied across the first and last stage (model contract, optional): the pipeline
+  // executor sums its gradient over the stages that hold it. None when untied.
+  static constexpr const char* tied_weight = dims::tied ? "wte.weight" : nullptr;
 
   static constexpr int L = dims::layers, C = dims::d_model, NH = dims::heads, V = dims::vocab;
   static constexpr int Vp = dims::padded_vocab, F = dims::d_ff, max_seq = dims::max_seq;
@@ -484,10 +495,10 @@ class GPT {
       return;
     } else {
       detail::call(hooks.before_forward, specs::final_unit);
-      if constexpr (dims::tied) detail::call(hooks.before_forward, 0);  // the head is wte
+      if constexpr (dims::tied && has_embedding) detail::call(hooks.before_forward, 0);  // the head is wte
       Norm::forward(s, a.lnf, x, P(ln_f_index), P(ln_f_index + 1), C);
       HeadL::forward(s, a.head, a.lnf.out.data(), P(head_index), Vp, C);
-      if constexpr (dims::tied) detail::call(hooks.after_forward, 0);
+      if constexpr (dims::tied && has_embedding) detail::call(hooks.after_forward, 0);
       detail::call(hooks.after_forward, specs::final_unit);
       if (targets == nullptr) return;
       HeadL::loss(s, a.head, a.targets.data(), V, Vp);
@@ -531,7 +542,7 @@ class GPT {
 
     if constexpr (has_head) {
       detail::call(hooks.before_backward, specs::final_unit);
-      if constexpr (dims::tied) detail::call(hooks.before_backward, 0);  // the head is wte
+      if constexpr (dims::tied && has_embedding) detail::call(hooks.before_backward, 0);  // the head is wte
       HeadL::backward(s, dln, G(head_index), a.head, a.lnf.out.data(), P(head_index), Vp, C, full);
       ops_.zero(work_.dres);
       const T* x_last = blocks > 0 ? a.blocks[static_cast<std::size_t>(blocks - 1)].res3.data() : a.encoded.data();
@@ -689,7 +700,7 @@ class GPT {
     return false;
   }();
   static constexpr int ln_f_index = block_first(blocks);
-  static constexpr int head_index = dims::tied ? 0 : ln_f_index + 2;
+  static constexpr int head_index = dims::tied && has_embedding ? 0 : ln_f_index + 2;  // lm_head or wte's copy
 
   // What a block's forward leaves for its backward. A slot keeps one per block; under
   // FullRecompute only res3 (the next block's input), the rest in the one work_.block.

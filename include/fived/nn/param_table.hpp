@@ -71,6 +71,10 @@ struct TensorSpec {
   Init init = Init::zeros;
   std::uint64_t stream = 0;
   int experts = 0;  // > 0: rows stack this many experts, split over EP
+  // A second copy of a tensor another pipeline stage owns (a tied output head's word
+  // embedding on the last stage): the same name, values and updates; counted once in the
+  // norm and in gathers (by its owner), its gradient summed with the owner's each step.
+  bool tied_copy = false;
 
   // "h.3.mlp.c_fc.weight", "wte.weight", ...
   std::string full_name() const { return (layer >= 0 ? "h." + std::to_string(layer) + "." : std::string()) + name; }
@@ -222,6 +226,7 @@ struct ParamTable {
   // Whether TP rank r counts tensor i's gradient in the global norm: a split tensor's
   // pieces on every rank, a replicated one (identical on all) on rank 0 only.
   static constexpr bool counted_once(int i, int r) {
+    if (tensors[static_cast<std::size_t>(i)].spec.tied_copy) return false;
     return r == 0 || !tensors[static_cast<std::size_t>(i)].spec.tp.replicated();
   }
   // The parts of range `in` (flat offsets) whose gradients TP rank r counts.

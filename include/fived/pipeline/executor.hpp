@@ -40,6 +40,7 @@
 // removed yet (bench/pipeline measures the schedules with stand-in stages that do split).
 
 #include <cstddef>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -50,6 +51,7 @@
 
 #include "fived/comm/communicator.hpp"
 #include "fived/comm/types.hpp"
+#include "fived/device/bf16.hpp"
 #include "fived/device/buffer.hpp"
 #include "fived/nn/unit_hooks.hpp"
 #include "fived/optim/flat_range.hpp"
@@ -160,6 +162,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
       if constexpr (std::remove_reference_t<decltype(model)>::has_head)
         loss = model.ops().loss_sum() / (static_cast<double>(b_) * model.local_length(T_));
     });
+    sum_tied_grads();
     return dp0.average(all_reduce_pp(loss) / M_);
   }
 
@@ -269,6 +272,53 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
       if (program_[j].op == Op::send_grad) done_with(program_[j].chunk, program_[j].mb);
   }
 
+  // A tensor tied across stages (the model's `tied_weight`: GPT-2's wte, which the first
+  // stage embeds with and the last stage's head multiplies by, each holding a copy) gets the
+  // sum of its reduced gradients over every chunk and stage that holds it (Megatron's
+  // embedding group; the stages without it add zeros), so the copies take the same steps.
+  template <class Model>
+  static constexpr const char* tied_name() {
+    if constexpr (requires { Model::tied_weight; }) return Model::tied_weight;
+    else return nullptr;
+  }
+  static constexpr bool ties = ((tied_name<Models>() != nullptr) || ...);
+  template <class Model>
+  static std::optional<FlatRange> tied_range() {
+    if constexpr (tied_name<Model>() == nullptr) return std::nullopt;
+    else if (const auto i = Model::layout::find(tied_name<Model>()))
+      return FlatRange{Model::layout::tensors[static_cast<std::size_t>(*i)].offset,
+                       Model::layout::tensors[static_cast<std::size_t>(*i)].end()};
+    else return std::nullopt;
+  }
+  void sum_tied_grads() {
+    if constexpr (ties) {
+      if (pp_.size() == 1 && V == 1) return;  // one model holds the only copy
+      std::vector<double> sum;
+      for_each_chunk([&]<int c>(auto& model, auto& dp) {
+        if (const auto r = tied_range<std::remove_reference_t<decltype(model)>>()) {
+          const std::vector<T> g = dp.reduced_grads(*r);
+          sum.resize(g.size(), 0.0);
+          for (std::size_t k = 0; k < g.size(); ++k) sum[k] += static_cast<double>(static_cast<acc_t<T>>(g[k]));
+        }
+      });
+      std::vector<double> n{static_cast<double>(sum.size())};
+      all_reduce_pp(std::span<double>(n), ReduceOp::max);  // the stages without it learn its size
+      sum.resize(static_cast<std::size_t>(n[0]), 0.0);
+      all_reduce_pp(std::span<double>(sum), ReduceOp::sum);
+      std::vector<T> back(sum.size());
+      for (std::size_t k = 0; k < sum.size(); ++k) back[k] = static_cast<T>(sum[k]);
+      for_each_chunk([&]<int c>(auto& model, auto& dp) {
+        if (const auto r = tied_range<std::remove_reference_t<decltype(model)>>())
+          dp.set_reduced_grads(*r, std::span<const T>(back));
+      });
+    }
+  }
+
+  void all_reduce_pp(std::span<double> v, ReduceOp op) {
+    if (pp_.size() == 1) return;
+    if constexpr (requires { pp_.all_reduce_host(v, op); }) pp_.all_reduce_host(v, op);
+    else pp_.all_reduce(std::span<const double>(v), v, op);
+  }
   double all_reduce_pp(double v) {
     if (pp_.size() == 1) return v;  // no pipeline (Accumulate<M>): nothing to reduce
     if constexpr (requires { pp_.all_reduce_host(std::span<double>(&v, 1), ReduceOp::sum); })

@@ -45,7 +45,7 @@ struct UnitLayout {
   static constexpr std::size_t unit_size(int u) {
     if (Part.embedding && u == 0) return Experts ? 0 : static_cast<std::size_t>(Model.embedding_elements(TP));
     const int block = u - (Part.embedding ? 1 : 0);
-    if (block >= Part.count) return Experts ? 0 : static_cast<std::size_t>(Model.final_elements(TP));
+    if (block >= Part.count) return Experts ? 0 : static_cast<std::size_t>(Model.final_elements(TP, Part.embedding));
     const int layer = Part.first + block;
     return static_cast<std::size_t>(Experts ? Model.block_expert_elements(layer, TP, EP) : Model.block_elements(layer, TP));
   }

@@ -93,9 +93,10 @@ struct Transformer {
   constexpr std::int64_t embedding_elements(int tp) const {
     return std::int64_t{padded_vocab / tp} * d_model + std::int64_t{positions} * d_model;
   }
-  // The final norm and an untied head [Vp/TP, C].
-  constexpr std::int64_t final_elements(int tp) const {
-    return norm_elements() + (tied ? 0 : std::int64_t{padded_vocab / tp} * d_model);
+  // The final norm and an untied head [Vp/TP, C]; a tied head on a part without the
+  // embedding (the last pipeline stage) holds its own copy of wte, of the same size.
+  constexpr std::int64_t final_elements(int tp, bool with_embedding = true) const {
+    return norm_elements() + (tied && with_embedding ? 0 : std::int64_t{padded_vocab / tp} * d_model);
   }
 
   // ---- the whole model, as Hugging Face counts it ------------------------------------------

@@ -407,6 +407,34 @@ class DataParallel {
     else return gathered([this](std::size_t i) { return std::span<const T>(owned_grads(i)); });
   }
 
+  // The same for flat range r only (a collective over the group under ZeRO: the buckets that
+  // overlap r are gathered), and back: after the caller changed it (a tied tensor's gradient
+  // summed over the pipeline stages that hold it), every rank keeps its owned part of it.
+  std::vector<T> reduced_grads(FlatRange r) {
+    if constexpr (stage == 0) {
+      return model_.ops().to_host(std::span<const T>(model_.grads().subspan(r.begin, r.size())));
+    } else {
+      buffer all = model_.ops().template make_buffer<T>(layout::size);
+      queue_.submit([&](ops_type& ops) {
+        for (std::size_t i = 0; i < plan::count; ++i)
+          if (overlaps(plan::bucket(i).range, r)) gather_bucket(ops, i, owned_grads(i), all.span());
+      }, false);
+      queue_.drain();
+      return model_.ops().to_host(std::span<const T>(all.span().subspan(r.begin, r.size())));
+    }
+  }
+  void set_reduced_grads(FlatRange r, std::span<const T> values) {
+    if (values.size() != r.size())
+      throw std::invalid_argument("fived::DataParallel::set_reduced_grads: " + std::to_string(values.size()) +
+                                  " values for a range of " + std::to_string(r.size()));
+    for (std::size_t i = 0; i < plan::count; ++i) {
+      const FlatRange o = owned(i);
+      const std::size_t b = std::max(o.begin, r.begin), e = std::min(o.end, r.end);
+      if (b >= e) continue;
+      model_.ops().upload(owned_grads(i).data() + (b - o.begin), values.data() + (b - r.begin), e - b);
+    }
+  }
+
   // Bytes this rank holds for training state between steps (see the top of this file).
   struct Memory {
     std::size_t params = 0, grads = 0, optimizer = 0, staging = 0;
@@ -619,6 +647,7 @@ class DataParallel {
     if constexpr (stage >= 2) return piece_of(grad_pieces_, i).first(owned(i).size());
     else return model_.grads().subspan(owned(i).begin, owned(i).size());
   }
+  static constexpr bool overlaps(FlatRange a, FlatRange b) { return a.begin < b.end && b.begin < a.end; }
   // The bucket holding flat range r.
   static std::size_t bucket_of(FlatRange r) {
     for (std::size_t i = 0; i < plan::count; ++i)

@@ -412,6 +412,7 @@ class Trainer {
     template <class From, class To, class U>
     static void put(std::span<const U> part, std::vector<double>& whole) {
       for (const ParamInfo& t : From::tensors) {
+        if (t.spec.tied_copy) continue;  // its owner (the embedding's stage) gives it
         const ParamInfo& to = To::tensors[static_cast<std::size_t>(*To::find(t.name()))];
         for (std::size_t i = 0; i < t.size(); ++i) whole[to.offset + i] += static_cast<double>(part[t.offset + i]);
       }
