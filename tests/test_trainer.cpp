@@ -364,3 +364,41 @@ TEST_CASE("tied GPT-2 embeddings across pipeline stages (the head's copy of wte,
   tied_equals_serial<Mesh<DP<2>, PP<2>, TP<2>>, ZeRO<2>, pipeline::Interleaved1F1B<2, 4, 2>, SequenceParallel>(
       "DP 2 x PP 2 x TP 2, interleaved 1F1B (2 chunks), ZeRO-2, SP");
 }
+
+TEST_CASE("the 5D mesh's gradients read after one reduction, dense and experts (DP, PP, CP, TP, EP gathered), are the "
+          "serial model's") {
+  using M = Mesh<DP<2>, PP<2>, CP<2>, TP<2>, EP<2>>;
+  using Sched = pipeline::OneFOneB<2, 4>;
+  constexpr int micro = Sched::table.micro_batches, data_ranks = 2, b = B / data_ranks;
+  std::vector<int> tok, tgt;
+  test::global_batch(1, micro, B, T, five_cfg::vocab, tok, tgt);
+  GPT<serial_cfg> serial(init);  // each data rank's rows of a micro-batch as a micro-batch of its own
+  serial.zero_grad();
+  for (int k = 0; k < micro * data_ranks; ++k) {
+    serial.forward(tok.data() + k * b * T, tgt.data() + k * b * T, b, T);
+    serial.backward();
+  }
+  auto mean = [&](std::span<const float> g) {
+    std::vector<float> v(g.begin(), g.end());
+    for (float& x : v) x /= static_cast<float>(micro * data_ranks);
+    return v;
+  };
+  const std::vector<float> ref = mean(serial.grads()), ref_experts = mean(serial.expert_grads());
+  std::vector<std::vector<float>> dense(M::size), experts(M::size);
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    Trainer<GPT<five_cfg, M, float, Host, SequenceParallel>, ZeRO<1>, Sched> t(ctx, hp, init);
+    t.reduce(1, tok, tgt, B, T);
+    dense[static_cast<std::size_t>(ctx.rank())] = t.serial_grads();
+    experts[static_cast<std::size_t>(ctx.rank())] = t.serial_expert_grads();
+  });
+  double worst = 0, worst_experts = 0;
+  for (int r = 0; r < M::size; ++r) {
+    worst = std::max(worst, worst_tensor<GPT<serial_cfg>::serial_layout>(dense[static_cast<std::size_t>(r)], ref));
+    worst_experts = std::max(worst_experts, worst_tensor<GPT<serial_cfg>::serial_expert_layout>(
+                                                experts[static_cast<std::size_t>(r)], ref_experts));
+  }
+  MESSAGE("5D gradients within " << worst << " (dense) and " << worst_experts << " (experts) of serial");
+  CHECK(worst <= 1e-5);
+  CHECK(worst_experts <= 1e-5);
+}

@@ -116,8 +116,11 @@ class Trainer {
   void update() { rank_->update(); }
   // After reduce(), before update(): the gradient of the global batch's mean loss, reduced
   // over DP (and CP), gathered over TP and PP into serial_layout, on every rank (a
-  // collective). The dense buffers only: a mixture of experts' expert gradients are not in it.
-  std::vector<value_type> serial_grads() { return rank_->serial_grads(); }
+  // collective); a tied tensor's is the sum over the stages that hold it.
+  std::vector<value_type> serial_grads() { return rank_->serial_grads(false); }
+  // The same for the experts of a mixture of experts (serial_expert_layout): reduced over the
+  // expert-data group, gathered over TP and EP as well.
+  std::vector<value_type> serial_expert_grads() { return rank_->serial_grads(true); }
 
   // Starts from given weights: the whole dense model in serial_layout order (e.g. the serial
   // model's params()), with fresh optimizer state. Each rank keeps only its part. A collective.
@@ -229,7 +232,7 @@ class Trainer {
     virtual double step(std::span<const int> tokens, std::span<const int> targets, int B, int T) = 0;
     virtual double reduce(std::span<const int> tokens, std::span<const int> targets, int B, int T) = 0;
     virtual void update() = 0;
-    virtual std::vector<value_type> serial_grads() = 0;
+    virtual std::vector<value_type> serial_grads(bool experts) = 0;
     virtual void set_lr(double lr) = 0;
     virtual double grad_norm() const = 0;
     virtual std::vector<value_type> serial_params(bool experts) = 0;
@@ -281,11 +284,12 @@ class Trainer {
       return executor_->reduce(tokens, targets, B, T);
     }
     void update() override { executor_->update(); }
-    std::vector<value_type> serial_grads() override {
-      std::vector<double> whole(serial_layout::size, 0.0);
+    std::vector<value_type> serial_grads(bool experts) override {
+      std::vector<double> whole(experts ? serial_expert_layout::size : serial_layout::size, 0.0);
       [&]<std::size_t... c>(std::index_sequence<c...>) {
-        (add_grads(*std::get<c>(models_), *std::get<c>(trainers_), whole), ...);
+        (add_grads(*std::get<c>(models_), *std::get<c>(trainers_), experts, whole), ...);
       }(chunks{});
+      if (experts) ep_.all_reduce_host(std::span<double>(whole));  // each expert on one EP rank
       pp_.all_reduce_host(std::span<double>(whole));  // each element is on one stage, zeros elsewhere
       std::vector<value_type> out(whole.size());
       for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<value_type>(whole[i]);
@@ -417,18 +421,24 @@ class Trainer {
         for (std::size_t i = 0; i < t.size(); ++i) whole[to.offset + i] += static_cast<double>(part[t.offset + i]);
       }
     }
-    // A chunk's reduced gradient: its TP piece (the same on every DP rank), the TP pieces
-    // assembled into the chunk's serial layout, added into the whole model's.
+    // A chunk's reduced gradient: its TP piece (the same on every rank of the reduction
+    // group), the TP pieces assembled into the chunk's serial layout, added into the whole
+    // model's. Experts: this rank's piece among the EP x TP ones (the others are summed in
+    // by serial_grads over EP).
     template <class Part, class D>
-    void add_grads(Part&, D& dp, std::vector<double>& whole) {
-      using L = typename Part::layout;
-      const std::vector<value_type> mine = dp.reduced_grads();
-      std::vector<double> pieces(L::size * static_cast<std::size_t>(mesh::tp), 0.0), serial(L::serial::size);
-      for (std::size_t k = 0; k < mine.size(); ++k)
-        pieces[static_cast<std::size_t>(tp_rank_) * L::size + k] = static_cast<double>(static_cast<acc_t<value_type>>(mine[k]));
-      tp_.all_reduce_host(std::span<double>(pieces));
-      L::assemble(std::span<const double>(pieces), std::span<double>(serial));
-      put<typename L::serial, serial_layout>(std::span<const double>(serial), whole);
+    void add_grads(Part&, D& dp, bool experts, std::vector<double>& whole) {
+      auto add = [&]<class L, class To>(const std::vector<value_type>& mine, int piece) {
+        std::vector<double> pieces(L::size * static_cast<std::size_t>(L::tp * L::ep), 0.0), serial(L::serial::size);
+        for (std::size_t k = 0; k < mine.size(); ++k)
+          pieces[static_cast<std::size_t>(piece) * L::size + k] = static_cast<double>(static_cast<acc_t<value_type>>(mine[k]));
+        tp_.all_reduce_host(std::span<double>(pieces));
+        L::assemble(std::span<const double>(pieces), std::span<double>(serial));
+        put<typename L::serial, To>(std::span<const double>(serial), whole);
+      };
+      if (!experts) add.template operator()<typename Part::layout, serial_layout>(dp.reduced_grads(), tp_rank_);
+      else if constexpr (Part::has_experts)
+        add.template operator()<typename Part::expert_layout, serial_expert_layout>(
+            dp.experts().reduced_grads(), ep_rank_ * mesh::tp + tp_rank_);
     }
     template <class Part, class D>
     void add_part(Part& part, D& dp, bool experts, std::vector<double>& whole) {
