@@ -34,6 +34,7 @@
 #include "fived/nn/gpt.hpp"
 #include "fived/train/trainer.hpp"
 #include "support/batches.hpp"
+#include "support/compare.hpp"
 
 using namespace fived;
 namespace fs = std::filesystem;
@@ -46,6 +47,9 @@ struct cfg : gpt_config {
 };
 struct other_cfg : cfg {
   static constexpr int layers = 3;
+};
+struct tied_cfg : cfg {  // GPT-2's tie: on a pipeline the last stage's head keeps a copy of wte
+  static constexpr bool tied = true;
 };
 
 constexpr int B = 4, T = 16;
@@ -114,6 +118,21 @@ TEST_CASE("resume is bitwise: serial, DP 2 with ZeRO-1 and ZeRO-3, TP 2 with SP,
   resume_is_bitwise<Mesh<DP<2>>, ZeRO<3>, Accumulate<1>>("dp2_zero3");
   resume_is_bitwise<Mesh<TP<2>>, NoZeRO, Accumulate<1>>("tp2");
   resume_is_bitwise<Mesh<DP<2>, PP<2>, TP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 2>>("dp2_pp2_tp2");
+}
+
+TEST_CASE("a tied model on a pipeline (the head's copy of wte) resumes bit for bit, and reshards onto one rank") {
+  resume_is_bitwise<Mesh<DP<2>, PP<2>, TP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 2>, tied_cfg>("dp2_pp2_tp2_tied");
+  const fs::path dir = fresh("tied_reshard");
+  using PPMesh = Mesh<DP<2>, PP<2>, TP<2>>;
+  using Sched = pipeline::OneFOneB<2, 2>;
+  const Run straight = train<PPMesh, ZeRO<1>, Sched, tied_cfg>(1, 3);
+  (void)train<PPMesh, ZeRO<1>, Sched, tied_cfg>(1, 2, {}, 2, dir);
+  const Run serial = train<Mesh<>, NoZeRO, Accumulate<2>, tied_cfg>(3, 3, dir, -1, {}, 99);
+  REQUIRE(serial.losses.size() == 1);
+  MESSAGE("tied DP2xPP2xTP2 -> serial: step 3 loss " << serial.losses[0] << " vs " << straight.losses[2]);
+  CHECK(std::abs(serial.losses[0] - straight.losses[2]) <= 1e-5 * straight.losses[2]);
+  CHECK(test::max_rel_error(serial.weights, straight.weights) <= 1e-5);
+  fs::remove_all(dir);
 }
 
 TEST_CASE("a checkpoint reshards: Mesh<DP<2>, TP<2>> -> Mesh<TP<4>> -> serial -> Mesh<PP<2>, DP<2>>, optimizer state included") {
