@@ -251,6 +251,7 @@ class GPT {
   // ---- what the model contract asks of a model type (model/contract.hpp, docs/model.md) -----
 
   using init_type = GptInit;
+  static constexpr bool calls_hooks = true;    // forward and backward call UnitHooks per unit
   static constexpr int layers = dims::layers;  // the whole model's blocks: what pipeline stages cut
   template <class P>
   using part = GPT<Cfg, M, T, Device, SP, P>;  // the same model holding other layers
