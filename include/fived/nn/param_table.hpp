@@ -92,6 +92,22 @@ constexpr TensorSpec matrix_spec(const char* name, int layer, std::int64_t rows,
           true, init, stream};
 }
 
+// Up to N specs built in a constexpr function: a layer's list when its length depends on
+// the layer (a block with an MLP, or with a mixture of experts' router in its place).
+template <std::size_t N>
+struct SpecList {
+  std::array<TensorSpec, N> specs{};
+  std::size_t size = 0;
+
+  template <std::size_t K>
+  constexpr SpecList& operator+=(const std::array<TensorSpec, K>& more) {
+    for (const TensorSpec& s : more) specs[size++] = s;
+    return *this;
+  }
+  constexpr const TensorSpec* begin() const { return specs.data(); }
+  constexpr const TensorSpec* end() const { return specs.data() + size; }
+};
+
 // One tensor of a rank's flat buffer: its spec and its piece.
 struct ParamInfo {
   TensorSpec spec;

@@ -83,7 +83,9 @@ constexpr Bytes moe_bytes(const Transformer& m, const Rows& a) {
 }
 // Everything block `layer`'s forward leaves for its backward (BlockActs), core included or not.
 constexpr Bytes whole_block_bytes(const Transformer& m, const Rows& a, bool mlp, bool moe, bool keep_core) {
-  return 2 * norm_bytes(m, a.n, a) + attention_bytes(m, a, keep_core) + detail::bytes(2 * a.n * m.d_model, a.t) +
+  const int streams = m.parallel_blocks ? 1 : 2;  // res2 (between attention and the FFN) and res3
+  return m.block_norms() * norm_bytes(m, a.n, a) + attention_bytes(m, a, keep_core) +
+         detail::bytes(streams * a.n * m.d_model, a.t) +
          (mlp ? mlp_bytes(m, a) : 0) + (moe ? moe_bytes(m, a) : 0);
 }
 // What a slot keeps for block `layer` under the layout's recomputation.
@@ -124,7 +126,7 @@ constexpr Bytes work_bytes(const Transformer& m, const Blocks& part, const Rows&
             + detail::bytes(a.N * qkv, a.t)                              // dqkv
             + (a.sp ? detail::bytes(a.N * C, a.t) : 0);                  // SP's gathered or partial rows
   if (a.sp)  // SP: each unit's LayerNorm gradients, partial over TP until the unit's all-reduce
-    w += detail::bytes((2 * part.count + (part.head ? 1 : 0)) * m.norm_elements(), a.t);
+    w += detail::bytes((m.block_norms() * part.count + (part.head ? 1 : 0)) * m.norm_elements(), a.t);
   if (a.cp > 1)  // RingAttention::Work: k|v in hand and next, o, dq, d[k|v] x2, Dd, dqkv in stat precision
     w += detail::bytes(2 * a.N * kv, a.t) + detail::bytes(2 * a.N * q + 2 * a.N * kv + a.N * (m.heads / a.tp) + a.N * qkv, a.st);
   if (moe) {  // MoE::Work: router logits, d(gate), score sums, rows in dispatch order, staging, y, d(h)

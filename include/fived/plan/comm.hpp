@@ -119,7 +119,7 @@ constexpr Traffic layer_traffic(const Transformer& m, const Blocks& part, const 
       gather(2 * forwards * M), reduce(2 * forwards * M);  // attention and FFN (or MoE), forward
       gather(2 * M), reduce(2 * M);                        // backward
       if (m.is_moe(l)) tally(c.all_reduce, M, Nk * a.st);  // d(gate)
-      if (a.sp) tally(c.all_reduce, M, 2 * m.norm_elements() * a.t);  // the unit's LayerNorm gradients
+      if (a.sp) tally(c.all_reduce, M, m.block_norms() * m.norm_elements() * a.t);  // the unit's LayerNorm gradients
     }
     if (part.head) {
       gather(M), tally(c.all_reduce, 3 * M, a.N * a.st), reduce(M);

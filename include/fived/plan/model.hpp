@@ -6,7 +6,8 @@
 //   constexpr fived::plan::Transformer gpt2 = fived::plan::from_gpt<fived::gpt_config>();
 //   static_assert(gpt2.parameters() == 124'439'808);          // what Hugging Face counts
 //
-// A block is pre-norm attention then an FFN (or a mixture of experts); the model is the
+// A block is pre-norm attention then an FFN (or a mixture of experts), or the two side by
+// side from one norm (parallel_blocks: GPT-J, PaLM); the model is the
 // token embedding (+ learned positions), the blocks, a final norm and the output head (tied
 // to the embedding, or its own matrix). Counts come in two kinds:
 //   parameters()            the whole model as Hugging Face counts it (the real vocabulary)
@@ -39,6 +40,9 @@ struct Transformer {
   bool biases = true;        // linear layers have biases (GPT-2 yes, Llama no)
   Norm norm = Norm::layer_norm;
   int positions = 1024;  // rows of a learned position embedding (GPT-2's wpe); 0 for RoPE
+  // x + attn(norm(x)) + ffn(norm(x)): one norm a block, no stream kept between attention and
+  // the FFN (examples/parallel_blocks.hpp); otherwise pre-norm, one after the other.
+  bool parallel_blocks = false;
 
   // Mixture of experts: block l has one when experts > 0, l >= dense_first and
   // (l - dense_first) % moe_every == moe_every - 1 (fived: every moe_every-th block;
@@ -62,6 +66,7 @@ struct Transformer {
   constexpr std::int64_t qkv_width() const { return std::int64_t{heads + 2 * kv_heads} * head_dim(); }
   constexpr std::int64_t attention_width() const { return std::int64_t{heads} * head_dim(); }  // core output
   constexpr int norm_vectors() const { return norm == Norm::layer_norm ? 2 : 1; }
+  constexpr int block_norms() const { return parallel_blocks ? 1 : 2; }
   constexpr int ffn_matrices() const { return gated ? 3 : 2; }
 
   // ---- one rank's buffer elements (the layout of nn/param_table.hpp) ---------------------
@@ -79,10 +84,10 @@ struct Transformer {
     return ffn_matrices() * C * f + (biases ? (ffn_matrices() - 1) * f + C : 0);
   }
   constexpr std::int64_t router_elements() const { return std::int64_t{d_model} * experts; }
-  // Block l's tensors in the dense buffer: two norms, attention, the FFN or the router and
+  // Block l's tensors in the dense buffer: its norms, attention, the FFN or the router and
   // the shared experts.
   constexpr std::int64_t block_elements(int layer, int tp) const {
-    return 2 * norm_elements() + attention_elements(tp) +
+    return block_norms() * norm_elements() + attention_elements(tp) +
            (is_moe(layer) ? router_elements() + shared_experts * ffn_elements(expert_d_ff, tp) : ffn_elements(d_ff, tp));
   }
   // Block l's routed experts on one rank: E/EP whole experts, each split over TP.
@@ -136,6 +141,17 @@ constexpr Transformer from_gpt() {
   m.experts = d::experts, m.top_k = d::experts > 0 ? d::top_k : 0, m.moe_every = d::moe_every, m.dense_first = 0;
   m.expert_d_ff = d::d_ff, m.shared_experts = 0, m.balancing_loss = d::experts > 0 && Cfg::aux_loss_coef > 0;
   return m;
+}
+
+// Any model type that describes itself to the planner (the model contract's optional
+// `static constexpr plan::Transformer plan_shape()`, docs/model.md): fived's GPT, or a model
+// written outside fived (examples/parallel_blocks.hpp).
+template <class Model>
+constexpr Transformer from_model() {
+  static_assert(requires { Model::plan_shape(); },
+                "plan::from_model<Model>: the model type declares no `static constexpr plan::Transformer "
+                "plan_shape()` (its architecture's, docs/model.md), so the planner cannot read it");
+  return Model::plan_shape();
 }
 
 }  // namespace fived::plan
