@@ -2,7 +2,7 @@
 // The pipeline executor: one rank's schedule walked through its model chunks, on any
 // backend.
 //
-//   // rank r of Mesh<PP<P>>, one chunk: a GPT part (nn/gpt.hpp) and its trainer
+//   // rank r of Mesh<PP<P>>, one chunk: a model part (Model::part<Layers<f, n>>) and its trainer
 //   Stage model(ctx, init);
 //   DataParallel<Stage> trainer(model, ctx, adamw, /*accum=*/M);
 //   pipeline::Executor run(OneFOneB<P, M>::table, r, ctx.comm<Axis::pp>(), std::tie(model), std::tie(trainer));

@@ -1,9 +1,10 @@
 #pragma once
 // Bytes of activations one rank keeps, per micro-batch slot and shared, as constexpr
 // functions of a model and one micro-batch's Rows (plan/layout.hpp). They mirror, buffer for
-// buffer, what fived's GPT reserves: the Saved structs of nn/layernorm.hpp, nn/attention.hpp
-// (with its Core), nn/mlp.hpp, nn/moe.hpp, nn/head.hpp, and GPT's Slot, BlockActs and Work
-// (nn/gpt.hpp). A change there is a change here.
+// buffer, what fived's decoder reserves: the Saved structs of nn/layernorm.hpp,
+// nn/attention.hpp (with its Core), nn/mlp.hpp, nn/moe.hpp, nn/head.hpp, the block's Saved
+// and Work (nn/gpt.hpp's PreNormBlock; parallel_blocks: examples/parallel_blocks.hpp), and
+// the decoder's Slot and Work (nn/decoder.hpp). A change there is a change here.
 //
 // Notation: N = micro_batch·sequence/CP tokens on the rank, n = N/TP rows of the residual
 // stream under sequence parallelism (else N), t bytes an element, st bytes a statistic.
@@ -98,14 +99,14 @@ constexpr Bytes head_bytes(const Transformer& m, const Rows& a) {
   return norm_bytes(m, a.n, a) + (a.sp ? detail::bytes(a.N * m.d_model, a.t) : 0) +
          detail::bytes(a.N * (m.padded_vocab / a.tp), a.t) + detail::bytes(3 * a.N, a.st) + detail::bytes(a.N, 4);
 }
-// One micro-batch slot of a part (GPT::Slot): ids, the embedding's output, the blocks, the head.
+// One micro-batch slot of a part (Decoder::Slot): ids, the embedding's output, the blocks, the head.
 constexpr Bytes slot_bytes(const Transformer& m, const Blocks& part, const Rows& a) {
   Bytes s = detail::bytes(2 * a.N, 4) + detail::bytes(a.n * m.d_model, a.t);
   for (int l = part.first; l < part.first + part.count; ++l) s += block_bytes(m, l, a);
   return s + (part.head ? head_bytes(m, a) : 0);
 }
 
-// The buffers recomputation runs in, one per part (GPT::Work::block or ::core).
+// The buffers recomputation runs in, one per part (Decoder::Work::rerun, or the block's Work::core).
 constexpr Bytes recompute_bytes(const Transformer& m, const Blocks& part, const Rows& a) {
   bool mlp = false, moe = false;
   for (int l = part.first; l < part.first + part.count; ++l) (m.is_moe(l) ? moe : mlp) = true;
@@ -114,8 +115,8 @@ constexpr Bytes recompute_bytes(const Transformer& m, const Blocks& part, const 
   return 0;
 }
 
-// GPT::Work of a part: what one forward or backward uses and leaves behind, shared by its
-// slots. A gated FFN (not in fived's GPT) is given d(gate) and d(up) where GELU has one d(h).
+// The decoder's and the block's Work of a part: what one forward or backward uses and leaves behind, shared by its
+// slots. A gated FFN (not in fived's GPT-2) is given d(gate) and d(up) where GELU has one d(h).
 constexpr Bytes work_bytes(const Transformer& m, const Blocks& part, const Rows& a) {
   bool moe = false;
   for (int l = part.first; l < part.first + part.count; ++l) moe = moe || m.is_moe(l);

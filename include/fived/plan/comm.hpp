@@ -147,9 +147,9 @@ constexpr Traffic layer_traffic(const Transformer& m, const Blocks& part, const 
 }
 
 // The host values one chunk's optimizer step reduces (8-byte doubles, an all-reduce each):
-// its gradient norm's sum over TP (DataParallel::grad_sum_of_squares, GPT::sum_over_tp) and,
+// its gradient norm's sum over TP (DataParallel::grad_sum_of_squares, Decoder::sum_over_tp) and,
 // under ZeRO, over DP x CP; with experts the same for the expert buffer (over TP, EP and the
-// expert-data group) and the loads of its MoE blocks over DP x CP (GPT::balance_experts).
+// expert-data group) and the loads of its MoE blocks over DP x CP (Decoder::balance_experts).
 constexpr Traffic chunk_scalars(const Transformer& m, const Blocks& part, const Rows& a, int grad, int edp, int zero,
                                 int expert_zero) {
   using detail::tally;

@@ -16,7 +16,7 @@
 // of pipeline/schedules.hpp's types (its P must be the mesh's PP; plan::accumulate<M> is M
 // micro-batches without a pipeline). A layout may give its own cut of the blocks into the
 // schedule's P·V parts as `static constexpr std::array<int, P·V + 1> bounds` (e.g.
-// StageLayers<cfg, P·V>::bounds, to plan exactly what a GPT pipeline builds); otherwise
+// StageLayers<cfg, P·V>::bounds, to plan exactly what a Trainer's pipeline builds); otherwise
 // Setup::split cuts them as evenly as possible, the first and last parts taking one block
 // fewer where they do not divide (they also hold the embedding and the head), as Llama 3
 // does with 126 layers on 16 stages: 7, 8, ..., 8, 7.

@@ -9,7 +9,7 @@
 //   static_assert(fived::plan::fits<P>(80ull << 30));                   // plan/fits.hpp
 //
 // A pipeline rank holds V parts of the model (its chunks: pipeline/stages.hpp); each part is
-// laid out as one GPT part would be (a dense buffer and an expert buffer, cut into buckets by
+// laid out as one decoder part is (a dense buffer and an expert buffer, cut into buckets by
 // BucketPlan), trained by a DataParallel of its own, and keeps one activation slot per
 // micro-batch in flight. Everything is computed for every pipeline rank (by_rank,
 // traffic_by_rank); `memory` is the rank that needs most, `traffic` the largest tally of any
