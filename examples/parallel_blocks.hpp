@@ -17,6 +17,7 @@
 
 #include <fived/nn/attention.hpp>
 #include <fived/nn/decoder.hpp>
+#include <fived/nn/gpt.hpp>  // Gpt2Ends
 #include <fived/nn/layernorm.hpp>
 #include <fived/nn/mlp.hpp>
 
@@ -109,7 +110,7 @@ struct ParallelBlock {
   };
 };
 
-struct ParallelGPT {
+struct ParallelGPT : fived::Gpt2Ends {  // GPT-2's embedding (wte, wpe) and final LayerNorm
   using config = parallel_gpt::config;
   using block = ParallelBlock<config>;
   static constexpr const char* name = "ParallelGPT";

@@ -14,3 +14,5 @@
 #include "fived/kernels/host/norm.hpp"
 #include "fived/kernels/host/regroup.hpp"
 #include "fived/kernels/host/residual.hpp"
+#include "fived/kernels/host/rotary.hpp"
+#include "fived/kernels/host/swiglu.hpp"

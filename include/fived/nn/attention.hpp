@@ -78,9 +78,21 @@ struct Attention {
   // The core attention alone, from the kept q|k|v: forward's middle, and what backward runs
   // again first when the model recomputes it.
   static void core_forward(S& s, const Saved& a, Core& core, RingWork& ring, int C) {
+    core_forward(s, a.qkv.data(), core, ring, C);
+  }
+  // The same from any q|k|v [N, 3C/TP] of the local heads (a block with its own projections).
+  static void core_forward(S& s, const T* qkv, Core& core, RingWork& ring, int C) {
     const int Cl = C / S::tp;
-    if constexpr (S::cp > 1) Ring::forward(s, ring, core.atty.data(), core.lse.data(), a.qkv.data(), Cl);
-    else s.ops.attention_forward(core.atty.data(), core.lse.data(), a.qkv.data(), s.B, s.T_, Cl, local_heads);
+    if constexpr (S::cp > 1) Ring::forward(s, ring, core.atty.data(), core.lse.data(), qkv, Cl);
+    else s.ops.attention_forward(core.atty.data(), core.lse.data(), qkv, s.B, s.T_, Cl, local_heads);
+  }
+  // dqkv [N, 3C/TP] ("=") from d(core output) datty.
+  static void core_backward(S& s, RingWork& ring, T* dqkv, const T* datty, const T* qkv, const Core& core, int C) {
+    const int Cl = C / S::tp;
+    if constexpr (S::cp > 1)
+      Ring::backward(s, ring, dqkv, datty, qkv, core.atty.data(), core.lse.data(), Cl);
+    else
+      s.ops.attention_backward(dqkv, datty, qkv, core.atty.data(), core.lse.data(), s.B, s.T_, Cl, local_heads);
   }
 
   // dx (the stream's rows, "=") from dy; gradients "+=". x: ln_1's output, as in forward.
@@ -90,10 +102,7 @@ struct Attention {
     const int Cl = C / S::tp;
     const T* x_full = S::sp ? a.x_full.data() : x;
     RowParallel<S>::backward(s, datty, g.proj_w, g.proj_b, dy, core.atty.data(), p.proj_w, Cl, C, full);
-    if constexpr (S::cp > 1)
-      Ring::backward(s, ring, dqkv, datty, a.qkv.data(), core.atty.data(), core.lse.data(), Cl);
-    else
-      s.ops.attention_backward(dqkv, datty, a.qkv.data(), core.atty.data(), core.lse.data(), s.B, s.T_, Cl, local_heads);
+    core_backward(s, ring, dqkv, datty, a.qkv.data(), core, C);
     ColumnParallel<S>::backward(s, dx, g.qkv_w, g.qkv_b, dqkv, x_full, p.qkv_w, C, 3 * Cl, full);
   }
 };

@@ -98,19 +98,6 @@ struct part_layers<Cfg, AllLayers> {
   using type = Layers<0, Cfg::layers>;
 };
 
-// Hands a layer's tensors out in the order its specs list them: a block builds its typed
-// handles by taking them in turn, so no offset is written by hand.
-template <class T>
-class TensorCursor {
- public:
-  TensorCursor() = default;
-  explicit TensorCursor(T* const* next) : next_(next) {}
-  T* take() { return *next_++; }
-
- private:
-  T* const* next_ = nullptr;
-};
-
 // Pointers the decoder lends a block for one forward or backward: the stream-sized scratch
 // rows ([n, C] each) and, under sequence parallelism, [N, C] for gathered rows or partial sums.
 template <class T>
@@ -138,8 +125,15 @@ struct DecoderSpecs {
   static_assert(has_embedding || has_head || blocks > 0, "Layers<First, Count>: a part must hold something");
   static constexpr std::uint64_t stream_of(int layer) { return static_cast<std::uint64_t>(layer + 1) * 64; }
   static constexpr int block_specs(int l) { return static_cast<int>(block::specs(l, 0, 0).size); }
+  // The architecture's ends: the embedding's tensors (the token embedding first) and the
+  // final norm's.
+  static constexpr auto embedding = Arch::embedding_specs(dims::vocab, dims::padded_vocab, dims::d_model, dims::max_seq);
+  static constexpr int embedding_count = static_cast<int>(embedding.size());
+  static constexpr int norm_count = static_cast<int>(Arch::final_norm_specs(0, dims::d_model).size());
+  static_assert(embedding_count == 1 || embedding_count == 2,
+                "an architecture's embedding_specs: the token embedding [Vp, C], and optionally learned positions");
   static constexpr int block_first(int local) {  // index of the part's block `local`'s first spec
-    int i = has_embedding ? 2 : 0;
+    int i = has_embedding ? embedding_count : 0;
     for (int k = 0; k < local; ++k) i += block_specs(first + k);
     return i;
   }
@@ -147,7 +141,7 @@ struct DecoderSpecs {
   // word_embeddings_for_head): the same spec, so the same values; its gradient is summed with
   // the embedding stage's each step (tied_copy, pipeline/executor.hpp).
   static constexpr bool tied_copy = dims::tied && has_head && !has_embedding;
-  static constexpr int count = block_first(blocks) + (has_head ? 2 + (dims::tied && !tied_copy ? 0 : 1) : 0);
+  static constexpr int count = block_first(blocks) + (has_head ? norm_count + (dims::tied && !tied_copy ? 0 : 1) : 0);
   static constexpr int block_unit(int local) { return (has_embedding ? 1 : 0) + local; }
   static constexpr int final_unit = block_unit(blocks);  // the final norm and the head
   static constexpr int units = has_head ? final_unit + 1 : block_unit(blocks);
@@ -158,13 +152,13 @@ struct DecoderSpecs {
     auto put = [&](const auto& part) {
       for (const TensorSpec& s : part) t[i++] = s;
     };
-    if constexpr (has_embedding) put(embedding_specs(V, Vp, C, dims::max_seq));
+    if constexpr (has_embedding) put(embedding);
     for (int k = 0; k < blocks; ++k) put(block::specs(first + k, block_unit(k), stream_of(first + k)));
     if constexpr (has_head) {
-      put(layernorm_specs("ln_f.weight", "ln_f.bias", -1, final_unit, C, 14));
+      put(Arch::final_norm_specs(final_unit, C));
       if constexpr (!dims::tied) put(head_specs(V, Vp, C, final_unit));
       if constexpr (tied_copy) {
-        TensorSpec wte = embedding_specs(V, Vp, C, dims::max_seq)[0];
+        TensorSpec wte = embedding[0];
         wte.unit = final_unit, wte.tied_copy = true;
         t[i++] = wte;
       }
@@ -268,7 +262,7 @@ class Decoder {
   static constexpr bool has_tied_copy = specs::tied_copy;
   // The tensor tied across the first and last stage (model contract, optional): the pipeline
   // executor sums its gradient over the stages that hold it. None when untied.
-  static constexpr const char* tied_weight = dims::tied ? "wte.weight" : nullptr;
+  static constexpr const char* tied_weight = dims::tied ? specs::embedding[0].name : nullptr;
 
   static constexpr int L = dims::layers, C = dims::d_model, NH = dims::heads, V = dims::vocab;
   static constexpr int Vp = dims::padded_vocab, max_seq = dims::max_seq;
@@ -503,7 +497,7 @@ class Decoder {
 
     if constexpr (has_embedding) {
       detail::call(hooks.before_forward, 0);
-      Embedding<step_type>::forward(s, a.encoded.data(), a.tokens.data(), P(0), P(1), Vp, C, work_.partial.data());
+      Embedding<step_type>::forward(s, a.encoded.data(), a.tokens.data(), P(0), positions(p_at_), Vp, C, work_.partial.data());
       detail::call(hooks.after_forward, 0);
     }  // else the previous stage's output was received into input(slot)
     const T* x = a.encoded.data();
@@ -530,7 +524,7 @@ class Decoder {
     } else {
       detail::call(hooks.before_forward, specs::final_unit);
       if constexpr (dims::tied && has_embedding) detail::call(hooks.before_forward, 0);  // the head is wte
-      Norm::forward(s, a.lnf, x, P(ln_f_index), P(ln_f_index + 1), C);
+      Norm::forward(s, a.lnf, x, norm_params_, C);
       HeadL::forward(s, a.head, a.lnf.out.data(), P(head_index), Vp, C);
       if constexpr (dims::tied && has_embedding) detail::call(hooks.after_forward, 0);
       detail::call(hooks.after_forward, specs::final_unit);
@@ -580,7 +574,7 @@ class Decoder {
                       work_.partial.data());
       ops_.zero(work_.dres);
       const T* x_last = blocks > 0 ? a.out[static_cast<std::size_t>(blocks - 1)].data() : a.encoded.data();
-      Norm::backward(s, dres, G(ln_f_index), G(ln_f_index + 1), work_.dln.data(), x_last, P(ln_f_index), a.lnf, C);
+      Norm::backward(s, dres, norm_grads_, work_.dln.data(), x_last, norm_params_, a.lnf, C);
       finish_unit(specs::final_unit);
       detail::call(hooks.after_backward, specs::final_unit);
     }  // else dres holds d(output), received into output_grad()
@@ -597,7 +591,7 @@ class Decoder {
     }
     if constexpr (has_embedding) {
       detail::call(hooks.before_backward, 0);
-      Embedding<step_type>::backward(s, G(0), G(1), dres, a.tokens.data(), Vp, C, work_.partial.data());
+      Embedding<step_type>::backward(s, G(0), positions(g_at_), dres, a.tokens.data(), Vp, C, work_.partial.data());
       detail::call(hooks.after_backward, 0);  // wte (which a tied head also wrote) and wpe
     }  // else dres holds d(input): input_grad()
   }
@@ -700,7 +694,7 @@ class Decoder {
   }
 
  private:
-  using Norm = LayerNorm<step_type>;
+  using Norm = typename Arch::template final_norm<step_type>;
   using HeadL = Head<step_type>;
   using Block = typename Arch::block::template run<step_type>;
   using ep_comm_type = typename step_type::ep_comm_type;
@@ -713,7 +707,12 @@ class Decoder {
     return m;
   }
   static constexpr int ln_f_index = specs::block_first(blocks);
-  static constexpr int head_index = dims::tied && has_embedding ? 0 : ln_f_index + 2;  // lm_head or wte's copy
+  static constexpr int head_index = dims::tied && has_embedding ? 0 : ln_f_index + specs::norm_count;  // or wte's copy
+  // The learned position embedding's parameters or gradient, or none (rotary positions).
+  static T* positions(const std::array<T*, layout::count>& at) {
+    if constexpr (specs::embedding_count == 2) return at[1];
+    else return nullptr;
+  }
 
   struct Slot {
     std::size_t capacity = 0;  // B*T the buffers hold
@@ -792,6 +791,10 @@ class Decoder {
       const std::size_t off = expert_layout::tensors[static_cast<std::size_t>(i)].offset;
       ep_at_[static_cast<std::size_t>(i)] = expert_params_.data() + off;
       eg_at_[static_cast<std::size_t>(i)] = expert_grads_.data() + off;
+    }
+    if constexpr (has_head) {
+      TensorCursor<T> p(p_at_.data() + ln_f_index), g(g_at_.data() + ln_f_index);
+      norm_params_ = Norm::bind(p), norm_grads_ = Norm::bind(g);
     }
     for (int l = 0; l < blocks; ++l) {
       const float* bias = has_router_bias && is_moe_block(l) ? router_bias_.data() + moe_index(l) * dims::experts : nullptr;
@@ -986,6 +989,7 @@ class Decoder {
   std::array<T*, layout::count> p_at_{}, g_at_{};           // each tensor's parameters and gradient
   std::array<T*, expert_layout::count> ep_at_{}, eg_at_{};  // the same for the experts
   std::vector<typename Block::Params> block_params_, block_grads_;
+  typename Norm::Params norm_params_{}, norm_grads_{};  // the final norm's (a part with the head)
   std::vector<Slot> slots_;
   Work work_;
   std::vector<int> local_ids_;  // CP: this rank's ids of a batch, on the host before upload

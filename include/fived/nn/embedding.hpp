@@ -1,5 +1,6 @@
 #pragma once
-// Vocab-parallel token embedding plus position embedding (Megatron).
+// Vocab-parallel token embedding plus, where the model has one, a learned position
+// embedding (Megatron; GPT-2's wpe; Llama has none: its positions are rotary).
 //
 // wte [Vp, C] is split over TP by rows: rank r holds ids [r*Vp/TP, (r+1)*Vp/TP). Each rank
 // looks up the ids in its shard (zero rows for the others) and TP rank 0 adds the
@@ -23,11 +24,18 @@ constexpr std::array<TensorSpec, 2> embedding_specs(int V, int Vp, int C, int ma
           matrix_spec("wpe.weight", -1, max_seq, C, {}, 0, Init::normal, 1)};
 }
 
+// A token embedding alone, [Vp, C] under the model's name for it (Llama's
+// "model.embed_tokens.weight"); stream 0.
+constexpr std::array<TensorSpec, 1> token_embedding_specs(const char* name, int V, int Vp, int C) {
+  return {matrix_spec(name, -1, Vp, C, {0, 1}, 0, Init::normal, 0, V)};
+}
+
 template <class S>
 struct Embedding {
   using T = typename S::value_type;
 
-  // x (the stream's rows, "=") from tokens [N] (device memory, every rank all of them).
+  // x (the stream's rows, "=") from tokens [N] (device memory, every rank all of them);
+  // wpe may be null (no learned positions).
   // partial: [N, C] when SP.
   // Per chunk of the sequence (context parallelism: nn/stream.hpp), its positions' rows of wpe.
   static void forward(S& s, T* x, const int* tokens, const T* wte, const T* wpe, int Vp, int C, T* partial) {
@@ -35,20 +43,23 @@ struct Embedding {
     T* p = s.partial_buffer(x, partial);
     for (int c = 0; c < S::chunks; ++c) {
       const std::size_t first = static_cast<std::size_t>(c) * static_cast<std::size_t>(s.B) * static_cast<std::size_t>(n);
-      const T* pos = s.rank() == 0 ? wpe + static_cast<std::size_t>(s.chunk_position(c)) * static_cast<std::size_t>(C)
-                                   : static_cast<const T*>(nullptr);
+      const T* pos = s.rank() == 0 && wpe != nullptr
+                         ? wpe + static_cast<std::size_t>(s.chunk_position(c)) * static_cast<std::size_t>(C)
+                         : static_cast<const T*>(nullptr);
       s.ops.embedding_forward(p + first * static_cast<std::size_t>(C), tokens + first, wte, s.rank() * rows, rows, pos,
                               s.B, n, C);
     }
     s.reduce_rows(p, x, C);
   }
-  // dwte (this rank's rows), dwpe "+=" from dx (the stream's rows). gather: [N, C] when SP.
+  // dwte (this rank's rows), dwpe (or none) "+=" from dx (the stream's rows). gather: [N, C] when SP.
   static void backward(S& s, T* dwte, T* dwpe, const T* dx, const int* tokens, int Vp, int C, T* gather) {
     const int rows = Vp / S::tp, n = s.chunk_length();
     const T* dx_full = s.gather_rows(dx, gather, C);
     for (int c = 0; c < S::chunks; ++c) {
       const std::size_t first = static_cast<std::size_t>(c) * static_cast<std::size_t>(s.B) * static_cast<std::size_t>(n);
-      s.ops.embedding_backward(dwte, dwpe + static_cast<std::size_t>(s.chunk_position(c)) * static_cast<std::size_t>(C),
+      T* dpos = dwpe != nullptr ? dwpe + static_cast<std::size_t>(s.chunk_position(c)) * static_cast<std::size_t>(C)
+                                : nullptr;
+      s.ops.embedding_backward(dwte, dpos,
                                dx_full + first * static_cast<std::size_t>(C), tokens + first, s.B, n, C,
                                s.rank() * rows, rows);
     }

@@ -29,6 +29,7 @@
 #include "fived/nn/attention.hpp"
 #include "fived/nn/config.hpp"
 #include "fived/nn/decoder.hpp"
+#include "fived/nn/embedding.hpp"
 #include "fived/nn/layernorm.hpp"
 #include "fived/nn/mlp.hpp"
 #include "fived/nn/moe.hpp"
@@ -156,9 +157,22 @@ struct PreNormBlock {
   };
 };
 
+// GPT-2's ends of the decoder: the token and learned position embeddings (wte, wpe) and
+// the final LayerNorm (ln_f). An architecture with other blocks may keep them (derive).
+struct Gpt2Ends {
+  static constexpr auto embedding_specs(int V, int Vp, int C, int max_seq) {
+    return fived::embedding_specs(V, Vp, C, max_seq);
+  }
+  template <class S>
+  using final_norm = LayerNorm<S>;
+  static constexpr auto final_norm_specs(int unit, int C) {
+    return layernorm_specs("ln_f.weight", "ln_f.bias", -1, unit, C, 14);
+  }
+};
+
 // GPT-2 as a decoder architecture.
 template <class Cfg>
-struct Gpt2 {
+struct Gpt2 : Gpt2Ends {
   using config = Cfg;
   using block = PreNormBlock<Cfg>;
   static constexpr const char* name = "GPT";

@@ -26,6 +26,11 @@ struct LayerNorm {
   using T = typename S::value_type;
   using stat_t = typename S::stat_t;
 
+  struct Params {
+    T *w, *b;
+  };
+  static Params bind(TensorCursor<T>& c) { return {c.take(), c.take()}; }  // braces: in order
+
   // What backward needs: the output and the per-row statistics.
   struct Saved {
     Buffer<T, typename S::device> out;
@@ -40,9 +45,13 @@ struct LayerNorm {
   static void forward(S& s, Saved& a, const T* x, const T* w, const T* b, int C) {
     s.ops.layernorm_forward(a.out.data(), a.mean.data(), a.rstd.data(), x, w, b, s.local_rows(), C);
   }
+  static void forward(S& s, Saved& a, const T* x, Params p, int C) { forward(s, a, x, p.w, p.b, C); }
   // dx, dw, db "+=" from dy (the stream's rows); x is the forward's input.
   static void backward(S& s, T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, const Saved& a, int C) {
     s.ops.layernorm_backward(dx, dw, db, dy, x, w, a.mean.data(), a.rstd.data(), s.local_rows(), C);
+  }
+  static void backward(S& s, T* dx, Params g, const T* dy, const T* x, Params p, const Saved& a, int C) {
+    backward(s, dx, g.w, g.b, dy, x, p.w, a, C);
   }
 };
 

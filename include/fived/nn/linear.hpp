@@ -1,14 +1,17 @@
 #pragma once
 // Megatron's tensor-parallel linear layers over the residual stream (nn/stream.hpp), as
 // functions of a Step: they hold no storage; weights, gradients and activations are
-// pointers into the model's flat buffers and activation slots. Weights are Hugging Face
-// Conv1D [in, out] (y = x W + b): the forward GEMMs use no transpose, dW = x^T dy uses
-// trans_a and dx = dy W^T uses trans_b.
+// pointers into the model's flat buffers and activation slots. A weight is stored as its
+// Hugging Face file has it (the second template argument):
+//   Conv1D       [in, out], y = x W + b (GPT-2): dW = x^T dy, dx = dy W^T
+//   TorchLinear  [out, in], y = x W^T + b (torch.nn.Linear: Llama): dW = dy^T x, dx = dy W
+// Either way the output features are what ColumnParallel splits and the input features
+// what RowParallel splits. A null bias (and bias gradient) is no bias.
 //
-//   ColumnParallel  weight Shard<1> [in, out/TP], bias Shard<0>; reads every row of x
+//   ColumnParallel  weight [in, out/TP] or [out/TP, in], bias Shard<0>; reads every row of x
 //                   (gather_rows), writes [N, out/TP]. Backward: dx = dy W^T is a Partial
 //                   sum over TP -> reduce_rows into the stream.
-//   RowParallel     weight Shard<0> [in/TP, out], bias Replicate; reads [N, in/TP], its
+//   RowParallel     weight [in/TP, out] or [out, in/TP], bias Replicate; reads [N, in/TP], its
 //                   output is a Partial sum -> reduce_rows into the stream. The bias joins
 //                   the sum on TP rank 0 only (fused into the GEMM, as on one rank).
 //                   Backward gathers dy's rows once for dx, dW and the bias gradient, so
@@ -20,43 +23,62 @@
 
 namespace fived {
 
-template <class S>
+struct Conv1D {
+  static constexpr bool transposed = false;
+};
+struct TorchLinear {
+  static constexpr bool transposed = true;
+};
+
+namespace detail_linear {
+// y[N, out] = x[N, in] W (+ b), W as stored.
+template <class W, class S, class T, class... Epi>
+void apply(S& s, T* y, const T* x, const T* w, const T* b, int in, int out, Epi... epilogue) {
+  s.ops.matmul(y, x, w, b, s.rows(), out, in, false, W::transposed, false, epilogue...);
+}
+// dx[N, in] = dy[N, out] W^T; dW += x^T dy in W's storage; db += the sum of dy's rows.
+template <class W, class S, class T>
+void backward(S& s, T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, int in, int out) {
+  const T* none = nullptr;
+  s.ops.matmul(dx, dy, w, none, s.rows(), in, out, false, !W::transposed);
+  if constexpr (W::transposed) s.ops.matmul(dw, dy, x, none, out, in, s.rows(), true, false, true);
+  else s.ops.matmul(dw, x, dy, none, in, out, s.rows(), true, false, true);
+  if (db != nullptr) s.ops.bias_backward(db, dy, s.rows(), out);
+}
+}  // namespace detail_linear
+
+template <class S, class W = Conv1D>
 struct ColumnParallel {
   using T = typename S::value_type;
   using Epilogue = typename S::ops_type::Epilogue;
 
-  // y[N, out] = x_full[N, in] W[in, out] + b, out = this rank's columns.
+  // y[N, out] = x_full[N, in] W + b, out = this rank's output features.
   static void forward(S& s, T* y, const T* x_full, const T* w, const T* b, int in, int out,
                       Epilogue ep = Epilogue::none, T* pre_act = nullptr) {
-    s.ops.matmul(y, x_full, w, b, s.rows(), out, in, false, false, false, ep, pre_act);
+    detail_linear::apply<W>(s, y, x_full, w, b, in, out, ep, pre_act);
   }
   // dx (the stream's rows, "=") from dy [N, out]; dW, db "+=". scratch: [N, in] when SP.
   static void backward(S& s, T* dx, T* dw, T* db, const T* dy, const T* x_full, const T* w, int in, int out,
                        T* scratch) {
     T* p = s.partial_buffer(dx, scratch);
-    s.ops.matmul(p, dy, w, static_cast<const T*>(nullptr), s.rows(), in, out, false, true);
-    s.ops.matmul(dw, x_full, dy, static_cast<const T*>(nullptr), in, out, s.rows(), true, false, true);
-    s.ops.bias_backward(db, dy, s.rows(), out);
+    detail_linear::backward<W>(s, p, dw, db, dy, x_full, w, in, out);
     s.reduce_rows(p, dx, in);
   }
 };
 
-template <class S>
+template <class S, class W = Conv1D>
 struct RowParallel {
   using T = typename S::value_type;
 
-  // y (the stream's rows, "=") = sum over TP of x[N, in] W[in, out] + b. scratch: [N, out] when SP.
+  // y (the stream's rows, "=") = sum over TP of x[N, in] W + b. scratch: [N, out] when SP.
   static void forward(S& s, T* y, const T* x, const T* w, const T* b, int in, int out, T* scratch) {
     T* p = s.partial_buffer(y, scratch);
-    s.ops.matmul(p, x, w, s.rank() == 0 ? b : static_cast<const T*>(nullptr), s.rows(), out, in, false, false);
+    detail_linear::apply<W>(s, p, x, w, s.rank() == 0 ? b : static_cast<const T*>(nullptr), in, out);
     s.reduce_rows(p, y, out);
   }
   // dx[N, in] ("=") from dy (the stream's rows); dW, db "+=". gather: [N, out] when SP.
   static void backward(S& s, T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, int in, int out, T* gather) {
-    const T* dy_full = s.gather_rows(dy, gather, out);
-    s.ops.matmul(dx, dy_full, w, static_cast<const T*>(nullptr), s.rows(), in, out, false, true);
-    s.ops.matmul(dw, x, dy_full, static_cast<const T*>(nullptr), in, out, s.rows(), true, false, true);
-    s.ops.bias_backward(db, dy_full, s.rows(), out);
+    detail_linear::backward<W>(s, dx, dw, db, s.gather_rows(dy, gather, out), x, w, in, out);
   }
 };
 

@@ -17,7 +17,9 @@
 //   using device = ...;  using value_type = T;  using stat_t = ...;
 //   template <class U> using buffer = Buffer<U, Device>;
 //   kernels (contract of /kernels, without the stream / handle argument):
-//     matmul, bias_backward, layernorm_forward, layernorm_backward, gelu_backward,
+//     matmul, bias_backward, layernorm_forward, layernorm_backward, rmsnorm_forward,
+//     rmsnorm_backward, gelu_backward, swiglu_forward, swiglu_backward, rotary_forward and
+//     rotary_backward (rotary positions and grouped query heads, kernels/host/rotary.hpp),
 //     residual_forward, attention_forward, attention_backward, embedding_forward and
 //     embedding_backward (over a range of the vocabulary: a TP rank's shard), logits_max,
 //     crossentropy_partials, crossentropy_backward, adamw_update, gelu_forward, scale,
@@ -106,6 +108,23 @@ struct Ops<T, Host> {
   void layernorm_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp, const T* weight,
                           const stat_t* mean, const stat_t* rstd, int N, int C) {
     kernels::host::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+  }
+  void rmsnorm_forward(T* out, stat_t* rstd, const T* inp, const T* weight, int N, int C) {
+    kernels::host::rmsnorm_forward(out, rstd, inp, weight, N, C);
+  }
+  void rmsnorm_backward(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight, const stat_t* rstd, int N,
+                        int C) {
+    kernels::host::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
+  }
+  void swiglu_forward(T* h, const T* gu, int N, int F) { kernels::host::swiglu_forward(h, gu, N, F); }
+  void swiglu_backward(T* dgu, const T* dh, const T* gu, int N, int F) { kernels::host::swiglu_backward(dgu, dh, gu, N, F); }
+  void rotary_forward(T* qkv, const T* raw, const stat_t* inv_freq, int N, int H, int KV, int hd,
+                      kernels::RowPositions pos) {
+    kernels::host::rotary_forward(qkv, raw, inv_freq, N, H, KV, hd, pos);
+  }
+  void rotary_backward(T* draw, const T* dqkv, const stat_t* inv_freq, int N, int H, int KV, int hd,
+                       kernels::RowPositions pos) {
+    kernels::host::rotary_backward(draw, dqkv, inv_freq, N, H, KV, hd, pos);
   }
   void gelu_backward(T* dinp, const T* inp, const T* dout, std::size_t n) {
     kernels::host::gelu_backward(dinp, inp, dout, n);

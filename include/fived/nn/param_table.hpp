@@ -6,7 +6,8 @@
 // nn/attention.hpp, nn/mlp.hpp, nn/head.hpp); a model concatenates them in execution order
 // (nn/gpt.hpp). A spec says
 //
-//   name       the Hugging Face name ("attn.c_attn.weight"; "h.{layer}." is prefixed)
+//   name       the Hugging Face name ("attn.c_attn.weight"; a block's is prefixed with its
+//              scope and layer: "h.{layer}." for GPT-2, "model.layers.{layer}." for Llama)
 //   shape      the whole tensor in the buffer ([rows] or [rows, cols]); file_rows drops the
 //              padded vocabulary rows in a file
 //   tp         its placement on the TP axis: Replicate, or Shard on rows/columns, the
@@ -75,9 +76,10 @@ struct TensorSpec {
   // embedding on the last stage): the same name, values and updates; counted once in the
   // norm and in gathers (by its owner), its gradient summed with the owner's each step.
   bool tied_copy = false;
+  const char* scope = "h.";  // what names a block's tensors start with, before the layer
 
-  // "h.3.mlp.c_fc.weight", "wte.weight", ...
-  std::string full_name() const { return (layer >= 0 ? "h." + std::to_string(layer) + "." : std::string()) + name; }
+  // "h.3.mlp.c_fc.weight", "wte.weight", "model.layers.0.mlp.up_proj.weight", ...
+  std::string full_name() const { return (layer >= 0 ? scope + std::to_string(layer) + "." : std::string()) + name; }
   constexpr std::size_t size() const { return static_cast<std::size_t>(rows * cols); }
 };
 
@@ -104,8 +106,26 @@ struct SpecList {
     for (const TensorSpec& s : more) specs[size++] = s;
     return *this;
   }
+  // Every spec's block names under `scope` ("model.layers.").
+  constexpr SpecList& in_scope(const char* scope) {
+    for (std::size_t i = 0; i < size; ++i) specs[i].scope = scope;
+    return *this;
+  }
   constexpr const TensorSpec* begin() const { return specs.data(); }
   constexpr const TensorSpec* end() const { return specs.data() + size; }
+};
+
+// Hands a layer's tensors out in the order its specs list them: a block builds its typed
+// handles by taking them in turn, so no offset is written by hand.
+template <class T>
+class TensorCursor {
+ public:
+  TensorCursor() = default;
+  explicit TensorCursor(T* const* next) : next_(next) {}
+  T* take() { return *next_++; }
+
+ private:
+  T* const* next_ = nullptr;
 };
 
 // One tensor of a rank's flat buffer: its spec and its piece.

@@ -87,6 +87,11 @@ struct Step {
     else return split::chunks_of(cp_comm.rank())[static_cast<std::size_t>(c)] * chunk_length();
   }
 
+  // Every row's position in its sequence (rotary embeddings): chunk-major, as above.
+  kernels::RowPositions positions() const {
+    return {B * chunk_length(), chunk_length(), {chunk_position(0), chunk_position(chunks - 1)}};
+  }
+
   int rows() const { return B * T_; }                    // N: every token of the micro-batch
   int local_rows() const { return rows() / (sp ? tp : 1); }  // n: the stream's rows on this rank
   int rank() const { return comm.rank(); }

@@ -1,0 +1,50 @@
+#pragma once
+// RMSNorm over the stream's rows on this rank (Llama): out = x / rms(x) * weight, the mean
+// square in acc_t, eps 1e-5. Like LayerNorm (nn/layernorm.hpp) its weight is replicated on
+// TP, it issues no collective, and its gradient is a Partial sum over TP under sequence
+// parallelism (spec.sp_partial), which the model all-reduces per unit.
+
+#include <array>
+#include <cstdint>
+
+#include "fived/device/buffer.hpp"
+#include "fived/nn/param_table.hpp"
+#include "fived/nn/stream.hpp"
+
+namespace fived {
+
+// weight (ones) [C].
+constexpr std::array<TensorSpec, 1> rmsnorm_specs(const char* weight, int layer, int unit, int C, std::uint64_t stream) {
+  return {vector_spec(weight, layer, C, {}, unit, Init::ones, stream, true)};
+}
+
+template <class S>
+struct RMSNorm {
+  using T = typename S::value_type;
+  using stat_t = typename S::stat_t;
+
+  struct Params {
+    T* w;
+  };
+  static Params bind(TensorCursor<T>& c) { return {c.take()}; }
+
+  // What backward needs: the output and the per-row 1/rms.
+  struct Saved {
+    Buffer<T, typename S::device> out;
+    Buffer<stat_t, typename S::device> rstd;
+    void reserve(typename S::ops_type& ops, std::size_t rows, std::size_t C) {
+      out = ops.template make_buffer<T>(rows * C);
+      rstd = ops.template make_buffer<stat_t>(rows);
+    }
+  };
+
+  static void forward(S& s, Saved& a, const T* x, Params p, int C) {
+    s.ops.rmsnorm_forward(a.out.data(), a.rstd.data(), x, p.w, s.local_rows(), C);
+  }
+  // dx, dw "+=" from dy (the stream's rows); x is the forward's input.
+  static void backward(S& s, T* dx, Params g, const T* dy, const T* x, Params p, const Saved& a, int C) {
+    s.ops.rmsnorm_backward(dx, g.w, dy, x, p.w, a.rstd.data(), s.local_rows(), C);
+  }
+};
+
+}  // namespace fived

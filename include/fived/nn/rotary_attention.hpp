@@ -1,0 +1,102 @@
+#pragma once
+// Llama's causal self-attention: grouped-query heads with rotary positions, heads split
+// over TP (Megatron).
+//
+//   q|k|v   ColumnParallel q_proj [C, C], k_proj and v_proj [KV hd, C] (torch.nn.Linear, no
+//           biases): adjacent in the flat buffer, so one GEMM computes this rank's
+//           [N, (C + 2 KV hd)/TP] (its H/TP query heads, then its KV/TP key and value heads)
+//   rotary  queries and keys rotated by each row's position in its sequence (its global
+//           position under context parallelism's zig-zag chunks), key and value heads
+//           repeated for the query heads that share them: kernels/host/rotary.hpp
+//   core    the causal attention of the local heads (nn/attention.hpp), or the CP ring
+//   o_proj  RowParallel [C, C] -> the stream
+//
+// TP must divide the key/value heads (each rank keeps the KV heads its query heads read).
+// Collectives per step on the TP group: as nn/attention.hpp.
+
+#include <array>
+#include <cstdint>
+#include <stdexcept>
+
+#include "fived/device/buffer.hpp"
+#include "fived/nn/attention.hpp"
+#include "fived/nn/linear.hpp"
+#include "fived/nn/param_table.hpp"
+
+namespace fived {
+
+// self_attn.{q,k,v,o}_proj.weight: [C, C], [KVC, C], [KVC, C], [C, C] with KVC = KV heads x
+// head size; streams stream .. stream + 3.
+constexpr std::array<TensorSpec, 4> rotary_attention_specs(int layer, int unit, int C, int KVC, std::uint64_t stream) {
+  return {matrix_spec("self_attn.q_proj.weight", layer, C, C, {0, 1}, unit, Init::normal, stream),
+          matrix_spec("self_attn.k_proj.weight", layer, KVC, C, {0, 1}, unit, Init::normal, stream + 1),
+          matrix_spec("self_attn.v_proj.weight", layer, KVC, C, {0, 1}, unit, Init::normal, stream + 2),
+          matrix_spec("self_attn.o_proj.weight", layer, C, C, {1, 1}, unit, Init::normal_residual, stream + 3)};
+}
+
+template <class S, int Heads, int KVHeads>
+struct RotaryAttention {
+  using T = typename S::value_type;
+  using stat_t = typename S::stat_t;
+  using Linear = TorchLinear;
+  using Attn = Attention<S, Heads>;  // the core: local causal attention, or the ring under CP
+  using Core = typename Attn::Core;
+  using RingWork = typename Attn::RingWork;
+  static_assert(Heads % KVHeads == 0, "grouped-query attention: the key/value heads must divide the query heads");
+  static_assert(KVHeads % S::tp == 0,
+                "tensor parallelism splits the key/value heads over TP: kv_heads must be a multiple of the TP extent "
+                "(use a TP that divides kv_heads)");
+  static constexpr int local_heads = Heads / S::tp, local_kv = KVHeads / S::tp;
+
+  struct Saved {
+    Buffer<T, typename S::device> x_full;  // SP: the gathered input (the projections' dW)
+    Buffer<T, typename S::device> qkv;     // rotated q | k | v, the KV heads repeated [N, 3C/TP]
+    Core core;                             // empty when the model recomputes it
+    void reserve(typename S::ops_type& ops, std::size_t N, std::size_t C, bool keep_core) {
+      if constexpr (S::sp) x_full = ops.template make_buffer<T>(N * C);
+      qkv = ops.template make_buffer<T>(N * 3 * C / S::tp);
+      if (keep_core) core.reserve(ops, N, C);
+    }
+  };
+  // q_proj, k_proj and v_proj as one [(C + 2 KVC)/TP, C] weight (the pieces lie back to back).
+  struct Params {
+    T *qkv, *o;
+  };
+  static Params bind(TensorCursor<T>& c, int C, int KVC) {
+    const std::size_t q = static_cast<std::size_t>(C / S::tp) * C, kv = static_cast<std::size_t>(KVC / S::tp) * C;
+    T* w = c.take();
+    if (c.take() != w + q || c.take() != w + q + kv)
+      throw std::logic_error("RotaryAttention: q_proj, k_proj and v_proj must be adjacent in the flat buffer");
+    return {w, c.take()};
+  }
+  // This rank's projection width: (C + 2 KVC) / TP.
+  static constexpr int raw_width(int C, int KVC) { return (C + 2 * KVC) / S::tp; }
+
+  // y (the stream's rows) = o_proj(attention(rotary(q|k|v(x)))); x is the norm's output.
+  // inv_freq [head size / 2]: the rotary frequencies. raw: [N, raw_width] work. partial: [N, C] when SP.
+  static void forward(S& s, Saved& a, Core& core, RingWork& ring, T* y, const T* x, Params p, int C, int KVC,
+                      const stat_t* inv_freq, T* raw, T* partial) {
+    const T* x_full = s.gather_rows(x, a.x_full.data(), C);
+    ColumnParallel<S, Linear>::forward(s, raw, x_full, p.qkv, nullptr, C, raw_width(C, KVC));
+    s.ops.rotary_forward(a.qkv.data(), raw, inv_freq, s.rows(), local_heads, local_kv, C / Heads, s.positions());
+    Attn::core_forward(s, a.qkv.data(), core, ring, C);
+    RowParallel<S, Linear>::forward(s, y, core.atty.data(), p.o, nullptr, C / S::tp, C, partial);
+  }
+  static void core_forward(S& s, const Saved& a, Core& core, RingWork& ring, int C) {
+    Attn::core_forward(s, a.qkv.data(), core, ring, C);
+  }
+
+  // dx (the stream's rows, "=") from dy; gradients "+=". Work buffers: datty [N, C/TP],
+  // dqkv [N, 3C/TP], draw [N, raw_width], full [N, C] when SP.
+  static void backward(S& s, RingWork& ring, T* dx, Params g, const T* dy, const T* x, const Saved& a,
+                       const Core& core, Params p, int C, int KVC, const stat_t* inv_freq, T* datty, T* dqkv, T* draw,
+                       T* full) {
+    const T* x_full = S::sp ? a.x_full.data() : x;
+    RowParallel<S, Linear>::backward(s, datty, g.o, nullptr, dy, core.atty.data(), p.o, C / S::tp, C, full);
+    Attn::core_backward(s, ring, dqkv, datty, a.qkv.data(), core, C);
+    s.ops.rotary_backward(draw, dqkv, inv_freq, s.rows(), local_heads, local_kv, C / Heads, s.positions());
+    ColumnParallel<S, Linear>::backward(s, dx, g.qkv, nullptr, draw, x_full, p.qkv, C, raw_width(C, KVC), full);
+  }
+};
+
+}  // namespace fived

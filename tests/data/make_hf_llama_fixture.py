@@ -1,0 +1,114 @@
+"""Writes the Llama fixtures tests/test_llama.cpp pins fived's Llama to, from Hugging Face
+`transformers` itself:
+
+  hf_tiny_llama.safetensors      a random tiny LlamaForCausalLM with grouped-query attention
+                                 and Llama 3.1 rotary scaling, as save_pretrained writes it
+  hf_tiny_llama_ref.safetensors  a token batch ("tokens", "targets" [B, T] int32) and, in
+                                 fp32 and fp64 ("loss32", "loss64" [1]; "grad32.<name>",
+                                 "grad64.<name>" per parameter), the mean cross-entropy of
+                                 the logits against the targets and every parameter's gradient
+
+fp64: the same model in double. Hugging Face computes some things in float32 whatever the
+model's dtype: the rotary angles and RMSNorm's normalisation (for the fp64 reference these
+two modules run in float64, patched below; the script checks its float64 rotary frequencies
+against Hugging Face's own to float32 precision first) and the "eager" attention's softmax
+(so attention is PyTorch's scaled_dot_product_attention, "sdpa", in the model's dtype).
+
+Config (tests/test_llama.cpp's `tiny`): 2 layers, d_model 32, 4 heads, 2 key/value heads,
+ffn 48, vocab 61, rope_theta 10000 with the "llama3" scaling (factor 8, low 1, high 4,
+original 64: one frequency of each kind), RMSNorm eps 1e-5, untied, no biases; B 4, T 16.
+Regenerate with:  pip install torch transformers safetensors && python3 tests/data/make_hf_llama_fixture.py
+"""
+import math
+import os
+
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+L, C, H, KV, F, V, T, B = 2, 32, 4, 2, 48, 61, 16, 4
+THETA, FACTOR, LOW, HIGH, ORIGINAL = 10000.0, 8.0, 1.0, 4.0, 64
+here = os.path.dirname(os.path.abspath(__file__))
+
+config = LlamaConfig(vocab_size=V, hidden_size=C, intermediate_size=F, num_hidden_layers=L, num_attention_heads=H,
+                     num_key_value_heads=KV, max_position_embeddings=2 * ORIGINAL, rms_norm_eps=1e-5, rope_theta=THETA,
+                     rope_scaling={"rope_type": "llama3", "factor": FACTOR, "low_freq_factor": LOW,
+                                   "high_freq_factor": HIGH, "original_max_position_embeddings": ORIGINAL},
+                     tie_word_embeddings=False, attention_bias=False, mlp_bias=False, initializer_range=0.2,
+                     attn_implementation="sdpa")
+torch.manual_seed(0)
+model = LlamaForCausalLM(config).eval()
+with torch.no_grad():  # norms away from 1, so their gradients matter
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.add_(0.1 * torch.randn_like(p))
+
+g = torch.Generator().manual_seed(1)
+tokens = torch.randint(0, V, (B, T), generator=g)
+targets = torch.randint(0, V, (B, T), generator=g)
+
+
+def inv_freq64():
+    hd = C // H
+    out = []
+    for i in range(hd // 2):
+        base = 1.0 / THETA ** (2.0 * i / hd)
+        wavelen = 2 * math.pi / base
+        if wavelen < ORIGINAL / HIGH:
+            out.append(base)
+        elif wavelen > ORIGINAL / LOW:
+            out.append(base / FACTOR)
+        else:
+            smooth = (ORIGINAL / wavelen - LOW) / (HIGH - LOW)
+            out.append((1 - smooth) * base / FACTOR + smooth * base)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+hf_freq = model.model.rotary_emb.inv_freq.double()
+assert torch.allclose(inv_freq64(), hf_freq, rtol=1e-6, atol=0), (inv_freq64(), hf_freq)
+
+
+def rotary64(x, position_ids):
+    freqs = position_ids[..., None].double() * inv_freq64()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def rmsnorm64(self, x):
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def reference(m):
+    m.zero_grad()
+    logits = m(input_ids=tokens).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+
+
+ref = {"tokens": tokens.to(torch.int32), "targets": targets.to(torch.int32)}
+loss32, grads32 = reference(model)
+ref["loss32"] = loss32.reshape(1)
+ref.update({"grad32." + n: g for n, g in grads32.items()})
+
+model.save_pretrained(os.path.join(here, "_llama_tmp"), safe_serialization=True)
+os.replace(os.path.join(here, "_llama_tmp", "model.safetensors"), os.path.join(here, "hf_tiny_llama.safetensors"))
+for f in os.listdir(os.path.join(here, "_llama_tmp")):
+    os.remove(os.path.join(here, "_llama_tmp", f))
+os.rmdir(os.path.join(here, "_llama_tmp"))
+
+model64 = model.double()
+model64.model.rotary_emb.forward = rotary64
+for module in model64.modules():
+    if type(module).__name__ == "LlamaRMSNorm":
+        module.forward = rmsnorm64.__get__(module)
+loss64, grads64 = reference(model64)
+ref["loss64"] = loss64.reshape(1)
+ref.update({"grad64." + n: g for n, g in grads64.items()})
+print("loss fp32", loss32.item(), "fp64", loss64.item(), "difference", abs(loss32.item() - loss64.item()))
+
+save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(here, "hf_tiny_llama_ref.safetensors"),
+          metadata={"format": "pt"})
+for f in ("hf_tiny_llama.safetensors", "hf_tiny_llama_ref.safetensors"):
+    print(f, os.path.getsize(os.path.join(here, f)), "bytes")

@@ -1,0 +1,130 @@
+// Llama (nn/llama.hpp) against Hugging Face transformers: the tiny LlamaForCausalLM of
+// tests/data/make_hf_llama_fixture.py (grouped-query attention 4:2, Llama 3.1 rotary scaling,
+// SwiGLU, RMSNorm, untied) loaded from its safetensors file gives transformers' loss and
+// every parameter's gradient, in fp64 (1e-10) and fp32 (1e-5), serially and through a
+// Trainer on Mesh<DP<2>, PP<2>, CP<2>, TP<2>> with SP and ZeRO-1. And on meshes against its
+// own serial run over three steps (losses, gradients, weights): TP 2, ring CP 2 and 4.
+
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fived/comm/host.hpp"
+#include "fived/io/safetensors.hpp"
+#include "fived/model/contract.hpp"
+#include "fived/nn/llama.hpp"
+#include "fived/plan/model.hpp"
+#include "fived/train/trainer.hpp"
+#include "support/batches.hpp"
+#include "support/compare.hpp"
+
+using namespace fived;
+
+namespace {
+
+struct tiny : llama_config {  // tests/data/hf_tiny_llama.safetensors
+  static constexpr int layers = 2, d_model = 32, heads = 4, kv_heads = 2, ffn = 48, vocab = 61, max_seq = 32;
+  static constexpr int vocab_multiple = 16;
+  static constexpr double rope_theta = 10000.0, rope_factor = 8.0;
+  static constexpr int rope_original_max_seq = 64;
+};
+constexpr int fixture_batch = 4, fixture_T = 16;
+
+const std::string model_file = std::string(FIVED_TEST_DATA_DIR) + "/hf_tiny_llama.safetensors";
+const io::SafetensorsFile& reference() {
+  static const io::SafetensorsFile f = io::SafetensorsFile::read(std::string(FIVED_TEST_DATA_DIR) +
+                                                                 "/hf_tiny_llama_ref.safetensors");
+  return f;
+}
+std::vector<int> ids(const char* name) {
+  const std::vector<std::int32_t> v = reference().read<std::int32_t>(name);
+  return {v.begin(), v.end()};
+}
+
+// Per tensor, max |got - ref| / max |ref| against transformers' gradient (the file's rows: no
+// vocabulary padding). The worst one, and its name.
+template <class Layout, class T>
+double worst_against_hf(const std::vector<T>& grads, const std::string& precision, std::string& where) {
+  double worst = 0;
+  for (const ParamInfo& t : Layout::tensors) {
+    const std::vector<double> ref = reference().read<double>(precision + "." + t.name());
+    REQUIRE(ref.size() == t.file_size());
+    const std::vector<T> got(grads.begin() + static_cast<std::ptrdiff_t>(t.offset),
+                             grads.begin() + static_cast<std::ptrdiff_t>(t.offset + t.file_size()));
+    if (const double e = test::max_rel_error(got, ref); e > worst) worst = e, where = t.name();
+  }
+  return worst;
+}
+
+template <class T>
+void serial_equals_hf(const std::string& precision, const char* loss_name, double tolerance) {
+  Llama<tiny, Mesh<>, T> m;
+  m.load(model_file);
+  const std::vector<int> tok = ids("tokens"), tgt = ids("targets");
+  const double loss = m.forward(tok.data(), tgt.data(), fixture_batch, fixture_T);
+  m.backward();
+  const double ref = reference().read<double>(loss_name)[0];
+  std::string where;
+  const std::vector<T> grads(m.grads().begin(), m.grads().end());
+  const double g = worst_against_hf<typename Llama<tiny, Mesh<>, T>::serial_layout>(grads, precision, where);
+  MESSAGE(precision << ": loss " << loss << " vs transformers' " << ref << " (" << std::abs(loss - ref) / ref
+                    << " relative), every gradient within " << g << " (" << where << ")");
+  CHECK(std::abs(loss - ref) / ref <= tolerance);
+  CHECK(g <= tolerance);
+}
+
+}  // namespace
+
+using Serial = Llama<tiny>;
+static_assert(check_model<Serial>::ok && ModelPart<Serial>, "Llama satisfies the model contract");
+static_assert(Serial::layout::count == 1 + 2 * 9 + 2, "embed_tokens; 9 tensors a block; model.norm and lm_head");
+static_assert(plan::from_model<Serial>().parameters() == static_cast<std::int64_t>(Serial::serial_layout::num_parameters),
+              "the plan counts the model's parameters (as Hugging Face does: no padded vocabulary rows)");
+
+TEST_CASE("Llama's tensors carry Hugging Face LlamaForCausalLM's names and shapes") {
+  const io::SafetensorsFile f = io::SafetensorsFile::read(model_file);
+  CHECK(f.tensors().size() == static_cast<std::size_t>(Serial::layout::count));
+  for (const ParamInfo& t : Serial::serial_layout::tensors) {
+    CAPTURE(t.name());
+    const io::TensorEntry* e = f.find(t.name());
+    REQUIRE(e != nullptr);
+    CHECK(e->shape == t.file_shape());
+  }
+}
+
+TEST_CASE("Llama from the Hugging Face fixture: its loss and every gradient are transformers' (fp64 to 1e-10, "
+          "fp32 to 1e-5)") {
+  serial_equals_hf<double>("grad64", "loss64", 1e-10);
+  serial_equals_hf<float>("grad32", "loss32", 1e-5);
+}
+
+TEST_CASE("a Trainer on Mesh<DP<2>, PP<2>, CP<2>, TP<2>> (SP, ZeRO-1, 1F1B) starts from the Hugging Face Llama; its "
+          "loss and gathered gradient are transformers'") {
+  using M = Mesh<DP<2>, PP<2>, CP<2>, TP<2>>;
+  using Model = Llama<tiny, M, float, Host, SequenceParallel>;
+  const std::vector<int> tok = ids("tokens"), tgt = ids("targets");
+  constexpr int micro = 2, b = fixture_batch / micro;  // two micro-batches of 2 sequences, one per DP rank
+  std::vector<std::vector<float>> got(M::size);
+  std::vector<double> loss(M::size);
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    Trainer<Model, ZeRO<1>, pipeline::OneFOneB<2, micro>> tr(ctx, {.lr = ConstantLr{1e-3}}, GptInit{5});
+    tr.load_weights(model_file);
+    loss[static_cast<std::size_t>(ctx.rank())] = tr.reduce(1, tok, tgt, b, fixture_T);
+    got[static_cast<std::size_t>(ctx.rank())] = tr.serial_grads();
+  });
+  const double ref = reference().read<double>("loss32")[0];
+  for (int r = 0; r < M::size; ++r) {
+    CAPTURE(r);
+    std::string where;
+    const double g = worst_against_hf<Serial::serial_layout>(got[static_cast<std::size_t>(r)], "grad32", where);
+    if (r == 0)
+      MESSAGE("DP 2 x PP 2 x CP 2 x TP 2: loss " << loss[0] << " vs " << ref << ", every gradient within " << g << " ("
+                                                 << where << ") of transformers'");
+    CHECK(std::abs(loss[static_cast<std::size_t>(r)] - ref) / ref <= 1e-5);
+    CHECK(g <= 1e-5);
+  }
+}
