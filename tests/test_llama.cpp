@@ -8,6 +8,8 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -127,4 +129,101 @@ TEST_CASE("a Trainer on Mesh<DP<2>, PP<2>, CP<2>, TP<2>> (SP, ZeRO-1, 1F1B) star
     CHECK(std::abs(loss[static_cast<std::size_t>(r)] - ref) / ref <= 1e-5);
     CHECK(g <= 1e-5);
   }
+}
+
+// ---- on meshes against its own serial run: three steps, losses, gradients, weights ---------
+
+namespace {
+
+constexpr int steps = 3, B = 4, T = 16;
+const TrainerConfig hp{.adamw = {.beta2 = 0.95, .eps = 1e-4, .weight_decay = 0.1, .max_norm = 0.5},
+                       .lr = ConstantLr{3e-3}};
+const GptInit init{7, 0.1};
+
+struct Run {
+  std::vector<float> grads;  // after the first reduction, serial layout
+  std::vector<double> losses;
+  std::vector<float> weights;  // after the last step, serial layout
+};
+
+Run run_serial(int micro) {
+  Run r;
+  Serial m(init);
+  DataParallel<Serial> dp(m, hp.adamw, micro);
+  dp.optimizer().hp.lr = hp.lr(1);  // constant
+  std::vector<int> tok, tgt;
+  for (int s = 1; s <= steps; ++s) {
+    test::global_batch(s, micro, B, T, tiny::vocab, tok, tgt);
+    if (s == 1) {  // the first gradient, before any update
+      Serial g(init);
+      for (int k = 0; k < micro; ++k) {
+        g.forward(tok.data() + k * B * T, tgt.data() + k * B * T, B, T);
+        g.backward();
+      }
+      r.grads.assign(g.grads().begin(), g.grads().end());
+      for (float& x : r.grads) x /= static_cast<float>(micro);
+    }
+    r.losses.push_back(dp.step(tok, tgt, B, T));
+  }
+  r.weights.assign(m.params().begin(), m.params().end());
+  return r;
+}
+
+double worst_tensor(const std::vector<float>& got, const std::vector<float>& ref, std::string& where) {
+  REQUIRE(got.size() == ref.size());
+  double worst = 0;
+  for (const ParamInfo& t : Serial::serial_layout::tensors)
+    if (const double e = test::max_rel_error(got, ref, t.offset, t.size()); e > worst) worst = e, where = t.name();
+  return worst;
+}
+
+template <class M, class Policy, class Sched>
+void equals_serial(const std::string& what) {
+  using Parallel = Llama<tiny, M, float, Host, SequenceParallel>;
+  constexpr int micro = Sched::table.micro_batches;
+  const Run ref = run_serial(micro);
+  std::vector<Run> got(M::size);
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    Run& mine = got[static_cast<std::size_t>(ctx.rank())];
+    Trainer<Parallel, Policy, Sched> t(ctx, hp, init);
+    std::vector<int> tok, tgt;
+    for (int s = 1; s <= steps; ++s) {
+      test::global_batch(s, micro, B, T, tiny::vocab, tok, tgt);
+      if (s > 1) {
+        mine.losses.push_back(t.step(s, tok, tgt, B, T));
+        continue;
+      }
+      mine.losses.push_back(t.reduce(s, tok, tgt, B, T));
+      mine.grads = t.serial_grads();
+      t.update();
+    }
+    mine.weights = t.serial_params();
+  });
+  double loss = 0, grads = 0, weights = 0;
+  std::string grad_at, weight_at;
+  for (const Run& r : got) {
+    for (std::size_t s = 0; s < static_cast<std::size_t>(steps); ++s)
+      loss = std::max(loss, std::abs(r.losses[s] - ref.losses[s]) / ref.losses[s]);
+    grads = std::max(grads, worst_tensor(r.grads, ref.grads, grad_at));
+    weights = std::max(weights, worst_tensor(r.weights, ref.weights, weight_at));
+  }
+  MESSAGE(what << ": losses within " << loss << ", first gradient within " << grads << " (" << grad_at
+               << "), weights after " << steps << " steps within " << weights << " (" << weight_at << ") of serial");
+  CHECK(loss <= 1e-5);
+  CHECK(grads <= 1e-5);
+  CHECK(weights <= 1e-5);
+  CHECK(ref.losses.back() < ref.losses.front());  // it trains
+}
+
+}  // namespace
+
+TEST_CASE("Llama on Mesh<TP<2>> with SP (the 2 key/value heads split like the 4 query heads): equals serial") {
+  equals_serial<Mesh<TP<2>>, NoZeRO, Accumulate<1>>("TP 2");
+}
+
+TEST_CASE("Llama under ring context parallelism, CP 2 and CP 4 with zig-zag chunks (rotary positions per chunk): "
+          "equals serial") {
+  equals_serial<Mesh<CP<2>>, NoZeRO, Accumulate<1>>("CP 2 (ring)");
+  equals_serial<Mesh<CP<4>>, NoZeRO, Accumulate<2>>("CP 4 (ring)");
 }

@@ -231,6 +231,40 @@ TEST_CASE_TEMPLATE("layernorm and rmsnorm, forward and backward", T, ELEMENT_TYP
   }
 }
 
+TEST_CASE_TEMPLATE("swiglu and rotary positions with grouped query heads, forward and backward", T, ELEMENT_TYPES) {
+  {  // swiglu
+    const int N = 17, F = 40;
+    const std::size_t n = static_cast<std::size_t>(N) * F;
+    const auto gu = rnd<T>(2 * n, 30, -3.0f, 3.0f), dh = rnd<T>(n, 31);
+    std::vector<T> h(n), dgu(2 * n);
+    hk::swiglu_forward(h.data(), gu.data(), N, F);
+    hk::swiglu_backward(dgu.data(), dh.data(), gu.data(), N, F);
+    auto d_gu = up(gu), d_dh = up(dh);
+    Buffer<T, Cuda> d_h(n), d_dgu(2 * n);
+    ck::swiglu_forward(stream(), d_h.data(), d_gu.data(), N, F);
+    ck::swiglu_backward(stream(), d_dgu.data(), d_dh.data(), d_gu.data(), N, F);
+    CHECK_CLOSE(h, down(d_h), bound<T>(fp32_elem));
+    CHECK_CLOSE(dgu, down(d_dgu), bound<T>(fp32_elem));
+  }
+  {  // rotary: two zig-zag chunks of 3 sequences of 5 rows, 6 query heads over 2 key/value heads
+    const int N = 30, H = 6, KV = 2, hd = 8;
+    const fived::kernels::RowPositions pos{15, 5, {5, 20}};
+    const std::size_t raw_n = static_cast<std::size_t>(N) * (H + 2 * KV) * hd, qkv_n = static_cast<std::size_t>(N) * 3 * H * hd;
+    const auto raw = rnd<T>(raw_n, 32), dqkv = rnd<T>(qkv_n, 33);
+    const std::vector<float> inv_freq{1.0f, 0.1f, 0.01f, 0.001f};
+    std::vector<T> qkv(qkv_n), draw(raw_n);
+    hk::rotary_forward(qkv.data(), raw.data(), inv_freq.data(), N, H, KV, hd, pos);
+    hk::rotary_backward(draw.data(), dqkv.data(), inv_freq.data(), N, H, KV, hd, pos);
+    auto d_raw = up(raw), d_dqkv = up(dqkv);
+    auto d_freq = up(inv_freq);
+    Buffer<T, Cuda> d_qkv(qkv_n), d_draw(raw_n);
+    ck::rotary_forward(stream(), d_qkv.data(), d_raw.data(), d_freq.data(), N, H, KV, hd, pos);
+    ck::rotary_backward(stream(), d_draw.data(), d_dqkv.data(), d_freq.data(), N, H, KV, hd, pos);
+    CHECK_CLOSE(qkv, down(d_qkv), bound<T>(fp32_elem));
+    CHECK_CLOSE(draw, down(d_draw), bound<T>(fp32_elem * 10));  // sums of three heads
+  }
+}
+
 TEST_CASE_TEMPLATE("gelu and residual", T, ELEMENT_TYPES) {
   const std::size_t n = 1003;
   const auto x = rnd<T>(n, 17, -4.0f, 4.0f), y = rnd<T>(n, 18), dout = rnd<T>(n, 19);

@@ -23,4 +23,6 @@
 #include <fived/kernels/cuda/norm.hpp>
 #include <fived/kernels/cuda/regroup.hpp>
 #include <fived/kernels/cuda/residual.hpp>
+#include <fived/kernels/cuda/rotary.hpp>
+#include <fived/kernels/cuda/swiglu.hpp>
 #endif

@@ -126,6 +126,25 @@ struct Ops<T, Cuda> {
                           const stat_t* mean, const stat_t* rstd, int N, int C) {
     kernels::cuda::layernorm_backward(stream(), dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
   }
+  void rmsnorm_forward(T* out, stat_t* rstd, const T* inp, const T* weight, int N, int C) {
+    kernels::cuda::rmsnorm_forward(stream(), out, rstd, inp, weight, N, C);
+  }
+  void rmsnorm_backward(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight, const stat_t* rstd, int N,
+                        int C) {
+    kernels::cuda::rmsnorm_backward(stream(), dinp, dweight, dout, inp, weight, rstd, N, C);
+  }
+  void swiglu_forward(T* h, const T* gu, int N, int F) { kernels::cuda::swiglu_forward(stream(), h, gu, N, F); }
+  void swiglu_backward(T* dgu, const T* dh, const T* gu, int N, int F) {
+    kernels::cuda::swiglu_backward(stream(), dgu, dh, gu, N, F);
+  }
+  void rotary_forward(T* qkv, const T* raw, const stat_t* inv_freq, int N, int H, int KV, int hd,
+                      kernels::RowPositions pos) {
+    kernels::cuda::rotary_forward(stream(), qkv, raw, inv_freq, N, H, KV, hd, pos);
+  }
+  void rotary_backward(T* draw, const T* dqkv, const stat_t* inv_freq, int N, int H, int KV, int hd,
+                       kernels::RowPositions pos) {
+    kernels::cuda::rotary_backward(stream(), draw, dqkv, inv_freq, N, H, KV, hd, pos);
+  }
   void gelu_forward(T* out, const T* inp, std::size_t n) { kernels::cuda::gelu_forward(stream(), out, inp, n); }
   void gelu_backward(T* dinp, const T* inp, const T* dout, std::size_t n) {
     kernels::cuda::gelu_backward(stream(), dinp, inp, dout, n);
