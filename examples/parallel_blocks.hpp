@@ -81,7 +81,7 @@ struct ParallelBlock {
     };
     struct Work {  // shared by every block and micro-batch
       buffer<T> dhidden, dqkv;     // [N, F/TP] (also attention's d(core)), [N, 3C/TP]
-      typename Attn::RingWork ring;  // context parallelism's ring
+      typename Attn::ContextWork ring;  // context parallelism's ring
       void reserve(typename S::ops_type& ops, std::size_t N, std::size_t, int, int) {
         dhidden = ops.template make_buffer<T>(N * F / S::tp);
         dqkv = ops.template make_buffer<T>(N * 3 * C / S::tp);

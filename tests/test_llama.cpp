@@ -177,9 +177,13 @@ double worst_tensor(const std::vector<float>& got, const std::vector<float>& ref
   return worst;
 }
 
-template <class M, class Policy, class Sched>
+struct ring_tiny : tiny {
+  using context_attention = RingContext;
+};
+
+template <class M, class Policy, class Sched, class Cfg = tiny>
 void equals_serial(const std::string& what) {
-  using Parallel = Llama<tiny, M, float, Host, SequenceParallel>;
+  using Parallel = Llama<Cfg, M, float, Host, SequenceParallel>;
   constexpr int micro = Sched::table.micro_batches;
   const Run ref = run_serial(micro);
   std::vector<Run> got(M::size);
@@ -222,8 +226,13 @@ TEST_CASE("Llama on Mesh<TP<2>> with SP (the 2 key/value heads split like the 4 
   equals_serial<Mesh<TP<2>>, NoZeRO, Accumulate<1>>("TP 2");
 }
 
-TEST_CASE("Llama under ring context parallelism, CP 2 and CP 4 with zig-zag chunks (rotary positions per chunk): "
-          "equals serial") {
-  equals_serial<Mesh<CP<2>>, NoZeRO, Accumulate<1>>("CP 2 (ring)");
-  equals_serial<Mesh<CP<4>>, NoZeRO, Accumulate<2>>("CP 4 (ring)");
+TEST_CASE("Llama under all-gather context parallelism (its default), CP 2 and CP 4 with zig-zag chunks (rotary "
+          "positions per chunk): equals serial") {
+  equals_serial<Mesh<CP<2>>, NoZeRO, Accumulate<1>>("CP 2 (all-gather)");
+  equals_serial<Mesh<CP<4>>, NoZeRO, Accumulate<2>>("CP 4 (all-gather)");
+}
+
+TEST_CASE("Llama under ring context parallelism, CP 2 and CP 4: equals serial") {
+  equals_serial<Mesh<CP<2>>, NoZeRO, Accumulate<1>, ring_tiny>("CP 2 (ring)");
+  equals_serial<Mesh<CP<4>>, NoZeRO, Accumulate<2>, ring_tiny>("CP 4 (ring)");
 }

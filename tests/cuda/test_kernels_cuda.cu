@@ -248,7 +248,7 @@ TEST_CASE_TEMPLATE("swiglu and rotary positions with grouped query heads, forwar
   }
   {  // rotary: two zig-zag chunks of 3 sequences of 5 rows, 6 query heads over 2 key/value heads
     const int N = 30, H = 6, KV = 2, hd = 8;
-    const fived::kernels::RowPositions pos{15, 5, {5, 20}};
+    const fived::RowPositions pos{15, 5, {5, 20}};
     const std::size_t raw_n = static_cast<std::size_t>(N) * (H + 2 * KV) * hd, qkv_n = static_cast<std::size_t>(N) * 3 * H * hd;
     const auto raw = rnd<T>(raw_n, 32), dqkv = rnd<T>(qkv_n, 33);
     const std::vector<float> inv_freq{1.0f, 0.1f, 0.01f, 0.001f};

@@ -5,7 +5,8 @@
 //           each split by heads (TpSplit{1, 3}), so rank r's output [N, 3C/TP] is the
 //           [q|k|v] of heads [r*NH/TP, (r+1)*NH/TP): the layout the attention kernel reads
 //   core    causal attention of the local heads over whole sequences (no collective), or
-//           with context parallelism over the CP ring (nn/ring_attention.hpp)
+//           under context parallelism over the CP ring (nn/ring_attention.hpp) or with the
+//           keys and values all-gathered (nn/allgather_attention.hpp): the Context argument
 //   c_proj  RowParallel [C, C] -> the stream
 //
 // Per step on the TP group: without SP one all-reduce forward and one backward; with SP an
@@ -13,8 +14,11 @@
 
 #include <array>
 #include <cstdint>
+#include <type_traits>
 
 #include "fived/device/buffer.hpp"
+#include "fived/nn/allgather_attention.hpp"
+#include "fived/nn/config.hpp"
 #include "fived/nn/linear.hpp"
 #include "fived/nn/param_table.hpp"
 #include "fived/nn/ring_attention.hpp"
@@ -30,7 +34,7 @@ constexpr std::array<TensorSpec, 4> attention_specs(int layer, int unit, int C, 
           vector_spec("attn.c_proj.bias", layer, C, {}, unit, Init::zeros, stream + 3)};
 }
 
-template <class S, int Heads>
+template <class S, int Heads, class Context = RingContext>
 struct Attention {
   using T = typename S::value_type;
   using stat_t = typename S::stat_t;
@@ -38,8 +42,9 @@ struct Attention {
                 "tensor parallelism splits the attention heads over TP: the number of heads must be a multiple of the "
                 "TP extent (change heads in the config, or use a TP that divides it)");
   static constexpr int local_heads = Heads / S::tp;
-  using Ring = RingAttention<S, local_heads>;
-  using RingWork = typename Ring::Work;  // shared by the slots; allocated only under CP
+  using ContextCore = std::conditional_t<std::is_same_v<Context, AllGatherContext>, AllGatherAttention<S, local_heads>,
+                                         RingAttention<S, local_heads>>;
+  using ContextWork = typename ContextCore::Work;  // shared by the slots; allocated only under CP
 
   // The core attention's output and its log-sum-exp (what ring attention merges): kept per
   // slot, or one shared copy recomputed in backward (SelectiveRecompute, nn/recompute.hpp).
@@ -68,7 +73,7 @@ struct Attention {
 
   // y (the stream's rows) = c_proj(attention(c_attn(x))); x is ln_1's output. core: where the
   // core attention's output goes (the slot's, or the shared one). partial: [N, C] when SP.
-  static void forward(S& s, Saved& a, Core& core, RingWork& ring, T* y, const T* x, Params p, int C, T* partial) {
+  static void forward(S& s, Saved& a, Core& core, ContextWork& ring, T* y, const T* x, Params p, int C, T* partial) {
     const int Cl = C / S::tp;
     const T* x_full = s.gather_rows(x, a.x_full.data(), C);
     ColumnParallel<S>::forward(s, a.qkv.data(), x_full, p.qkv_w, p.qkv_b, C, 3 * Cl);
@@ -77,27 +82,27 @@ struct Attention {
   }
   // The core attention alone, from the kept q|k|v: forward's middle, and what backward runs
   // again first when the model recomputes it.
-  static void core_forward(S& s, const Saved& a, Core& core, RingWork& ring, int C) {
+  static void core_forward(S& s, const Saved& a, Core& core, ContextWork& ring, int C) {
     core_forward(s, a.qkv.data(), core, ring, C);
   }
   // The same from any q|k|v [N, 3C/TP] of the local heads (a block with its own projections).
-  static void core_forward(S& s, const T* qkv, Core& core, RingWork& ring, int C) {
+  static void core_forward(S& s, const T* qkv, Core& core, ContextWork& ring, int C) {
     const int Cl = C / S::tp;
-    if constexpr (S::cp > 1) Ring::forward(s, ring, core.atty.data(), core.lse.data(), qkv, Cl);
+    if constexpr (S::cp > 1) ContextCore::forward(s, ring, core.atty.data(), core.lse.data(), qkv, Cl);
     else s.ops.attention_forward(core.atty.data(), core.lse.data(), qkv, s.B, s.T_, Cl, local_heads);
   }
   // dqkv [N, 3C/TP] ("=") from d(core output) datty.
-  static void core_backward(S& s, RingWork& ring, T* dqkv, const T* datty, const T* qkv, const Core& core, int C) {
+  static void core_backward(S& s, ContextWork& ring, T* dqkv, const T* datty, const T* qkv, const Core& core, int C) {
     const int Cl = C / S::tp;
     if constexpr (S::cp > 1)
-      Ring::backward(s, ring, dqkv, datty, qkv, core.atty.data(), core.lse.data(), Cl);
+      ContextCore::backward(s, ring, dqkv, datty, qkv, core.atty.data(), core.lse.data(), Cl);
     else
       s.ops.attention_backward(dqkv, datty, qkv, core.atty.data(), core.lse.data(), s.B, s.T_, Cl, local_heads);
   }
 
   // dx (the stream's rows, "=") from dy; gradients "+=". x: ln_1's output, as in forward.
   // Work buffers: datty [N, C/TP], dqkv [N, 3C/TP], full [N, C] when SP (dy's rows, then dx's partial).
-  static void backward(S& s, RingWork& ring, T* dx, Params g, const T* dy, const T* x, const Saved& a,
+  static void backward(S& s, ContextWork& ring, T* dx, Params g, const T* dy, const T* x, const Saved& a,
                        const Core& core, Params p, int C, T* datty, T* dqkv, T* full) {
     const int Cl = C / S::tp;
     const T* x_full = S::sp ? a.x_full.data() : x;

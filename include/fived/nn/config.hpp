@@ -10,6 +10,8 @@
 // Nothing in a configuration is a run-time value: every parameter offset follows from it
 // at compile time (nn/layout.hpp).
 
+#include <type_traits>
+
 #include "fived/nn/recompute.hpp"
 
 namespace fived {
@@ -26,11 +28,23 @@ struct AuxLossFreeBias {
   static constexpr bool bias = true;
 };
 
+// How attention runs under context parallelism (CP > 1; each rank holds two zig-zag chunks
+// of every sequence): RingContext passes the keys and values round the CP ring
+// (nn/ring_attention.hpp); AllGatherContext gathers them all at once and reduce-scatters
+// their gradients (nn/allgather_attention.hpp: Llama 3's long-context choice).
+struct RingContext {
+  static constexpr const char* name = "ring";
+};
+struct AllGatherContext {
+  static constexpr const char* name = "all-gather";
+};
+
 // GPT-2 124M ("gpt2" on Hugging Face). Derive and hide the members to change them.
 struct gpt_config {
   // What backward recomputes instead of keeping (nn/recompute.hpp): NoRecompute,
   // SelectiveRecompute (attention's core) or FullRecompute (each block).
   using recompute = NoRecompute;
+  using context_attention = RingContext;  // or AllGatherContext (context parallelism only)
 
   static constexpr int layers = 12;      // transformer blocks
   static constexpr int d_model = 768;    // C: width of the residual stream
@@ -72,6 +86,9 @@ struct gpt_dims {
   static constexpr int vocab_multiple = Cfg::vocab_multiple;
   using recompute = typename Cfg::recompute;
 
+  using context_attention = typename Cfg::context_attention;
+  static_assert(std::is_same_v<context_attention, RingContext> || std::is_same_v<context_attention, AllGatherContext>,
+                "gpt config: context_attention must be fived::RingContext or fived::AllGatherContext");
   static_assert(RecomputePolicy<recompute>,
                 "gpt config: recompute must be fived::NoRecompute, SelectiveRecompute or FullRecompute");
   static_assert(layers >= 1, "gpt config: layers must be at least 1");

@@ -65,7 +65,7 @@ struct PreNormBlock {
     using ops_type = typename S::ops_type;
     using recompute = typename dims::recompute;
     using Norm = LayerNorm<S>;
-    using Attn = Attention<S, dims::heads>;
+    using Attn = Attention<S, dims::heads, typename dims::context_attention>;
     using Mlp = MLP<S>;
     using Moe = MoE<S, Cfg>;
 
@@ -113,7 +113,7 @@ struct PreNormBlock {
     };
     struct Work {
       Buffer<T, typename S::device> dhidden, dqkv;  // [N, F/TP], [N, 3C/TP]
-      typename Attn::RingWork ring;                 // CP: the ring's blocks and accumulators
+      typename Attn::ContextWork ring;              // CP: the ring's (or all-gather's) buffers
       typename Moe::Work moe;                       // router and dispatch buffers
       typename Attn::Core core;                     // SelectiveRecompute: the core being run
       void reserve(ops_type& ops, std::size_t N, std::size_t, int first, int count) {

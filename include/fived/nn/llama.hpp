@@ -43,6 +43,7 @@ struct llama_config : gpt_config {
   static constexpr int max_seq = 8192;  // the longest sequence a batch may have (no position table)
   static constexpr bool tied = false;
   static constexpr int vocab_multiple = 128;
+  using context_attention = AllGatherContext;  // under CP, as Llama 3 trains long context (or RingContext)
   // Rotary embeddings: base θ and Llama 3.1's frequency scaling (factor 1 turns it off).
   static constexpr double rope_theta = 500000.0;
   static constexpr double rope_factor = 8.0, rope_low_freq_factor = 1.0, rope_high_freq_factor = 4.0;
@@ -106,7 +107,7 @@ struct LlamaBlock {
     using ops_type = typename S::ops_type;
     using recompute = typename dims::recompute;
     using Norm = RMSNorm<S>;
-    using Attn = RotaryAttention<S, dims::heads, dims::kv_heads>;
+    using Attn = RotaryAttention<S, dims::heads, dims::kv_heads, typename dims::context_attention>;
     using Mlp = SwiGLU<S>;
 
     struct Params {
@@ -135,7 +136,7 @@ struct LlamaBlock {
     struct Work {
       Buffer<stat_t, typename S::device> inv_freq;          // [head size / 2]
       Buffer<T, typename S::device> raw, datty, dqkv, dh, dgu;  // [N, (C + 2KVC)/TP], [N, C/TP], [N, 3C/TP], [N, F/TP], [N, 2F/TP]
-      typename Attn::RingWork ring;
+      typename Attn::ContextWork ring;
       typename Attn::Core core;  // SelectiveRecompute: the core being run
       void reserve(ops_type& ops, std::size_t N, std::size_t, int, int) {
         const std::vector<double> f = dims::inv_freq();

@@ -119,11 +119,11 @@ struct Ops<T, Host> {
   void swiglu_forward(T* h, const T* gu, int N, int F) { kernels::host::swiglu_forward(h, gu, N, F); }
   void swiglu_backward(T* dgu, const T* dh, const T* gu, int N, int F) { kernels::host::swiglu_backward(dgu, dh, gu, N, F); }
   void rotary_forward(T* qkv, const T* raw, const stat_t* inv_freq, int N, int H, int KV, int hd,
-                      kernels::RowPositions pos) {
+                      RowPositions pos) {
     kernels::host::rotary_forward(qkv, raw, inv_freq, N, H, KV, hd, pos);
   }
   void rotary_backward(T* draw, const T* dqkv, const stat_t* inv_freq, int N, int H, int KV, int hd,
-                       kernels::RowPositions pos) {
+                       RowPositions pos) {
     kernels::host::rotary_backward(draw, dqkv, inv_freq, N, H, KV, hd, pos);
   }
   void gelu_backward(T* dinp, const T* inp, const T* dout, std::size_t n) {

@@ -7,8 +7,9 @@
 //           [N, (C + 2 KV hd)/TP] (its H/TP query heads, then its KV/TP key and value heads)
 //   rotary  queries and keys rotated by each row's position in its sequence (its global
 //           position under context parallelism's zig-zag chunks), key and value heads
-//           repeated for the query heads that share them: kernels/host/rotary.hpp
-//   core    the causal attention of the local heads (nn/attention.hpp), or the CP ring
+//           repeated for the query heads that share them (Ops::rotary_forward)
+//   core    the causal attention of the local heads (nn/attention.hpp), or under CP the ring
+//           or the all-gather of keys and values (the Context argument)
 //   o_proj  RowParallel [C, C] -> the stream
 //
 // TP must divide the key/value heads (each rank keeps the KV heads its query heads read).
@@ -34,14 +35,14 @@ constexpr std::array<TensorSpec, 4> rotary_attention_specs(int layer, int unit, 
           matrix_spec("self_attn.o_proj.weight", layer, C, C, {1, 1}, unit, Init::normal_residual, stream + 3)};
 }
 
-template <class S, int Heads, int KVHeads>
+template <class S, int Heads, int KVHeads, class Context = RingContext>
 struct RotaryAttention {
   using T = typename S::value_type;
   using stat_t = typename S::stat_t;
   using Linear = TorchLinear;
-  using Attn = Attention<S, Heads>;  // the core: local causal attention, or the ring under CP
+  using Attn = Attention<S, Heads, Context>;  // the core: local causal attention, or CP's ring or all-gather
   using Core = typename Attn::Core;
-  using RingWork = typename Attn::RingWork;
+  using ContextWork = typename Attn::ContextWork;
   static_assert(Heads % KVHeads == 0, "grouped-query attention: the key/value heads must divide the query heads");
   static_assert(KVHeads % S::tp == 0,
                 "tensor parallelism splits the key/value heads over TP: kv_heads must be a multiple of the TP extent "
@@ -74,7 +75,7 @@ struct RotaryAttention {
 
   // y (the stream's rows) = o_proj(attention(rotary(q|k|v(x)))); x is the norm's output.
   // inv_freq [head size / 2]: the rotary frequencies. raw: [N, raw_width] work. partial: [N, C] when SP.
-  static void forward(S& s, Saved& a, Core& core, RingWork& ring, T* y, const T* x, Params p, int C, int KVC,
+  static void forward(S& s, Saved& a, Core& core, ContextWork& ring, T* y, const T* x, Params p, int C, int KVC,
                       const stat_t* inv_freq, T* raw, T* partial) {
     const T* x_full = s.gather_rows(x, a.x_full.data(), C);
     ColumnParallel<S, Linear>::forward(s, raw, x_full, p.qkv, nullptr, C, raw_width(C, KVC));
@@ -82,13 +83,13 @@ struct RotaryAttention {
     Attn::core_forward(s, a.qkv.data(), core, ring, C);
     RowParallel<S, Linear>::forward(s, y, core.atty.data(), p.o, nullptr, C / S::tp, C, partial);
   }
-  static void core_forward(S& s, const Saved& a, Core& core, RingWork& ring, int C) {
+  static void core_forward(S& s, const Saved& a, Core& core, ContextWork& ring, int C) {
     Attn::core_forward(s, a.qkv.data(), core, ring, C);
   }
 
   // dx (the stream's rows, "=") from dy; gradients "+=". Work buffers: datty [N, C/TP],
   // dqkv [N, 3C/TP], draw [N, raw_width], full [N, C] when SP.
-  static void backward(S& s, RingWork& ring, T* dx, Params g, const T* dy, const T* x, const Saved& a,
+  static void backward(S& s, ContextWork& ring, T* dx, Params g, const T* dy, const T* x, const Saved& a,
                        const Core& core, Params p, int C, int KVC, const stat_t* inv_freq, T* datty, T* dqkv, T* draw,
                        T* full) {
     const T* x_full = S::sp ? a.x_full.data() : x;

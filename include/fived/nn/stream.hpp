@@ -38,6 +38,7 @@
 #include <type_traits>
 
 #include "fived/comm/group_comm.hpp"
+#include "fived/context/row_positions.hpp"
 #include "fived/context/zigzag.hpp"
 #include "fived/mesh/mesh.hpp"
 #include "fived/nn/ops.hpp"
@@ -88,7 +89,7 @@ struct Step {
   }
 
   // Every row's position in its sequence (rotary embeddings): chunk-major, as above.
-  kernels::RowPositions positions() const {
+  RowPositions positions() const {
     return {B * chunk_length(), chunk_length(), {chunk_position(0), chunk_position(chunks - 1)}};
   }
 

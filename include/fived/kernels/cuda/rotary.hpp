@@ -10,7 +10,7 @@
 #include <cstddef>
 
 #include <fived/kernels/cuda/common.hpp>
-#include <fived/kernels/host/rotary.hpp>
+#include <fived/context/row_positions.hpp>
 
 namespace fived::kernels::cuda {
 

@@ -14,9 +14,8 @@
 // Values are copied. The backward is the transpose: the same rotation by -a, and each key or
 // value head's gradient the sum over the G query heads that read it; draw is overwritten.
 //
-// Positions (RowPositions): rows come chunk by chunk, rows_per_chunk each (B sequences of
-// chunk_length rows), chunk c's first position first[c]: one chunk for a whole sequence,
-// two under context parallelism's zig-zag split (context/zigzag.hpp). Angles are in acc_t.
+// Positions: RowPositions (context/row_positions.hpp), each row's position in its sequence.
+// Angles are in acc_t.
 
 #include <algorithm>
 #include <cmath>
@@ -25,21 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "fived/context/row_positions.hpp"
 #include "fived/device/bf16.hpp"
-
-namespace fived::kernels {
-
-// Row r's position: first[r / rows_per_chunk] + r % chunk_length (at most two chunks).
-struct RowPositions {
-  int rows_per_chunk = 0, chunk_length = 1;
-  int first[2] = {0, 0};
-  constexpr int operator()(std::size_t r) const {
-    const std::size_t c = r / static_cast<std::size_t>(rows_per_chunk);
-    return first[c] + static_cast<int>(r % static_cast<std::size_t>(chunk_length));
-  }
-};
-
-}  // namespace fived::kernels
 
 namespace fived::kernels::host {
 

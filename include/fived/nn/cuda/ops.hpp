@@ -138,11 +138,11 @@ struct Ops<T, Cuda> {
     kernels::cuda::swiglu_backward(stream(), dgu, dh, gu, N, F);
   }
   void rotary_forward(T* qkv, const T* raw, const stat_t* inv_freq, int N, int H, int KV, int hd,
-                      kernels::RowPositions pos) {
+                      RowPositions pos) {
     kernels::cuda::rotary_forward(stream(), qkv, raw, inv_freq, N, H, KV, hd, pos);
   }
   void rotary_backward(T* draw, const T* dqkv, const stat_t* inv_freq, int N, int H, int KV, int hd,
-                       kernels::RowPositions pos) {
+                       RowPositions pos) {
     kernels::cuda::rotary_backward(stream(), draw, dqkv, inv_freq, N, H, KV, hd, pos);
   }
   void gelu_forward(T* out, const T* inp, std::size_t n) { kernels::cuda::gelu_forward(stream(), out, inp, n); }
