@@ -11,14 +11,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include "fived/comm/counting.hpp"
 #include "fived/comm/host.hpp"
 #include "fived/io/safetensors.hpp"
 #include "fived/model/contract.hpp"
 #include "fived/nn/llama.hpp"
-#include "fived/plan/model.hpp"
+#include "fived/plan/plan.hpp"
 #include "fived/train/trainer.hpp"
 #include "support/batches.hpp"
 #include "support/compare.hpp"
@@ -235,4 +237,89 @@ TEST_CASE("Llama under all-gather context parallelism (its default), CP 2 and CP
 TEST_CASE("Llama under ring context parallelism, CP 2 and CP 4: equals serial") {
   equals_serial<Mesh<CP<2>>, NoZeRO, Accumulate<1>, ring_tiny>("CP 2 (ring)");
   equals_serial<Mesh<CP<4>>, NoZeRO, Accumulate<2>, ring_tiny>("CP 4 (ring)");
+}
+
+// ---- the plan, from the model type: what a Trainer step sends and what the model holds -----
+
+namespace {
+
+template <class Cfg, class M, int Zero, class Sched>
+struct run : plan::layout {
+  using mesh = M;
+  using schedule = Sched;
+  static constexpr bool sequence_parallel = true;
+  static constexpr int zero = Zero, element_bytes = 4, micro_batch = B / M::dp, sequence = T;
+  static constexpr auto bounds = StageLayers<Llama<Cfg, M, float, Host, SequenceParallel>,
+                                             Sched::table.shape.ranks * Sched::table.shape.chunks>::bounds;
+};
+template <class Cfg, class M, int Zero, class Sched>
+using PlanOf = plan::Plan<plan::from_model<Llama<Cfg, M, float, Host, SequenceParallel>>(), run<Cfg, M, Zero, Sched>>;
+
+// Bytes the model's buffers hold after one forward and backward on mesh M, against the plan.
+template <class Cfg, class M>
+void holds_the_planned_bytes(const std::string& what) {
+  using P = PlanOf<Cfg, M, 0, Accumulate<1>>;
+  std::vector<int> tok, tgt;
+  test::global_batch(1, 1, B, T, tiny::vocab, tok, tgt);
+  const std::size_t before = buffer_bytes_held<Host>();
+  std::size_t held = 0;
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    Llama<Cfg, M, float, Host, SequenceParallel> model(ctx, init);
+    model.forward(tok.data(), tgt.data(), B, T);
+    model.backward();
+    ctx.world().barrier();
+    if (ctx.rank() == 0) held = buffer_bytes_held<Host>() - before;
+    ctx.world().barrier();
+  });
+  const plan::Memory& m = P::memory;
+  const plan::Bytes planned = m.parameters + m.gradients + m.peak_activations + m.recompute + m.work;
+  MESSAGE(what << ": " << held / M::size << " bytes a rank, planned " << planned << " + the dense model's unused "
+               << sizeof(float) << "-byte router bias");
+  CHECK(held == M::size * (planned + sizeof(float)));
+}
+
+}  // namespace
+
+TEST_CASE("Llama's plan, from its type: its buffers after a forward and backward are the planned bytes on "
+          "Mesh<TP<2>>, Mesh<CP<2>, TP<2>> (all-gather) and Mesh<CP<2>> (ring), with SP") {
+  holds_the_planned_bytes<tiny, Mesh<TP<2>>>("TP 2");
+  holds_the_planned_bytes<tiny, Mesh<CP<2>, TP<2>>>("CP 2 (all-gather) x TP 2");
+  holds_the_planned_bytes<ring_tiny, Mesh<CP<2>>>("CP 2 (ring)");
+}
+
+TEST_CASE("Llama's plan: a Trainer step's collectives on DP 2 x PP 2 x CP 2 x TP 2 (all-gather CP), group by group") {
+  using M = Mesh<DP<2>, PP<2>, CP<2>, TP<2>>;
+  using Sched = pipeline::OneFOneB<2, 4>;
+  using P = PlanOf<tiny, M, 1, Sched>;
+  std::vector<int> tok, tgt;
+  test::global_batch(1, Sched::table.micro_batches, B, T, tiny::vocab, tok, tgt);
+  std::mutex mu;
+  std::vector<plan::Traffic> got(M::size);
+  std::vector<int> pp_rank(M::size);
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(Counting<host::Comm>(world));
+    Trainer<Llama<tiny, M, float, Host, SequenceParallel>, ZeRO<1>, Sched> t(ctx, hp, init);
+    auto counts = [&] {
+      return plan::Traffic{ctx.template comm<Axis::tp>().counts(), ctx.template comm<Axis::cp>().counts(), {},
+                           ctx.template comm<Axis::pp>().counts(), ctx.template comm<typename M::grad_group>().counts(), {}};
+    };
+    const plan::Traffic before = counts();
+    t.step(1, tok, tgt, B, T);
+    const plan::Traffic after = counts();
+    std::lock_guard lock(mu);
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    got[r] = {after.tp - before.tp, after.cp - before.cp, {}, after.pp - before.pp, after.grad - before.grad, {}};
+    pp_rank[r] = ctx.coord()[Axis::pp];
+  });
+  for (int r = 0; r < M::size; ++r) {
+    CAPTURE(r);
+    const plan::Traffic& want = P::traffic_by_rank[static_cast<std::size_t>(pp_rank[static_cast<std::size_t>(r)])];
+    const plan::Traffic& x = got[static_cast<std::size_t>(r)];
+    CHECK(x.tp == want.tp);
+    CHECK(x.cp == want.cp);
+    CHECK(x.pp == want.pp);
+    CHECK(x.grad == want.grad);
+    CHECK(x.cp.all_gather.calls > 0);
+  }
 }

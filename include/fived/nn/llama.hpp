@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numbers>
+#include <type_traits>
 #include <vector>
 
 #include "fived/nn/attention.hpp"
@@ -88,6 +89,7 @@ template <class Cfg>
 struct LlamaBlock {
   using dims = llama_dims<Cfg>;
   static constexpr int C = dims::d_model, F = dims::ffn, KVC = dims::kv_width;
+  static_assert(2 * F >= C, "llama config: ffn must be at least d_model / 2 (d(gate | up) also holds d(attention))");
 
   static constexpr SpecList<9> specs(int layer, int unit, std::uint64_t stream) {
     SpecList<9> s;
@@ -109,6 +111,9 @@ struct LlamaBlock {
     using Norm = RMSNorm<S>;
     using Attn = RotaryAttention<S, dims::heads, dims::kv_heads, typename dims::context_attention>;
     using Mlp = SwiGLU<S>;
+    static_assert(F % S::tp == 0,
+                  "tensor parallelism splits the SwiGLU hidden width over TP: make ffn in the config a multiple of the "
+                  "TP extent");
 
     struct Params {
       typename Norm::Params ln_1;
@@ -135,7 +140,8 @@ struct LlamaBlock {
     };
     struct Work {
       Buffer<stat_t, typename S::device> inv_freq;          // [head size / 2]
-      Buffer<T, typename S::device> raw, datty, dqkv, dh, dgu;  // [N, (C + 2KVC)/TP], [N, C/TP], [N, 3C/TP], [N, F/TP], [N, 2F/TP]
+      Buffer<T, typename S::device> raw, dqkv;  // [N, (C + 2KVC)/TP] (also its gradient), [N, 3C/TP]
+      Buffer<T, typename S::device> dh, dgu;    // [N, F/TP], [N, 2F/TP] (also d(core) [N, C/TP])
       typename Attn::ContextWork ring;
       typename Attn::Core core;  // SelectiveRecompute: the core being run
       void reserve(ops_type& ops, std::size_t N, std::size_t, int, int) {
@@ -144,7 +150,6 @@ struct LlamaBlock {
         inv_freq = ops.template make_buffer<stat_t>(g.size());
         ops.upload(inv_freq.data(), g.data(), g.size());
         raw = ops.template make_buffer<T>(N * static_cast<std::size_t>(Attn::raw_width(C, KVC)));
-        datty = ops.template make_buffer<T>(N * C / S::tp);
         dqkv = ops.template make_buffer<T>(N * 3 * C / S::tp);
         dh = ops.template make_buffer<T>(N * F / S::tp);
         dgu = ops.template make_buffer<T>(N * 2 * F / S::tp);
@@ -175,7 +180,7 @@ struct LlamaBlock {
                     k.partial);
       Norm::backward(s, dres, g.ln_2, k.dln, a.res2.data(), p.ln_2, a.ln_2, C);  // dres: d(res2)
       Attn::backward(s, w.ring, k.dln, g.attn, dres, a.ln_1.out.data(), a.attn, core(a, w), p.attn, C, KVC,
-                     w.inv_freq.data(), w.datty.data(), w.dqkv.data(), w.raw.data(), k.partial);
+                     w.inv_freq.data(), w.dgu.data(), w.dqkv.data(), w.raw.data(), k.partial);
       Norm::backward(s, dres, g.ln_1, k.dln, x, p.ln_1, a.ln_1, C);
     }
   };
@@ -199,6 +204,7 @@ struct Llama3 {
     m.layers = d::layers, m.d_model = d::d_model, m.heads = d::heads, m.kv_heads = d::kv_heads, m.d_ff = d::ffn;
     m.gated = true, m.vocab = d::vocab, m.padded_vocab = d::padded_vocab, m.tied = d::tied, m.biases = false;
     m.norm = plan::Norm::rms_norm, m.positions = 0;
+    m.allgather_context = std::is_same_v<typename d::context_attention, AllGatherContext>;
     return m;
   }
 };

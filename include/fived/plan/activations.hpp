@@ -10,7 +10,9 @@
 // stream under sequence parallelism (else N), t bytes an element, st bytes a statistic.
 //
 //   per block    ln_1 out [n, C] + stats [n] (mean, rstd; RMSNorm: rstd)
-//                attention: SP's gathered input [N, C]; q|k|v [N, (H + 2·KV)·hd/TP];
+//                attention: SP's gathered input [N, C]; q|k|v as the attention kernels read
+//                           it, [N, 3·H·hd/TP] (grouped-query attention's KV heads repeated
+//                           for their query heads, as Hugging Face's repeat_kv);
 //                           core output [N, H·hd/TP] + log-sum-exp [N, H/TP] stat
 //                res2 [n, C]; ln_2 out [n, C] + stats
 //                FFN: SP's gathered input [N, C]; pre-activation and GELU output
@@ -28,8 +30,10 @@
 //                shared Core. FullRecompute keeps only res3 per block (the next block's
 //                input): one shared block (attention, FFN and MoE if the part has them).
 //   work         shared by the slots: the stream's gradient buffers [n, C] x3, d(hidden)
-//                [N, F/TP], d(q|k|v), SP's [N, C] and its LayerNorm gradient partials, the
-//                ring's buffers under CP, the MoE's.
+//                [N, F/TP] (SwiGLU: d(h), d(gate), d(up)), d(q|k|v) [N, 3·H·hd/TP], with
+//                rotary positions the projection's own q|k|v [N, (H + 2·KV)·hd/TP] and the
+//                frequencies [hd/2] stat, SP's [N, C] and its norm gradient partials, the
+//                ring's or the all-gather's buffers under CP, the MoE's.
 //
 // R, the rows this rank's experts receive, is data dependent; the plan takes the balanced
 // case, R = N·k (every rank receives as many rows as it sends). With micro_batch·sequence = T
@@ -61,9 +65,10 @@ constexpr Bytes norm_bytes(const Transformer& m, std::int64_t rows, const Rows& 
 constexpr Bytes core_bytes(const Transformer& m, const Rows& a) {
   return detail::bytes(a.N * (m.attention_width() / a.tp), a.t) + detail::bytes(a.N * (m.heads / a.tp), a.st);
 }
-// Attention::Saved: the gathered input, q|k|v, and the core unless it is recomputed.
+// Attention::Saved (or RotaryAttention's): the gathered input, q|k|v in the kernels' layout,
+// and the core unless it is recomputed.
 constexpr Bytes attention_bytes(const Transformer& m, const Rows& a, bool keep_core) {
-  return (a.sp ? detail::bytes(a.N * m.d_model, a.t) : 0) + detail::bytes(a.N * (m.qkv_width() / a.tp), a.t) +
+  return (a.sp ? detail::bytes(a.N * m.d_model, a.t) : 0) + detail::bytes(a.N * (3 * m.attention_width() / a.tp), a.t) +
          (keep_core ? core_bytes(m, a) : 0);
 }
 // MLP::Saved: the gathered input, and the FFN's hidden activations.
@@ -116,20 +121,26 @@ constexpr Bytes recompute_bytes(const Transformer& m, const Blocks& part, const 
 }
 
 // The decoder's and the block's Work of a part: what one forward or backward uses and leaves behind, shared by its
-// slots. A gated FFN (not in fived's GPT-2) is given d(gate) and d(up) where GELU has one d(h).
+// slots. A SwiGLU FFN (Llama's) keeps d(h) [N, F/TP] and d(gate | up) [N, 2F/TP] where GELU has one d(h); d(core)
+// reuses them. Rotary attention (no learned positions) adds the projection's q|k|v and the frequencies.
 constexpr Bytes work_bytes(const Transformer& m, const Blocks& part, const Rows& a) {
   bool moe = false;
   for (int l = part.first; l < part.first + part.count; ++l) moe = moe || m.is_moe(l);
-  const std::int64_t C = m.d_model, qkv = m.qkv_width() / a.tp, q = m.attention_width() / a.tp;
-  const std::int64_t kv = qkv - q;  // packed k|v columns of the local heads
+  const std::int64_t C = m.d_model, q = m.attention_width() / a.tp, qkv = 3 * q;  // the attention kernels' q|k|v
+  const std::int64_t kv = 2 * q;  // packed k|v columns of the local heads (repeated for GQA)
   Bytes w = detail::bytes(3 * a.n * C, a.t)                              // out, dres, dln
-            + detail::bytes(a.N * (m.d_ff / a.tp) * (m.gated ? 2 : 1), a.t)  // dhidden (also d(core))
+            + detail::bytes(a.N * (m.d_ff / a.tp) * (m.gated ? 3 : 1), a.t)  // dhidden (also d(core))
             + detail::bytes(a.N * qkv, a.t)                              // dqkv
             + (a.sp ? detail::bytes(a.N * C, a.t) : 0);                  // SP's gathered or partial rows
-  if (a.sp)  // SP: each unit's LayerNorm gradients, partial over TP until the unit's all-reduce
+  if (m.positions == 0)  // RotaryAttention: the projection's q|k|v (and its gradient), the frequencies
+    w += detail::bytes(a.N * (m.qkv_width() / a.tp), a.t) + detail::bytes(m.head_dim() / 2, a.st);
+  if (a.sp)  // SP: each unit's norm gradients, partial over TP until the unit's all-reduce
     w += detail::bytes((m.block_norms() * part.count + (part.head ? 1 : 0)) * m.norm_elements(), a.t);
-  if (a.cp > 1)  // RingAttention::Work: k|v in hand and next, o, dq, d[k|v] x2, Dd, dqkv in stat precision
+  if (a.cp > 1 && !m.allgather_context)  // RingAttention::Work: k|v in hand and next, o, dq, d[k|v] x2, Dd, dqkv in stat
     w += detail::bytes(2 * a.N * kv, a.t) + detail::bytes(2 * a.N * q + 2 * a.N * kv + a.N * (m.heads / a.tp) + a.N * qkv, a.st);
+  if (a.cp > 1 && m.allgather_context)  // AllGatherAttention::Work: k|v local and gathered, o, dq, d[k|v] gathered and
+    w += detail::bytes((1 + a.cp) * a.N * kv, a.t) +  // local, Dd, dqkv in stat
+         detail::bytes(2 * a.N * q + (a.cp + 1) * a.N * kv + a.N * (m.heads / a.tp) + a.N * qkv, a.st);
   if (moe) {  // MoE::Work: router logits, d(gate), score sums, rows in dispatch order, staging, y, d(h)
     const std::int64_t Nk = a.N * m.top_k;
     w += detail::bytes(a.N * m.experts, a.t) + detail::bytes(Nk + m.experts, a.st) + detail::bytes(3 * Nk * C, a.t) +

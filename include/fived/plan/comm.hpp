@@ -127,12 +127,17 @@ constexpr Traffic layer_traffic(const Transformer& m, const Blocks& part, const 
     }
   }
   if (a.cp > 1) {
-    const std::int64_t kv = a.N * (m.qkv_width() - m.attention_width()) / a.tp;
+    const std::int64_t kv = a.N * 2 * m.attention_width() / a.tp;  // the local [k | v] (GQA's heads repeated)
     const int rings = a.recompute == Recompute::none ? 1 : 2;  // forward, and its recomputation
     for (int l = part.first; l < part.first + part.count; ++l) {
-      tally(r.cp.send_recv, rings * (a.cp - 1) * std::int64_t{M}, kv * a.t);
-      tally(r.cp.send_recv, (a.cp - 1) * std::int64_t{M}, kv * a.t);  // backward: k|v again
-      tally(r.cp.send_recv, a.cp * std::int64_t{M}, kv * a.st);       // and d[k|v]
+      if (m.allgather_context) {
+        tally(r.cp.all_gather, (rings + 1) * std::int64_t{M}, kv * a.t);  // forward(s) and backward: k|v
+        tally(r.cp.reduce_scatter, M, a.cp * kv * a.st);                   // d[k|v] of every gathered row
+      } else {
+        tally(r.cp.send_recv, rings * (a.cp - 1) * std::int64_t{M}, kv * a.t);
+        tally(r.cp.send_recv, (a.cp - 1) * std::int64_t{M}, kv * a.t);  // backward: k|v again
+        tally(r.cp.send_recv, a.cp * std::int64_t{M}, kv * a.st);       // and d[k|v]
+      }
       if (m.is_moe(l) && m.balancing_loss) tally(r.cp.all_reduce, (full ? 2 : 1) * M, 2 * m.experts * 8);
     }
   }

@@ -17,6 +17,7 @@
 // Being a structural type, a Transformer is a template argument: Plan<llama3_405b, layout>.
 
 #include <cstdint>
+#include <type_traits>
 
 #include "fived/nn/config.hpp"
 
@@ -43,6 +44,9 @@ struct Transformer {
   // x + attn(norm(x)) + ffn(norm(x)): one norm a block, no stream kept between attention and
   // the FFN (examples/parallel_blocks.hpp); otherwise pre-norm, one after the other.
   bool parallel_blocks = false;
+  // Under context parallelism: keys and values round the CP ring, or all-gathered at once
+  // (nn/allgather_attention.hpp).
+  bool allgather_context = false;
 
   // Mixture of experts: block l has one when experts > 0, l >= dense_first and
   // (l - dense_first) % moe_every == moe_every - 1 (fived: every moe_every-th block;
@@ -138,6 +142,7 @@ constexpr Transformer from_gpt() {
   m.layers = d::layers, m.d_model = d::d_model, m.heads = d::heads, m.kv_heads = d::heads, m.d_ff = d::d_ff;
   m.gated = false, m.vocab = d::vocab, m.padded_vocab = d::padded_vocab, m.tied = d::tied, m.biases = true;
   m.norm = Norm::layer_norm, m.positions = d::max_seq;
+  m.allgather_context = std::is_same_v<typename d::context_attention, AllGatherContext>;
   m.experts = d::experts, m.top_k = d::experts > 0 ? d::top_k : 0, m.moe_every = d::moe_every, m.dense_first = 0;
   m.expert_d_ff = d::d_ff, m.shared_experts = 0, m.balancing_loss = d::experts > 0 && Cfg::aux_loss_coef > 0;
   return m;
