@@ -65,6 +65,7 @@
 
 #include <fived/mesh/mesh.hpp>
 #include <fived/nn/config.hpp>
+#include <fived/nn/llama.hpp>
 #include <fived/nn/recompute.hpp>
 #include <fived/pipeline/schedules.hpp>
 #include <fived/plan/fits.hpp>
@@ -163,7 +164,7 @@ Config make(std::string_view name) {
              column<plan::Plan<m, gpt2_run<FullRecompute>>>("full")}};
   }
   if (name == "llama3-405b") {
-    constexpr plan::Transformer m = plan::llama3_405b;
+    constexpr plan::Transformer m = plan::from_model<Llama<llama3_405b_config>>();  // the model type itself
     using one = pipeline::OneFOneB<16, 16>;
     using two = pipeline::Interleaved1F1B<16, 16, 2>;
     return {"llama3-405b", "Llama-3-405B (126 layers, d_model 16384, 128 heads, 8 KV heads, SwiGLU 53248)",

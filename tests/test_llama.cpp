@@ -20,6 +20,7 @@
 #include "fived/io/safetensors.hpp"
 #include "fived/model/contract.hpp"
 #include "fived/nn/llama.hpp"
+#include "fived/plan/models.hpp"
 #include "fived/plan/plan.hpp"
 #include "fived/train/trainer.hpp"
 #include "support/batches.hpp"
@@ -87,6 +88,13 @@ static_assert(check_model<Serial>::ok && ModelPart<Serial>, "Llama satisfies the
 static_assert(Serial::layout::count == 1 + 2 * 9 + 2, "embed_tokens; 9 tensors a block; model.norm and lm_head");
 static_assert(plan::from_model<Serial>().parameters() == static_cast<std::int64_t>(Serial::serial_layout::num_parameters),
               "the plan counts the model's parameters (as Hugging Face does: no padded vocabulary rows)");
+
+// The planner's Llama-3-405B (plan/models.hpp, a description) is the model type's own.
+constexpr plan::Transformer llama405 = plan::from_model<Llama<llama3_405b_config>>();
+static_assert(llama405.parameters() == plan::llama3_405b.parameters() && llama405.kv_heads == 8 && llama405.gated &&
+                  llama405.d_ff == plan::llama3_405b.d_ff && llama405.positions == 0 && !llama405.biases &&
+                  llama405.norm == plan::Norm::rms_norm && llama405.padded_vocab == plan::llama3_405b.padded_vocab,
+              "plan::llama3_405b describes fived's Llama<llama3_405b_config>");
 
 TEST_CASE("Llama's tensors carry Hugging Face LlamaForCausalLM's names and shapes") {
   const io::SafetensorsFile f = io::SafetensorsFile::read(model_file);

@@ -51,6 +51,11 @@ struct llama_config : gpt_config {
   static constexpr int rope_original_max_seq = 8192;
 };
 
+// Llama 3's "405B" (Dubey et al. 2024, Table 3), as Hugging Face's Llama-3.1-405B config.
+struct llama3_405b_config : llama_config {
+  static constexpr int layers = 126, d_model = 16384, heads = 128, kv_heads = 8, ffn = 53248;
+};
+
 // What the Llama block derives from a configuration, checked once.
 template <class Cfg>
 struct llama_dims : gpt_dims<Cfg> {
