@@ -12,7 +12,7 @@
 // Tensors carry Hugging Face LlamaForCausalLM's names and shapes
 // ("model.layers.3.self_attn.k_proj.weight" [kv_heads * head size, d_model]), so its
 // safetensors files load as they are; rotary embeddings pair column i with i + head size / 2
-// as Hugging Face does. No biases anywhere. TP must divide kv_heads.
+// as Hugging Face does. No biases anywhere. TP must divide kv_heads or be a multiple of it.
 
 #include <array>
 #include <cmath>
@@ -99,7 +99,7 @@ struct LlamaBlock {
   static constexpr SpecList<9> specs(int layer, int unit, std::uint64_t stream) {
     SpecList<9> s;
     s += rmsnorm_specs("input_layernorm.weight", layer, unit, C, stream + 2);
-    s += rotary_attention_specs(layer, unit, C, KVC, stream + 4);
+    s += rotary_attention_specs(layer, unit, C, dims::kv_heads, KVC, stream + 4);
     s += rmsnorm_specs("post_attention_layernorm.weight", layer, unit, C, stream + 8);
     s += swiglu_specs(layer, unit, C, F, stream + 10);
     return s.in_scope("model.layers.");
@@ -148,6 +148,7 @@ struct LlamaBlock {
       Buffer<T, typename S::device> raw, dqkv;  // [N, (C + 2KVC)/TP] (also its gradient), [N, 3C/TP]
       Buffer<T, typename S::device> dh, dgu;    // [N, F/TP], [N, 2F/TP] (also d(core) [N, C/TP])
       typename Attn::ContextWork ring;
+      typename Attn::Work attn;  // TP above the key/value heads: their gradients' sum
       typename Attn::Core core;  // SelectiveRecompute: the core being run
       void reserve(ops_type& ops, std::size_t N, std::size_t, int, int) {
         const std::vector<double> f = dims::inv_freq();
@@ -159,6 +160,7 @@ struct LlamaBlock {
         dh = ops.template make_buffer<T>(N * F / S::tp);
         dgu = ops.template make_buffer<T>(N * 2 * F / S::tp);
         if constexpr (S::cp > 1) ring.reserve(ops, N, C / S::tp);
+        attn.reserve(ops, C, KVC);
         if constexpr (recompute::attention_core) core.reserve(ops, N, C);
       }
     };
@@ -184,7 +186,7 @@ struct LlamaBlock {
       Mlp::backward(s, k.dln, g.mlp, dres, a.ln_2.out.data(), a.mlp, p.mlp, C, F, w.dh.data(), w.dgu.data(),
                     k.partial);
       Norm::backward(s, dres, g.ln_2, k.dln, a.res2.data(), p.ln_2, a.ln_2, C);  // dres: d(res2)
-      Attn::backward(s, w.ring, k.dln, g.attn, dres, a.ln_1.out.data(), a.attn, core(a, w), p.attn, C, KVC,
+      Attn::backward(s, w.ring, w.attn, k.dln, g.attn, dres, a.ln_1.out.data(), a.attn, core(a, w), p.attn, C, KVC,
                      w.inv_freq.data(), w.dgu.data(), w.dqkv.data(), w.raw.data(), k.partial);
       Norm::backward(s, dres, g.ln_1, k.dln, x, p.ln_1, a.ln_1, C);
     }

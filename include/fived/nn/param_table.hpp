@@ -52,11 +52,17 @@ enum class Init : std::uint8_t { zeros, ones, normal, normal_residual };  // res
 enum class ReduceGroup : std::uint8_t { grad_group, expert_data };
 
 // The placement of a parameter on the TP axis: Replicate (dim < 0) or Shard of dimension
-// `dim`, seen as `groups` equal blocks side by side, each split over TP.
+// `dim`, seen as `groups` equal blocks side by side, each split over TP. With max_pieces > 0
+// the dimension cuts into at most that many pieces (whole heads: grouped-query attention's
+// key/value heads); a TP above it keeps each piece on TP / max_pieces consecutive ranks, its
+// replicas, whose gradients the model sums over them.
 struct TpSplit {
   int dim = -1;
   int groups = 1;
+  int max_pieces = 0;
   constexpr bool replicated() const { return dim < 0; }
+  constexpr int pieces(int TP) const { return max_pieces > 0 && TP > max_pieces ? max_pieces : TP; }
+  constexpr int replicas(int TP) const { return TP / pieces(TP); }
 };
 
 struct TensorSpec {
@@ -152,15 +158,15 @@ struct ParamInfo {
 constexpr std::int64_t piece_extent(const TensorSpec& s, int dim, int TP, int EP) {
   const std::int64_t n = dim == 0 ? s.rows : s.cols;
   const std::int64_t e = dim == 0 && s.experts > 0 ? n / EP : n;
-  return s.tp.dim == dim ? e / TP : e;
+  return s.tp.dim == dim ? e / s.tp.pieces(TP) : e;
 }
 constexpr std::int64_t whole_index(const TensorSpec& s, int TP, int EP, int r, int e, std::int64_t local) {
   const std::int64_t piece_cols = piece_extent(s, 1, TP, EP);
   std::int64_t row = local / piece_cols, col = local % piece_cols;
   // along a split dimension of n elements cut as `groups` blocks: local index j of rank r
   auto split = [&](std::int64_t n, std::int64_t j) {
-    const std::int64_t piece = n / s.tp.groups / TP;
-    return (j / piece) * (n / s.tp.groups) + static_cast<std::int64_t>(r) * piece + j % piece;
+    const std::int64_t piece = n / s.tp.groups / s.tp.pieces(TP);
+    return (j / piece) * (n / s.tp.groups) + static_cast<std::int64_t>(r / s.tp.replicas(TP)) * piece + j % piece;
   };
   if (s.experts > 0) {  // whole experts over EP, then each expert's rows over TP
     const std::int64_t rows_of = s.rows / s.experts, mine = s.tp.dim == 0 ? rows_of / TP : rows_of;
@@ -196,7 +202,9 @@ struct ParamTable {
         continue;
       }
       const std::int64_t n = s.tp.dim == 0 ? s.rows : s.tp.dim == 1 ? s.cols : 0;
-      if (s.tp.dim >= 0 && (s.tp.groups < 1 || n % (static_cast<std::int64_t>(s.tp.groups) * TP) != 0)) return false;
+      if (s.tp.dim >= 0 && (s.tp.groups < 1 || n % (static_cast<std::int64_t>(s.tp.groups) * s.tp.pieces(TP)) != 0))
+        return false;
+      if (s.tp.dim >= 0 && TP % s.tp.pieces(TP) != 0) return false;  // replicas: TP a multiple of the pieces
     }
     return true;
   }
@@ -260,10 +268,12 @@ struct ParamTable {
   }
 
   // Whether TP rank r counts tensor i's gradient in the global norm: a split tensor's
-  // pieces on every rank, a replicated one (identical on all) on rank 0 only.
+  // pieces on every rank (the first of a piece's replicas), a replicated one (identical on
+  // all) on rank 0 only.
   static constexpr bool counted_once(int i, int r) {
-    if (tensors[static_cast<std::size_t>(i)].spec.tied_copy) return false;
-    return r == 0 || !tensors[static_cast<std::size_t>(i)].spec.tp.replicated();
+    const TensorSpec& s = tensors[static_cast<std::size_t>(i)].spec;
+    if (s.tied_copy) return false;
+    return s.tp.replicated() ? r == 0 : r % s.tp.replicas(TP) == 0;
   }
   // The parts of range `in` (flat offsets) whose gradients TP rank r counts.
   static std::vector<FlatRange> norm_parts(FlatRange in, int r) {

@@ -12,8 +12,12 @@
 //           or the all-gather of keys and values (the Context argument)
 //   o_proj  RowParallel [C, C] -> the stream
 //
-// TP must divide the key/value heads (each rank keeps the KV heads its query heads read).
-// Collectives per step on the TP group: as nn/attention.hpp.
+// Each rank keeps the key/value heads its query heads read: KV / TP of them when TP divides
+// the KV heads; with TP above them (Llama 3 70B's 8 KV heads at TP 16) one, shared by
+// TP / KV consecutive ranks (its replicas, TpSplit::max_pieces), whose k_proj and v_proj
+// gradients are summed over them once per backward: each rank puts its share in its head's
+// slot of a [KV, 2 hd, C] buffer, one all-reduce over TP, each takes its slot back.
+// Collectives per step on the TP group: as nn/attention.hpp, plus that all-reduce.
 
 #include <array>
 #include <cstdint>
@@ -27,11 +31,12 @@
 namespace fived {
 
 // self_attn.{q,k,v,o}_proj.weight: [C, C], [KVC, C], [KVC, C], [C, C] with KVC = KV heads x
-// head size; streams stream .. stream + 3.
-constexpr std::array<TensorSpec, 4> rotary_attention_specs(int layer, int unit, int C, int KVC, std::uint64_t stream) {
+// head size (k and v cut into at most KV pieces over TP); streams stream .. stream + 3.
+constexpr std::array<TensorSpec, 4> rotary_attention_specs(int layer, int unit, int C, int KV, int KVC,
+                                                           std::uint64_t stream) {
   return {matrix_spec("self_attn.q_proj.weight", layer, C, C, {0, 1}, unit, Init::normal, stream),
-          matrix_spec("self_attn.k_proj.weight", layer, KVC, C, {0, 1}, unit, Init::normal, stream + 1),
-          matrix_spec("self_attn.v_proj.weight", layer, KVC, C, {0, 1}, unit, Init::normal, stream + 2),
+          matrix_spec("self_attn.k_proj.weight", layer, KVC, C, {0, 1, KV}, unit, Init::normal, stream + 1),
+          matrix_spec("self_attn.v_proj.weight", layer, KVC, C, {0, 1, KV}, unit, Init::normal, stream + 2),
           matrix_spec("self_attn.o_proj.weight", layer, C, C, {1, 1}, unit, Init::normal_residual, stream + 3)};
 }
 
@@ -44,10 +49,11 @@ struct RotaryAttention {
   using Core = typename Attn::Core;
   using ContextWork = typename Attn::ContextWork;
   static_assert(Heads % KVHeads == 0, "grouped-query attention: the key/value heads must divide the query heads");
-  static_assert(KVHeads % S::tp == 0,
-                "tensor parallelism splits the key/value heads over TP: kv_heads must be a multiple of the TP extent "
-                "(use a TP that divides kv_heads)");
-  static constexpr int local_heads = Heads / S::tp, local_kv = KVHeads / S::tp;
+  static_assert(KVHeads % S::tp == 0 || S::tp % KVHeads == 0,
+                "tensor parallelism and grouped-query attention: the TP extent must divide kv_heads or be a multiple "
+                "of it (each rank keeps whole key/value heads)");
+  static constexpr int replicas = S::tp > KVHeads ? S::tp / KVHeads : 1;  // ranks sharing a key/value head
+  static constexpr int local_heads = Heads / S::tp, local_kv = replicas > 1 ? 1 : KVHeads / S::tp;
 
   struct Saved {
     Buffer<T, typename S::device> x_full;  // SP: the gathered input (the projections' dW)
@@ -64,14 +70,27 @@ struct RotaryAttention {
     T *qkv, *o;
   };
   static Params bind(TensorCursor<T>& c, int C, int KVC) {
-    const std::size_t q = static_cast<std::size_t>(C / S::tp) * C, kv = static_cast<std::size_t>(KVC / S::tp) * C;
+    const std::size_t q = static_cast<std::size_t>(C / S::tp) * C, kv = static_cast<std::size_t>(kv_rows(KVC)) * C;
     T* w = c.take();
     if (c.take() != w + q || c.take() != w + q + kv)
       throw std::logic_error("RotaryAttention: q_proj, k_proj and v_proj must be adjacent in the flat buffer");
     return {w, c.take()};
   }
-  // This rank's projection width: (C + 2 KVC) / TP.
-  static constexpr int raw_width(int C, int KVC) { return (C + 2 * KVC) / S::tp; }
+  // This rank's rows of k_proj (and of v_proj), and its projection width C/TP + 2 of them.
+  static constexpr int kv_rows(int KVC) { return KVC / KVHeads * local_kv; }
+  static constexpr int raw_width(int C, int KVC) { return C / S::tp + 2 * kv_rows(KVC); }
+
+  // With replicas: the projection's weight gradient before it is added, and the key/value
+  // heads' slots [KV, 2 hd, C] summed over TP. Empty otherwise; shared by the slots.
+  struct Work {
+    Buffer<T, typename S::device> dw, slots;
+    void reserve(typename S::ops_type& ops, int C, int KVC) {
+      if constexpr (replicas > 1) {
+        dw = ops.template make_buffer<T>(static_cast<std::size_t>(raw_width(C, KVC)) * C);
+        slots = ops.template make_buffer<T>(2 * static_cast<std::size_t>(KVC) * C);
+      }
+    }
+  };
 
   // y (the stream's rows) = o_proj(attention(rotary(q|k|v(x)))); x is the norm's output.
   // inv_freq [head size / 2]: the rotary frequencies. raw: [N, raw_width] work. partial: [N, C] when SP.
@@ -89,14 +108,26 @@ struct RotaryAttention {
 
   // dx (the stream's rows, "=") from dy; gradients "+=". Work buffers: datty [N, C/TP],
   // dqkv [N, 3C/TP], draw [N, raw_width], full [N, C] when SP.
-  static void backward(S& s, ContextWork& ring, T* dx, Params g, const T* dy, const T* x, const Saved& a,
+  static void backward(S& s, ContextWork& ring, Work& w, T* dx, Params g, const T* dy, const T* x, const Saved& a,
                        const Core& core, Params p, int C, int KVC, const stat_t* inv_freq, T* datty, T* dqkv, T* draw,
                        T* full) {
     const T* x_full = S::sp ? a.x_full.data() : x;
     RowParallel<S, Linear>::backward(s, datty, g.o, nullptr, dy, core.atty.data(), p.o, C / S::tp, C, full);
     Attn::core_backward(s, ring, dqkv, datty, a.qkv.data(), core, C);
     s.ops.rotary_backward(draw, dqkv, inv_freq, s.rows(), local_heads, local_kv, C / Heads, s.positions());
-    ColumnParallel<S, Linear>::backward(s, dx, g.qkv, nullptr, draw, x_full, p.qkv, C, raw_width(C, KVC), full);
+    if constexpr (replicas == 1) {
+      ColumnParallel<S, Linear>::backward(s, dx, g.qkv, nullptr, draw, x_full, p.qkv, C, raw_width(C, KVC), full);
+    } else {  // the projection's gradient whole, then the shared key/value head's part summed over its replicas
+      s.ops.zero(w.dw);
+      ColumnParallel<S, Linear>::backward(s, dx, w.dw.data(), nullptr, draw, x_full, p.qkv, C, raw_width(C, KVC), full);
+      const std::size_t q = static_cast<std::size_t>(C / S::tp) * C, kv = 2 * static_cast<std::size_t>(kv_rows(KVC)) * C;
+      T* slot = w.slots.data() + static_cast<std::size_t>(s.rank() / replicas) * kv;
+      s.ops.residual_forward(g.qkv, g.qkv, w.dw.data(), q);
+      s.ops.zero(w.slots);
+      s.ops.copy(slot, w.dw.data() + q, kv);
+      s.comm.all_reduce(w.slots.span());
+      s.ops.residual_forward(g.qkv + q, g.qkv + q, slot, kv);
+    }
   }
 };
 

@@ -133,7 +133,9 @@ constexpr Bytes work_bytes(const Transformer& m, const Blocks& part, const Rows&
             + detail::bytes(a.N * qkv, a.t)                              // dqkv
             + (a.sp ? detail::bytes(a.N * C, a.t) : 0);                  // SP's gathered or partial rows
   if (m.positions == 0)  // RotaryAttention: the projection's q|k|v (and its gradient), the frequencies
-    w += detail::bytes(a.N * (m.qkv_width() / a.tp), a.t) + detail::bytes(m.head_dim() / 2, a.st);
+    w += detail::bytes(a.N * m.local_qkv_width(a.tp), a.t) + detail::bytes(m.head_dim() / 2, a.st);
+  if (m.positions == 0 && m.kv_heads < a.tp)  // key/value heads on several ranks: their gradient and its slots
+    w += detail::bytes(m.local_qkv_width(a.tp) * m.d_model + 2 * std::int64_t{m.kv_heads} * m.head_dim() * m.d_model, a.t);
   if (a.sp)  // SP: each unit's norm gradients, partial over TP until the unit's all-reduce
     w += detail::bytes((m.block_norms() * part.count + (part.head ? 1 : 0)) * m.norm_elements(), a.t);
   if (a.cp > 1 && !m.allgather_context)  // RingAttention::Work: k|v in hand and next, o, dq, d[k|v] x2, Dd, dqkv in stat

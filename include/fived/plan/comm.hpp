@@ -120,6 +120,8 @@ constexpr Traffic layer_traffic(const Transformer& m, const Blocks& part, const 
       gather(2 * M), reduce(2 * M);                        // backward
       if (m.is_moe(l)) tally(c.all_reduce, M, Nk * a.st);  // d(gate)
       if (a.sp) tally(c.all_reduce, M, m.block_norms() * m.norm_elements() * a.t);  // the unit's LayerNorm gradients
+      if (m.kv_heads < a.tp)  // key/value heads on several ranks: their projections' gradient slots
+        tally(c.all_reduce, M, 2 * std::int64_t{m.kv_heads} * m.head_dim() * C * a.t);
     }
     if (part.head) {
       gather(M), tally(c.all_reduce, 3 * M, a.N * a.st), reduce(M);

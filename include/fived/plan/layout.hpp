@@ -113,9 +113,9 @@ struct Setup {
   static_assert(Model.kv_heads >= 1 && Model.heads % Model.kv_heads == 0,
                 "plan model: kv_heads must divide heads (grouped-query attention shares each key/value head among "
                 "heads / kv_heads query heads)");
-  static_assert(Model.heads % tp == 0 && Model.kv_heads % tp == 0,
-                "plan: tensor parallelism splits the attention heads over TP: heads and kv_heads must be multiples "
-                "of the TP extent");
+  static_assert(Model.heads % tp == 0 && (Model.kv_heads % tp == 0 || tp % Model.kv_heads == 0),
+                "plan: tensor parallelism splits the attention heads over TP: heads must be a multiple of the TP "
+                "extent, and kv_heads a multiple or a divisor of it");
   static_assert(Model.d_ff % tp == 0 && (Model.experts == 0 || Model.expert_d_ff % tp == 0),
                 "plan: tensor parallelism splits the FFN's hidden width over TP: d_ff (and expert_d_ff) must be "
                 "multiples of the TP extent");

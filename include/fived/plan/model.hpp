@@ -68,6 +68,12 @@ struct Transformer {
   }
   // Columns of the fused q|k|v projection (whole model): heads queries, kv_heads keys and values.
   constexpr std::int64_t qkv_width() const { return std::int64_t{heads + 2 * kv_heads} * head_dim(); }
+  // Key/value heads on one TP rank: kv_heads / TP, or with TP above them one, kept by TP /
+  // kv_heads ranks (nn/rotary_attention.hpp); and that rank's columns of q|k|v.
+  constexpr int local_kv_heads(int tp) const { return kv_heads >= tp ? kv_heads / tp : 1; }
+  constexpr std::int64_t local_qkv_width(int tp) const {
+    return attention_width() / tp + std::int64_t{2} * local_kv_heads(tp) * head_dim();
+  }
   constexpr std::int64_t attention_width() const { return std::int64_t{heads} * head_dim(); }  // core output
   constexpr int norm_vectors() const { return norm == Norm::layer_norm ? 2 : 1; }
   constexpr int block_norms() const { return parallel_blocks ? 1 : 2; }
@@ -79,7 +85,7 @@ struct Transformer {
   // q|k|v [C, qkv/TP] and its bias (columns over TP), the output projection
   // [heads·head_dim/TP, C] (rows over TP) and its bias [C] (replicated).
   constexpr std::int64_t attention_elements(int tp) const {
-    const std::int64_t C = d_model, qkv = qkv_width() / tp, out = attention_width() / tp;
+    const std::int64_t C = d_model, qkv = local_qkv_width(tp), out = attention_width() / tp;
     return C * qkv + out * C + (biases ? qkv + C : 0);
   }
   // An FFN of width F: c_fc (gate and up when gated) columns over TP, c_proj rows over TP.
