@@ -1,11 +1,12 @@
-// Train a small byte-level GPT on a mesh chosen on the command line.
+// Train a small byte-level GPT (or Llama) on a mesh chosen on the command line.
 //
-//   train_gpt [text-file] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] [--seq T] [--lr LR]
-//             [--seed S] [--log-every N] [--save out.safetensors] [--checkpoints DIR [--save-every N] [--resume]]
-//             [--host] [--serial] [--list-meshes]
+//   train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] [--seq T]
+//             [--lr LR] [--seed S] [--log-every N] [--save out.safetensors] [--checkpoints DIR [--save-every N]
+//             [--resume]] [--host] [--serial] [--list-meshes]
 //
 // A thin program over fived::Trainer (train/trainer.hpp): one model (2 layers, d_model 64, 4
-// heads, byte vocabulary), one optimizer policy (AdamW, ZeRO-1 wherever the mesh has data
+// heads, byte vocabulary: GPT-2's blocks, or with --model llama Llama 3's, 2 key/value heads,
+// rotary positions, SwiGLU), one optimizer policy (AdamW, ZeRO-1 wherever the mesh has data
 // ranks), one schedule (1F1B over 2·PP micro-batches on a pipeline, else the whole batch at
 // once), and the mesh picked from the compiled ones by --mesh (default dp2.tp2):
 //
@@ -30,7 +31,7 @@
 // loss every fifth line, then a sample and, on the generated corpus, 40 sums that training
 // never showed completed greedily and "correct: K/40"
 // greedily. The trained weights are gathered into the serial model for that and for --save
-// (Hugging Face GPT-2 names). Exit status 0 when the held-out loss fell.
+// (Hugging Face GPT-2 or LlamaForCausalLM names). Exit status 0 when the held-out loss fell.
 //
 // --checkpoints DIR saves a sharded checkpoint (train/checkpoint.hpp: each rank its share,
 // optimizer state included) every --save-every steps and at the end; --resume goes on from
@@ -66,6 +67,7 @@
 #include "fived/comm/host.hpp"
 #include "fived/mesh/context.hpp"
 #include "fived/nn/gpt.hpp"
+#include "fived/nn/llama.hpp"
 #include "fived/train/trainer.hpp"
 
 namespace {
@@ -80,10 +82,28 @@ struct demo_config : gpt_config {
   static constexpr int vocab_multiple = 64;
   static constexpr bool tied = false;
 };
-using Serial = GPT<demo_config>;  // sampling, held-out loss and --save, on the host
+// The same widths as Llama 3: grouped-query attention (4 query heads on 2 key/value heads;
+// on tp4 each key/value head lives on two ranks), rotary positions, SwiGLU.
+struct demo_llama_config : llama_config {
+  static constexpr int layers = 2, d_model = 64, heads = 4, kv_heads = 2, ffn = 192, vocab = 256, max_seq = 128;
+  static constexpr int vocab_multiple = 64;
+  static constexpr double rope_theta = 10000.0, rope_factor = 1.0;  // no long-context scaling
+};
+
+// The two models --model picks, on any mesh and device.
+struct GptModel {
+  template <class M, class Device, class SP>
+  using type = GPT<demo_config, M, float, Device, SP>;
+};
+struct LlamaModel {
+  template <class M, class Device, class SP>
+  using type = Llama<demo_llama_config, M, float, Device, SP>;
+};
+template <class F>
+using serial_of = typename F::template type<Mesh<>, Host, NoSequenceParallel>;  // sampling, held-out loss, --save
 
 struct Options {
-  std::string file, tokens, save, mesh = "dp2.tp2", checkpoints;
+  std::string file, tokens, save, mesh = "dp2.tp2", checkpoints, model = "gpt";
   int steps = 1500, batch = 32, seq = 20, log_every = 0, save_every = 0;
   bool resume = false;  // from the latest checkpoint in `checkpoints`
   double lr = 4e-3;
@@ -93,7 +113,7 @@ struct Options {
 
 [[noreturn]] void usage(const std::string& msg) {
   std::fprintf(stderr,
-               "%s\nusage: train_gpt [text-file] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] "
+               "%s\nusage: train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] "
                "[--seq T (<= %d)] [--lr LR] [--seed S] [--log-every N] [--save out.safetensors] [--checkpoints DIR "
                "[--save-every N] [--resume]] [--host] [--serial] [--list-meshes]\n",
                msg.c_str(), demo_config::max_seq);
@@ -133,15 +153,17 @@ struct Corpus {
   std::vector<Sum> held;  // ... and the sums it never shows
 };
 
-template <class M>
+template <class F, class M>
 int train_on(const Options& opt, const Corpus& corpus);
 
 struct MeshChoice {
   const char* name;
   int ranks;
-  int (*run)(const Options&, const Corpus&);
+  int (*gpt)(const Options&, const Corpus&);
+  int (*llama)(const Options&, const Corpus&);
 };
-#define FIVED_MESH(name, ...) MeshChoice{name, __VA_ARGS__::size, &train_on<__VA_ARGS__>}
+#define FIVED_MESH(name, ...) \
+  MeshChoice{name, __VA_ARGS__::size, &train_on<GptModel, __VA_ARGS__>, &train_on<LlamaModel, __VA_ARGS__>}
 const MeshChoice meshes[] = {
     FIVED_MESH("serial", Mesh<>),
     FIVED_MESH("dp2", Mesh<DP<2>>),
@@ -181,6 +203,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--resume") o.resume = true;
     else if (a == "--tokens") o.tokens = value();
     else if (a == "--mesh") o.mesh = value();
+    else if (a == "--model") o.model = value();
     else if (a == "--serial") o.mesh = "serial";
     else if (a == "--host") o.host = true;
     else if (a == "--list-meshes") {
@@ -196,6 +219,7 @@ Options parse(int argc, char** argv) {
     usage("need --steps >= 1, 1 <= --batch <= 4096, 2 <= --seq <= " + std::to_string(demo_config::max_seq) +
           ", 0 < --lr < 1, --log-every >= 0");
   if (!o.file.empty() && !o.tokens.empty()) usage("give a text file or --tokens, not both");
+  if (o.model != "gpt" && o.model != "llama") usage("unknown --model '" + o.model + "': gpt or llama");
   if (o.save_every < 0) usage("--save-every must be 0 (at the end only) or more");
   if ((o.resume || o.save_every > 0) && o.checkpoints.empty()) usage("--resume and --save-every need --checkpoints DIR");
   if (!o.checkpoints.empty()) {  // a folder that cannot be made fails now, not at the first save
@@ -279,6 +303,7 @@ Corpus load(const Options& opt) {
 
 // The mean loss of the serial model over `batches` fixed held-out batches; a progress bar on
 // `bar` (the final, longer evaluation on a terminal).
+template <class Serial>
 double held_out_loss(Serial& model, const Options& opt, const Corpus& c, int batches = 4, std::FILE* bar = nullptr) {
   BatchSampler held(c.data, c.split, c.data.size(), opt.seed + 1);
   if (c.sums) held.align = line_length;
@@ -295,9 +320,10 @@ double held_out_loss(Serial& model, const Options& opt, const Corpus& c, int bat
 // Next token from the model given a context, greedy when temperature is 0. The model sees
 // the context's last `window` tokens at most (the training length), starting at a multiple
 // of `align` (the generated corpus's line: positions as in training).
+template <class Serial>
 int next_token(Serial& model, const std::vector<int>& ctx, float temperature, std::mt19937& rng, std::size_t window,
                std::size_t align) {
-  std::size_t first = ctx.size() - std::min(ctx.size(), std::min<std::size_t>(window, demo_config::max_seq));
+  std::size_t first = ctx.size() - std::min(ctx.size(), std::min<std::size_t>(window, Serial::max_seq));
   first = (first + align - 1) / align * align;
   const int T = static_cast<int>(ctx.size() - first);
   model.forward(ctx.data() + first, nullptr, 1, T);
@@ -318,10 +344,11 @@ std::string printable(const std::vector<int>& ids) {
 
 // After training: save, sample, complete sums; the exit status says whether the held-out
 // loss fell (the demo's promise, for a run from the start).
+template <class Serial>
 int finish(Serial& model, const Options& opt, const Corpus& c, double val_start, double val_end, bool must_fall) {
   if (!opt.save.empty()) {
     model.save(opt.save, {{"steps", std::to_string(opt.steps)}, {"mesh", opt.mesh}});
-    std::printf("saved %s (Hugging Face GPT-2 names)\n", opt.save.c_str());
+    std::printf("saved %s (Hugging Face names)\n", opt.save.c_str());
   }
   std::mt19937 rng(opt.seed + 2);
   std::vector<int> ctx;
@@ -363,9 +390,10 @@ int finish(Serial& model, const Options& opt, const Corpus& c, double val_start,
 
 // ---- one run on mesh M ------------------------------------------------------------------------
 
-template <class M, class Device, class Ctx>
+template <class F, class M, class Device, class Ctx>
 int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::string& backend, double peak) {
-  using Model = GPT<demo_config, M, float, Device, sp_for<M>>;
+  using Model = typename F::template type<M, Device, sp_for<M>>;
+  using Serial = serial_of<F>;
   using Sched = schedule_for<M>;
   using T = Trainer<Model, policy_for<M>, Sched>;
   constexpr int micro = Sched::table.micro_batches;
@@ -374,7 +402,7 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
   if (prints) {
     std::printf("train_gpt: %s, %zu tokens (%zu train, %zu held out)\n", corpus.data.name().c_str(), corpus.data.size(),
                 corpus.split, corpus.data.size() - corpus.split);
-    std::printf("model: %s; %zu parameters\n", Serial::describe().c_str(), Serial::layout::num_parameters);
+    std::printf("model: %s; %zu parameters\n", Serial::config_name().c_str(), Serial::layout::num_parameters);
     std::printf("mesh: %s, %d rank%s (%s): %s%s%s\n", M::name().c_str(), M::size, M::size == 1 ? "" : "s", backend.c_str(),
                 policy_for<M>::stage ? "ZeRO-1" : "no ZeRO", M::tp > 1 ? ", sequence parallel" : "",
                 M::pp > 1 ? (", 1F1B over " + std::to_string(micro) + " micro-batches of " + std::to_string(B)).c_str() : "");
@@ -425,7 +453,7 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
   return finish(eval, opt, corpus, val_start, val_end, /*must_fall=*/first == 1);
 }
 
-template <class M>
+template <class F, class M>
 int train_on(const Options& opt, const Corpus& corpus) {
   constexpr int micro = schedule_for<M>::table.micro_batches;
   if (opt.batch % (micro * M::dp) != 0 || (opt.seq * opt.batch / micro / M::dp) % (2 * M::cp * M::tp) != 0 ||
@@ -443,7 +471,7 @@ int train_on(const Options& opt, const Corpus& corpus) {
     cudaDeviceProp prop{};
     FIVED_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     auto ctx = make_mesh_context<M>(nccl::init_world());
-    return train_rank<M, Cuda>(ctx, opt, corpus, std::string("CUDA, ") + prop.name + ", fp32, NCCL",
+    return train_rank<F, M, Cuda>(ctx, opt, corpus, std::string("CUDA, ") + prop.name + ", fp32, NCCL",
                                fived::cuda::peak_bf16_flops(0));
   }
   if (const int world = launch_env().world_size; world > 1)
@@ -454,7 +482,7 @@ int train_on(const Options& opt, const Corpus& corpus) {
   int status = 0;
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
-    const int s = train_rank<M, Host>(ctx, opt, corpus, "host backend, ranks as threads", 0.0);
+    const int s = train_rank<F, M, Host>(ctx, opt, corpus, "host backend, ranks as threads", 0.0);
     if (ctx.rank() == 0) status = s;
   });
   return status;
@@ -466,7 +494,8 @@ int main(int argc, char** argv) {
   const Options opt = parse(argc, argv);
   try {
     const Corpus corpus = load(opt);
-    return find_mesh(opt.mesh).run(opt, corpus);
+    const MeshChoice& m = find_mesh(opt.mesh);
+    return (opt.model == "llama" ? m.llama : m.gpt)(opt, corpus);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_gpt: %s\n", e.what());
     return 1;
