@@ -289,7 +289,7 @@ TEST_CASE("learning-rate schedules: constant, warmup-stable-decay, any callable"
   CHECK(wsd(10) == doctest::Approx(0.1));
   CHECK(wsd(50) == doctest::Approx(0.1));
   const LrSchedule mine = [](int step) { return 1.0 / step; };
-  const TrainerConfig cfg{.lr = mine};
+  const TrainerConfig cfg{.adamw = {}, .lr = mine};
   CHECK(cfg.lr(4) == 0.25);
 }
 
