@@ -12,7 +12,6 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -26,6 +25,7 @@
 #include "fived/train/trainer.hpp"
 #include "support/batches.hpp"
 #include "support/compare.hpp"
+#include "support/trainer_checks.hpp"
 
 using namespace fived;
 
@@ -181,84 +181,14 @@ const TrainerConfig hp{.adamw = {.beta2 = 0.95, .eps = 1e-4, .weight_decay = 0.1
                        .lr = ConstantLr{3e-3}};
 const GptInit init{7, 0.1};
 
-struct Run {
-  std::vector<float> grads;  // after the first reduction, serial layout
-  std::vector<double> losses;
-  std::vector<float> weights;  // after the last step, serial layout
-};
-
-Run run_serial(int micro) {
-  Run r;
-  Serial m(init);
-  DataParallel<Serial> dp(m, hp.adamw, micro);
-  dp.optimizer().hp.lr = hp.lr(1);  // constant
-  std::vector<int> tok, tgt;
-  for (int s = 1; s <= steps; ++s) {
-    test::global_batch(s, micro, B, T, tiny::vocab, tok, tgt);
-    if (s == 1) {  // the first gradient, before any update
-      Serial g(init);
-      for (int k = 0; k < micro; ++k) {
-        g.forward(tok.data() + k * B * T, tgt.data() + k * B * T, B, T);
-        g.backward();
-      }
-      r.grads.assign(g.grads().begin(), g.grads().end());
-      for (float& x : r.grads) x /= static_cast<float>(micro);
-    }
-    r.losses.push_back(dp.step(tok, tgt, B, T));
-  }
-  r.weights.assign(m.params().begin(), m.params().end());
-  return r;
-}
-
-double worst_tensor(const std::vector<float>& got, const std::vector<float>& ref, std::string& where) {
-  REQUIRE(got.size() == ref.size());
-  double worst = 0;
-  for (const ParamInfo& t : Serial::serial_layout::tensors)
-    if (const double e = test::max_rel_error(got, ref, t.offset, t.size()); e > worst) worst = e, where = t.name();
-  return worst;
-}
-
 struct ring_tiny : tiny {
   using context_attention = RingContext;
 };
 
 template <class M, class Policy, class Sched, class Cfg = tiny>
 void equals_serial(const std::string& what) {
-  using Parallel = Llama<Cfg, M, float, Host, SequenceParallel>;
-  constexpr int micro = Sched::table.micro_batches;
-  const Run ref = run_serial(micro);
-  std::vector<Run> got(M::size);
-  host::run(M::size, [&](host::Comm& world) {
-    auto ctx = make_mesh_context<M>(world);
-    Run& mine = got[static_cast<std::size_t>(ctx.rank())];
-    Trainer<Parallel, Policy, Sched> t(ctx, hp, init);
-    std::vector<int> tok, tgt;
-    for (int s = 1; s <= steps; ++s) {
-      test::global_batch(s, micro, B, T, tiny::vocab, tok, tgt);
-      if (s > 1) {
-        mine.losses.push_back(t.step(s, tok, tgt, B, T));
-        continue;
-      }
-      mine.losses.push_back(t.reduce(s, tok, tgt, B, T));
-      mine.grads = t.serial_grads();
-      t.update();
-    }
-    mine.weights = t.serial_params();
-  });
-  double loss = 0, grads = 0, weights = 0;
-  std::string grad_at, weight_at;
-  for (const Run& r : got) {
-    for (std::size_t s = 0; s < static_cast<std::size_t>(steps); ++s)
-      loss = std::max(loss, std::abs(r.losses[s] - ref.losses[s]) / ref.losses[s]);
-    grads = std::max(grads, worst_tensor(r.grads, ref.grads, grad_at));
-    weights = std::max(weights, worst_tensor(r.weights, ref.weights, weight_at));
-  }
-  MESSAGE(what << ": losses within " << loss << ", first gradient within " << grads << " (" << grad_at
-               << "), weights after " << steps << " steps within " << weights << " (" << weight_at << ") of serial");
-  CHECK(loss <= 1e-5);
-  CHECK(grads <= 1e-5);
-  CHECK(weights <= 1e-5);
-  CHECK(ref.losses.back() < ref.losses.front());  // it trains
+  test::trainer_equals_serial<Llama<Cfg>, Llama<Cfg, M, float, Host, SequenceParallel>, Policy, Sched>(
+      what, hp, init, steps, B, T, tiny::vocab);
 }
 
 }  // namespace
@@ -306,22 +236,12 @@ void holds_the_planned_bytes(const std::string& what) {
   using P = PlanOf<Cfg, M, 0, Accumulate<1>>;
   std::vector<int> tok, tgt;
   test::global_batch(1, 1, B, T, tiny::vocab, tok, tgt);
-  const std::size_t before = buffer_bytes_held<Host>();
-  std::size_t held = 0;
-  host::run(M::size, [&](host::Comm& world) {
-    auto ctx = make_mesh_context<M>(world);
-    Llama<Cfg, M, float, Host, SequenceParallel> model(ctx, init);
-    model.forward(tok.data(), tgt.data(), B, T);
-    model.backward();
-    ctx.world().barrier();
-    if (ctx.rank() == 0) held = buffer_bytes_held<Host>() - before;
-    ctx.world().barrier();
-  });
+  const std::size_t held = test::bytes_held_after_step<Llama<Cfg, M, float, Host, SequenceParallel>>(init, tok, tgt, B, T);
   const plan::Memory& m = P::memory;
   const plan::Bytes planned = m.parameters + m.gradients + m.peak_activations + m.recompute + m.work;
-  MESSAGE(what << ": " << held / M::size << " bytes a rank, planned " << planned << " + the dense model's unused "
+  MESSAGE(what << ": " << held << " bytes a rank, planned " << planned << " + the dense model's unused "
                << sizeof(float) << "-byte router bias");
-  CHECK(held == M::size * (planned + sizeof(float)));
+  CHECK(held == planned + sizeof(float));
 }
 
 }  // namespace
@@ -336,37 +256,13 @@ TEST_CASE("Llama's plan, from its type: its buffers after a forward and backward
 
 template <class M, class Sched>
 void sends_the_planned_traffic() {
-  using P = PlanOf<tiny, M, 1, Sched>;
   std::vector<int> tok, tgt;
   test::global_batch(1, Sched::table.micro_batches, B, T, tiny::vocab, tok, tgt);
-  std::mutex mu;
-  std::vector<plan::Traffic> got(M::size);
-  std::vector<int> pp_rank(M::size);
-  host::run(M::size, [&](host::Comm& world) {
-    auto ctx = make_mesh_context<M>(Counting<host::Comm>(world));
-    Trainer<Llama<tiny, M, float, Host, SequenceParallel>, ZeRO<1>, Sched> t(ctx, hp, init);
-    auto counts = [&] {
-      return plan::Traffic{ctx.template comm<Axis::tp>().counts(), ctx.template comm<Axis::cp>().counts(), {},
-                           ctx.template comm<Axis::pp>().counts(), ctx.template comm<typename M::grad_group>().counts(), {}};
-    };
-    const plan::Traffic before = counts();
-    t.step(1, tok, tgt, B, T);
-    const plan::Traffic after = counts();
-    std::lock_guard lock(mu);
-    const auto r = static_cast<std::size_t>(ctx.rank());
-    got[r] = {after.tp - before.tp, after.cp - before.cp, {}, after.pp - before.pp, after.grad - before.grad, {}};
-    pp_rank[r] = ctx.coord()[Axis::pp];
-  });
-  for (int r = 0; r < M::size; ++r) {
-    CAPTURE(r);
-    const plan::Traffic& want = P::traffic_by_rank[static_cast<std::size_t>(pp_rank[static_cast<std::size_t>(r)])];
-    const plan::Traffic& x = got[static_cast<std::size_t>(r)];
-    CHECK(x.tp == want.tp);
-    CHECK(x.cp == want.cp);
-    CHECK(x.pp == want.pp);
-    CHECK(x.grad == want.grad);
-    if constexpr (M::extent(Axis::cp) > 1) CHECK(x.cp.all_gather.calls > 0);
-  }
+  const test::StepTraffic got =
+      test::step_traffic<Llama<tiny, M, float, Host, SequenceParallel>, ZeRO<1>, Sched>(hp, init, tok, tgt, B, T);
+  test::check_traffic<PlanOf<tiny, M, 1, Sched>>(got);
+  if constexpr (M::extent(Axis::cp) > 1)
+    for (const plan::Traffic& x : got.by_rank) CHECK(x.cp.all_gather.calls > 0);  // the all-gather CP
 }
 
 TEST_CASE("Llama's plan: a Trainer step's collectives, group by group, on DP 2 x PP 2 x CP 2 x TP 2 (all-gather CP) "

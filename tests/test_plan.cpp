@@ -17,7 +17,6 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
-#include <mutex>
 #include <random>
 #include <type_traits>
 #include <vector>
@@ -34,6 +33,7 @@
 #include "fived/plan/plan.hpp"
 #include "fived/train/data_parallel.hpp"
 #include "fived/train/trainer.hpp"
+#include "support/trainer_checks.hpp"
 
 using namespace fived;
 using plan::Bytes;
@@ -379,42 +379,15 @@ template <class M, class Policy, class Sched, class R = NoRecompute>
 void check_step_traffic() {
   using SP = std::conditional_t<(M::tp > 1), SequenceParallel, NoSequenceParallel>;
   using Model = GPT<demo_cfg<R>, M, float, Host, SP>;
-  using Trainer = fived::Trainer<Model, Policy, Sched>;
   constexpr int micro = Sched::table.micro_batches, B = 4, T = 32;
   using P = plan::Plan<plan::from_gpt<demo_cfg<R>>(), trainer_run<M, Policy, Sched, R, B, T>>;
   std::vector<int> tok(static_cast<std::size_t>(micro * B * T)), tgt(tok.size());
   for (std::size_t i = 0; i < tok.size(); ++i) tok[i] = static_cast<int>(i * 7 % 256), tgt[i] = static_cast<int>(i * 13 % 256);
-  std::mutex mu;
-  std::vector<plan::Traffic> got(M::size);
-  std::vector<int> pp_rank(M::size);
-  host::run(M::size, [&](host::Comm& world) {
-    auto ctx = make_mesh_context<M>(Counting<host::Comm>(world));
-    const TrainerConfig hp{.adamw = {.max_norm = 1.0f}, .lr = WarmupCosine{.peak = 1e-3}};
-    Trainer t(ctx, hp, GptInit{.seed = 1});
-    auto counts = [&] {
-      return plan::Traffic{ctx.template comm<Axis::tp>().counts(), ctx.template comm<Axis::cp>().counts(),
-                           ctx.template comm<typename M::expert_group>().counts(), ctx.template comm<Axis::pp>().counts(),
-                           ctx.template comm<typename M::grad_group>().counts(),
-                           ctx.template comm<typename M::expert_data_group>().counts()};
-    };
-    const plan::Traffic before = counts();
-    t.step(1, tok, tgt, B, T);
-    const plan::Traffic after = counts();
-    std::lock_guard lock(mu);
-    const auto r = static_cast<std::size_t>(ctx.rank());
-    got[r] = {after.tp - before.tp, after.cp - before.cp, after.ep - before.ep, after.pp - before.pp,
-              after.grad - before.grad, after.expert_data - before.expert_data};
-    pp_rank[r] = ctx.coord()[Axis::pp];
-  });
-  for (int r = 0; r < M::size; ++r) {
-    CAPTURE(M::name());
-    CAPTURE(r);
-    const plan::Traffic& want = P::traffic_by_rank[static_cast<std::size_t>(pp_rank[static_cast<std::size_t>(r)])];
-    const plan::Traffic& x = got[static_cast<std::size_t>(r)];
-    CHECK(x.tp == want.tp);
-    CHECK(x.cp == want.cp);
-    CHECK(x.pp == want.pp);
-    CHECK(x.grad == want.grad);
+  const TrainerConfig hp{.adamw = {.max_norm = 1.0f}, .lr = WarmupCosine{.peak = 1e-3}};
+  const test::StepTraffic got = test::step_traffic<Model, Policy, Sched>(hp, GptInit{.seed = 1}, tok, tgt, B, T);
+  CAPTURE(M::name());
+  test::check_traffic<P>(got);
+  for (const plan::Traffic& x : got.by_rank) {
     CHECK(x.ep.total_calls() == 0);
     CHECK(x.tp.total_calls() + x.cp.total_calls() + x.pp.total_calls() + x.grad.total_calls() > 0);
   }

@@ -20,6 +20,7 @@
 
 #include "fived/context/zigzag.hpp"
 #include "fived/device/buffer.hpp"
+#include "fived/nn/context_rows.hpp"
 
 namespace fived {
 
@@ -72,9 +73,7 @@ struct AllGatherAttention {
   static void backward(S& s, Work& w, T* dqkv, const T* datty, const T* qkv, const T* atty, const stat_t* lse, int Cl) {
     const Shape z(s, Cl);
     auto& ops = s.ops;
-    for (int c = 0; c < 2; ++c)
-      ops.attention_row_dot(w.Dd.data() + z.stats(c), datty + z.chunk(c) * Cl, atty + z.chunk(c) * Cl, s.B, z.n, Cl,
-                            Heads);
+    z.row_dots(s, w.Dd.data(), datty, atty);
     gather_kv(s, w, z, qkv, Cl);
     ops.zero(w.dq);
     ops.zero(w.dkv_all);
@@ -87,23 +86,11 @@ struct AllGatherAttention {
     });
     s.cp_comm.reduce_scatter(std::span<const stat_t>(w.dkv_all.data(), cp * z.N * z.ld_kv),
                              std::span<stat_t>(w.dkv.data(), z.N * z.ld_kv));
-    ops.copy_rows(w.dqkv.data(), z.ld_qkv, w.dq.data(), static_cast<std::size_t>(Cl), static_cast<std::size_t>(Cl), z.N);
-    ops.copy_rows(w.dqkv.data() + Cl, z.ld_qkv, w.dkv.data(), z.ld_kv, z.ld_kv, z.N);
-    ops.from_acc(dqkv, w.dqkv.data(), z.N * z.ld_qkv);
+    z.assemble_dqkv(s, dqkv, w.dqkv.data(), w.dq.data(), w.dkv.data());
   }
 
  private:
-  struct Shape {  // offsets into the chunk-major local rows (as the ring's)
-    std::size_t N, n, rows_per_chunk, ld_qkv, ld_kv;
-    Shape(const S& s, int Cl)
-        : N(static_cast<std::size_t>(s.B) * static_cast<std::size_t>(s.T_)),
-          n(static_cast<std::size_t>(s.chunk_length())),
-          rows_per_chunk(static_cast<std::size_t>(s.B) * n),
-          ld_qkv(3 * static_cast<std::size_t>(Cl)),
-          ld_kv(2 * static_cast<std::size_t>(Cl)) {}
-    std::size_t chunk(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk; }  // first row
-    std::size_t stats(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk * Heads; }
-  };
+  using Shape = ContextRows<S, Heads>;
 
   // Every rank's packed [k | v] into kv_all, rank-major (rank r's rows at r·N).
   static void gather_kv(S& s, Work& w, const Shape& z, const T* qkv, int Cl) {

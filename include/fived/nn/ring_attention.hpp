@@ -31,6 +31,7 @@
 #include "fived/comm/types.hpp"
 #include "fived/context/zigzag.hpp"
 #include "fived/device/buffer.hpp"
+#include "fived/nn/context_rows.hpp"
 
 namespace fived {
 
@@ -78,9 +79,7 @@ struct RingAttention {
   static void backward(S& s, Work& w, T* dqkv, const T* datty, const T* qkv, const T* atty, const stat_t* lse, int Cl) {
     const Shape z(s, Cl);
     auto& ops = s.ops;
-    for (int c = 0; c < 2; ++c)
-      ops.attention_row_dot(w.Dd.data() + z.stats(c), datty + z.chunk(c) * Cl, atty + z.chunk(c) * Cl, s.B, z.n, Cl,
-                            Heads);
+    z.row_dots(s, w.Dd.data(), datty, atty);
     ops.zero(w.dq);
     ops.zero(w.dkv[0]);
     walk_ring(s, w, z, qkv, Cl, [&](const RingBlock& b, const T* k, int cur) {
@@ -91,25 +90,11 @@ struct RingAttention {
     }, [&](int cur) {  // d[k | v] goes on; after the last step this rank's own comes back, complete
       pass_on(s, w.dkv[cur], w.dkv[1 - cur], z.N * z.ld_kv);
     });
-    const stat_t* mine = w.dkv[S::cp % 2].data();
-    ops.copy_rows(w.dqkv.data(), z.ld_qkv, w.dq.data(), static_cast<std::size_t>(Cl), static_cast<std::size_t>(Cl), z.N);
-    ops.copy_rows(w.dqkv.data() + Cl, z.ld_qkv, mine, z.ld_kv, z.ld_kv, z.N);
-    ops.from_acc(dqkv, w.dqkv.data(), z.N * z.ld_qkv);
+    z.assemble_dqkv(s, dqkv, w.dqkv.data(), w.dq.data(), w.dkv[S::cp % 2].data());
   }
 
  private:
-  // Offsets into the chunk-major local rows.
-  struct Shape {
-    std::size_t N, n, rows_per_chunk, ld_qkv, ld_kv;
-    Shape(const S& s, int Cl)
-        : N(static_cast<std::size_t>(s.B) * static_cast<std::size_t>(s.T_)),
-          n(static_cast<std::size_t>(s.chunk_length())),
-          rows_per_chunk(static_cast<std::size_t>(s.B) * n),
-          ld_qkv(3 * static_cast<std::size_t>(Cl)),
-          ld_kv(2 * static_cast<std::size_t>(Cl)) {}
-    std::size_t chunk(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk; }  // first row
-    std::size_t stats(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk * Heads; }
-  };
+  using Shape = ContextRows<S, Heads>;
 
   // The ring, shared by forward and backward: this rank's [k | v] packed into kv[0], then per
   // step the block in hand passed on while block(b, k of b's key chunk, buffer index) runs

@@ -1,0 +1,43 @@
+#pragma once
+// What the two context-parallel attention cores share (nn/ring_attention.hpp,
+// nn/allgather_attention.hpp): the shape of a rank's rows, two zig-zag chunks stored
+// chunk-major (context/zigzag.hpp), and the steps of backward around their blocks.
+
+#include <cstddef>
+
+namespace fived {
+
+template <class S, int Heads>
+struct ContextRows {
+  using T = typename S::value_type;
+  using stat_t = typename S::stat_t;
+
+  std::size_t N, n, rows_per_chunk, ld_qkv, ld_kv;  // rows; a chunk's length; its rows; q|k|v and k|v widths
+  int Cl;                                           // channels of the local heads
+
+  ContextRows(const S& s, int cl)
+      : N(static_cast<std::size_t>(s.B) * static_cast<std::size_t>(s.T_)),
+        n(static_cast<std::size_t>(s.chunk_length())),
+        rows_per_chunk(static_cast<std::size_t>(s.B) * n),
+        ld_qkv(3 * static_cast<std::size_t>(cl)),
+        ld_kv(2 * static_cast<std::size_t>(cl)),
+        Cl(cl) {}
+  std::size_t chunk(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk; }  // its first row
+  std::size_t stats(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk * Heads; }
+
+  // Backward's first step: Dd = dout . out per row and head, chunk by chunk.
+  void row_dots(S& s, stat_t* Dd, const T* datty, const T* atty) const {
+    for (int c = 0; c < 2; ++c)
+      s.ops.attention_row_dot(Dd + stats(c), datty + chunk(c) * Cl, atty + chunk(c) * Cl, s.B, static_cast<int>(n),
+                              Cl, Heads);
+  }
+  // Backward's last: dqkv [N, 3 Cl] ("=") from dq [N, Cl] and d[k | v] [N, 2 Cl], gathered in
+  // stat precision in `staging` [N, 3 Cl] and rounded to T once.
+  void assemble_dqkv(S& s, T* dqkv, stat_t* staging, const stat_t* dq, const stat_t* dkv) const {
+    s.ops.copy_rows(staging, ld_qkv, dq, static_cast<std::size_t>(Cl), static_cast<std::size_t>(Cl), N);
+    s.ops.copy_rows(staging + Cl, ld_qkv, dkv, ld_kv, ld_kv, N);
+    s.ops.from_acc(dqkv, staging, N * ld_qkv);
+  }
+};
+
+}  // namespace fived
