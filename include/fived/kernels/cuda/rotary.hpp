@@ -82,11 +82,19 @@ __global__ void rotary_backward_kernel(T* draw, const T* dqkv, const float* inv_
   }
 }
 
-inline void check_rotary(const char* what, int N, int H, int KV, int hd, RowPositions pos) {
+// One thread per (row, query head, column pair): kernel(out, in, ...) for the forward or the backward.
+template <class E, class Kernel>
+void launch_rotary(cudaStream_t stream, Kernel kernel, const char* what, E* out, const E* in, const float* inv_freq,
+                   int N, int H, int KV, int hd, RowPositions pos) {
   require(N >= 0 && H >= 1 && KV >= 1 && H % KV == 0 && hd >= 2 && hd % 2 == 0, what,
           "needs N >= 0, KV >= 1 dividing H and an even head size");
   require(pos.rows_per_chunk >= 1 && pos.chunk_length >= 1 && N <= 2 * pos.rows_per_chunk, what,
           "at most two chunks of rows");
+  const std::size_t n = static_cast<std::size_t>(N) * H * (hd / 2);
+  if (n == 0) return;
+  kernel<<<grid_for(n, 256), 256, 0, stream>>>(out, in, inv_freq, n, H, KV, hd, pos.rows_per_chunk, pos.chunk_length,
+                                               pos.first[0], pos.first[1]);
+  FIVED_CUDA_CHECK_LAUNCH(what);
 }
 
 }  // namespace detail
@@ -95,24 +103,18 @@ template <class T>
 void rotary_forward(cudaStream_t stream, T* qkv, const T* raw, const float* inv_freq, int N, int H, int KV, int hd,
                     RowPositions pos) {
   static_assert(is_element_v<T>, "rotary_forward: element type must be float or fived::bf16");
-  detail::check_rotary("rotary_forward", N, H, KV, hd, pos);
-  const std::size_t n = static_cast<std::size_t>(N) * H * (hd / 2);
-  if (n == 0) return;
-  detail::rotary_forward_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(
-      dev(qkv), dev(raw), inv_freq, n, H, KV, hd, pos.rows_per_chunk, pos.chunk_length, pos.first[0], pos.first[1]);
-  FIVED_CUDA_CHECK_LAUNCH("rotary_forward_kernel");
+  using E = device_t<T>;
+  detail::launch_rotary(stream, detail::rotary_forward_kernel<E>, "rotary_forward", dev(qkv), dev(raw), inv_freq, N, H,
+                        KV, hd, pos);
 }
 
 template <class T>
 void rotary_backward(cudaStream_t stream, T* draw, const T* dqkv, const float* inv_freq, int N, int H, int KV, int hd,
                      RowPositions pos) {
   static_assert(is_element_v<T>, "rotary_backward: element type must be float or fived::bf16");
-  detail::check_rotary("rotary_backward", N, H, KV, hd, pos);
-  const std::size_t n = static_cast<std::size_t>(N) * H * (hd / 2);
-  if (n == 0) return;
-  detail::rotary_backward_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(
-      dev(draw), dev(dqkv), inv_freq, n, H, KV, hd, pos.rows_per_chunk, pos.chunk_length, pos.first[0], pos.first[1]);
-  FIVED_CUDA_CHECK_LAUNCH("rotary_backward_kernel");
+  using E = device_t<T>;
+  detail::launch_rotary(stream, detail::rotary_backward_kernel<E>, "rotary_backward", dev(draw), dev(dqkv), inv_freq,
+                        N, H, KV, hd, pos);
 }
 
 }  // namespace fived::kernels::cuda
