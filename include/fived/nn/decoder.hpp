@@ -676,9 +676,12 @@ class Decoder {
     return serial;
   }
 
+  // The configuration in words; a block type may add its own facts (B::describe()).
   static std::string describe() {
-    return std::to_string(L) + " layers, d_model " + std::to_string(C) + ", " + std::to_string(NH) + " heads, vocab " +
-           std::to_string(V) + ", max_seq " + std::to_string(max_seq) + (dims::tied ? ", tied" : ", untied") +
+    std::string block;
+    if constexpr (requires { Arch::block::describe(); }) block = ", " + std::string(Arch::block::describe());
+    return std::to_string(L) + " layers, d_model " + std::to_string(C) + ", " + std::to_string(NH) + " heads" + block +
+           ", vocab " + std::to_string(V) + ", max_seq " + std::to_string(max_seq) + (dims::tied ? ", tied" : ", untied") +
            (blocks != L ? ", the part with blocks " + std::to_string(first_layer) + ".." +
                               std::to_string(first_layer + blocks - 1) + (has_embedding ? " and the embedding" : "") +
                               (has_head ? " and the head" : "")

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numbers>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -103,6 +104,11 @@ struct LlamaBlock {
     s += rmsnorm_specs("post_attention_layernorm.weight", layer, unit, C, stream + 8);
     s += swiglu_specs(layer, unit, C, F, stream + 10);
     return s.in_scope("model.layers.");
+  }
+  static std::string describe() {  // what Decoder::describe adds
+    return std::to_string(dims::kv_heads) + " key/value heads, SwiGLU " + std::to_string(F) + ", rotary theta " +
+           std::to_string(static_cast<long long>(Cfg::rope_theta)) +
+           (Cfg::rope_factor > 1 ? " scaled x" + std::to_string(static_cast<int>(Cfg::rope_factor)) : std::string());
   }
   // Forward matmul FLOPs per token: q|k|v, o_proj and the three SwiGLU matrices.
   static constexpr double flops() { return 2.0 * (double(C) * (C + 2 * KVC) + double(C) * C + 3.0 * C * F); }
