@@ -18,6 +18,8 @@ Config (tests/test_llama.cpp's `tiny`): 2 layers, d_model 32, 4 heads, 2 key/val
 ffn 48, vocab 61, rope_theta 10000 with the "llama3" scaling (factor 8, low 1, high 4,
 original 64: one frequency of each kind), RMSNorm eps 1e-5, untied, no biases; B 4, T 16.
 Regenerate with:  pip install torch transformers safetensors && python3 tests/data/make_hf_llama_fixture.py
+(the files here: transformers 5.24.0, torch 2.15.0 on CPU; another torch may draw other random weights,
+and the tests read whatever the files hold).
 """
 import math
 import os
