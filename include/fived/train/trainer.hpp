@@ -221,6 +221,9 @@ class Trainer {
       log.add({s, loss, lr_, grad_norm(), dt, static_cast<double>(M) * B * T}, memory_in_use(), s == last);
       after(s, loss);
     }
+    // On the host the ranks are threads sharing one count of held bytes (memory_in_use): none
+    // may leave and free its buffers before rank 0 has logged the last step.
+    if constexpr (std::is_same_v<device, Host>) world_->barrier();
     return total;
   }
 
