@@ -50,7 +50,7 @@ struct ParallelBlock {
   struct run {
     using T = typename S::value_type;
     using Norm = fived::LayerNorm<S>;
-    using Attn = fived::Attention<S, dims::heads>;
+    using Attn = fived::Attention<S, dims::heads, typename dims::context_attention>;  // CP: ring or all-gather
     using Mlp = fived::MLP<S>;
     template <class U>
     using buffer = fived::Buffer<U, typename S::device>;
