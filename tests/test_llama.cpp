@@ -203,6 +203,40 @@ TEST_CASE("grouped-query attention with TP above the key/value heads: 2 KV heads
   equals_serial<Mesh<DP<2>, TP<4>>, ZeRO<1>, Accumulate<2>>("DP 2 x TP 4, ZeRO-1");
 }
 
+namespace {
+struct moe_tiny : tiny {  // Mixtral-like: SwiGLU experts in every second block
+  static constexpr int experts = 4, top_k = 2, moe_every = 2;
+};
+}  // namespace
+
+TEST_CASE("a Mixtral-like Llama (4 SwiGLU experts, top-2, in every second block): its expert gradients are the loss's "
+          "(fp64 central differences), and it equals serial on Mesh<CP<2>, TP<2>, EP<2>> (SP, ZeRO-1)") {
+  using M64 = Llama<moe_tiny, Mesh<>, double>;
+  static_assert(M64::has_experts && M64::expert_layout::count == 2, "gate_up_proj and down_proj, stacked");
+  std::vector<int> tok, tgt;
+  test::global_batch(1, 1, 2, 8, tiny::vocab, tok, tgt);
+  M64 m(init);
+  m.zero_grad();
+  m.forward(tok.data(), tgt.data(), 2, 8);
+  m.backward();
+  const std::vector<double> g = m.expert_grads_to_host();
+  double worst = 0;
+  for (std::size_t i = 0; i < g.size(); i += 97) {  // a spread of elements of both tensors
+    const double x = m.expert_params()[i], h = 1e-4;
+    m.expert_params()[i] = x + h;
+    const double up = m.forward(tok.data(), tgt.data(), 2, 8) + m.aux_loss();
+    m.expert_params()[i] = x - h;
+    const double down = m.forward(tok.data(), tgt.data(), 2, 8) + m.aux_loss();
+    m.expert_params()[i] = x;
+    worst = std::max(worst, std::abs((up - down) / (2 * h) - g[i]) / (std::abs(g[i]) + 1e-3));
+  }
+  MESSAGE("SwiGLU experts: gradients within " << worst << " of central differences");
+  CHECK(worst <= 1e-6);
+  // EP carved from CP: the balancing loss counts a replica's whole micro-batch, as serially
+  // (over DP it would count each DP rank's share: tests/test_moe.cpp compares those runs).
+  equals_serial<Mesh<CP<2>, TP<2>, EP<2>>, ZeRO<1>, Accumulate<1>, moe_tiny>("CP 2 x TP 2 x EP 2, ZeRO-1 (MoE)");
+}
+
 TEST_CASE("Llama under all-gather context parallelism (its default), CP 2 and CP 4 with zig-zag chunks (rotary "
           "positions per chunk): equals serial") {
   equals_serial<Mesh<CP<2>>, NoZeRO, Accumulate<1>>("CP 2 (all-gather)");

@@ -26,6 +26,7 @@
 #include "fived/nn/config.hpp"
 #include "fived/nn/decoder.hpp"
 #include "fived/nn/embedding.hpp"
+#include "fived/nn/moe.hpp"
 #include "fived/nn/param_table.hpp"
 #include "fived/nn/rmsnorm.hpp"
 #include "fived/nn/rotary_attention.hpp"
@@ -67,7 +68,6 @@ struct llama_dims : gpt_dims<Cfg> {
                 "llama config: kv_heads must divide heads (each key/value head serves heads / kv_heads queries)");
   static_assert(head_size % 2 == 0, "llama config: the head size (d_model / heads) must be even for rotary embeddings");
   static_assert(ffn >= 1, "llama config: ffn must be at least 1");
-  static_assert(Cfg::experts == 0, "llama config: a mixture of experts in Llama blocks is not built yet (experts = 0)");
   static_assert(Cfg::rope_theta > 1 && Cfg::rope_factor >= 1 && Cfg::rope_high_freq_factor > Cfg::rope_low_freq_factor,
                 "llama config: rope_theta > 1, rope_factor >= 1 and rope_high_freq_factor > rope_low_freq_factor");
 
@@ -102,8 +102,15 @@ struct LlamaBlock {
     s += rmsnorm_specs("input_layernorm.weight", layer, unit, C, stream + 2);
     s += rotary_attention_specs(layer, unit, C, dims::kv_heads, KVC, stream + 4);
     s += rmsnorm_specs("post_attention_layernorm.weight", layer, unit, C, stream + 8);
-    s += swiglu_specs(layer, unit, C, F, stream + 10);
+    if (dims::is_moe(layer)) s += router_specs(layer, unit, C, dims::experts, stream + 16);
+    else s += swiglu_specs(layer, unit, C, F, stream + 10);
     return s.in_scope("model.layers.");
+  }
+  // A mixture of experts' SwiGLU experts, each as wide as the dense MLP (Mixtral-like).
+  static constexpr std::array<TensorSpec, 2> expert_specs(int layer, int unit, std::uint64_t stream) {
+    std::array<TensorSpec, 2> t = swiglu_expert_specs(layer, unit, C, F, dims::experts, stream + 17);
+    for (TensorSpec& x : t) x.scope = "model.layers.";
+    return t;
   }
   static std::string describe() {  // what Decoder::describe adds
     return std::to_string(dims::kv_heads) + " key/value heads, SwiGLU " + std::to_string(F) + ", rotary theta " +
@@ -122,6 +129,7 @@ struct LlamaBlock {
     using Norm = RMSNorm<S>;
     using Attn = RotaryAttention<S, dims::heads, dims::kv_heads, typename dims::context_attention>;
     using Mlp = SwiGLU<S>;
+    using Moe = MoE<S, Cfg, true>;  // SwiGLU experts
     static_assert(F % S::tp == 0,
                   "tensor parallelism splits the SwiGLU hidden width over TP: make ffn in the config a multiple of the "
                   "TP extent");
@@ -130,10 +138,23 @@ struct LlamaBlock {
       typename Norm::Params ln_1;
       typename Attn::Params attn;
       typename Norm::Params ln_2;
-      typename Mlp::Params mlp;
+      typename Mlp::Params mlp;  // or, in an MoE block:
+      typename Moe::Params moe;
+      const float* router_bias;  // AuxLossFreeBias's selection bias, or none
     };
-    static Params bind(int, TensorCursor<T>& dense, TensorCursor<T>&, const float*) {
-      return {Norm::bind(dense), Attn::bind(dense, C, KVC), Norm::bind(dense), Mlp::bind(dense, C, F)};  // in order
+    static Params bind(int layer, TensorCursor<T>& dense, TensorCursor<T>& experts, const float* router_bias) {
+      Params p{};
+      p.ln_1 = Norm::bind(dense), p.attn = Attn::bind(dense, C, KVC), p.ln_2 = Norm::bind(dense);
+      if (dims::is_moe(layer))
+        p.moe = {dense.take(), experts.take(), nullptr, experts.take(), nullptr}, p.router_bias = router_bias;
+      else
+        p.mlp = Mlp::bind(dense, C, F);
+      return p;
+    }
+    static constexpr bool any_block(int first, int count, bool moe) {  // which FFN kinds blocks [first, +count) have
+      for (int l = first; l < first + count; ++l)
+        if (dims::is_moe(l) == moe) return true;
+      return false;
     }
 
     struct Saved {
@@ -141,12 +162,14 @@ struct LlamaBlock {
       typename Attn::Saved attn;
       Buffer<T, typename S::device> res2;  // the stream after attention
       typename Mlp::Saved mlp;
-      void reserve(ops_type& ops, std::size_t N, std::size_t n, int, int) {
+      typename Moe::Saved moe;
+      void reserve(ops_type& ops, std::size_t N, std::size_t n, int first, int count) {
         ln_1.reserve(ops, n, C);
         attn.reserve(ops, N, C, !recompute::attention_core);
         res2 = ops.template make_buffer<T>(n * C);
         ln_2.reserve(ops, n, C);
-        mlp.reserve(ops, N, C, F);
+        if (any_block(first, count, false)) mlp.reserve(ops, N, C, F);
+        if (any_block(first, count, true)) moe.reserve(ops, N, C);
       }
     };
     struct Work {
@@ -156,7 +179,9 @@ struct LlamaBlock {
       typename Attn::ContextWork ring;
       typename Attn::Work attn;  // TP above the key/value heads: their gradients' sum
       typename Attn::Core core;  // SelectiveRecompute: the core being run
-      void reserve(ops_type& ops, std::size_t N, std::size_t, int, int) {
+      typename Moe::Work moe;    // router and dispatch buffers
+      void reserve(ops_type& ops, std::size_t N, std::size_t, int first, int count) {
+        if (any_block(first, count, true)) moe.reserve(ops, N, C);
         const std::vector<double> f = dims::inv_freq();
         const std::vector<stat_t> g(f.begin(), f.end());
         inv_freq = ops.template make_buffer<stat_t>(g.size());
@@ -175,27 +200,35 @@ struct LlamaBlock {
       else return a.attn.core;
     }
 
-    static void forward(S& s, Saved& a, Work& w, StreamScratch<T> k, const Params& p, const T* x, T* out, int) {
+    static void forward(S& s, Saved& a, Work& w, StreamScratch<T> k, const Params& p, const T* x, T* out, int layer) {
       const std::size_t n = static_cast<std::size_t>(s.local_rows()) * C;
       Norm::forward(s, a.ln_1, x, p.ln_1, C);
       Attn::forward(s, a.attn, core(a, w), w.ring, k.out, a.ln_1.out.data(), p.attn, C, KVC, w.inv_freq.data(),
                     w.raw.data(), k.partial);
       s.ops.residual_forward(a.res2.data(), x, k.out, n);
       Norm::forward(s, a.ln_2, a.res2.data(), p.ln_2, C);
-      Mlp::forward(s, a.mlp, k.out, a.ln_2.out.data(), p.mlp, C, F, k.partial);
+      if (dims::is_moe(layer))
+        Moe::forward(s, a.moe, w.moe, k.out, a.ln_2.out.data(), p.moe, p.router_bias, C, F, k.partial);
+      else
+        Mlp::forward(s, a.mlp, k.out, a.ln_2.out.data(), p.mlp, C, F, k.partial);
       s.ops.residual_forward(out, a.res2.data(), k.out, n);
     }
     // dres holds d(out); leaves d(x) there. Gradients "+=" into g.
     static void backward(S& s, Saved& a, Work& w, StreamScratch<T> k, const Params& p, const Params& g, const T* x,
-                         T* dres, int) {
+                         T* dres, int layer) {
       if constexpr (recompute::attention_core) Attn::core_forward(s, a.attn, w.core, w.ring, C);
-      Mlp::backward(s, k.dln, g.mlp, dres, a.ln_2.out.data(), a.mlp, p.mlp, C, F, w.dh.data(), w.dgu.data(),
-                    k.partial);
+      if (dims::is_moe(layer))
+        Moe::backward(s, a.moe, w.moe, k.dln, g.moe, dres, a.ln_2.out.data(), p.moe, C, F, k.partial);
+      else
+        Mlp::backward(s, k.dln, g.mlp, dres, a.ln_2.out.data(), a.mlp, p.mlp, C, F, w.dh.data(), w.dgu.data(),
+                      k.partial);
       Norm::backward(s, dres, g.ln_2, k.dln, a.res2.data(), p.ln_2, a.ln_2, C);  // dres: d(res2)
       Attn::backward(s, w.ring, w.attn, k.dln, g.attn, dres, a.ln_1.out.data(), a.attn, core(a, w), p.attn, C, KVC,
                      w.inv_freq.data(), w.dgu.data(), w.dqkv.data(), w.raw.data(), k.partial);
       Norm::backward(s, dres, g.ln_1, k.dln, x, p.ln_1, a.ln_1, C);
     }
+    static double aux_loss(const Saved& a) { return a.moe.aux; }
+    static const std::vector<int>& expert_counts(const Saved& a) { return a.moe.counts; }
   };
 };
 
@@ -217,6 +250,8 @@ struct Llama3 {
     m.layers = d::layers, m.d_model = d::d_model, m.heads = d::heads, m.kv_heads = d::kv_heads, m.d_ff = d::ffn;
     m.gated = true, m.vocab = d::vocab, m.padded_vocab = d::padded_vocab, m.tied = d::tied, m.biases = false;
     m.norm = plan::Norm::rms_norm, m.positions = 0;
+    m.experts = d::experts, m.top_k = d::experts > 0 ? d::top_k : 0, m.moe_every = d::moe_every, m.dense_first = 0;
+    m.expert_d_ff = d::ffn, m.shared_experts = 0, m.balancing_loss = d::experts > 0 && Cfg::aux_loss_coef > 0;
     m.allgather_context = std::is_same_v<typename d::context_attention, AllGatherContext>;
     return m;
   }

@@ -72,7 +72,24 @@ constexpr std::array<TensorSpec, 4> expert_specs(int layer, int unit, int C, int
           expert(matrix_spec("mlp.experts.c_proj.bias", layer, E, C, {}, unit, Init::zeros, stream + 3), false)};
 }
 
-template <class S, class Cfg>
+// SwiGLU experts (Llama's MLP, stacked, torch.nn.Linear [out, in], no biases):
+// gate_up_proj.weight [E·2F, C] (each expert's gate rows, then its up rows, both split over
+// TP: a rank's [2F/TP, C] of an expert is one GEMM), down_proj.weight [E·C, F] (F over TP).
+constexpr std::array<TensorSpec, 2> swiglu_expert_specs(int layer, int unit, int C, int F, int E, std::uint64_t stream) {
+  auto expert = [E](TensorSpec s) {
+    s.reduce = ReduceGroup::expert_data;
+    s.experts = E;
+    return s;
+  };
+  return {expert(matrix_spec("mlp.experts.gate_up_proj.weight", layer, std::int64_t{E} * 2 * F, C, {0, 2}, unit,
+                             Init::normal, stream)),
+          expert(matrix_spec("mlp.experts.down_proj.weight", layer, std::int64_t{E} * C, F, {1, 1}, unit,
+                             Init::normal_residual, stream + 1))};
+}
+
+// Gated: SwiGLU experts (swiglu_expert_specs; Params' fc_w is gate_up, proj_w down, no
+// biases), else GELU MLPs (expert_specs).
+template <class S, class Cfg, bool Gated = false>
 struct MoE {
   using T = typename S::value_type;
   using Device = typename S::device;
@@ -90,10 +107,11 @@ struct MoE {
   using buffer = Buffer<U, Device>;
 
   // The router in the dense buffer; this rank's experts (E/EP of them, F/TP wide) in the
-  // expert buffer.
+  // expert buffer (gated: fc_w the gate|up rows, proj_w down, no biases).
   struct Params {
     T *router, *fc_w, *fc_b, *proj_w, *proj_b;
   };
+  static constexpr int act_width(int Fl) { return Gated ? 2 * Fl : Fl; }  // pre-activation (or gate|up) per row
 
   // What forward keeps for backward (one per block and micro-batch slot). Rows that arrive
   // from other EP ranks are data dependent: those buffers grow when more arrive, never shrink.
@@ -102,7 +120,7 @@ struct MoE {
     buffer<stat_t> scores, gate;       // [N, E], [N·k]
     buffer<int> expert, pos, token_of;  // [N·k]: chosen expert, row in dispatch order, row's token
     buffer<T> y;                       // [N·k, C]: expert outputs in dispatch order (Partial on TP)
-    buffer<T> x_exp, pre, h;           // [R, C], [R, F/TP] x2: this rank's experts' rows
+    buffer<T> x_exp, pre, h;           // [R, C], [R, F/TP] (gated: [R, 2F/TP]), [R, F/TP]: this rank's experts' rows
     buffer<stat_t> daux;               // [E]: the balancing loss's gradient per score
     std::vector<int> counts;           // [E]: rows kept per expert, this rank's tokens
     std::vector<std::int64_t> from;    // [EP·El]: rows from peer p for local expert j
@@ -130,7 +148,7 @@ struct MoE {
     buffer<T> logits;    // [N, E]: the router's logits, then their gradient
     buffer<stat_t> dgate, sums;  // [N·k], [E]
     buffer<T> rows;      // [N·k, C]: rows in dispatch order (to send, or d(y), dx)
-    buffer<T> staging, y_exp, dh;  // [R, C] x2, [R, F/TP]
+    buffer<T> staging, y_exp, dh, dgu;  // [R, C] x2, [R, F/TP], gated: [R, 2F/TP]
     std::vector<double> stats;
     void reserve(ops_type& ops, std::size_t N, std::size_t C) {
       logits = ops.template make_buffer<T>(N * E);
@@ -161,8 +179,9 @@ struct MoE {
     for (int c : a.counts) a.kept += c;
     balancing_loss(s, a, w, N);
     exchange_counts(s, a, C);
-    grow(ops, a.x_exp, a.received, C), grow(ops, a.pre, a.received, Fl), grow(ops, a.h, a.received, Fl);
+    grow(ops, a.x_exp, a.received, C), grow(ops, a.pre, a.received, act_width(Fl)), grow(ops, a.h, a.received, Fl);
     grow(ops, w.staging, a.received, C), grow(ops, w.y_exp, a.received, C), grow(ops, w.dh, a.received, Fl);
+    if constexpr (Gated) grow(ops, w.dgu, a.received, 2 * Fl);
 
     // the rows to their experts: [E][...] here, [El][EP] there
     if constexpr (EP == 1) {
@@ -173,10 +192,20 @@ struct MoE {
     }
     T* y_exp = EP == 1 ? a.y.data() : w.y_exp.data();
     for_each_expert(a, [&](int j, std::size_t off, int n) {
-      ops.matmul(a.h.data() + off * Fl, a.x_exp.data() + off * C, p.fc_w + j * std::size_t(C) * Fl, p.fc_b + j * std::size_t(Fl),
-                 n, Fl, C, false, false, false, ops_type::Epilogue::gelu, a.pre.data() + off * Fl);
-      ops.matmul(y_exp + off * C, a.h.data() + off * Fl, p.proj_w + j * std::size_t(Fl) * C,
-                 s.rank() == 0 ? p.proj_b + j * std::size_t(C) : static_cast<const T*>(nullptr), n, C, Fl, false, false);
+      const T* none = nullptr;
+      if constexpr (Gated) {  // h = silu(x Wg^T) * (x Wu^T); y = h Wd^T
+        T* gu = a.pre.data() + off * 2 * Fl;
+        ops.matmul(gu, a.x_exp.data() + off * C, p.fc_w + j * std::size_t(2 * Fl) * C, none, n, 2 * Fl, C, false, true);
+        ops.swiglu_forward(a.h.data() + off * Fl, gu, n, Fl);
+        ops.matmul(y_exp + off * C, a.h.data() + off * Fl, p.proj_w + j * std::size_t(C) * Fl, none, n, C, Fl, false,
+                   true);
+      } else {
+        ops.matmul(a.h.data() + off * Fl, a.x_exp.data() + off * C, p.fc_w + j * std::size_t(C) * Fl,
+                   p.fc_b + j * std::size_t(Fl), n, Fl, C, false, false, false, ops_type::Epilogue::gelu,
+                   a.pre.data() + off * Fl);
+        ops.matmul(y_exp + off * C, a.h.data() + off * Fl, p.proj_w + j * std::size_t(Fl) * C,
+                   s.rank() == 0 ? p.proj_b + j * std::size_t(C) : none, n, C, Fl, false, false);
+      }
     });
     if constexpr (EP > 1) from_experts(s, a, w, y_exp, a.y.data(), C);
 
@@ -202,6 +231,20 @@ struct MoE {
     for_each_expert(a, [&](int j, std::size_t off, int n) {
       T* dyj = d_exp + off * C;
       T* dh = w.dh.data() + off * Fl;
+      if constexpr (Gated) {
+        const T* none = nullptr;
+        const T* wgu = p.fc_w + j * std::size_t(2 * Fl) * C;
+        const T* wd = p.proj_w + j * std::size_t(C) * Fl;
+        const T* gu = a.pre.data() + off * 2 * Fl;
+        T* dgu = w.dgu.data() + off * 2 * Fl;
+        ops.matmul(dh, dyj, wd, none, n, Fl, C, false, false);  // dh = dy Wd
+        ops.matmul(g.proj_w + j * std::size_t(C) * Fl, dyj, a.h.data() + off * Fl, none, C, Fl, n, true, false, true);
+        ops.swiglu_backward(dgu, dh, gu, n, Fl);
+        ops.matmul(g.fc_w + j * std::size_t(2 * Fl) * C, dgu, a.x_exp.data() + off * C, none, 2 * Fl, C, n, true, false,
+                   true);
+        ops.matmul(dyj, dgu, wgu, none, n, C, 2 * Fl, false, false);  // dx of the rows
+        return;
+      }
       const T* w1 = p.fc_w + j * std::size_t(C) * Fl;
       ops.matmul(dh, dyj, p.proj_w + j * std::size_t(Fl) * C, static_cast<const T*>(nullptr), n, Fl, C, false, true);
       ops.matmul(g.proj_w + j * std::size_t(Fl) * C, a.h.data() + off * Fl, dyj, static_cast<const T*>(nullptr), Fl, C, n,

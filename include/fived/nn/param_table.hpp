@@ -168,10 +168,12 @@ constexpr std::int64_t whole_index(const TensorSpec& s, int TP, int EP, int r, i
     const std::int64_t piece = n / s.tp.groups / s.tp.pieces(TP);
     return (j / piece) * (n / s.tp.groups) + static_cast<std::int64_t>(r / s.tp.replicas(TP)) * piece + j % piece;
   };
-  if (s.experts > 0) {  // whole experts over EP, then each expert's rows over TP
+  if (s.experts > 0) {  // whole experts over EP, then each expert's rows over TP (as `groups` blocks)
     const std::int64_t rows_of = s.rows / s.experts, mine = s.tp.dim == 0 ? rows_of / TP : rows_of;
     const std::int64_t expert = e * (s.experts / EP) + row / mine, within = row % mine;
-    row = expert * rows_of + (s.tp.dim == 0 ? r * mine + within : within);
+    const std::int64_t block = mine / s.tp.groups;  // a group's rows on this rank
+    row = expert * rows_of + (s.tp.dim == 0 ? (within / block) * (rows_of / s.tp.groups) + r * block + within % block
+                                            : within);
   } else if (s.tp.dim == 0) {
     row = split(s.rows, row);
   }
@@ -197,7 +199,7 @@ struct ParamTable {
     for (const TensorSpec& s : specs) {
       if (s.experts > 0) {
         if (s.rows % s.experts != 0 || s.experts % EP != 0) return false;
-        if (s.tp.dim == 0 && (s.rows / s.experts) % TP != 0) return false;
+        if (s.tp.dim == 0 && (s.rows / s.experts) % (static_cast<std::int64_t>(s.tp.groups) * TP) != 0) return false;
         if (s.tp.dim == 1 && s.cols % TP != 0) return false;
         continue;
       }

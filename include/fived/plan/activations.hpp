@@ -146,7 +146,7 @@ constexpr Bytes work_bytes(const Transformer& m, const Blocks& part, const Rows&
   if (moe) {  // MoE::Work: router logits, d(gate), score sums, rows in dispatch order, staging, y, d(h)
     const std::int64_t Nk = a.N * m.top_k;
     w += detail::bytes(a.N * m.experts, a.t) + detail::bytes(Nk + m.experts, a.st) + detail::bytes(3 * Nk * C, a.t) +
-         detail::bytes(Nk * (m.expert_d_ff / a.tp) * (m.gated ? 2 : 1), a.t);
+         detail::bytes(Nk * (m.expert_d_ff / a.tp) * (m.gated ? 3 : 1), a.t);  // d(h) (SwiGLU: and d(gate | up))
   }
   return w;
 }
