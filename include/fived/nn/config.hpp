@@ -111,6 +111,12 @@ struct gpt_dims {
                 "gpt config: aux_loss_coef, capacity_factor and bias_update_rate cannot be negative");
   // Whether block `layer` has a mixture of experts instead of the MLP.
   static constexpr bool is_moe(int layer) { return experts > 0 && layer % moe_every == moe_every - 1; }
+  // Whether blocks [first, first + count) include one with experts (moe) or one with the MLP.
+  static constexpr bool any_block(int first, int count, bool moe) {
+    for (int l = first; l < first + count; ++l)
+      if (is_moe(l) == moe) return true;
+    return false;
+  }
 
   static constexpr int head_size = d_model / heads;
   static constexpr int d_ff = mlp_ratio * d_model;  // MLP hidden width

@@ -89,12 +89,6 @@ struct PreNormBlock {
       return p;
     }
 
-    // Which feed-forward kinds blocks [first, first + count) have.
-    static constexpr bool any_block(int first, int count, bool moe) {
-      for (int l = first; l < first + count; ++l)
-        if (dims::is_moe(l) == moe) return true;
-      return false;
-    }
     // What forward leaves for backward (the core attention only without SelectiveRecompute).
     struct Saved {
       typename Norm::Saved ln_1, ln_2;
@@ -107,8 +101,8 @@ struct PreNormBlock {
         attn.reserve(ops, N, C, !recompute::attention_core);
         res2 = ops.template make_buffer<T>(n * C);
         ln_2.reserve(ops, n, C);
-        if (any_block(first, count, true)) moe.reserve(ops, N, C);
-        if (any_block(first, count, false)) mlp.reserve(ops, N, C, F);
+        if (dims::any_block(first, count, true)) moe.reserve(ops, N, C);
+        if (dims::any_block(first, count, false)) mlp.reserve(ops, N, C, F);
       }
     };
     struct Work {
@@ -120,7 +114,7 @@ struct PreNormBlock {
         dhidden = ops.template make_buffer<T>(N * F / S::tp);
         dqkv = ops.template make_buffer<T>(N * 3 * C / S::tp);
         if constexpr (S::cp > 1) ring.reserve(ops, N, C / S::tp);
-        if (any_block(first, count, true)) moe.reserve(ops, N, C);
+        if (dims::any_block(first, count, true)) moe.reserve(ops, N, C);
         if constexpr (recompute::attention_core) core.reserve(ops, N, C);
       }
     };

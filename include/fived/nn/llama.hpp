@@ -151,11 +151,6 @@ struct LlamaBlock {
         p.mlp = Mlp::bind(dense, C, F);
       return p;
     }
-    static constexpr bool any_block(int first, int count, bool moe) {  // which FFN kinds blocks [first, +count) have
-      for (int l = first; l < first + count; ++l)
-        if (dims::is_moe(l) == moe) return true;
-      return false;
-    }
 
     struct Saved {
       typename Norm::Saved ln_1, ln_2;
@@ -168,8 +163,8 @@ struct LlamaBlock {
         attn.reserve(ops, N, C, !recompute::attention_core);
         res2 = ops.template make_buffer<T>(n * C);
         ln_2.reserve(ops, n, C);
-        if (any_block(first, count, false)) mlp.reserve(ops, N, C, F);
-        if (any_block(first, count, true)) moe.reserve(ops, N, C);
+        if (dims::any_block(first, count, false)) mlp.reserve(ops, N, C, F);
+        if (dims::any_block(first, count, true)) moe.reserve(ops, N, C);
       }
     };
     struct Work {
@@ -181,7 +176,7 @@ struct LlamaBlock {
       typename Attn::Core core;  // SelectiveRecompute: the core being run
       typename Moe::Work moe;    // router and dispatch buffers
       void reserve(ops_type& ops, std::size_t N, std::size_t, int first, int count) {
-        if (any_block(first, count, true)) moe.reserve(ops, N, C);
+        if (dims::any_block(first, count, true)) moe.reserve(ops, N, C);
         const std::vector<double> f = dims::inv_freq();
         const std::vector<stat_t> g(f.begin(), f.end());
         inv_freq = ops.template make_buffer<stat_t>(g.size());
