@@ -196,10 +196,10 @@ int main(int argc, char** argv) {
     Buffer<bf16, Cuda> out(BT * C), dout(BT * C);
     fill(dout, 7, 1.0f, s);
     row("attention fwd (flash-style)", time_ms(s, [&] {
-          ck::attention_forward(s, out.data(), lse.data(), qkv.data(), B, T, C, NH);
+          ck::attention_forward(s, out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
         }), 0, attn_fwd_flops);
     row("attention bwd (flash-style)", time_ms(s, [&] {
-          ck::attention_backward(s, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH);
+          ck::attention_backward(s, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH, NH);
         }), 0, 2.5 * attn_fwd_flops);
   }
   {

@@ -108,8 +108,8 @@ int main(int argc, char** argv) {
       auto lse = ops.make_buffer<float>(N * NH);
       fill(ops, qkv, 1), fill(ops, dy, 2);
       plain = median_ms(opt, ops, [&] {
-        ops.attention_forward(y.data(), lse.data(), qkv.data(), opt.batch, opt.seq, C, NH);
-        ops.attention_backward(dqkv.data(), dy.data(), qkv.data(), y.data(), lse.data(), opt.batch, opt.seq, C, NH);
+        ops.attention_forward(y.data(), lse.data(), qkv.data(), opt.batch, opt.seq, C, NH, NH);
+        ops.attention_backward(dqkv.data(), dy.data(), qkv.data(), y.data(), lse.data(), opt.batch, opt.seq, C, NH, NH);
       });
     }
     ctx.world().barrier();

@@ -15,6 +15,7 @@
 // Inputs are random in +-[0.1, 1] (never zero) from fixed seeds.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <functional>
@@ -386,24 +387,29 @@ struct AttnResult {
 };
 template <class T>
 AttnResult<T> run_attention(const Vec& qkv, const Vec& dout, bool backward = true, int B = AB, int T_ = AT, int C = AC,
-                            int NH = ANH) {
+                            int NH = ANH, int NKV = ANH) {  // NKV: key/value heads
   using A = fived::acc_t<T>;
   auto tq = to<T>(qkv), tg = to<T>(dout);
   std::vector<T> out(static_cast<std::size_t>(B * T_ * C));
   std::vector<A> lse(static_cast<std::size_t>(B * NH * T_));
-  k::attention_forward(out.data(), lse.data(), tq.data(), B, T_, C, NH);
+  k::attention_forward(out.data(), lse.data(), tq.data(), B, T_, C, NH, NKV);
   std::vector<T> dqkv(qkv.size(), static_cast<T>(A(123)));  // "=": must be overwritten
-  if (backward) k::attention_backward(dqkv.data(), tg.data(), tq.data(), out.data(), lse.data(), B, T_, C, NH);
+  if (backward) k::attention_backward(dqkv.data(), tg.data(), tq.data(), out.data(), lse.data(), B, T_, C, NH, NKV);
   return {from(out), Vec(lse.begin(), lse.end()), from(dqkv)};
 }
 
-// softmax(Q K^T / sqrt(hs) + causal mask) V with the full T x T matrix, and the row log-sum-exp.
-void naive_attention(const Vec& qkv, Vec& out, Vec& lse, int B, int T_, int C, int NH) {
-  const int hs = C / NH;
+// Elements of q|k|v [B, T, C + 2 NKV hs] for NH query heads over NKV key/value heads.
+int qkv_elements(int B, int T_, int C, int NH, int NKV) { return B * T_ * (C + 2 * C / NH * NKV); }
+
+// softmax(Q K^T / sqrt(hs) + causal mask) V with the full T x T matrix, and the row log-sum-exp;
+// query head h reads key/value head h / (NH / NKV), as Hugging Face's repeat_kv.
+void naive_attention(const Vec& qkv, Vec& out, Vec& lse, int B, int T_, int C, int NH, int NKV) {
+  const int hs = C / NH, ld = C + 2 * hs * NKV;
   out.assign(static_cast<std::size_t>(B * T_ * C), 0.0);
   lse.assign(static_cast<std::size_t>(B * NH * T_), 0.0);
-  auto at = [&](int b, int t, int part, int h, int d) {
-    return qkv[static_cast<std::size_t>((b * T_ + t) * 3 * C + part * C + h * hs + d)];
+  auto at = [&](int b, int t, int part, int h, int d) {  // part 0: query head h; 1, 2: key, value of h's group
+    const int col = part == 0 ? h * hs : C + (part - 1) * hs * NKV + h / (NH / NKV) * hs;
+    return qkv[static_cast<std::size_t>((b * T_ + t) * ld + col + d)];
   };
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < NH; ++h) {
@@ -428,27 +434,35 @@ void naive_attention(const Vec& qkv, Vec& out, Vec& lse, int B, int T_, int C, i
 }
 }  // namespace
 
-TEST_CASE("attention forward against naive softmax(QK^T/sqrt(hs) + mask) V; lse against log-sum-exp") {
-  for (int NH : {1, 2, 4}) {
+// Query heads over key/value heads: multi-head (NKV = NH), grouped-query, and multi-query (NKV = 1).
+constexpr std::array<std::array<int, 2>, 6> attention_heads{{{1, 1}, {2, 2}, {4, 4}, {2, 1}, {4, 2}, {4, 1}}};
+
+TEST_CASE("attention forward against naive softmax(QK^T/sqrt(hs) + mask) V; lse against log-sum-exp; grouped key/value "
+          "heads read in place") {
+  for (const auto [NH, NKV] : attention_heads) {
     CAPTURE(NH);
-    const Vec qkv = random_vec(AB * AT * 3 * AC, 81, 2.0), dout = random_vec(AB * AT * AC, 82);
-    const auto r = run_attention<double>(qkv, dout, false, AB, AT, AC, NH);
+    CAPTURE(NKV);
+    const Vec qkv = random_vec(qkv_elements(AB, AT, AC, NH, NKV), 81, 2.0), dout = random_vec(AB * AT * AC, 82);
+    const auto r = run_attention<double>(qkv, dout, false, AB, AT, AC, NH, NKV);
     Vec out, lse;
-    naive_attention(qkv, out, lse, AB, AT, AC, NH);
+    naive_attention(qkv, out, lse, AB, AT, AC, NH, NKV);
     CHECK(max_rel_error(r.out, out) < exact_bound);
     CHECK(max_rel_error(r.lse, lse) < exact_bound);
   }
   std::vector<double> o(8), l(8), q(24);
-  CHECK_THROWS_AS(k::attention_forward(o.data(), l.data(), q.data(), 1, 1, 8, 3), std::invalid_argument);
+  CHECK_THROWS_AS(k::attention_forward(o.data(), l.data(), q.data(), 1, 1, 8, 3, 3), std::invalid_argument);
+  CHECK_THROWS_AS(k::attention_forward(o.data(), l.data(), q.data(), 1, 1, 8, 4, 3), std::invalid_argument);  // 3 ∤ 4
 }
 
-TEST_CASE("attention backward: dq, dk, dv (all of dqkv) against finite differences; dqkv is overwritten") {
-  for (int NH : {1, 2}) {
+TEST_CASE("attention backward: dq, dk, dv (all of dqkv; a key/value head's summed over its query heads) against finite "
+          "differences; dqkv is overwritten") {
+  for (const auto [NH, NKV] : attention_heads) {
     CAPTURE(NH);
-    Vec qkv = random_vec(AB * AT * 3 * AC, 91, 1.5);
+    CAPTURE(NKV);
+    Vec qkv = random_vec(qkv_elements(AB, AT, AC, NH, NKV), 91, 1.5);
     const Vec dout = random_vec(AB * AT * AC, 92);
-    const auto r = run_attention<double>(qkv, dout, true, AB, AT, AC, NH);
-    auto loss = [&] { return dot(dout, run_attention<double>(qkv, dout, false, AB, AT, AC, NH).out); };
+    const auto r = run_attention<double>(qkv, dout, true, AB, AT, AC, NH, NKV);
+    auto loss = [&] { return dot(dout, run_attention<double>(qkv, dout, false, AB, AT, AC, NH, NKV).out); };
     CHECK(fd_error(qkv, r.dqkv, loss) < fd_bound);
   }
 }
@@ -792,13 +806,13 @@ TEST_CASE_TEMPLATE("float and bf16 kernels against double on the same rounded in
     CHECK(max_rel_error(tr.dinp, rr.dinp) < bound);
     CHECK(max_rel_error(tr.dweight, rr.dweight) < bound);
   }
-  SUBCASE("attention forward, lse and backward") {
-    const int B = 2, Tn = 16, C = 32, NH = 4;
-    const Vec qkv = rounded<T>(random_vec(static_cast<std::size_t>(B * Tn * 3 * C), 161, 1.5));
+  SUBCASE("attention forward, lse and backward (4 query heads over 2 key/value heads)") {
+    const int B = 2, Tn = 16, C = 32, NH = 4, NKV = 2;
+    const Vec qkv = rounded<T>(random_vec(static_cast<std::size_t>(qkv_elements(B, Tn, C, NH, NKV)), 161, 1.5));
     const Vec dout = rounded<T>(random_vec(static_cast<std::size_t>(B * Tn * C), 162));
-    const auto t = run_attention<T>(qkv, dout, true, B, Tn, C, NH);
+    const auto t = run_attention<T>(qkv, dout, true, B, Tn, C, NH, NKV);
     // The double reference runs its own forward: the T error includes its rounded out in D = dout . out.
-    const auto r = run_attention<double>(qkv, dout, true, B, Tn, C, NH);
+    const auto r = run_attention<double>(qkv, dout, true, B, Tn, C, NH, NKV);
     CHECK(max_rel_error(t.out, r.out) < bound);
     CHECK(max_rel_error(t.lse, r.lse) < bound);
     CHECK(max_rel_error(t.dqkv, r.dqkv) < bound);

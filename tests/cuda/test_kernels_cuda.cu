@@ -246,22 +246,20 @@ TEST_CASE_TEMPLATE("swiglu and rotary positions with grouped query heads, forwar
     CHECK_CLOSE(h, down(d_h), bound<T>(fp32_elem));
     CHECK_CLOSE(dgu, down(d_dgu), bound<T>(fp32_elem));
   }
-  {  // rotary: two zig-zag chunks of 3 sequences of 5 rows, 6 query heads over 2 key/value heads
+  {  // rotary, in place: two zig-zag chunks of 3 sequences of 5 rows, 6 query heads over 2 key/value heads
     const int N = 30, H = 6, KV = 2, hd = 8;
     const fived::RowPositions pos{15, 5, {5, 20}};
-    const std::size_t raw_n = static_cast<std::size_t>(N) * (H + 2 * KV) * hd, qkv_n = static_cast<std::size_t>(N) * 3 * H * hd;
-    const auto raw = rnd<T>(raw_n, 32), dqkv = rnd<T>(qkv_n, 33);
+    const std::size_t qkv_n = static_cast<std::size_t>(N) * (H + 2 * KV) * hd;
+    auto qkv = rnd<T>(qkv_n, 32), dqkv = rnd<T>(qkv_n, 33);
     const std::vector<float> inv_freq{1.0f, 0.1f, 0.01f, 0.001f};
-    std::vector<T> qkv(qkv_n), draw(raw_n);
-    hk::rotary_forward(qkv.data(), raw.data(), inv_freq.data(), N, H, KV, hd, pos);
-    hk::rotary_backward(draw.data(), dqkv.data(), inv_freq.data(), N, H, KV, hd, pos);
-    auto d_raw = up(raw), d_dqkv = up(dqkv);
+    auto d_qkv = up(qkv), d_dqkv = up(dqkv);
     auto d_freq = up(inv_freq);
-    Buffer<T, Cuda> d_qkv(qkv_n), d_draw(raw_n);
-    ck::rotary_forward(stream(), d_qkv.data(), d_raw.data(), d_freq.data(), N, H, KV, hd, pos);
-    ck::rotary_backward(stream(), d_draw.data(), d_dqkv.data(), d_freq.data(), N, H, KV, hd, pos);
+    hk::rotary_forward(qkv.data(), inv_freq.data(), N, H, KV, hd, pos);
+    hk::rotary_backward(dqkv.data(), inv_freq.data(), N, H, KV, hd, pos);
+    ck::rotary_forward(stream(), d_qkv.data(), d_freq.data(), N, H, KV, hd, pos);
+    ck::rotary_backward(stream(), d_dqkv.data(), d_freq.data(), N, H, KV, hd, pos);
     CHECK_CLOSE(qkv, down(d_qkv), bound<T>(fp32_elem));
-    CHECK_CLOSE(draw, down(d_draw), bound<T>(fp32_elem * 10));  // sums of three heads
+    CHECK_CLOSE(dqkv, down(d_dqkv), bound<T>(fp32_elem));
   }
 }
 
@@ -468,37 +466,42 @@ TEST_CASE_TEMPLATE("gradient norm: sum of squares, scale, clip", T, ELEMENT_TYPE
 
 TEST_CASE_TEMPLATE("attention forward and backward (flash-style) against the reference", T, ELEMENT_TYPES) {
   struct Shape {
-    int B, L, C, NH;  // L: sequence length
+    int B, L, C, NH, NKV;  // L: sequence length; NKV key/value heads
   };
-  // hs = 32, 64 and 80 (padded to 128); T not a multiple of the 32-row tile.
-  for (const Shape s : {Shape{2, 70, 96, 3}, Shape{1, 33, 128, 2}, Shape{2, 45, 160, 2}}) {
+  // hs = 32, 64 and 80 (padded to 128); T not a multiple of the 32-row tile; grouped-query
+  // (6 query heads over 2 key/value heads) and multi-query (over 1).
+  for (const Shape s : {Shape{2, 70, 96, 3, 3}, Shape{1, 33, 128, 2, 2}, Shape{2, 45, 160, 2, 2}, Shape{2, 50, 192, 6, 2},
+                        Shape{1, 40, 128, 4, 1}}) {
     CAPTURE(s.L);
     CAPTURE(s.C);
     CAPTURE(s.NH);
-    const std::size_t nqkv = static_cast<std::size_t>(s.B) * s.L * 3 * s.C, nout = static_cast<std::size_t>(s.B) * s.L * s.C;
+    CAPTURE(s.NKV);
+    const std::size_t width = static_cast<std::size_t>(s.C + 2 * s.C / s.NH * s.NKV);
+    const std::size_t nqkv = static_cast<std::size_t>(s.B) * s.L * width, nout = static_cast<std::size_t>(s.B) * s.L * s.C;
     const std::size_t nlse = static_cast<std::size_t>(s.B) * s.NH * s.L;
     const auto qkv = rnd<T>(nqkv, 32, -1.5f, 1.5f), dout = rnd<T>(nout, 33);
     std::vector<T> out(nout), dqkv(nqkv);
     std::vector<float> lse(nlse);
-    hk::attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.L, s.C, s.NH);
-    hk::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.L, s.C, s.NH);
+    hk::attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.L, s.C, s.NH, s.NKV);
+    hk::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.L, s.C, s.NH, s.NKV);
     auto d_qkv = up(qkv), d_dout = up(dout);
     Buffer<T, Cuda> d_out(nout), d_dqkv(nqkv);
     Buffer<float, Cuda> d_lse(nlse);
-    ck::attention_forward(stream(), d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.L, s.C, s.NH);
+    ck::attention_forward(stream(), d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.L, s.C, s.NH, s.NKV);
     CHECK_CLOSE(out, down(d_out), bound<T>(fp32_sum));
     CHECK_CLOSE(lse, down(d_lse), fp32_sum);
     // The backward from the reference's out and lse, so only the backward is compared.
     auto d_out_ref = up(out);
     auto d_lse_ref = up(lse);
     ck::attention_backward(stream(), d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out_ref.data(), d_lse_ref.data(),
-                           s.B, s.L, s.C, s.NH);
+                           s.B, s.L, s.C, s.NH, s.NKV);
     CHECK_CLOSE(dqkv, down(d_dqkv), bound<T>(fp32_sum));
   }
   Buffer<T, Cuda> x(1024);
   Buffer<float, Cuda> l(8);
-  CHECK_THROWS_AS(ck::attention_forward(stream(), x.data(), l.data(), x.data(), 1, 1, 100, 3), std::invalid_argument);
-  CHECK_THROWS_AS(ck::attention_forward(stream(), x.data(), l.data(), x.data(), 1, 1, 256, 1), std::invalid_argument);
+  CHECK_THROWS_AS(ck::attention_forward(stream(), x.data(), l.data(), x.data(), 1, 1, 100, 3, 3), std::invalid_argument);
+  CHECK_THROWS_AS(ck::attention_forward(stream(), x.data(), l.data(), x.data(), 1, 1, 256, 1, 1), std::invalid_argument);
+  CHECK_THROWS_AS(ck::attention_forward(stream(), x.data(), l.data(), x.data(), 1, 1, 96, 3, 2), std::invalid_argument);
 }
 
 // Mixture of experts. Each kernel gets the host's outputs of the step before it on both

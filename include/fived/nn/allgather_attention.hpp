@@ -24,38 +24,41 @@
 
 namespace fived {
 
-template <class S, int Heads>
+template <class S, int Heads, int KVHeads = Heads>
 struct AllGatherAttention {
   using T = typename S::value_type;
   using stat_t = typename S::stat_t;
   using Device = typename S::device;
+  using Shape = ContextRows<S, Heads, KVHeads>;
   static constexpr int cp = S::cp;
 
-  // Shared by every micro-batch slot: N local rows, Cl channels of the local heads.
+  // Shared by every micro-batch slot: N local rows, Cl channels of the local query heads and
+  // Ckv of their key/value heads.
   struct Work {
-    Buffer<T, Device> kv, kv_all;       // packed [k | v]: local [N, 2 Cl] and gathered [CP N, 2 Cl]
+    Buffer<T, Device> kv, kv_all;       // packed [k | v]: local [N, 2 Ckv] and gathered [CP N, 2 Ckv]
     Buffer<stat_t, Device> o, dq;       // [N, Cl]
-    Buffer<stat_t, Device> dkv_all;     // d[k | v] of every gathered row [CP N, 2 Cl]
-    Buffer<stat_t, Device> dkv;         // this rank's rows of it, summed over CP [N, 2 Cl]
+    Buffer<stat_t, Device> dkv_all;     // d[k | v] of every gathered row [CP N, 2 Ckv]
+    Buffer<stat_t, Device> dkv;         // this rank's rows of it, summed over CP [N, 2 Ckv]
     Buffer<stat_t, Device> Dd;          // dout . out per row and head, [N, Heads]
-    Buffer<stat_t, Device> dqkv;        // d[q | k | v] before it is rounded to T, [N, 3 Cl]
+    Buffer<stat_t, Device> dqkv;        // d[q | k | v] before it is rounded to T, [N, Cl + 2 Ckv]
     std::size_t capacity = 0;
 
     void reserve(typename S::ops_type& ops, std::size_t N, std::size_t Cl) {
       if (N <= capacity) return;
       capacity = N;
-      kv = ops.template make_buffer<T>(N * 2 * Cl);
-      kv_all = ops.template make_buffer<T>(cp * N * 2 * Cl);
+      const std::size_t Ckv = static_cast<std::size_t>(Shape::kv_channels(static_cast<int>(Cl)));
+      kv = ops.template make_buffer<T>(N * 2 * Ckv);
+      kv_all = ops.template make_buffer<T>(cp * N * 2 * Ckv);
       o = ops.template make_buffer<stat_t>(N * Cl);
       dq = ops.template make_buffer<stat_t>(N * Cl);
-      dkv_all = ops.template make_buffer<stat_t>(cp * N * 2 * Cl);
-      dkv = ops.template make_buffer<stat_t>(N * 2 * Cl);
+      dkv_all = ops.template make_buffer<stat_t>(cp * N * 2 * Ckv);
+      dkv = ops.template make_buffer<stat_t>(N * 2 * Ckv);
       Dd = ops.template make_buffer<stat_t>(N * Heads);
-      dqkv = ops.template make_buffer<stat_t>(N * 3 * Cl);
+      dqkv = ops.template make_buffer<stat_t>(N * (Cl + 2 * Ckv));
     }
   };
 
-  // atty [N, Cl] and lse [2, B, Heads, n] from qkv [N, 3 Cl] (this rank's rows, chunk-major).
+  // atty [N, Cl] and lse [2, B, Heads, n] from qkv [N, Cl + 2 Ckv] (this rank's rows, chunk-major).
   static void forward(S& s, Work& w, T* atty, stat_t* lse, const T* qkv, int Cl) {
     const Shape z(s, Cl);
     gather_kv(s, w, z, qkv, Cl);
@@ -63,13 +66,13 @@ struct AllGatherAttention {
     each_block(s, z, [&](int q, std::size_t k_row, bool causal) {
       const T* k = w.kv_all.data() + k_row * z.ld_kv;
       s.ops.attention_block_forward(w.o.data() + z.chunk(q) * Cl, lse + z.stats(q), qkv + z.chunk(q) * z.ld_qkv, k,
-                                    k + Cl, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, causal, !seen[q]);
+                                    k + z.Ckv, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, KVHeads, causal, !seen[q]);
       seen[q] = true;
     });
     s.ops.from_acc(atty, w.o.data(), z.N * static_cast<std::size_t>(Cl));
   }
 
-  // dqkv [N, 3 Cl] ("=") from datty, with the forward's qkv, atty and lse.
+  // dqkv [N, Cl + 2 Ckv] ("=") from datty, with the forward's qkv, atty and lse.
   static void backward(S& s, Work& w, T* dqkv, const T* datty, const T* qkv, const T* atty, const stat_t* lse, int Cl) {
     const Shape z(s, Cl);
     auto& ops = s.ops;
@@ -80,9 +83,9 @@ struct AllGatherAttention {
     each_block(s, z, [&](int q, std::size_t k_row, bool causal) {
       const T* k = w.kv_all.data() + k_row * z.ld_kv;
       stat_t* dk = w.dkv_all.data() + k_row * z.ld_kv;
-      ops.attention_block_backward(w.dq.data() + z.chunk(q) * Cl, dk, dk + Cl, z.ld_kv, datty + z.chunk(q) * Cl,
-                                   w.Dd.data() + z.stats(q), lse + z.stats(q), qkv + z.chunk(q) * z.ld_qkv, k, k + Cl,
-                                   z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, causal);
+      ops.attention_block_backward(w.dq.data() + z.chunk(q) * Cl, dk, dk + z.Ckv, z.ld_kv, datty + z.chunk(q) * Cl,
+                                   w.Dd.data() + z.stats(q), lse + z.stats(q), qkv + z.chunk(q) * z.ld_qkv, k,
+                                   k + z.Ckv, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, KVHeads, causal);
     });
     s.cp_comm.reduce_scatter(std::span<const stat_t>(w.dkv_all.data(), cp * z.N * z.ld_kv),
                              std::span<stat_t>(w.dkv.data(), z.N * z.ld_kv));
@@ -90,7 +93,6 @@ struct AllGatherAttention {
   }
 
  private:
-  using Shape = ContextRows<S, Heads>;
 
   // Every rank's packed [k | v] into kv_all, rank-major (rank r's rows at r·N).
   static void gather_kv(S& s, Work& w, const Shape& z, const T* qkv, int Cl) {

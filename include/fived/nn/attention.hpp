@@ -34,16 +34,23 @@ constexpr std::array<TensorSpec, 4> attention_specs(int layer, int unit, int C, 
           vector_spec("attn.c_proj.bias", layer, C, {}, unit, Init::zeros, stream + 3)};
 }
 
-template <class S, int Heads, class Context = RingContext>
+// LocalKV: the key/value heads a rank's query heads read (grouped-query attention,
+// nn/rotary_attention.hpp); the default is multi-head attention's one per query head.
+template <class S, int Heads, class Context = RingContext, int LocalKV = Heads / S::tp>
 struct Attention {
   using T = typename S::value_type;
   using stat_t = typename S::stat_t;
   static_assert(Heads % S::tp == 0,
                 "tensor parallelism splits the attention heads over TP: the number of heads must be a multiple of the "
                 "TP extent (change heads in the config, or use a TP that divides it)");
-  static constexpr int local_heads = Heads / S::tp;
-  using ContextCore = std::conditional_t<std::is_same_v<Context, AllGatherContext>, AllGatherAttention<S, local_heads>,
-                                         RingAttention<S, local_heads>>;
+  static constexpr int local_heads = Heads / S::tp, local_kv = LocalKV;
+  static_assert(local_kv >= 1 && local_heads % local_kv == 0,
+                "grouped-query attention: a rank's key/value heads must divide its query heads");
+  using ContextCore =
+      std::conditional_t<std::is_same_v<Context, AllGatherContext>, AllGatherAttention<S, local_heads, local_kv>,
+                         RingAttention<S, local_heads, local_kv>>;
+  // Columns of the local q|k|v: the query heads' Cl = C/TP, and their key/value heads' twice.
+  static constexpr int qkv_width(int C) { return C / S::tp + 2 * (C / Heads) * local_kv; }
   using ContextWork = typename ContextCore::Work;  // shared by the slots; allocated only under CP
 
   // The core attention's output and its log-sum-exp (what ring attention merges): kept per
@@ -62,7 +69,7 @@ struct Attention {
     Core core;  // empty when the model recomputes it
     void reserve(typename S::ops_type& ops, std::size_t N, std::size_t C, bool keep_core) {
       if constexpr (S::sp) x_full = ops.template make_buffer<T>(N * C);
-      qkv = ops.template make_buffer<T>(N * 3 * C / S::tp);
+      qkv = ops.template make_buffer<T>(N * static_cast<std::size_t>(qkv_width(static_cast<int>(C))));
       if (keep_core) core.reserve(ops, N, C);
     }
   };
@@ -85,19 +92,20 @@ struct Attention {
   static void core_forward(S& s, const Saved& a, Core& core, ContextWork& ring, int C) {
     core_forward(s, a.qkv.data(), core, ring, C);
   }
-  // The same from any q|k|v [N, 3C/TP] of the local heads (a block with its own projections).
+  // The same from any q|k|v [N, qkv_width] of the local heads (a block with its own projections).
   static void core_forward(S& s, const T* qkv, Core& core, ContextWork& ring, int C) {
     const int Cl = C / S::tp;
     if constexpr (S::cp > 1) ContextCore::forward(s, ring, core.atty.data(), core.lse.data(), qkv, Cl);
-    else s.ops.attention_forward(core.atty.data(), core.lse.data(), qkv, s.B, s.T_, Cl, local_heads);
+    else s.ops.attention_forward(core.atty.data(), core.lse.data(), qkv, s.B, s.T_, Cl, local_heads, local_kv);
   }
-  // dqkv [N, 3C/TP] ("=") from d(core output) datty.
+  // dqkv [N, qkv_width] ("=") from d(core output) datty.
   static void core_backward(S& s, ContextWork& ring, T* dqkv, const T* datty, const T* qkv, const Core& core, int C) {
     const int Cl = C / S::tp;
     if constexpr (S::cp > 1)
       ContextCore::backward(s, ring, dqkv, datty, qkv, core.atty.data(), core.lse.data(), Cl);
     else
-      s.ops.attention_backward(dqkv, datty, qkv, core.atty.data(), core.lse.data(), s.B, s.T_, Cl, local_heads);
+      s.ops.attention_backward(dqkv, datty, qkv, core.atty.data(), core.lse.data(), s.B, s.T_, Cl, local_heads,
+                               local_kv);
   }
 
   // dx (the stream's rows, "=") from dy; gradients "+=". x: ln_1's output, as in forward.

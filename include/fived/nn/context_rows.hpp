@@ -1,27 +1,30 @@
 #pragma once
 // What the two context-parallel attention cores share (nn/ring_attention.hpp,
 // nn/allgather_attention.hpp): the shape of a rank's rows, two zig-zag chunks stored
-// chunk-major (context/zigzag.hpp), and the steps of backward around their blocks.
+// chunk-major (context/zigzag.hpp), and the steps of backward around their blocks. Heads
+// query heads read KVHeads key/value heads (grouped-query attention; equal for multi-head).
 
 #include <cstddef>
 
 namespace fived {
 
-template <class S, int Heads>
+template <class S, int Heads, int KVHeads>
 struct ContextRows {
   using T = typename S::value_type;
   using stat_t = typename S::stat_t;
 
   std::size_t N, n, rows_per_chunk, ld_qkv, ld_kv;  // rows; a chunk's length; its rows; q|k|v and k|v widths
-  int Cl;                                           // channels of the local heads
+  int Cl, Ckv;                                      // channels of the local query heads, of their key/value heads
 
   ContextRows(const S& s, int cl)
       : N(static_cast<std::size_t>(s.B) * static_cast<std::size_t>(s.T_)),
         n(static_cast<std::size_t>(s.chunk_length())),
         rows_per_chunk(static_cast<std::size_t>(s.B) * n),
-        ld_qkv(3 * static_cast<std::size_t>(cl)),
-        ld_kv(2 * static_cast<std::size_t>(cl)),
-        Cl(cl) {}
+        ld_qkv(static_cast<std::size_t>(cl + 2 * kv_channels(cl))),
+        ld_kv(2 * static_cast<std::size_t>(kv_channels(cl))),
+        Cl(cl),
+        Ckv(kv_channels(cl)) {}
+  static constexpr int kv_channels(int cl) { return cl / Heads * KVHeads; }
   std::size_t chunk(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk; }  // its first row
   std::size_t stats(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk * Heads; }
 
@@ -31,8 +34,8 @@ struct ContextRows {
       s.ops.attention_row_dot(Dd + stats(c), datty + chunk(c) * Cl, atty + chunk(c) * Cl, s.B, static_cast<int>(n),
                               Cl, Heads);
   }
-  // Backward's last: dqkv [N, 3 Cl] ("=") from dq [N, Cl] and d[k | v] [N, 2 Cl], gathered in
-  // stat precision in `staging` [N, 3 Cl] and rounded to T once.
+  // Backward's last: dqkv [N, Cl + 2 Ckv] ("=") from dq [N, Cl] and d[k | v] [N, 2 Ckv],
+  // gathered in stat precision in `staging` [N, Cl + 2 Ckv] and rounded to T once.
   void assemble_dqkv(S& s, T* dqkv, stat_t* staging, const stat_t* dq, const stat_t* dkv) const {
     s.ops.copy_rows(staging, ld_qkv, dq, static_cast<std::size_t>(Cl), static_cast<std::size_t>(Cl), N);
     s.ops.copy_rows(staging + Cl, ld_qkv, dkv, ld_kv, ld_kv, N);

@@ -169,7 +169,7 @@ struct LlamaBlock {
     };
     struct Work {
       Buffer<stat_t, typename S::device> inv_freq;          // [head size / 2]
-      Buffer<T, typename S::device> raw, dqkv;  // [N, (C + 2KVC)/TP] (also its gradient), [N, 3C/TP]
+      Buffer<T, typename S::device> dqkv;       // d(q|k|v) [N, (C + 2KVC)/TP] (KVC/KV per rank above the KV heads)
       Buffer<T, typename S::device> dh, dgu;    // [N, F/TP], [N, 2F/TP] (also d(core) [N, C/TP])
       typename Attn::ContextWork ring;
       typename Attn::Work attn;  // TP above the key/value heads: their gradients' sum
@@ -181,8 +181,7 @@ struct LlamaBlock {
         const std::vector<stat_t> g(f.begin(), f.end());
         inv_freq = ops.template make_buffer<stat_t>(g.size());
         ops.upload(inv_freq.data(), g.data(), g.size());
-        raw = ops.template make_buffer<T>(N * static_cast<std::size_t>(Attn::raw_width(C, KVC)));
-        dqkv = ops.template make_buffer<T>(N * 3 * C / S::tp);
+        dqkv = ops.template make_buffer<T>(N * static_cast<std::size_t>(Attn::raw_width(C, KVC)));
         dh = ops.template make_buffer<T>(N * F / S::tp);
         dgu = ops.template make_buffer<T>(N * 2 * F / S::tp);
         if constexpr (S::cp > 1) ring.reserve(ops, N, C / S::tp);
@@ -199,7 +198,7 @@ struct LlamaBlock {
       const std::size_t n = static_cast<std::size_t>(s.local_rows()) * C;
       Norm::forward(s, a.ln_1, x, p.ln_1, C);
       Attn::forward(s, a.attn, core(a, w), w.ring, k.out, a.ln_1.out.data(), p.attn, C, KVC, w.inv_freq.data(),
-                    w.raw.data(), k.partial);
+                    k.partial);
       s.ops.residual_forward(a.res2.data(), x, k.out, n);
       Norm::forward(s, a.ln_2, a.res2.data(), p.ln_2, C);
       if (dims::is_moe(layer))
@@ -219,7 +218,7 @@ struct LlamaBlock {
                       k.partial);
       Norm::backward(s, dres, g.ln_2, k.dln, a.res2.data(), p.ln_2, a.ln_2, C);  // dres: d(res2)
       Attn::backward(s, w.ring, w.attn, k.dln, g.attn, dres, a.ln_1.out.data(), a.attn, core(a, w), p.attn, C, KVC,
-                     w.inv_freq.data(), w.dgu.data(), w.dqkv.data(), w.raw.data(), k.partial);
+                     w.inv_freq.data(), w.dgu.data(), w.dqkv.data(), k.partial);
       Norm::backward(s, dres, g.ln_1, k.dln, x, p.ln_1, a.ln_1, C);
     }
     static double aux_loss(const Saved& a) { return a.moe.aux; }

@@ -19,9 +19,10 @@
 //   kernels (contract of /kernels, without the stream / handle argument):
 //     matmul, bias_backward, layernorm_forward, layernorm_backward, rmsnorm_forward,
 //     rmsnorm_backward, gelu_backward, swiglu_forward, swiglu_backward, rotary_forward and
-//     rotary_backward (rotary positions and grouped query heads, kernels/host/rotary.hpp),
-//     residual_forward, attention_forward, attention_backward, embedding_forward and
-//     embedding_backward (over a range of the vocabulary: a TP rank's shard), logits_max,
+//     rotary_backward (rotary positions, in place, kernels/host/rotary.hpp),
+//     residual_forward, attention_forward, attention_backward (grouped key/value heads),
+//     embedding_forward and embedding_backward (over a range of the vocabulary: a TP rank's
+//     shard), logits_max,
 //     crossentropy_partials, crossentropy_backward, adamw_update, gelu_forward, scale,
 //     to_fp32 (fp32 master weights from the parameters), from_acc (stat_t -> T), and ring
 //     attention's pieces attention_block_forward, attention_row_dot, attention_block_backward;
@@ -118,36 +119,35 @@ struct Ops<T, Host> {
   }
   void swiglu_forward(T* h, const T* gu, int N, int F) { kernels::host::swiglu_forward(h, gu, N, F); }
   void swiglu_backward(T* dgu, const T* dh, const T* gu, int N, int F) { kernels::host::swiglu_backward(dgu, dh, gu, N, F); }
-  void rotary_forward(T* qkv, const T* raw, const stat_t* inv_freq, int N, int H, int KV, int hd,
-                      RowPositions pos) {
-    kernels::host::rotary_forward(qkv, raw, inv_freq, N, H, KV, hd, pos);
+  void rotary_forward(T* qkv, const stat_t* inv_freq, int N, int H, int KV, int hd, RowPositions pos) {
+    kernels::host::rotary_forward(qkv, inv_freq, N, H, KV, hd, pos);
   }
-  void rotary_backward(T* draw, const T* dqkv, const stat_t* inv_freq, int N, int H, int KV, int hd,
-                       RowPositions pos) {
-    kernels::host::rotary_backward(draw, dqkv, inv_freq, N, H, KV, hd, pos);
+  void rotary_backward(T* dqkv, const stat_t* inv_freq, int N, int H, int KV, int hd, RowPositions pos) {
+    kernels::host::rotary_backward(dqkv, inv_freq, N, H, KV, hd, pos);
   }
   void gelu_backward(T* dinp, const T* inp, const T* dout, std::size_t n) {
     kernels::host::gelu_backward(dinp, inp, dout, n);
   }
   void residual_forward(T* out, const T* a, const T* b, std::size_t n) { kernels::host::residual_forward(out, a, b, n); }
-  void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH) {
-    kernels::host::attention_forward(out, lse, qkv, B, T_, C, NH);
+  void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH, int NKV) {
+    kernels::host::attention_forward(out, lse, qkv, B, T_, C, NH, NKV);
   }
   void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const stat_t* lse, int B, int T_, int C,
-                          int NH) {
-    kernels::host::attention_backward(dqkv, dout, qkv, out, lse, B, T_, C, NH);
+                          int NH, int NKV) {
+    kernels::host::attention_backward(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV);
   }
   void attention_block_forward(stat_t* o, stat_t* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B,
-                               int n, int C, int NH, bool causal, bool first) {
-    kernels::host::attention_block_forward(o, lse, q, k, v, ldq, ldkv, B, n, C, NH, causal, first);
+                               int n, int C, int NH, int NKV, bool causal, bool first) {
+    kernels::host::attention_block_forward(o, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal, first);
   }
   void attention_row_dot(stat_t* Dd, const T* dout, const T* out, int B, int n, int C, int NH) {
     kernels::host::attention_row_dot(Dd, dout, out, B, n, C, NH);
   }
   void attention_block_backward(stat_t* dq, stat_t* dk, stat_t* dv, int lddkv, const T* dout, const stat_t* Dd,
                                 const stat_t* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B, int n,
-                                int C, int NH, bool causal) {
-    kernels::host::attention_block_backward(dq, dk, dv, lddkv, dout, Dd, lse, q, k, v, ldq, ldkv, B, n, C, NH, causal);
+                                int C, int NH, int NKV, bool causal) {
+    kernels::host::attention_block_backward(dq, dk, dv, lddkv, dout, Dd, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV,
+                                            causal);
   }
   void embedding_forward(T* out, const int* tokens, const T* wte, int vocab_begin, int vocab_rows, const T* wpe, int B,
                          int T_, int C) {

@@ -35,47 +35,51 @@
 
 namespace fived {
 
-template <class S, int Heads>
+template <class S, int Heads, int KVHeads = Heads>
 struct RingAttention {
   using T = typename S::value_type;
   using stat_t = typename S::stat_t;
   using Device = typename S::device;
+  using Shape = ContextRows<S, Heads, KVHeads>;
 
-  // Shared by every micro-batch slot: the ring's buffers for N local rows and Cl channels.
+  // Shared by every micro-batch slot: the ring's buffers for N local rows, Cl channels of the
+  // query heads and Ckv of the key/value heads.
   struct Work {
-    Buffer<T, Device> kv[2];         // packed [k | v], [N, 2 Cl]: the block in hand and the next
+    Buffer<T, Device> kv[2];         // packed [k | v], [N, 2 Ckv]: the block in hand and the next
     Buffer<stat_t, Device> o;        // the forward's output accumulator [N, Cl]
     Buffer<stat_t, Device> dq;       // [N, Cl]
-    Buffer<stat_t, Device> dkv[2];   // the travelling d[k | v], [N, 2 Cl]
+    Buffer<stat_t, Device> dkv[2];   // the travelling d[k | v], [N, 2 Ckv]
     Buffer<stat_t, Device> Dd;       // dout . out per row and head, [N, Heads]
-    Buffer<stat_t, Device> dqkv;     // d[q | k | v] before it is rounded to T, [N, 3 Cl]
+    Buffer<stat_t, Device> dqkv;     // d[q | k | v] before it is rounded to T, [N, Cl + 2 Ckv]
     std::size_t capacity = 0;
 
     void reserve(typename S::ops_type& ops, std::size_t N, std::size_t Cl) {
       if (N <= capacity) return;
       capacity = N;
-      for (auto& b : kv) b = ops.template make_buffer<T>(N * 2 * Cl);
+      const std::size_t Ckv = static_cast<std::size_t>(Shape::kv_channels(static_cast<int>(Cl)));
+      for (auto& b : kv) b = ops.template make_buffer<T>(N * 2 * Ckv);
       o = ops.template make_buffer<stat_t>(N * Cl);
       dq = ops.template make_buffer<stat_t>(N * Cl);
-      for (auto& b : dkv) b = ops.template make_buffer<stat_t>(N * 2 * Cl);
+      for (auto& b : dkv) b = ops.template make_buffer<stat_t>(N * 2 * Ckv);
       Dd = ops.template make_buffer<stat_t>(N * Heads);
-      dqkv = ops.template make_buffer<stat_t>(N * 3 * Cl);
+      dqkv = ops.template make_buffer<stat_t>(N * (Cl + 2 * Ckv));
     }
   };
 
-  // atty [N, Cl] and lse [2, B, Heads, n] from qkv [N, 3 Cl] (this rank's rows, chunk-major).
+  // atty [N, Cl] and lse [2, B, Heads, n] from qkv [N, Cl + 2 Ckv] (this rank's rows, chunk-major).
   static void forward(S& s, Work& w, T* atty, stat_t* lse, const T* qkv, int Cl) {
     const Shape z(s, Cl);
     bool seen[2] = {false, false};
     walk_ring(s, w, z, qkv, Cl, [&](const RingBlock& b, const T* k, int) {
       s.ops.attention_block_forward(w.o.data() + z.chunk(b.q) * Cl, lse + z.stats(b.q), qkv + z.chunk(b.q) * z.ld_qkv,
-                                    k, k + Cl, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, b.causal, !seen[b.q]);
+                                    k, k + z.Ckv, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, KVHeads, b.causal,
+                                    !seen[b.q]);
       seen[b.q] = true;
     }, [](int) {});
     s.ops.from_acc(atty, w.o.data(), z.N * static_cast<std::size_t>(Cl));
   }
 
-  // dqkv [N, 3 Cl] ("=") from datty, with the forward's qkv, atty and lse.
+  // dqkv [N, Cl + 2 Ckv] ("=") from datty, with the forward's qkv, atty and lse.
   static void backward(S& s, Work& w, T* dqkv, const T* datty, const T* qkv, const T* atty, const stat_t* lse, int Cl) {
     const Shape z(s, Cl);
     auto& ops = s.ops;
@@ -84,9 +88,10 @@ struct RingAttention {
     ops.zero(w.dkv[0]);
     walk_ring(s, w, z, qkv, Cl, [&](const RingBlock& b, const T* k, int cur) {
       stat_t* dk = w.dkv[cur].data() + z.chunk(b.k) * z.ld_kv;
-      ops.attention_block_backward(w.dq.data() + z.chunk(b.q) * Cl, dk, dk + Cl, z.ld_kv, datty + z.chunk(b.q) * Cl,
-                                   w.Dd.data() + z.stats(b.q), lse + z.stats(b.q), qkv + z.chunk(b.q) * z.ld_qkv, k,
-                                   k + Cl, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, b.causal);
+      ops.attention_block_backward(w.dq.data() + z.chunk(b.q) * Cl, dk, dk + z.Ckv, z.ld_kv,
+                                   datty + z.chunk(b.q) * Cl, w.Dd.data() + z.stats(b.q), lse + z.stats(b.q),
+                                   qkv + z.chunk(b.q) * z.ld_qkv, k, k + z.Ckv, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads,
+                                   KVHeads, b.causal);
     }, [&](int cur) {  // d[k | v] goes on; after the last step this rank's own comes back, complete
       pass_on(s, w.dkv[cur], w.dkv[1 - cur], z.N * z.ld_kv);
     });
@@ -94,7 +99,6 @@ struct RingAttention {
   }
 
  private:
-  using Shape = ContextRows<S, Heads>;
 
   // The ring, shared by forward and backward: this rank's [k | v] packed into kv[0], then per
   // step the block in hand passed on while block(b, k of b's key chunk, buffer index) runs

@@ -5,11 +5,12 @@
 //   q|k|v   ColumnParallel q_proj [C, C], k_proj and v_proj [KV hd, C] (torch.nn.Linear, no
 //           biases): adjacent in the flat buffer, so one GEMM computes this rank's
 //           [N, (C + 2 KV hd)/TP] (its H/TP query heads, then its KV/TP key and value heads)
-//   rotary  queries and keys rotated by each row's position in its sequence (its global
-//           position under context parallelism's zig-zag chunks), key and value heads
-//           repeated for the query heads that share them (Ops::rotary_forward)
-//   core    the causal attention of the local heads (nn/attention.hpp), or under CP the ring
-//           or the all-gather of keys and values (the Context argument)
+//   rotary  queries and keys rotated in place by each row's position in its sequence (its
+//           global position under context parallelism's zig-zag chunks; Ops::rotary_forward)
+//   core    the causal attention of the local heads (nn/attention.hpp), each query head
+//           reading its group's key/value head where it lies (no copies, as Hugging Face's
+//           repeat_kv makes), or under CP the ring or the all-gather of the key/value heads
+//           alone (the Context argument)
 //   o_proj  RowParallel [C, C] -> the stream
 //
 // Each rank keeps the key/value heads its query heads read: KV / TP of them when TP divides
@@ -45,26 +46,18 @@ struct RotaryAttention {
   using T = typename S::value_type;
   using stat_t = typename S::stat_t;
   using Linear = TorchLinear;
-  using Attn = Attention<S, Heads, Context>;  // the core: local causal attention, or CP's ring or all-gather
-  using Core = typename Attn::Core;
-  using ContextWork = typename Attn::ContextWork;
   static_assert(Heads % KVHeads == 0, "grouped-query attention: the key/value heads must divide the query heads");
   static_assert(KVHeads % S::tp == 0 || S::tp % KVHeads == 0,
                 "tensor parallelism and grouped-query attention: the TP extent must divide kv_heads or be a multiple "
                 "of it (each rank keeps whole key/value heads)");
   static constexpr int replicas = S::tp > KVHeads ? S::tp / KVHeads : 1;  // ranks sharing a key/value head
   static constexpr int local_heads = Heads / S::tp, local_kv = replicas > 1 ? 1 : KVHeads / S::tp;
-
-  struct Saved {
-    Buffer<T, typename S::device> x_full;  // SP: the gathered input (the projections' dW)
-    Buffer<T, typename S::device> qkv;     // rotated q | k | v, the KV heads repeated [N, 3C/TP]
-    Core core;                             // empty when the model recomputes it
-    void reserve(typename S::ops_type& ops, std::size_t N, std::size_t C, bool keep_core) {
-      if constexpr (S::sp) x_full = ops.template make_buffer<T>(N * C);
-      qkv = ops.template make_buffer<T>(N * 3 * C / S::tp);
-      if (keep_core) core.reserve(ops, N, C);
-    }
-  };
+  // The core: local causal attention, or CP's ring or all-gather, over the local heads.
+  using Attn = Attention<S, Heads, Context, local_kv>;
+  using Core = typename Attn::Core;
+  using ContextWork = typename Attn::ContextWork;
+  // The gathered input under SP, the rotated q | k | v [N, raw_width], the core unless recomputed.
+  using Saved = typename Attn::Saved;
   // q_proj, k_proj and v_proj as one [(C + 2 KVC)/TP, C] weight (the pieces lie back to back).
   struct Params {
     T *qkv, *o;
@@ -93,12 +86,12 @@ struct RotaryAttention {
   };
 
   // y (the stream's rows) = o_proj(attention(rotary(q|k|v(x)))); x is the norm's output.
-  // inv_freq [head size / 2]: the rotary frequencies. raw: [N, raw_width] work. partial: [N, C] when SP.
+  // inv_freq [head size / 2]: the rotary frequencies. partial: [N, C] when SP.
   static void forward(S& s, Saved& a, Core& core, ContextWork& ring, T* y, const T* x, Params p, int C, int KVC,
-                      const stat_t* inv_freq, T* raw, T* partial) {
+                      const stat_t* inv_freq, T* partial) {
     const T* x_full = s.gather_rows(x, a.x_full.data(), C);
-    ColumnParallel<S, Linear>::forward(s, raw, x_full, p.qkv, nullptr, C, raw_width(C, KVC));
-    s.ops.rotary_forward(a.qkv.data(), raw, inv_freq, s.rows(), local_heads, local_kv, C / Heads, s.positions());
+    ColumnParallel<S, Linear>::forward(s, a.qkv.data(), x_full, p.qkv, nullptr, C, raw_width(C, KVC));
+    s.ops.rotary_forward(a.qkv.data(), inv_freq, s.rows(), local_heads, local_kv, C / Heads, s.positions());
     Attn::core_forward(s, a.qkv.data(), core, ring, C);
     RowParallel<S, Linear>::forward(s, y, core.atty.data(), p.o, nullptr, C / S::tp, C, partial);
   }
@@ -107,19 +100,18 @@ struct RotaryAttention {
   }
 
   // dx (the stream's rows, "=") from dy; gradients "+=". Work buffers: datty [N, C/TP],
-  // dqkv [N, 3C/TP], draw [N, raw_width], full [N, C] when SP.
+  // dqkv [N, raw_width], full [N, C] when SP.
   static void backward(S& s, ContextWork& ring, Work& w, T* dx, Params g, const T* dy, const T* x, const Saved& a,
-                       const Core& core, Params p, int C, int KVC, const stat_t* inv_freq, T* datty, T* dqkv, T* draw,
-                       T* full) {
+                       const Core& core, Params p, int C, int KVC, const stat_t* inv_freq, T* datty, T* dqkv, T* full) {
     const T* x_full = S::sp ? a.x_full.data() : x;
     RowParallel<S, Linear>::backward(s, datty, g.o, nullptr, dy, core.atty.data(), p.o, C / S::tp, C, full);
     Attn::core_backward(s, ring, dqkv, datty, a.qkv.data(), core, C);
-    s.ops.rotary_backward(draw, dqkv, inv_freq, s.rows(), local_heads, local_kv, C / Heads, s.positions());
+    s.ops.rotary_backward(dqkv, inv_freq, s.rows(), local_heads, local_kv, C / Heads, s.positions());
     if constexpr (replicas == 1) {
-      ColumnParallel<S, Linear>::backward(s, dx, g.qkv, nullptr, draw, x_full, p.qkv, C, raw_width(C, KVC), full);
+      ColumnParallel<S, Linear>::backward(s, dx, g.qkv, nullptr, dqkv, x_full, p.qkv, C, raw_width(C, KVC), full);
     } else {  // the projection's gradient whole, then the shared key/value head's part summed over its replicas
       s.ops.zero(w.dw);
-      ColumnParallel<S, Linear>::backward(s, dx, w.dw.data(), nullptr, draw, x_full, p.qkv, C, raw_width(C, KVC), full);
+      ColumnParallel<S, Linear>::backward(s, dx, w.dw.data(), nullptr, dqkv, x_full, p.qkv, C, raw_width(C, KVC), full);
       const std::size_t q = static_cast<std::size_t>(C / S::tp) * C, kv = 2 * static_cast<std::size_t>(kv_rows(KVC)) * C;
       T* slot = w.slots.data() + static_cast<std::size_t>(s.rank() / replicas) * kv;
       s.ops.residual_forward(g.qkv, g.qkv, w.dw.data(), q);

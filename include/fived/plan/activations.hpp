@@ -10,9 +10,8 @@
 // stream under sequence parallelism (else N), t bytes an element, st bytes a statistic.
 //
 //   per block    ln_1 out [n, C] + stats [n] (mean, rstd; RMSNorm: rstd)
-//                attention: SP's gathered input [N, C]; q|k|v as the attention kernels read
-//                           it, [N, 3·H·hd/TP] (grouped-query attention's KV heads repeated
-//                           for their query heads, as Hugging Face's repeat_kv);
+//                attention: SP's gathered input [N, C]; q|k|v [N, (H/TP + 2·KVl)·hd] with KVl
+//                           the rank's key/value heads (KV/TP, or 1 when TP is above KV);
 //                           core output [N, H·hd/TP] + log-sum-exp [N, H/TP] stat
 //                res2 [n, C]; ln_2 out [n, C] + stats
 //                FFN: SP's gathered input [N, C]; pre-activation and GELU output
@@ -30,10 +29,9 @@
 //                shared Core. FullRecompute keeps only res3 per block (the next block's
 //                input): one shared block (attention, FFN and MoE if the part has them).
 //   work         shared by the slots: the stream's gradient buffers [n, C] x3, d(hidden)
-//                [N, F/TP] (SwiGLU: d(h), d(gate), d(up)), d(q|k|v) [N, 3·H·hd/TP], with
-//                rotary positions the projection's own q|k|v [N, (H + 2·KV)·hd/TP] and the
-//                frequencies [hd/2] stat, SP's [N, C] and its norm gradient partials, the
-//                ring's or the all-gather's buffers under CP, the MoE's.
+//                [N, F/TP] (SwiGLU: d(h), d(gate), d(up)), d(q|k|v), with rotary positions
+//                the frequencies [hd/2] stat, SP's [N, C] and its norm gradient partials,
+//                the ring's or the all-gather's buffers under CP, the MoE's.
 //
 // R, the rows this rank's experts receive, is data dependent; the plan takes the balanced
 // case, R = N·k (every rank receives as many rows as it sends). With micro_batch·sequence = T
@@ -65,10 +63,10 @@ constexpr Bytes norm_bytes(const Transformer& m, std::int64_t rows, const Rows& 
 constexpr Bytes core_bytes(const Transformer& m, const Rows& a) {
   return detail::bytes(a.N * (m.attention_width() / a.tp), a.t) + detail::bytes(a.N * (m.heads / a.tp), a.st);
 }
-// Attention::Saved (or RotaryAttention's): the gathered input, q|k|v in the kernels' layout,
-// and the core unless it is recomputed.
+// Attention::Saved (RotaryAttention's too): the gathered input, the local q|k|v, and the core
+// unless it is recomputed.
 constexpr Bytes attention_bytes(const Transformer& m, const Rows& a, bool keep_core) {
-  return (a.sp ? detail::bytes(a.N * m.d_model, a.t) : 0) + detail::bytes(a.N * (3 * m.attention_width() / a.tp), a.t) +
+  return (a.sp ? detail::bytes(a.N * m.d_model, a.t) : 0) + detail::bytes(a.N * m.local_qkv_width(a.tp), a.t) +
          (keep_core ? core_bytes(m, a) : 0);
 }
 // MLP::Saved: the gathered input, and the FFN's hidden activations.
@@ -122,18 +120,18 @@ constexpr Bytes recompute_bytes(const Transformer& m, const Blocks& part, const 
 
 // The decoder's and the block's Work of a part: what one forward or backward uses and leaves behind, shared by its
 // slots. A SwiGLU FFN (Llama's) keeps d(h) [N, F/TP] and d(gate | up) [N, 2F/TP] where GELU has one d(h); d(core)
-// reuses them. Rotary attention (no learned positions) adds the projection's q|k|v and the frequencies.
+// reuses them. Rotary attention (no learned positions) adds the frequencies.
 constexpr Bytes work_bytes(const Transformer& m, const Blocks& part, const Rows& a) {
   bool moe = false;
   for (int l = part.first; l < part.first + part.count; ++l) moe = moe || m.is_moe(l);
-  const std::int64_t C = m.d_model, q = m.attention_width() / a.tp, qkv = 3 * q;  // the attention kernels' q|k|v
-  const std::int64_t kv = 2 * q;  // packed k|v columns of the local heads (repeated for GQA)
+  const std::int64_t C = m.d_model, q = m.attention_width() / a.tp, qkv = m.local_qkv_width(a.tp);
+  const std::int64_t kv = qkv - q;  // packed k|v columns of the local key/value heads
   Bytes w = detail::bytes(3 * a.n * C, a.t)                              // out, dres, dln
             + detail::bytes(a.N * (m.d_ff / a.tp) * (m.gated ? 3 : 1), a.t)  // dhidden (also d(core))
             + detail::bytes(a.N * qkv, a.t)                              // dqkv
             + (a.sp ? detail::bytes(a.N * C, a.t) : 0);                  // SP's gathered or partial rows
-  if (m.positions == 0)  // RotaryAttention: the projection's q|k|v (and its gradient), the frequencies
-    w += detail::bytes(a.N * m.local_qkv_width(a.tp), a.t) + detail::bytes(m.head_dim() / 2, a.st);
+  if (m.positions == 0)  // RotaryAttention: the frequencies
+    w += detail::bytes(m.head_dim() / 2, a.st);
   if (m.positions == 0 && m.kv_heads < a.tp)  // key/value heads on several ranks: their gradient and its slots
     w += detail::bytes(m.local_qkv_width(a.tp) * m.d_model + 2 * std::int64_t{m.kv_heads} * m.head_dim() * m.d_model, a.t);
   if (a.sp)  // SP: each unit's norm gradients, partial over TP until the unit's all-reduce

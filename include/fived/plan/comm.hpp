@@ -129,7 +129,7 @@ constexpr Traffic layer_traffic(const Transformer& m, const Blocks& part, const 
     }
   }
   if (a.cp > 1) {
-    const std::int64_t kv = a.N * 2 * m.attention_width() / a.tp;  // the local [k | v] (GQA's heads repeated)
+    const std::int64_t kv = a.N * (m.local_qkv_width(a.tp) - m.attention_width() / a.tp);  // the local [k | v]
     const int rings = a.recompute == Recompute::none ? 1 : 2;  // forward, and its recomputation
     for (int l = part.first; l < part.first + part.count; ++l) {
       if (m.allgather_context) {

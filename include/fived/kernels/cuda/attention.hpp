@@ -1,24 +1,26 @@
 #pragma once
-// Causal multi-head self-attention, flash-style, contract of
+// Causal multi-head self-attention with grouped key/value heads, flash-style, contract of
 // fived/kernels/host/attention.hpp with a leading stream:
-//   attention_forward(s, out, lse, qkv, B, T, C, NH)
-//     qkv [B,T,3C] = [q | k | v]; head h uses columns [h*hs, (h+1)*hs), hs = C/NH <= 128;
+//   attention_forward(s, out, lse, qkv, B, T, C, NH, NKV)
+//     qkv [B,T,C + 2Ckv] = [q | k | v], Ckv = NKV*hs; query head h uses columns
+//     [h*hs, (h+1)*hs) of q and key/value head h / (NH/NKV) of k and v, hs = C/NH <= 128;
 //     out [B,T,C]; lse [B,NH,T] = log sum_{j<=t} exp(q_t.k_j / sqrt(hs)) (natural log).
-//   attention_backward(s, dqkv, dout, qkv, out, lse, B, T, C, NH)     dqkv is overwritten
+//   attention_backward(s, dqkv, dout, qkv, out, lse, B, T, C, NH, NKV)     dqkv is overwritten
 // Neither pass stores a T x T matrix: the forward walks key tiles of 32 with an
 // online softmax (fp32 running max, sum and output accumulators), one block per
 // (32-query tile, head, batch); K/V tiles live in shared memory. The backward
 // recomputes p = exp(s - lse), with D_t = dout_t . out_t precomputed ([B,NH,T]
-// floats), in two deterministic passes (no atomics): one block per key tile
-// accumulates dK and dV over the query tiles at or after it, one block per
-// query tile accumulates dQ over the key tiles at or before it.
+// floats), in two deterministic passes (no atomics): one block per key tile of a
+// key/value head accumulates dK and dV over the query tiles at or after it, for every
+// query head of its group; one block per query tile accumulates dQ over the key tiles at
+// or before it.
 // Correctness first: scores and products are fp32 FMAs from shared memory (no
 // tensor cores). The head size is padded to 32, 64 or 128 inside the kernels.
 //
 // Ring attention's blocks (context parallelism), contract of the host block kernels:
-//   attention_block_forward(s, o, lse, q, k, v, ldq, ldkv, B, n, C, NH, causal, first)
+//   attention_block_forward(s, o, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal, first)
 //   attention_row_dot(s, Dd, dout, out, B, n, C, NH)
-//   attention_block_backward(s, dq, dk, dv, lddkv, dout, Dd, lse, q, k, v, ldq, ldkv, B, n, C, NH, causal)
+//   attention_block_backward(s, dq, dk, dv, lddkv, dout, Dd, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal)
 // o, lse, dq, dk, dv are float. These are one warp per query (or key) row walking the
 // other side's rows with warp reductions: simple and deterministic, and far from the tile
 // kernels above in speed (they are what CP runs until the tile kernels take q, k and v
@@ -49,9 +51,22 @@ __device__ __forceinline__ void attn_load_tile(float* dst, int ld, const E* src,
   }
 }
 
+// Where sequence b's rows of query head h, and of the key/value head it reads, start in a
+// [B,T,C + 2Ckv] q|k|v buffer (row stride `stride`).
+template <class E>
+struct QkvRows {
+  std::size_t stride;
+  const E *q, *k, *v;
+  __device__ QkvRows(const E* qkv, int b, int h, int T, int C, int NH, int NKV, int hs)
+      : stride(static_cast<std::size_t>(C) + 2 * static_cast<std::size_t>(NKV) * hs),
+        q(qkv + static_cast<std::size_t>(b) * T * stride + static_cast<std::size_t>(h) * hs),
+        k(qkv + static_cast<std::size_t>(b) * T * stride + C + static_cast<std::size_t>(h / (NH / NKV)) * hs),
+        v(k + static_cast<std::size_t>(NKV) * hs) {}
+};
+
 template <class E, int D>
 __global__ void __launch_bounds__(attn_threads)
-    attention_forward_kernel(E* out, float* lse, const E* qkv, int T, int C, int NH, int hs, float scale) {
+    attention_forward_kernel(E* out, float* lse, const E* qkv, int T, int C, int NH, int NKV, int hs, float scale) {
   constexpr int W = D / 32;
   extern __shared__ float smem[];
   float* sQ = smem;                         // [32][D]   (broadcast reads)
@@ -60,8 +75,9 @@ __global__ void __launch_bounds__(attn_threads)
   const int qt = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // longest rows first
   const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const std::size_t rs = 3 * static_cast<std::size_t>(C);
-  const E* q = qkv + static_cast<std::size_t>(b) * T * rs + static_cast<std::size_t>(h) * hs;
+  const QkvRows<E> at(qkv, b, h, T, C, NH, NKV, hs);
+  const std::size_t rs = at.stride;
+  const E* q = at.q;
   const int q0 = qt * attn_tile;
   attn_load_tile<E, D>(sQ, D, q, rs, q0, T, hs, scale);  // the 1/sqrt(hs) is folded into q
 
@@ -75,8 +91,8 @@ __global__ void __launch_bounds__(attn_threads)
   }
   for (int kt = 0; kt <= qt; ++kt) {
     __syncthreads();  // the previous tile is no longer read
-    attn_load_tile<E, D>(sK, D + 1, q + C, rs, kt * attn_tile, T, hs, 1.0f);
-    attn_load_tile<E, D>(sV, D, q + 2 * static_cast<std::size_t>(C), rs, kt * attn_tile, T, hs, 1.0f);
+    attn_load_tile<E, D>(sK, D + 1, at.k, rs, kt * attn_tile, T, hs, 1.0f);
+    attn_load_tile<E, D>(sV, D, at.v, rs, kt * attn_tile, T, hs, 1.0f);
     __syncthreads();
     float s[attn_rows];
 #pragma unroll
@@ -144,11 +160,12 @@ __global__ void attention_dot_kernel(float* Dd, const E* dout, const E* out, int
   if (lane == 0) Dd[(static_cast<std::size_t>(b) * NH + h) * T + t] = s;
 }
 
-// dK and dV of one key tile, summed over the query tiles at or after it.
+// dK and dV of one key tile of key/value head j, summed over the query tiles at or after it
+// of every query head that reads j.
 template <class E, int D>
 __global__ void __launch_bounds__(attn_threads)
     attention_backward_kv_kernel(E* dqkv, const E* dout, const E* qkv, const float* lse, const float* Dd, int T, int C,
-                                 int NH, int hs, float scale) {
+                                 int NH, int NKV, int hs, float scale) {
   constexpr int W = D / 32;
   extern __shared__ float smem[];
   float* sK = smem;                          // [32][D]   (broadcast)
@@ -159,16 +176,12 @@ __global__ void __launch_bounds__(attn_threads)
   float* sD = sL + attn_tile;                // [32] D
   const int nt = static_cast<int>(gridDim.x);
   const int kt = static_cast<int>(blockIdx.x);  // tile 0 has the most work and starts first
-  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int j = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z), group = NH / NKV;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const std::size_t rs = 3 * static_cast<std::size_t>(C);
-  const std::size_t head = static_cast<std::size_t>(h) * hs;
-  const E* q = qkv + static_cast<std::size_t>(b) * T * rs + head;
-  const E* dO = dout + static_cast<std::size_t>(b) * T * C + head;
-  const float* lse_bh = lse + (static_cast<std::size_t>(b) * NH + h) * T;
-  const float* D_bh = Dd + (static_cast<std::size_t>(b) * NH + h) * T;
-  attn_load_tile<E, D>(sK, D, q + C, rs, kt * attn_tile, T, hs, 1.0f);
-  attn_load_tile<E, D>(sV, D, q + 2 * static_cast<std::size_t>(C), rs, kt * attn_tile, T, hs, 1.0f);
+  const QkvRows<E> kv(qkv, b, j * group, T, C, NH, NKV, hs);
+  const std::size_t rs = kv.stride;
+  attn_load_tile<E, D>(sK, D, kv.k, rs, kt * attn_tile, T, hs, 1.0f);
+  attn_load_tile<E, D>(sV, D, kv.v, rs, kt * attn_tile, T, hs, 1.0f);
 
   float dk[attn_rows][W], dv[attn_rows][W];
 #pragma unroll
@@ -176,66 +189,75 @@ __global__ void __launch_bounds__(attn_threads)
 #pragma unroll
     for (int w = 0; w < W; ++w) dk[i][w] = dv[i][w] = 0.0f;
 
-  for (int qt = kt; qt < nt; ++qt) {
-    __syncthreads();
-    attn_load_tile<E, D>(sQ, D + 1, q, rs, qt * attn_tile, T, hs, 1.0f);
-    attn_load_tile<E, D>(sO, D + 1, dO, static_cast<std::size_t>(C), qt * attn_tile, T, hs, 1.0f);
-    if (threadIdx.x < attn_tile) {
-      const int t = qt * attn_tile + static_cast<int>(threadIdx.x);
-      sL[threadIdx.x] = t < T ? lse_bh[t] : 0.0f;
-      sD[threadIdx.x] = t < T ? D_bh[t] : 0.0f;
-    }
-    __syncthreads();
-    // lane = query of this tile, i = key of this warp
-    float s[attn_rows], dp[attn_rows];
-#pragma unroll
-    for (int i = 0; i < attn_rows; ++i) s[i] = dp[i] = 0.0f;
-    for (int d = 0; d < D; ++d) {
-      const float qd = sQ[lane * (D + 1) + d], od = sO[lane * (D + 1) + d];
-#pragma unroll
-      for (int i = 0; i < attn_rows; ++i) {
-        s[i] += qd * sK[(warp * attn_rows + i) * D + d];
-        dp[i] += od * sV[(warp * attn_rows + i) * D + d];
+  for (int h = j * group; h < (j + 1) * group; ++h) {
+    const std::size_t head = static_cast<std::size_t>(h) * hs;
+    const E* q = qkv + static_cast<std::size_t>(b) * T * rs + head;
+    const E* dO = dout + static_cast<std::size_t>(b) * T * C + head;
+    const float* lse_bh = lse + (static_cast<std::size_t>(b) * NH + h) * T;
+    const float* D_bh = Dd + (static_cast<std::size_t>(b) * NH + h) * T;
+    for (int qt = kt; qt < nt; ++qt) {
+      __syncthreads();
+      attn_load_tile<E, D>(sQ, D + 1, q, rs, qt * attn_tile, T, hs, 1.0f);
+      attn_load_tile<E, D>(sO, D + 1, dO, static_cast<std::size_t>(C), qt * attn_tile, T, hs, 1.0f);
+      if (threadIdx.x < attn_tile) {
+        const int t = qt * attn_tile + static_cast<int>(threadIdx.x);
+        sL[threadIdx.x] = t < T ? lse_bh[t] : 0.0f;
+        sD[threadIdx.x] = t < T ? D_bh[t] : 0.0f;
       }
-    }
-    const int tq = qt * attn_tile + lane;
-    float p[attn_rows], ds[attn_rows];
+      __syncthreads();
+      // lane = query of this tile, i = key of this warp
+      float s[attn_rows], dp[attn_rows];
 #pragma unroll
-    for (int i = 0; i < attn_rows; ++i) {
-      const int tk = kt * attn_tile + warp * attn_rows + i;
-      const bool valid = tq < T && tk <= tq;
-      p[i] = valid ? expf(s[i] * scale - sL[lane]) : 0.0f;
-      ds[i] = p[i] * (dp[i] - sD[lane]);
-    }
-    for (int j = 0; j < attn_tile; ++j) {
-      float pj[attn_rows], dsj[attn_rows];
-#pragma unroll
-      for (int i = 0; i < attn_rows; ++i) {
-        pj[i] = __shfl_sync(0xffffffffu, p[i], j);
-        dsj[i] = __shfl_sync(0xffffffffu, ds[i], j);
-      }
-#pragma unroll
-      for (int w = 0; w < W; ++w) {
-        const float o = sO[j * (D + 1) + w * 32 + lane], qv = sQ[j * (D + 1) + w * 32 + lane];
+      for (int i = 0; i < attn_rows; ++i) s[i] = dp[i] = 0.0f;
+      for (int d = 0; d < D; ++d) {
+        const float qd = sQ[lane * (D + 1) + d], od = sO[lane * (D + 1) + d];
 #pragma unroll
         for (int i = 0; i < attn_rows; ++i) {
-          dv[i][w] += pj[i] * o;
-          dk[i][w] += dsj[i] * qv;
+          s[i] += qd * sK[(warp * attn_rows + i) * D + d];
+          dp[i] += od * sV[(warp * attn_rows + i) * D + d];
+        }
+      }
+      const int tq = qt * attn_tile + lane;
+      float p[attn_rows], ds[attn_rows];
+#pragma unroll
+      for (int i = 0; i < attn_rows; ++i) {
+        const int tk = kt * attn_tile + warp * attn_rows + i;
+        const bool valid = tq < T && tk <= tq;
+        p[i] = valid ? expf(s[i] * scale - sL[lane]) : 0.0f;
+        ds[i] = p[i] * (dp[i] - sD[lane]);
+      }
+      for (int u = 0; u < attn_tile; ++u) {
+        float pu[attn_rows], dsu[attn_rows];
+#pragma unroll
+        for (int i = 0; i < attn_rows; ++i) {
+          pu[i] = __shfl_sync(0xffffffffu, p[i], u);
+          dsu[i] = __shfl_sync(0xffffffffu, ds[i], u);
+        }
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+          const float o = sO[u * (D + 1) + w * 32 + lane], qv = sQ[u * (D + 1) + w * 32 + lane];
+#pragma unroll
+          for (int i = 0; i < attn_rows; ++i) {
+            dv[i][w] += pu[i] * o;
+            dk[i][w] += dsu[i] * qv;
+          }
         }
       }
     }
   }
+  const std::size_t k_col = static_cast<std::size_t>(C) + static_cast<std::size_t>(j) * hs,
+                    v_col = k_col + static_cast<std::size_t>(NKV) * hs;
 #pragma unroll
   for (int i = 0; i < attn_rows; ++i) {
     const int tk = kt * attn_tile + warp * attn_rows + i;
     if (tk >= T) continue;
-    E* g = dqkv + (static_cast<std::size_t>(b) * T + tk) * rs + head;
+    E* g = dqkv + (static_cast<std::size_t>(b) * T + tk) * rs;
 #pragma unroll
     for (int w = 0; w < W; ++w) {
       const int d = w * 32 + lane;
       if (d < hs) {
-        g[C + d] = from_float<E>(dk[i][w] * scale);
-        g[2 * static_cast<std::size_t>(C) + d] = from_float<E>(dv[i][w]);
+        g[k_col + d] = from_float<E>(dk[i][w] * scale);
+        g[v_col + d] = from_float<E>(dv[i][w]);
       }
     }
   }
@@ -245,7 +267,7 @@ __global__ void __launch_bounds__(attn_threads)
 template <class E, int D>
 __global__ void __launch_bounds__(attn_threads)
     attention_backward_q_kernel(E* dqkv, const E* dout, const E* qkv, const float* lse, const float* Dd, int T, int C,
-                                int NH, int hs, float scale) {
+                                int NH, int NKV, int hs, float scale) {
   constexpr int W = D / 32;
   extern __shared__ float smem[];
   float* sQ = smem;                       // [32][D]   (broadcast)
@@ -255,9 +277,9 @@ __global__ void __launch_bounds__(attn_threads)
   const int qt = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // longest rows first
   const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const std::size_t rs = 3 * static_cast<std::size_t>(C);
-  const std::size_t head = static_cast<std::size_t>(h) * hs;
-  const E* q = qkv + static_cast<std::size_t>(b) * T * rs + head;
+  const QkvRows<E> at(qkv, b, h, T, C, NH, NKV, hs);
+  const std::size_t rs = at.stride, head = static_cast<std::size_t>(h) * hs;
+  const E* q = at.q;
   const E* dO = dout + static_cast<std::size_t>(b) * T * C + head;
   const float* lse_bh = lse + (static_cast<std::size_t>(b) * NH + h) * T;
   const float* D_bh = Dd + (static_cast<std::size_t>(b) * NH + h) * T;
@@ -275,8 +297,8 @@ __global__ void __launch_bounds__(attn_threads)
   }
   for (int kt = 0; kt <= qt; ++kt) {
     __syncthreads();
-    attn_load_tile<E, D>(sK, D + 1, q + C, rs, kt * attn_tile, T, hs, 1.0f);
-    attn_load_tile<E, D>(sV, D + 1, q + 2 * static_cast<std::size_t>(C), rs, kt * attn_tile, T, hs, 1.0f);
+    attn_load_tile<E, D>(sK, D + 1, at.k, rs, kt * attn_tile, T, hs, 1.0f);
+    attn_load_tile<E, D>(sV, D + 1, at.v, rs, kt * attn_tile, T, hs, 1.0f);
     __syncthreads();
     float s[attn_rows], dp[attn_rows];
 #pragma unroll
@@ -323,13 +345,16 @@ __global__ void __launch_bounds__(attn_threads)
   }
 }
 
-inline int attention_check(const char* kernel, int B, int T, int C, int NH) {
+inline int attention_check(const char* kernel, int B, int T, int C, int NH, int NKV) {
   require_non_negative(kernel, "B", B);
   require_non_negative(kernel, "T", T);
   require_positive(kernel, "C", C);
   require_positive(kernel, "NH", NH);
+  require_positive(kernel, "NKV", NKV);
   require(C % NH == 0, kernel,
           "the channel count C=" + std::to_string(C) + " is not divisible by the head count NH=" + std::to_string(NH));
+  require(NH % NKV == 0, kernel,
+          "the key/value heads NKV=" + std::to_string(NKV) + " do not divide the query heads NH=" + std::to_string(NH));
   const int hs = C / NH;
   require(hs <= 128, kernel, "head size " + std::to_string(hs) + " is larger than the supported 128");
   require(B <= 65535 && NH <= 65535, kernel, "B and NH must be at most 65535 (grid dimensions)");
@@ -354,12 +379,12 @@ void set_smem(Kernel kernel, std::size_t bytes) {
 
 template <class E, int D>
 struct AttentionForward {
-  static void run(cudaStream_t stream, E* out, float* lse, const E* qkv, int B, int T, int C, int NH, int hs) {
+  static void run(cudaStream_t stream, E* out, float* lse, const E* qkv, int B, int T, int C, int NH, int NKV, int hs) {
     const std::size_t smem = sizeof(float) * (attn_tile * D * 2 + attn_tile * (D + 1));
     set_smem(attention_forward_kernel<E, D>, smem);
     const dim3 grid(static_cast<unsigned>((T + attn_tile - 1) / attn_tile), static_cast<unsigned>(NH),
                     static_cast<unsigned>(B));
-    attention_forward_kernel<E, D><<<grid, attn_threads, smem, stream>>>(out, lse, qkv, T, C, NH, hs,
+    attention_forward_kernel<E, D><<<grid, attn_threads, smem, stream>>>(out, lse, qkv, T, C, NH, NKV, hs,
                                                                         1.0f / sqrtf(static_cast<float>(hs)));
     FIVED_CUDA_CHECK_LAUNCH("attention_forward_kernel");
   }
@@ -368,19 +393,20 @@ struct AttentionForward {
 template <class E, int D>
 struct AttentionBackward {
   static void run(cudaStream_t stream, E* dqkv, const E* dout, const E* qkv, const float* lse, const float* Dd, int B,
-                  int T, int C, int NH, int hs) {
+                  int T, int C, int NH, int NKV, int hs) {
     const float scale = 1.0f / sqrtf(static_cast<float>(hs));
-    const dim3 grid(static_cast<unsigned>((T + attn_tile - 1) / attn_tile), static_cast<unsigned>(NH),
-                    static_cast<unsigned>(B));
+    const unsigned tiles = static_cast<unsigned>((T + attn_tile - 1) / attn_tile);
     const std::size_t smem_kv = sizeof(float) * (attn_tile * D * 2 + attn_tile * (D + 1) * 2 + 2 * attn_tile);
     set_smem(attention_backward_kv_kernel<E, D>, smem_kv);
-    attention_backward_kv_kernel<E, D><<<grid, attn_threads, smem_kv, stream>>>(dqkv, dout, qkv, lse, Dd, T, C, NH,
-                                                                               hs, scale);
+    attention_backward_kv_kernel<E, D>
+        <<<dim3(tiles, static_cast<unsigned>(NKV), static_cast<unsigned>(B)), attn_threads, smem_kv, stream>>>(
+            dqkv, dout, qkv, lse, Dd, T, C, NH, NKV, hs, scale);
     FIVED_CUDA_CHECK_LAUNCH("attention_backward_kv_kernel");
     const std::size_t smem_q = sizeof(float) * (attn_tile * D * 2 + attn_tile * (D + 1) * 2);
     set_smem(attention_backward_q_kernel<E, D>, smem_q);
-    attention_backward_q_kernel<E, D><<<grid, attn_threads, smem_q, stream>>>(dqkv, dout, qkv, lse, Dd, T, C, NH, hs,
-                                                                             scale);
+    attention_backward_q_kernel<E, D>
+        <<<dim3(tiles, static_cast<unsigned>(NH), static_cast<unsigned>(B)), attn_threads, smem_q, stream>>>(
+            dqkv, dout, qkv, lse, Dd, T, C, NH, NKV, hs, scale);
     FIVED_CUDA_CHECK_LAUNCH("attention_backward_q_kernel");
   }
 };
@@ -388,20 +414,20 @@ struct AttentionBackward {
 }  // namespace detail
 
 template <class E>
-void attention_forward(cudaStream_t stream, E* out, float* lse, const E* qkv, int B, int T, int C, int NH) {
+void attention_forward(cudaStream_t stream, E* out, float* lse, const E* qkv, int B, int T, int C, int NH, int NKV) {
   static_assert(is_element_v<E>, "attention_forward: element type must be float or fived::bf16");
-  const int hs = detail::attention_check("attention_forward", B, T, C, NH);
+  const int hs = detail::attention_check("attention_forward", B, T, C, NH, NKV);
   if (B == 0 || T == 0) return;
   detail::require(lse != nullptr, "attention_forward", "lse [B,NH,T] is an output and must not be null");
   detail::attention_dispatch<detail::AttentionForward, device_t<E>>(hs, stream, dev(out), lse, dev(qkv), B, T, C, NH,
-                                                                    hs);
+                                                                    NKV, hs);
 }
 
 template <class E>
 void attention_backward(cudaStream_t stream, E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse,
-                        int B, int T, int C, int NH) {
+                        int B, int T, int C, int NH, int NKV) {
   static_assert(is_element_v<E>, "attention_backward: element type must be float or fived::bf16");
-  const int hs = detail::attention_check("attention_backward", B, T, C, NH);
+  const int hs = detail::attention_check("attention_backward", B, T, C, NH, NKV);
   if (B == 0 || T == 0) return;
   const std::size_t rows = static_cast<std::size_t>(B) * T * NH;
   Scratch<float> Dd(rows, stream);
@@ -410,7 +436,7 @@ void attention_backward(cudaStream_t stream, E* dqkv, const E* dout, const E* qk
   FIVED_CUDA_CHECK_LAUNCH("attention_dot_kernel");
   detail::attention_dispatch<detail::AttentionBackward, device_t<E>>(hs, stream, dev(dqkv), dev(dout), dev(qkv), lse,
                                                                      static_cast<const float*>(Dd.get()), B, T, C, NH,
-                                                                     hs);
+                                                                     NKV, hs);
 }
 
 // ---- ring attention's blocks --------------------------------------------------------------
@@ -445,19 +471,19 @@ __device__ __forceinline__ float row_dot(const float (&a)[block_dims], const flo
 
 template <class E>
 __global__ void attention_block_forward_kernel(float* o, float* lse, const E* q, const E* k, const E* v, int ldq,
-                                               int ldkv, int B, int n, int C, int NH, int hs, float scale, bool causal,
-                                               bool first) {
+                                               int ldkv, int B, int n, int C, int NH, int NKV, int hs, float scale,
+                                               bool causal, bool first) {
   const long long r = static_cast<long long>(blockIdx.x) * block_row_warps + threadIdx.x / 32;
   if (r >= static_cast<long long>(B) * NH * n) return;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const BlockRow at(r, n, NH);
-  const std::size_t base = static_cast<std::size_t>(at.b) * n;
+  const std::size_t base = static_cast<std::size_t>(at.b) * n, kvh = static_cast<std::size_t>(at.h / (NH / NKV)) * hs;
   float qr[block_dims], kr[block_dims], vr[block_dims], acc[block_dims] = {};
   load_row(qr, q + (base + at.t) * ldq + static_cast<std::size_t>(at.h) * hs, hs, lane, scale);
   float m = -INFINITY, l = 0.0f;
   for (int j = 0, keys = causal ? at.t + 1 : n; j < keys; ++j) {
-    load_row(kr, k + (base + j) * ldkv + static_cast<std::size_t>(at.h) * hs, hs, lane, 1.0f);
-    load_row(vr, v + (base + j) * ldkv + static_cast<std::size_t>(at.h) * hs, hs, lane, 1.0f);
+    load_row(kr, k + (base + j) * ldkv + kvh, hs, lane, 1.0f);
+    load_row(vr, v + (base + j) * ldkv + kvh, hs, lane, 1.0f);
     const float s = row_dot(qr, kr), m_new = fmaxf(m, s);
     const float corr = expf(m - m_new), p = expf(s - m_new);
     l = l * corr + p;
@@ -487,20 +513,21 @@ __global__ void attention_block_forward_kernel(float* o, float* lse, const E* q,
 template <class E>
 __global__ void attention_block_backward_q_kernel(float* dq, const E* dout, const float* Dd, const float* lse,
                                                   const E* q, const E* k, const E* v, int ldq, int ldkv, int B, int n,
-                                                  int C, int NH, int hs, float scale, bool causal) {
+                                                  int C, int NH, int NKV, int hs, float scale, bool causal) {
   const long long r = static_cast<long long>(blockIdx.x) * block_row_warps + threadIdx.x / 32;
   if (r >= static_cast<long long>(B) * NH * n) return;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const BlockRow at(r, n, NH);
   const std::size_t base = static_cast<std::size_t>(at.b) * n, head = static_cast<std::size_t>(at.h) * hs;
+  const std::size_t kvh = static_cast<std::size_t>(at.h / (NH / NKV)) * hs;
   const std::size_t srow = (static_cast<std::size_t>(at.b) * NH + at.h) * n + at.t;
   float qr[block_dims], gr[block_dims], kr[block_dims], vr[block_dims], acc[block_dims] = {};
   load_row(qr, q + (base + at.t) * ldq + head, hs, lane, 1.0f);
   load_row(gr, dout + (base + at.t) * C + head, hs, lane, 1.0f);
   const float l = lse[srow], D = Dd[srow];
   for (int j = 0, keys = causal ? at.t + 1 : n; j < keys; ++j) {
-    load_row(kr, k + (base + j) * ldkv + head, hs, lane, 1.0f);
-    load_row(vr, v + (base + j) * ldkv + head, hs, lane, 1.0f);
+    load_row(kr, k + (base + j) * ldkv + kvh, hs, lane, 1.0f);
+    load_row(vr, v + (base + j) * ldkv + kvh, hs, lane, 1.0f);
     const float p = expf(row_dot(qr, kr) * scale - l), ds = p * (row_dot(gr, vr) - D) * scale;
 #pragma unroll
     for (int i = 0; i < block_dims; ++i) acc[i] += ds * kr[i];
@@ -511,31 +538,35 @@ __global__ void attention_block_backward_q_kernel(float* dq, const E* dout, cons
     if (lane + 32 * i < hs) out[lane + 32 * i] += acc[i];
 }
 
-// dk and dv of one key row over the block's queries.
+// dk and dv of one key row of key/value head j over the block's queries, of every query head
+// that reads j.
 template <class E>
 __global__ void attention_block_backward_kv_kernel(float* dk, float* dv, int lddkv, const E* dout, const float* Dd,
                                                    const float* lse, const E* q, const E* k, const E* v, int ldq,
-                                                   int ldkv, int B, int n, int C, int NH, int hs, float scale,
+                                                   int ldkv, int B, int n, int C, int NH, int NKV, int hs, float scale,
                                                    bool causal) {
   const long long r = static_cast<long long>(blockIdx.x) * block_row_warps + threadIdx.x / 32;
-  if (r >= static_cast<long long>(B) * NH * n) return;
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  const BlockRow at(r, n, NH);  // at.t: the key row
-  const std::size_t base = static_cast<std::size_t>(at.b) * n, head = static_cast<std::size_t>(at.h) * hs;
-  const std::size_t stats = (static_cast<std::size_t>(at.b) * NH + at.h) * n;
+  if (r >= static_cast<long long>(B) * NKV * n) return;
+  const int lane = static_cast<int>(threadIdx.x) % 32, group = NH / NKV;
+  const BlockRow at(r, n, NKV);  // at.h: the key/value head j, at.t: the key row
+  const std::size_t base = static_cast<std::size_t>(at.b) * n, kvh = static_cast<std::size_t>(at.h) * hs;
   float kr[block_dims], vr[block_dims], qr[block_dims], gr[block_dims], ak[block_dims] = {}, av[block_dims] = {};
-  load_row(kr, k + (base + at.t) * ldkv + head, hs, lane, 1.0f);
-  load_row(vr, v + (base + at.t) * ldkv + head, hs, lane, 1.0f);
-  for (int i = causal ? at.t : 0; i < n; ++i) {
-    load_row(qr, q + (base + i) * ldq + head, hs, lane, 1.0f);
-    load_row(gr, dout + (base + i) * C + head, hs, lane, 1.0f);
-    const float p = expf(row_dot(qr, kr) * scale - lse[stats + i]);
-    const float ds = p * (row_dot(gr, vr) - Dd[stats + i]) * scale;
+  load_row(kr, k + (base + at.t) * ldkv + kvh, hs, lane, 1.0f);
+  load_row(vr, v + (base + at.t) * ldkv + kvh, hs, lane, 1.0f);
+  for (int h = at.h * group; h < (at.h + 1) * group; ++h) {
+    const std::size_t head = static_cast<std::size_t>(h) * hs;
+    const std::size_t stats = (static_cast<std::size_t>(at.b) * NH + h) * n;
+    for (int i = causal ? at.t : 0; i < n; ++i) {
+      load_row(qr, q + (base + i) * ldq + head, hs, lane, 1.0f);
+      load_row(gr, dout + (base + i) * C + head, hs, lane, 1.0f);
+      const float p = expf(row_dot(qr, kr) * scale - lse[stats + i]);
+      const float ds = p * (row_dot(gr, vr) - Dd[stats + i]) * scale;
 #pragma unroll
-    for (int d = 0; d < block_dims; ++d) ak[d] += ds * qr[d], av[d] += p * gr[d];
+      for (int d = 0; d < block_dims; ++d) ak[d] += ds * qr[d], av[d] += p * gr[d];
+    }
   }
-  float* outk = dk + (base + at.t) * lddkv + head;
-  float* outv = dv + (base + at.t) * lddkv + head;
+  float* outk = dk + (base + at.t) * lddkv + kvh;
+  float* outv = dv + (base + at.t) * lddkv + kvh;
 #pragma unroll
   for (int d = 0; d < block_dims; ++d)
     if (lane + 32 * d < hs) outk[lane + 32 * d] += ak[d], outv[lane + 32 * d] += av[d];
@@ -552,20 +583,21 @@ inline unsigned block_row_grid(int B, int n, int NH, const char* kernel) {
 
 template <class E>
 void attention_block_forward(cudaStream_t stream, float* o, float* lse, const E* q, const E* k, const E* v, int ldq,
-                             int ldkv, int B, int n, int C, int NH, bool causal, bool first) {
+                             int ldkv, int B, int n, int C, int NH, int NKV, bool causal, bool first) {
   static_assert(is_element_v<E>, "attention_block_forward: element type must be float or fived::bf16");
-  const int hs = detail::attention_check("attention_block_forward", B, n, C, NH);
+  const int hs = detail::attention_check("attention_block_forward", B, n, C, NH, NKV);
   if (B == 0 || n == 0) return;
   detail::attention_block_forward_kernel<<<detail::block_row_grid(B, n, NH, "attention_block_forward"),
                                            32 * detail::block_row_warps, 0, stream>>>(
-      o, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, hs, 1.0f / sqrtf(static_cast<float>(hs)), causal, first);
+      o, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, NKV, hs, 1.0f / sqrtf(static_cast<float>(hs)), causal,
+      first);
   FIVED_CUDA_CHECK_LAUNCH("attention_block_forward_kernel");
 }
 
 template <class E>
 void attention_row_dot(cudaStream_t stream, float* Dd, const E* dout, const E* out, int B, int n, int C, int NH) {
   static_assert(is_element_v<E>, "attention_row_dot: element type must be float or fived::bf16");
-  const int hs = detail::attention_check("attention_row_dot", B, n, C, NH);
+  const int hs = detail::attention_check("attention_row_dot", B, n, C, NH, 1);
   if (B == 0 || n == 0) return;
   const std::size_t rows = static_cast<std::size_t>(B) * n * NH;
   detail::attention_dot_kernel<<<detail::grid_for(rows, 8, 0x7fffffffu), 256, 0, stream>>>(Dd, dev(dout), dev(out), B,
@@ -576,17 +608,18 @@ void attention_row_dot(cudaStream_t stream, float* Dd, const E* dout, const E* o
 template <class E>
 void attention_block_backward(cudaStream_t stream, float* dq, float* dk, float* dv, int lddkv, const E* dout,
                               const float* Dd, const float* lse, const E* q, const E* k, const E* v, int ldq, int ldkv,
-                              int B, int n, int C, int NH, bool causal) {
+                              int B, int n, int C, int NH, int NKV, bool causal) {
   static_assert(is_element_v<E>, "attention_block_backward: element type must be float or fived::bf16");
-  const int hs = detail::attention_check("attention_block_backward", B, n, C, NH);
+  const int hs = detail::attention_check("attention_block_backward", B, n, C, NH, NKV);
   if (B == 0 || n == 0) return;
-  const unsigned grid = detail::block_row_grid(B, n, NH, "attention_block_backward");
   const float scale = 1.0f / sqrtf(static_cast<float>(hs));
-  detail::attention_block_backward_q_kernel<<<grid, 32 * detail::block_row_warps, 0, stream>>>(
-      dq, dev(dout), Dd, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, hs, scale, causal);
+  detail::attention_block_backward_q_kernel<<<detail::block_row_grid(B, n, NH, "attention_block_backward"),
+                                              32 * detail::block_row_warps, 0, stream>>>(
+      dq, dev(dout), Dd, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, NKV, hs, scale, causal);
   FIVED_CUDA_CHECK_LAUNCH("attention_block_backward_q_kernel");
-  detail::attention_block_backward_kv_kernel<<<grid, 32 * detail::block_row_warps, 0, stream>>>(
-      dk, dv, lddkv, dev(dout), Dd, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, hs, scale, causal);
+  detail::attention_block_backward_kv_kernel<<<detail::block_row_grid(B, n, NKV, "attention_block_backward"),
+                                               32 * detail::block_row_warps, 0, stream>>>(
+      dk, dv, lddkv, dev(dout), Dd, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, NKV, hs, scale, causal);
   FIVED_CUDA_CHECK_LAUNCH("attention_block_backward_kv_kernel");
 }
 

@@ -1,11 +1,15 @@
 #pragma once
-// Host causal multi-head self-attention, forward and backward (reference).
+// Host causal multi-head self-attention with grouped key/value heads, forward and backward
+// (reference).
 //
-// qkv is [B,T,3C] = [q | k | v] on the last axis; head h uses columns
-// [h*hs, (h+1)*hs) of each part, hs = C/NH. For every (b, h, t):
-//   s_tj = q_t . k_j / sqrt(hs)  for j <= t      (causal)
-//   lse_t = m + log(sum_{j<=t} exp(s_tj - m)),  m = max_j s_tj   (natural log)
-//   out_t = sum_{j<=t} exp(s_tj - lse_t) v_j      -> out[b,t,h*hs:(h+1)*hs]
+// NH query heads share NKV key/value heads (NKV divides NH; NKV = NH is plain multi-head
+// attention): query head h reads key/value head h / (NH / NKV), as Hugging Face's repeat_kv
+// but without the copies. qkv is [B,T,C + 2Ckv] = [q | k | v] on the last axis, C = NH*hs
+// and Ckv = NKV*hs; query head h uses columns [h*hs, (h+1)*hs) of q, key/value head j
+// columns [j*hs, (j+1)*hs) of k and of v. For every (b, h, t), with j = h's key/value head:
+//   s_tu = q_t . k_u / sqrt(hs)  for u <= t      (causal)
+//   lse_t = m + log(sum_{u<=t} exp(s_tu - m)),  m = max_u s_tu   (natural log)
+//   out_t = sum_{u<=t} exp(s_tu - lse_t) v_u      -> out[b,t,h*hs:(h+1)*hs]
 // out is [B,T,C] (heads concatenated), lse is [B,NH,T] in acc_t<T>. The lse is
 // what ring attention (context parallelism) needs to merge partial results.
 //
@@ -14,8 +18,9 @@
 // flash-style, so neither pass stores the T x T matrix:
 //   p_tj = exp(s_tj - lse_t),  D_t = dout_t . out_t,  dp_tj = dout_t . v_j,
 //   ds_tj = p_tj (dp_tj - D_t),
-//   dq_t += ds_tj k_j / sqrt(hs),  dk_j += ds_tj q_t / sqrt(hs),  dv_j += p_tj dout_t.
-// dqkv [B,T,3C] is overwritten.
+//   dq_t += ds_tj k_j / sqrt(hs),  dk_j += ds_tj q_t / sqrt(hs),  dv_j += p_tj dout_t,
+// a key/value head's gradients summed over the query heads that read it.
+// dqkv [B,T,C + 2Ckv] is overwritten.
 
 #include <algorithm>
 #include <cmath>
@@ -30,22 +35,26 @@
 namespace fived::kernels::host {
 
 namespace detail_attention {
-inline void check_sizes(const char* what, int B, int T, int C, int NH) {
-  if (B < 0 || T < 0 || C <= 0 || NH <= 0)
+inline void check_sizes(const char* what, int B, int T, int C, int NH, int NKV) {
+  if (B < 0 || T < 0 || C <= 0 || NH <= 0 || NKV <= 0)
     throw std::invalid_argument(std::string("fived::kernels::host::") + what +
-                                ": needs B >= 0, T >= 0, C >= 1 and NH >= 1 (got B=" + std::to_string(B) +
+                                ": needs B >= 0, T >= 0, C >= 1, NH >= 1 and NKV >= 1 (got B=" + std::to_string(B) +
                                 ", T=" + std::to_string(T) + ", C=" + std::to_string(C) +
-                                ", NH=" + std::to_string(NH) + ")");
+                                ", NH=" + std::to_string(NH) + ", NKV=" + std::to_string(NKV) + ")");
   if (C % NH != 0)
     throw std::invalid_argument(std::string("fived::kernels::host::") + what + ": the channel count C=" +
                                 std::to_string(C) + " is not divisible by the head count NH=" + std::to_string(NH));
+  if (NH % NKV != 0)
+    throw std::invalid_argument(std::string("fived::kernels::host::") + what + ": the key/value heads NKV=" +
+                                std::to_string(NKV) + " do not divide the query heads NH=" + std::to_string(NH));
 }
 }  // namespace detail_attention
 
 // ---- blocks (ring attention) -----------------------------------------------------------
 // One block: the queries of q against the keys and values of k and v, B sequences of n
 // rows each; q's row i of sequence b is q + (b*n + i)*ldq, likewise k, v with ldkv (a qkv
-// buffer has ld = 3C and k = qkv + C, v = qkv + 2C; a packed [k | v] buffer ld = 2C).
+// buffer has ld = C + 2Ckv and k = qkv + C, v = qkv + C + Ckv; a packed [k | v] buffer
+// ld = 2Ckv). Query head h reads key/value head h / (NH / NKV).
 // causal: key j is seen by query i only when j <= i (the diagonal block of a causal
 // sequence); otherwise every key is seen. The results are in acc_t<T>:
 //   o [B, n, C] (row stride C) and lse [B, NH, n]: with `first` they are this block's
@@ -55,22 +64,23 @@ inline void check_sizes(const char* what, int B, int T, int C, int NH) {
 // A causal block gives every row at least one key, so l stays finite.
 template <class T>
 void attention_block_forward(acc_t<T>* o, acc_t<T>* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B,
-                             int n, int C, int NH, bool causal, bool first) {
+                             int n, int C, int NH, int NKV, bool causal, bool first) {
   using A = acc_t<T>;
-  detail_attention::check_sizes("attention_block_forward", B, n, C, NH);
+  detail_attention::check_sizes("attention_block_forward", B, n, C, NH, NKV);
   const std::size_t sn = static_cast<std::size_t>(n), sC = static_cast<std::size_t>(C);
   const std::size_t hs = sC / static_cast<std::size_t>(NH), lq = static_cast<std::size_t>(ldq),
                     lkv = static_cast<std::size_t>(ldkv);
+  const std::size_t group = static_cast<std::size_t>(NH / NKV);
   const A scale = static_cast<A>(1) / std::sqrt(static_cast<A>(hs));
   std::vector<A> s(sn), acc(hs);
   for (std::size_t b = 0; b < static_cast<std::size_t>(B); ++b)
     for (std::size_t h = 0; h < static_cast<std::size_t>(NH); ++h)
       for (std::size_t t = 0; t < sn; ++t) {
         const T* qt = q + (b * sn + t) * lq + h * hs;
-        const std::size_t keys = causal ? t + 1 : sn;
+        const std::size_t keys = causal ? t + 1 : sn, kvh = h / group * hs;
         A m = -std::numeric_limits<A>::infinity();
         for (std::size_t j = 0; j < keys; ++j) {
-          const T* kj = k + (b * sn + j) * lkv + h * hs;
+          const T* kj = k + (b * sn + j) * lkv + kvh;
           A dot = 0;
           for (std::size_t d = 0; d < hs; ++d) dot += static_cast<A>(qt[d]) * static_cast<A>(kj[d]);
           s[j] = dot * scale;
@@ -80,7 +90,7 @@ void attention_block_forward(acc_t<T>* o, acc_t<T>* lse, const T* q, const T* k,
         for (std::size_t j = 0; j < keys; ++j) sum += s[j] = std::exp(s[j] - m);
         for (std::size_t d = 0; d < hs; ++d) acc[d] = 0;
         for (std::size_t j = 0; j < keys; ++j) {  // the block's own output, normalised
-          const T* vj = v + (b * sn + j) * lkv + h * hs;
+          const T* vj = v + (b * sn + j) * lkv + kvh;
           const A p = s[j] / sum;
           for (std::size_t d = 0; d < hs; ++d) acc[d] += p * static_cast<A>(vj[d]);
         }
@@ -103,7 +113,7 @@ void attention_block_forward(acc_t<T>* o, acc_t<T>* lse, const T* q, const T* k,
 template <class T>
 void attention_row_dot(acc_t<T>* Dd, const T* dout, const T* out, int B, int n, int C, int NH) {
   using A = acc_t<T>;
-  detail_attention::check_sizes("attention_row_dot", B, n, C, NH);
+  detail_attention::check_sizes("attention_row_dot", B, n, C, NH, 1);
   const std::size_t sn = static_cast<std::size_t>(n), sC = static_cast<std::size_t>(C);
   const std::size_t hs = sC / static_cast<std::size_t>(NH);
   for (std::size_t b = 0; b < static_cast<std::size_t>(B); ++b)
@@ -119,28 +129,31 @@ void attention_row_dot(acc_t<T>* Dd, const T* dout, const T* out, int B, int n, 
 // The gradients of one block, given the rows' final lse (over every key of the sequence)
 // and Dd: p = exp(s - lse) is then the block's share of the softmax, and
 //   dq += ds k / sqrt(hs),  dk += ds q / sqrt(hs),  dv += p dout,  ds = p (dout . v - D).
-// dq [B, n, C] (row stride C), dk and dv (row stride lddkv) are acc_t<T> and "+=".
+// dq [B, n, C] (row stride C), dk and dv (row stride lddkv, key/value heads) are acc_t<T>
+// and "+=".
 template <class T>
 void attention_block_backward(acc_t<T>* dq, acc_t<T>* dk, acc_t<T>* dv, int lddkv, const T* dout, const acc_t<T>* Dd,
                               const acc_t<T>* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B, int n,
-                              int C, int NH, bool causal) {
+                              int C, int NH, int NKV, bool causal) {
   using A = acc_t<T>;
-  detail_attention::check_sizes("attention_block_backward", B, n, C, NH);
+  detail_attention::check_sizes("attention_block_backward", B, n, C, NH, NKV);
   const std::size_t sn = static_cast<std::size_t>(n), sC = static_cast<std::size_t>(C);
   const std::size_t hs = sC / static_cast<std::size_t>(NH), lq = static_cast<std::size_t>(ldq),
                     lkv = static_cast<std::size_t>(ldkv), ld = static_cast<std::size_t>(lddkv);
+  const std::size_t group = static_cast<std::size_t>(NH / NKV);
   const A scale = static_cast<A>(1) / std::sqrt(static_cast<A>(hs));
   for (std::size_t b = 0; b < static_cast<std::size_t>(B); ++b)
     for (std::size_t h = 0; h < static_cast<std::size_t>(NH); ++h)
       for (std::size_t t = 0; t < sn; ++t) {
         const T* qt = q + (b * sn + t) * lq + h * hs;
+        const std::size_t kvh = h / group * hs;
         const T* go = dout + (b * sn + t) * sC + h * hs;
         const std::size_t row = (b * static_cast<std::size_t>(NH) + h) * sn + t;
         const A l = lse[row], D = Dd[row];
         A* dqt = dq + (b * sn + t) * sC + h * hs;
         for (std::size_t j = 0, keys = causal ? t + 1 : sn; j < keys; ++j) {
-          const T* kj = k + (b * sn + j) * lkv + h * hs;
-          const T* vj = v + (b * sn + j) * lkv + h * hs;
+          const T* kj = k + (b * sn + j) * lkv + kvh;
+          const T* vj = v + (b * sn + j) * lkv + kvh;
           A dot = 0, dp = 0;
           for (std::size_t d = 0; d < hs; ++d) {
             dot += static_cast<A>(qt[d]) * static_cast<A>(kj[d]);
@@ -148,8 +161,8 @@ void attention_block_backward(acc_t<T>* dq, acc_t<T>* dk, acc_t<T>* dv, int lddk
           }
           const A p = std::exp(dot * scale - l);
           const A ds = p * (dp - D) * scale;
-          A* dkj = dk + (b * sn + j) * ld + h * hs;
-          A* dvj = dv + (b * sn + j) * ld + h * hs;
+          A* dkj = dk + (b * sn + j) * ld + kvh;
+          A* dvj = dv + (b * sn + j) * ld + kvh;
           for (std::size_t d = 0; d < hs; ++d) {
             dqt[d] += ds * static_cast<A>(kj[d]);
             dkj[d] += ds * static_cast<A>(qt[d]);
@@ -162,29 +175,30 @@ void attention_block_backward(acc_t<T>* dq, acc_t<T>* dk, acc_t<T>* dv, int lddk
 // ---- whole causal sequences: one block ----------------------------------------------------
 
 template <class T>
-void attention_forward(T* out, acc_t<T>* lse, const T* qkv, int B, int T_, int C, int NH) {
-  detail_attention::check_sizes("attention_forward", B, T_, C, NH);
+void attention_forward(T* out, acc_t<T>* lse, const T* qkv, int B, int T_, int C, int NH, int NKV) {
+  detail_attention::check_sizes("attention_forward", B, T_, C, NH, NKV);
+  const int Ckv = C / NH * NKV, ld = C + 2 * Ckv;
   std::vector<acc_t<T>> o(static_cast<std::size_t>(B) * static_cast<std::size_t>(T_) * static_cast<std::size_t>(C));
-  attention_block_forward(o.data(), lse, qkv, qkv + C, qkv + 2 * C, 3 * C, 3 * C, B, T_, C, NH, true, true);
+  attention_block_forward(o.data(), lse, qkv, qkv + C, qkv + C + Ckv, ld, ld, B, T_, C, NH, NKV, true, true);
   for (std::size_t i = 0; i < o.size(); ++i) out[i] = static_cast<T>(o[i]);
 }
 
-// dqkv [B,T,3C] is overwritten; each (b, h)'s gradients are summed in acc_t<T> and rounded
-// to T once, so bf16 keys and values are not accumulated in bf16 over t.
+// dqkv [B,T,C + 2Ckv] is overwritten; each (b, h)'s gradients are summed in acc_t<T> and
+// rounded to T once, so bf16 keys and values are not accumulated in bf16 over t.
 template <class T>
 void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const acc_t<T>* lse, int B, int T_, int C,
-                        int NH) {
+                        int NH, int NKV) {
   using A = acc_t<T>;
-  detail_attention::check_sizes("attention_backward", B, T_, C, NH);
-  const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_), sC = static_cast<std::size_t>(C);
-  std::vector<A> g(N * 3 * sC, A(0)), Dd(N * static_cast<std::size_t>(NH));
+  detail_attention::check_sizes("attention_backward", B, T_, C, NH, NKV);
+  const int Ckv = C / NH * NKV, ld = C + 2 * Ckv;
+  const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_), sld = static_cast<std::size_t>(ld);
+  const std::size_t sC = static_cast<std::size_t>(C);
+  std::vector<A> dq(N * sC, A(0)), g(N * sld, A(0)), Dd(N * static_cast<std::size_t>(NH));  // g: d[. | k | v]
   attention_row_dot(Dd.data(), dout, out, B, T_, C, NH);
-  std::vector<A> dq(N * sC, A(0));
-  attention_block_backward(dq.data(), g.data() + sC, g.data() + 2 * sC, 3 * C, dout, Dd.data(), lse, qkv, qkv + C,
-                           qkv + 2 * C, 3 * C, 3 * C, B, T_, C, NH, true);
+  attention_block_backward(dq.data(), g.data() + C, g.data() + C + Ckv, ld, dout, Dd.data(), lse, qkv, qkv + C,
+                           qkv + C + Ckv, ld, ld, B, T_, C, NH, NKV, true);
   for (std::size_t r = 0; r < N; ++r)
-    for (std::size_t c = 0; c < 3 * sC; ++c)
-      dqkv[r * 3 * sC + c] = static_cast<T>(c < sC ? dq[r * sC + c] : g[r * 3 * sC + c]);
+    for (std::size_t c = 0; c < sld; ++c) dqkv[r * sld + c] = static_cast<T>(c < sC ? dq[r * sC + c] : g[r * sld + c]);
 }
 
 }  // namespace fived::kernels::host

@@ -137,13 +137,11 @@ struct Ops<T, Cuda> {
   void swiglu_backward(T* dgu, const T* dh, const T* gu, int N, int F) {
     kernels::cuda::swiglu_backward(stream(), dgu, dh, gu, N, F);
   }
-  void rotary_forward(T* qkv, const T* raw, const stat_t* inv_freq, int N, int H, int KV, int hd,
-                      RowPositions pos) {
-    kernels::cuda::rotary_forward(stream(), qkv, raw, inv_freq, N, H, KV, hd, pos);
+  void rotary_forward(T* qkv, const stat_t* inv_freq, int N, int H, int KV, int hd, RowPositions pos) {
+    kernels::cuda::rotary_forward(stream(), qkv, inv_freq, N, H, KV, hd, pos);
   }
-  void rotary_backward(T* draw, const T* dqkv, const stat_t* inv_freq, int N, int H, int KV, int hd,
-                       RowPositions pos) {
-    kernels::cuda::rotary_backward(stream(), draw, dqkv, inv_freq, N, H, KV, hd, pos);
+  void rotary_backward(T* dqkv, const stat_t* inv_freq, int N, int H, int KV, int hd, RowPositions pos) {
+    kernels::cuda::rotary_backward(stream(), dqkv, inv_freq, N, H, KV, hd, pos);
   }
   void gelu_forward(T* out, const T* inp, std::size_t n) { kernels::cuda::gelu_forward(stream(), out, inp, n); }
   void gelu_backward(T* dinp, const T* inp, const T* dout, std::size_t n) {
@@ -152,25 +150,25 @@ struct Ops<T, Cuda> {
   void residual_forward(T* out, const T* a, const T* b, std::size_t n) {
     kernels::cuda::residual_forward(stream(), out, a, b, n);
   }
-  void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH) {
-    kernels::cuda::attention_forward(stream(), out, lse, qkv, B, T_, C, NH);
+  void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH, int NKV) {
+    kernels::cuda::attention_forward(stream(), out, lse, qkv, B, T_, C, NH, NKV);
   }
   void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const stat_t* lse, int B, int T_, int C,
-                          int NH) {
-    kernels::cuda::attention_backward(stream(), dqkv, dout, qkv, out, lse, B, T_, C, NH);
+                          int NH, int NKV) {
+    kernels::cuda::attention_backward(stream(), dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV);
   }
   void attention_block_forward(stat_t* o, stat_t* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B,
-                               int n, int C, int NH, bool causal, bool first) {
-    kernels::cuda::attention_block_forward(stream(), o, lse, q, k, v, ldq, ldkv, B, n, C, NH, causal, first);
+                               int n, int C, int NH, int NKV, bool causal, bool first) {
+    kernels::cuda::attention_block_forward(stream(), o, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal, first);
   }
   void attention_row_dot(stat_t* Dd, const T* dout, const T* out, int B, int n, int C, int NH) {
     kernels::cuda::attention_row_dot(stream(), Dd, dout, out, B, n, C, NH);
   }
   void attention_block_backward(stat_t* dq, stat_t* dk, stat_t* dv, int lddkv, const T* dout, const stat_t* Dd,
                                 const stat_t* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B, int n,
-                                int C, int NH, bool causal) {
+                                int C, int NH, int NKV, bool causal) {
     kernels::cuda::attention_block_backward(stream(), dq, dk, dv, lddkv, dout, Dd, lse, q, k, v, ldq, ldkv, B, n, C, NH,
-                                            causal);
+                                            NKV, causal);
   }
   void embedding_forward(T* out, const int* tokens, const T* wte, int vocab_begin, int vocab_rows, const T* wpe, int B,
                          int T_, int C) {
