@@ -32,29 +32,23 @@ struct AllGatherAttention {
   using Shape = ContextRows<S, Heads, KVHeads>;
   static constexpr int cp = S::cp;
 
-  // Shared by every micro-batch slot: N local rows, Cl channels of the local query heads and
-  // Ckv of their key/value heads.
-  struct Work {
+  // Shared by every micro-batch slot: for N local rows, Cl channels of the local query heads
+  // and Ckv of their key/value heads, beside the accumulators (o, dq, Dd, dqkv).
+  struct Work : Shape::Accumulators {
     Buffer<T, Device> kv, kv_all;       // packed [k | v]: local [N, 2 Ckv] and gathered [CP N, 2 Ckv]
-    Buffer<stat_t, Device> o, dq;       // [N, Cl]
     Buffer<stat_t, Device> dkv_all;     // d[k | v] of every gathered row [CP N, 2 Ckv]
     Buffer<stat_t, Device> dkv;         // this rank's rows of it, summed over CP [N, 2 Ckv]
-    Buffer<stat_t, Device> Dd;          // dout . out per row and head, [N, Heads]
-    Buffer<stat_t, Device> dqkv;        // d[q | k | v] before it is rounded to T, [N, Cl + 2 Ckv]
     std::size_t capacity = 0;
 
     void reserve(typename S::ops_type& ops, std::size_t N, std::size_t Cl) {
       if (N <= capacity) return;
       capacity = N;
-      const std::size_t Ckv = static_cast<std::size_t>(Shape::kv_channels(static_cast<int>(Cl)));
-      kv = ops.template make_buffer<T>(N * 2 * Ckv);
-      kv_all = ops.template make_buffer<T>(cp * N * 2 * Ckv);
-      o = ops.template make_buffer<stat_t>(N * Cl);
-      dq = ops.template make_buffer<stat_t>(N * Cl);
-      dkv_all = ops.template make_buffer<stat_t>(cp * N * 2 * Ckv);
-      dkv = ops.template make_buffer<stat_t>(N * 2 * Ckv);
-      Dd = ops.template make_buffer<stat_t>(N * Heads);
-      dqkv = ops.template make_buffer<stat_t>(N * (Cl + 2 * Ckv));
+      Shape::Accumulators::reserve(ops, N, Cl);
+      const std::size_t kv_n = N * 2 * static_cast<std::size_t>(Shape::kv_channels(static_cast<int>(Cl)));
+      kv = ops.template make_buffer<T>(kv_n);
+      kv_all = ops.template make_buffer<T>(cp * kv_n);
+      dkv_all = ops.template make_buffer<stat_t>(cp * kv_n);
+      dkv = ops.template make_buffer<stat_t>(kv_n);
     }
   };
 

@@ -6,6 +6,8 @@
 
 #include <cstddef>
 
+#include "fived/device/buffer.hpp"
+
 namespace fived {
 
 template <class S, int Heads, int KVHeads>
@@ -25,6 +27,21 @@ struct ContextRows {
         Cl(cl),
         Ckv(kv_channels(cl)) {}
   static constexpr int kv_channels(int cl) { return cl / Heads * KVHeads; }
+
+  // What both cores accumulate in stat_t for N local rows and Cl channels of the query heads
+  // (each core's Work adds its own key/value buffers): the forward's output, dq, the row dots
+  // dout . out, and d[q | k | v] before it is rounded to T.
+  struct Accumulators {
+    Buffer<stat_t, typename S::device> o, dq;  // [N, Cl]
+    Buffer<stat_t, typename S::device> Dd;     // [N, Heads]
+    Buffer<stat_t, typename S::device> dqkv;   // [N, Cl + 2 Ckv]
+    void reserve(typename S::ops_type& ops, std::size_t N, std::size_t Cl) {
+      o = ops.template make_buffer<stat_t>(N * Cl);
+      dq = ops.template make_buffer<stat_t>(N * Cl);
+      Dd = ops.template make_buffer<stat_t>(N * Heads);
+      dqkv = ops.template make_buffer<stat_t>(N * (Cl + 2 * static_cast<std::size_t>(kv_channels(static_cast<int>(Cl)))));
+    }
+  };
   std::size_t chunk(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk; }  // its first row
   std::size_t stats(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk * Heads; }
 

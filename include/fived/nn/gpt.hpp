@@ -34,6 +34,7 @@
 #include "fived/nn/mlp.hpp"
 #include "fived/nn/moe.hpp"
 #include "fived/nn/param_table.hpp"
+#include "fived/nn/pre_norm_saved.hpp"
 
 namespace fived {
 
@@ -90,21 +91,7 @@ struct PreNormBlock {
     }
 
     // What forward leaves for backward (the core attention only without SelectiveRecompute).
-    struct Saved {
-      typename Norm::Saved ln_1, ln_2;
-      typename Attn::Saved attn;
-      Buffer<T, typename S::device> res2;  // the stream after attention
-      typename Mlp::Saved mlp;
-      typename Moe::Saved moe;
-      void reserve(ops_type& ops, std::size_t N, std::size_t n, int first, int count) {
-        ln_1.reserve(ops, n, C);
-        attn.reserve(ops, N, C, !recompute::attention_core);
-        res2 = ops.template make_buffer<T>(n * C);
-        ln_2.reserve(ops, n, C);
-        if (dims::any_block(first, count, true)) moe.reserve(ops, N, C);
-        if (dims::any_block(first, count, false)) mlp.reserve(ops, N, C, F);
-      }
-    };
+    using Saved = PreNormSaved<S, dims, Norm, Attn, Mlp, Moe, C, F>;
     struct Work {
       Buffer<T, typename S::device> dhidden, dqkv;  // [N, F/TP], [N, 3C/TP]
       typename Attn::ContextWork ring;              // CP: the ring's (or all-gather's) buffers
@@ -118,15 +105,11 @@ struct PreNormBlock {
         if constexpr (recompute::attention_core) core.reserve(ops, N, C);
       }
     };
-    static typename Attn::Core& core(Saved& a, Work& w) {
-      if constexpr (recompute::attention_core) return w.core;
-      else return a.attn.core;
-    }
 
     static void forward(S& s, Saved& a, Work& w, StreamScratch<T> k, const Params& p, const T* x, T* out, int layer) {
       const std::size_t n = static_cast<std::size_t>(s.local_rows()) * C;
       Norm::forward(s, a.ln_1, x, p.ln_1_w, p.ln_1_b, C);
-      Attn::forward(s, a.attn, core(a, w), w.ring, k.out, a.ln_1.out.data(), p.attn, C, k.partial);
+      Attn::forward(s, a.attn, a.core(w), w.ring, k.out, a.ln_1.out.data(), p.attn, C, k.partial);
       s.ops.residual_forward(a.res2.data(), x, k.out, n);
       Norm::forward(s, a.ln_2, a.res2.data(), p.ln_2_w, p.ln_2_b, C);
       if (dims::is_moe(layer)) Moe::forward(s, a.moe, w.moe, k.out, a.ln_2.out.data(), p.moe, p.router_bias, C, F, k.partial);
@@ -142,7 +125,7 @@ struct PreNormBlock {
       else
         Mlp::backward(s, k.dln, g.mlp, dres, a.ln_2.out.data(), a.mlp, p.mlp, C, F, w.dhidden.data(), k.partial);
       Norm::backward(s, dres, g.ln_2_w, g.ln_2_b, k.dln, a.res2.data(), p.ln_2_w, a.ln_2, C);  // dres: d(res2)
-      Attn::backward(s, w.ring, k.dln, g.attn, dres, a.ln_1.out.data(), a.attn, core(a, w), p.attn, C,
+      Attn::backward(s, w.ring, k.dln, g.attn, dres, a.ln_1.out.data(), a.attn, a.core(w), p.attn, C,
                      w.dhidden.data(), w.dqkv.data(), k.partial);
       Norm::backward(s, dres, g.ln_1_w, g.ln_1_b, k.dln, x, p.ln_1_w, a.ln_1, C);
     }

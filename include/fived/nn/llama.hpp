@@ -28,6 +28,7 @@
 #include "fived/nn/embedding.hpp"
 #include "fived/nn/moe.hpp"
 #include "fived/nn/param_table.hpp"
+#include "fived/nn/pre_norm_saved.hpp"
 #include "fived/nn/rmsnorm.hpp"
 #include "fived/nn/rotary_attention.hpp"
 #include "fived/nn/swiglu.hpp"
@@ -152,21 +153,8 @@ struct LlamaBlock {
       return p;
     }
 
-    struct Saved {
-      typename Norm::Saved ln_1, ln_2;
-      typename Attn::Saved attn;
-      Buffer<T, typename S::device> res2;  // the stream after attention
-      typename Mlp::Saved mlp;
-      typename Moe::Saved moe;
-      void reserve(ops_type& ops, std::size_t N, std::size_t n, int first, int count) {
-        ln_1.reserve(ops, n, C);
-        attn.reserve(ops, N, C, !recompute::attention_core);
-        res2 = ops.template make_buffer<T>(n * C);
-        ln_2.reserve(ops, n, C);
-        if (dims::any_block(first, count, false)) mlp.reserve(ops, N, C, F);
-        if (dims::any_block(first, count, true)) moe.reserve(ops, N, C);
-      }
-    };
+    // What forward leaves for backward (the core attention only without SelectiveRecompute).
+    using Saved = PreNormSaved<S, dims, Norm, Attn, Mlp, Moe, C, F>;
     struct Work {
       Buffer<stat_t, typename S::device> inv_freq;          // [head size / 2]
       Buffer<T, typename S::device> dqkv;       // d(q|k|v) [N, (C + 2KVC)/TP] (KVC/KV per rank above the KV heads)
@@ -189,15 +177,11 @@ struct LlamaBlock {
         if constexpr (recompute::attention_core) core.reserve(ops, N, C);
       }
     };
-    static typename Attn::Core& core(Saved& a, Work& w) {
-      if constexpr (recompute::attention_core) return w.core;
-      else return a.attn.core;
-    }
 
     static void forward(S& s, Saved& a, Work& w, StreamScratch<T> k, const Params& p, const T* x, T* out, int layer) {
       const std::size_t n = static_cast<std::size_t>(s.local_rows()) * C;
       Norm::forward(s, a.ln_1, x, p.ln_1, C);
-      Attn::forward(s, a.attn, core(a, w), w.ring, k.out, a.ln_1.out.data(), p.attn, C, KVC, w.inv_freq.data(),
+      Attn::forward(s, a.attn, a.core(w), w.ring, k.out, a.ln_1.out.data(), p.attn, C, KVC, w.inv_freq.data(),
                     k.partial);
       s.ops.residual_forward(a.res2.data(), x, k.out, n);
       Norm::forward(s, a.ln_2, a.res2.data(), p.ln_2, C);
@@ -217,7 +201,7 @@ struct LlamaBlock {
         Mlp::backward(s, k.dln, g.mlp, dres, a.ln_2.out.data(), a.mlp, p.mlp, C, F, w.dh.data(), w.dgu.data(),
                       k.partial);
       Norm::backward(s, dres, g.ln_2, k.dln, a.res2.data(), p.ln_2, a.ln_2, C);  // dres: d(res2)
-      Attn::backward(s, w.ring, w.attn, k.dln, g.attn, dres, a.ln_1.out.data(), a.attn, core(a, w), p.attn, C, KVC,
+      Attn::backward(s, w.ring, w.attn, k.dln, g.attn, dres, a.ln_1.out.data(), a.attn, a.core(w), p.attn, C, KVC,
                      w.inv_freq.data(), w.dgu.data(), w.dqkv.data(), k.partial);
       Norm::backward(s, dres, g.ln_1, k.dln, x, p.ln_1, a.ln_1, C);
     }

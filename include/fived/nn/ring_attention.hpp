@@ -43,26 +43,19 @@ struct RingAttention {
   using Shape = ContextRows<S, Heads, KVHeads>;
 
   // Shared by every micro-batch slot: the ring's buffers for N local rows, Cl channels of the
-  // query heads and Ckv of the key/value heads.
-  struct Work {
+  // query heads and Ckv of the key/value heads, beside the accumulators (o, dq, Dd, dqkv).
+  struct Work : Shape::Accumulators {
     Buffer<T, Device> kv[2];         // packed [k | v], [N, 2 Ckv]: the block in hand and the next
-    Buffer<stat_t, Device> o;        // the forward's output accumulator [N, Cl]
-    Buffer<stat_t, Device> dq;       // [N, Cl]
     Buffer<stat_t, Device> dkv[2];   // the travelling d[k | v], [N, 2 Ckv]
-    Buffer<stat_t, Device> Dd;       // dout . out per row and head, [N, Heads]
-    Buffer<stat_t, Device> dqkv;     // d[q | k | v] before it is rounded to T, [N, Cl + 2 Ckv]
     std::size_t capacity = 0;
 
     void reserve(typename S::ops_type& ops, std::size_t N, std::size_t Cl) {
       if (N <= capacity) return;
       capacity = N;
-      const std::size_t Ckv = static_cast<std::size_t>(Shape::kv_channels(static_cast<int>(Cl)));
-      for (auto& b : kv) b = ops.template make_buffer<T>(N * 2 * Ckv);
-      o = ops.template make_buffer<stat_t>(N * Cl);
-      dq = ops.template make_buffer<stat_t>(N * Cl);
-      for (auto& b : dkv) b = ops.template make_buffer<stat_t>(N * 2 * Ckv);
-      Dd = ops.template make_buffer<stat_t>(N * Heads);
-      dqkv = ops.template make_buffer<stat_t>(N * (Cl + 2 * Ckv));
+      Shape::Accumulators::reserve(ops, N, Cl);
+      const std::size_t kv_n = N * 2 * static_cast<std::size_t>(Shape::kv_channels(static_cast<int>(Cl)));
+      for (auto& b : kv) b = ops.template make_buffer<T>(kv_n);
+      for (auto& b : dkv) b = ops.template make_buffer<stat_t>(kv_n);
     }
   };
 
