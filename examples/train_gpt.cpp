@@ -2,7 +2,7 @@
 //
 //   train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] [--seq T]
 //             [--lr LR] [--seed S] [--log-every N] [--save out.safetensors] [--checkpoints DIR [--save-every N]
-//             [--resume]] [--host] [--serial] [--list-meshes]
+//             [--resume | --resume-from STEP]] [--host] [--serial] [--list-meshes]
 //
 // A thin program over fived::Trainer (train/trainer.hpp): one model (2 layers, d_model 64, 4
 // heads, byte vocabulary: GPT-2's blocks, or with --model llama Llama 3's, 2 key/value heads,
@@ -35,19 +35,26 @@
 //
 // --checkpoints DIR saves a sharded checkpoint (train/checkpoint.hpp: each rank its share,
 // optimizer state included) every --save-every steps and at the end; --resume goes on from
-// the latest one in DIR, saved on this mesh or any other (it is resharded as it loads).
+// the newest one in DIR that verifies (every file of its recorded size and hash; newer ones
+// that do not are named and passed over), saved on this mesh or any other (it is resharded
+// as it loads); --resume-from STEP from that step, refused if it does not verify. --steps is
+// the run's total: a checkpoint already past it trains nothing. The folders of --checkpoints
+// and --save are checked for writing before the first step.
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <unistd.h>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -109,7 +116,8 @@ using serial_of = typename F::template type<Mesh<>, Host, NoSequenceParallel>;  
 struct Options {
   std::string file, tokens, save, mesh = "dp2.tp2", checkpoints, model = "gpt";
   int steps = 1500, batch = 32, seq = 20, log_every = 0, save_every = 0;
-  bool resume = false;  // from the latest checkpoint in `checkpoints`
+  bool resume = false;               // from the newest checkpoint in `checkpoints` that verifies
+  std::optional<int> resume_from;    // or from this step
   double lr = 4e-3;
   unsigned seed = 1337;
   bool host = false;  // stay on the host even when a GPU is there (CUDA build)
@@ -119,7 +127,7 @@ struct Options {
   std::fprintf(stderr,
                "%s\nusage: train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] "
                "[--seq T (<= %d)] [--lr LR] [--seed S] [--log-every N] [--save out.safetensors] [--checkpoints DIR "
-               "[--save-every N] [--resume]] [--host] [--serial] [--list-meshes]\n",
+               "[--save-every N] [--resume | --resume-from STEP]] [--host] [--serial] [--list-meshes]\n",
                msg.c_str(), demo_config::max_seq);
   std::exit(2);
 }
@@ -187,6 +195,17 @@ const MeshChoice& find_mesh(const std::string& name) {
   usage("unknown mesh '" + name + "'; this program is compiled for: " + known);
 }
 
+// Why nothing can be written in `dir` (a probe file made and removed), or "" when it can.
+std::string cannot_write(const std::filesystem::path& dir) {
+  const std::filesystem::path probe = dir / (".fived-write-probe-" + std::to_string(::getpid()));
+  std::FILE* f = std::fopen(probe.c_str(), "wb");
+  if (!f) return std::strerror(errno);
+  std::fclose(f);
+  std::error_code ec;
+  std::filesystem::remove(probe, ec);
+  return "";
+}
+
 Options parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -205,6 +224,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--checkpoints") o.checkpoints = value();
     else if (a == "--save-every") o.save_every = number<int>(a, value());
     else if (a == "--resume") o.resume = true;
+    else if (a == "--resume-from") o.resume_from = number<int>(a, value()), o.resume = true;
     else if (a == "--tokens") o.tokens = value();
     else if (a == "--mesh") o.mesh = value();
     else if (a == "--model") o.model = value();
@@ -225,12 +245,15 @@ Options parse(int argc, char** argv) {
   if (!o.file.empty() && !o.tokens.empty()) usage("give a text file or --tokens, not both");
   if (o.model != "gpt" && o.model != "llama") usage("unknown --model '" + o.model + "': gpt or llama");
   if (o.save_every < 0) usage("--save-every must be 0 (at the end only) or more");
-  if ((o.resume || o.save_every > 0) && o.checkpoints.empty()) usage("--resume and --save-every need --checkpoints DIR");
-  if (!o.checkpoints.empty()) {  // a folder that cannot be made fails now, not at the first save
+  if ((o.resume || o.save_every > 0) && o.checkpoints.empty())
+    usage("--resume, --resume-from and --save-every need --checkpoints DIR");
+  if (!o.checkpoints.empty()) {  // a folder that cannot be made or written fails now, not at the first save
     std::error_code ec;
     std::filesystem::create_directories(o.checkpoints, ec);
     if (ec || !std::filesystem::is_directory(o.checkpoints))
       usage("--checkpoints " + o.checkpoints + ": cannot make that folder (" + ec.message() + ")");
+    if (const std::string why = cannot_write(o.checkpoints); !why.empty())
+      usage("--checkpoints " + o.checkpoints + ": cannot write there (" + why + ")");
   }
   if (o.log_every == 0) o.log_every = std::max(1, o.steps / 20);
   (void)find_mesh(o.mesh);  // an unknown mesh is an error before anything runs
@@ -238,6 +261,8 @@ Options parse(int argc, char** argv) {
     const std::filesystem::path dir = std::filesystem::absolute(o.save).parent_path();
     if (!std::filesystem::is_directory(dir)) usage("--save " + o.save + ": the folder " + dir.string() + " does not exist");
     if (std::filesystem::is_directory(o.save)) usage("--save " + o.save + " is a folder; give a file name");
+    if (const std::string why = cannot_write(dir); !why.empty())
+      usage("--save " + o.save + ": cannot write in " + dir.string() + " (" + why + ")");
   }
   return o;
 }
@@ -426,12 +451,20 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
   };
   int first = 1;
   if (opt.resume) {  // from any mesh's checkpoint: the state is resharded onto this one
-    if (!checkpoint::latest_step(opt.checkpoints)) {
+    if (!opt.resume_from && !checkpoint::latest_step(opt.checkpoints)) {
       if (prints) std::printf("no checkpoint in %s yet: starting at step 1\n", opt.checkpoints.c_str());
     } else {
-      first = trainer.load(opt.checkpoints) + 1;
+      std::vector<checkpoint::Refusal> refused;
+      first = trainer.load(opt.checkpoints, opt.resume_from, &refused) + 1;
+      for (const checkpoint::Refusal& r : refused)
+        if (prints) std::printf("warning: step %d does not verify, passed over: %s\n", r.step, r.reason.c_str());
       if (prints) std::printf("resumed from %s at step %d\n", opt.checkpoints.c_str(), first - 1);
     }
+  }
+  if (first > opt.steps) {  // --steps is the run's total
+    if (prints)
+      std::printf("the checkpoint is already at step %d, past --steps %d: nothing to train\n", first - 1, opt.steps);
+    return 0;
   }
   const double val_start = held_out();
   double val_end = val_start;

@@ -26,6 +26,7 @@
 #include <thread>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -187,6 +188,72 @@ TEST_CASE("what is not a checkpoint is refused with the reason: no manifest, a c
   fs::remove(step / "manifest.json");
   CHECK(load_error([&] { train<Mesh<DP<2>>, ZeRO<1>, Accumulate<1>>(2, 2, dir); }).find("holds no complete checkpoint") !=
         std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("resume falls back to the newest step that verifies, naming the ones it passes over; a step asked for is refused "
+          "outright; an edited step field is refused") {
+  const fs::path dir = fresh("fallback");
+  (void)train<Mesh<DP<2>>, ZeRO<1>, Accumulate<1>>(1, 2, {}, 2, dir);  // step 2
+  (void)train<Mesh<DP<2>>, ZeRO<1>, Accumulate<1>>(1, 3, {}, 3, dir);  // and step 3
+  // load(dir, step) on DP 2: the step it holds and the refusals, or the error.
+  auto load = [&](std::optional<int> step, std::vector<checkpoint::Refusal>* refused, std::string* error) {
+    int held = -1;
+    try {
+      host::run(2, [&](host::Comm& world) {
+        auto ctx = make_mesh_context<Mesh<DP<2>>>(world);
+        Trainer<GPT<cfg, Mesh<DP<2>>>, ZeRO<1>, Accumulate<1>> t(ctx, hp, GptInit{99, 0.05});
+        std::vector<checkpoint::Refusal> r;
+        const int s = t.load(dir, step, &r);
+        if (ctx.rank() == 0) held = s, *refused = r;
+      });
+    } catch (const std::exception& e) {
+      *error = e.what();
+    }
+    return held;
+  };
+  std::vector<checkpoint::Refusal> refused;
+  std::string error;
+  CHECK(load(std::nullopt, &refused, &error) == 3);
+  CHECK(refused.empty());
+
+  // A junk step newer than all, and one flipped byte in step 3: resume from step 2, naming both.
+  fs::create_directories(checkpoint::step_folder(dir, 99999999));
+  std::ofstream(checkpoint::step_folder(dir, 99999999) / "manifest.json") << "{ not a manifest";
+  {
+    std::fstream f(checkpoint::step_folder(dir, 3) / checkpoint::rank_file(0), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-1, std::ios::end);
+    f.put('x');
+  }
+  CHECK(load(std::nullopt, &refused, &error) == 2);
+  REQUIRE(refused.size() == 2);
+  CHECK(refused[0].step == 99999999);
+  CHECK(refused[1].step == 3);
+  CHECK(refused[1].reason.find("rank-00000.safetensors: its contents do not match the manifest's hash") != std::string::npos);
+  CHECK(error.empty());
+
+  // Step 3 asked for: refused outright, with the reason.
+  refused.clear();
+  CHECK(load(3, &refused, &error) == -1);
+  CHECK(error.find("its contents do not match the manifest's hash") != std::string::npos);
+
+  // Step 2's manifest edited to say step 7: refused by field; no step verifies, and the error lists all three.
+  const fs::path manifest = checkpoint::step_folder(dir, 2) / "manifest.json";
+  std::string text;
+  {
+    std::ifstream in(manifest);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  const std::size_t at = text.find("\"step\": 2");
+  REQUIRE(at != std::string::npos);
+  text.replace(at, 9, "\"step\": 7");
+  std::ofstream(manifest, std::ios::trunc) << text;
+  error.clear();
+  CHECK(load(std::nullopt, &refused, &error) == -1);
+  CHECK(error.find("holds no complete checkpoint") != std::string::npos);
+  CHECK(error.find("step 2 refused") != std::string::npos);
+  CHECK(error.find("its \"step\" is 7 in the folder of step 2") != std::string::npos);
+  CHECK(error.find("step 99999999 refused") != std::string::npos);
   fs::remove_all(dir);
 }
 

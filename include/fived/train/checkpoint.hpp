@@ -59,6 +59,17 @@ inline std::string rank_file(int rank) {
   std::snprintf(name, sizeof name, "rank-%05d.safetensors", rank);
   return name;
 }
+// The step a folder named by step_folder holds ("step-00000020": 20), or none for another name.
+inline std::optional<int> step_of_folder(const std::filesystem::path& folder) {
+  const std::string n = folder.filename().string();
+  if (n.size() != 13 || n.rfind("step-", 0) != 0) return std::nullopt;
+  int step = 0;
+  for (std::size_t i = 5; i < n.size(); ++i) {
+    if (n[i] < '0' || n[i] > '9') return std::nullopt;
+    step = step * 10 + (n[i] - '0');
+  }
+  return step;
+}
 
 // FNV-1a 64 over a file's bytes.
 inline std::uint64_t file_hash(const std::filesystem::path& path) {
@@ -113,6 +124,7 @@ inline void write_manifest(const std::filesystem::path& folder, const Manifest& 
 // hash. Errors are io::SafetensorsError naming the manifest and what is wrong.
 inline Manifest read_manifest(const std::filesystem::path& folder) {
   const std::filesystem::path path = folder / "manifest.json";
+  if (std::filesystem::is_directory(path)) throw io::SafetensorsError(path.string() + ": is a folder, not a manifest");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw io::SafetensorsError(path.string() + ": no manifest (the step was not completed, or is not a checkpoint)");
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -184,6 +196,9 @@ inline Manifest read_manifest(const std::filesystem::path& folder) {
   if (!(format && step && adam && world && mesh && model && files))
     throw io::SafetensorsError(path.string() + ": the manifest lacks a field (format, step, adam_step, world, mesh, "
                                "model and files are required)");
+  if (const std::optional<int> named = step_of_folder(folder); named && *named != m.step)
+    throw io::SafetensorsError(path.string() + ": its \"step\" is " + std::to_string(m.step) + " in the folder of step " +
+                               std::to_string(*named) + " (an edited manifest, or a folder renamed)");
   if (static_cast<int>(m.files.size()) != m.world)
     throw io::SafetensorsError(path.string() + ": names " + std::to_string(m.files.size()) + " files for a world of " +
                                std::to_string(m.world));
@@ -378,20 +393,42 @@ class Restored {
   std::map<int, std::vector<float>> bias_;
 };
 
-// The latest step under `dir` whose manifest exists (the one to resume from), if any.
-inline std::optional<int> latest_step(const std::filesystem::path& dir) {
-  std::optional<int> best;
+// The steps under `dir` whose folder holds a manifest, newest first.
+inline std::vector<int> steps_with_manifest(const std::filesystem::path& dir) {
+  std::vector<int> steps;
   std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    if (n.size() != 13 || n.rfind("step-", 0) != 0 || !std::filesystem::exists(e.path() / "manifest.json")) continue;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+    if (const std::optional<int> s = step_of_folder(e.path()); s && std::filesystem::exists(e.path() / "manifest.json"))
+      steps.push_back(*s);
+  std::sort(steps.rbegin(), steps.rend());
+  return steps;
+}
+
+// The latest step under `dir` whose manifest exists, if any (whether it verifies or not).
+inline std::optional<int> latest_step(const std::filesystem::path& dir) {
+  const std::vector<int> steps = steps_with_manifest(dir);
+  return steps.empty() ? std::nullopt : std::optional<int>(steps.front());
+}
+
+// A step passed over on resume, and why (read_manifest's sentence).
+struct Refusal {
+  int step;
+  std::string reason;
+};
+
+// The step to resume from: the newest under `dir` that verifies (its manifest reads and agrees
+// with its folder, every file has its recorded size and hash). The newer steps that did not
+// are added to `refused`. None when no step verifies.
+inline std::optional<int> newest_verified_step(const std::filesystem::path& dir, std::vector<Refusal>& refused) {
+  for (const int step : steps_with_manifest(dir)) {
     try {
-      const int s = std::stoi(n.substr(5));
-      if (!best || s > *best) best = s;
-    } catch (const std::exception&) {
+      (void)read_manifest(step_folder(dir, step));
+      return step;
+    } catch (const std::exception& e) {
+      refused.push_back({step, e.what()});
     }
   }
-  return best;
+  return std::nullopt;
 }
 
 }  // namespace fived::checkpoint

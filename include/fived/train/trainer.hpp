@@ -180,13 +180,24 @@ class Trainer {
     world_->barrier();
   }
 
-  // Loads the checkpoint of `step` under dir (the latest complete one when not given), saved
-  // from this model on any mesh, ZeRO stage or schedule: parameters and AdamW's state. Every
-  // rank reads every file (resharding assembles whole tensors in host memory). Returns the
-  // step it holds; training goes on at the next one.
-  int load(const std::filesystem::path& dir, std::optional<int> step = std::nullopt) {
-    if (!step) step = checkpoint::latest_step(dir);
-    if (!step) throw io::SafetensorsError(dir.string() + ": holds no complete checkpoint (no step-*/manifest.json)");
+  // Loads the checkpoint of `step` under dir, saved from this model on any mesh, ZeRO stage or
+  // schedule: parameters and AdamW's state. Without a step, the newest that verifies (every
+  // file of its recorded size and hash); the newer ones passed over are added to `refused`
+  // (each with its reason), and when none verifies the error lists them. A step asked for is
+  // refused outright when it does not verify. Every rank reads every file (resharding
+  // assembles whole tensors in host memory), and every rank has loaded when this returns.
+  // Returns the step it holds; training goes on at the next one.
+  int load(const std::filesystem::path& dir, std::optional<int> step = std::nullopt,
+           std::vector<checkpoint::Refusal>* refused = nullptr) {
+    std::vector<checkpoint::Refusal> passed_over;
+    if (!step) step = checkpoint::newest_verified_step(dir, passed_over);
+    if (refused) refused->insert(refused->end(), passed_over.begin(), passed_over.end());
+    if (!step) {
+      std::string why = dir.string() + ": holds no complete checkpoint";
+      if (passed_over.empty()) why += " (no step-*/manifest.json)";
+      for (const checkpoint::Refusal& r : passed_over) why += "; step " + std::to_string(r.step) + " refused: " + r.reason;
+      throw io::SafetensorsError(why);
+    }
     const std::filesystem::path folder = checkpoint::step_folder(dir, *step);
     const checkpoint::Manifest m = checkpoint::read_manifest(folder);
     if (m.model != model_name())
@@ -195,6 +206,7 @@ class Trainer {
     checkpoint::Restored<Model> restored;
     for (const checkpoint::FileEntry& f : m.files) restored.add(io::SafetensorsFile::read(folder / f.name));
     rank_->load(restored, m.adam_step);
+    world_->barrier();
     return m.step;
   }
 
