@@ -189,6 +189,27 @@ TEST_CASE("bad JSON names the byte and what was expected") {
                  "data_offsets of \"a\" must be [begin, end]"));
 }
 
+TEST_CASE("names are UTF-8 as the format requires: multi-byte characters kept, malformed bytes refused; "
+          "\"__metadata__\": null is no metadata") {
+  auto header = [](const std::string& name) {
+    return "{\"" + name + R"(":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})";
+  };
+  // 2, 3 and 4 bytes, the last code point (U+10FFFF) included
+  for (const std::string name : {"w\xc3\xa9ight", "\xe2\x82\xac", "\xf0\x9f\x98\x80", "\xf4\x8f\xbf\xbf"})
+    CHECK(SafetensorsFile::parse(make_file(header(name), 4)).at(name).numel() == 1);
+  // a stray byte, a stray continuation, overlong '/', an overlong 3-byte form, a surrogate
+  // (U+D800), above U+10FFFF, a truncated sequence
+  for (const std::string name : {"a\xff", "\x80", "\xc0\xaf", "\xe0\x80\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80",
+                                 "\xe2\x82"}) {
+    CAPTURE(name);
+    CHECK(contains(error_of(make_file(header(name), 4)), "invalid UTF-8 in a string"));
+  }
+  const auto f = SafetensorsFile::parse(
+      make_file(R"({"__metadata__": null, "a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4));
+  CHECK(f.metadata().empty());
+  CHECK(contains(error_of(make_file(R"({"__metadata__": nul})", 0)), "or null"));
+}
+
 TEST_CASE("offsets: size mismatch, overlap, out of range, holes") {
   CHECK(contains(error_of(make_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", 4)),
                  "tensor \"a\" is F32 [2] but its data_offsets [0, 4] span 4 bytes"));

@@ -277,6 +277,12 @@ class HeaderParser {
       const char c = s_[pos_++];
       if (c == '"') return out;
       if (static_cast<unsigned char>(c) < 0x20) fail_at(pos_ - 1, "control character inside a string (must be escaped)");
+      if (static_cast<unsigned char>(c) >= 0x80) {  // a multi-byte character: copied once it is valid UTF-8
+        const std::size_t n = utf8_length(pos_ - 1);
+        out.append(s_.substr(pos_ - 1, n));
+        pos_ += n - 1;
+        continue;
+      }
       if (c != '\\') {
         out += c;
         continue;
@@ -386,11 +392,34 @@ class HeaderParser {
     }
   }
 
- private:
+  // The literal w (true, false, null) at the next non-space, consumed; false if it is not there.
   bool literal(std::string_view w) {
+    ws();
     if (s_.substr(pos_, w.size()) != w) return false;
     pos_ += w.size();
     return true;
+  }
+
+ private:
+  // The length of the UTF-8 character that starts at byte `at`, which must be well formed
+  // (RFC 3629): no stray continuation byte, no overlong form, no surrogate, nothing above
+  // U+10FFFF. JSON text is UTF-8, and the format requires tensor names to be.
+  std::size_t utf8_length(std::size_t at) const {
+    const auto byte = [&](std::size_t i) { return i < s_.size() ? static_cast<unsigned char>(s_[i]) : 0u; };
+    const unsigned lead = byte(at);
+    std::size_t n = 0;
+    unsigned lo = 0x80, hi = 0xbf;  // the range of the second byte
+    if (lead >= 0xc2 && lead <= 0xdf) n = 2;
+    else if (lead >= 0xe0 && lead <= 0xef) n = 3, lo = lead == 0xe0 ? 0xa0 : 0x80, hi = lead == 0xed ? 0x9f : 0xbf;
+    else if (lead >= 0xf0 && lead <= 0xf4) n = 4, lo = lead == 0xf0 ? 0x90 : 0x80, hi = lead == 0xf4 ? 0x8f : 0xbf;
+    else fail_at(at, "invalid UTF-8 in a string (a stray, overlong or out-of-range lead byte)");
+    for (std::size_t i = 1; i < n; ++i) {
+      const unsigned c = byte(at + i);
+      if (c < (i == 1 ? lo : 0x80u) || c > (i == 1 ? hi : 0xbfu))
+        fail_at(at + i, "invalid UTF-8 in a string (an overlong form, a surrogate, a code point above U+10FFFF or "
+                        "a missing continuation byte)");
+    }
+    return n;
   }
   std::uint32_t hex4() {
     if (pos_ + 4 > s_.size()) fail("expected 4 hex digits after \\u");
@@ -620,7 +649,8 @@ class SafetensorsFile {
   }
 
   void parse_metadata(detail::HeaderParser& P) {
-    P.expect('{', "'{' to start \"__metadata__\" (an object of strings)");
+    if (P.literal("null")) return;  // no metadata, as the reference implementation reads it
+    P.expect('{', "'{' to start \"__metadata__\" (an object of strings) or null");
     bool first = true;
     while (!P.peek('}')) {
       if (!first) P.expect(',', "',' or '}' in \"__metadata__\"");
