@@ -2,7 +2,7 @@
 //
 //   train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] [--seq T]
 //             [--lr LR] [--seed S] [--log-every N] [--save out.safetensors] [--checkpoints DIR [--save-every N]
-//             [--resume | --resume-from STEP]] [--host] [--serial] [--list-meshes]
+//             [--keep-last N] [--resume | --resume-from STEP]] [--host] [--serial] [--list-meshes]
 //
 // A thin program over fived::Trainer (train/trainer.hpp): one model (2 layers, d_model 64, 4
 // heads, byte vocabulary: GPT-2's blocks, or with --model llama Llama 3's, 2 key/value heads,
@@ -39,7 +39,9 @@
 // that do not are named and passed over), saved on this mesh or any other (it is resharded
 // as it loads); --resume-from STEP from that step, refused if it does not verify. --steps is
 // the run's total: a checkpoint already past it trains nothing. The folders of --checkpoints
-// and --save are checked for writing before the first step.
+// and --save are checked for writing before the first step. What killed saves left in DIR
+// (temporary files, steps without a manifest) is removed at the start and after each save;
+// --keep-last N keeps only the newest N complete steps once the newest verifies.
 
 #include <algorithm>
 #include <cerrno>
@@ -115,7 +117,7 @@ using serial_of = typename F::template type<Mesh<>, Host, NoSequenceParallel>;  
 
 struct Options {
   std::string file, tokens, save, mesh = "dp2.tp2", checkpoints, model = "gpt";
-  int steps = 1500, batch = 32, seq = 20, log_every = 0, save_every = 0;
+  int steps = 1500, batch = 32, seq = 20, log_every = 0, save_every = 0, keep_last = 0;
   bool resume = false;               // from the newest checkpoint in `checkpoints` that verifies
   std::optional<int> resume_from;    // or from this step
   double lr = 4e-3;
@@ -127,7 +129,7 @@ struct Options {
   std::fprintf(stderr,
                "%s\nusage: train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] "
                "[--seq T (<= %d)] [--lr LR] [--seed S] [--log-every N] [--save out.safetensors] [--checkpoints DIR "
-               "[--save-every N] [--resume | --resume-from STEP]] [--host] [--serial] [--list-meshes]\n",
+               "[--save-every N] [--keep-last N] [--resume | --resume-from STEP]] [--host] [--serial] [--list-meshes]\n",
                msg.c_str(), demo_config::max_seq);
   std::exit(2);
 }
@@ -223,6 +225,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--save") o.save = value();
     else if (a == "--checkpoints") o.checkpoints = value();
     else if (a == "--save-every") o.save_every = number<int>(a, value());
+    else if (a == "--keep-last") o.keep_last = number<int>(a, value());
     else if (a == "--resume") o.resume = true;
     else if (a == "--resume-from") o.resume_from = number<int>(a, value()), o.resume = true;
     else if (a == "--tokens") o.tokens = value();
@@ -245,6 +248,8 @@ Options parse(int argc, char** argv) {
   if (!o.file.empty() && !o.tokens.empty()) usage("give a text file or --tokens, not both");
   if (o.model != "gpt" && o.model != "llama") usage("unknown --model '" + o.model + "': gpt or llama");
   if (o.save_every < 0) usage("--save-every must be 0 (at the end only) or more");
+  if (o.keep_last < 0) usage("--keep-last must be 0 (keep every step) or more");
+  if (o.keep_last > 0 && o.checkpoints.empty()) usage("--keep-last needs --checkpoints DIR");
   if ((o.resume || o.save_every > 0) && o.checkpoints.empty())
     usage("--resume, --resume-from and --save-every need --checkpoints DIR");
   if (!o.checkpoints.empty()) {  // a folder that cannot be made or written fails now, not at the first save
@@ -254,6 +259,7 @@ Options parse(int argc, char** argv) {
       usage("--checkpoints " + o.checkpoints + ": cannot make that folder (" + ec.message() + ")");
     if (const std::string why = cannot_write(o.checkpoints); !why.empty())
       usage("--checkpoints " + o.checkpoints + ": cannot write there (" + why + ")");
+    checkpoint::remove_leftovers(o.checkpoints);  // of saves killed in earlier runs
   }
   if (o.log_every == 0) o.log_every = std::max(1, o.steps / 20);
   (void)find_mesh(o.mesh);  // an unknown mesh is an error before anything runs
@@ -475,7 +481,7 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
                                      [&](int s, double) {
                                        if (!opt.checkpoints.empty() &&
                                            ((opt.save_every > 0 && s % opt.save_every == 0) || s == opt.steps)) {
-                                         trainer.save(opt.checkpoints, s);
+                                         trainer.save(opt.checkpoints, s, opt.keep_last);
                                          if (prints) std::printf("checkpoint of step %d in %s\n", s, opt.checkpoints.c_str());
                                        }
                                        if (s % (5 * opt.log_every) != 0 && s != opt.steps) return;

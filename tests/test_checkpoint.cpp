@@ -18,6 +18,7 @@
 #include <spawn.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -254,6 +255,45 @@ TEST_CASE("resume falls back to the newest step that verifies, naming the ones i
   CHECK(error.find("step 2 refused") != std::string::npos);
   CHECK(error.find("its \"step\" is 7 in the folder of step 2") != std::string::npos);
   CHECK(error.find("step 99999999 refused") != std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a save removes what killed saves left (temporaries, steps without a manifest) and keeps the last N steps; "
+          "files fived did not write stay") {
+  const fs::path dir = fresh("keep_last");
+  // What a killed earlier run left: a temporary in a complete step, a partial step, and the user's own files.
+  (void)train<Mesh<DP<2>>, ZeRO<1>, Accumulate<1>>(1, 1, {}, 1, dir);
+  std::ofstream(checkpoint::step_folder(dir, 1) / "rank-00001.safetensors.tmp.4242.0") << "half a file";
+  fs::create_directories(checkpoint::step_folder(dir, 9));
+  std::ofstream(checkpoint::step_folder(dir, 9) / "rank-00000.safetensors") << "no manifest";
+  std::ofstream(checkpoint::step_folder(dir, 9) / "manifest.json.tmp.4242.1") << "{";
+  fs::create_directories(checkpoint::step_folder(dir, 8));
+  std::ofstream(checkpoint::step_folder(dir, 8) / "rank-00000.safetensors") << "no manifest";
+  std::ofstream(checkpoint::step_folder(dir, 8) / "notes.txt") << "the user's";
+  std::ofstream(dir / "README") << "the user's";
+
+  host::run(2, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<Mesh<DP<2>>>(world);
+    Trainer<GPT<cfg, Mesh<DP<2>>>, ZeRO<1>, Accumulate<1>> t(ctx, hp, GptInit{5, 0.05});
+    std::vector<int> tok, tgt;
+    for (int s = 1; s <= 4; ++s) {
+      test::global_batch(s, 1, B, T, cfg::vocab, tok, tgt);
+      t.step(s, tok, tgt, B, T);
+      t.save(dir, s, /*keep_last=*/2);
+    }
+  });
+  std::vector<std::string> left;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) left.push_back(fs::relative(e.path(), dir).string());
+  std::sort(left.begin(), left.end());
+  CHECK(left == std::vector<std::string>{"README", "step-00000003", "step-00000003/manifest.json",
+                                         "step-00000003/rank-00000.safetensors", "step-00000003/rank-00001.safetensors",
+                                         "step-00000004", "step-00000004/manifest.json",
+                                         "step-00000004/rank-00000.safetensors", "step-00000004/rank-00001.safetensors",
+                                         "step-00000008", "step-00000008/notes.txt"});
+  // The newest does not verify: nothing older is removed.
+  { std::ofstream(checkpoint::step_folder(dir, 4) / checkpoint::rank_file(0), std::ios::app) << "x"; }
+  CHECK(checkpoint::keep_last(dir, 1).empty());
+  CHECK(checkpoint::steps_with_manifest(dir) == std::vector<int>{4, 3});
   fs::remove_all(dir);
 }
 

@@ -431,4 +431,64 @@ inline std::optional<int> newest_verified_step(const std::filesystem::path& dir,
   return std::nullopt;
 }
 
+// ---- housekeeping: leftovers of killed saves, and the last N steps ---------------------------
+
+namespace detail {
+// Whether `name` is one fived writes in a step folder: a rank's file, the manifest, or a
+// temporary of either (io::detail::write_atomically's "<name>.tmp.<pid>.<k>").
+inline bool written_by_fived(const std::string& name, bool* temporary = nullptr) {
+  const std::size_t tmp = name.find(".tmp.");
+  const std::string base = tmp == std::string::npos ? name : name.substr(0, tmp);
+  if (temporary) *temporary = tmp != std::string::npos;
+  const bool rank = base.size() == 22 && base.rfind("rank-", 0) == 0 &&
+                    base.compare(10, 12, ".safetensors") == 0 &&
+                    std::all_of(base.begin() + 5, base.begin() + 10, [](char c) { return c >= '0' && c <= '9'; });
+  return rank || base == "manifest.json";
+}
+// Removes the files fived wrote in a step folder (all of them, or only the temporaries), then
+// the folder if nothing else is left in it. Other files are never touched.
+inline void remove_fived_files(const std::filesystem::path& folder, bool temporaries_only) {
+  std::error_code ec;
+  std::vector<std::filesystem::path> doomed;
+  for (const auto& e : std::filesystem::directory_iterator(folder, ec)) {
+    bool temporary = false;
+    if (written_by_fived(e.path().filename().string(), &temporary) && (temporary || !temporaries_only))
+      doomed.push_back(e.path());
+  }
+  for (const auto& f : doomed) std::filesystem::remove(f, ec);
+  if (!temporaries_only) std::filesystem::remove(folder, ec);  // only when empty
+}
+}  // namespace detail
+
+// Removes what killed saves left under `dir` (one process, while no save is running): the
+// temporary files in every step folder, and step folders without a manifest other than
+// `except` (partial saves; only the files fived writes, and the folder once empty).
+inline void remove_leftovers(const std::filesystem::path& dir, std::optional<int> except = std::nullopt) {
+  std::error_code ec;
+  std::vector<std::filesystem::path> folders;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+    if (const std::optional<int> s = step_of_folder(e.path()); s && e.is_directory(ec) && s != except)
+      folders.push_back(e.path());
+  for (const auto& f : folders)
+    detail::remove_fived_files(f, /*temporaries_only=*/std::filesystem::exists(f / "manifest.json", ec));
+}
+
+// Keeps the newest `keep` complete steps under `dir` and removes the older ones, once the
+// newest verifies (read_manifest); nothing when it does not, so the only step that verifies is
+// never removed. Returns the steps removed.
+inline std::vector<int> keep_last(const std::filesystem::path& dir, int keep) {
+  std::vector<int> steps = steps_with_manifest(dir), removed;
+  if (keep < 1 || static_cast<int>(steps.size()) <= keep) return removed;
+  try {
+    (void)read_manifest(step_folder(dir, steps.front()));
+  } catch (const std::exception&) {
+    return removed;
+  }
+  for (std::size_t i = static_cast<std::size_t>(keep); i < steps.size(); ++i) {
+    detail::remove_fived_files(step_folder(dir, steps[i]), /*temporaries_only=*/false);
+    removed.push_back(steps[i]);
+  }
+  return removed;
+}
+
 }  // namespace fived::checkpoint

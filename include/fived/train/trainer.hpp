@@ -155,8 +155,10 @@ class Trainer {
   // ---- checkpoints (train/checkpoint.hpp) ------------------------------------------------
 
   // Saves the state after `step` under dir/step-<step>: each rank its share, then the
-  // manifest. A collective; returns when the checkpoint is committed.
-  void save(const std::filesystem::path& dir, int step) {
+  // manifest. A collective; returns when the checkpoint is committed. Then world rank 0
+  // removes what killed saves left (checkpoint::remove_leftovers) and, with keep_last > 0,
+  // the complete steps older than the newest keep_last (checkpoint::keep_last).
+  void save(const std::filesystem::path& dir, int step, int keep_last = 0) {
     const std::filesystem::path folder = checkpoint::step_folder(dir, step);
     std::filesystem::create_directories(folder);
     const std::filesystem::path mine = folder / checkpoint::rank_file(world_rank_);
@@ -176,6 +178,8 @@ class Trainer {
                            static_cast<std::uint64_t>(all[at]) << 32 | static_cast<std::uint64_t>(all[at + 1])});
       }
       checkpoint::write_manifest(folder, m);
+      checkpoint::remove_leftovers(dir, step);
+      if (keep_last > 0) (void)checkpoint::keep_last(dir, keep_last);
     }
     world_->barrier();
   }
