@@ -56,6 +56,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <optional>
 #include <random>
 #include <span>
@@ -170,6 +171,31 @@ struct Corpus {
 template <class F, class M>
 int train_on(const Options& opt, const Corpus& corpus);
 
+// What makes this run, recorded in each checkpoint's manifest: a resume compares it.
+std::map<std::string, std::string> run_record(const Options& opt, const Corpus& corpus) {
+  char lr[32];
+  std::snprintf(lr, sizeof lr, "%g", opt.lr);
+  return {{"model", opt.model}, {"seed", std::to_string(opt.seed)}, {"data", corpus.data.name()},
+          {"data_tokens", std::to_string(corpus.data.size())}, {"batch", std::to_string(opt.batch)},
+          {"seq", std::to_string(opt.seq)}, {"lr", lr}, {"steps", std::to_string(opt.steps)}, {"mesh", opt.mesh}};
+}
+
+// A resume of another run (model, seed or data differ) is an error saying what differs; the
+// rest (mesh: resharded; steps, batch, seq, lr) is reported.
+std::string compare_runs(const std::map<std::string, std::string>& saved, const std::map<std::string, std::string>& now,
+                         bool prints) {
+  std::string differs;
+  for (const auto& [k, v] : now) {
+    const auto it = saved.find(k);
+    if (it == saved.end() || it->second == v) continue;
+    if (k == "model" || k == "seed" || k == "data" || k == "data_tokens")
+      differs += (differs.empty() ? "" : ", ") + k + " " + it->second + " (now " + v + ")";
+    else if (prints)
+      std::printf("note: the checkpoint's run had %s %s, this one %s\n", k.c_str(), it->second.c_str(), v.c_str());
+  }
+  return differs;
+}
+
 struct MeshChoice {
   const char* name;
   int ranks;
@@ -250,6 +276,12 @@ Options parse(int argc, char** argv) {
   if (o.save_every < 0) usage("--save-every must be 0 (at the end only) or more");
   if (o.keep_last < 0) usage("--keep-last must be 0 (keep every step) or more");
   if (o.keep_last > 0 && o.checkpoints.empty()) usage("--keep-last needs --checkpoints DIR");
+  if (!o.checkpoints.empty() && !o.resume && std::filesystem::is_directory(o.checkpoints)) {
+    const std::vector<int> held = checkpoint::steps_with_manifest(o.checkpoints);
+    if (!held.empty())
+      usage("--checkpoints " + o.checkpoints + " holds steps " + std::to_string(held.back()) + ".." +
+            std::to_string(held.front()) + " of another run: pass --resume to continue it, or choose another folder");
+  }
   if ((o.resume || o.save_every > 0) && o.checkpoints.empty())
     usage("--resume, --resume-from and --save-every need --checkpoints DIR");
   if (!o.checkpoints.empty()) {  // a folder that cannot be made or written fails now, not at the first save
@@ -455,6 +487,7 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
     std::copy(w.begin(), w.end(), eval.params().begin());
     return held_out_loss(eval, opt, corpus);
   };
+  const std::map<std::string, std::string> record = run_record(opt, corpus);
   int first = 1;
   if (opt.resume) {  // from any mesh's checkpoint: the state is resharded onto this one
     if (!opt.resume_from && !checkpoint::latest_step(opt.checkpoints)) {
@@ -464,6 +497,12 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
       first = trainer.load(opt.checkpoints, opt.resume_from, &refused) + 1;
       for (const checkpoint::Refusal& r : refused)
         if (prints) std::printf("warning: step %d does not verify, passed over: %s\n", r.step, r.reason.c_str());
+      const checkpoint::Manifest saved =
+          checkpoint::read_manifest(checkpoint::step_folder(opt.checkpoints, first - 1), /*check_files=*/false);
+      if (const std::string differs = compare_runs(saved.run, record, prints); !differs.empty())
+        throw std::runtime_error("--resume: the checkpoint of step " + std::to_string(first - 1) + " in " +
+                                 opt.checkpoints + " is of another run: " + differs +
+                                 "; resume with its settings, or choose another folder");
       if (prints) std::printf("resumed from %s at step %d\n", opt.checkpoints.c_str(), first - 1);
     }
   }
@@ -481,7 +520,7 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
                                      [&](int s, double) {
                                        if (!opt.checkpoints.empty() &&
                                            ((opt.save_every > 0 && s % opt.save_every == 0) || s == opt.steps)) {
-                                         trainer.save(opt.checkpoints, s, opt.keep_last);
+                                         trainer.save(opt.checkpoints, s, {.keep_last = opt.keep_last, .run = record});
                                          if (prints) std::printf("checkpoint of step %d in %s\n", s, opt.checkpoints.c_str());
                                        }
                                        if (s % (5 * opt.log_every) != 0 && s != opt.steps) return;

@@ -258,6 +258,48 @@ TEST_CASE("resume falls back to the newest step that verifies, naming the ones i
   fs::remove_all(dir);
 }
 
+TEST_CASE("a manifest carries its own hash: an edited field is refused; a manifest of format 1 (before the hash) still "
+          "loads") {
+  const fs::path dir = fresh("own_hash");
+  (void)train<Mesh<DP<2>>, ZeRO<1>, Accumulate<1>>(1, 2, {}, 2, dir);
+  const fs::path manifest = checkpoint::step_folder(dir, 2) / "manifest.json";
+  std::string text;
+  {
+    std::ifstream in(manifest);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  auto rewrite = [&](const std::string& from, const std::string& to) {
+    std::string t = text;
+    const std::size_t at = t.find(from);
+    REQUIRE(at != std::string::npos);
+    t.replace(at, from.size(), to);
+    std::ofstream(manifest, std::ios::trunc) << t;
+  };
+  auto error = [&] {
+    try {
+      (void)checkpoint::read_manifest(checkpoint::step_folder(dir, 2));
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK(error() == "no error");
+  rewrite("\"adam_step\": 2", "\"adam_step\": 3");
+  CHECK(error().find("edited after it was written") != std::string::npos);
+  rewrite("\"manifest_fnv1a64\"", "\"manifest_fnv1a64\": \"0000000000000000\", \"x\"");
+  CHECK(error().find("unknown field \"x\"") != std::string::npos);
+  // format 1: no run, no own hash
+  const std::size_t run = text.find(",\n  \"run\"");
+  REQUIRE(run != std::string::npos);
+  std::string old = text.substr(0, run) + "\n}\n";
+  old.replace(old.find("fived-checkpoint-2"), 18, "fived-checkpoint-1");
+  std::ofstream(manifest, std::ios::trunc) << old;
+  CHECK(error() == "no error");
+  rewrite("fived-checkpoint-2", "fived-checkpoint-3");
+  CHECK(error().find("unknown format") != std::string::npos);
+  fs::remove_all(dir);
+}
+
 TEST_CASE("a save removes what killed saves left (temporaries, steps without a manifest) and keeps the last N steps; "
           "files fived did not write stay") {
   const fs::path dir = fresh("keep_last");
@@ -279,7 +321,7 @@ TEST_CASE("a save removes what killed saves left (temporaries, steps without a m
     for (int s = 1; s <= 4; ++s) {
       test::global_batch(s, 1, B, T, cfg::vocab, tok, tgt);
       t.step(s, tok, tgt, B, T);
-      t.save(dir, s, /*keep_last=*/2);
+      t.save(dir, s, {.keep_last = 2});
     }
   });
   std::vector<std::string> left;

@@ -92,6 +92,9 @@ struct Manifest {
   int step = 0, adam_step = 0, world = 0;
   std::string mesh, model;
   std::vector<FileEntry> files;
+  // What made the run, as the program that trains says it (seed, data, steps, ...): a later
+  // run can tell whether it is the same one. Free-form strings.
+  std::map<std::string, std::string> run;
 };
 
 namespace detail {
@@ -102,9 +105,10 @@ inline std::string hex(std::uint64_t v) {
 }
 }  // namespace detail
 
-// Writes <folder>/manifest.json atomically (a temporary name, fsync, rename, the folder fsynced).
-inline void write_manifest(const std::filesystem::path& folder, const Manifest& m) {
-  std::string j = "{\n  \"format\": \"fived-checkpoint-1\",\n  \"step\": " + std::to_string(m.step) +
+// The manifest's text up to its own hash, in one canonical form: what write_manifest writes,
+// and what read_manifest hashes again to tell an edited manifest.
+inline std::string manifest_body(const Manifest& m) {
+  std::string j = "{\n  \"format\": \"fived-checkpoint-2\",\n  \"step\": " + std::to_string(m.step) +
                   ",\n  \"adam_step\": " + std::to_string(m.adam_step) + ",\n  \"world\": " + std::to_string(m.world) +
                   ",\n  \"mesh\": ";
   io::detail::json_string(j, m.mesh);
@@ -116,13 +120,36 @@ inline void write_manifest(const std::filesystem::path& folder, const Manifest& 
     io::detail::json_string(j, m.files[i].name);
     j += ", \"bytes\": " + std::to_string(m.files[i].bytes) + ", \"fnv1a64\": \"" + detail::hex(m.files[i].hash) + "\"}";
   }
-  j += "\n  ]\n}\n";
+  j += "\n  ],\n  \"run\": {";
+  bool first = true;
+  for (const auto& [k, v] : m.run) {
+    j += first ? "\n    " : ",\n    ";
+    io::detail::json_string(j, k);
+    j += ": ";
+    io::detail::json_string(j, v);
+    first = false;
+  }
+  j += "\n  }";
+  return j;
+}
+inline std::uint64_t text_hash(const std::string& text) {
+  util::Fnv1a64 h;
+  h.add(std::as_bytes(std::span<const char>(text.data(), text.size())));
+  return h.value();
+}
+
+// Writes <folder>/manifest.json atomically (a temporary name, fsync, rename, the folder
+// fsynced), ending with the FNV-1a hash of everything before it ("manifest_fnv1a64").
+inline void write_manifest(const std::filesystem::path& folder, const Manifest& m) {
+  std::string j = manifest_body(m);
+  j += ",\n  \"manifest_fnv1a64\": \"" + detail::hex(text_hash(j)) + "\"\n}\n";
   io::detail::write_atomically(folder / "manifest.json", j.data(), j.size());
 }
 
-// Reads and checks a manifest: every field, and every file it names against its size and
+// Reads and checks a manifest: every field, its own hash (format 2; format 1, written before
+// it had one, is read without), and (check_files) every file it names against its size and
 // hash. Errors are io::SafetensorsError naming the manifest and what is wrong.
-inline Manifest read_manifest(const std::filesystem::path& folder) {
+inline Manifest read_manifest(const std::filesystem::path& folder, bool check_files = true) {
   const std::filesystem::path path = folder / "manifest.json";
   if (std::filesystem::is_directory(path)) throw io::SafetensorsError(path.string() + ": is a folder, not a manifest");
   std::ifstream in(path, std::ios::binary);
@@ -131,6 +158,20 @@ inline Manifest read_manifest(const std::filesystem::path& folder) {
   io::detail::HeaderParser P(text, path.string(), 0, "checkpoint manifest");
   Manifest m;
   bool format = false, step = false, adam = false, world = false, mesh = false, model = false, files = false;
+  bool run = false, own = false, hashed = false;  // hashed: format 2, which carries its own hash
+  std::uint64_t own_hash = 0;
+  auto hex64 = [&](std::size_t at, const char* what) {
+    const std::string x = P.string(what);
+    std::size_t used = 0;
+    std::uint64_t v = 0;
+    try {
+      v = std::stoull(x, &used, 16);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (x.size() != 16 || used != 16) P.fail_at(at, std::string(what) + " must be 16 hexadecimal digits");
+    return v;
+  };
   auto once = [&](bool& seen, const std::string& key, std::size_t at) {
     if (seen) P.fail_at(at, "\"" + key + "\" appears twice");
     seen = true;
@@ -148,7 +189,10 @@ inline Manifest read_manifest(const std::filesystem::path& folder) {
     P.expect(':', "':'");
     if (key == "format") {
       once(format, key, at);
-      if (P.string("the format") != "fived-checkpoint-1") P.fail_at(at, "unknown format (expected \"fived-checkpoint-1\")");
+      const std::string f = P.string("the format");
+      if (f != "fived-checkpoint-1" && f != "fived-checkpoint-2")
+        P.fail_at(at, "unknown format (expected \"fived-checkpoint-2\", or 1 from an older fived)");
+      hashed = f == "fived-checkpoint-2";
     } else if (key == "step") once(step, key, at), m.step = small_int("the step");
     else if (key == "adam_step") once(adam, key, at), m.adam_step = small_int("the AdamW step");
     else if (key == "world") once(world, key, at), m.world = small_int("the world size");
@@ -169,17 +213,8 @@ inline Manifest read_manifest(const std::filesystem::path& folder) {
           P.expect(':', "':'");
           if (k == "name") once(n, k, at2), e.name = P.string("the file name");
           else if (k == "bytes") once(b, k, at2), e.bytes = P.uint("the file size");
-          else if (k == "fnv1a64") {
-            once(h, k, at2);
-            const std::string x = P.string("the hash");
-            std::size_t used = 0;
-            try {
-              e.hash = std::stoull(x, &used, 16);
-            } catch (const std::exception&) {
-              used = 0;
-            }
-            if (x.size() != 16 || used != 16) P.fail_at(at2, "the hash must be 16 hexadecimal digits");
-          } else P.fail_at(at2, "unknown file field \"" + k + "\"");
+          else if (k == "fnv1a64") once(h, k, at2), e.hash = hex64(at2, "the hash");
+          else P.fail_at(at2, "unknown file field \"" + k + "\"");
         }
         P.expect('}', "'}'");
         if (!n || !b || !h) P.fail("a file entry lacks its name, bytes or fnv1a64");
@@ -188,7 +223,20 @@ inline Manifest read_manifest(const std::filesystem::path& folder) {
         m.files.push_back(std::move(e));
       }
       P.expect(']', "']'");
-    } else P.fail_at(at, "unknown field \"" + key + "\"");
+    } else if (key == "run") {
+      once(run, key, at);
+      P.expect('{', "'{' (the run: an object of strings)");
+      for (bool f1 = true; !P.peek('}'); f1 = false) {
+        if (!f1) P.expect(',', "',' or '}'");
+        const std::size_t at2 = (P.ws(), P.pos());
+        std::string k = P.string("a run field");
+        P.expect(':', "':'");
+        if (m.run.count(k)) P.fail_at(at2, "run field \"" + k + "\" appears twice");
+        m.run[std::move(k)] = P.string("a run value (a string)");
+      }
+      P.expect('}', "'}'");
+    } else if (key == "manifest_fnv1a64") once(own, key, at), own_hash = hex64(at, "the manifest's own hash");
+    else P.fail_at(at, "unknown field \"" + key + "\"");
   }
   P.expect('}', "'}'");
   P.ws();
@@ -199,10 +247,14 @@ inline Manifest read_manifest(const std::filesystem::path& folder) {
   if (const std::optional<int> named = step_of_folder(folder); named && *named != m.step)
     throw io::SafetensorsError(path.string() + ": its \"step\" is " + std::to_string(m.step) + " in the folder of step " +
                                std::to_string(*named) + " (an edited manifest, or a folder renamed)");
+  if (hashed && !own) throw io::SafetensorsError(path.string() + ": lacks its own hash (\"manifest_fnv1a64\")");
+  if (own && text_hash(manifest_body(m)) != own_hash)
+    throw io::SafetensorsError(path.string() + ": edited after it was written (its fields do not match its own "
+                               "\"manifest_fnv1a64\")");
   if (static_cast<int>(m.files.size()) != m.world)
     throw io::SafetensorsError(path.string() + ": names " + std::to_string(m.files.size()) + " files for a world of " +
                                std::to_string(m.world));
-  for (const FileEntry& f : m.files) {
+  for (const FileEntry& f : (check_files ? m.files : std::vector<FileEntry>{})) {
     const std::filesystem::path p = folder / f.name;
     std::error_code ec;
     const auto size = std::filesystem::file_size(p, ec);

@@ -154,11 +154,15 @@ class Trainer {
 
   // ---- checkpoints (train/checkpoint.hpp) ------------------------------------------------
 
+  struct SaveOptions {
+    int keep_last = 0;                          // > 0: remove complete steps older than the newest N
+    std::map<std::string, std::string> run;     // what made the run, recorded in the manifest
+  };
   // Saves the state after `step` under dir/step-<step>: each rank its share, then the
   // manifest. A collective; returns when the checkpoint is committed. Then world rank 0
   // removes what killed saves left (checkpoint::remove_leftovers) and, with keep_last > 0,
   // the complete steps older than the newest keep_last (checkpoint::keep_last).
-  void save(const std::filesystem::path& dir, int step, int keep_last = 0) {
+  void save(const std::filesystem::path& dir, int step, const SaveOptions& options = {}) {
     const std::filesystem::path folder = checkpoint::step_folder(dir, step);
     std::filesystem::create_directories(folder);
     const std::filesystem::path mine = folder / checkpoint::rank_file(world_rank_);
@@ -171,7 +175,7 @@ class Trainer {
     all[3 * static_cast<std::size_t>(world_rank_) + 2] = static_cast<double>(n);
     world_->all_reduce_host(std::span<double>(all), ReduceOp::sum);  // also: every file is written
     if (world_rank_ == 0) {
-      checkpoint::Manifest m{step, rank_->adam_step(), mesh::size, mesh::name(), model_name(), {}};
+      checkpoint::Manifest m{step, rank_->adam_step(), mesh::size, mesh::name(), model_name(), {}, options.run};
       for (int r = 0; r < mesh::size; ++r) {
         const auto at = 3 * static_cast<std::size_t>(r);
         m.files.push_back({checkpoint::rank_file(r), static_cast<std::uint64_t>(all[at + 2]),
@@ -179,7 +183,7 @@ class Trainer {
       }
       checkpoint::write_manifest(folder, m);
       checkpoint::remove_leftovers(dir, step);
-      if (keep_last > 0) (void)checkpoint::keep_last(dir, keep_last);
+      if (options.keep_last > 0) (void)checkpoint::keep_last(dir, options.keep_last);
     }
     world_->barrier();
   }
