@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <span>
 #include <sstream>
 #include <stdexcept>
@@ -1372,6 +1373,39 @@ TEST_CASE("misuse: after an abort every call fails at once") {
     for (const auto& m : seen[r].missed) CHECK_MESSAGE(false, m);
     CHECK(seen[r].slowest < 0.5);
   }
+}
+
+TEST_CASE("misuse: a communicator kept after its run has returned fails at once, saying so") {
+  std::unique_ptr<Comm> kept;
+  host::run(2, [&](Comm& w) {
+    if (w.rank() == 0) kept = std::make_unique<Comm>(w);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  std::string what = "no error";
+  try {
+    kept->barrier();
+  } catch (const CommError& e) {
+    what = e.what();
+  }
+  CHECK(what.find("the host::run this communicator belongs to has returned") != std::string::npos);
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(1));
+}
+
+// Run by the ctest comm_host.threads_that_cannot_start under a small address-space limit.
+TEST_CASE("threads that cannot be started end the run with a sentence, not std::terminate" *
+          doctest::skip(std::getenv("FIVED_TEST_THREAD_LIMIT") == nullptr)) {
+  std::atomic<int> started{0};
+  std::string what = "no error";
+  try {
+    host::run(100000, [&](Comm& w) {
+      started.fetch_add(1);
+      w.barrier();  // the started ranks wait for ranks that never come: the abort must release them
+    });
+  } catch (const CommError& e) {
+    what = e.what();
+  }
+  MESSAGE(started.load() << " ranks started; " << what);
+  CHECK(what.find("could not start the thread of rank") != std::string::npos);
 }
 
 TEST_CASE("host::run rejects a world without ranks") {

@@ -35,6 +35,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <new>
+#include <system_error>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -123,6 +125,7 @@ struct World {
   std::vector<std::vector<Wait>> waiting;  // per rank, one per thread that has waited
   std::vector<bool> finished;
   std::string abort_reason;  // empty while healthy
+  bool ended = false;        // host::run has returned: a Comm kept past it must not wait
   std::vector<std::shared_ptr<Group>> groups;  // every group of the run, for the end-of-run check
 
   // Messages still in a mailbox when the run ends were sent and never
@@ -208,6 +211,15 @@ struct World {
   // ends in bounded time; the caller reports an abort afterwards.
   void wait_uninterruptible(std::unique_lock<std::mutex>& lk, const std::function<bool()>& done) {
     cv.wait(lk, done);
+  }
+
+  // At the start of every call: a run that failed, or that has ended, fails the call at once.
+  void check_open(int r, const std::string& what) const {
+    if (ended)
+      throw CommError("fived host backend: rank " + std::to_string(r) + " in " + what +
+                      ": the host::run this communicator belongs to has returned (a Comm is used only inside its "
+                      "run's function)");
+    if (!abort_reason.empty()) throw_aborted(r, what);
   }
 
   [[noreturn]] void throw_aborted(int r, const std::string& what) const {
@@ -314,7 +326,7 @@ class Comm {
     // unless the whole call is valid.
     require("send_recv", args::send_recv<T>(rank_, size(), sends, recvs));
     std::unique_lock lk(world_->mu);
-    if (!world_->abort_reason.empty()) world_->throw_aborted(world_rank(), where("send_recv"));
+    world_->check_open(world_rank(), where("send_recv"));
     for (const auto& s : sends) {
       const auto* b = reinterpret_cast<const std::byte*>(s.buf.data());
       group_->mailbox[{rank_, s.peer}].push_back({dtype_of<T>, std::vector<std::byte>(b, b + s.buf.size_bytes())});
@@ -481,7 +493,7 @@ class Comm {
     const int me = world_rank();
     {
       std::unique_lock lk(w.mu);
-      if (!w.abort_reason.empty()) w.throw_aborted(me, what);
+      w.check_open(me, what);
       if (g.posts.size() != g.members.size()) g.posts.resize(g.members.size());
       g.posts[rank_] = std::move(post);
       if (++g.arrived == size()) {
@@ -539,38 +551,60 @@ void run(int n, F&& fn, RunOptions opts = {}) {
   std::vector<bool> origin(n, false);  // this rank's error is the cause, not a consequence
   std::vector<std::thread> threads;
   threads.reserve(n);
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      {
-        std::lock_guard lk(world->mu);
-        (void)world->slot_of(r);  // the rank's own thread counts from the start (see World::wait)
-      }
-      Comm comm(world, group, r);
-      try {
-        fn(comm);
-      } catch (const CommError& e) {
-        errors[r] = std::current_exception();
-        std::lock_guard lk(world->mu);
-        origin[r] = world->abort_reason.empty();
-        world->abort("rank " + std::to_string(r) + " failed: " + e.what());
-      } catch (const std::exception& e) {
-        errors[r] = std::current_exception();
-        std::lock_guard lk(world->mu);
-        origin[r] = true;
-        world->abort("rank " + std::to_string(r) + " threw: " + e.what());
-      } catch (...) {
-        errors[r] = std::current_exception();
-        std::lock_guard lk(world->mu);
-        origin[r] = true;
-        world->abort("rank " + std::to_string(r) + " threw an exception that is not a std::exception");
-      }
+  // A thread that cannot be started ends the run: the started ranks are aborted and joined
+  // (a std::thread destroyed while joinable would terminate the process), then a sentence.
+  auto could_not_start = [&](int r, const std::exception& e) {
+    {
       std::lock_guard lk(world->mu);
-      world->finished[r] = true;
-      world->check_deadlock();
-      world->cv.notify_all();
-    });
+      for (int q = r; q < n; ++q) world->finished[q] = true;
+      world->abort("the thread of rank " + std::to_string(r) + " could not be started (" + e.what() + ")");
+    }
+    for (auto& t : threads) t.join();
+    throw CommError("fived::host::run: could not start the thread of rank " + std::to_string(r) + " of " +
+                    std::to_string(n) + " (" + e.what() + "): run fewer ranks as threads of one process");
+  };
+  for (int r = 0; r < n; ++r) {
+    try {
+      threads.emplace_back([&, r] {
+        {
+          std::lock_guard lk(world->mu);
+          (void)world->slot_of(r);  // the rank's own thread counts from the start (see World::wait)
+        }
+        Comm comm(world, group, r);
+        try {
+          fn(comm);
+        } catch (const CommError& e) {
+          errors[r] = std::current_exception();
+          std::lock_guard lk(world->mu);
+          origin[r] = world->abort_reason.empty();
+          world->abort("rank " + std::to_string(r) + " failed: " + e.what());
+        } catch (const std::exception& e) {
+          errors[r] = std::current_exception();
+          std::lock_guard lk(world->mu);
+          origin[r] = true;
+          world->abort("rank " + std::to_string(r) + " threw: " + e.what());
+        } catch (...) {
+          errors[r] = std::current_exception();
+          std::lock_guard lk(world->mu);
+          origin[r] = true;
+          world->abort("rank " + std::to_string(r) + " threw an exception that is not a std::exception");
+        }
+        std::lock_guard lk(world->mu);
+        world->finished[r] = true;
+        world->check_deadlock();
+        world->cv.notify_all();
+      });
+    } catch (const std::system_error& e) {
+      could_not_start(r, e);
+    } catch (const std::bad_alloc& e) {
+      could_not_start(r, e);
+    }
   }
   for (auto& t : threads) t.join();
+  {
+    std::lock_guard lk(world->mu);
+    world->ended = true;
+  }
   if (std::none_of(errors.begin(), errors.end(), [](const auto& e) { return e != nullptr; }))
     if (auto why = world->undelivered(); !why.empty())
       throw CommError("fived host backend: the run ended with point-to-point messages nobody received "

@@ -410,7 +410,8 @@ class Restored {
         const std::size_t at = base + static_cast<std::size_t>(L::global_index(i, tp_rank, static_cast<std::int64_t>(j - t.offset), ep_rank));
         if (!it->second.given[at])
           throw io::SafetensorsError("the checkpoint lacks element " + std::to_string(at - base) + " of " + t.name() +
-                                     " (" + kind + "): a rank's file is missing");
+                                     " (" + kind + "): none of its files holds it (the files are not those of one "
+                                     "save of this model)");
         out[j - r.begin] = it->second.values[at];
       }
     }
