@@ -1375,6 +1375,40 @@ TEST_CASE("misuse: after an abort every call fails at once") {
   }
 }
 
+TEST_CASE("misuse: two threads of one rank on one group fail the run at once, naming both calls (20 runs)") {
+  for (int run = 0; run < 20; ++run) {
+    CAPTURE(run);
+    const auto start = std::chrono::steady_clock::now();
+    std::string what = "no error";
+    std::string helper_error;
+    try {
+      host::run(2, [&](Comm& w) {
+        std::vector<float> x(4, 1.0f);
+        if (w.rank() == 0) {
+          std::jthread helper([&] {  // joined however rank 0's own call ends
+            std::vector<float> y(4, 1.0f);
+            try {
+              w.all_reduce(std::span<float>(y));
+            } catch (const std::exception& e) {
+              helper_error = e.what();
+            }
+          });
+          w.all_reduce(std::span<float>(x));
+        } else {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));  // both of rank 0's calls are in first
+          w.all_reduce(std::span<float>(x));
+        }
+      });
+    } catch (const CommError& e) {
+      what = e.what();
+    }
+    const std::string both = what + " | " + helper_error;
+    CHECK(both.find("two threads of one rank use one communicator at once") != std::string::npos);
+    CHECK(both.find("all_reduce on group world") != std::string::npos);
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(1));
+  }
+}
+
 TEST_CASE("misuse: a communicator kept after its run has returned fails at once, saying so") {
   std::unique_ptr<Comm> kept;
   host::run(2, [&](Comm& w) {

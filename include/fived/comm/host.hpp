@@ -86,6 +86,7 @@ struct Group {
   std::vector<int> members;  // world ranks; index = rank in this group
   // rendezvous state
   std::vector<Post> posts;
+  std::vector<char> inside;  // per group rank: in a call on this group (posted, not yet returned)
   int arrived = 0, departed = 0;
   bool ready = false;
   std::uint64_t generation = 0;
@@ -494,7 +495,14 @@ class Comm {
     {
       std::unique_lock lk(w.mu);
       w.check_open(me, what);
-      if (g.posts.size() != g.members.size()) g.posts.resize(g.members.size());
+      if (g.posts.size() != g.members.size()) g.posts.resize(g.members.size()), g.inside.resize(g.members.size());
+      if (g.inside[rank_]) {  // a second thread of this rank on this group: NCCL forbids it, and posts would clash
+        w.abort("rank " + std::to_string(me) + " called " + what + " while its " + std::string(g.posts[rank_].op) +
+                " on that group had not returned: two threads of one rank use one communicator at once (give each "
+                "thread its own group, or call from one thread)");
+        w.throw_aborted(me, what);
+      }
+      g.inside[rank_] = 1;
       g.posts[rank_] = std::move(post);
       if (++g.arrived == size()) {
         if (auto why = mismatch(g); !why.empty()) {
@@ -526,6 +534,7 @@ class Comm {
         const auto gen = g.generation;
         w.wait_uninterruptible(lk, [&g, gen] { return g.generation != gen; });
       }
+      g.inside[rank_] = 0;
     }
     if (failed) std::rethrow_exception(failed);
   }
