@@ -1409,6 +1409,33 @@ TEST_CASE("misuse: two threads of one rank on one group fail the run at once, na
   }
 }
 
+TEST_CASE("misuse: a helper thread that has ended does not hide a deadlock from the detector") {
+  // Rank 0 does one collective from a helper thread that then ends; later rank 1 skips a
+  // barrier. The ended helper must not count as a running thread of rank 0.
+  const auto start = std::chrono::steady_clock::now();
+  std::string what = "no error";
+  try {
+    host::run(
+        2,
+        [&](Comm& w) {
+          std::vector<std::int32_t> v(1, 1);
+          if (w.rank() == 0) {
+            std::jthread([&] { w.all_reduce<std::int32_t>(std::span<std::int32_t>(v)); }).join();
+            w.barrier();
+          } else {
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the helper waits for it (an entry)
+            w.all_reduce<std::int32_t>(std::span<std::int32_t>(v));     // and no barrier
+          }
+        },
+        host::RunOptions{.timeout = std::chrono::seconds(20)});
+  } catch (const CommError& e) {
+    what = e.what();
+  }
+  CHECK(what.find("deadlock") != std::string::npos);
+  CHECK(what.find("rank 1 has returned from its function") != std::string::npos);
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(2));
+}
+
 TEST_CASE("misuse: a communicator kept after its run has returned fails at once, saying so") {
   std::unique_ptr<Comm> kept;
   host::run(2, [&](Comm& w) {

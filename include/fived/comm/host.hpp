@@ -105,13 +105,24 @@ struct Group {
 
 // Shared state of one run: one mutex guards everything, which keeps the
 // deadlock check exact (it sees every rank's wait at once).
-struct World {
+struct World;
+
+// The wait entries a thread holds, ended with the thread (a thread_local's destructor): a
+// helper thread that has returned must not count as a running thread of its rank, or the
+// deadlock check would wait out the timeout for it.
+struct ThreadEntries {
+  std::vector<std::pair<std::weak_ptr<World>, int>> of;  // (run, rank) this thread has an entry in
+  ~ThreadEntries();
+};
+inline thread_local ThreadEntries thread_entries;
+
+struct World : std::enable_shared_from_this<World> {
   World(int n, std::chrono::milliseconds t) : size(n), timeout(t), waiting(n), finished(n, false) {}
 
   // A rank may call collectives from several threads (its compute thread and a
   // communication thread, on different groups): its own thread from the start and every
   // thread from its first collective have an entry, and the rank is blocked only while all
-  // of them wait. (A thread that ended keeps its entry, idle: the timeout still applies.)
+  // of them wait. A thread's entries end with it (ThreadEntries).
   struct Wait {
     std::thread::id thread;
     bool active = false;
@@ -203,6 +214,7 @@ struct World {
     auto& ws = waiting[static_cast<std::size_t>(r)];
     for (Wait& w : ws)
       if (w.thread == std::this_thread::get_id()) return w;
+    thread_entries.of.emplace_back(weak_from_this(), r);
     return ws.emplace_back(Wait{std::this_thread::get_id(), false, {}, {}});
   }
 
@@ -249,6 +261,17 @@ inline std::chrono::milliseconds resolve_timeout(const RunOptions& o) {
 template <class T>
 T combine(T a, T b, ReduceOp op) {
   return op == ReduceOp::max ? std::max(a, b) : static_cast<T>(a + b);
+}
+
+inline ThreadEntries::~ThreadEntries() {
+  for (const auto& [run, r] : of)
+    if (const std::shared_ptr<World> w = run.lock()) {
+      std::lock_guard lk(w->mu);
+      auto& ws = w->waiting[static_cast<std::size_t>(r)];
+      std::erase_if(ws, [](const World::Wait& x) { return x.thread == std::this_thread::get_id(); });
+      w->check_deadlock();
+      w->cv.notify_all();
+    }
 }
 
 }  // namespace detail
