@@ -117,7 +117,7 @@ struct ThreadEntries {
 inline thread_local ThreadEntries thread_entries;
 
 struct World : std::enable_shared_from_this<World> {
-  World(int n, std::chrono::milliseconds t) : size(n), timeout(t), waiting(n), finished(n, false) {}
+  World(int n, std::chrono::milliseconds t) : size(n), timeout(t), waiting(n), finished(n, false), own_thread(n) {}
 
   // A rank may call collectives from several threads (its compute thread and a
   // communication thread, on different groups): its own thread from the start and every
@@ -136,6 +136,7 @@ struct World : std::enable_shared_from_this<World> {
   std::condition_variable cv;
   std::vector<std::vector<Wait>> waiting;  // per rank, one per thread that has waited
   std::vector<bool> finished;
+  std::vector<std::thread::id> own_thread;  // each rank's own thread (its entry ends with `finished`)
   std::string abort_reason;  // empty while healthy
   bool ended = false;        // host::run has returned: a Comm kept past it must not wait
   std::vector<std::shared_ptr<Group>> groups;  // every group of the run, for the end-of-run check
@@ -214,7 +215,11 @@ struct World : std::enable_shared_from_this<World> {
     auto& ws = waiting[static_cast<std::size_t>(r)];
     for (Wait& w : ws)
       if (w.thread == std::this_thread::get_id()) return w;
-    thread_entries.of.emplace_back(weak_from_this(), r);
+    // Another thread of the rank: its entry ends with it. (Not the rank's own thread, whose
+    // end is `finished`: registering a thread_local's destructor allocates, which must not
+    // be able to fail a run of many ranks near the address-space limit.)
+    if (std::this_thread::get_id() != own_thread[static_cast<std::size_t>(r)])
+      thread_entries.of.emplace_back(weak_from_this(), r);
     return ws.emplace_back(Wait{std::this_thread::get_id(), false, {}, {}});
   }
 
@@ -600,6 +605,7 @@ void run(int n, F&& fn, RunOptions opts = {}) {
       threads.emplace_back([&, r] {
         {
           std::lock_guard lk(world->mu);
+          world->own_thread[static_cast<std::size_t>(r)] = std::this_thread::get_id();
           (void)world->slot_of(r);  // the rank's own thread counts from the start (see World::wait)
         }
         Comm comm(world, group, r);
