@@ -254,7 +254,8 @@ inline Manifest read_manifest(const std::filesystem::path& folder, bool check_fi
   if (static_cast<int>(m.files.size()) != m.world)
     throw io::SafetensorsError(path.string() + ": names " + std::to_string(m.files.size()) + " files for a world of " +
                                std::to_string(m.world));
-  for (const FileEntry& f : (check_files ? m.files : std::vector<FileEntry>{})) {
+  for (const FileEntry& f : m.files) {
+    if (!check_files) break;
     const std::filesystem::path p = folder / f.name;
     std::error_code ec;
     const auto size = std::filesystem::file_size(p, ec);

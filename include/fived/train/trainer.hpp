@@ -198,6 +198,7 @@ class Trainer {
   int load(const std::filesystem::path& dir, std::optional<int> step = std::nullopt,
            std::vector<checkpoint::Refusal>* refused = nullptr) {
     std::vector<checkpoint::Refusal> passed_over;
+    const bool verified = !step;  // newest_verified_step has read every file's hash already
     if (!step) step = checkpoint::newest_verified_step(dir, passed_over);
     if (refused) refused->insert(refused->end(), passed_over.begin(), passed_over.end());
     if (!step) {
@@ -207,7 +208,7 @@ class Trainer {
       throw io::SafetensorsError(why);
     }
     const std::filesystem::path folder = checkpoint::step_folder(dir, *step);
-    const checkpoint::Manifest m = checkpoint::read_manifest(folder);
+    const checkpoint::Manifest m = checkpoint::read_manifest(folder, /*check_files=*/!verified);
     if (m.model != model_name())
       throw io::SafetensorsError((folder / "manifest.json").string() + ": a checkpoint of " + m.model +
                                  ", not of this model (" + model_name() + ")");
