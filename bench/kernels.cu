@@ -195,12 +195,28 @@ int main(int argc, char** argv) {
     const double attn_fwd_flops = 4.0 * B * NH * static_cast<double>(T) * T * (C / NH) / 2;  // causal half
     Buffer<bf16, Cuda> out(BT * C), dout(BT * C);
     fill(dout, 7, 1.0f, s);
-    row("attention fwd (flash-style)", time_ms(s, [&] {
-          ck::attention_forward(s, out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
-        }), 0, attn_fwd_flops);
-    row("attention bwd (flash-style)", time_ms(s, [&] {
-          ck::attention_backward(s, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH, NH);
-        }), 0, 2.5 * attn_fwd_flops);
+    const double own_fwd = time_ms(s, [&] {
+      ck::attention_forward(s, out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
+    });
+    const double own_bwd = time_ms(s, [&] {
+      ck::attention_backward(s, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH, NH);
+    });
+    row("attention fwd (fived's kernel)", own_fwd, 0, attn_fwd_flops);
+    row("attention bwd (fived's kernel)", own_bwd, 0, 2.5 * attn_fwd_flops);
+#if defined(FIVED_WITH_CUDNN)
+    ck::CudnnAttention cudnn(s);
+    const double cudnn_fwd = time_ms(s, [&] { cudnn.forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, NH); });
+    const double cudnn_bwd = time_ms(s, [&] {
+      cudnn.backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH, NH);
+    });
+    row("attention fwd (cuDNN)", cudnn_fwd, 0, attn_fwd_flops);
+    row(cudnn.deterministic() ? "attention bwd (cuDNN, deterministic)" : "attention bwd (cuDNN)", cudnn_bwd, 0,
+        2.5 * attn_fwd_flops);
+    std::printf("%-34s %10s %12s %10s %9.0f%%  of cuDNN's rate (fwd+bwd)\n", "fived's attention kernel", "", "", "",
+                100.0 * (cudnn_fwd + cudnn_bwd) / (own_fwd + own_bwd));
+#else
+    std::puts("attention through cuDNN: not built (cuDNN or the cudnn-frontend headers not found)");
+#endif
   }
   {
     Buffer<bf16, Cuda> p(params), g(params);

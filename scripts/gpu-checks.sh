@@ -11,6 +11,16 @@
 #                      bash scripts/gpu-checks.sh bench "$OUT"   # every GPU benchmark, one table file each
 #                      (or "all", when the three fit one command)
 #
+#   or, to spend no device time on compiling (the GPU machine goes back after 30 s idle, so
+#   each call would build again): build here, then carry the programs:
+#   here:              bash scripts/gpu-checks.sh pack      # the built CUDA programs and their
+#                                                           # ctest files into .gpu/build
+#   on the GPU, with carry [".gpu"]:
+#                      bash scripts/gpu-checks.sh unpack "$OUT" && bash scripts/gpu-checks.sh test "$OUT"
+#                      (unpack puts them where this machine's ctest files name them, and points
+#                      the loader at the GPU machine's NCCL and cuDNN; source nothing: the
+#                      library path is written to .gpu/env, which test and bench read)
+#
 # Each stage appends to a log under the given folder ($OUT on the device) and goes on
 # after a failure, so one call brings back everything it could run; the exit status is
 # that of the last failure. Build folder: build-gpu (BUILD_DIR to change).
@@ -18,7 +28,9 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 stage=${1:?usage: gpu-checks.sh prepare | build OUT | test OUT | bench OUT | all OUT}
 out=${2:-gpu-out}
-build=${BUILD_DIR:-build-gpu}
+# After unpack, test and bench run the carried programs (.gpu/env names them).
+[[ $stage == test || $stage == bench ]] && [ -f .gpu/env ] && source .gpu/env
+build=${BUILD_DIR:-${FIVED_GPU_BUILD:-build-gpu}}
 status=0
 cuda_targets="test_nccl_comm nccl_ranks_check test_nccl_mesh_context test_kernels_cuda test_gpt_cuda
   test_mesh_cuda test_pipeline_cuda test_context_cuda test_moe_cuda test_trainer_cuda bench_kernels bench_train_step bench_overlap
@@ -32,6 +44,50 @@ run() {  # run LOG COMMAND...: the command's output appended to LOG, its status 
   local rc=$?
   echo "[exit $rc]" >>"$log"
   ((rc == 0)) || status=$rc
+}
+
+# The programs the GPU runs, as built here (relative to the build folder).
+packed_programs() {
+  local t
+  for t in $cuda_targets test_llama_cuda; do
+    case $t in
+      bench_*) echo "bench/${t#bench_}" ;;
+      train_gpt_cuda) echo "examples/$t" ;;
+      *) echo "tests/cuda/$t" ;;
+    esac
+  done
+}
+
+pack() {
+  build=${BUILD_DIR:-build}
+  rm -rf .gpu/build .gpu/env && mkdir -p .gpu/build/tests/cuda .gpu/build/bench .gpu/build/examples
+  local p
+  for p in $(packed_programs); do cp "$build/$p" ".gpu/build/$p" || status=1; done
+  cp "$build/tests/cuda/CTestTestfile.cmake" .gpu/build/tests/cuda/
+  echo "$PWD/$build" >.gpu/build/origin  # where the ctest files expect the programs
+  du -sh .gpu
+}
+
+unpack() {
+  local origin
+  origin=$(cat .gpu/build/origin)
+  mkdir -p "$(dirname "$origin")"
+  [ -e "$origin" ] || ln -s "$PWD/.gpu/build" "$origin"
+  [ -e "$(dirname "$origin")/scripts" ] || ln -s "$PWD/scripts" "$(dirname "$origin")/scripts"
+  [ -e "$(dirname "$origin")/tests" ] || ln -s "$PWD/tests" "$(dirname "$origin")/tests"
+  [ -e "$(dirname "$origin")/bench" ] || ln -s "$PWD/bench" "$(dirname "$origin")/bench"
+  local libs
+  libs=$(python3 -c '
+import importlib
+dirs = []
+for name in ("nvidia.nccl", "nvidia.cudnn", "nvidia.cublas", "nvidia.cuda_runtime"):
+    try:
+        dirs.append(list(importlib.import_module(name).__path__)[0] + "/lib")
+    except ImportError:
+        pass
+print(":".join(dirs))')
+  printf 'export LD_LIBRARY_PATH=%s:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}\nexport FIVED_GPU_BUILD=.gpu/build\n' "$libs" >.gpu/env
+  cat .gpu/env
 }
 
 prepare() {
@@ -58,7 +114,7 @@ build() {
 
 test_cuda() {
   mkdir -p "$out"
-  run "$out/ctest-cuda.log" ctest --test-dir "$build" -L cuda --output-on-failure --timeout 300
+  run "$out/ctest-cuda.log" ctest --test-dir "$build/tests/cuda" -L cuda --output-on-failure --timeout 300
 }
 
 bench() {
@@ -79,6 +135,8 @@ bench() {
 
 case $stage in
   prepare) prepare ;;
+  pack) pack ;;
+  unpack) unpack ;;
   build) build ;;
   test) test_cuda ;;
   bench) bench ;;

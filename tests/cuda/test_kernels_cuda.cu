@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -503,6 +504,58 @@ TEST_CASE_TEMPLATE("attention forward and backward (flash-style) against the ref
   CHECK_THROWS_AS(ck::attention_forward(stream(), x.data(), l.data(), x.data(), 1, 1, 256, 1, 1), std::invalid_argument);
   CHECK_THROWS_AS(ck::attention_forward(stream(), x.data(), l.data(), x.data(), 1, 1, 96, 3, 2), std::invalid_argument);
 }
+
+#if defined(FIVED_WITH_CUDNN)
+// cuDNN's fused attention (bf16), as Ops<bf16, Cuda> runs it, against the host reference:
+// out, the log-sum-exp statistics fived's backward and context-parallel merges read, and
+// dq|dk|dv written in place into the q|k|v layout; grouped and multi-query heads; the
+// backward repeats bit for bit (cuDNN's deterministic algorithm).
+TEST_CASE("attention through cuDNN against the reference") {
+  struct Shape {
+    int B, L, C, NH, NKV;
+  };
+  for (const Shape s : {Shape{2, 70, 96, 3, 3}, Shape{1, 33, 128, 2, 2}, Shape{2, 50, 192, 6, 2}, Shape{1, 40, 128, 4, 1},
+                        Shape{2, 300, 512, 8, 2}, Shape{1, 64, 512, 4, 4}}) {
+    CAPTURE(s.L);
+    CAPTURE(s.C);
+    CAPTURE(s.NH);
+    CAPTURE(s.NKV);
+    REQUIRE(ck::CudnnAttention::supports(s.C, s.NH, s.NKV));
+    const std::size_t width = static_cast<std::size_t>(s.C + 2 * s.C / s.NH * s.NKV);
+    const std::size_t nqkv = static_cast<std::size_t>(s.B) * s.L * width, nout = static_cast<std::size_t>(s.B) * s.L * s.C;
+    const std::size_t nlse = static_cast<std::size_t>(s.B) * s.NH * s.L;
+    const auto qkv = rnd<bf16>(nqkv, 34, -1.5f, 1.5f), dout = rnd<bf16>(nout, 35);
+    std::vector<bf16> out(nout), dqkv(nqkv);
+    std::vector<float> lse(nlse);
+    hk::attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.L, s.C, s.NH, s.NKV);
+    hk::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.L, s.C, s.NH, s.NKV);
+
+    fived::Ops<bf16, Cuda> ops;
+    REQUIRE(ops.attention_through_cudnn(s.C, s.NH, s.NKV));
+    auto d_qkv = up(qkv), d_dout = up(dout);
+    Buffer<bf16, Cuda> d_out(nout), d_dqkv(nqkv);
+    Buffer<float, Cuda> d_lse(nlse);
+    ops.attention_forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.L, s.C, s.NH, s.NKV);
+    ops.synchronize();
+    CHECK_CLOSE(out, down(d_out), bound<bf16>(fp32_sum));
+    CHECK_CLOSE(lse, down(d_lse), 1e-3);  // from bf16 q and k, in fp32
+    ops.attention_backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B, s.L, s.C, s.NH,
+                           s.NKV);
+    ops.synchronize();
+    const auto first = down(d_dqkv);
+    CHECK_CLOSE(dqkv, first, bound<bf16>(fp32_sum));
+    ops.attention_backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B, s.L, s.C, s.NH,
+                           s.NKV);
+    ops.synchronize();
+    const auto second = down(d_dqkv);
+    CHECK(std::memcmp(first.data(), second.data(), first.size() * sizeof(bf16)) == 0);
+  }
+  // fp32 and head sizes cuDNN does not take stay on fived's own kernel.
+  CHECK_FALSE(fived::Ops<float, Cuda>{}.attention_through_cudnn(128, 2, 2));
+  CHECK_FALSE(fived::Ops<bf16, Cuda>{}.attention_through_cudnn(24, 2, 2));   // head size 12
+  CHECK_FALSE(fived::Ops<bf16, Cuda>{}.attention_through_cudnn(512, 2, 2));  // head size 256
+}
+#endif
 
 // Mixture of experts. Each kernel gets the host's outputs of the step before it on both
 // sides (scores -> top-k -> plan -> rows), so the integer results (expert, pos, token_of,

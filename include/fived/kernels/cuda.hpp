@@ -15,6 +15,7 @@
 #include <fived/kernels/cuda/common.hpp>
 #include <fived/kernels/cuda/convert.hpp>
 #include <fived/kernels/cuda/crossentropy.hpp>
+#include <fived/kernels/cuda/cudnn_attention.hpp>
 #include <fived/kernels/cuda/embedding.hpp>
 #include <fived/kernels/cuda/gelu.hpp>
 #include <fived/kernels/cuda/gemm.hpp>

@@ -150,12 +150,33 @@ struct Ops<T, Cuda> {
   void residual_forward(T* out, const T* a, const T* b, std::size_t n) {
     kernels::cuda::residual_forward(stream(), out, a, b, n);
   }
+  // bf16 attention runs through cuDNN's fused kernel where fived was built with it
+  // (FIVED_WITH_CUDNN) and it takes the shape; fived's own kernel otherwise, or when
+  // use_cudnn_attention is false.
   void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH, int NKV) {
+#if defined(FIVED_WITH_CUDNN)
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (cudnn_takes(C, NH, NKV)) return cudnn_.forward(out, lse, qkv, B, T_, C, NH, NKV);
+    }
+#endif
     kernels::cuda::attention_forward(stream(), out, lse, qkv, B, T_, C, NH, NKV);
   }
   void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const stat_t* lse, int B, int T_, int C,
                           int NH, int NKV) {
+#if defined(FIVED_WITH_CUDNN)
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (cudnn_takes(C, NH, NKV)) return cudnn_.backward(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV);
+    }
+#endif
     kernels::cuda::attention_backward(stream(), dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV);
+  }
+  bool use_cudnn_attention = true;
+  // Whether attention_forward/backward run cuDNN's kernel for this shape.
+  bool attention_through_cudnn([[maybe_unused]] int C, [[maybe_unused]] int NH, [[maybe_unused]] int NKV) const {
+#if defined(FIVED_WITH_CUDNN)
+    if constexpr (std::is_same_v<T, bf16>) return cudnn_takes(C, NH, NKV);
+#endif
+    return false;
   }
   void attention_block_forward(stat_t* o, stat_t* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B,
                                int n, int C, int NH, int NKV, bool causal, bool first) {
@@ -357,6 +378,12 @@ struct Ops<T, Cuda> {
   int next_staging_ = 0;
   ops_detail::PinnedStaging upload_staging_;  // upload's
   kernels::cuda::DispatchScratch dispatch_;  // dispatch_plan's sort and count buffers
+#if defined(FIVED_WITH_CUDNN)
+  bool cudnn_takes(int C, int NH, int NKV) const {
+    return use_cudnn_attention && kernels::cuda::CudnnAttention::supports(C, NH, NKV);
+  }
+  kernels::cuda::CudnnAttention cudnn_{stream_.get()};
+#endif
 };
 
 }  // namespace fived
