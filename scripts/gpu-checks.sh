@@ -32,7 +32,7 @@ out=${2:-gpu-out}
 [[ $stage == test || $stage == bench ]] && [ -f .gpu/env ] && source .gpu/env
 build=${BUILD_DIR:-${FIVED_GPU_BUILD:-build-gpu}}
 status=0
-cuda_targets="test_nccl_comm nccl_ranks_check test_nccl_mesh_context test_kernels_cuda test_gpt_cuda
+cuda_targets="test_nccl_comm nccl_ranks_check test_nccl_mesh_context test_kernels_cuda test_gpt_cuda test_llama_cuda
   test_mesh_cuda test_pipeline_cuda test_context_cuda test_moe_cuda test_trainer_cuda bench_kernels bench_train_step bench_overlap
   bench_collectives_nccl bench_ring_attention train_gpt_cuda"
 
@@ -49,7 +49,7 @@ run() {  # run LOG COMMAND...: the command's output appended to LOG, its status 
 # The programs the GPU runs, as built here (relative to the build folder).
 packed_programs() {
   local t
-  for t in $cuda_targets test_llama_cuda; do
+  for t in $cuda_targets; do
     case $t in
       bench_*) echo "bench/${t#bench_}" ;;
       train_gpt_cuda) echo "examples/$t" ;;
@@ -94,6 +94,15 @@ prepare() {
   mkdir -p .gpu/doctest
   cp -r /usr/include/doctest .gpu/doctest/include
   cp -r /usr/lib/cmake/doctest .gpu/doctest/cmake
+  # The cudnn-frontend headers (the GPU machine has cuDNN but not them): from the folder
+  # CUDNN_FRONTEND_ROOT names, or the nvidia-cudnn-frontend wheel here.
+  local fe=${CUDNN_FRONTEND_ROOT:-}
+  [ -n "$fe" ] || fe=$(python3 -c 'import importlib.util as u, os; print(os.path.dirname(list(u.find_spec("cudnn").submodule_search_locations)[0]))' 2>/dev/null)
+  if [ -n "$fe" ] && [ -f "$fe/include/cudnn_frontend.h" ]; then
+    rm -rf .gpu/cudnn-frontend && mkdir -p .gpu/cudnn-frontend && cp -r "$fe/include" .gpu/cudnn-frontend/
+  else
+    echo "gpu-checks: no cudnn-frontend headers here (pip install nvidia-cudnn-frontend==1.32.0): attention will run fived's own kernel there" >&2
+  fi
   local exclude
   exclude=$(git rev-parse --git-path info/exclude)
   mkdir -p "$(dirname "$exclude")"
@@ -107,9 +116,12 @@ build() {
     cp -r .gpu/doctest/include /usr/include/doctest && cp -r .gpu/doctest/cmake /usr/lib/cmake/doctest
   fi
   run "$out/build.log" nvidia-smi
-  run "$out/build.log" cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90
+  local fe=()
+  [ -d .gpu/cudnn-frontend ] && fe=(-DCUDNN_FRONTEND_ROOT="$PWD/.gpu/cudnn-frontend")
+  run "$out/build.log" cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 "${fe[@]}"
   # Only what the GPU runs: the host programs are CI's, and device time is short.
-  run "$out/build.log" cmake --build "$build" --parallel "$(nproc)" --target ${GPU_TARGETS:-$cuda_targets}
+  # -k 0: a target that fails to build leaves the others built (its tests then fail "Not Run").
+  run "$out/build.log" cmake --build "$build" --parallel "$(nproc)" --target ${GPU_TARGETS:-$cuda_targets} -- -k 0
 }
 
 test_cuda() {

@@ -525,6 +525,15 @@ TEST_CASE("cross-entropy: loss against -log softmax over the real vocabulary, dl
   k::crossentropy_forward_backward(lo.data(), inplace.data(), inplace.data(), ce_targets.data(), CE_N, CE_VP, CE_V, dloss);
   CHECK(max_rel_error(inplace, d) < exact_bound);
   for (int i = 0; i < CE_N; ++i) CHECK(lo[static_cast<std::size_t>(i)] == losses[static_cast<std::size_t>(i)]);
+  // crossentropy_fused also leaves the statistics: mean_loss of them is the mean of the losses.
+  std::vector<double> mx(CE_N), se(CE_N), tl(CE_N), lf(CE_N), fused = logits;
+  k::crossentropy_fused(lf.data(), fused.data(), mx.data(), se.data(), tl.data(), fused.data(), ce_targets.data(), CE_N,
+                        CE_VP, CE_V, dloss);
+  CHECK(fused == inplace);
+  CHECK(lf == lo);
+  double mean = 0;
+  for (double l : lo) mean += l / CE_N;
+  CHECK(k::mean_loss(mx.data(), se.data(), tl.data(), CE_N) == doctest::Approx(mean).epsilon(1e-14));
 
   const std::vector<int> bad = {3, 10, 0};  // 10 is a padding column, not a token
   CHECK_THROWS_AS(k::crossentropy_forward_backward(lo.data(), inplace.data(), logits.data(), bad.data(), CE_N, CE_VP,

@@ -412,6 +412,32 @@ TEST_CASE_TEMPLATE("cross-entropy: vocab shards with padding, and the fused conv
   }
 }
 
+// The one-kernel loss of an unsplit vocabulary: its statistics (max exact, the target's logit
+// exact, sum of exp), losses and in-place gradient against the host's three steps; rows of
+// 16-byte multiples (the vectorised kernel) and not (Vp 1004: the three kernels).
+TEST_CASE_TEMPLATE("cross-entropy fused with its statistics", T, ELEMENT_TYPES) {
+  for (const int Vp : {1040, 1004}) {
+    CAPTURE(Vp);
+    const int N = 7, V = 1000;
+    const auto logits = rnd<T>(static_cast<std::size_t>(N) * Vp, 36, -6.0f, 6.0f);
+    const std::vector<int> targets = {0, 999, 512, 7, 8, 640, 100};
+    std::vector<float> loss(N), mx(N), se(N), tl(N);
+    std::vector<T> dlog(logits.size());
+    hk::crossentropy_fused(loss.data(), dlog.data(), mx.data(), se.data(), tl.data(), logits.data(), targets.data(), N,
+                           Vp, V, 1.0 / N);
+    auto dl = up(logits);
+    auto dtargets = up(targets);
+    Buffer<float, Cuda> dloss(N), dmx(N), dse(N), dtl(N);
+    ck::crossentropy_fused(stream(), dloss.data(), dl.data(), dmx.data(), dse.data(), dtl.data(), dl.data(),
+                           dtargets.data(), N, Vp, V, 1.0 / N);  // in place
+    CHECK(down(dmx) == mx);
+    CHECK(down(dtl) == tl);
+    CHECK_CLOSE(se, down(dse), fp32_elem);
+    CHECK_CLOSE(loss, down(dloss), fp32_elem);
+    CHECK_CLOSE(dlog, down(dl), bound<T>(fp32_elem));
+  }
+}
+
 TEST_CASE_TEMPLATE("AdamW with fp32 master weights", T, ELEMENT_TYPES) {
   const std::size_t n = 2049;
   const auto master0 = rnd<float>(n, 26), m0 = rnd<float>(n, 27, -0.1f, 0.1f), v0 = rnd<float>(n, 28, 0.01f, 0.2f);

@@ -1,9 +1,17 @@
-// The trainer on CUDA with NCCL, each rank a process (scripts/launch-local.sh 2), against the
+// The trainer on CUDA with NCCL, each rank a process (scripts/launch-local.sh), against the
 // serial CUDA model trained by the one optimizer step on the same global batches, fp32, 3 steps
-// on the warmup + cosine learning rate:
-//   Mesh<DP<2>>  ZeRO-1, 2 micro-batches accumulated, selective recomputation
-//   Mesh<PP<2>>  1F1B over 4 micro-batches, full recomputation
-// every step's loss within 1e-5 relative, the gathered weights within 1e-4. Exits 77 without a GPU.
+// on the warmup + cosine learning rate. One test case per world size (ctest runs each with its
+// own number of processes):
+//   2 ranks  Mesh<DP<2>>  ZeRO-1, 2 micro-batches accumulated, selective recomputation
+//            Mesh<DP<2>>  ZeRO-3
+//            Mesh<PP<2>>  1F1B over 4 micro-batches, full recomputation
+//            Mesh<TP<2>>  sequence parallel
+//            Mesh<CP<2>>  ring attention over zig-zag chunks
+//   4 ranks  Mesh<DP<2>, TP<2>>  ZeRO-1, sequence parallel
+//   8 ranks  Mesh<DP<2>, PP<2>, TP<2>> with an EP<2> view: a mixture of experts (4 experts,
+//            top-2) in every other block, 1F1B, ZeRO-1, sequence parallel
+// every step's loss within 1e-5 relative, the gathered weights (experts too) within 1e-4.
+// Exits 77 without a GPU.
 
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
@@ -31,36 +39,58 @@ struct cfg : gpt_config {
   static constexpr bool tied = false;
   using recompute = R;
 };
+template <class R>
+struct moe_cfg : cfg<R> {
+  static constexpr int layers = 4, experts = 4, top_k = 2, moe_every = 2, mlp_ratio = 2;
+  static constexpr double aux_loss_coef = 0.05;
+};
 constexpr int B = 4, T = 16, steps = 3;
 const GptInit init{7, 0.05};
 const TrainerConfig hp{
     .adamw = {.lr = 0, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.1f, .max_norm = 0.5f},
     .lr = WarmupCosine{.peak = 1e-2, .warmup = 1, .total = steps, .floor = 0.1}};
 
-template <class M, class Policy, class Sched, class R>
-void trainer_equals_serial() {
+// Cfg<R>: the model's configuration with recomputation R (the serial reference keeps
+// everything). The serial model takes each step's micro-batches as data_ranks pieces of
+// B/data_ranks rows: what the data ranks see (the experts' balancing loss is per piece).
+template <class M, class Policy, class Sched, class R, template <class> class Cfg = cfg, class SP = NoSequenceParallel>
+void trainer_equals_serial(int data_ranks = 1) {
   constexpr int micro = Sched::table.micro_batches;
-  using Serial = GPT<cfg<NoRecompute>, Mesh<>, float, Cuda>;
+  using Serial = GPT<Cfg<NoRecompute>, Mesh<>, float, Cuda>;
   auto ctx = make_mesh_context<M>(test::world().split(0, test::world().rank(), "world"));
-  Trainer<GPT<cfg<R>, M, float, Cuda>, Policy, Sched> t(ctx, hp, init);
+  Trainer<GPT<Cfg<R>, M, float, Cuda, SP>, Policy, Sched> t(ctx, hp, init);
   Serial serial(init);
-  DataParallel<Serial> sdp(serial, hp.adamw, micro);
+  DataParallel<Serial> sdp(serial, hp.adamw, micro * data_ranks);
   std::vector<int> tok, tgt;
   for (int s = 1; s <= steps; ++s) {
     CAPTURE(s);
-    test::global_batch(s, micro, B, T, cfg<R>::vocab, tok, tgt);
+    test::global_batch(s, micro, B, T, Cfg<R>::vocab, tok, tgt);
     sdp.optimizer().hp.lr = hp.lr(s);
-    const double lt = t.step(s, tok, tgt, B, T), ls = sdp.step(tok, tgt, B, T);
+    const double lt = t.step(s, tok, tgt, B, T), ls = sdp.step(tok, tgt, B / data_ranks, T);
     CHECK(std::abs(lt - ls) <= 1e-5 * std::abs(ls));
   }
   CHECK(test::max_rel_error(t.serial_params(), serial.params_to_host()) <= 1e-4);
+  if constexpr (Serial::has_experts)
+    CHECK(test::max_rel_error(t.serial_expert_params(), serial.expert_params_to_host()) <= 1e-4);
 }
 
 }  // namespace
 
-TEST_CASE("the trainer on CUDA: Mesh<DP<2>> (ZeRO-1, selective) and Mesh<PP<2>> (1F1B, full) equal serial") {
+TEST_CASE("2 ranks: the trainer on CUDA on DP 2 (ZeRO-1 and ZeRO-3), PP 2 (1F1B), TP 2 (SP) and CP 2 equals serial") {
   trainer_equals_serial<Mesh<DP<2>>, ZeRO<1>, Accumulate<2>, SelectiveRecompute>();
+  trainer_equals_serial<Mesh<DP<2>>, ZeRO<3>, Accumulate<1>, NoRecompute>();
   trainer_equals_serial<Mesh<PP<2>>, NoZeRO, pipeline::OneFOneB<2, 4>, FullRecompute>();
+  trainer_equals_serial<Mesh<TP<2>>, NoZeRO, Accumulate<1>, NoRecompute, cfg, SequenceParallel>();
+  trainer_equals_serial<Mesh<CP<2>>, NoZeRO, Accumulate<1>, NoRecompute>();
+}
+
+TEST_CASE("4 ranks: the trainer on CUDA on DP 2 x TP 2 (ZeRO-1, SP) equals serial") {
+  trainer_equals_serial<Mesh<DP<2>, TP<2>>, ZeRO<1>, Accumulate<2>, SelectiveRecompute, cfg, SequenceParallel>();
+}
+
+TEST_CASE("8 ranks: the trainer on CUDA on DP 2 x PP 2 x TP 2 with EP 2 (MoE, 1F1B, ZeRO-1, SP) equals serial") {
+  trainer_equals_serial<Mesh<DP<2>, PP<2>, TP<2>, EP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 4>, SelectiveRecompute,
+                        moe_cfg, SequenceParallel>(2);
 }
 
 int main(int argc, char** argv) { return test::nccl_doctest_main(argc, argv, "test_trainer_cuda"); }

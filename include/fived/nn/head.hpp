@@ -53,6 +53,11 @@ struct Head {
   // The fused loss: statistics over TP, then d(mean loss)/d logits written over the logits.
   static void loss(S& s, Saved& a, const int* targets, int V, int Vp) {
     const int N = s.rows(), Vl = Vp / S::tp, first = s.rank() * Vl;
+    if constexpr (S::tp == 1) {  // the whole vocabulary here: one pass (one kernel on CUDA)
+      s.ops.crossentropy_fused(a.losses.data(), a.logits.data(), a.max.data(), a.sumexp.data(), a.target.data(),
+                               a.logits.data(), targets, N, Vp, V, 1.0 / N);
+      return;
+    }
     const std::span<stat_t> max(a.max.data(), static_cast<std::size_t>(N)),
         sumexp(a.sumexp.data(), static_cast<std::size_t>(N)), target(a.target.data(), static_cast<std::size_t>(N));
     s.ops.logits_max(max.data(), a.logits.data(), N, Vl, first, V);

@@ -23,7 +23,8 @@
 //     residual_forward, attention_forward, attention_backward (grouped key/value heads),
 //     embedding_forward and embedding_backward (over a range of the vocabulary: a TP rank's
 //     shard), logits_max,
-//     crossentropy_partials, crossentropy_backward, adamw_update, gelu_forward, scale,
+//     crossentropy_partials, crossentropy_backward, crossentropy_fused (the three in one, for
+//     an unsplit vocabulary), adamw_update, gelu_forward, scale,
 //     to_fp32 (fp32 master weights from the parameters), from_acc (stat_t -> T), and ring
 //     attention's pieces attention_block_forward, attention_row_dot, attention_block_backward;
 //     a mixture of experts' router_scores, router_topk, dispatch_plan (counts to host memory),
@@ -169,6 +170,10 @@ struct Ops<T, Host> {
                              double dloss) {
     kernels::host::crossentropy_backward(losses, dlogits, logits, targets, max, sumexp, target_logit, N, Vs, offset, V,
                                          dloss);
+  }
+  void crossentropy_fused(stat_t* losses, T* dlogits, stat_t* max, stat_t* sumexp, stat_t* target_logit,
+                          const T* logits, const int* targets, int N, int Vp, int V, double dloss) {
+    kernels::host::crossentropy_fused(losses, dlogits, max, sumexp, target_logit, logits, targets, N, Vp, V, dloss);
   }
   void adamw_update(T* param, adamw_state_t<T>* master, const T* grad, adamw_state_t<T>* m, adamw_state_t<T>* v,
                     std::size_t n, double lr, double beta1, double beta2, double eps, double weight_decay, int step) {

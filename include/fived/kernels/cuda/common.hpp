@@ -83,6 +83,42 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return warp_max(v);
 }
 
+// Sixteen bytes of elements (8 bf16 or 4 float) moved as one access, converted to and
+// from float: the widest load a thread issues. p must be 16-byte aligned.
+template <class E>
+inline constexpr int vec16 = static_cast<int>(16 / sizeof(E));
+template <class E>
+__device__ __forceinline__ void load_vec16(float (&out)[vec16<E>], const E* p) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const E* e = reinterpret_cast<const E*>(&raw);
+#pragma unroll
+  for (int k = 0; k < vec16<E>; ++k) out[k] = to_float(e[k]);
+}
+template <class E>
+__device__ __forceinline__ void store_vec16(E* p, const float (&in)[vec16<E>]) {
+  uint4 raw;
+  E* e = reinterpret_cast<E*>(&raw);
+#pragma unroll
+  for (int k = 0; k < vec16<E>; ++k) e[k] = from_float<E>(in[k]);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
+// W elements from p: one 16-byte access when W == vec16<E>, one element when W == 1.
+template <int W, class E>
+__device__ __forceinline__ void load_elems(float (&out)[W], const E* p) {
+  if constexpr (W == 1)
+    out[0] = to_float(*p);
+  else
+    load_vec16(out, p);
+}
+template <int W, class E>
+__device__ __forceinline__ void store_elems(E* p, const float (&in)[W]) {
+  if constexpr (W == 1)
+    *p = from_float<E>(in[0]);
+  else
+    store_vec16(p, in);
+}
+
 // GELU, tanh approximation (GPT-2), and its derivative.
 __device__ __forceinline__ float gelu_f(float x) {
   constexpr float k = 0.7978845608028654f;  // sqrt(2 / pi)

@@ -7,15 +7,19 @@
 //   crossentropy_partials(s, sumexp, target_logit, logits, targets, max, N, Vs, offset, V)
 //   crossentropy_backward(s, losses, dlogits, logits, targets, max, sumexp, target_logit, N, Vs, offset, V, dloss)
 //   crossentropy_forward_backward(s, losses, dlogits, logits, targets, N, Vp, V, dloss)
+//   crossentropy_fused(s, losses, dlogits, max, sumexp, target_logit, logits, targets, N, Vp, V, dloss)
+//     the single-shard loss in one kernel that also leaves the three statistics (any output
+//     may be null): what a model without a vocabulary split runs.
 //   add_loss_sum(s, sum, max, sumexp, target_logit, N)   *sum += host::loss_sum(...) (double, device memory)
 // dlogits may alias logits (each element is read, then overwritten, by one
 // thread). losses or dlogits may be null (that output is skipped). One block per row, float accumulation.
-// The convenience is one fused kernel (online max / sum-of-exp in one read, then
+// The single-shard calls are one fused kernel (online max / sum-of-exp in one read, then
 // the gradient), not three launches. A target outside [0, V) cannot throw from
 // the device: its loss is NaN (and its row gets no one-hot term).
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 
 #include <fived/kernels/cuda/common.hpp>
 
@@ -75,36 +79,58 @@ __global__ void crossentropy_backward_kernel(float* losses, T* dlogits, const T*
   }
 }
 
-// Single shard: online max / sum of exp per thread, merged over the block, then the gradient.
-template <class T>
-__global__ void crossentropy_fused_kernel(float* losses, T* dlogits, const T* logits, const int* targets, int Vp, int V,
-                                          float dloss) {
+// The single-shard loss, one block per row, 16-byte accesses: the first pass keeps a running
+// max and sum of exp per thread (one rescale per 16 bytes), the second (from L2: the row
+// was just read) writes the gradient. Vp % vec16<T> == 0 (rows stay 16-byte aligned).
+template <class T, int Threads>
+__global__ void __launch_bounds__(Threads)
+    crossentropy_rows_kernel(float* losses, T* dlogits, float* max_out, float* sumexp_out, float* target_out,
+                             const T* logits, const int* targets, int Vp, int V, float dloss) {
+  constexpr int W = vec16<T>;
+  constexpr float log2e = 1.4426950408889634f;
   __shared__ float scratch[32];
   const int row = static_cast<int>(blockIdx.x);
   const std::size_t base = static_cast<std::size_t>(row) * Vp;
-  const int valid = min(Vp, V);
   const int tgt = targets[row];
   const bool tgt_ok = tgt >= 0 && tgt < V;
   const float tl = tgt_ok ? to_float(logits[base + tgt]) : 0.0f;  // read before any thread writes dlogits
-  float m = -INFINITY, s = 0.0f;
-  for (int j = static_cast<int>(threadIdx.x); j < valid; j += static_cast<int>(blockDim.x)) {
-    const float x = to_float(logits[base + j]);
-    if (x > m) {
-      s = s * expf(m - x) + 1.0f;
-      m = x;
-    } else {
-      s += expf(x - m);
-    }
+  const int nvec = Vp / W;
+  float m = -INFINITY, s = 0.0f;  // running max and sum of exp(x - m) over this thread's columns
+  for (int i = static_cast<int>(threadIdx.x); i < nvec; i += Threads) {
+    float x[W];
+    load_vec16(x, logits + base + static_cast<std::size_t>(i) * W);
+    float vm = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < W; ++k)
+      if (i * W + k < V) vm = fmaxf(vm, x[k]);
+    if (vm == -INFINITY) continue;  // padding only
+    const float nm = fmaxf(m, vm);
+    float add = 0.0f;
+#pragma unroll
+    for (int k = 0; k < W; ++k)
+      if (i * W + k < V) add += exp2f((x[k] - nm) * log2e);
+    s = s * exp2f((m - nm) * log2e) + add;
+    m = nm;
   }
   const float gm = block_max(m, scratch);
-  const float gs = block_sum(m == -INFINITY ? 0.0f : s * expf(m - gm), scratch);  // block_sum synchronises
-  if (threadIdx.x == 0 && losses != nullptr) losses[row] = tgt_ok ? logf(gs) + gm - tl : NAN;
+  const float gs = block_sum(m == -INFINITY ? 0.0f : s * exp2f((m - gm) * log2e), scratch);  // synchronises
+  if (threadIdx.x == 0) {
+    if (losses != nullptr) losses[row] = tgt_ok ? logf(gs) + gm - tl : NAN;
+    if (max_out != nullptr) max_out[row] = gm;
+    if (sumexp_out != nullptr) sumexp_out[row] = gs;
+    if (target_out != nullptr) target_out[row] = tl;
+  }
   if (dlogits == nullptr) return;
   const float inv = 1.0f / gs;
-  for (int j = static_cast<int>(threadIdx.x); j < Vp; j += static_cast<int>(blockDim.x)) {
-    float d = 0.0f;
-    if (j < V) d = dloss * (expf(to_float(logits[base + j]) - gm) * inv - (j == tgt ? 1.0f : 0.0f));
-    dlogits[base + j] = from_float<T>(d);
+  for (int i = static_cast<int>(threadIdx.x); i < nvec; i += Threads) {
+    float x[W];
+    load_vec16(x, logits + base + static_cast<std::size_t>(i) * W);
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const int j = i * W + k;
+      x[k] = j < V ? dloss * (exp2f((x[k] - gm) * log2e) * inv - (j == tgt ? 1.0f : 0.0f)) : 0.0f;
+    }
+    store_vec16(dlogits + base + static_cast<std::size_t>(i) * W, x);
   }
 }
 
@@ -175,17 +201,43 @@ inline void add_loss_sum(cudaStream_t stream, double* sum, const float* max, con
   FIVED_CUDA_CHECK_LAUNCH("add_loss_sum_kernel");
 }
 
+// The single-shard loss and its gradient in one kernel; max, sumexp and target_logit (the
+// statistics add_loss_sum reads) are written where not null, as are losses and dlogits.
+template <class T>
+void crossentropy_fused(cudaStream_t stream, float* losses, T* dlogits, float* max, float* sumexp, float* target_logit,
+                        const T* logits, const int* targets, int N, int Vp, int V, double dloss) {
+  static_assert(is_element_v<T>, "crossentropy_fused: element type must be float or fived::bf16");
+  detail::check_ce_sizes("crossentropy_fused", N, Vp, 0, V);
+  if (N == 0) return;
+  detail::require(V <= Vp, "crossentropy_fused",
+                  "the real vocabulary V (" + std::to_string(V) + ") exceeds the padded one Vp (" + std::to_string(Vp) + ")");
+  const bool aligned = Vp % vec16<T> == 0 && reinterpret_cast<std::uintptr_t>(logits) % 16 == 0 &&
+                       reinterpret_cast<std::uintptr_t>(dlogits) % 16 == 0;
+  if (aligned) {
+    detail::crossentropy_rows_kernel<device_t<T>, detail::ce_block><<<static_cast<unsigned>(N), detail::ce_block, 0, stream>>>(
+        losses, dev(dlogits), max, sumexp, target_logit, dev(logits), targets, Vp, V, static_cast<float>(dloss));
+    FIVED_CUDA_CHECK_LAUNCH("crossentropy_rows_kernel");
+    return;
+  }
+  // Rows that are not 16-byte multiples: the statistics, then the gradient, one element at a time.
+  Scratch<float> m(max == nullptr ? static_cast<std::size_t>(N) : 0, stream),
+      s(sumexp == nullptr ? static_cast<std::size_t>(N) : 0, stream),
+      t(target_logit == nullptr ? static_cast<std::size_t>(N) : 0, stream);
+  float* mx = max != nullptr ? max : m.get();
+  float* se = sumexp != nullptr ? sumexp : s.get();
+  float* tg = target_logit != nullptr ? target_logit : t.get();
+  logits_max(stream, mx, logits, N, Vp, 0, V);
+  crossentropy_partials(stream, se, tg, logits, targets, mx, N, Vp, 0, V);
+  crossentropy_backward(stream, losses, dlogits, logits, targets, mx, se, tg, N, Vp, 0, V, dloss);
+}
+
 template <class T>
 void crossentropy_forward_backward(cudaStream_t stream, float* losses, T* dlogits, const T* logits, const int* targets,
                                    int N, int Vp, int V, double dloss) {
   static_assert(is_element_v<T>, "crossentropy_forward_backward: element type must be float or fived::bf16");
-  detail::check_ce_sizes("crossentropy_forward_backward", N, Vp, 0, V);
-  if (N == 0 || (losses == nullptr && dlogits == nullptr)) return;
-  detail::require(V <= Vp, "crossentropy_forward_backward",
-                  "the real vocabulary V (" + std::to_string(V) + ") exceeds the padded one Vp (" + std::to_string(Vp) + ")");
-  detail::crossentropy_fused_kernel<<<static_cast<unsigned>(N), detail::ce_block, 0, stream>>>(
-      losses, dev(dlogits), dev(logits), targets, Vp, V, static_cast<float>(dloss));
-  FIVED_CUDA_CHECK_LAUNCH("crossentropy_fused_kernel");
+  if (losses == nullptr && dlogits == nullptr) return;
+  crossentropy_fused(stream, losses, dlogits, static_cast<float*>(nullptr), static_cast<float*>(nullptr),
+                     static_cast<float*>(nullptr), logits, targets, N, Vp, V, dloss);
 }
 
 }  // namespace fived::kernels::cuda

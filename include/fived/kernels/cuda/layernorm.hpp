@@ -5,11 +5,14 @@
 //   layernorm_backward(s, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C)   all three +=
 //   rmsnorm_forward(s, out, rstd, inp, weight, N, C)
 //   rmsnorm_backward(s, dinp, dweight, dout, inp, weight, rstd, N, C)                  both +=
-// One warp per row (two-pass mean / variance in float); the weight and bias
+// One warp per row (two-pass mean / variance in float; 16-byte accesses where the rows
+// allow), the second pass reading the row again from L1/L2; the weight and bias
 // gradients are deterministic column reductions (no atomics). dweight/dbias
 // may be null (not computed).
 
 #include <cstddef>
+#include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include <fived/kernels/cuda/common.hpp>
@@ -22,7 +25,9 @@ namespace detail {
 
 inline constexpr int norm_rows_per_block = 8;  // one warp per row, 256 threads
 
-template <class T>
+// The row kernels walk a row W elements at a time: W = vec16<T> (16-byte accesses) where C
+// and the pointers allow it, else 1.
+template <int W, class T>
 __global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const T* inp, const T* weight,
                                          const T* bias, int N, int C) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -31,17 +36,29 @@ __global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const
   const T* x = inp + static_cast<std::size_t>(row) * C;
   T* y = out + static_cast<std::size_t>(row) * C;
   float s = 0.0f;
-  for (int c = lane; c < C; c += 32) s += to_float(x[c]);
-  const float m = warp_sum(s) / static_cast<float>(C);
-  float v = 0.0f;
-  for (int c = lane; c < C; c += 32) {
-    const float d = to_float(x[c]) - m;
-    v += d * d;
+  for (int c = lane * W; c < C; c += 32 * W) {
+    float v[W];
+    load_elems<W>(v, x + c);
+#pragma unroll
+    for (int k = 0; k < W; ++k) s += v[k];
   }
-  const float r = 1.0f / sqrtf(warp_sum(v) / static_cast<float>(C) + layernorm_eps);
-  for (int c = lane; c < C; c += 32) {
-    const float n = (to_float(x[c]) - m) * r;
-    y[c] = from_float<T>(n * to_float(weight[c]) + (bias != nullptr ? to_float(bias[c]) : 0.0f));
+  const float m = warp_sum(s) / static_cast<float>(C);
+  float var = 0.0f;
+  for (int c = lane * W; c < C; c += 32 * W) {
+    float v[W];
+    load_elems<W>(v, x + c);
+#pragma unroll
+    for (int k = 0; k < W; ++k) var += (v[k] - m) * (v[k] - m);
+  }
+  const float r = 1.0f / sqrtf(warp_sum(var) / static_cast<float>(C) + layernorm_eps);
+  for (int c = lane * W; c < C; c += 32 * W) {
+    float v[W], w[W], b[W];
+    load_elems<W>(v, x + c);
+    load_elems<W>(w, weight + c);
+    if (bias != nullptr) load_elems<W>(b, bias + c);
+#pragma unroll
+    for (int k = 0; k < W; ++k) v[k] = (v[k] - m) * r * w[k] + (bias != nullptr ? b[k] : 0.0f);
+    store_elems<W>(y + c, v);
   }
   if (lane == 0) {
     if (mean != nullptr) mean[row] = m;
@@ -50,7 +67,7 @@ __global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const
 }
 
 // mean == nullptr: RMSNorm (no centring, no bias term).
-template <class T>
+template <int W, class T>
 __global__ void norm_backward_rows_kernel(T* dinp, const T* dout, const T* inp, const T* weight, const float* mean,
                                           const float* rstd, int N, int C) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -60,19 +77,29 @@ __global__ void norm_backward_rows_kernel(T* dinp, const T* dout, const T* inp, 
   const float m = mean != nullptr ? mean[row] : 0.0f;
   const float r = rstd[row];
   float sd = 0.0f, sdx = 0.0f;
-  for (int c = lane; c < C; c += 32) {
-    const float dn = to_float(dout[off + c]) * to_float(weight[c]);
-    const float xh = (to_float(inp[off + c]) - m) * r;
-    sd += dn;
-    sdx += dn * xh;
+  for (int c = lane * W; c < C; c += 32 * W) {
+    float d[W], x[W], w[W];
+    load_elems<W>(d, dout + off + c);
+    load_elems<W>(x, inp + off + c);
+    load_elems<W>(w, weight + c);
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const float dn = d[k] * w[k];
+      sd += dn;
+      sdx += dn * (x[k] - m) * r;
+    }
   }
   const float dn_mean = mean != nullptr ? warp_sum(sd) / static_cast<float>(C) : 0.0f;
   const float dnx_mean = warp_sum(sdx) / static_cast<float>(C);
-  for (int c = lane; c < C; c += 32) {
-    const float dn = to_float(dout[off + c]) * to_float(weight[c]);
-    const float xh = (to_float(inp[off + c]) - m) * r;
-    const float g = r * (dn - dn_mean - xh * dnx_mean);
-    dinp[off + c] = from_float<T>(to_float(dinp[off + c]) + g);
+  for (int c = lane * W; c < C; c += 32 * W) {
+    float d[W], x[W], w[W], g[W];
+    load_elems<W>(d, dout + off + c);
+    load_elems<W>(x, inp + off + c);
+    load_elems<W>(w, weight + c);
+    load_elems<W>(g, dinp + off + c);
+#pragma unroll
+    for (int k = 0; k < W; ++k) g[k] += r * (d[k] * w[k] - dn_mean - (x[k] - m) * r * dnx_mean);
+    store_elems<W>(dinp + off + c, g);
   }
 }
 
@@ -101,7 +128,7 @@ struct AddNormParamGrads {
   }
 };
 
-template <class T>
+template <int W, class T>
 __global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* inp, const T* weight, int N, int C) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int row = static_cast<int>(blockIdx.x) * norm_rows_per_block + static_cast<int>(threadIdx.x) / 32;
@@ -109,18 +136,39 @@ __global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* inp, const 
   const T* x = inp + static_cast<std::size_t>(row) * C;
   T* y = out + static_cast<std::size_t>(row) * C;
   float ss = 0.0f;
-  for (int c = lane; c < C; c += 32) {
-    const float v = to_float(x[c]);
-    ss += v * v;
+  for (int c = lane * W; c < C; c += 32 * W) {
+    float v[W];
+    load_elems<W>(v, x + c);
+#pragma unroll
+    for (int k = 0; k < W; ++k) ss += v[k] * v[k];
   }
   const float r = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(C) + layernorm_eps);
-  for (int c = lane; c < C; c += 32) y[c] = from_float<T>(to_float(x[c]) * r * to_float(weight[c]));
+  for (int c = lane * W; c < C; c += 32 * W) {
+    float v[W], w[W];
+    load_elems<W>(v, x + c);
+    load_elems<W>(w, weight + c);
+#pragma unroll
+    for (int k = 0; k < W; ++k) v[k] = v[k] * r * w[k];
+    store_elems<W>(y + c, v);
+  }
   if (lane == 0 && rstd != nullptr) rstd[row] = r;
 }
 
 inline void check_norm_sizes(const char* kernel, int N, int C) {
   require_non_negative(kernel, "N", N);
   require_positive(kernel, "C", C);
+}
+
+// Launches kernel<W> with W = vec16 (16-byte accesses) when C is a multiple of it and every
+// row pointer is 16-byte aligned, else W = 1.
+template <class E, class Launch>
+void launch_by_width(int C, std::initializer_list<const void*> rows, Launch&& launch) {
+  bool wide = C % vec16<E> == 0;
+  for (const void* p : rows) wide = wide && reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+  if (wide)
+    launch(std::integral_constant<int, vec16<E>>{});
+  else
+    launch(std::integral_constant<int, 1>{});
 }
 
 inline unsigned norm_blocks(int N) {
@@ -135,8 +183,11 @@ void layernorm_forward(cudaStream_t stream, T* out, float* mean, float* rstd, co
   static_assert(is_element_v<T>, "layernorm_forward: element type must be float or fived::bf16");
   detail::check_norm_sizes("layernorm_forward", N, C);
   if (N == 0) return;
-  detail::layernorm_forward_kernel<<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(
-      dev(out), mean, rstd, dev(inp), dev(weight), dev(bias), N, C);
+  detail::launch_by_width<T>(C, {out, inp, weight, bias}, [&](auto w) {
+    detail::layernorm_forward_kernel<decltype(w)::value>
+        <<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(dev(out), mean, rstd, dev(inp),
+                                                                                  dev(weight), dev(bias), N, C);
+  });
   FIVED_CUDA_CHECK_LAUNCH("layernorm_forward_kernel");
 }
 
@@ -148,8 +199,11 @@ void layernorm_backward(cudaStream_t stream, T* dinp, T* dweight, T* dbias, cons
   if (N == 0) return;
   detail::require(mean != nullptr && rstd != nullptr, "layernorm_backward", "mean and rstd from the forward are needed");
   if (dinp != nullptr) {
-    detail::norm_backward_rows_kernel<<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(
-        dev(dinp), dev(dout), dev(inp), dev(weight), mean, rstd, N, C);
+    detail::launch_by_width<T>(C, {dinp, dout, inp, weight}, [&](auto w) {
+      detail::norm_backward_rows_kernel<decltype(w)::value>
+          <<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(dev(dinp), dev(dout), dev(inp),
+                                                                                    dev(weight), mean, rstd, N, C);
+    });
     FIVED_CUDA_CHECK_LAUNCH("norm_backward_rows_kernel");
   }
   if (dweight != nullptr || dbias != nullptr)
@@ -162,8 +216,11 @@ void rmsnorm_forward(cudaStream_t stream, T* out, float* rstd, const T* inp, con
   static_assert(is_element_v<T>, "rmsnorm_forward: element type must be float or fived::bf16");
   detail::check_norm_sizes("rmsnorm_forward", N, C);
   if (N == 0) return;
-  detail::rmsnorm_forward_kernel<<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(
-      dev(out), rstd, dev(inp), dev(weight), N, C);
+  detail::launch_by_width<T>(C, {out, inp, weight}, [&](auto w) {
+    detail::rmsnorm_forward_kernel<decltype(w)::value>
+        <<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(dev(out), rstd, dev(inp), dev(weight),
+                                                                                  N, C);
+  });
   FIVED_CUDA_CHECK_LAUNCH("rmsnorm_forward_kernel");
 }
 
@@ -175,8 +232,11 @@ void rmsnorm_backward(cudaStream_t stream, T* dinp, T* dweight, const T* dout, c
   if (N == 0) return;
   detail::require(rstd != nullptr, "rmsnorm_backward", "rstd from the forward is needed");
   if (dinp != nullptr) {
-    detail::norm_backward_rows_kernel<<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(
-        dev(dinp), dev(dout), dev(inp), dev(weight), static_cast<const float*>(nullptr), rstd, N, C);
+    detail::launch_by_width<T>(C, {dinp, dout, inp, weight}, [&](auto w) {
+      detail::norm_backward_rows_kernel<decltype(w)::value>
+          <<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(
+              dev(dinp), dev(dout), dev(inp), dev(weight), static_cast<const float*>(nullptr), rstd, N, C);
+    });
     FIVED_CUDA_CHECK_LAUNCH("norm_backward_rows_kernel");
   }
   if (dweight != nullptr)

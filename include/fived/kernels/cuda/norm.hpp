@@ -1,6 +1,6 @@
 #pragma once
 // Global gradient norm and clipping, contract of fived/kernels/host/norm.hpp:
-//   sum_of_squares(s, out_accumulate, g, n)    *out_accumulate += sum g^2 (float, device memory)
+//   sum_of_squares(s, out_accumulate, g, n[, partials])   *out_accumulate += sum g^2 (float, device memory)
 //   scale(s, g, n, factor)                     g *= factor
 //   clip_factor(total_sum_of_squares, max_norm) = min(1, max_norm / (sqrt(total) + 1e-6))   (host)
 //   clip_scale(s, g, n, total_sum_of_squares_on_device, max_norm)   the same without a host round trip
@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 
 #include <fived/kernels/cuda/common.hpp>
 
@@ -20,12 +21,23 @@ namespace detail {
 
 inline constexpr unsigned sumsq_blocks = 512, sumsq_threads = 256;
 
+// 16-byte accesses over the aligned part (a thread's stride is the grid), one element at a
+// time over the rest.
 template <class T>
 __global__ void sum_of_squares_partials_kernel(float* partials, const T* g, std::size_t n) {
+  constexpr int W = vec16<T>;
   __shared__ float scratch[32];
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  const std::size_t first = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  const std::size_t nv = reinterpret_cast<std::uintptr_t>(g) % 16 == 0 ? n / W : 0;
   float s = 0.0f;
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+  for (std::size_t i = first; i < nv; i += stride) {
+    float x[W];
+    load_vec16(x, g + i * W);
+#pragma unroll
+    for (int k = 0; k < W; ++k) s += x[k] * x[k];
+  }
+  for (std::size_t i = nv * W + first; i < n; i += stride) {
     const float x = to_float(g[i]);
     s += x * x;
   }
@@ -44,24 +56,36 @@ __global__ void sum_partials_kernel(float* out_accumulate, const float* partials
 
 template <class T>
 __global__ void scale_kernel(T* g, std::size_t n, float factor, const float* total_sumsq, float max_norm) {
+  constexpr int W = vec16<T>;
   if (total_sumsq != nullptr) factor = fminf(1.0f, max_norm / (sqrtf(*total_sumsq) + 1e-6f));
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    g[i] = from_float<T>(to_float(g[i]) * factor);
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  const std::size_t first = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  const std::size_t nv = reinterpret_cast<std::uintptr_t>(g) % 16 == 0 ? n / W : 0;
+  for (std::size_t i = first; i < nv; i += stride) {
+    float x[W];
+    load_vec16(x, g + i * W);
+#pragma unroll
+    for (int k = 0; k < W; ++k) x[k] *= factor;
+    store_vec16(g + i * W, x);
+  }
+  for (std::size_t i = nv * W + first; i < n; i += stride) g[i] = from_float<T>(to_float(g[i]) * factor);
 }
 
 }  // namespace detail
 
+// `partials`: sum_of_squares_partials floats of device memory the caller keeps (Ops does, so a
+// step allocates nothing); null: stream-ordered scratch for the call.
+inline constexpr std::size_t sum_of_squares_partials = detail::sumsq_blocks;
+
 template <class T>
-void sum_of_squares(cudaStream_t stream, float* out_accumulate, const T* g, std::size_t n) {
+void sum_of_squares(cudaStream_t stream, float* out_accumulate, const T* g, std::size_t n, float* partials = nullptr) {
   static_assert(is_element_v<T>, "sum_of_squares: element type must be float or fived::bf16");
   if (n == 0) return;
-  Scratch<float> partials(detail::sumsq_blocks, stream);
-  detail::sum_of_squares_partials_kernel<<<detail::sumsq_blocks, detail::sumsq_threads, 0, stream>>>(partials.get(),
-                                                                                                    dev(g), n);
+  Scratch<float> scratch(partials == nullptr ? detail::sumsq_blocks : 0, stream);
+  float* p = partials != nullptr ? partials : scratch.get();
+  detail::sum_of_squares_partials_kernel<<<detail::sumsq_blocks, detail::sumsq_threads, 0, stream>>>(p, dev(g), n);
   FIVED_CUDA_CHECK_LAUNCH("sum_of_squares_partials_kernel");
-  detail::sum_partials_kernel<<<1, detail::sumsq_threads, 0, stream>>>(out_accumulate, partials.get(),
-                                                                       detail::sumsq_blocks);
+  detail::sum_partials_kernel<<<1, detail::sumsq_threads, 0, stream>>>(out_accumulate, p, detail::sumsq_blocks);
   FIVED_CUDA_CHECK_LAUNCH("sum_partials_kernel");
 }
 

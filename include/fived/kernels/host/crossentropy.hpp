@@ -18,7 +18,10 @@
 //                             0 on padding. dlogits may alias logits: each element is
 //                             read before it is written, so the probabilities are
 //                             never stored next to the logits.
-// crossentropy_forward_backward is the single-shard convenience (offset 0, Vs = Vp).
+// crossentropy_forward_backward is the single-shard convenience (offset 0, Vs = Vp), and
+// crossentropy_fused the same that also leaves max, sumexp and target_logit (the statistics
+// mean_loss reads; any output may be null): one kernel on CUDA, for a model whose vocabulary
+// is not split.
 // losses are acc_t<T> and dloss (1/N for a mean) arrives in double, rounded once to acc_t<T>:
 // a double model's loss gradient is exact to a double's precision.
 // losses or dlogits may be nullptr to skip that output (e.g. evaluation only).
@@ -119,18 +122,28 @@ void crossentropy_backward(acc_t<T>* losses, T* dlogits, const T* logits, const 
 }
 
 template <class T>
-void crossentropy_forward_backward(acc_t<T>* losses, T* dlogits, const T* logits, const int* targets, int N, int Vp,
-                                   int V, double dloss) {
+void crossentropy_fused(acc_t<T>* losses, T* dlogits, acc_t<T>* max, acc_t<T>* sumexp, acc_t<T>* target_logit,
+                        const T* logits, const int* targets, int N, int Vp, int V, double dloss) {
   using A = acc_t<T>;
-  detail_ce::check_sizes("crossentropy_forward_backward", N, Vp, 0, V);
+  detail_ce::check_sizes("crossentropy_fused", N, Vp, 0, V);
   if (Vp < V)
-    throw std::invalid_argument("fived::kernels::host::crossentropy_forward_backward: the padded vocabulary Vp=" +
+    throw std::invalid_argument("fived::kernels::host::crossentropy_fused: the padded vocabulary Vp=" +
                                 std::to_string(Vp) + " is smaller than the vocabulary V=" + std::to_string(V));
   const std::size_t sN = static_cast<std::size_t>(N);
-  std::vector<A> m(sN), s(sN), tl(sN);
-  logits_max(m.data(), logits, N, Vp, 0, V);
-  crossentropy_partials(s.data(), tl.data(), logits, targets, m.data(), N, Vp, 0, V);
-  crossentropy_backward(losses, dlogits, logits, targets, m.data(), s.data(), tl.data(), N, Vp, 0, V, dloss);
+  std::vector<A> m(max == nullptr ? sN : 0), s(sumexp == nullptr ? sN : 0), tl(target_logit == nullptr ? sN : 0);
+  A* mx = max != nullptr ? max : m.data();
+  A* se = sumexp != nullptr ? sumexp : s.data();
+  A* tg = target_logit != nullptr ? target_logit : tl.data();
+  logits_max(mx, logits, N, Vp, 0, V);
+  crossentropy_partials(se, tg, logits, targets, mx, N, Vp, 0, V);
+  crossentropy_backward(losses, dlogits, logits, targets, mx, se, tg, N, Vp, 0, V, dloss);
+}
+
+template <class T>
+void crossentropy_forward_backward(acc_t<T>* losses, T* dlogits, const T* logits, const int* targets, int N, int Vp,
+                                   int V, double dloss) {
+  crossentropy_fused(losses, dlogits, static_cast<acc_t<T>*>(nullptr), static_cast<acc_t<T>*>(nullptr),
+                     static_cast<acc_t<T>*>(nullptr), logits, targets, N, Vp, V, dloss);
 }
 
 // The sum over rows of log(sumexp[i]) + max[i] - target[i] (the loss from the three

@@ -104,7 +104,7 @@ struct Ops<T, Cuda> {
   using buffer = Buffer<U, Cuda>;
   using Epilogue = kernels::cuda::Epilogue;
 
-  Ops() : lt_(stream_.get()), sumsq_(1), loss_sum_(1) {}
+  Ops() : lt_(stream_.get()), sumsq_(1), sumsq_partials_(kernels::cuda::sum_of_squares_partials), loss_sum_(1) {}
   Ops(Ops&&) noexcept = default;  // the stream handle moves with its CublasLt
   Ops& operator=(Ops&&) noexcept = default;
 
@@ -212,6 +212,10 @@ struct Ops<T, Cuda> {
     kernels::cuda::crossentropy_backward(stream(), losses, dlogits, logits, targets, max, sumexp, target_logit, N, Vs,
                                          offset, V, dloss);
   }
+  void crossentropy_fused(stat_t* losses, T* dlogits, stat_t* max, stat_t* sumexp, stat_t* target_logit,
+                          const T* logits, const int* targets, int N, int Vp, int V, double dloss) {
+    kernels::cuda::crossentropy_fused(stream(), losses, dlogits, max, sumexp, target_logit, logits, targets, N, Vp, V, dloss);
+  }
   void adamw_update(T* param, float* master, const T* grad, float* m, float* v, std::size_t n, double lr, double beta1,
                     double beta2, double eps, double weight_decay, int step) {
     kernels::cuda::adamw_update(stream(), param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step);
@@ -219,7 +223,9 @@ struct Ops<T, Cuda> {
   // The global gradient norm: pieces accumulate in float on the device, into a one-element
   // buffer this Ops owns; sum_of_squares() reads it back (waits for the stream, once).
   void begin_sum_of_squares() { sumsq_.zero(stream()); }
-  void add_sum_of_squares(const T* g, std::size_t n) { kernels::cuda::sum_of_squares(stream(), sumsq_.data(), g, n); }
+  void add_sum_of_squares(const T* g, std::size_t n) {
+    kernels::cuda::sum_of_squares(stream(), sumsq_.data(), g, n, sumsq_partials_.data());
+  }
   double sum_of_squares() const {
     float h = 0.0f;
     copy_to_host(&h, sumsq_.data(), 1);
@@ -373,6 +379,7 @@ struct Ops<T, Cuda> {
   cuda::Stream stream_;
   kernels::cuda::CublasLt lt_;
   Buffer<float, Cuda> sumsq_;  // sum_of_squares' device-side accumulator
+  Buffer<float, Cuda> sumsq_partials_;  // and its blocks' partial sums
   Buffer<double, Cuda> loss_sum_;  // loss_sum's
   ops_detail::PinnedStaging staging_[2];
   int next_staging_ = 0;
