@@ -4,8 +4,9 @@
 // the tiled attention sum in other orders than PyTorch's CPU kernels). In bf16 the loss is
 // within 1e-2 and the gradients within 0.1 of transformers' fp32 ones: layer 0's norm weight
 // gradient, a sum over the 64 rows with much cancellation, is 8.1e-2 away in the host bf16
-// model too (the same rounding points; measured 0.0808 on both); and the bf16 CUDA model
-// equals the host bf16 model within 3e-2.
+// model too (measured 0.0808 there, and 0.055 on an H100 with cuDNN's attention); and the
+// bf16 CUDA model equals the host bf16 model within 6e-2 (measured 0.047 on that tensor:
+// cuDNN rounds the probabilities to bf16 before multiplying by V, the host does not).
 //
 // Without a GPU the program exits 77 (CTest: skipped) before any test runs.
 
@@ -77,7 +78,7 @@ TEST_CASE("CUDA float Llama from the Hugging Face fixture: transformers' loss an
 TEST_CASE("CUDA bf16 Llama from the Hugging Face fixture: transformers' loss and gradients within bf16 bounds") {
   equals_transformers<bf16>(1e-2, 1e-1);
 }
-TEST_CASE("CUDA bf16 Llama = host bf16 Llama (the same rounding points)") {
+TEST_CASE("CUDA bf16 Llama = host bf16 Llama within bf16 bounds") {
   const auto ref = io::SafetensorsFile::read(dir + "/hf_tiny_llama_ref.safetensors");
   const auto [loss_d, grads_d] = loss_and_grads<bf16, Cuda>(ref);
   const auto [loss_h, grads_h] = loss_and_grads<bf16, Host>(ref);
@@ -88,7 +89,7 @@ TEST_CASE("CUDA bf16 Llama = host bf16 Llama (the same rounding points)") {
       worst = e, where = t.name();
   MESSAGE("loss " << loss_d << " vs the host's " << loss_h << ", every gradient within " << worst << " (" << where << ")");
   CHECK(std::abs(loss_d - loss_h) / loss_h <= 1e-3);
-  CHECK(worst <= 3e-2);
+  CHECK(worst <= 6e-2);
 }
 
 int main(int argc, char** argv) {

@@ -7,8 +7,8 @@
 //            Mesh<PP<2>>  1F1B over 4 micro-batches, full recomputation
 //            Mesh<TP<2>>  sequence parallel
 //            Mesh<CP<2>>  ring attention over zig-zag chunks
-//   4 ranks  Mesh<DP<2>, TP<2>>  ZeRO-1, sequence parallel
-//   8 ranks  Mesh<DP<2>, PP<2>, TP<2>> with an EP<2> view: a mixture of experts (4 experts,
+//   4 ranks  Mesh<DP<2>, TP<2>>  ZeRO-1, sequence parallel; the same with EP 2 and the MoE
+//   8 ranks  Mesh<DP<2>, PP<2>, TP<2>>, 1F1B, dense; and with an EP<2> view: a mixture of experts (4 experts,
 //            top-2) in every other block, 1F1B, ZeRO-1, sequence parallel
 // every step's loss within 1e-5 relative, the gathered weights (experts too) within 1e-4.
 // Exits 77 without a GPU.
@@ -17,6 +17,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <vector>
 
 #include <fived/comm/nccl.hpp>
@@ -67,6 +68,7 @@ void trainer_equals_serial(int data_ranks = 1) {
     test::global_batch(s, micro, B, T, Cfg<R>::vocab, tok, tgt);
     sdp.optimizer().hp.lr = hp.lr(s);
     const double lt = t.step(s, tok, tgt, B, T), ls = sdp.step(tok, tgt, B / data_ranks, T);
+    std::fprintf(stderr, "rank %d of %d: step %d, loss %.6f (serial %.6f)\n", test::world().rank(), M::size, s, lt, ls);
     CHECK(std::abs(lt - ls) <= 1e-5 * std::abs(ls));
   }
   CHECK(test::max_rel_error(t.serial_params(), serial.params_to_host()) <= 1e-4);
@@ -86,6 +88,14 @@ TEST_CASE("2 ranks: the trainer on CUDA on DP 2 (ZeRO-1 and ZeRO-3), PP 2 (1F1B)
 
 TEST_CASE("4 ranks: the trainer on CUDA on DP 2 x TP 2 (ZeRO-1, SP) equals serial") {
   trainer_equals_serial<Mesh<DP<2>, TP<2>>, ZeRO<1>, Accumulate<2>, SelectiveRecompute, cfg, SequenceParallel>();
+}
+TEST_CASE("4 ranks: the trainer on CUDA on DP 2 x TP 2 with EP 2 (MoE, ZeRO-1, SP) equals serial") {
+  trainer_equals_serial<Mesh<DP<2>, TP<2>, EP<2>>, ZeRO<1>, Accumulate<2>, SelectiveRecompute, moe_cfg,
+                        SequenceParallel>(2);
+}
+TEST_CASE("8 ranks: the trainer on CUDA on DP 2 x PP 2 x TP 2 (1F1B, ZeRO-1, SP) equals serial") {
+  trainer_equals_serial<Mesh<DP<2>, PP<2>, TP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 4>, SelectiveRecompute, cfg,
+                        SequenceParallel>();
 }
 
 TEST_CASE("8 ranks: the trainer on CUDA on DP 2 x PP 2 x TP 2 with EP 2 (MoE, 1F1B, ZeRO-1, SP) equals serial") {
