@@ -34,7 +34,8 @@
 // (Hugging Face GPT-2 or LlamaForCausalLM names). Exit status 0 when the held-out loss fell.
 //
 // --checkpoints DIR saves a sharded checkpoint (train/checkpoint.hpp: each rank its share,
-// optimizer state included) every --save-every steps and at the end; --resume goes on from
+// optimizer state included) every --save-every steps and at the end, written in the
+// background while the next steps run (Trainer::save_async); --resume goes on from
 // the newest one in DIR that verifies (every file of its recorded size and hash; newer ones
 // that do not are named and passed over), saved on this mesh or any other (it is resharded
 // as it loads); --resume-from STEP from that step, refused if it does not verify. --steps is
@@ -511,6 +512,11 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
       std::printf("the checkpoint is already at step %d, past --steps %d: nothing to train\n", first - 1, opt.steps);
     return 0;
   }
+  // Checkpoints are written in the background (Trainer::save_async) while training goes on;
+  // each is reported once it is committed.
+  auto saved = [&](int step) {
+    if (step > 0 && prints) std::printf("checkpoint of step %d in %s\n", step, opt.checkpoints.c_str());
+  };
   const double val_start = held_out();
   double val_end = val_start;
   if (prints) std::printf("held-out loss %.4f %s\n", val_start, first > 1 ? "at the checkpoint" : "before training");
@@ -520,13 +526,14 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
                                      [&](int s, double) {
                                        if (!opt.checkpoints.empty() &&
                                            ((opt.save_every > 0 && s % opt.save_every == 0) || s == opt.steps)) {
-                                         trainer.save(opt.checkpoints, s, {.keep_last = opt.keep_last, .run = record});
-                                         if (prints) std::printf("checkpoint of step %d in %s\n", s, opt.checkpoints.c_str());
+                                         saved(trainer.wait_for_save());
+                                         trainer.save_async(opt.checkpoints, s, {.keep_last = opt.keep_last, .run = record});
                                        }
                                        if (s % (5 * opt.log_every) != 0 && s != opt.steps) return;
                                        val_end = held_out();
                                        if (prints) std::printf("held-out loss %.4f at step %d\n", val_end, s);
                                      });
+  saved(trainer.wait_for_save());  // the last checkpoint committed before the run reports
   if (!prints) return 0;
   std::printf("trained %d steps in %.1f s\n", opt.steps - first + 1, seconds);
   const int final_batches = 32;

@@ -70,9 +70,11 @@ fs::path fresh(const std::string& name) {
   return d;
 }
 
-// Steps [first, last] on mesh M; loads `from` first (if given), saves at `save_at` to `to`.
+// Steps [first, last] on mesh M; loads `from` first (if given), saves at `save_at` to `to`
+// (with save_async: written while the next steps run).
 template <class M, class Policy, class Sched, class C = cfg>
-Run train(int first, int last, const fs::path& from = {}, int save_at = -1, const fs::path& to = {}, unsigned seed = 5) {
+Run train(int first, int last, const fs::path& from = {}, int save_at = -1, const fs::path& to = {}, unsigned seed = 5,
+          bool async = false) {
   using Model = GPT<C, M, float, Host, std::conditional_t<(M::tp > 1), SequenceParallel, NoSequenceParallel>>;
   constexpr int micro = Sched::table.micro_batches;
   Run out;
@@ -87,7 +89,7 @@ Run train(int first, int last, const fs::path& from = {}, int save_at = -1, cons
     for (int s = first; s <= last; ++s) {
       test::global_batch(s, micro, B, T, C::vocab, tok, tgt);
       losses.push_back(t.step(s, tok, tgt, B, T));
-      if (s == save_at) t.save(to, s);
+      if (s == save_at) async ? t.save_async(to, s) : t.save(to, s);
     }
     std::vector<float> w = t.serial_params(), e;
     if constexpr (C::experts > 0) e = t.serial_expert_params();
@@ -97,14 +99,14 @@ Run train(int first, int last, const fs::path& from = {}, int save_at = -1, cons
 }
 
 template <class M, class Policy, class Sched, class C = cfg>
-void resume_is_bitwise(const std::string& name) {
+void resume_is_bitwise(const std::string& name, bool async = false) {
   CAPTURE(name);
   const fs::path dir = fresh(name);
   const Run straight = train<M, Policy, Sched, C>(1, 4);
-  const Run before = train<M, Policy, Sched, C>(1, 2, {}, 2, dir);
+  const Run before = train<M, Policy, Sched, C>(1, async ? 4 : 2, {}, 2, dir, 5, async);
   REQUIRE(fs::exists(checkpoint::step_folder(dir, 2) / "manifest.json"));
   const Run after = train<M, Policy, Sched, C>(3, 4, dir, -1, {}, /*another seed: the load must replace it*/ 99);
-  CHECK(before.losses == std::vector<double>(straight.losses.begin(), straight.losses.begin() + 2));
+  CHECK(before.losses == std::vector<double>(straight.losses.begin(), straight.losses.begin() + (async ? 4 : 2)));
   CHECK(after.losses == std::vector<double>(straight.losses.begin() + 2, straight.losses.end()));
   CHECK(after.weights == straight.weights);
   CHECK(after.experts == straight.experts);
@@ -120,6 +122,13 @@ TEST_CASE("resume is bitwise: serial, DP 2 with ZeRO-1 and ZeRO-3, TP 2 with SP,
   resume_is_bitwise<Mesh<DP<2>>, ZeRO<3>, Accumulate<1>>("dp2_zero3");
   resume_is_bitwise<Mesh<TP<2>>, NoZeRO, Accumulate<1>>("tp2");
   resume_is_bitwise<Mesh<DP<2>, PP<2>, TP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 2>>("dp2_pp2_tp2");
+}
+
+TEST_CASE("a save written in the background (save_async) holds the state of its step while training goes on, and "
+          "resumes bit for bit: serial, DP 2 with ZeRO-3, DP 2 x PP 2 x TP 2") {
+  resume_is_bitwise<Mesh<>, NoZeRO, Accumulate<2>>("async_serial", true);
+  resume_is_bitwise<Mesh<DP<2>>, ZeRO<3>, Accumulate<1>>("async_dp2_zero3", true);
+  resume_is_bitwise<Mesh<DP<2>, PP<2>, TP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 2>>("async_dp2_pp2_tp2", true);
 }
 
 TEST_CASE("a tied model on a pipeline (the head's copy of wte) resumes bit for bit, and reshards onto one rank") {
@@ -297,6 +306,15 @@ TEST_CASE("a manifest carries its own hash: an edited field is refused; a manife
   CHECK(error() == "no error");
   rewrite("fived-checkpoint-2", "fived-checkpoint-3");
   CHECK(error().find("unknown format") != std::string::npos);
+  // A manifest whose own hash agrees but whose AdamW step cannot be: more steps than trained.
+  const checkpoint::Manifest m = [&] {
+    std::ofstream(manifest, std::ios::trunc) << text;
+    return checkpoint::read_manifest(checkpoint::step_folder(dir, 2));
+  }();
+  checkpoint::Manifest bad = m;
+  bad.adam_step = 3;
+  checkpoint::write_manifest(checkpoint::step_folder(dir, 2), bad);
+  CHECK(error().find("its \"adam_step\" 3 is more than its step 2") != std::string::npos);
   fs::remove_all(dir);
 }
 
@@ -361,10 +379,12 @@ void serial_steps(After&& after) {
 }
 }  // namespace
 
-// Run by the test below as a child process: trains and saves after every step, until killed.
+// Run by the test below as a child process: trains and saves after every step, until killed
+// (with FIVED_TEST_CHECKPOINT_ASYNC set, each save written behind the next step).
 TEST_CASE("child: trains and saves every step" * doctest::skip(std::getenv(child_env) == nullptr)) {
   const fs::path dir = std::getenv(child_env);
-  serial_steps([&](auto& t, int s) { t.save(dir, s); });
+  const bool async = std::getenv("FIVED_TEST_CHECKPOINT_ASYNC") != nullptr;
+  serial_steps([&](auto& t, int s) { async ? t.save_async(dir, s) : t.save(dir, s); });
 }
 
 TEST_CASE("a saving process killed (SIGKILL) at any moment leaves its last complete checkpoint loadable, bit for bit") {
@@ -372,10 +392,11 @@ TEST_CASE("a saving process killed (SIGKILL) at any moment leaves its last compl
   serial_steps([&](auto& t, int) { reference.push_back(t.serial_params()); });
   std::mt19937 rng(7);
   int loaded = 0, mid_save = 0;
-  for (int round = 0; round < 12; ++round) {
+  for (int round = 0; round < 16; ++round) {  // rounds 12..15 save in the background
     const fs::path dir = fresh("kill_" + std::to_string(round));
     const std::string env = std::string(child_env) + "=" + dir.string();
-    char* const envp[] = {const_cast<char*>(env.c_str()), nullptr};
+    char async_env[] = "FIVED_TEST_CHECKPOINT_ASYNC=1";
+    char* const envp[] = {const_cast<char*>(env.c_str()), round >= 12 ? async_env : nullptr, nullptr};
     char arg0[] = "test_checkpoint", arg1[] = "--test-case=child: trains and saves every step";
     char* const argv[] = {arg0, arg1, nullptr};
     posix_spawn_file_actions_t quiet;  // the child's doctest report is not this test's
@@ -406,8 +427,8 @@ TEST_CASE("a saving process killed (SIGKILL) at any moment leaves its last compl
     }
     fs::remove_all(dir);
   }
-  MESSAGE(loaded << " of 12 kills after a complete save, " << mid_save << " in the middle of one");
-  CHECK(loaded >= 6);  // most kills land after the first save
+  MESSAGE(loaded << " of 16 kills after a complete save, " << mid_save << " in the middle of one");
+  CHECK(loaded >= 8);  // most kills land after the first save
 }
 
 namespace {

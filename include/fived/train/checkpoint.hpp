@@ -251,6 +251,10 @@ inline Manifest read_manifest(const std::filesystem::path& folder, bool check_fi
   if (own && text_hash(manifest_body(m)) != own_hash)
     throw io::SafetensorsError(path.string() + ": edited after it was written (its fields do not match its own "
                                "\"manifest_fnv1a64\")");
+  if (m.adam_step > m.step)
+    throw io::SafetensorsError(path.string() + ": its \"adam_step\" " + std::to_string(m.adam_step) +
+                               " is more than its step " + std::to_string(m.step) +
+                               " (AdamW steps once per training step at most)");
   if (static_cast<int>(m.files.size()) != m.world)
     throw io::SafetensorsError(path.string() + ": names " + std::to_string(m.files.size()) + " files for a world of " +
                                std::to_string(m.world));

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -50,6 +51,7 @@
 #include "fived/train/data_parallel.hpp"
 #include "fived/train/lr_schedule.hpp"
 #include "fived/train/progress.hpp"
+#include "fived/train/saver.hpp"
 #include "fived/train/token_data.hpp"
 
 namespace fived {
@@ -94,6 +96,11 @@ class Trainer {
     }(std::make_index_sequence<P>{});
     world_rank_ = ctx.rank();
     world_ = std::make_unique<GroupCommOf<C>>(ctx.world());
+    make_save_comm_ = [this, &ctx] {
+      auto owned = std::make_shared<C>(ctx.world().split(0, ctx.world().rank(), "checkpoint"));
+      save_comm_ = std::make_unique<GroupCommOf<C>>(*owned);
+      save_comm_owner_ = std::move(owned);
+    };
   }
 
   // One optimizer step at the learning rate of `step` (from 1) on the global batch: M
@@ -159,34 +166,24 @@ class Trainer {
     std::map<std::string, std::string> run;     // what made the run, recorded in the manifest
   };
   // Saves the state after `step` under dir/step-<step>: each rank its share, then the
-  // manifest. A collective; returns when the checkpoint is committed. Then world rank 0
-  // removes what killed saves left (checkpoint::remove_leftovers) and, with keep_last > 0,
-  // the complete steps older than the newest keep_last (checkpoint::keep_last).
+  // manifest (train/saver.hpp). A collective; returns when the checkpoint is committed. Then
+  // world rank 0 removes what killed saves left (checkpoint::remove_leftovers) and, with
+  // keep_last > 0, the complete steps older than the newest keep_last (checkpoint::keep_last).
   void save(const std::filesystem::path& dir, int step, const SaveOptions& options = {}) {
-    const std::filesystem::path folder = checkpoint::step_folder(dir, step);
-    std::filesystem::create_directories(folder);
-    const std::filesystem::path mine = folder / checkpoint::rank_file(world_rank_);
-    rank_->write_shard(mine);
-    // every file's size and hash to rank 0 (as doubles: 32-bit halves, summed over the world)
-    const std::uint64_t h = checkpoint::file_hash(mine), n = std::filesystem::file_size(mine);
-    std::vector<double> all(3 * static_cast<std::size_t>(mesh::size), 0.0);
-    all[3 * static_cast<std::size_t>(world_rank_)] = static_cast<double>(h >> 32);
-    all[3 * static_cast<std::size_t>(world_rank_) + 1] = static_cast<double>(h & 0xffffffffu);
-    all[3 * static_cast<std::size_t>(world_rank_) + 2] = static_cast<double>(n);
-    world_->all_reduce_host(std::span<double>(all), ReduceOp::sum);  // also: every file is written
-    if (world_rank_ == 0) {
-      checkpoint::Manifest m{step, rank_->adam_step(), mesh::size, mesh::name(), model_name(), {}, options.run};
-      for (int r = 0; r < mesh::size; ++r) {
-        const auto at = 3 * static_cast<std::size_t>(r);
-        m.files.push_back({checkpoint::rank_file(r), static_cast<std::uint64_t>(all[at + 2]),
-                           static_cast<std::uint64_t>(all[at]) << 32 | static_cast<std::uint64_t>(all[at + 1])});
-      }
-      checkpoint::write_manifest(folder, m);
-      checkpoint::remove_leftovers(dir, step);
-      if (options.keep_last > 0) (void)checkpoint::keep_last(dir, options.keep_last);
-    }
-    world_->barrier();
+    saver_.save(rank_->shard(), record(dir, step, options), *world_);
   }
+  // The same save written behind the training: the state is copied now (from a GPU into host
+  // memory), and a thread writes the files and commits them over a communicator of its own
+  // (split off the world at the first such save: a collective) while the next steps run. The
+  // next save, load, wait_for_save() or the trainer's end waits for it. A collective call.
+  void save_async(const std::filesystem::path& dir, int step, const SaveOptions& options = {}) {
+    checkpoint::Shard shard = rank_->shard();
+    saver_.wait();  // its communicator is free again
+    if (!save_comm_) make_save_comm_();
+    saver_.start(std::move(shard), record(dir, step, options), *save_comm_);
+  }
+  // Waits for a save_async: returns its step (0 when none was pending); rethrows its error.
+  int wait_for_save() { return saver_.wait(); }
 
   // Loads the checkpoint of `step` under dir, saved from this model on any mesh, ZeRO stage or
   // schedule: parameters and AdamW's state. Without a step, the newest that verifies (every
@@ -197,6 +194,7 @@ class Trainer {
   // Returns the step it holds; training goes on at the next one.
   int load(const std::filesystem::path& dir, std::optional<int> step = std::nullopt,
            std::vector<checkpoint::Refusal>* refused = nullptr) {
+    saver_.wait();
     std::vector<checkpoint::Refusal> passed_over;
     const bool verified = !step;  // newest_verified_step has read every file's hash already
     if (!step) step = checkpoint::newest_verified_step(dir, passed_over);
@@ -250,6 +248,9 @@ class Trainer {
 
  private:
   static std::string model_name() { return Model::config_name(); }
+  checkpoint::SaveRecord record(const std::filesystem::path& dir, int step, const SaveOptions& o) const {
+    return {dir, step, rank_->adam_step(), mesh::name(), model_name(), o.run, o.keep_last};
+  }
 
   struct Rank {
     virtual ~Rank() = default;
@@ -260,7 +261,7 @@ class Trainer {
     virtual void set_lr(double lr) = 0;
     virtual double grad_norm() const = 0;
     virtual std::vector<value_type> serial_params(bool experts) = 0;
-    virtual void write_shard(const std::filesystem::path& file) = 0;
+    virtual checkpoint::Shard shard() = 0;  // this rank's state, copied out
     virtual void load(const checkpoint::Restored<Model>& restored, int adam_step) = 0;
     virtual int adam_step() const = 0;
   };
@@ -339,16 +340,14 @@ class Trainer {
 
     int adam_step() const override { return std::get<0>(trainers_)->optimizer_steps(); }
 
-    void write_shard(const std::filesystem::path& file) override {
-      io::SafetensorsWriter w;
-      std::vector<std::vector<value_type>> params;  // the writer keeps views: the values live here
-      HeldValues states;
+    checkpoint::Shard shard() override {
+      checkpoint::Shard w;
       [&]<std::size_t... c>(std::index_sequence<c...>) {
-        (add_chunk(*std::get<c>(models_), *std::get<c>(trainers_), w, params, states), ...);
+        (add_chunk(*std::get<c>(models_), *std::get<c>(trainers_), w), ...);
       }(chunks{});
       w.add_metadata("tp", std::to_string(mesh::tp)), w.add_metadata("ep", std::to_string(mesh::ep));
       w.add_metadata("tp_rank", std::to_string(tp_rank_)), w.add_metadata("ep_rank", std::to_string(ep_rank_));
-      w.write(file);
+      return w;
     }
 
     void load(const checkpoint::Restored<Model>& restored, int adam_step) override {
@@ -359,31 +358,17 @@ class Trainer {
 
    private:
     using State = TrainState;
-    // Values a SafetensorsWriter points at until it has written: optimizer state in its own
-    // precision, selection biases in float.
-    struct HeldValues {
-      std::vector<std::vector<float>> floats;
-      std::vector<std::vector<double>> doubles;
-      template <class S>
-      std::vector<std::vector<S>>& of() {
-        if constexpr (std::is_same_v<S, double>) return doubles;
-        else return floats;
-      }
-    };
-
     // A chunk's dense state, its experts' and its MoE blocks' selection biases.
     template <class Part, class D>
-    void add_chunk(Part& part, D& dp, io::SafetensorsWriter& w, std::vector<std::vector<value_type>>& params,
-                   HeldValues& states) {
-      add_shard(dp, w, params, states);
+    void add_chunk(Part& part, D& dp, checkpoint::Shard& w) {
+      add_shard(dp, w);
       if constexpr (Part::has_experts) {
-        add_shard(dp.experts(), w, params, states);
+        add_shard(dp.experts(), w);
         if constexpr (Part::has_router_bias)
           for (int m = 0; m < Part::moe_blocks; ++m) {
             const std::span<const float> b = part.router_bias(m);
-            auto& x = states.floats.emplace_back(b.begin(), b.end());
             w.add(checkpoint::bias_entry_name(Model::moe_blocks_before(Part::first_layer) + m),
-                  {static_cast<std::int64_t>(x.size())}, std::span<const float>(x));
+                  std::vector<float>(b.begin(), b.end()));
           }
       }
     }
@@ -405,8 +390,7 @@ class Trainer {
     }
 
     template <class D>
-    void add_shard(D& dp, io::SafetensorsWriter& w, std::vector<std::vector<value_type>>& params,
-                   HeldValues& states) {
+    void add_shard(D& dp, checkpoint::Shard& w) {
       using L = typename D::layout;
       std::vector<State> kinds{State::params, State::exp_avg, State::exp_avg_sq};
       if constexpr (D::optimizer_type::has_master) kinds.push_back(State::master);
@@ -419,14 +403,14 @@ class Trainer {
             const std::string name = checkpoint::entry_name(k, t.name(), b - t.offset);
             const auto from = v.begin() + static_cast<std::ptrdiff_t>(b - r.begin), to = from + static_cast<std::ptrdiff_t>(e - b);
             if (k == State::params) {
-              auto& x = params.emplace_back(e - b);
+              std::vector<value_type> x(e - b);
               std::transform(from, to, x.begin(), [](double d) { return static_cast<value_type>(static_cast<acc_t<value_type>>(d)); });
-              w.add(name, {static_cast<std::int64_t>(e - b)}, std::span<const value_type>(x));
+              w.add(name, std::move(x));
             } else {
               using S = typename D::optimizer_type::state_type;  // AdamW's precision: double for a double model
-              auto& x = states.template of<S>().emplace_back(e - b);
+              std::vector<S> x(e - b);
               std::transform(from, to, x.begin(), [](double d) { return static_cast<S>(d); });
-              w.add(name, {static_cast<std::int64_t>(e - b)}, std::span<const S>(x));
+              w.add(name, std::move(x));
             }
           }
         }
@@ -498,6 +482,12 @@ class Trainer {
   std::unique_ptr<GroupComm> world_;
   double lr_ = 0;
   int world_rank_ = 0;
+  // save_async's communicator (a split of the world, made at its first call) and the saver,
+  // last: destroyed first, it waits for a background save before the rest goes.
+  std::function<void()> make_save_comm_;
+  std::shared_ptr<void> save_comm_owner_;
+  std::unique_ptr<GroupComm> save_comm_;
+  checkpoint::Saver saver_;
 };
 
 }  // namespace fived
