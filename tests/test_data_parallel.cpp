@@ -665,6 +665,49 @@ TEST_CASE("ranks started from different weights are an error at construction, on
   }
 }
 
+// A model that takes UnitHooks and never calls them (or forgets one): under ZeRO-3 its
+// parameters would never be gathered.
+struct IgnoresHooks : GPT<cfg, Mesh<DP<2>>> {
+  using Base = GPT<cfg, Mesh<DP<2>>>;
+  using Base::Base;
+  bool forget_all = true;  // else only after_backward of unit 1
+  void enqueue_forward(const int* tok, const int* tgt, int b, int t, const UnitHooks& hooks) {
+    if (forget_all) Base::enqueue_forward(tok, tgt, b, t);
+    else Base::enqueue_forward(tok, tgt, b, t, hooks);
+  }
+  void backward(const UnitHooks& hooks) {
+    if (forget_all) return Base::backward();
+    UnitHooks h = hooks;
+    h.after_backward = [&](int u) {
+      if (u != 1) detail::call(hooks.after_backward, u);
+    };
+    Base::backward(h);
+  }
+};
+
+TEST_CASE("ZeRO-3 with a model that takes UnitHooks but does not call them is an error after its first backward") {
+  std::vector<int> tok, tgt;
+  global_batch(0, 1, tok, tgt);
+  for (const bool forget_all : {true, false}) {
+    CAPTURE(forget_all);
+    std::vector<std::string> errors(2);
+    host::run(2, [&](host::Comm& world) {
+      auto ctx = make_mesh_context<Mesh<DP<2>>>(world);
+      IgnoresHooks m(init);
+      m.forget_all = forget_all;
+      DataParallel<IgnoresHooks, ZeRO<3>, bucket_bytes> dp(m, ctx, hp);
+      try {
+        dp.step(tok, tgt, B, T);
+      } catch (const std::logic_error& e) {
+        errors[static_cast<std::size_t>(ctx.rank())] = e.what();
+      }
+    });
+    const std::string want = forget_all ? "never called UnitHooks::before_forward(0), so unit 0's parameters"
+                                        : "never called UnitHooks::after_backward(1), so unit 1's parameters";
+    for (const std::string& e : errors) CHECK(e.find(want) != std::string::npos);
+  }
+}
+
 TEST_CASE("a global batch that does not divide over DP is an error") {
   using M4 = Mesh<DP<4>>;
   using DP4 = DataParallel<GPT<cfg, M4>>;

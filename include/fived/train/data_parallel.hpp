@@ -338,6 +338,7 @@ class DataParallel {
   }
   // After it: waits for what backward handed over, and reduces what it did not.
   void end_backward() {
+    if constexpr (stage == 3) check_hooks_called();
     if constexpr (HasExperts<Model>) experts_->end_backward();
     queue_.drain();
     if (reducing_) {
@@ -567,20 +568,25 @@ class DataParallel {
     gathered_.assign(plan::units, false);
     gather_ticket_.assign(plan::units, 0);
     grads_live_.assign(plan::units, false);
+    if constexpr (stage == 3) hooks_seen_.assign(plan::units, 0);
     hooks_.before_forward = [this](int u) {
+      saw_hook(u, 0);
       use_params(u, u + 1);
       if constexpr (HasExperts<Model>) detail::call(experts_->hooks().before_forward, u);
     };
     hooks_.after_forward = [this](int u) {
+      saw_hook(u, 1);
       done_with_params(u);
       if constexpr (HasExperts<Model>) detail::call(experts_->hooks().after_forward, u);
     };
     hooks_.before_backward = [this](int u) {
+      saw_hook(u, 2);
       grads_in_use(u);
       use_params(u, u - 1);
       if constexpr (HasExperts<Model>) detail::call(experts_->hooks().before_backward, u);
     };
     hooks_.after_backward = [this](int u) {
+      saw_hook(u, 3);
       if (async_ && reducing_) reduce_unit(u, true);
       done_with_params(u);
       if constexpr (HasExperts<Model>) detail::call(experts_->hooks().after_backward, u);
@@ -759,6 +765,31 @@ class DataParallel {
 
   void hold(std::size_t elements) { peak_ = std::max(peak_, held_ += elements); }
 
+  // ZeRO-3 gathers a unit's parameters only when the model says so: a model that accepts
+  // UnitHooks and never calls them would train on released ranges without a word. So the
+  // first micro-batch's hooks are noted and, after its backward, every unit that holds
+  // parameters must have had all four.
+  void saw_hook(int u, int which) {
+    if constexpr (stage == 3)
+      if (!hooks_checked_) hooks_seen_[static_cast<std::size_t>(u)] |= static_cast<unsigned char>(1u << which);
+  }
+  void check_hooks_called() {
+    if (hooks_checked_) return;
+    hooks_checked_ = true;
+    static constexpr const char* names[] = {"before_forward", "after_forward", "before_backward", "after_backward"};
+    for (int u = 0; u < plan::units; ++u) {
+      const FlatRange r = plan::unit(u);
+      if (r.size() == 0) continue;
+      for (int h = 0; h < 4; ++h)
+        if ((hooks_seen_[static_cast<std::size_t>(u)] & (1u << h)) == 0)
+          throw std::logic_error("fived::DataParallel<ZeRO<3>>: the model's first micro-batch never called UnitHooks::" +
+                                 std::string(names[h]) + "(" + std::to_string(u) + "), so unit " + std::to_string(u) +
+                                 "'s parameters (elements [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
+                                 ") of its layout) were not gathered before use or released after; call each hook "
+                                 "around every unit's use in forward and backward (docs/model.md)");
+    }
+  }
+
   // ---- the optimizer step -------------------------------------------------------------------
 
   // The step of a model that holds every parameter of the run: its own norm, then update().
@@ -808,6 +839,8 @@ class DataParallel {
   bool async_ = false;     // this step's collectives run on the communication thread
   optimizer_type opt_;
   UnitHooks hooks_;
+  std::vector<unsigned char> hooks_seen_;  // ZeRO-3: the hooks of each unit the first micro-batch called
+  bool hooks_checked_ = false;
   buffer staging_, piece_;  // ZeRO: one bucket, padded, and one piece of it
   buffer grad_pieces_;      // ZeRO-2/3: this rank's pieces of the reduced gradient
   buffer param_pieces_;     // ZeRO-3: this rank's pieces of the parameters
