@@ -841,6 +841,37 @@ TEST_CASE("misuse: different reduce ops") {
   });
 }
 
+TEST_CASE("misuse: the ranks of one new group give it different names in split") {
+  auto o = run_misuse(4, [](Comm& w) {  // colors 0 and 1; rank 3 names group 1 "tq"
+    (void)w.split(w.rank() % 2, w.rank(), w.rank() == 3 ? "tq" : "tp");
+  });
+  check_run_threw_comm_error(o);
+  check_errors(o, all_ranks(4), [](int) {
+    return std::vector<std::string>{"split", world_text(4), "rank 1 names its new group \"tp\"",
+                                    "rank 3 names the same group (color 1) \"tq\""};
+  });
+  // Different names for different groups are fine.
+  host::run(4, [](Comm& w) { CHECK(w.split(w.rank() % 2, w.rank(), w.rank() % 2 ? "odd" : "even").size() == 2); });
+}
+
+TEST_CASE("misuse: a message not received before the group's next collective is an error at that collective") {
+  // Rank 0 sends twice, rank 1 receives once; a later receive would take the stale message.
+  auto o = run_misuse(2, [](Comm& w) {
+    std::vector<float> buf(3, 1.0f);
+    const std::array<SendOp<float>, 1> send{SendOp<float>{buf, 1}};
+    const std::array<RecvOp<float>, 1> recv{RecvOp<float>{buf, 0}};
+    if (w.rank() == 0)
+      for (int i = 0; i < 2; ++i) w.send_recv<float>(send, std::span<const RecvOp<float>>{});
+    else
+      w.send_recv<float>(std::span<const SendOp<float>>{}, recv);
+    w.barrier();
+  });
+  check_run_threw_comm_error(o);
+  check_errors(o, all_ranks(2), [](int) {
+    return std::vector<std::string>{"barrier", "rank 0 sent rank 1 1 message(s) in send_recv that it had not received"};
+  });
+}
+
 TEST_CASE("misuse: a mismatch inside a sub-group names the sub-group") {
   // tp groups {0,1} and {2,3}; group {0,1} disagrees on sizes, group {2,3} is
   // fine and then meets the aborted run at a world barrier.

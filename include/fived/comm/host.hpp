@@ -71,6 +71,7 @@ struct Post {
   const void* send = nullptr;
   std::span<const std::size_t> send_counts{}, recv_counts{};  // all_to_all_v
   int color = 0, key = 0;                                 // split
+  std::string name;                                       // split: the new group's name
 };
 
 struct Group;
@@ -402,7 +403,8 @@ class Comm {
   Comm split(int color, int key, std::string name) {
     require("split", args::split(color));
     std::shared_ptr<detail::Group> mine;
-    rendezvous({.op = "split", .color = color, .key = key}, [&](const auto&) { mine = group_->split_result[rank_]; },
+    rendezvous({.op = "split", .color = color, .key = key, .name = name},
+               [&](const auto&) { mine = group_->split_result[rank_]; },
                [this, name](detail::Group& g) { make_split(g, name); });
     const auto& m = mine->members;
     const int r = static_cast<int>(std::find(m.begin(), m.end(), world_rank()) - m.begin());
@@ -486,6 +488,22 @@ class Comm {
       if (p[0].op != "all_to_all_v" && p[r].count != p[0].count)
         return who(0) + " passed " + std::to_string(p[0].count) + " elements but " + who(r) + " passed " +
                std::to_string(p[r].count);
+    }
+    // Every rank is in this collective, so each has made every receive it made before: a
+    // message still waiting was sent and not received before it. NCCL would hang there (the
+    // send waits for its receive on the group's stream), and a later receive would take it
+    // for a message of its own step.
+    for (const auto& [route, box] : g.mailbox)
+      if (!box.empty())
+        return who(route.first) + " sent " + who(route.second) + " " + std::to_string(box.size()) +
+               " message(s) in send_recv that it had not received when the group's " + p[0].op +
+               " began: each send must be received before the next collective on its group";
+    if (p[0].op == "split") {  // the ranks of one new group give it one name
+      std::map<int, int> first;  // color -> the first rank with it
+      for (int r = 0; r < size(); ++r)
+        if (const auto [at, fresh] = first.try_emplace(p[r].color, r); !fresh && p[at->second].name != p[r].name)
+          return who(at->second) + " names its new group \"" + p[at->second].name + "\" but " + who(r) +
+                 " names the same group (color " + std::to_string(p[r].color) + ") \"" + p[r].name + "\"";
     }
     if (p[0].op == "all_to_all_v")
       for (int s = 0; s < size(); ++s)
