@@ -71,7 +71,7 @@ struct Post {
   const void* send = nullptr;
   std::span<const std::size_t> send_counts{}, recv_counts{};  // all_to_all_v
   int color = 0, key = 0;                                 // split
-  std::string name;                                       // split: the new group's name
+  std::string name{};                                     // split: the new group's name
 };
 
 struct Group;
