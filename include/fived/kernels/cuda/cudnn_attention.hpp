@@ -26,6 +26,7 @@
 #include <cudnn.h>
 #include <cudnn_frontend.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -72,24 +73,19 @@ struct Shape {
 };
 
 // [B, heads, T, hs] views of rows `row` elements long (q, k, v, dq, dk, dv in q|k|v; o, do in
-// [B,T,C]); the stats [B, NH, T, 1] contiguous.
+// [B,T,C]), and the statistics, [B, NH, T, 1] contiguous float.
+inline fe::graph::Tensor_attributes& rows_layout(fe::graph::Tensor_attributes& t, Uid uid, const Shape& s,
+                                                 std::int64_t heads, std::int64_t row) {
+  return t.set_uid(uid).set_dim({s.B, heads, s.T, s.hs()}).set_stride({s.T * row, s.hs(), row, 1});
+}
 inline std::shared_ptr<fe::graph::Tensor_attributes> rows_view(fe::graph::Graph& g, const char* name, Uid uid,
                                                                const Shape& s, std::int64_t heads, std::int64_t row) {
-  return g.tensor(fe::graph::Tensor_attributes()
-                      .set_name(name)
-                      .set_uid(uid)
-                      .set_dim({s.B, heads, s.T, s.hs()})
-                      .set_stride({s.T * row, s.hs(), row, 1}));
+  fe::graph::Tensor_attributes t;
+  return g.tensor(rows_layout(t.set_name(name), uid, s, heads, row));
 }
-inline void as_rows_output(const std::shared_ptr<fe::graph::Tensor_attributes>& t, Uid uid, const Shape& s,
-                           std::int64_t heads, std::int64_t row) {
-  t->set_output(true).set_uid(uid).set_dim({s.B, heads, s.T, s.hs()}).set_stride({s.T * row, s.hs(), row, 1});
-}
-inline std::shared_ptr<fe::graph::Tensor_attributes> stats_attributes(const Shape& s) {
-  auto t = std::make_shared<fe::graph::Tensor_attributes>();
-  t->set_name("stats").set_uid(stats_uid).set_data_type(fe::DataType_t::FLOAT);
-  t->set_dim({s.B, s.NH, s.T, 1}).set_stride({std::int64_t{s.NH} * s.T, s.T, 1, 1});
-  return t;
+inline fe::graph::Tensor_attributes& stats_layout(fe::graph::Tensor_attributes& t, const Shape& s) {
+  return t.set_uid(stats_uid).set_data_type(fe::DataType_t::FLOAT).set_dim({s.B, s.NH, s.T, 1}).set_stride(
+      {std::int64_t{s.NH} * s.T, s.T, 1, 1});
 }
 
 // The forward graph: O and the log-sum-exp statistics from strided Q, K, V.
@@ -104,9 +100,8 @@ inline void describe_forward(fe::graph::Graph& g, const Shape& s) {
                      .set_causal_mask(true)
                      .set_attn_scale(1.0f / std::sqrt(static_cast<float>(s.hs())));
   auto [o, stats] = g.sdpa(q, k, v, options);
-  as_rows_output(o, o_uid, s, s.NH, s.C);
-  stats->set_output(true).set_uid(stats_uid).set_data_type(fe::DataType_t::FLOAT);
-  stats->set_dim({s.B, s.NH, s.T, 1}).set_stride({std::int64_t{s.NH} * s.T, s.T, 1, 1});
+  rows_layout(*o, o_uid, s, s.NH, s.C).set_output(true);
+  stats_layout(*stats, s).set_output(true);
 }
 
 // The backward graph: dQ, dK, dV (summed over each key/value head's query heads) from
@@ -118,60 +113,51 @@ inline void describe_backward(fe::graph::Graph& g, const Shape& s, bool determin
   auto v = rows_view(g, "v", v_uid, s, s.NKV, row);
   auto o = rows_view(g, "o", o_uid, s, s.NH, s.C);
   auto dout = rows_view(g, "do", do_uid, s, s.NH, s.C);
-  auto stats = g.tensor(*stats_attributes(s));
+  fe::graph::Tensor_attributes stats_in;
+  auto stats = g.tensor(stats_layout(stats_in.set_name("stats"), s));
   auto options = fe::graph::SDPA_backward_attributes()
                      .set_name("fived_attention_backward")
                      .set_causal_mask(true)
                      .set_deterministic_algorithm(deterministic)
                      .set_attn_scale(1.0f / std::sqrt(static_cast<float>(s.hs())));
   auto [dq, dk, dv] = g.sdpa_backward(q, k, v, o, dout, stats, options);
-  as_rows_output(dq, dq_uid, s, s.NH, row);
-  as_rows_output(dk, dk_uid, s, s.NKV, row);
-  as_rows_output(dv, dv_uid, s, s.NKV, row);
+  rows_layout(*dq, dq_uid, s, s.NH, row).set_output(true);
+  rows_layout(*dk, dk_uid, s, s.NKV, row).set_output(true);
+  rows_layout(*dv, dv_uid, s, s.NKV, row).set_output(true);
 }
 
 }  // namespace cudnn_detail
 
 class CudnnAttention {
  public:
-  explicit CudnnAttention(cudaStream_t stream = nullptr) : stream_(stream) {}
+  // The GPU is asked once, here (the stream's device): no runtime call per attention.
+  explicit CudnnAttention(cudaStream_t stream = nullptr) : stream_(stream), device_ok_(device_supported()) {}
 
-  // Whether cuDNN runs this shape: a head size that is a multiple of 8 and at most 128,
+  // Whether cuDNN runs this shape here: a head size that is a multiple of 8 and at most 128,
   // on an Ampere or newer GPU. Ops runs fived's own kernel elsewhere.
-  static bool supports(int C, int NH, int NKV) {
-    if (NH <= 0 || NKV <= 0 || C % NH != 0 || NH % NKV != 0) return false;
-    const int hs = C / NH;
-    int device = 0, major = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
-      return false;
-    return hs % 8 == 0 && hs <= 128 && major >= 8;
+  bool takes(int C, int NH, int NKV) const { return device_ok_ && shape_supported(C, NH, NKV); }
+  static bool shape_supported(int C, int NH, int NKV) {
+    return NH > 0 && NKV > 0 && C % NH == 0 && NH % NKV == 0 && (C / NH) % 8 == 0 && C / NH <= 128;
   }
 
   void forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int NKV) {
     using namespace cudnn_detail;
     const Shape s{B, T, C, NH, NKV, false};
-    const Plan& p = plan(s);
-    bf16* q = const_cast<bf16*>(qkv);
-    const std::int64_t kv = std::int64_t{NKV} * s.hs();
-    std::unordered_map<std::int64_t, void*> pack{
-        {q_uid, q}, {k_uid, q + C}, {v_uid, q + C + kv}, {o_uid, out}, {stats_uid, lse}};
-    execute(p, pack);
+    const auto [q, k, v] = parts(s, qkv);
+    std::unordered_map<std::int64_t, void*> pack{{q_uid, q}, {k_uid, k}, {v_uid, v}, {o_uid, out}, {stats_uid, lse}};
+    execute(plan(s), pack);
   }
 
   void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, int B, int T, int C,
                 int NH, int NKV) {
     using namespace cudnn_detail;
     const Shape s{B, T, C, NH, NKV, true};
-    const Plan& p = plan(s);
-    bf16* q = const_cast<bf16*>(qkv);
-    const std::int64_t kv = std::int64_t{NKV} * s.hs();
+    const auto [q, k, v] = parts(s, qkv);
+    const auto [dq, dk, dv] = parts(s, dqkv);
     std::unordered_map<std::int64_t, void*> pack{
-        {q_uid, q},          {k_uid, q + C},        {v_uid, q + C + kv},
-        {o_uid, const_cast<bf16*>(out)},            {stats_uid, const_cast<float*>(lse)},
-        {do_uid, const_cast<bf16*>(dout)},          {dq_uid, dqkv},
-        {dk_uid, dqkv + C}, {dv_uid, dqkv + C + kv}};
-    execute(p, pack);
+        {q_uid, q},   {k_uid, k},   {v_uid, v},   {o_uid, const_cast<bf16*>(out)}, {stats_uid, const_cast<float*>(lse)},
+        {dq_uid, dq}, {dk_uid, dk}, {dv_uid, dv}, {do_uid, const_cast<bf16*>(dout)}};
+    execute(plan(s), pack);
   }
 
   // Whether the backward graphs built so far run cuDNN's deterministic algorithm (false
@@ -179,6 +165,18 @@ class CudnnAttention {
   bool deterministic() const noexcept { return deterministic_; }
 
  private:
+  // Where q, k and v (or their gradients) start in a [B,T,C+2Ckv] q|k|v buffer.
+  static std::array<void*, 3> parts(const cudnn_detail::Shape& s, const bf16* qkv) {
+    bf16* q = const_cast<bf16*>(qkv);
+    const std::int64_t kv = std::int64_t{s.NKV} * s.hs();
+    return {q, q + s.C, q + s.C + kv};
+  }
+  static bool device_supported() {
+    int device = 0, major = 0;
+    return cudaGetDevice(&device) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8;
+  }
+
   struct Plan {
     std::unique_ptr<cudnn_frontend::graph::Graph> graph;
     std::unique_ptr<void, cudnn_detail::DeviceDeleter> workspace;
@@ -230,6 +228,7 @@ class CudnnAttention {
   }
 
   cudaStream_t stream_;
+  bool device_ok_;
   std::unique_ptr<cudnnContext, cudnn_detail::HandleDeleter> handle_;
   std::map<cudnn_detail::Shape, Plan> plans_;
   bool deterministic_ = true;

@@ -387,7 +387,7 @@ struct Ops<T, Cuda> {
   kernels::cuda::DispatchScratch dispatch_;  // dispatch_plan's sort and count buffers
 #if defined(FIVED_WITH_CUDNN)
   bool cudnn_takes(int C, int NH, int NKV) const {
-    return use_cudnn_attention && kernels::cuda::CudnnAttention::supports(C, NH, NKV);
+    return use_cudnn_attention && cudnn_.takes(C, NH, NKV);
   }
   kernels::cuda::CudnnAttention cudnn_{stream_.get()};
 #endif
