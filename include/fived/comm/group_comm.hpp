@@ -34,6 +34,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "fived/comm/communicator.hpp"
 #include "fived/device/bf16.hpp"
@@ -73,7 +74,7 @@ class GroupComm {
 
 // A GroupComm over a reference to a communicator of any backend (which must outlive it).
 template <Communicator C>
-class GroupCommOf final : public GroupComm {
+class GroupCommOf : public GroupComm {
  public:
   explicit GroupCommOf(C& comm) : c_(comm) {}
   int rank() const override { return c_.rank(); }
@@ -113,6 +114,20 @@ class GroupCommOf final : public GroupComm {
 
  private:
   C& c_;
+};
+
+namespace detail {
+template <class C>
+struct Held {
+  C comm;
+};
+}  // namespace detail
+
+// A GroupComm that owns its communicator (one split off for a single use).
+template <Communicator C>
+class OwnedGroupComm final : private detail::Held<C>, public GroupCommOf<C> {
+ public:
+  explicit OwnedGroupComm(C comm) : detail::Held<C>{std::move(comm)}, GroupCommOf<C>(this->comm) {}
 };
 
 // One rank's handle on a group of the mesh (G: a GroupView such as M::tp_group or

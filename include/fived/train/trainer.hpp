@@ -96,10 +96,8 @@ class Trainer {
     }(std::make_index_sequence<P>{});
     world_rank_ = ctx.rank();
     world_ = std::make_unique<GroupCommOf<C>>(ctx.world());
-    make_save_comm_ = [this, &ctx] {
-      auto owned = std::make_shared<C>(ctx.world().split(0, ctx.world().rank(), "checkpoint"));
-      save_comm_ = std::make_unique<GroupCommOf<C>>(*owned);
-      save_comm_owner_ = std::move(owned);
+    split_save_comm_ = [&ctx] {
+      return std::make_unique<OwnedGroupComm<C>>(ctx.world().split(0, ctx.world().rank(), "checkpoint"));
     };
   }
 
@@ -163,7 +161,7 @@ class Trainer {
 
   struct SaveOptions {
     int keep_last = 0;                          // > 0: remove complete steps older than the newest N
-    std::map<std::string, std::string> run;     // what made the run, recorded in the manifest
+    std::map<std::string, std::string> run{};   // what made the run, recorded in the manifest
   };
   // Saves the state after `step` under dir/step-<step>: each rank its share, then the
   // manifest (train/saver.hpp). A collective; returns when the checkpoint is committed. Then
@@ -179,7 +177,7 @@ class Trainer {
   void save_async(const std::filesystem::path& dir, int step, const SaveOptions& options = {}) {
     checkpoint::Shard shard = rank_->shard();
     saver_.wait();  // its communicator is free again
-    if (!save_comm_) make_save_comm_();
+    if (!save_comm_) save_comm_ = split_save_comm_();
     saver_.start(std::move(shard), record(dir, step, options), *save_comm_);
   }
   // Waits for a save_async: returns its step (0 when none was pending); rethrows its error.
@@ -484,8 +482,7 @@ class Trainer {
   int world_rank_ = 0;
   // save_async's communicator (a split of the world, made at its first call) and the saver,
   // last: destroyed first, it waits for a background save before the rest goes.
-  std::function<void()> make_save_comm_;
-  std::shared_ptr<void> save_comm_owner_;
+  std::function<std::unique_ptr<GroupComm>()> split_save_comm_;
   std::unique_ptr<GroupComm> save_comm_;
   checkpoint::Saver saver_;
 };
