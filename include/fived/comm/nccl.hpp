@@ -123,6 +123,19 @@ inline std::chrono::duration<double> timeout_from_env() {
   }
 }
 
+// FIVED_NCCL_TRACE, for finding a hang: 1 prints every operation as it is enqueued (the
+// launcher's RANK, the group and the rank in it, the operation, its number on the group) to
+// stderr; 2 also waits for each to finish
+// and says so, which makes every collective synchronous (the order of the traces is then
+// the order on the device). Read once per process.
+inline int trace_level() {
+  static const int level = [] {
+    const char* v = std::getenv("FIVED_NCCL_TRACE");
+    return v == nullptr ? 0 : std::atoi(v);
+  }();
+  return level;
+}
+
 inline std::string seconds(std::chrono::duration<double> d) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%g", d.count());
@@ -290,26 +303,24 @@ class Comm {
     });
   }
 
-  // A few values in host memory (a loss, a gradient norm), reduced over the group: through
-  // this communicator's device scratch, ordered on the compute stream, and waited for (the
+  // Values in host memory (a loss, a gradient norm; a whole parameter vector for a check),
+  // reduced over the group in one collective: through this communicator's device scratch, ordered on the compute stream, and waited for (the
   // caller is about to read them; the wait polls NCCL's error state like synchronize()).
   void all_reduce_host(std::span<double> values, ReduceOp op = ReduceOp::sum) {
     constexpr std::string_view what = "all_reduce_host";
-    for (std::size_t done = 0; done < values.size(); done += scratch_values) {
-      const std::size_t n = std::min(scratch_values, values.size() - done);
-      double* host = values.data() + done;
-      usable(what);
-      check(cudaMemcpyAsync(scratch_, host, n * sizeof(double), cudaMemcpyHostToDevice, compute_), what,
-            "cudaMemcpyAsync (to the device)");
-      enqueue(what, [&] {
-        check(ncclAllReduce(scratch_, scratch_, n, ncclFloat64, detail::nccl_op(op), comm_, stream_), what,
-              "ncclAllReduce");
-      });
-      wait(what);  // bounded by the timeout; the copy below then finds the result ready
-      check(cudaMemcpyAsync(host, scratch_, n * sizeof(double), cudaMemcpyDeviceToHost, compute_), what,
-            "cudaMemcpyAsync (to the host)");
-      check(cudaStreamSynchronize(compute_), what, "cudaStreamSynchronize (compute stream)");
-    }
+    if (values.empty()) return;
+    usable(what);
+    double* device = host_scratch(what, values.size());
+    check(cudaMemcpyAsync(device, values.data(), values.size_bytes(), cudaMemcpyHostToDevice, compute_), what,
+          "cudaMemcpyAsync (to the device)");
+    enqueue(what, [&] {
+      check(ncclAllReduce(device, device, values.size(), ncclFloat64, detail::nccl_op(op), comm_, stream_), what,
+            "ncclAllReduce");
+    });
+    wait(what);  // bounded by the timeout; the copy below then finds the result ready
+    check(cudaMemcpyAsync(values.data(), device, values.size_bytes(), cudaMemcpyDeviceToHost, compute_), what,
+          "cudaMemcpyAsync (to the host)");
+    check(cudaStreamSynchronize(compute_), what, "cudaStreamSynchronize (compute stream)");
   }
 
   // An all-to-all of a few integers the host holds (a mixture of experts' token counts,
@@ -319,15 +330,9 @@ class Comm {
     constexpr std::string_view what = "all_to_all_host";
     expect(what, args::all_to_all(rank_, size_, send, recv));
     usable(what);
-    if (send.size() > exchange_size_) {
-      check(cudaStreamSynchronize(compute_), what, "cudaStreamSynchronize (before growing its buffer)");
-      if (exchange_ != nullptr) check(cudaFree(exchange_), what, "cudaFree");
-      exchange_ = nullptr, exchange_size_ = 0;
-      check(cudaMalloc(reinterpret_cast<void**>(&exchange_), 2 * send.size() * sizeof(std::int64_t)), what, "cudaMalloc");
-      exchange_size_ = send.size();
-    }
-    std::int64_t* in = exchange_;
-    std::int64_t* out = exchange_ + exchange_size_;
+    static_assert(sizeof(std::int64_t) == sizeof(double));
+    std::int64_t* in = reinterpret_cast<std::int64_t*>(host_scratch(what, 2 * send.size()));
+    std::int64_t* out = in + send.size();
     check(cudaMemcpyAsync(in, send.data(), send.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice, compute_), what,
           "cudaMemcpyAsync (to the device)");
     all_to_all<std::int64_t>(std::span<const std::int64_t>(in, send.size()), std::span<std::int64_t>(out, recv.size()));
@@ -381,9 +386,8 @@ class Comm {
       check(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest), "init", "cudaStreamCreateWithPriority");
       check(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "init", "cudaEventCreateWithFlags");
       check(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "init", "cudaEventCreateWithFlags");
-      check(cudaMalloc(reinterpret_cast<void**>(&scratch_), (scratch_values + 1) * sizeof(double)), "init", "cudaMalloc");
-      check(cudaMemset(scratch_, 0, (scratch_values + 1) * sizeof(double)), "init", "cudaMemset");
-      barrier_ = scratch_ + scratch_values;
+      check(cudaMalloc(reinterpret_cast<void**>(&barrier_), sizeof(double)), "init", "cudaMalloc");
+      check(cudaMemset(barrier_, 0, sizeof(double)), "init", "cudaMemset");
     } catch (...) {
       release();
       throw;
@@ -396,12 +400,12 @@ class Comm {
     compute_ = o.compute_;
     ready_ = std::exchange(o.ready_, nullptr);
     done_ = std::exchange(o.done_, nullptr);
-    scratch_ = std::exchange(o.scratch_, nullptr);
     barrier_ = std::exchange(o.barrier_, nullptr);
-    exchange_ = std::exchange(o.exchange_, nullptr);
-    exchange_size_ = std::exchange(o.exchange_size_, 0);
+    host_values_ = std::exchange(o.host_values_, nullptr);
+    host_values_size_ = std::exchange(o.host_values_size_, 0);
     rank_ = o.rank_, size_ = o.size_, device_ = o.device_;
     timeout_ = o.timeout_;
+    traced_ = o.traced_;
     name_ = std::move(o.name_);
     error_ = std::move(o.error_);
   }
@@ -432,12 +436,26 @@ class Comm {
         comm_ = nullptr;
       }
     }
-    if (scratch_ != nullptr) cudaFree(scratch_);
-    if (exchange_ != nullptr) cudaFree(exchange_);
+    if (barrier_ != nullptr) cudaFree(barrier_);
+    if (host_values_ != nullptr) cudaFree(host_values_);
     if (ready_ != nullptr) cudaEventDestroy(ready_);
     if (done_ != nullptr) cudaEventDestroy(done_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
-    scratch_ = barrier_ = nullptr, ready_ = done_ = nullptr, stream_ = nullptr;
+    barrier_ = host_values_ = nullptr, ready_ = done_ = nullptr, stream_ = nullptr;
+  }
+
+  // The device buffer for values the host gives and takes back (all_reduce_host,
+  // all_to_all_host), at least `n` eight-byte values: grown when a longer exchange comes,
+  // so a whole parameter vector goes in one collective. Nothing is in flight on it between
+  // calls (each ends with a synchronisation).
+  double* host_scratch(std::string_view what, std::size_t n) {
+    if (n > host_values_size_) {
+      if (host_values_ != nullptr) check(cudaFree(std::exchange(host_values_, nullptr)), what, "cudaFree");
+      host_values_size_ = 0;
+      check(cudaMalloc(reinterpret_cast<void**>(&host_values_), n * sizeof(double)), what, "cudaMalloc");
+      host_values_size_ = n;
+    }
+    return host_values_;
   }
 
   // ---- errors --------------------------------------------------------------
@@ -500,9 +518,16 @@ class Comm {
                std::to_string(device_) + ": call cudaSetDevice(" + std::to_string(device_) + ") in this thread first");
     check(cudaEventRecord(ready_, compute_), what, "cudaEventRecord (compute stream)");
     check(cudaStreamWaitEvent(stream_, ready_, 0), what, "cudaStreamWaitEvent (communication stream)");
+    const int trace = detail::trace_level();
+    static const std::string launched_as = std::getenv("RANK") != nullptr ? std::getenv("RANK") : "?";
+    if (trace > 0) std::fprintf(stderr, "[RANK %s] %s: #%llu enqueued\n", launched_as.c_str(), where(what).c_str(), ++traced_);
     issue();
     check(cudaEventRecord(done_, stream_), what, "cudaEventRecord (communication stream)");
     check(cudaStreamWaitEvent(compute_, done_, 0), what, "cudaStreamWaitEvent (compute stream)");
+    if (trace > 1) {
+      wait(what);
+      std::fprintf(stderr, "[RANK %s] %s: #%llu done\n", launched_as.c_str(), where(what).c_str(), traced_);
+    }
   }
 
   // Runs `body(add)` between ncclGroupStart and ncclGroupEnd; the group is
@@ -549,11 +574,10 @@ class Comm {
   cudaStream_t stream_ = nullptr;
   cudaStream_t compute_ = cudaStreamPerThread;
   cudaEvent_t ready_ = nullptr, done_ = nullptr;
-  static constexpr std::size_t scratch_values = 16;
-  double* scratch_ = nullptr;  // all_reduce_host's values, then the barrier's element
-  double* barrier_ = nullptr;  // scratch_ + scratch_values, always 0
-  std::int64_t* exchange_ = nullptr;  // all_to_all_host's send and receive halves
-  std::size_t exchange_size_ = 0;
+  double* barrier_ = nullptr;  // the barrier's element, always 0
+  double* host_values_ = nullptr;  // the host exchanges' values on the device (host_scratch)
+  std::size_t host_values_size_ = 0;
+  unsigned long long traced_ = 0;  // operations enqueued, numbered for FIVED_NCCL_TRACE
   int rank_ = 0, size_ = 0, device_ = 0;
   std::chrono::duration<double> timeout_{600.0};
   std::string name_;
