@@ -39,6 +39,7 @@
 // gradient is the same but the bubble a zero-bubble schedule removes by moving W is not
 // removed yet (bench/pipeline measures the schedules with stand-in stages that do split).
 
+#include <algorithm>
 #include <cstddef>
 #include <optional>
 #include <span>
@@ -110,6 +111,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     // On a device the point-to-point transfers are ordered with the chunks' kernels.
     if constexpr (requires { pp_.set_compute_stream(std::get<0>(chunks_).ops().stream()); })
       pp_.set_compute_stream(std::get<0>(chunks_).ops().stream());
+    connect_neighbours();
   }
 
   // One optimizer step on the global batch: M micro-batches of [B, T] token ids, rows
@@ -270,6 +272,32 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     pp_.send_recv(std::span<const SendOp<T>>(sends), std::span<const RecvOp<T>>(recvs));
     for (std::size_t j = i; j < e; ++j)  // d(input) has left: its slot may go
       if (program_[j].op == Op::send_grad) done_with(program_[j].chunk, program_[j].mb);
+  }
+
+  // One element each way with every rank this program exchanges with, all in one group, so
+  // every connection the step will use exists before it. NCCL sets a point-to-point
+  // connection up the first time a pair uses it, with both hosts taking part: in the step a
+  // group whose receive is new (1F1B's first gradient) waited for its peer's host, which
+  // could be blocked on its own device (a first allocation, a cudaFree) queued behind a
+  // receive from this very group: DP 2 x PP 2 x TP 2 hung there on one GPU. The relation is
+  // symmetric (a table's sends and receives pair up), so every peer issues the same group.
+  void connect_neighbours() {
+    std::vector<int> peers;
+    for (const Action& s : program_)
+      if (is_comm(s.op) && s.peer >= 0 && std::find(peers.begin(), peers.end(), s.peer) == peers.end())
+        peers.push_back(s.peer);
+    if (peers.empty()) return;
+    std::sort(peers.begin(), peers.end());
+    auto& ops = std::get<0>(chunks_).ops();
+    auto out = ops.template make_buffer<T>(peers.size()), in = ops.template make_buffer<T>(peers.size());
+    std::vector<SendOp<T>> sends;
+    std::vector<RecvOp<T>> recvs;
+    for (std::size_t k = 0; k < peers.size(); ++k) {
+      sends.push_back({std::span<const T>(out.data() + k, 1), peers[k]});
+      recvs.push_back({std::span<T>(in.data() + k, 1), peers[k]});
+    }
+    pp_.send_recv(std::span<const SendOp<T>>(sends), std::span<const RecvOp<T>>(recvs));
+    pp_.synchronize();  // the buffers go at return
   }
 
   // A tensor tied across stages (the model's `tied_weight`: GPT-2's wte, which the first
