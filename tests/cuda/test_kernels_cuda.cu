@@ -132,8 +132,9 @@ TEST_CASE("device layer: Buffer<T, Cuda>, Stream, Event, checks") {
   FIVED_CUDA_CHECK(cudaSetDevice(0));
   // A bad launch configuration is caught by the launch check.
   Buffer<float, Cuda> x(4);
-  ck::detail::gelu_forward_kernel<<<1, 4096, 0, stream()>>>(x.data(), x.data(), std::size_t{4});
-  CHECK_THROWS_AS(FIVED_CUDA_CHECK_LAUNCH("gelu_forward_kernel"), fived::cuda::Error);
+  ck::detail::elementwise_kernel<1><<<1, 4096, 0, stream()>>>(ck::detail::GeluForward<float>{x.data(), x.data()},
+                                                              std::size_t{4});
+  CHECK_THROWS_AS(FIVED_CUDA_CHECK_LAUNCH("elementwise_kernel"), fived::cuda::Error);
 }
 
 TEST_CASE_TEMPLATE("matmul: transposes, bias, accumulate, GELU epilogue", T, ELEMENT_TYPES) {

@@ -13,7 +13,8 @@
 //   - 5 steps with accumulation 2 and clipping: the loss of every step, then every weight
 //     tensor (per tensor ||par - ser|| / ||ser||);
 //   - steps 2-5 allocate no device buffer (buffer_allocations<Cuda>: the step's workspaces
-//     were all sized before).
+//     were all sized before), and the kernels' stream-ordered scratch takes no memory from
+//     the driver (the default pool's reserved bytes stay as they were after step 1).
 // Bounds: fp32 loss 1e-4 relative, gradients 1e-3 (max |diff| / max |ser| per tensor),
 // weights 1e-3; bf16 loss 2e-2, gradients 5e-2, weights 5e-2 (bf16 rounds each rank's
 // partial sums: the runs differ by bf16 rounding of different sums). AdamW's eps is 1e-2 so
@@ -106,14 +107,16 @@ void parallel_equals_serial() {
   DataParallel<Par, Policy> dp(p, ctx, hp, accum);
   DataParallel<Ser> serial(s, hp, accum);
   std::size_t after_first = 0;
+  std::uint64_t pool_after_first = 0;
   for (int step = 0; step < steps; ++step) {
     CAPTURE(step);
     global_batch(step, accum, tok, tgt);
     const double lp = dp.step(tok, tgt, B, T), ls = serial.step(tok, tgt, B, T);
     CHECK(std::abs(lp - ls) <= bound.loss * std::abs(ls));
-    if (step == 0) after_first = buffer_allocations<Cuda>().load();
+    if (step == 0) after_first = buffer_allocations<Cuda>().load(), pool_after_first = kernels::cuda::scratch_pool_reserved();
   }
   CHECK(buffer_allocations<Cuda>().load() == after_first);
+  CHECK(kernels::cuda::scratch_pool_reserved() == pool_after_first);  // the kernels' scratch: no memory from the driver
 
   std::vector<E> wp;
   if constexpr (Policy::stage == 3) {

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -134,6 +135,19 @@ __device__ __forceinline__ float gelu_grad_f(float x) {
 
 namespace detail {
 
+// Elementwise work over n elements: f.template at<W>(i) handles elements [i, i + W). W is
+// vec16<E> (16-byte accesses) when the launcher was told that is safe, else 1; the last
+// n % W elements go one at a time. One piece per thread where the grid allows.
+template <int W, class F>
+__global__ void elementwise_kernel(F f, std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  const std::size_t first = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  const std::size_t pieces = n / W;
+  for (std::size_t p = first; p < pieces; p += stride) f.template at<W>(p * W);
+  if constexpr (W > 1)
+    for (std::size_t i = pieces * W + first; i < n; i += stride) f.template at<1>(i);
+}
+
 inline unsigned grid_for(std::size_t n, unsigned block, unsigned max_blocks = 65535u * 32u) {
   std::size_t g = (n + block - 1) / block;
   if (g == 0) g = 1;
@@ -146,6 +160,26 @@ inline int sm_count() {
   FIVED_CUDA_CHECK(cudaGetDevice(&dev));
   FIVED_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
   return n;
+}
+
+// Whether every pointer allows 16-byte accesses.
+inline bool aligned16(std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs)
+    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
+// Launches elementwise_kernel over n elements of E: 16 bytes a thread when `wide` (every
+// pointer f touches is 16-byte aligned, and a piece never straddles what f treats as a row).
+template <class E, class F>
+void launch_elementwise(cudaStream_t stream, const char* name, std::size_t n, const F& f, bool wide) {
+  if (n == 0) return;
+  constexpr unsigned block = 256;
+  if (wide)
+    elementwise_kernel<vec16<E>><<<grid_for((n + vec16<E> - 1) / vec16<E>, block), block, 0, stream>>>(f, n);
+  else
+    elementwise_kernel<1><<<grid_for(n, block), block, 0, stream>>>(f, n);
+  FIVED_CUDA_CHECK_LAUNCH(name);
 }
 
 [[noreturn]] inline void bad_argument(const char* kernel, const std::string& what) {
@@ -162,6 +196,29 @@ inline void require_positive(const char* kernel, const char* name, long long v) 
 }
 
 }  // namespace detail
+
+// Scratch (below) comes from the device's default memory pool, which by default hands its
+// free memory back to the driver at every synchronisation: the next step would allocate
+// from the driver again. Keeping it makes a steady-state step's scratch a suballocation of
+// memory the pool already holds. Ops<T, Cuda> calls this once.
+inline void keep_scratch_pool() {
+  int device = 0;
+  FIVED_CUDA_CHECK(cudaGetDevice(&device));
+  cudaMemPool_t pool = nullptr;
+  FIVED_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+  std::uint64_t keep = ~std::uint64_t{0};
+  FIVED_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+}
+// Bytes the default pool holds from the driver now (constant over steady-state steps).
+inline std::uint64_t scratch_pool_reserved() {
+  int device = 0;
+  FIVED_CUDA_CHECK(cudaGetDevice(&device));
+  cudaMemPool_t pool = nullptr;
+  FIVED_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+  std::uint64_t bytes = 0;
+  FIVED_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &bytes));
+  return bytes;
+}
 
 // Stream-ordered scratch memory (cudaMallocAsync / cudaFreeAsync on one
 // stream): freed, in stream order, after the work queued before destruction.
@@ -186,7 +243,9 @@ class Scratch {
 // Column sums of a row-major [M, N] matrix of values produced by `f(row, col)`
 // (a float2: two sums at once), deterministic: blocks of 32 columns x `splits`
 // row ranges write partial sums, then a second kernel adds the partials in
-// order and calls `out(col, float2)`.
+// order and calls `out(col, float2)`. A warp reads 32 neighbouring columns of a row;
+// each thread has four rows' loads in flight, and there are about eight blocks per SM, so
+// enough bytes are on their way to keep HBM busy.
 template <class F>
 __global__ void column_partials_kernel(float2* partials, F f, int M, int N, int rows_per_split) {
   __shared__ float2 tile[8][33];
@@ -194,12 +253,19 @@ __global__ void column_partials_kernel(float2* partials, F f, int M, int N, int 
   const int r0 = static_cast<int>(blockIdx.y) * rows_per_split;
   const int r1 = min(M, r0 + rows_per_split);
   float2 acc = make_float2(0.0f, 0.0f);
-  if (col < N)
-    for (int r = r0 + static_cast<int>(threadIdx.y); r < r1; r += 8) {
+  if (col < N) {
+    int r = r0 + static_cast<int>(threadIdx.y);
+    for (; r + 24 < r1; r += 32) {
+      const float2 a = f(r, col), b = f(r + 8, col), c = f(r + 16, col), d = f(r + 24, col);
+      acc.x += (a.x + b.x) + (c.x + d.x);
+      acc.y += (a.y + b.y) + (c.y + d.y);
+    }
+    for (; r < r1; r += 8) {
       const float2 v = f(r, col);
       acc.x += v.x;
       acc.y += v.y;
     }
+  }
   tile[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && col < N) {
@@ -229,7 +295,7 @@ __global__ void column_finish_kernel(const float2* partials, Out out, int N, int
 template <class F, class Out>
 void column_reduce(cudaStream_t stream, F f, Out out, int M, int N) {
   const int col_blocks = (N + 31) / 32;
-  int splits = (2 * detail::sm_count() + col_blocks - 1) / col_blocks;  // about two blocks per SM
+  int splits = (8 * detail::sm_count() + col_blocks - 1) / col_blocks;  // about eight blocks per SM
   const int max_splits = (M + 63) / 64;                                   // at least 64 rows per split
   if (splits > max_splits) splits = max_splits;
   if (splits < 1) splits = 1;

@@ -10,10 +10,11 @@
 // range (another rank's, or a negative one) contributes 0 to out and nothing to dwte.
 // With only one of the two terms present the forward copies it exactly, as the host does.
 //
-// The backward is deterministic (no atomics): the (token, position) pairs are
-// radix-sorted by token with CUB (stable, so positions stay in order), and one
-// block per distinct in-range token sums its rows in position order, in float, then
-// adds the sum to dwte once. dwpe[t] sums over b in order.
+// The backward is deterministic (no atomics): the (row of wte, position) pairs are
+// radix-sorted by row with CUB (stable, so positions stay in order; only the bits of
+// vocab_rows, out-of-range ids sorted last), and one block per distinct row sums its
+// positions' gradients in order, in float, then adds the sum to dwte once. dwpe[t] sums
+// over b in order. The forward moves 16 bytes a thread where C and the pointers allow.
 
 #include <cub/device/device_radix_sort.cuh>
 
@@ -31,49 +32,60 @@ __device__ __forceinline__ bool embedding_in_range(int tok, int vocab_begin, int
   return tok >= vocab_begin && tok - vocab_begin < vocab_rows;
 }
 
+// Elements [i, i + W) of out (never across a row: C % W == 0 when W > 1).
 template <class E>
-__global__ void embedding_forward_kernel(E* out, const int* tokens, const E* wte, int vocab_begin, int vocab_rows,
-                                         const E* wpe, int BT, int T, int C) {
-  const std::size_t n = static_cast<std::size_t>(BT) * C;
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+struct EmbedRows {
+  E* out;
+  const int* tokens;
+  const E* wte;
+  int vocab_begin, vocab_rows;
+  const E* wpe;
+  int T, C;
+  template <int W>
+  __device__ void at(std::size_t i) const {
     const int bt = static_cast<int>(i / C), c = static_cast<int>(i % C);
-    const int t = bt % T;
     const int tok = tokens[bt];
     const E* e = embedding_in_range(tok, vocab_begin, vocab_rows)
                      ? wte + static_cast<std::size_t>(tok - vocab_begin) * C + c
                      : nullptr;
-    const E* p = wpe != nullptr ? wpe + static_cast<std::size_t>(t) * C + c : nullptr;
-    // One term alone is copied, not added to 0.0f (which would turn -0 into +0).
-    out[i] = e != nullptr && p != nullptr ? from_float<E>(to_float(*e) + to_float(*p))
-             : e != nullptr               ? *e
-             : p != nullptr               ? *p
-                                          : from_float<E>(0.0f);
+    const E* p = wpe != nullptr ? wpe + static_cast<std::size_t>(bt % T) * C + c : nullptr;
+    float x[W] = {}, y[W] = {};
+    if (e != nullptr) load_elems<W>(x, e);
+    if (p != nullptr) load_elems<W>(y, p);
+#pragma unroll
+    for (int k = 0; k < W; ++k)  // one term alone is copied (float holds a bf16 exactly), not added to 0.0f (-0 -> +0)
+      x[k] = e != nullptr && p != nullptr ? x[k] + y[k] : e != nullptr ? x[k] : p != nullptr ? y[k] : 0.0f;
+    store_elems<W>(out + i, x);
   }
-}
+};
 
-// (A template, as every kernel in these headers: one definition however many TUs include it.)
+// The sort's keys and values: key = the row of wte a token adds to, or vocab_rows for an id
+// outside the range (sorted last, skipped), so the sort needs only the bits of vocab_rows;
+// value = the token's position. (A template, as every kernel in these headers: one
+// definition however many TUs include it.)
 template <class I>
-__global__ void iota_kernel(I* p, I n) {
-  for (I i = static_cast<I>(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += static_cast<I>(gridDim.x * blockDim.x))
-    p[i] = i;
+__global__ void embedding_keys_kernel(I* keys, I* positions, const I* tokens, I n, I vocab_begin, I vocab_rows) {
+  for (I i = static_cast<I>(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += static_cast<I>(gridDim.x * blockDim.x)) {
+    const I tok = tokens[i];
+    keys[i] = embedding_in_range(tok, vocab_begin, vocab_rows) ? tok - vocab_begin : vocab_rows;
+    positions[i] = i;
+  }
 }
 
 // One block per sorted index; only the first index of each run of equal in-range tokens
 // works. Out-of-range ids still take part in the sort (they are another rank's rows).
 template <class E>
-__global__ void embedding_backward_wte_kernel(E* dwte, const E* dout, const int* sorted_tokens,
-                                              const int* sorted_positions, int n, int C, int vocab_begin,
-                                              int vocab_rows) {
+__global__ void embedding_backward_wte_kernel(E* dwte, const E* dout, const int* sorted_rows,
+                                              const int* sorted_positions, int n, int C, int vocab_rows) {
   const int i = static_cast<int>(blockIdx.x);
-  const int tok = sorted_tokens[i];
-  if (!embedding_in_range(tok, vocab_begin, vocab_rows) || (i > 0 && sorted_tokens[i - 1] == tok)) return;
+  const int row = sorted_rows[i];
+  if (row == vocab_rows || (i > 0 && sorted_rows[i - 1] == row)) return;
   int end = i + 1;
-  while (end < n && sorted_tokens[end] == tok) ++end;
+  while (end < n && sorted_rows[end] == row) ++end;
   for (int c = static_cast<int>(threadIdx.x); c < C; c += static_cast<int>(blockDim.x)) {
     float acc = 0.0f;
     for (int j = i; j < end; ++j) acc += to_float(dout[static_cast<std::size_t>(sorted_positions[j]) * C + c]);
-    E* w = dwte + static_cast<std::size_t>(tok - vocab_begin) * C + c;
+    E* w = dwte + static_cast<std::size_t>(row) * C + c;
     *w = from_float<E>(to_float(*w) + acc);
   }
 }
@@ -107,9 +119,10 @@ void embedding_forward(cudaStream_t stream, E* out, const int* tokens, const E* 
   detail::check_embedding_sizes("embedding_forward", B, T, C, vocab_begin, vocab_rows);
   if (B == 0 || T == 0) return;
   const std::size_t n = static_cast<std::size_t>(B) * T * C;
-  detail::embedding_forward_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(
-      dev(out), tokens, dev(wte), vocab_begin, vocab_rows, dev(wpe), B * T, T, C);
-  FIVED_CUDA_CHECK_LAUNCH("embedding_forward_kernel");
+  detail::launch_elementwise<E>(
+      stream, "embedding_forward", n,
+      detail::EmbedRows<device_t<E>>{dev(out), tokens, dev(wte), vocab_begin, vocab_rows, dev(wpe), T, C},
+      C % vec16<E> == 0 && detail::aligned16({out, wte, wpe}));
 }
 
 template <class E>
@@ -120,19 +133,22 @@ void embedding_backward(cudaStream_t stream, E* dwte, E* dwpe, const E* dout, co
   if (B == 0 || T == 0) return;
   const int n = B * T;
   if (dwte != nullptr && vocab_rows > 0) {
-    Scratch<int> sorted_tokens(static_cast<std::size_t>(n), stream), positions(static_cast<std::size_t>(n), stream),
-        sorted_positions(static_cast<std::size_t>(n), stream);
-    detail::iota_kernel<<<detail::grid_for(static_cast<std::size_t>(n), 256), 256, 0, stream>>>(positions.get(), n);
-    FIVED_CUDA_CHECK_LAUNCH("iota_kernel");
+    Scratch<int> rows(static_cast<std::size_t>(n), stream), sorted_rows(static_cast<std::size_t>(n), stream),
+        positions(static_cast<std::size_t>(n), stream), sorted_positions(static_cast<std::size_t>(n), stream);
+    detail::embedding_keys_kernel<<<detail::grid_for(static_cast<std::size_t>(n), 256), 256, 0, stream>>>(
+        rows.get(), positions.get(), tokens, n, vocab_begin, vocab_rows);
+    FIVED_CUDA_CHECK_LAUNCH("embedding_keys_kernel");
+    int bits = 1;  // keys are 0 .. vocab_rows
+    while (bits < 31 && (vocab_rows >> bits) != 0) ++bits;
     std::size_t temp_bytes = 0;
-    FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, tokens, sorted_tokens.get(), positions.get(),
-                                                     sorted_positions.get(), n, 0, 32, stream));
+    FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, rows.get(), sorted_rows.get(), positions.get(),
+                                                     sorted_positions.get(), n, 0, bits, stream));
     Scratch<unsigned char> temp(temp_bytes, stream);
-    FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.get(), temp_bytes, tokens, sorted_tokens.get(),
-                                                     positions.get(), sorted_positions.get(), n, 0, 32, stream));
+    FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.get(), temp_bytes, rows.get(), sorted_rows.get(),
+                                                     positions.get(), sorted_positions.get(), n, 0, bits, stream));
     const unsigned block = C >= 256 ? 256u : 32u * static_cast<unsigned>((C + 31) / 32);
     detail::embedding_backward_wte_kernel<<<static_cast<unsigned>(n), block, 0, stream>>>(
-        dev(dwte), dev(dout), sorted_tokens.get(), sorted_positions.get(), n, C, vocab_begin, vocab_rows);
+        dev(dwte), dev(dout), sorted_rows.get(), sorted_positions.get(), n, C, vocab_rows);
     FIVED_CUDA_CHECK_LAUNCH("embedding_backward_wte_kernel");
   }
   if (dwpe != nullptr) {

@@ -2,7 +2,7 @@
 // GELU (tanh approximation, as GPT-2), contract of fived/kernels/host/gelu.hpp:
 //   gelu_forward(s, out, inp, n)
 //   gelu_backward(s, dinp, inp, dout, n)    dinp = dout * gelu'(inp); dinp may alias dout
-// Elementwise, grid-stride, float math (tanhf).
+// Elementwise (16-byte accesses where aligned), float math (tanhf).
 
 #include <cstddef>
 
@@ -13,18 +13,34 @@ namespace fived::kernels::cuda {
 namespace detail {
 
 template <class T>
-__global__ void gelu_forward_kernel(T* out, const T* inp, std::size_t n) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    out[i] = from_float<T>(gelu_f(to_float(inp[i])));
-}
+struct GeluForward {
+  T* out;
+  const T* inp;
+  template <int W>
+  __device__ void at(std::size_t i) const {
+    float x[W];
+    load_elems<W>(x, inp + i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) x[k] = gelu_f(x[k]);
+    store_elems<W>(out + i, x);
+  }
+};
 
 template <class T>
-__global__ void gelu_backward_kernel(T* dinp, const T* inp, const T* dout, std::size_t n) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    dinp[i] = from_float<T>(to_float(dout[i]) * gelu_grad_f(to_float(inp[i])));
-}
+struct GeluBackward {
+  T* dinp;
+  const T* inp;
+  const T* dout;
+  template <int W>
+  __device__ void at(std::size_t i) const {
+    float x[W], d[W];
+    load_elems<W>(x, inp + i);
+    load_elems<W>(d, dout + i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) d[k] *= gelu_grad_f(x[k]);
+    store_elems<W>(dinp + i, d);
+  }
+};
 
 }  // namespace detail
 
@@ -32,16 +48,17 @@ template <class T>
 void gelu_forward(cudaStream_t stream, T* out, const T* inp, std::size_t n) {
   static_assert(is_element_v<T>, "gelu_forward: element type must be float or fived::bf16");
   if (n == 0) return;
-  detail::gelu_forward_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(dev(out), dev(inp), n);
-  FIVED_CUDA_CHECK_LAUNCH("gelu_forward_kernel");
+  detail::launch_elementwise<T>(stream, "gelu_forward", n, detail::GeluForward<device_t<T>>{dev(out), dev(inp)},
+                                detail::aligned16({out, inp}));
 }
 
 template <class T>
 void gelu_backward(cudaStream_t stream, T* dinp, const T* inp, const T* dout, std::size_t n) {
   static_assert(is_element_v<T>, "gelu_backward: element type must be float or fived::bf16");
   if (n == 0) return;
-  detail::gelu_backward_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(dev(dinp), dev(inp), dev(dout), n);
-  FIVED_CUDA_CHECK_LAUNCH("gelu_backward_kernel");
+  detail::launch_elementwise<T>(stream, "gelu_backward", n,
+                                detail::GeluBackward<device_t<T>>{dev(dinp), dev(inp), dev(dout)},
+                                detail::aligned16({dinp, inp, dout}));
 }
 
 }  // namespace fived::kernels::cuda

@@ -54,22 +54,23 @@ __global__ void sum_partials_kernel(float* out_accumulate, const float* partials
   if (threadIdx.x == 0) *out_accumulate += s;
 }
 
+// g *= factor, or, with total_sumsq, by the clip factor computed from it on the device.
 template <class T>
-__global__ void scale_kernel(T* g, std::size_t n, float factor, const float* total_sumsq, float max_norm) {
-  constexpr int W = vec16<T>;
-  if (total_sumsq != nullptr) factor = fminf(1.0f, max_norm / (sqrtf(*total_sumsq) + 1e-6f));
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  const std::size_t first = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
-  const std::size_t nv = reinterpret_cast<std::uintptr_t>(g) % 16 == 0 ? n / W : 0;
-  for (std::size_t i = first; i < nv; i += stride) {
+struct Scale {
+  T* g;
+  float factor;
+  const float* total_sumsq;
+  float max_norm;
+  template <int W>
+  __device__ void at(std::size_t i) const {
+    const float f = total_sumsq != nullptr ? fminf(1.0f, max_norm / (sqrtf(*total_sumsq) + 1e-6f)) : factor;
     float x[W];
-    load_vec16(x, g + i * W);
+    load_elems<W>(x, g + i);
 #pragma unroll
-    for (int k = 0; k < W; ++k) x[k] *= factor;
-    store_vec16(g + i * W, x);
+    for (int k = 0; k < W; ++k) x[k] *= f;
+    store_elems<W>(g + i, x);
   }
-  for (std::size_t i = nv * W + first; i < n; i += stride) g[i] = from_float<T>(to_float(g[i]) * factor);
-}
+};
 
 }  // namespace detail
 
@@ -93,9 +94,8 @@ template <class T>
 void scale(cudaStream_t stream, T* g, std::size_t n, double factor) {  // rounded once to float, the compute type
   static_assert(is_element_v<T>, "scale: element type must be float or fived::bf16");
   if (n == 0) return;
-  detail::scale_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(dev(g), n, static_cast<float>(factor), nullptr,
-                                                                     0.0f);
-  FIVED_CUDA_CHECK_LAUNCH("scale_kernel");
+  detail::launch_elementwise<T>(stream, "scale", n, detail::Scale<device_t<T>>{dev(g), static_cast<float>(factor), nullptr, 0.0f},
+                                detail::aligned16({g}));
 }
 
 inline double clip_factor(double total_sum_of_squares, double max_norm) {
@@ -108,8 +108,9 @@ template <class T>
 void clip_scale(cudaStream_t stream, T* g, std::size_t n, const float* total_sum_of_squares, float max_norm) {
   static_assert(is_element_v<T>, "clip_scale: element type must be float or fived::bf16");
   if (n == 0) return;
-  detail::scale_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(dev(g), n, 1.0f, total_sum_of_squares, max_norm);
-  FIVED_CUDA_CHECK_LAUNCH("scale_kernel");
+  detail::launch_elementwise<T>(stream, "clip_scale", n,
+                                detail::Scale<device_t<T>>{dev(g), 1.0f, total_sum_of_squares, max_norm},
+                                detail::aligned16({g}));
 }
 
 }  // namespace fived::kernels::cuda

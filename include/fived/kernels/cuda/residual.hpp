@@ -11,11 +11,20 @@ namespace fived::kernels::cuda {
 namespace detail {
 
 template <class T>
-__global__ void residual_forward_kernel(T* out, const T* a, const T* b, std::size_t n) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
-}
+struct ResidualAdd {
+  T* out;
+  const T* a;
+  const T* b;
+  template <int W>
+  __device__ void at(std::size_t i) const {
+    float x[W], y[W];
+    load_elems<W>(x, a + i);
+    load_elems<W>(y, b + i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) x[k] += y[k];
+    store_elems<W>(out + i, x);
+  }
+};
 
 }  // namespace detail
 
@@ -23,8 +32,8 @@ template <class T>
 void residual_forward(cudaStream_t stream, T* out, const T* a, const T* b, std::size_t n) {
   static_assert(is_element_v<T>, "residual_forward: element type must be float or fived::bf16");
   if (n == 0) return;
-  detail::residual_forward_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(dev(out), dev(a), dev(b), n);
-  FIVED_CUDA_CHECK_LAUNCH("residual_forward_kernel");
+  detail::launch_elementwise<T>(stream, "residual_forward", n, detail::ResidualAdd<device_t<T>>{dev(out), dev(a), dev(b)},
+                                detail::aligned16({out, a, b}));
 }
 
 }  // namespace fived::kernels::cuda

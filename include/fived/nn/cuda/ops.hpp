@@ -104,7 +104,9 @@ struct Ops<T, Cuda> {
   using buffer = Buffer<U, Cuda>;
   using Epilogue = kernels::cuda::Epilogue;
 
-  Ops() : lt_(stream_.get()), sumsq_(1), sumsq_partials_(kernels::cuda::sum_of_squares_partials), loss_sum_(1) {}
+  Ops() : lt_(stream_.get()), sumsq_(1), sumsq_partials_(kernels::cuda::sum_of_squares_partials), loss_sum_(1) {
+    kernels::cuda::keep_scratch_pool();
+  }
   Ops(Ops&&) noexcept = default;  // the stream handle moves with its CublasLt
   Ops& operator=(Ops&&) noexcept = default;
 
