@@ -179,57 +179,63 @@ TEST_CASE_TEMPLATE("matmul: transposes, bias, accumulate, GELU epilogue", T, ELE
 }
 
 TEST_CASE_TEMPLATE("bias_backward", T, ELEMENT_TYPES) {
-  const int M = 300, N = 77;
-  const auto dout = rnd<T>(static_cast<std::size_t>(M) * N, 6);
-  auto dbias = rnd<T>(N, 7);
-  auto d_dout = up(dout), d_dbias = up(dbias);
-  hk::bias_backward(dbias.data(), dout.data(), M, N);
-  ck::bias_backward(stream(), d_dbias.data(), d_dout.data(), M, N);
-  CHECK_CLOSE(dbias, down(d_dbias), bound<T>(fp32_elem * 10));  // a sum of 300 terms
+  const int M = 300;
+  for (const int N : {77, 96}) {  // 96: 16-byte column reads (and a partial block of columns)
+    CAPTURE(N);
+    const auto dout = rnd<T>(static_cast<std::size_t>(M) * N, 6);
+    auto dbias = rnd<T>(N, 7);
+    auto d_dout = up(dout), d_dbias = up(dbias);
+    hk::bias_backward(dbias.data(), dout.data(), M, N);
+    ck::bias_backward(stream(), d_dbias.data(), d_dout.data(), M, N);
+    CHECK_CLOSE(dbias, down(d_dbias), bound<T>(fp32_elem * 10));  // a sum of 300 terms
+  }
 }
 
 TEST_CASE_TEMPLATE("layernorm and rmsnorm, forward and backward", T, ELEMENT_TYPES) {
-  const int N = 19, C = 100;
-  const std::size_t n = static_cast<std::size_t>(N) * C;
-  const auto x = rnd<T>(n, 8, -2.0f, 2.0f), w = rnd<T>(C, 9), bias = rnd<T>(C, 10), dout = rnd<T>(n, 11);
-  const double tol = bound<T>(fp32_elem * 10);
-  auto dx = up(x), dw = up(w), db = up(bias), ddout = up(dout);
-  {  // layernorm
-    std::vector<T> out(n);
-    std::vector<float> mean(N), rstd(N);
-    hk::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), N, C);
-    Buffer<T, Cuda> dout_(n);
-    Buffer<float, Cuda> dmean(N), drstd(N);
-    ck::layernorm_forward(stream(), dout_.data(), dmean.data(), drstd.data(), dx.data(), dw.data(), db.data(), N, C);
-    CHECK_CLOSE(out, down(dout_), bound<T>(fp32_elem));
-    CHECK_CLOSE(mean, down(dmean), fp32_elem);
-    CHECK_CLOSE(rstd, down(drstd), fp32_elem);
-    auto dinp = rnd<T>(n, 12), dweight = rnd<T>(C, 13), dbias = rnd<T>(C, 14);  // "+=": start non-zero
-    auto d_dinp = up(dinp), d_dweight = up(dweight), d_dbias = up(dbias);
-    hk::layernorm_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), x.data(), w.data(), mean.data(),
-                           rstd.data(), N, C);
-    ck::layernorm_backward(stream(), d_dinp.data(), d_dweight.data(), d_dbias.data(), ddout.data(), dx.data(),
-                           dw.data(), dmean.data(), drstd.data(), N, C);
-    CHECK_CLOSE(dinp, down(d_dinp), tol);
-    CHECK_CLOSE(dweight, down(d_dweight), tol);
-    CHECK_CLOSE(dbias, down(d_dbias), tol);
-  }
-  {  // rmsnorm
-    std::vector<T> out(n);
-    std::vector<float> rstd(N);
-    hk::rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, C);
-    Buffer<T, Cuda> dout_(n);
-    Buffer<float, Cuda> drstd(N);
-    ck::rmsnorm_forward(stream(), dout_.data(), drstd.data(), dx.data(), dw.data(), N, C);
-    CHECK_CLOSE(out, down(dout_), bound<T>(fp32_elem));
-    CHECK_CLOSE(rstd, down(drstd), fp32_elem);
-    auto dinp = rnd<T>(n, 15), dweight = rnd<T>(C, 16);
-    auto d_dinp = up(dinp), d_dweight = up(dweight);
-    hk::rmsnorm_backward(dinp.data(), dweight.data(), dout.data(), x.data(), w.data(), rstd.data(), N, C);
-    ck::rmsnorm_backward(stream(), d_dinp.data(), d_dweight.data(), ddout.data(), dx.data(), dw.data(), drstd.data(),
-                         N, C);
-    CHECK_CLOSE(dinp, down(d_dinp), tol);
-    CHECK_CLOSE(dweight, down(d_dweight), tol);
+  const int N = 19;
+  for (const int C : {100, 128}) {  // 128: the weight gradients' 16-byte column reads in bf16 too
+    CAPTURE(C);
+    const std::size_t n = static_cast<std::size_t>(N) * C;
+    const auto x = rnd<T>(n, 8, -2.0f, 2.0f), w = rnd<T>(C, 9), bias = rnd<T>(C, 10), dout = rnd<T>(n, 11);
+    const double tol = bound<T>(fp32_elem * 10);
+    auto dx = up(x), dw = up(w), db = up(bias), ddout = up(dout);
+    {  // layernorm
+      std::vector<T> out(n);
+      std::vector<float> mean(N), rstd(N);
+      hk::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), N, C);
+      Buffer<T, Cuda> dout_(n);
+      Buffer<float, Cuda> dmean(N), drstd(N);
+      ck::layernorm_forward(stream(), dout_.data(), dmean.data(), drstd.data(), dx.data(), dw.data(), db.data(), N, C);
+      CHECK_CLOSE(out, down(dout_), bound<T>(fp32_elem));
+      CHECK_CLOSE(mean, down(dmean), fp32_elem);
+      CHECK_CLOSE(rstd, down(drstd), fp32_elem);
+      auto dinp = rnd<T>(n, 12), dweight = rnd<T>(C, 13), dbias = rnd<T>(C, 14);  // "+=": start non-zero
+      auto d_dinp = up(dinp), d_dweight = up(dweight), d_dbias = up(dbias);
+      hk::layernorm_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), x.data(), w.data(), mean.data(),
+                             rstd.data(), N, C);
+      ck::layernorm_backward(stream(), d_dinp.data(), d_dweight.data(), d_dbias.data(), ddout.data(), dx.data(),
+                             dw.data(), dmean.data(), drstd.data(), N, C);
+      CHECK_CLOSE(dinp, down(d_dinp), tol);
+      CHECK_CLOSE(dweight, down(d_dweight), tol);
+      CHECK_CLOSE(dbias, down(d_dbias), tol);
+    }
+    {  // rmsnorm
+      std::vector<T> out(n);
+      std::vector<float> rstd(N);
+      hk::rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, C);
+      Buffer<T, Cuda> dout_(n);
+      Buffer<float, Cuda> drstd(N);
+      ck::rmsnorm_forward(stream(), dout_.data(), drstd.data(), dx.data(), dw.data(), N, C);
+      CHECK_CLOSE(out, down(dout_), bound<T>(fp32_elem));
+      CHECK_CLOSE(rstd, down(drstd), fp32_elem);
+      auto dinp = rnd<T>(n, 15), dweight = rnd<T>(C, 16);
+      auto d_dinp = up(dinp), d_dweight = up(dweight);
+      hk::rmsnorm_backward(dinp.data(), dweight.data(), dout.data(), x.data(), w.data(), rstd.data(), N, C);
+      ck::rmsnorm_backward(stream(), d_dinp.data(), d_dweight.data(), ddout.data(), dx.data(), dw.data(), drstd.data(),
+                           N, C);
+      CHECK_CLOSE(dinp, down(d_dinp), tol);
+      CHECK_CLOSE(dweight, down(d_dweight), tol);
+    }
   }
 }
 

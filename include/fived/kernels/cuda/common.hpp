@@ -241,71 +241,101 @@ class Scratch {
 };
 
 // Column sums of a row-major [M, N] matrix of values produced by `f(row, col)`
-// (a float2: two sums at once), deterministic: blocks of 32 columns x `splits`
-// row ranges write partial sums, then a second kernel adds the partials in
-// order and calls `out(col, float2)`. A warp reads 32 neighbouring columns of a row;
-// each thread has four rows' loads in flight, and there are about eight blocks per SM, so
-// enough bytes are on their way to keep HBM busy.
-template <class F>
+// (a float2: two sums at once), deterministic: blocks of 32 x W columns x `splits` row
+// ranges write partial sums, then a second kernel adds the partials in a fixed order and
+// calls `out(col, float2)`. With W > 1 a thread reads W neighbouring columns of a row as one
+// 16-byte access through `f.template at<W>(row, col, float2 (&)[W])`: a warp then reads
+// 512 bytes of a row, not 64, and about eight blocks per SM keep HBM busy.
+template <int W, class F>
+__device__ __forceinline__ void column_values(const F& f, int r, int col, float2 (&v)[W]) {
+  if constexpr (W == 1)
+    v[0] = f(r, col);
+  else
+    f.template at<W>(r, col, v);
+}
+
+template <int W, class F>
 __global__ void column_partials_kernel(float2* partials, F f, int M, int N, int rows_per_split) {
-  __shared__ float2 tile[8][33];
-  const int col = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x);
+  __shared__ float2 tile[8][32 * W + 1];
+  const int tx = static_cast<int>(threadIdx.x), ty = static_cast<int>(threadIdx.y);
+  const int first_col = static_cast<int>(blockIdx.x) * 32 * W;
+  const int col = first_col + tx * W;
   const int r0 = static_cast<int>(blockIdx.y) * rows_per_split;
   const int r1 = min(M, r0 + rows_per_split);
-  float2 acc = make_float2(0.0f, 0.0f);
+  float2 acc[W];
+#pragma unroll
+  for (int k = 0; k < W; ++k) acc[k] = make_float2(0.0f, 0.0f);
   if (col < N) {
-    int r = r0 + static_cast<int>(threadIdx.y);
-    for (; r + 24 < r1; r += 32) {
-      const float2 a = f(r, col), b = f(r + 8, col), c = f(r + 16, col), d = f(r + 24, col);
-      acc.x += (a.x + b.x) + (c.x + d.x);
-      acc.y += (a.y + b.y) + (c.y + d.y);
+    int r = r0 + ty;
+    for (; r + 8 < r1; r += 16) {  // two rows' loads in flight (four when W == 1)
+      float2 a[W], b[W];
+      column_values<W>(f, r, col, a);
+      column_values<W>(f, r + 8, col, b);
+#pragma unroll
+      for (int k = 0; k < W; ++k) acc[k].x += a[k].x + b[k].x, acc[k].y += a[k].y + b[k].y;
     }
     for (; r < r1; r += 8) {
-      const float2 v = f(r, col);
-      acc.x += v.x;
-      acc.y += v.y;
+      float2 a[W];
+      column_values<W>(f, r, col, a);
+#pragma unroll
+      for (int k = 0; k < W; ++k) acc[k].x += a[k].x, acc[k].y += a[k].y;
     }
   }
-  tile[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < N) {
-    float2 s = tile[0][threadIdx.x];
 #pragma unroll
-    for (int y = 1; y < 8; ++y) {
-      s.x += tile[y][threadIdx.x].x;
-      s.y += tile[y][threadIdx.x].y;
-    }
-    partials[static_cast<std::size_t>(blockIdx.y) * N + col] = s;
+  for (int k = 0; k < W; ++k) tile[ty][tx * W + k] = acc[k];
+  __syncthreads();
+  for (int j = ty * 32 + tx; j < 32 * W; j += 256) {  // the 8 row groups added in order
+    if (first_col + j >= N) continue;
+    float2 s = tile[0][j];
+#pragma unroll
+    for (int y = 1; y < 8; ++y) s.x += tile[y][j].x, s.y += tile[y][j].y;
+    partials[static_cast<std::size_t>(blockIdx.y) * N + first_col + j] = s;
   }
 }
 
+// Blocks of 32 columns x 8 threads: thread y adds splits y, y + 8, ...; then the 8 in order.
 template <class Out>
 __global__ void column_finish_kernel(const float2* partials, Out out, int N, int splits) {
-  const int col = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
-  if (col >= N) return;
+  __shared__ float2 tile[8][33];
+  const int tx = static_cast<int>(threadIdx.x), ty = static_cast<int>(threadIdx.y);
+  const int col = static_cast<int>(blockIdx.x) * 32 + tx;
   float2 s = make_float2(0.0f, 0.0f);
-  for (int k = 0; k < splits; ++k) {
-    const float2 v = partials[static_cast<std::size_t>(k) * N + col];
-    s.x += v.x;
-    s.y += v.y;
+  if (col < N)
+    for (int k = ty; k < splits; k += 8) {
+      const float2 v = partials[static_cast<std::size_t>(k) * N + col];
+      s.x += v.x, s.y += v.y;
+    }
+  tile[ty][tx] = s;
+  __syncthreads();
+  if (ty == 0 && col < N) {
+#pragma unroll
+    for (int y = 1; y < 8; ++y) s.x += tile[y][tx].x, s.y += tile[y][tx].y;
+    out(col, s);
   }
-  out(col, s);
 }
 
-template <class F, class Out>
-void column_reduce(cudaStream_t stream, F f, Out out, int M, int N) {
-  const int col_blocks = (N + 31) / 32;
-  int splits = (8 * detail::sm_count() + col_blocks - 1) / col_blocks;  // about eight blocks per SM
-  const int max_splits = (M + 63) / 64;                                   // at least 64 rows per split
-  if (splits > max_splits) splits = max_splits;
-  if (splits < 1) splits = 1;
-  const int rows = (M + splits - 1) / splits;
-  splits = (M + rows - 1) / rows;
-  Scratch<float2> partials(static_cast<std::size_t>(splits) * N, stream);
-  column_partials_kernel<<<dim3(col_blocks, splits), dim3(32, 8), 0, stream>>>(partials.get(), f, M, N, rows);
-  FIVED_CUDA_CHECK_LAUNCH("column_partials_kernel");
-  column_finish_kernel<<<(N + 255) / 256, 256, 0, stream>>>(partials.get(), out, N, splits);
-  FIVED_CUDA_CHECK_LAUNCH("column_finish_kernel");
+// Wide > 1 with `wide` true: 16-byte reads (f has at<Wide>; the caller checked that N is a
+// multiple of Wide and every row pointer f reads is 16-byte aligned). Otherwise one column a thread.
+template <int Wide = 1, class F, class Out>
+void column_reduce(cudaStream_t stream, F f, Out out, int M, int N, bool wide = false) {
+  auto launch = [&](auto width) {
+    constexpr int W = decltype(width)::value;
+    const int col_blocks = (N + 32 * W - 1) / (32 * W);
+    int splits = (8 * detail::sm_count() + col_blocks - 1) / col_blocks;  // about eight blocks per SM
+    const int max_splits = (M + 63) / 64;                                  // at least 64 rows per split
+    if (splits > max_splits) splits = max_splits;
+    if (splits < 1) splits = 1;
+    const int rows = (M + splits - 1) / splits;
+    splits = (M + rows - 1) / rows;
+    Scratch<float2> partials(static_cast<std::size_t>(splits) * N, stream);
+    column_partials_kernel<W><<<dim3(col_blocks, splits), dim3(32, 8), 0, stream>>>(partials.get(), f, M, N, rows);
+    FIVED_CUDA_CHECK_LAUNCH("column_partials_kernel");
+    column_finish_kernel<<<(N + 31) / 32, dim3(32, 8), 0, stream>>>(partials.get(), out, N, splits);
+    FIVED_CUDA_CHECK_LAUNCH("column_finish_kernel");
+  };
+  if constexpr (Wide > 1)
+    if (wide) return launch(std::integral_constant<int, Wide>{});
+  launch(std::integral_constant<int, 1>{});
 }
 
 }  // namespace fived::kernels::cuda

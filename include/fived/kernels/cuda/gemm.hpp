@@ -184,6 +184,13 @@ struct ReadMatrix {
   __device__ float2 operator()(int r, int c) const {
     return make_float2(to_float(m[static_cast<std::size_t>(r) * N + c]), 0.0f);
   }
+  template <int W>
+  __device__ void at(int r, int c, float2 (&v)[W]) const {
+    float x[W];
+    load_elems<W>(x, m + static_cast<std::size_t>(r) * N + c);
+#pragma unroll
+    for (int k = 0; k < W; ++k) v[k] = make_float2(x[k], 0.0f);
+  }
 };
 
 }  // namespace detail
@@ -319,8 +326,9 @@ void bias_backward(cudaStream_t stream, T* dbias, const T* dout, int M, int N) {
   detail::require_non_negative("bias_backward", "M", M);
   detail::require_non_negative("bias_backward", "N", N);
   if (M == 0 || N == 0) return;
-  column_reduce(stream, detail::ReadMatrix<device_t<T>>{dev(dout), N}, detail::AddColumnSum<device_t<T>>{dev(dbias)},
-                M, N);
+  column_reduce<vec16<T>>(stream, detail::ReadMatrix<device_t<T>>{dev(dout), N},
+                          detail::AddColumnSum<device_t<T>>{dev(dbias)}, M, N,
+                          N % vec16<T> == 0 && detail::aligned16({dout}));
 }
 template <class T>
 void bias_backward(CublasLt& lt, T* dbias, const T* dout, int M, int N) {

@@ -117,6 +117,16 @@ struct NormParamGrads {
     const float xh = (to_float(inp[i]) - (mean != nullptr ? mean[r] : 0.0f)) * rstd[r];
     return make_float2(d * xh, d);
   }
+  template <int W>
+  __device__ void at(int r, int c, float2 (&v)[W]) const {
+    const std::size_t i = static_cast<std::size_t>(r) * C + c;
+    float d[W], x[W];
+    load_elems<W>(d, dout + i);
+    load_elems<W>(x, inp + i);
+    const float m = mean != nullptr ? mean[r] : 0.0f, s = rstd[r];
+#pragma unroll
+    for (int k = 0; k < W; ++k) v[k] = make_float2(d[k] * ((x[k] - m) * s), d[k]);
+  }
 };
 template <class T>
 struct AddNormParamGrads {
@@ -207,8 +217,9 @@ void layernorm_backward(cudaStream_t stream, T* dinp, T* dweight, T* dbias, cons
     FIVED_CUDA_CHECK_LAUNCH("norm_backward_rows_kernel");
   }
   if (dweight != nullptr || dbias != nullptr)
-    column_reduce(stream, detail::NormParamGrads<device_t<T>>{dev(dout), dev(inp), mean, rstd, C},
-                  detail::AddNormParamGrads<device_t<T>>{dev(dweight), dev(dbias)}, N, C);
+    column_reduce<vec16<T>>(stream, detail::NormParamGrads<device_t<T>>{dev(dout), dev(inp), mean, rstd, C},
+                            detail::AddNormParamGrads<device_t<T>>{dev(dweight), dev(dbias)}, N, C,
+                            C % vec16<T> == 0 && detail::aligned16({dout, inp}));
 }
 
 template <class T>
@@ -240,8 +251,9 @@ void rmsnorm_backward(cudaStream_t stream, T* dinp, T* dweight, const T* dout, c
     FIVED_CUDA_CHECK_LAUNCH("norm_backward_rows_kernel");
   }
   if (dweight != nullptr)
-    column_reduce(stream, detail::NormParamGrads<device_t<T>>{dev(dout), dev(inp), nullptr, rstd, C},
-                  detail::AddNormParamGrads<device_t<T>>{dev(dweight), nullptr}, N, C);
+    column_reduce<vec16<T>>(stream, detail::NormParamGrads<device_t<T>>{dev(dout), dev(inp), nullptr, rstd, C},
+                            detail::AddNormParamGrads<device_t<T>>{dev(dweight), nullptr}, N, C,
+                            C % vec16<T> == 0 && detail::aligned16({dout, inp}));
 }
 
 }  // namespace fived::kernels::cuda

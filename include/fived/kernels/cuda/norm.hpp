@@ -21,8 +21,8 @@ namespace detail {
 
 inline constexpr unsigned sumsq_blocks = 512, sumsq_threads = 256;
 
-// 16-byte accesses over the aligned part (a thread's stride is the grid), one element at a
-// time over the rest.
+// 16-byte accesses over the aligned part (a thread's stride is the grid; four loads issued
+// before they are added), one element at a time over the rest.
 template <class T>
 __global__ void sum_of_squares_partials_kernel(float* partials, const T* g, std::size_t n) {
   constexpr int W = vec16<T>;
@@ -31,7 +31,17 @@ __global__ void sum_of_squares_partials_kernel(float* partials, const T* g, std:
   const std::size_t first = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
   const std::size_t nv = reinterpret_cast<std::uintptr_t>(g) % 16 == 0 ? n / W : 0;
   float s = 0.0f;
-  for (std::size_t i = first; i < nv; i += stride) {
+  std::size_t i = first;
+  for (; i + 3 * stride < nv; i += 4 * stride) {  // four 16-byte loads in flight a thread
+    float x[4][W];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) load_vec16(x[u], g + (i + u * stride) * W);
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int k = 0; k < W; ++k) s += x[u][k] * x[u][k];
+  }
+  for (; i < nv; i += stride) {
     float x[W];
     load_vec16(x, g + i * W);
 #pragma unroll
