@@ -132,8 +132,8 @@ TEST_CASE("device layer: Buffer<T, Cuda>, Stream, Event, checks") {
   FIVED_CUDA_CHECK(cudaSetDevice(0));
   // A bad launch configuration is caught by the launch check.
   Buffer<float, Cuda> x(4);
-  ck::detail::elementwise_kernel<1><<<1, 4096, 0, stream()>>>(ck::detail::GeluForward<float>{x.data(), x.data()},
-                                                              std::size_t{4});
+  ck::detail::elementwise_kernel<1>
+      <<<1, 4096, 0, stream()>>>(ck::detail::MapUnary<float, ck::detail::Gelu>{x.data(), x.data(), {}}, std::size_t{4});
   CHECK_THROWS_AS(FIVED_CUDA_CHECK_LAUNCH("elementwise_kernel"), fived::cuda::Error);
 }
 

@@ -148,6 +148,39 @@ __global__ void elementwise_kernel(F f, std::size_t n) {
     for (std::size_t i = pieces * W + first; i < n; i += stride) f.template at<1>(i);
 }
 
+// The two shapes of an elementwise kernel for launch_elementwise, in float: out = op(a) and
+// out = op(a, b), element by element (out may alias an input: each piece is read first).
+template <class T, class Op>
+struct MapUnary {
+  T* out;
+  const T* a;
+  Op op;
+  template <int W>
+  __device__ void at(std::size_t i) const {
+    float x[W];
+    load_elems<W>(x, a + i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) x[k] = op(x[k]);
+    store_elems<W>(out + i, x);
+  }
+};
+template <class T, class Op>
+struct MapBinary {
+  T* out;
+  const T* a;
+  const T* b;
+  Op op;
+  template <int W>
+  __device__ void at(std::size_t i) const {
+    float x[W], y[W];
+    load_elems<W>(x, a + i);
+    load_elems<W>(y, b + i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) x[k] = op(x[k], y[k]);
+    store_elems<W>(out + i, x);
+  }
+};
+
 inline unsigned grid_for(std::size_t n, unsigned block, unsigned max_blocks = 65535u * 32u) {
   std::size_t g = (n + block - 1) / block;
   if (g == 0) g = 1;

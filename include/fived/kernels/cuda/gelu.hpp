@@ -12,34 +12,11 @@ namespace fived::kernels::cuda {
 
 namespace detail {
 
-template <class T>
-struct GeluForward {
-  T* out;
-  const T* inp;
-  template <int W>
-  __device__ void at(std::size_t i) const {
-    float x[W];
-    load_elems<W>(x, inp + i);
-#pragma unroll
-    for (int k = 0; k < W; ++k) x[k] = gelu_f(x[k]);
-    store_elems<W>(out + i, x);
-  }
+struct Gelu {
+  __device__ float operator()(float x) const { return gelu_f(x); }
 };
-
-template <class T>
-struct GeluBackward {
-  T* dinp;
-  const T* inp;
-  const T* dout;
-  template <int W>
-  __device__ void at(std::size_t i) const {
-    float x[W], d[W];
-    load_elems<W>(x, inp + i);
-    load_elems<W>(d, dout + i);
-#pragma unroll
-    for (int k = 0; k < W; ++k) d[k] *= gelu_grad_f(x[k]);
-    store_elems<W>(dinp + i, d);
-  }
+struct GeluGradTimes {  // (inp, dout) -> dout * gelu'(inp)
+  __device__ float operator()(float x, float d) const { return d * gelu_grad_f(x); }
 };
 
 }  // namespace detail
@@ -48,7 +25,8 @@ template <class T>
 void gelu_forward(cudaStream_t stream, T* out, const T* inp, std::size_t n) {
   static_assert(is_element_v<T>, "gelu_forward: element type must be float or fived::bf16");
   if (n == 0) return;
-  detail::launch_elementwise<T>(stream, "gelu_forward", n, detail::GeluForward<device_t<T>>{dev(out), dev(inp)},
+  detail::launch_elementwise<T>(stream, "gelu_forward", n,
+                                detail::MapUnary<device_t<T>, detail::Gelu>{dev(out), dev(inp), {}},
                                 detail::aligned16({out, inp}));
 }
 
@@ -57,7 +35,7 @@ void gelu_backward(cudaStream_t stream, T* dinp, const T* inp, const T* dout, st
   static_assert(is_element_v<T>, "gelu_backward: element type must be float or fived::bf16");
   if (n == 0) return;
   detail::launch_elementwise<T>(stream, "gelu_backward", n,
-                                detail::GeluBackward<device_t<T>>{dev(dinp), dev(inp), dev(dout)},
+                                detail::MapBinary<device_t<T>, detail::GeluGradTimes>{dev(dinp), dev(inp), dev(dout), {}},
                                 detail::aligned16({dinp, inp, dout}));
 }
 

@@ -64,21 +64,13 @@ __global__ void sum_partials_kernel(float* out_accumulate, const float* partials
   if (threadIdx.x == 0) *out_accumulate += s;
 }
 
-// g *= factor, or, with total_sumsq, by the clip factor computed from it on the device.
-template <class T>
-struct Scale {
-  T* g;
+// x * factor, or, with total_sumsq, x * the clip factor computed from it on the device.
+struct ScaleBy {
   float factor;
   const float* total_sumsq;
   float max_norm;
-  template <int W>
-  __device__ void at(std::size_t i) const {
-    const float f = total_sumsq != nullptr ? fminf(1.0f, max_norm / (sqrtf(*total_sumsq) + 1e-6f)) : factor;
-    float x[W];
-    load_elems<W>(x, g + i);
-#pragma unroll
-    for (int k = 0; k < W; ++k) x[k] *= f;
-    store_elems<W>(g + i, x);
+  __device__ float operator()(float x) const {
+    return x * (total_sumsq != nullptr ? fminf(1.0f, max_norm / (sqrtf(*total_sumsq) + 1e-6f)) : factor);
   }
 };
 
@@ -104,7 +96,8 @@ template <class T>
 void scale(cudaStream_t stream, T* g, std::size_t n, double factor) {  // rounded once to float, the compute type
   static_assert(is_element_v<T>, "scale: element type must be float or fived::bf16");
   if (n == 0) return;
-  detail::launch_elementwise<T>(stream, "scale", n, detail::Scale<device_t<T>>{dev(g), static_cast<float>(factor), nullptr, 0.0f},
+  detail::launch_elementwise<T>(stream, "scale", n,
+                                detail::MapUnary<device_t<T>, detail::ScaleBy>{dev(g), dev(g), {static_cast<float>(factor), nullptr, 0.0f}},
                                 detail::aligned16({g}));
 }
 
@@ -119,7 +112,7 @@ void clip_scale(cudaStream_t stream, T* g, std::size_t n, const float* total_sum
   static_assert(is_element_v<T>, "clip_scale: element type must be float or fived::bf16");
   if (n == 0) return;
   detail::launch_elementwise<T>(stream, "clip_scale", n,
-                                detail::Scale<device_t<T>>{dev(g), 1.0f, total_sum_of_squares, max_norm},
+                                detail::MapUnary<device_t<T>, detail::ScaleBy>{dev(g), dev(g), {1.0f, total_sum_of_squares, max_norm}},
                                 detail::aligned16({g}));
 }
 

@@ -10,20 +10,8 @@ namespace fived::kernels::cuda {
 
 namespace detail {
 
-template <class T>
-struct ResidualAdd {
-  T* out;
-  const T* a;
-  const T* b;
-  template <int W>
-  __device__ void at(std::size_t i) const {
-    float x[W], y[W];
-    load_elems<W>(x, a + i);
-    load_elems<W>(y, b + i);
-#pragma unroll
-    for (int k = 0; k < W; ++k) x[k] += y[k];
-    store_elems<W>(out + i, x);
-  }
+struct Add {
+  __device__ float operator()(float x, float y) const { return x + y; }
 };
 
 }  // namespace detail
@@ -32,7 +20,7 @@ template <class T>
 void residual_forward(cudaStream_t stream, T* out, const T* a, const T* b, std::size_t n) {
   static_assert(is_element_v<T>, "residual_forward: element type must be float or fived::bf16");
   if (n == 0) return;
-  detail::launch_elementwise<T>(stream, "residual_forward", n, detail::ResidualAdd<device_t<T>>{dev(out), dev(a), dev(b)},
+  detail::launch_elementwise<T>(stream, "residual_forward", n, detail::MapBinary<device_t<T>, detail::Add>{dev(out), dev(a), dev(b), {}},
                                 detail::aligned16({out, a, b}));
 }
 
