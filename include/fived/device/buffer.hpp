@@ -2,7 +2,7 @@
 // Device policies and owning buffers.
 //
 //   Buffer<float, Host>   host memory (this header)
-//   Buffer<bf16, Cuda>    device memory (device/cuda_buffer.hpp, needs CUDA)
+//   Buffer<bf16, Cuda>    device memory (device/cuda.hpp, needs CUDA)
 //
 // A buffer owns its memory (RAII, move-only) and knows its size in elements;
 // shapes live with the code that uses it (layouts are compile-time there).

@@ -1,7 +1,7 @@
 #pragma once
 // How data parallelism cuts one rank's flat parameter and gradient buffers, at compile time.
 //
-//   using P = fived::BucketPlan<GptLayout<cfg>, /*dp=*/4, sizeof(bf16), 4 << 20>;
+//   using P = fived::BucketPlan<Model::layout, /*dp=*/4, sizeof(bf16), 4 << 20>;   // any ParamTable
 //   P::count                  // number of buckets
 //   P::bucket(i)              // {range, padded, unit, shard_offset}
 //   P::shard_size(i)          // padded / DP: every rank's piece of bucket i, padding included

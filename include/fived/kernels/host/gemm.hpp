@@ -2,7 +2,7 @@
 // Host GEMM: out[M,N] (= or +=) op(a)[M,K] * op(b)[K,N] (+ bias[N] on every row),
 // optionally followed by a GELU epilogue, and the bias gradient (column sums).
 //
-// Shapes follow the kernel contract (/tmp/spec/kernels.md, issue 3): row-major,
+// Shapes follow the kernel contract (docs/architecture.md, "Device and kernels"): row-major,
 // op(a) is a [M,K] or, when trans_a, a stored [K,M]; op(b) is b [K,N] or, when
 // trans_b, b stored [N,K]. The four transpose combinations are exactly what a
 // linear layer needs forward (inp * W^T) and backward (dinp = dout * W,
