@@ -1,8 +1,10 @@
-// Train a small mixture-of-experts GPT with expert parallelism, on the host backend.
+// Train a small mixture-of-experts GPT with expert parallelism, on the host backend or a GPU.
 //
 //   train_moe [--steps N] [--batch B] [--seq T] [--lr LR] [--seed S] [--aux-loss]
+//   scripts/launch-local.sh 4 build/examples/train_moe_cuda [...]     # the same on CUDA + NCCL
 //
-// The mesh is Mesh<DP<2>, TP<2>, EP<2>>: four ranks as threads. The dense layers are split
+// The mesh is Mesh<DP<2>, TP<2>, EP<2>>: four ranks as threads, or (train_moe_cuda, the same
+// source through nvcc, when there is a GPU) four processes launched like torchrun. The dense layers are split
 // over TP with sequence parallelism and replicated over DP (ZeRO-1); every block's MLP is a
 // mixture of 4 experts (top-2): each of the two EP ranks (carved out of DP, so the two TP
 // slices of a replica exchange tokens with their counterparts of the other replica) holds two
@@ -24,6 +26,12 @@
 #include <string_view>
 #include <vector>
 
+#if defined(FIVED_WITH_CUDA) && defined(__CUDACC__)
+#define FIVED_TRAIN_MOE_CUDA 1
+#include "fived/comm/nccl_bootstrap.hpp"
+#include "fived/nn/cuda/ops.hpp"  // before gpt.hpp: Ops<T, Cuda>
+#endif
+#include "fived/comm/bootstrap.hpp"
 #include "fived/comm/host.hpp"
 #include "fived/mesh/context.hpp"
 #include "fived/nn/gpt.hpp"
@@ -109,16 +117,18 @@ std::vector<int> corpus(std::size_t bytes, unsigned seed) {
   return s;
 }
 
-template <class Cfg>
-void train(const Options& opt) {
-  using Model = fived::GPT<Cfg, MoeMesh, float, fived::Host, fived::SequenceParallel>;
+// One rank's training: the same on host threads and on CUDA processes.
+template <class Cfg, class Device, class Ctx>
+void train_rank(Ctx& ctx, const Options& opt, const char* backend) {
+  using Model = fived::GPT<Cfg, MoeMesh, float, Device, fived::SequenceParallel>;
   const std::vector<int> data = corpus(1 << 16, opt.seed);
-  std::printf("%s, %zu dense and %zu expert parameters on each of %d ranks, balancing by %s\n",
-              Model::describe().c_str(), Model::layout::size, Model::expert_layout::size, MoeMesh::size,
-              Cfg::balancing::bias ? "the selection bias" : "the auxiliary loss");
-  std::printf("%6s %8s %8s %10s   %s\n", "step", "loss", "aux", "tokens/s", "tokens per expert (balance: max/mean)");
-  fived::host::run(MoeMesh::size, [&](fived::host::Comm& world) {
-    auto ctx = fived::make_mesh_context<MoeMesh>(world);
+  if (ctx.rank() == 0) {
+    std::printf("%s on %s, %zu dense and %zu expert parameters on each of %d ranks, balancing by %s\n",
+                Model::describe().c_str(), backend, Model::layout::size, Model::expert_layout::size, MoeMesh::size,
+                Cfg::balancing::bias ? "the selection bias" : "the auxiliary loss");
+    std::printf("%6s %8s %8s %10s   %s\n", "step", "loss", "aux", "tokens/s", "tokens per expert (balance: max/mean)");
+  }
+  {
     Model model(ctx, fived::GptInit{.seed = opt.seed});
     const fived::AdamWConfig hp{.lr = opt.lr, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f,
                                 .max_norm = 1.0f};
@@ -159,6 +169,25 @@ void train(const Options& opt) {
       std::fflush(stdout);
       t0 = std::chrono::steady_clock::now();
     }
+  }
+}
+
+template <class Cfg>
+void train(const Options& opt) {
+#if defined(FIVED_TRAIN_MOE_CUDA)
+  if (fived::cuda::device_count() > 0) {
+    if (const int world = fived::launch_env().world_size; world != MoeMesh::size)
+      usage(("needs " + std::to_string(MoeMesh::size) + " processes, one per rank, but this launch has " +
+             std::to_string(world) + ": scripts/launch-local.sh 4 build/examples/train_moe_cuda (or torchrun, mpirun, srun)")
+                .c_str());
+    auto ctx = fived::make_mesh_context<MoeMesh>(fived::nccl::init_world());
+    train_rank<Cfg, fived::Cuda>(ctx, opt, "CUDA + NCCL, fp32");
+    return;
+  }
+#endif
+  fived::host::run(MoeMesh::size, [&](fived::host::Comm& world) {
+    auto ctx = fived::make_mesh_context<MoeMesh>(world);
+    train_rank<Cfg, fived::Host>(ctx, opt, "the host backend, ranks as threads");
   });
 }
 

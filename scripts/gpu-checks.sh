@@ -32,7 +32,7 @@ out=${2:-gpu-out}
 [[ $stage == test || $stage == bench ]] && [ -f .gpu/env ] && source .gpu/env
 build=${BUILD_DIR:-${FIVED_GPU_BUILD:-build-gpu}}
 status=0
-cuda_targets="test_nccl_comm nccl_ranks_check test_nccl_mesh_context test_kernels_cuda test_gpt_cuda test_llama_cuda
+cuda_targets="train_moe_cuda test_nccl_comm nccl_ranks_check test_nccl_mesh_context test_kernels_cuda test_gpt_cuda test_llama_cuda
   test_mesh_cuda test_pipeline_cuda test_context_cuda test_moe_cuda test_trainer_cuda test_checkpoint_cuda bench_kernels bench_train_step bench_overlap
   bench_collectives_nccl bench_ring_attention train_gpt_cuda"
 
@@ -52,7 +52,7 @@ packed_programs() {
   for t in $cuda_targets; do
     case $t in
       bench_*) echo "bench/${t#bench_}" ;;
-      train_gpt_cuda) echo "examples/$t" ;;
+      train_gpt_cuda | train_moe_cuda) echo "examples/$t" ;;
       *) echo "tests/cuda/$t" ;;
     esac
   done
@@ -148,6 +148,8 @@ bench() {
   # The trainer's progress lines (tok/s, MFU) on Mesh<DP<2>> as two processes, and on one rank.
   run "$out/trainer-cuda.txt" bash scripts/launch-local.sh 2 "$build/examples/train_gpt_cuda" --mesh dp2 --steps 100 --batch 16 --seq 128
   run "$out/trainer-cuda.txt" "$build/examples/train_gpt_cuda" --mesh serial --steps 100 --batch 16 --seq 128
+  # A mixture of experts on Mesh<DP<2>, TP<2>, EP<2>> as four processes: loss, balance, tokens per expert.
+  run "$out/train-moe-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_moe_cuda" --steps 60
 }
 
 case $stage in
