@@ -159,7 +159,8 @@ void train_rank(Ctx& ctx, const Options& opt, const char* backend) {
         for (int e = 0; e < Cfg::experts; ++e) {
           const double x = l[static_cast<std::size_t>(m * Cfg::experts + e)];
           sum += x, most = std::max(most, x);
-          loads += " " + std::to_string(static_cast<long>(x));
+          loads += ' ';  // (not " " + to_string: GCC 12's -Wrestrict false positive at -O3)
+          loads += std::to_string(static_cast<long>(x));
         }
         char b[32];
         std::snprintf(b, sizeof b, " (%.2f)", sum > 0 ? most / (sum / Cfg::experts) : 0.0);
