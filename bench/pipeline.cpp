@@ -192,5 +192,6 @@ int main(int argc, char** argv) {
   row<pl::Interleaved1F1B<4, 8, 2>>("interleaved", steps);
   row<pl::ZBH1<4, 8>>("ZB-H1", steps);
   row<pl::ZBV<4, 8>>("ZB-V", steps);
+  row<pl::DualPipeV<4, 8>>("DualPipeV", steps);
   return 0;
 }

@@ -232,6 +232,8 @@ void every_schedule() {
   equals_serial<ZBH1<P, 3 * P + 1>>();
   equals_serial<ZBV<P, 2 * P>>();
   equals_serial<ZBV<P, 3 * P + 1>>();
+  equals_serial<DualPipeV<P, 2 * P>>();
+  equals_serial<DualPipeV<P, 3 * P + 1>>();
 }
 
 }  // namespace

@@ -25,6 +25,7 @@ static_assert(proven<OneFOneB<1, 3>> && proven<OneFOneB<2, 2>> && proven<OneFOne
 static_assert(proven<Interleaved1F1B<2, 2, 2>> && proven<Interleaved1F1B<4, 8, 2>> && proven<Interleaved1F1B<3, 6, 3>>);
 static_assert(proven<ZBH1<2, 2>> && proven<ZBH1<4, 8>> && proven<ZBH1<5, 7>>);
 static_assert(proven<ZBV<1, 2>> && proven<ZBV<2, 4>> && proven<ZBV<4, 8>>);
+static_assert(proven<DualPipeV<1, 2>> && proven<DualPipeV<2, 4>> && proven<DualPipeV<4, 8>> && proven<DualPipeV<3, 7>>);
 
 // idle / (P × makespan) == num / den, exactly.
 template <class S>
@@ -36,6 +37,10 @@ static_assert(bubble_is<GPipe<4, 8>>(3, 11));               // the same bubble, 
 static_assert(bubble_is<Interleaved1F1B<4, 8, 2>>(3, 19));  // (P-1)/(V·M+P-1)
 static_assert(bubble_is<ZBH1<4, 8>>(3, 27));                // (P-1)/(3M+P-1)
 static_assert(bubble_is<ZBV<4, 8>>(3, 51));                 // (P-1)/(6M+P-1)
+// DualPipeV: ZB-V's bubble and makespan at unit costs (its gain, F and B of two micro-batches
+// overlapped, is not in the cost model), one more chunk of activations held per rank.
+static_assert(bubble_is<DualPipeV<4, 8>>(3, 51) && DualPipeV<4, 8>::figures.makespan == ZBV<4, 8>::figures.makespan);
+static_assert(DualPipeV<4, 8>::figures.peak_activations == std::array{9, 9, 9, 9});
 static_assert(OneFOneB<4, 8>::figures.makespan == 33 && OneFOneB<4, 8>::figures.blocking_makespan == 33);
 static_assert(OneFOneB<4, 8>::figures.peak_activations == std::array{4, 3, 2, 1});
 static_assert(GPipe<4, 8>::figures.peak_activations == std::array{8, 8, 8, 8});

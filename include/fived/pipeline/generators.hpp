@@ -147,4 +147,45 @@ constexpr Schedule zb_v(int P, int M) {
   return with_messages({P, M, 2, StageOrder::vee}, order);
 }
 
+// DualPipeV: DeepSeek-V3's DualPipe cut in half (deepseek-ai/DualPipe, dualpipev.py), in
+// the order that file runs it. Two chunks per rank in a V, as ZB-V; through the steady state
+// a forward of one chunk sits next to a backward of the other (F0 B1, F1 B0: the pairs a
+// model can overlap, one's communication under the other's compute), and the input and
+// weight gradients are split where that fills the bubble: the warm-up's chunk-1 backwards
+// and the second half of the cool-down, their W's run oldest first. Needs M >= 2P.
+constexpr Schedule dualpipe_v(int P, int M) {
+  detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
+  detail::require(M >= 2 * P, FIVED_PIPELINE_SAYS_V_NEEDS_M_GE_2P);
+  detail::Orders order(static_cast<std::size_t>(P));
+  for (int r = 0; r < P; ++r) {
+    auto& o = order[static_cast<std::size_t>(r)];
+    int f[2] = {0, 0}, b[2] = {0, 0};  // next micro-batch of F and of B (or I) on chunks 0 and 1
+    std::vector<Action> weights;       // W's of split backwards, in the order their I's ran
+    std::size_t next_weight = 0;
+    auto F = [&](int c) { o.push_back(forward(f[c]++, c)); };
+    auto B = [&](int c, bool split) {
+      if (split) o.push_back(input_grad(b[c], c)), weights.push_back(weight_grad(b[c], c));
+      else o.push_back(backward(b[c], c));
+      ++b[c];
+    };
+    auto W = [&] { o.push_back(weights[next_weight++]); };
+    const int down = P - 1 - r;  // ranks below this one
+    for (int k = 0; k < 2 * down; ++k) F(0);               // 1: chunk 0 fills the V's left arm
+    for (int k = 0; k <= r; ++k) F(0), F(1);               // 2: the bottom turns
+    for (int k = 0; k < down; ++k) B(1, true), W(), F(1);  // 3: chunk 1's first backwards, split
+    for (int k = 0; k < M - 2 * P + r + 1; ++k) F(0), B(1, false), F(1), B(0, false);  // 4: steady
+    for (int k = 0; k < down; ++k) B(1, false), F(1), B(0, false);                      // 5
+    bool split = false;  // 6: the backwards drain; split from the middle on
+    for (int k = 0; k <= r; ++k) {
+      if (k == (r + 1) / 2 && r % 2 == 1) split = true;
+      B(1, split);
+      if (k == (r + 1) / 2 && r % 2 == 0) split = true;
+      B(0, split);
+    }
+    for (int k = 0; k < down; ++k) W(), B(0, true);  // 7: W's into the bubble
+    for (int k = 0; k <= r; ++k) W();                // 8: the rest
+  }
+  return with_messages({P, M, 2, StageOrder::vee}, order);
+}
+
 }  // namespace fived::pipeline

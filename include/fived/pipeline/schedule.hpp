@@ -10,7 +10,7 @@
 //   lower.hpp       with_messages(): compute orders to a full table with sends and receives
 //   generators.hpp  gpipe, one_f_one_b, interleaved_1f1b, zb_h1, zb_v as constexpr functions
 //   proven.hpp      Proven<S> / proven<S>: the proofs as static_asserts, the numbers as constants
-//   schedules.hpp   GPipe<P, M>, OneFOneB<P, M>, Interleaved1F1B<P, M, V>, ZBH1<P, M>, ZBV<P, M>
+//   schedules.hpp   GPipe<P, M>, OneFOneB<P, M>, Interleaved1F1B<P, M, V>, ZBH1<P, M>, ZBV<P, M>, DualPipeV<P, M>
 
 #include "fived/pipeline/action.hpp"
 #include "fived/pipeline/dry_run.hpp"
