@@ -228,6 +228,11 @@ TEST_CASE("the bubble and the micro-batches in flight are the schedule's (pipeli
   CHECK(Interleaved::bubble == two.bubble());
   CHECK(Interleaved::bubble == doctest::Approx(15.0 / 47));  // (P - 1) / (V M + P - 1)
   CHECK(Interleaved::memory.in_flight == two.peak_activations[static_cast<std::size_t>(Interleaved::fullest_rank)]);
+  using Dual = plan::Plan<plan::llama3_405b, plan::llama3_405b_run<pipeline::DualPipeV<16, 32>, FullRecompute>>;
+  const pipeline::Figures v = pipeline::measure(pipeline::dualpipe_v(16, 32));
+  CHECK(Dual::bubble == v.bubble());
+  CHECK(Dual::bubble == doctest::Approx(15.0 / (6 * 32 + 15)));  // ZB-V's (P - 1) / (6M + P - 1)
+  CHECK(Dual::memory.in_flight == v.peak_activations[static_cast<std::size_t>(Dual::fullest_rank)]);
 }
 
 // ---- activations against Megatron's count ----------------------------------------------------
