@@ -111,22 +111,22 @@ inline std::string manifest_body(const Manifest& m) {
   std::string j = "{\n  \"format\": \"fived-checkpoint-2\",\n  \"step\": " + std::to_string(m.step) +
                   ",\n  \"adam_step\": " + std::to_string(m.adam_step) + ",\n  \"world\": " + std::to_string(m.world) +
                   ",\n  \"mesh\": ";
-  io::detail::json_string(j, m.mesh);
+  io::json_string(j, m.mesh);
   j += ",\n  \"model\": ";
-  io::detail::json_string(j, m.model);
+  io::json_string(j, m.model);
   j += ",\n  \"files\": [";
   for (std::size_t i = 0; i < m.files.size(); ++i) {
     j += i ? ",\n    {\"name\": " : "\n    {\"name\": ";
-    io::detail::json_string(j, m.files[i].name);
+    io::json_string(j, m.files[i].name);
     j += ", \"bytes\": " + std::to_string(m.files[i].bytes) + ", \"fnv1a64\": \"" + detail::hex(m.files[i].hash) + "\"}";
   }
   j += "\n  ],\n  \"run\": {";
   bool first = true;
   for (const auto& [k, v] : m.run) {
     j += first ? "\n    " : ",\n    ";
-    io::detail::json_string(j, k);
+    io::json_string(j, k);
     j += ": ";
-    io::detail::json_string(j, v);
+    io::json_string(j, v);
     first = false;
   }
   j += "\n  }";
@@ -155,7 +155,7 @@ inline Manifest read_manifest(const std::filesystem::path& folder, bool check_fi
   std::ifstream in(path, std::ios::binary);
   if (!in) throw io::SafetensorsError(path.string() + ": no manifest (the step was not completed, or is not a checkpoint)");
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  io::detail::HeaderParser P(text, path.string(), 0, "checkpoint manifest");
+  io::JsonReader<io::SafetensorsError> P(text, path.string(), 0, "checkpoint manifest");
   Manifest m;
   bool format = false, step = false, adam = false, world = false, mesh = false, model = false, files = false;
   bool run = false, own = false, hashed = false;  // hashed: format 2, which carries its own hash
