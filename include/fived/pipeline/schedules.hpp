@@ -52,22 +52,15 @@ struct ZBH1Table {
   static constexpr table_type table = admissible ? table_type{zb_h1(P, M)} : table_type{};
 };
 
-template <int P, int M>
-struct ZBVTable {
+// The V-shaped schedules (two chunks per rank, the stages down the ranks and back up),
+// one table type over their generator.
+template <int P, int M, Schedule (*generate)(int, int)>
+struct VeeTable {
   static constexpr bool admissible = P >= 1 && M >= 2 * P;
   static_assert(P >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   static_assert(M >= 2 * P, FIVED_PIPELINE_SAYS_V_NEEDS_M_GE_2P);
   using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1), 2, StageOrder::vee>;
-  static constexpr table_type table = admissible ? table_type{zb_v(P, M)} : table_type{};
-};
-
-template <int P, int M>
-struct DualPipeVTable {
-  static constexpr bool admissible = P >= 1 && M >= 2 * P;
-  static_assert(P >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
-  static_assert(M >= 2 * P, FIVED_PIPELINE_SAYS_V_NEEDS_M_GE_2P);
-  using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1), 2, StageOrder::vee>;
-  static constexpr table_type table = admissible ? table_type{dualpipe_v(P, M)} : table_type{};
+  static constexpr table_type table = admissible ? table_type{generate(P, M)} : table_type{};
 };
 
 }  // namespace detail
@@ -90,11 +83,11 @@ struct ZBH1 : Proven<detail::ZBH1Table<P, M>> {};
 
 // ZB-V: two chunks per rank in a V; needs M >= 2P.
 template <int P, int M>
-struct ZBV : Proven<detail::ZBVTable<P, M>> {};
+struct ZBV : Proven<detail::VeeTable<P, M, zb_v>> {};
 
 // DualPipeV (DeepSeek-V3): two chunks per rank in a V, forwards and backwards of the two
 // chunks paired through the steady state, W's split off at the ends; needs M >= 2P.
 template <int P, int M>
-struct DualPipeV : Proven<detail::DualPipeVTable<P, M>> {};
+struct DualPipeV : Proven<detail::VeeTable<P, M, dualpipe_v>> {};
 
 }  // namespace fived::pipeline
