@@ -65,7 +65,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "fived/comm/group_comm.hpp"
+#include "fived/mesh/mesh_comm.hpp"
 #include "fived/device/bf16.hpp"
 #include "fived/device/buffer.hpp"
 #include "fived/io/safetensors.hpp"

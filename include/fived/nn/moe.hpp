@@ -42,7 +42,7 @@
 #include <span>
 #include <vector>
 
-#include "fived/comm/group_comm.hpp"
+#include "fived/mesh/mesh_comm.hpp"
 #include "fived/device/buffer.hpp"
 #include "fived/nn/config.hpp"
 #include "fived/nn/param_table.hpp"

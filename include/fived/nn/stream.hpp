@@ -37,7 +37,7 @@
 #include <string>
 #include <type_traits>
 
-#include "fived/comm/group_comm.hpp"
+#include "fived/mesh/mesh_comm.hpp"
 #include "fived/context/row_positions.hpp"
 #include "fived/context/zigzag.hpp"
 #include "fived/mesh/mesh.hpp"

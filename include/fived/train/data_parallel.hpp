@@ -115,7 +115,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "fived/comm/group_comm.hpp"
+#include "fived/mesh/mesh_comm.hpp"
 #include "fived/comm/types.hpp"
 #include "fived/device/bf16.hpp"
 #include "fived/device/host_pages.hpp"

@@ -40,7 +40,7 @@
 #include <utility>
 #include <vector>
 
-#include "fived/comm/group_comm.hpp"
+#include "fived/mesh/mesh_comm.hpp"
 #include "fived/device/buffer.hpp"
 #include "fived/mesh/context.hpp"
 #include "fived/model/contract.hpp"
