@@ -66,7 +66,3 @@ class CommQueue<T, Host> {
 };
 
 }  // namespace fived
-
-#if defined(__CUDACC__)
-#include "fived/train/cuda/comm_queue.hpp"
-#endif

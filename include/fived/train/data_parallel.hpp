@@ -124,6 +124,9 @@
 #include "fived/optim/adamw.hpp"
 #include "fived/train/bucket_plan.hpp"
 #include "fived/train/comm_queue.hpp"
+#if defined(__CUDACC__)
+#include "fived/train/cuda/comm_queue.hpp"  // CommQueue<T, Cuda>
+#endif
 #include "fived/util/fnv.hpp"
 
 namespace fived {

@@ -1,6 +1,6 @@
 #pragma once
 // CommQueue<T, Cuda>: the communication side of a step on a second CUDA stream (see
-// train/comm_queue.hpp). Device code: included from train/comm_queue.hpp under nvcc.
+// train/comm_queue.hpp). Device code: included by train/data_parallel.hpp under nvcc.
 
 #include <cuda_runtime.h>
 
