@@ -15,14 +15,10 @@
 // gradient norm): directly on the host backend, through device memory on NCCL, where it
 // waits for the result because the host is about to read it.
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <span>
-#include <stdexcept>
 #include <string>
-#include <type_traits>
 #include <utility>
 
 #include "fived/comm/communicator.hpp"

@@ -125,9 +125,8 @@ inline std::chrono::duration<double> timeout_from_env() {
 
 // FIVED_NCCL_TRACE, for finding a hang: 1 prints every operation as it is enqueued (the
 // launcher's RANK, the group and the rank in it, the operation, its number on the group) to
-// stderr; 2 also waits for each to finish
-// and says so, which makes every collective synchronous (the order of the traces is then
-// the order on the device). Read once per process.
+// stderr; 2 also waits for each to finish and says so, which makes every collective
+// synchronous (the order of the traces is then the order on the device). Read once.
 inline int trace_level() {
   static const int level = [] {
     const char* v = std::getenv("FIVED_NCCL_TRACE");
@@ -304,8 +303,9 @@ class Comm {
   }
 
   // Values in host memory (a loss, a gradient norm; a whole parameter vector for a check),
-  // reduced over the group in one collective: through this communicator's device scratch, ordered on the compute stream, and waited for (the
-  // caller is about to read them; the wait polls NCCL's error state like synchronize()).
+  // reduced over the group in one collective: through this communicator's device scratch,
+  // ordered on the compute stream, and waited for (the caller is about to read them; the
+  // wait polls NCCL's error state like synchronize()).
   void all_reduce_host(std::span<double> values, ReduceOp op = ReduceOp::sum) {
     constexpr std::string_view what = "all_reduce_host";
     if (values.empty()) return;

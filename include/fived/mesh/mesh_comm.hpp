@@ -14,6 +14,7 @@
 // buffer as input and output (the layers do, see nn/stream.hpp), and a different one is a
 // logic_error rather than a silent copy.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>

@@ -234,22 +234,21 @@ inline void require_positive(const char* kernel, const char* name, long long v) 
 // free memory back to the driver at every synchronisation: the next step would allocate
 // from the driver again. Keeping it makes a steady-state step's scratch a suballocation of
 // memory the pool already holds. Ops<T, Cuda> calls this once.
-inline void keep_scratch_pool() {
+inline cudaMemPool_t scratch_pool() {  // the current device's default pool
   int device = 0;
   FIVED_CUDA_CHECK(cudaGetDevice(&device));
   cudaMemPool_t pool = nullptr;
   FIVED_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+  return pool;
+}
+inline void keep_scratch_pool() {
   std::uint64_t keep = ~std::uint64_t{0};
-  FIVED_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  FIVED_CUDA_CHECK(cudaMemPoolSetAttribute(scratch_pool(), cudaMemPoolAttrReleaseThreshold, &keep));
 }
 // Bytes the default pool holds from the driver now (constant over steady-state steps).
 inline std::uint64_t scratch_pool_reserved() {
-  int device = 0;
-  FIVED_CUDA_CHECK(cudaGetDevice(&device));
-  cudaMemPool_t pool = nullptr;
-  FIVED_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
   std::uint64_t bytes = 0;
-  FIVED_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &bytes));
+  FIVED_CUDA_CHECK(cudaMemPoolGetAttribute(scratch_pool(), cudaMemPoolAttrReservedMemCurrent, &bytes));
   return bytes;
 }
 
