@@ -42,23 +42,26 @@ struct Cost {
   }
 };
 
-// Where each (rank, chunk, micro-batch)'s actions sit in its rank's program.
-// Only reads actions whose micro-batch and chunk are in range.
+// Where each (rank, chunk, micro-batch)'s actions sit in its rank's program:
+// the index of the first action of each kind, and which kinds come more than
+// once. Only reads actions whose micro-batch and chunk are in range.
 struct Positions {
-  static constexpr int kinds = static_cast<int>(Op::recv_grad) + 1;
+  static constexpr int kinds = static_cast<int>(Op::recv_grad);  // the ops after Op::none
   Shape shape;
-  std::vector<int> first;  // [op][slot]: index of the first such action, or -1
-  std::vector<int> count;  // [op][slot]: how many
+  detail::Scratch<int> first;               // [slot · kinds + op - 1]: index of the first such action, or -1
+  detail::Scratch<unsigned char> repeated;  // [slot]: bit op - 1 set when that op comes again
 
   constexpr int slot(int rank, int chunk, int mb) const {
     return (rank * shape.chunks + chunk) * shape.micro_batches + mb;
   }
-  constexpr std::size_t key(Op op, int rank, int chunk, int mb) const {
-    return static_cast<std::size_t>(static_cast<int>(op) * shape.ranks * shape.chunks * shape.micro_batches +
-                                    slot(rank, chunk, mb));
+  constexpr int at(Op op, int rank, int chunk, int mb) const {
+    return first[slot(rank, chunk, mb) * kinds + static_cast<int>(op) - 1];
   }
-  constexpr int at(Op op, int rank, int chunk, int mb) const { return first[key(op, rank, chunk, mb)]; }
-  constexpr int how_many(Op op, int rank, int chunk, int mb) const { return count[key(op, rank, chunk, mb)]; }
+  // 0, 1, or 2 for "more than once".
+  constexpr int how_many(Op op, int rank, int chunk, int mb) const {
+    if (at(op, rank, chunk, mb) < 0) return 0;
+    return (repeated[slot(rank, chunk, mb)] >> (static_cast<int>(op) - 1) & 1) ? 2 : 1;
+  }
   // Index of the action that produces the input gradient (B or I), or -1.
   constexpr int input_grad_at(int rank, int chunk, int mb) const {
     const int b = at(Op::backward, rank, chunk, mb);
@@ -70,19 +73,30 @@ constexpr bool in_range(const Shape& shape, const Action& a) {
   return a.mb >= 0 && a.mb < shape.micro_batches && a.chunk >= 0 && a.chunk < shape.chunks;
 }
 
-constexpr Positions positions(const Schedule& s) {
-  const auto n = static_cast<std::size_t>(Positions::kinds * s.shape.ranks * s.shape.chunks * s.shape.micro_batches);
-  Positions p{s.shape, std::vector<int>(n, -1), std::vector<int>(n, 0)};
-  for (int r = 0; r < s.ranks(); ++r) {
-    const auto prog = s.program(r);
-    for (int i = 0; i < static_cast<int>(prog.size()); ++i) {
+constexpr Positions positions(const detail::Programs& programs) {
+  const Shape& sh = programs.shape;
+  const int slots = sh.ranks * sh.chunks * sh.micro_batches;
+  Positions p{sh, detail::Scratch<int>(slots * Positions::kinds, -1), detail::Scratch<unsigned char>(slots, 0)};
+  int* first = p.first.data();
+  unsigned char* repeated = p.repeated.data();
+  for (int r = 0; r < sh.ranks; ++r) {
+    const Action* prog = programs.begin[r];
+    const int n = programs.size(r);
+    for (int i = 0; i < n; ++i) {
       const Action& a = prog[i];
-      if (a.op == Op::none || !in_range(s.shape, a)) continue;
-      const auto k = p.key(a.op, r, a.chunk, a.mb);
-      if (p.count[k]++ == 0) p.first[k] = i;
+      if (a.op == Op::none || !in_range(sh, a)) continue;
+      const int slot = (r * sh.chunks + a.chunk) * sh.micro_batches + a.mb, kind = static_cast<int>(a.op) - 1;
+      int& at = first[slot * Positions::kinds + kind];
+      if (at < 0) at = i;
+      else repeated[slot] |= static_cast<unsigned char>(1 << kind);
     }
   }
   return p;
+}
+
+template <class S>
+constexpr Positions positions(const S& s) {
+  return positions(detail::Programs(s));
 }
 
 struct Place {
@@ -119,87 +133,139 @@ struct Run {
   int makespan = 0;                          // end of the last compute action
 };
 
-constexpr Run execute(const Schedule& s, const Positions& pos, Cost cost = {}, Sends sends = Sends::blocking) {
-  const int P = s.ranks();
-  Run run;
-  run.stopped_at.assign(static_cast<std::size_t>(P), 0);
-  std::vector<int> clock(static_cast<std::size_t>(P), 0);
-  for (int r = 0; r < P; ++r) {
-    run.start.emplace_back(s.program(r).size(), -1);
-    run.end.emplace_back(s.program(r).size(), -1);
+namespace detail {
+
+// One dry run, timed both ways at once. The ranks advance as the `drive` sends
+// allow; every action also gets its time with eager sends, and with blocking
+// sends when those drive (an action reached under blocking sends has had all
+// it waits for under eager sends happen before it too, so one pass serves
+// both). Arrays hold one value per action, numbered as Programs numbers them.
+struct DryRun {
+  bool finished = true;
+  Scratch<int> at;          // [rank]: the action it runs next, or waits in (the program's size: finished)
+  Scratch<int> reached;     // [rank]: every action before this one has started (compute) or is posted (comm)
+  Scratch<int> posted_blocking, posted_eager;  // [action]: when it started or was posted
+  int makespan[2] = {0, 0};                   // [Sends]: end of the last compute action
+
+  constexpr DryRun(int ranks, int actions)
+      : at(ranks, 0), reached(ranks, 0), posted_blocking(actions), posted_eager(actions) {}
+  constexpr const int* posted(Sends s) const {
+    return (s == Sends::blocking ? posted_blocking : posted_eager).data();
   }
-  auto& pc = run.stopped_at;
+
+  constexpr bool is_posted(Place p) const { return p.index >= 0 && p.index < reached[p.rank]; }
+};
+
+constexpr DryRun dry_run(const Programs& programs, const Positions& pos, Cost cost, Sends drive) {
+  const int P = programs.ranks(), total = programs.total();
+  constexpr int B = static_cast<int>(Sends::blocking), E = static_cast<int>(Sends::eager);
+  const bool sends_wait = drive == Sends::blocking;
+  DryRun run(P, total);
+  Scratch<int> clocks(2 * P, 0);  // [Sends · P + rank]
+  int* posted_b = run.posted_blocking.data();
+  int* posted_e = run.posted_eager.data();
   for (bool progressed = true; progressed;) {
     progressed = false;
     for (int r = 0; r < P; ++r) {
-      const auto prog = s.program(r);
-      auto& start = run.start[static_cast<std::size_t>(r)];
-      auto& end = run.end[static_cast<std::size_t>(r)];
-      auto& now = clock[static_cast<std::size_t>(r)];
-      int& i = pc[static_cast<std::size_t>(r)];
-      while (i < static_cast<int>(prog.size())) {
-        const auto ui = static_cast<std::size_t>(i);
+      const Action* prog = programs.begin[r];
+      const int n = programs.size(r), base = programs.offset[r];
+      int& now_b = clocks[B * P + r];
+      int& now_e = clocks[E * P + r];
+      int& i = run.at[r];
+      int& reached = run.reached[r];
+      while (i < n) {
         if (!is_comm(prog[i].op)) {
-          start[ui] = now;
-          end[ui] = now += cost.of(prog[i].op);
-          run.makespan = now > run.makespan ? now : run.makespan;
-          ++i, progressed = true;
+          posted_b[base + i] = now_b, posted_e[base + i] = now_e;
+          const int c = cost.of(prog[i].op);
+          now_b += c, now_e += c;
+          if (now_b > run.makespan[B]) run.makespan[B] = now_b;
+          if (now_e > run.makespan[E]) run.makespan[E] = now_e;
+          reached = ++i, progressed = true;
           continue;
         }
-        const int group_end = step_end(prog, i);
+        int end = i + 1;
+        while (end < n && prog[end].joins_previous && is_comm(prog[end].op)) ++end;
+        if (reached < end) {  // the rank reaches the group: all of it is posted
+          for (int j = i; j < end; ++j) posted_b[base + j] = now_b, posted_e[base + j] = now_e;
+          reached = end, progressed = true;
+        }
+        // Complete when every partner has posted (with eager sends: every receive's partner).
         bool complete = true;
-        for (int j = i; j < group_end; ++j) {
-          const auto uj = static_cast<std::size_t>(j);
-          if (start[uj] < 0) start[uj] = now, progressed = true;  // posted
-          if (end[uj] >= 0) continue;
-          if (sends == Sends::eager && is_send(prog[j].op)) {
-            end[uj] = start[uj], progressed = true;
-            continue;
-          }
+        int met_b = now_b, met_e = now_e;
+        for (int j = i; j < end; ++j) {
+          const bool send = is_send(prog[j].op);
+          if (send && !sends_wait) continue;
           const Place other = partner(pos, r, prog[j]);
-          const int posted = other.index < 0 ? -1
-                                             : run.start[static_cast<std::size_t>(other.rank)]
-                                                        [static_cast<std::size_t>(other.index)];
-          if (posted < 0) {
+          if (!run.is_posted(other)) {
             complete = false;
-            continue;
+            break;
           }
-          const int met = posted > start[uj] ? posted : start[uj];
-          end[uj] = met;
-          if (sends == Sends::blocking)
-            run.end[static_cast<std::size_t>(other.rank)][static_cast<std::size_t>(other.index)] = met;
-          progressed = true;
+          const int k = programs.offset[other.rank] + other.index;
+          if (posted_b[k] > met_b) met_b = posted_b[k];
+          if (!send && posted_e[k] > met_e) met_e = posted_e[k];
         }
         if (!complete) break;
-        for (int j = i; j < group_end; ++j) {
-          const int met = end[static_cast<std::size_t>(j)];
-          now = met > now ? met : now;
-        }
-        i = group_end;
+        now_b = met_b, now_e = met_e, i = end, progressed = true;
       }
     }
   }
-  run.finished = true;
-  for (int r = 0; r < P; ++r)
-    run.finished = run.finished && pc[static_cast<std::size_t>(r)] == static_cast<int>(s.program(r).size());
+  for (int r = 0; r < P; ++r) run.finished = run.finished && run.at[r] == programs.size(r);
   return run;
+}
+
+// When a comm action completes in the run: when its partner met it (blocking),
+// or when it was posted (a send, eager) or its send was (a receive, eager); -1: never.
+constexpr int completed(const Programs& programs, const Positions& pos, const DryRun& run, Sends sends, int r,
+                        int i) {
+  const Action& a = programs.begin[r][i];
+  const int* posted = run.posted(sends);
+  const int mine = posted[programs.offset[r] + i];
+  if (i >= run.reached[r]) return -1;
+  if (sends == Sends::eager && is_send(a.op)) return mine;
+  const Place other = partner(pos, r, a);
+  if (!run.is_posted(other)) return -1;
+  const int theirs = posted[programs.offset[other.rank] + other.index];
+  return theirs > mine ? theirs : mine;
+}
+
+}  // namespace detail
+
+// The dry run of all ranks with durations: when each action starts and ends.
+template <class S>
+constexpr Run execute(const S& s, Cost cost = {}, Sends sends = Sends::blocking) {
+  const detail::Programs programs(s);
+  const Positions pos = positions(programs);
+  const detail::DryRun run = detail::dry_run(programs, pos, cost, sends);
+  const int* posted = run.posted(sends);
+  Run out{run.finished, {}, {}, {}, run.makespan[static_cast<int>(sends)]};
+  for (int r = 0; r < programs.ranks(); ++r) {
+    out.stopped_at.push_back(run.at[r]);
+    auto& start = out.start.emplace_back(static_cast<std::size_t>(programs.size(r)), -1);
+    auto& end = out.end.emplace_back(static_cast<std::size_t>(programs.size(r)), -1);
+    for (int i = 0; i < run.reached[r]; ++i) {
+      const Action& a = programs.begin[r][i];
+      start[static_cast<std::size_t>(i)] = posted[programs.offset[r] + i];
+      end[static_cast<std::size_t>(i)] = is_comm(a.op) ? detail::completed(programs, pos, run, sends, r, i)
+                                                       : start[static_cast<std::size_t>(i)] + cost.of(a.op);
+    }
+  }
+  return out;
 }
 
 // After a deadlocked run: a rank that waits in a send to a peer which itself
 // waits in a send back to it, neither receive posted (the crossed-sends
 // deadlock of blocking point-to-point). Its place, or {-1, -1}.
-constexpr Place crossed_sends(const Schedule& s, const Run& run) {
+constexpr Place crossed_sends(const detail::Programs& programs, const Positions& pos, const detail::DryRun& run) {
   auto waiting_send_to = [&](int r, int q) {
-    const auto prog = s.program(r);
-    const int i = run.stopped_at[static_cast<std::size_t>(r)];
-    if (i >= static_cast<int>(prog.size()) || !is_comm(prog[i].op)) return -1;
-    for (int j = i; j < step_end(prog, i); ++j)
-      if (is_send(prog[j].op) && prog[j].peer == q && run.end[static_cast<std::size_t>(r)][static_cast<std::size_t>(j)] < 0)
-        return j;
+    const int i = run.at[r], n = programs.size(r);
+    const Action* prog = programs.begin[r];
+    if (i >= n || !is_comm(prog[i].op)) return -1;
+    for (int j = i; j < n && (j == i || (prog[j].joins_previous && is_comm(prog[j].op))); ++j)
+      if (is_send(prog[j].op) && prog[j].peer == q && !run.is_posted(partner(pos, r, prog[j]))) return j;
     return -1;
   };
-  for (int r = 0; r < s.ranks(); ++r)
-    for (int q = 0; q < s.ranks(); ++q)
+  for (int r = 0; r < programs.ranks(); ++r)
+    for (int q = 0; q < programs.ranks(); ++q)
       if (q != r && waiting_send_to(r, q) >= 0 && waiting_send_to(q, r) >= 0) return {r, waiting_send_to(r, q)};
   return {};
 }

@@ -1,7 +1,7 @@
 #pragma once
-// The schedules, as constexpr functions of (P, M[, V]) returning a Schedule.
-// Each decides the order of compute actions on every rank; with_messages()
-// (lower.hpp) places the sends and receives. Bad arguments throw
+// The schedules, as constexpr functions of (P, M[, V]): `*_order` decides the
+// order of compute actions on every rank, and the schedule of the same name is
+// that order with_messages() (lower.hpp), the sends and receives placed. Bad arguments throw
 // std::invalid_argument with the sentence the generator types (schedules.hpp)
 // static_assert.
 //
@@ -39,94 +39,86 @@ namespace fived::pipeline {
 
 namespace detail {
 
-using Orders = std::vector<std::vector<Action>>;
-
 constexpr void require(bool ok, const char* sentence) {
   if (!ok) throw std::invalid_argument(sentence);
 }
 
-// Megatron's 1F1B over a sequence of n virtual micro-batches per rank: `warmup`
-// forwards, then one forward and one backward, then the remaining backwards.
+// Megatron's 1F1B over a sequence of n virtual micro-batches on rank r:
+// `warmup` forwards, then one forward and one backward, then the remaining backwards.
 template <class Forward, class Backward>
-constexpr std::vector<Action> one_forward_one_backward(int n, int warmup, Forward fwd, Backward bwd) {
-  std::vector<Action> order;
+constexpr void one_forward_one_backward(Orders& o, int r, int n, int warmup, Forward fwd, Backward bwd) {
   warmup = warmup < n ? warmup : n;
-  for (int k = 0; k < warmup; ++k) order.push_back(fwd(k));
-  for (int k = 0; k < n - warmup; ++k) order.push_back(fwd(warmup + k)), order.push_back(bwd(k));
-  for (int k = n - warmup; k < n; ++k) order.push_back(bwd(k));
-  return order;
+  for (int k = 0; k < warmup; ++k) o.add(r, fwd(k));
+  for (int k = 0; k < n - warmup; ++k) o.add(r, fwd(warmup + k)), o.add(r, bwd(k));
+  for (int k = n - warmup; k < n; ++k) o.add(r, bwd(k));
 }
 
 }  // namespace detail
 
-constexpr Schedule gpipe(int P, int M) {
+// ---- the compute orders ------------------------------------------------------------------
+
+constexpr detail::Orders gpipe_order(int P, int M) {
   detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
-  detail::Orders order(static_cast<std::size_t>(P));
-  for (auto& o : order) {
-    for (int m = 0; m < M; ++m) o.push_back(forward(m));
-    for (int m = 0; m < M; ++m) o.push_back(backward(m));
+  detail::Orders o({P, M, 1, StageOrder::looped});
+  for (int r = 0; r < P; ++r) {
+    for (int m = 0; m < M; ++m) o.add(r, forward(m));
+    for (int m = 0; m < M; ++m) o.add(r, backward(m));
   }
-  return with_messages({P, M, 1, StageOrder::looped}, order);
+  return o;
 }
 
-constexpr Schedule one_f_one_b(int P, int M) {
+constexpr detail::Orders one_f_one_b_order(int P, int M) {
   detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   detail::require(M >= P, FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P);
-  detail::Orders order;
+  detail::Orders o({P, M, 1, StageOrder::looped});
   for (int r = 0; r < P; ++r)
-    order.push_back(detail::one_forward_one_backward(
-        M, P - 1 - r, [](int k) { return forward(k); }, [](int k) { return backward(k); }));
-  return with_messages({P, M, 1, StageOrder::looped}, order);
+    detail::one_forward_one_backward(
+        o, r, M, P - 1 - r, [](int k) { return forward(k); }, [](int k) { return backward(k); });
+  return o;
 }
 
-constexpr Schedule interleaved_1f1b(int P, int M, int V) {
+constexpr detail::Orders interleaved_1f1b_order(int P, int M, int V) {
   detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   detail::require(V >= 2, FIVED_PIPELINE_SAYS_INTERLEAVED_NEEDS_CHUNKS);
   detail::require(M % P == 0, FIVED_PIPELINE_SAYS_INTERLEAVED_NEEDS_ROUNDS);
   auto mb = [=](int k) { return k / (P * V) * P + k % P; };
   auto chunk = [=](int k) { return k % (P * V) / P; };
-  detail::Orders order;
+  detail::Orders o({P, M, V, StageOrder::looped});
   for (int r = 0; r < P; ++r)
-    order.push_back(detail::one_forward_one_backward(
-        M * V, 2 * (P - 1 - r) + (V - 1) * P, [=](int k) { return forward(mb(k), chunk(k)); },
-        [=](int k) { return backward(mb(k), V - 1 - chunk(k)); }));
-  return with_messages({P, M, V, StageOrder::looped}, order);
+    detail::one_forward_one_backward(
+        o, r, M * V, 2 * (P - 1 - r) + (V - 1) * P, [=](int k) { return forward(mb(k), chunk(k)); },
+        [=](int k) { return backward(mb(k), V - 1 - chunk(k)); });
+  return o;
 }
 
-constexpr Schedule zb_h1(int P, int M) {
+constexpr detail::Orders zb_h1_order(int P, int M) {
   detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   detail::require(M >= P, FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P);
-  detail::Orders order(static_cast<std::size_t>(P));
+  detail::Orders o({P, M, 1, StageOrder::looped});
   for (int r = 0; r < P; ++r) {
-    auto& o = order[static_cast<std::size_t>(r)];
     const int warmup = P - 1 - r;
     int w = 0;  // next micro-batch to run W on
-    // After I(i), run the oldest W if more than r wait: W lags r micro-batches behind I.
-    auto after_input_grad = [&](int i) {
-      if (i + 1 - w > r) o.push_back(weight_grad(w++));
-    };
-    for (int k = 0; k < warmup; ++k) o.push_back(forward(k));
+    for (int k = 0; k < warmup; ++k) o.add(r, forward(k));
     for (int i = 0; i < M; ++i) {
-      if (warmup + i < M) o.push_back(forward(warmup + i));
-      o.push_back(input_grad(i));
-      after_input_grad(i);
+      if (warmup + i < M) o.add(r, forward(warmup + i));
+      o.add(r, input_grad(i));
+      if (i + 1 - w > r) o.add(r, weight_grad(w++));  // W lags r micro-batches behind I
     }
-    while (w < M) o.push_back(weight_grad(w++));
+    while (w < M) o.add(r, weight_grad(w++));
   }
-  return with_messages({P, M, 1, StageOrder::looped}, order);
+  return o;
 }
 
-constexpr Schedule zb_v(int P, int M) {
+constexpr detail::Orders zb_v_order(int P, int M) {
   detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   detail::require(M >= 2 * P, FIVED_PIPELINE_SAYS_V_NEEDS_M_GE_2P);
-  detail::Orders order(static_cast<std::size_t>(P));
+  detail::Orders o({P, M, 2, StageOrder::vee});
   for (int r = 0; r < P; ++r) {
-    auto& o = order[static_cast<std::size_t>(r)];
     int f0 = 0, f1 = 0, i0 = 0, i1 = 0;  // next micro-batch of F and I on chunks 0 and 1
-    auto F0 = [&] { o.push_back(forward(f0++, 0)); };
-    auto F1 = [&] { o.push_back(forward(f1++, 1)); };
-    auto IW0 = [&] { o.push_back(input_grad(i0, 0)), o.push_back(weight_grad(i0++, 0)); };
-    auto IW1 = [&] { o.push_back(input_grad(i1, 1)), o.push_back(weight_grad(i1++, 1)); };
+    auto F0 = [&] { o.add(r, forward(f0++, 0)); };
+    auto F1 = [&] { o.add(r, forward(f1++, 1)); };
+    auto IW0 = [&] { o.add(r, input_grad(i0, 0)), o.add(r, weight_grad(i0++, 0)); };
+    auto IW1 = [&] { o.add(r, input_grad(i1, 1)), o.add(r, weight_grad(i1++, 1)); };
     // Warm-up: chunk 0 until the first micro-batch comes back up the V, then both chunks.
     for (int k = 0; k < 2 * (P - r) - 1; ++k) F0();
     for (int k = 0; k < r; ++k) F1(), F0();
@@ -139,12 +131,12 @@ constexpr Schedule zb_v(int P, int M) {
     }
     // Cool-down: the I's first, W's into the bubble they leave.
     int w0 = i0, w1 = i1;
-    for (int k = 0; k < r; ++k) o.push_back(input_grad(i0++, 0)), o.push_back(input_grad(i1++, 1));
-    for (int k = 0; k < P - r; ++k) o.push_back(input_grad(i0++, 0)), o.push_back(weight_grad(w0++, 0));
-    while (w1 < M) o.push_back(weight_grad(w1++, 1));
-    while (w0 < M) o.push_back(weight_grad(w0++, 0));
+    for (int k = 0; k < r; ++k) o.add(r, input_grad(i0++, 0)), o.add(r, input_grad(i1++, 1));
+    for (int k = 0; k < P - r; ++k) o.add(r, input_grad(i0++, 0)), o.add(r, weight_grad(w0++, 0));
+    while (w1 < M) o.add(r, weight_grad(w1++, 1));
+    while (w0 < M) o.add(r, weight_grad(w0++, 0));
   }
-  return with_messages({P, M, 2, StageOrder::vee}, order);
+  return o;
 }
 
 // DualPipeV: DeepSeek-V3's DualPipe cut in half (deepseek-ai/DualPipe, dualpipev.py), in
@@ -153,22 +145,21 @@ constexpr Schedule zb_v(int P, int M) {
 // model can overlap, one's communication under the other's compute), and the input and
 // weight gradients are split where that fills the bubble: the warm-up's chunk-1 backwards
 // and the second half of the cool-down, their W's run oldest first. Needs M >= 2P.
-constexpr Schedule dualpipe_v(int P, int M) {
+constexpr detail::Orders dualpipe_v_order(int P, int M) {
   detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   detail::require(M >= 2 * P, FIVED_PIPELINE_SAYS_V_NEEDS_M_GE_2P);
-  detail::Orders order(static_cast<std::size_t>(P));
+  detail::Orders o({P, M, 2, StageOrder::vee});
+  detail::Scratch<Action> weights(2 * M);  // W's of split backwards, in the order their I's ran
   for (int r = 0; r < P; ++r) {
-    auto& o = order[static_cast<std::size_t>(r)];
     int f[2] = {0, 0}, b[2] = {0, 0};  // next micro-batch of F and of B (or I) on chunks 0 and 1
-    std::vector<Action> weights;       // W's of split backwards, in the order their I's ran
-    std::size_t next_weight = 0;
-    auto F = [&](int c) { o.push_back(forward(f[c]++, c)); };
+    int owed = 0, next_weight = 0;
+    auto F = [&](int c) { o.add(r, forward(f[c]++, c)); };
     auto B = [&](int c, bool split) {
-      if (split) o.push_back(input_grad(b[c], c)), weights.push_back(weight_grad(b[c], c));
-      else o.push_back(backward(b[c], c));
+      if (split) o.add(r, input_grad(b[c], c)), weights[owed++] = weight_grad(b[c], c);
+      else o.add(r, backward(b[c], c));
       ++b[c];
     };
-    auto W = [&] { o.push_back(weights[next_weight++]); };
+    auto W = [&] { o.add(r, weights[next_weight++]); };
     const int down = P - 1 - r;  // ranks below this one
     for (int k = 0; k < 2 * down; ++k) F(0);               // 1: chunk 0 fills the V's left arm
     for (int k = 0; k <= r; ++k) F(0), F(1);               // 2: the bottom turns
@@ -185,7 +176,16 @@ constexpr Schedule dualpipe_v(int P, int M) {
     for (int k = 0; k < down; ++k) W(), B(0, true);  // 7: W's into the bubble
     for (int k = 0; k <= r; ++k) W();                // 8: the rest
   }
-  return with_messages({P, M, 2, StageOrder::vee}, order);
+  return o;
 }
+
+// ---- the schedules: the orders with their messages ------------------------------------------
+
+constexpr Schedule gpipe(int P, int M) { return with_messages(gpipe_order(P, M)); }
+constexpr Schedule one_f_one_b(int P, int M) { return with_messages(one_f_one_b_order(P, M)); }
+constexpr Schedule interleaved_1f1b(int P, int M, int V) { return with_messages(interleaved_1f1b_order(P, M, V)); }
+constexpr Schedule zb_h1(int P, int M) { return with_messages(zb_h1_order(P, M)); }
+constexpr Schedule zb_v(int P, int M) { return with_messages(zb_v_order(P, M)); }
+constexpr Schedule dualpipe_v(int P, int M) { return with_messages(dualpipe_v_order(P, M)); }
 
 }  // namespace fived::pipeline

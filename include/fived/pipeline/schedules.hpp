@@ -16,12 +16,20 @@ namespace fived::pipeline {
 
 namespace detail {
 
+// A generator's compute orders with their messages, straight into a table.
+template <class TableType>
+constexpr TableType lowered(const Orders& orders) {
+  TableType t;
+  with_messages(orders, t);
+  return t;
+}
+
 template <int P, int M>
 struct GPipeTable {
   static constexpr bool admissible = P >= 1 && M >= 1;
   static_assert(admissible, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1)>;
-  static constexpr table_type table = admissible ? table_type{gpipe(P, M)} : table_type{};
+  static constexpr table_type table = admissible ? lowered<table_type>(gpipe_order(P, M)) : table_type{};
 };
 
 template <int P, int M>
@@ -30,7 +38,7 @@ struct OneFOneBTable {
   static_assert(P >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   static_assert(M >= P, FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P);
   using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1)>;
-  static constexpr table_type table = admissible ? table_type{one_f_one_b(P, M)} : table_type{};
+  static constexpr table_type table = admissible ? lowered<table_type>(one_f_one_b_order(P, M)) : table_type{};
 };
 
 template <int P, int M, int V>
@@ -40,7 +48,7 @@ struct Interleaved1F1BTable {
   static_assert(V >= 2, FIVED_PIPELINE_SAYS_INTERLEAVED_NEEDS_CHUNKS);
   static_assert(P < 1 || M % P == 0, FIVED_PIPELINE_SAYS_INTERLEAVED_NEEDS_ROUNDS);
   using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1), (V >= 1 ? V : 1)>;
-  static constexpr table_type table = admissible ? table_type{interleaved_1f1b(P, M, V)} : table_type{};
+  static constexpr table_type table = admissible ? lowered<table_type>(interleaved_1f1b_order(P, M, V)) : table_type{};
 };
 
 template <int P, int M>
@@ -49,18 +57,18 @@ struct ZBH1Table {
   static_assert(P >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   static_assert(M >= P, FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P);
   using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1)>;
-  static constexpr table_type table = admissible ? table_type{zb_h1(P, M)} : table_type{};
+  static constexpr table_type table = admissible ? lowered<table_type>(zb_h1_order(P, M)) : table_type{};
 };
 
 // The V-shaped schedules (two chunks per rank, the stages down the ranks and back up),
 // one table type over their generator.
-template <int P, int M, Schedule (*generate)(int, int)>
+template <int P, int M, Orders (*order)(int, int)>
 struct VeeTable {
   static constexpr bool admissible = P >= 1 && M >= 2 * P;
   static_assert(P >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   static_assert(M >= 2 * P, FIVED_PIPELINE_SAYS_V_NEEDS_M_GE_2P);
   using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1), 2, StageOrder::vee>;
-  static constexpr table_type table = admissible ? table_type{generate(P, M)} : table_type{};
+  static constexpr table_type table = admissible ? lowered<table_type>(order(P, M)) : table_type{};
 };
 
 }  // namespace detail
@@ -83,11 +91,11 @@ struct ZBH1 : Proven<detail::ZBH1Table<P, M>> {};
 
 // ZB-V: two chunks per rank in a V; needs M >= 2P.
 template <int P, int M>
-struct ZBV : Proven<detail::VeeTable<P, M, zb_v>> {};
+struct ZBV : Proven<detail::VeeTable<P, M, zb_v_order>> {};
 
 // DualPipeV (DeepSeek-V3): two chunks per rank in a V, forwards and backwards of the two
 // chunks paired through the steady state, W's split off at the ends; needs M >= 2P.
 template <int P, int M>
-struct DualPipeV : Proven<detail::VeeTable<P, M, dualpipe_v>> {};
+struct DualPipeV : Proven<detail::VeeTable<P, M, dualpipe_v_order>> {};
 
 }  // namespace fived::pipeline

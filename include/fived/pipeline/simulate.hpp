@@ -47,8 +47,9 @@
 
 namespace fived::pipeline {
 
-constexpr Run simulate(const Schedule& s, Cost cost = {}, Sends sends = Sends::eager) {
-  return execute(s, positions(s), cost, sends);
+template <class S>
+constexpr Run simulate(const S& s, Cost cost = {}, Sends sends = Sends::eager) {
+  return execute(s, cost, sends);
 }
 
 struct Figures {
@@ -72,6 +73,9 @@ struct Figures {
     const long long t = static_cast<long long>(ranks) * blocking_makespan;
     return t == 0 ? 0.0 : static_cast<double>(t - (rank_time() - idle())) / static_cast<double>(t);
   }
+  constexpr void set_rank(int, int b, int peak, int pending) {
+    busy.push_back(b), peak_activations.push_back(peak), peak_pending.push_back(pending);
+  }
   constexpr int max_peak_activations() const {
     int m = 0;
     for (int p : peak_activations) m = p > m ? p : m;
@@ -80,27 +84,45 @@ struct Figures {
 };
 
 // Peaks of one rank's program: F takes a pair, the end of its B or I (or W) gives it back.
-constexpr int peak_held(std::span<const Action> program, bool until_weight_grad) {
+constexpr int peak_held(const Action* program, int n, bool until_weight_grad) {
   int held = 0, peak = 0;
-  for (const Action& a : program) {
-    if (a.op == Op::forward) held += 1, peak = held > peak ? held : peak;
-    if (a.op == Op::backward || a.op == (until_weight_grad ? Op::weight_grad : Op::input_grad)) held -= 1;
+  const Op gives_back = until_weight_grad ? Op::weight_grad : Op::input_grad;
+  for (int i = 0; i < n; ++i) {
+    const Op op = program[i].op;
+    if (op == Op::forward) held += 1, peak = held > peak ? held : peak;
+    if (op == Op::backward || op == gives_back) held -= 1;
   }
   return peak;
 }
 
-// For a verified schedule (the timing of one that deadlocks stops where it does).
-constexpr Figures measure(const Schedule& s, Cost cost = {}) {
-  const Positions pos = positions(s);
-  Figures f{s.ranks(), execute(s, pos, cost, Sends::eager).makespan, execute(s, pos, cost, Sends::blocking).makespan,
-            {}, {}, {}};
-  for (int r = 0; r < s.ranks(); ++r) {
+namespace detail {
+
+// The figures of a table whose dry run under blocking sends is `run` (also
+// timed with eager sends): per rank, busy time and peaks; `out` is a Figures
+// or a StaticFigures (proven.hpp).
+template <class Out>
+constexpr void fill_figures(const Programs& programs, const DryRun& run, Cost cost, Out& out) {
+  out.makespan = run.makespan[static_cast<int>(Sends::eager)];
+  out.blocking_makespan = run.makespan[static_cast<int>(Sends::blocking)];
+  for (int r = 0; r < programs.ranks(); ++r) {
+    const Action* prog = programs.begin[r];
+    const int n = programs.size(r);
     int busy = 0;
-    for (const Action& a : s.program(r)) busy += cost.of(a.op);
-    f.busy.push_back(busy);
-    f.peak_activations.push_back(peak_held(s.program(r), false));
-    f.peak_pending.push_back(peak_held(s.program(r), true));
+    for (int i = 0; i < n; ++i) busy += cost.of(prog[i].op);
+    out.set_rank(r, busy, peak_held(prog, n, false), peak_held(prog, n, true));
   }
+}
+
+}  // namespace detail
+
+// For a verified schedule (the timing of one that deadlocks stops where it does).
+template <class S>
+constexpr Figures measure(const S& s, Cost cost = {}) {
+  const detail::Programs programs(s);
+  const Positions pos = positions(programs);
+  Figures f;
+  f.ranks = programs.ranks();
+  detail::fill_figures(programs, detail::dry_run(programs, pos, cost, Sends::blocking), cost, f);
   return f;
 }
 

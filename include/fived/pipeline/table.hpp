@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "fived/pipeline/action.hpp"
+#include "fived/pipeline/scratch.hpp"
 #include "fived/pipeline/stages.hpp"
 
 namespace fived::pipeline {
@@ -74,8 +75,10 @@ struct Table {
   static constexpr StageOrder order = Order;
   static constexpr int capacity = max_actions_per_rank(M, V);
 
-  std::array<std::array<Action, capacity>, P> actions{};
-  std::array<int, P> sizes{};
+  // Plain arrays: the proofs index them inside the compiler, where std::array's
+  // operator[] is a function call each time.
+  Action actions[P][capacity]{};
+  int sizes[P]{};
 
   constexpr Table() = default;
 
@@ -90,23 +93,35 @@ struct Table {
     (copy_in(r++, program, N), ...);
   }
 
-  // The compile-time form of a schedule generated at compile time.
+  // The compile-time form of a schedule made at run time.
   constexpr explicit Table(const Schedule& s) {
     if (!(s.shape == shape) || static_cast<int>(s.programs.size()) != P)
       throw std::invalid_argument("fived::pipeline::Table: the schedule's shape is not the table's");
     for (int r = 0; r < P; ++r) {
       const auto& p = s.programs[static_cast<std::size_t>(r)];
-      if (static_cast<int>(p.size()) > capacity)
-        throw std::invalid_argument("fived::pipeline::Table: a rank's program is longer than any valid one");
       copy_in(r, p.data(), p.size());
     }
   }
 
   constexpr std::span<const Action> program(int rank) const {
-    return {actions[static_cast<std::size_t>(rank)].data(), static_cast<std::size_t>(sizes[static_cast<std::size_t>(rank)])};
+    return {actions[rank], static_cast<std::size_t>(sizes[rank])};
   }
 
-  friend constexpr bool operator==(const Table&, const Table&) = default;
+  // Appends to rank r's program (what the lowering writes with).
+  constexpr void append(int r, const Action& a) {
+    if (sizes[r] == capacity)
+      throw std::invalid_argument("fived::pipeline::Table: a rank's program is longer than any valid one");
+    actions[r][sizes[r]++] = a;
+  }
+
+  friend constexpr bool operator==(const Table& a, const Table& b) {
+    for (int r = 0; r < P; ++r) {
+      if (a.sizes[r] != b.sizes[r]) return false;
+      for (int i = 0; i < a.sizes[r]; ++i)
+        if (!(a.actions[r][i] == b.actions[r][i])) return false;
+    }
+    return true;
+  }
 
   constexpr Schedule schedule() const {
     Schedule s(shape);
@@ -119,9 +134,37 @@ struct Table {
 
  private:
   constexpr void copy_in(int r, const Action* first, std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) actions[static_cast<std::size_t>(r)][i] = first[i];
-    sizes[static_cast<std::size_t>(r)] = static_cast<int>(n);
+    if (n > static_cast<std::size_t>(capacity))
+      throw std::invalid_argument("fived::pipeline::Table: a rank's program is longer than any valid one");
+    for (std::size_t i = 0; i < n; ++i) actions[r][i] = first[i];
+    sizes[r] = static_cast<int>(n);
   }
 };
+
+namespace detail {
+
+// Any table's programs (a Schedule's or a Table's) as the proofs read them: a
+// pointer and a length per rank, and one numbering of all actions, rank by rank,
+// for the arrays that hold a value per action.
+struct Programs {
+  Shape shape;
+  Scratch<const Action*> begin;  // [rank]
+  Scratch<int> offset;           // [rank]: the number of rank's first action; [P]: all actions
+
+  template <class S>
+  constexpr explicit Programs(const S& s) : shape(s.shape), begin(s.shape.ranks), offset(s.shape.ranks + 1) {
+    offset[0] = 0;
+    for (int r = 0; r < shape.ranks; ++r) {
+      const std::span<const Action> p = s.program(r);
+      begin[r] = p.data();
+      offset[r + 1] = offset[r] + static_cast<int>(p.size());
+    }
+  }
+  constexpr int ranks() const { return shape.ranks; }
+  constexpr int size(int r) const { return offset[r + 1] - offset[r]; }
+  constexpr int total() const { return offset[shape.ranks]; }
+};
+
+}  // namespace detail
 
 }  // namespace fived::pipeline

@@ -78,200 +78,176 @@ struct Verdict {
 
 namespace detail {
 
-// Walks every (rank, chunk, micro-batch) and every action; returns the first failure of one property.
-struct Checker {
-  const Schedule& s;
-  const Positions& pos;
+// The checks, each pass linear in the table: one over the actions (their form,
+// their peers, where each is: Positions, and each message's number on its
+// channel), one over the (rank, chunk, micro-batch) slots (counts and orders),
+// one over the receives (pairing), then the dry run. A pass records each
+// property's first failure in the order verify() promises (actions in program
+// order, slots in rank, chunk, micro-batch order); the earliest property wins.
+struct Findings {
+  Verdict first;  // the earliest property found failing so far, and where
 
-  constexpr Verdict fail(Property p, int rank, int position, int mb, int chunk) const {
-    return {p, rank, position, mb, chunk};
-  }
-
-  // First slot (in rank, chunk, micro-batch order) where `bad(r, c, m)` returns a
-  // position >= -1 (the offending action, or -1 when missing); -2 means fine.
-  template <class Bad>
-  constexpr Verdict each_slot(Property p, Bad bad) const {
-    for (int r = 0; r < s.shape.ranks; ++r)
-      for (int c = 0; c < s.shape.chunks; ++c)
-        for (int m = 0; m < s.shape.micro_batches; ++m)
-          if (const int at = bad(r, c, m); at >= -1) return fail(p, r, at, m, c);
-    return {};
-  }
-
-  constexpr Verdict well_formed() const {
-    for (int r = 0; r < s.ranks(); ++r) {
-      const auto prog = s.program(r);
-      for (int i = 0; i < static_cast<int>(prog.size()); ++i) {
-        const Action& a = prog[i];
-        const bool comm = is_comm(a.op);
-        const bool ok = a.op != Op::none && in_range(s.shape, a) &&
-                        (!comm || (a.peer >= 0 && a.peer < s.ranks() && a.peer != r)) &&
-                        (!a.joins_previous || (comm && i > 0 && is_comm(prog[i - 1].op)));
-        if (!ok) return fail(Property::well_formed, r, i, a.mb, a.chunk);
-      }
-    }
-    return {};
-  }
-
-  // The second one of a repeated action, or -1 when there is none.
-  constexpr int repeat_of(Op op, int r, int c, int m) const {
-    const auto prog = s.program(r);
-    for (int i = pos.at(op, r, c, m) + 1; i < static_cast<int>(prog.size()); ++i)
-      if (prog[i].op == op && prog[i].mb == m && prog[i].chunk == c) return i;
-    return -1;
-  }
-
-  constexpr Verdict counts() const {
-    if (auto v = each_slot(Property::one_forward_each, [&](int r, int c, int m) {
-          const int n = pos.how_many(Op::forward, r, c, m);
-          return n == 1 ? -2 : n == 0 ? -1 : repeat_of(Op::forward, r, c, m);
-        });
-        !v.ok())
-      return v;
-    return each_slot(Property::one_backward_each, [&](int r, int c, int m) {
-      const int b = pos.how_many(Op::backward, r, c, m), i = pos.how_many(Op::input_grad, r, c, m),
-                w = pos.how_many(Op::weight_grad, r, c, m);
-      if ((b == 1 && i == 0 && w == 0) || (b == 0 && i == 1 && w == 1)) return -2;
-      if (b > 1) return repeat_of(Op::backward, r, c, m);
-      if (i > 1) return repeat_of(Op::input_grad, r, c, m);
-      if (w > 1) return repeat_of(Op::weight_grad, r, c, m);
-      if (b == 1) return i == 1 ? pos.at(Op::input_grad, r, c, m) : pos.at(Op::weight_grad, r, c, m);
-      return -1;  // missing: no B, or an I without its W (or the other way round)
-    });
-  }
-
-  constexpr Verdict compute_order() const {
-    if (auto v = each_slot(Property::forward_before_backward, [&](int r, int c, int m) {
-          const int b = pos.input_grad_at(r, c, m);
-          return b < pos.at(Op::forward, r, c, m) ? b : -2;
-        });
-        !v.ok())
-      return v;
-    return each_slot(Property::input_grad_before_weight_grad, [&](int r, int c, int m) {
-      const int w = pos.at(Op::weight_grad, r, c, m);
-      return w >= 0 && w < pos.at(Op::input_grad, r, c, m) ? w : -2;
-    });
-  }
-
-  constexpr Verdict peers() const {
-    const Shape& sh = s.shape;
-    for (int r = 0; r < s.ranks(); ++r) {
-      const auto prog = s.program(r);
-      for (int i = 0; i < static_cast<int>(prog.size()); ++i) {
-        const Action& a = prog[i];
-        if (!is_comm(a.op)) continue;
-        const bool to_next = a.op == Op::send_act || a.op == Op::recv_grad;
-        const bool exists = to_next ? sh.sends_forward(r, a.chunk) : sh.sends_backward(r, a.chunk);
-        const int st = sh.stage(r, a.chunk);
-        if (!exists || a.peer != sh.rank_of(to_next ? st + 1 : st - 1))
-          return fail(Property::peers_are_neighbours, r, i, a.mb, a.chunk);
-      }
-    }
-    return {};
-  }
-
-  // Exactly one of `op` where the stage has a neighbour on another rank on that side.
-  constexpr int once(Op op, bool needed, int r, int c, int m) const {
-    const int n = pos.how_many(op, r, c, m);
-    if (n == (needed ? 1 : 0)) return -2;
-    return n == 0 ? -1 : repeat_of(op, r, c, m);
-  }
-
-  constexpr Verdict messages() const {
-    const Shape& sh = s.shape;
-    if (auto v = each_slot(Property::one_send_each, [&](int r, int c, int m) {
-          const int a = once(Op::send_act, sh.sends_forward(r, c), r, c, m);
-          return a >= -1 ? a : once(Op::send_grad, sh.sends_backward(r, c), r, c, m);
-        });
-        !v.ok())
-      return v;
-    return each_slot(Property::one_receive_each, [&](int r, int c, int m) {
-      const int a = once(Op::recv_act, sh.sends_backward(r, c), r, c, m);
-      return a >= -1 ? a : once(Op::recv_grad, sh.sends_forward(r, c), r, c, m);
-    });
-  }
-
-  constexpr Verdict data_order() const {
-    const Shape& sh = s.shape;
-    if (auto v = each_slot(Property::sends_after_compute, [&](int r, int c, int m) {
-          const int a = pos.at(Op::send_act, r, c, m), g = pos.at(Op::send_grad, r, c, m);
-          if (a >= 0 && a < pos.at(Op::forward, r, c, m)) return a;
-          if (g >= 0 && g < pos.input_grad_at(r, c, m)) return g;
-          return -2;
-        });
-        !v.ok())
-      return v;
-    if (auto v = each_slot(Property::forward_after_input, [&](int r, int c, int m) {
-          const int f = pos.at(Op::forward, r, c, m), st = sh.stage(r, c);
-          if (st == 0) return -2;
-          const int before = sh.sends_backward(r, c) ? pos.at(Op::recv_act, r, c, m)
-                                                     : pos.at(Op::forward, r, sh.chunk_of(st - 1), m);
-          return before < f ? -2 : f;
-        });
-        !v.ok())
-      return v;
-    return each_slot(Property::backward_after_gradient, [&](int r, int c, int m) {
-      const int b = pos.input_grad_at(r, c, m), st = sh.stage(r, c);
-      if (st + 1 == sh.stages()) return -2;
-      const int before = sh.sends_forward(r, c) ? pos.at(Op::recv_grad, r, c, m)
-                                                : pos.input_grad_at(r, sh.chunk_of(st + 1), m);
-      return before < b ? -2 : b;
-    });
-  }
-
-  // Numbers every send and every receive by its order among those between the
-  // same two ranks; a message's two ends must have the same number.
-  constexpr Verdict pairing() const {
-    const int P = s.ranks();
-    std::vector<std::vector<int>> order;  // order[r][i]: k for the k-th send r -> peer or receive peer -> r
-    for (int r = 0; r < P; ++r) {
-      const auto prog = s.program(r);
-      std::vector<int> sent(static_cast<std::size_t>(P), 0), received(static_cast<std::size_t>(P), 0);
-      auto& k = order.emplace_back(prog.size(), -1);
-      for (int i = 0; i < static_cast<int>(prog.size()); ++i) {
-        if (!is_comm(prog[i].op)) continue;
-        auto& counter = is_send(prog[i].op) ? sent : received;
-        k[static_cast<std::size_t>(i)] = counter[static_cast<std::size_t>(prog[i].peer)]++;
-      }
-    }
-    for (int r = 0; r < P; ++r) {
-      const auto prog = s.program(r);
-      for (int i = 0; i < static_cast<int>(prog.size()); ++i) {
-        if (!is_recv(prog[i].op)) continue;
-        const Place from = partner(pos, r, prog[i]);
-        if (order[static_cast<std::size_t>(from.rank)][static_cast<std::size_t>(from.index)] !=
-            order[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)])
-          return fail(Property::sends_match_receives, r, i, prog[i].mb, prog[i].chunk);
-      }
-    }
-    return {};
-  }
-
-  constexpr Verdict dry_run() const {
-    const Run run = execute(s, pos);
-    if (run.finished) return {};
-    const Place crossed = crossed_sends(s, run);
-    const Property p = crossed.rank >= 0 ? Property::no_crossed_sends : Property::progresses;
-    int r = crossed.rank, i = crossed.index;
-    for (int q = 0; r < 0 && q < s.ranks(); ++q)
-      if (run.stopped_at[static_cast<std::size_t>(q)] < static_cast<int>(s.program(q).size()))
-        r = q, i = run.stopped_at[static_cast<std::size_t>(q)];
-    const Action& a = s.program(r)[static_cast<std::size_t>(i)];
-    return fail(p, r, i, a.mb, a.chunk);
+  // Whether a failure of `p` could still be the one reported.
+  constexpr bool open(Property p) const { return first.ok() || p < first.failed; }
+  constexpr void found(Property p, int rank, int position, int mb, int chunk) {
+    if (open(p)) first = {p, rank, position, mb, chunk};
   }
 };
 
+// Pass 1, over the actions: well_formed and peers_are_neighbours; numbers each
+// send and receive by its order among those between the same two ranks.
+constexpr void check_actions(const Programs& programs, Scratch<int>& numbers, Findings& f) {
+  const Shape& sh = programs.shape;
+  const int P = sh.ranks;
+  Scratch<int> counters(2 * P);  // [sent to q | received from P + q], for one rank at a time
+  for (int r = 0; r < P; ++r) {
+    for (int q = 0; q < 2 * P; ++q) counters[q] = 0;
+    const Action* prog = programs.begin[r];
+    const int n = programs.size(r), base = programs.offset[r];
+    for (int i = 0; i < n; ++i) {
+      const Action& a = prog[i];
+      const bool comm = is_comm(a.op);
+      const bool peer_ok = a.peer >= 0 && a.peer < P && a.peer != r;
+      if (a.op == Op::none || !in_range(sh, a) || (comm && !peer_ok) ||
+          (a.joins_previous && !(comm && i > 0 && is_comm(prog[i - 1].op)))) {
+        f.found(Property::well_formed, r, i, a.mb, a.chunk);
+        continue;
+      }
+      if (!comm) continue;
+      numbers[base + i] = counters[(is_send(a.op) ? 0 : P) + a.peer]++;
+      const bool to_next = a.op == Op::send_act || a.op == Op::recv_grad;
+      const bool exists = to_next ? sh.sends_forward(r, a.chunk) : sh.sends_backward(r, a.chunk);
+      const int st = sh.stage(r, a.chunk);
+      if (!exists || a.peer != sh.rank_of(to_next ? st + 1 : st - 1))
+        f.found(Property::peers_are_neighbours, r, i, a.mb, a.chunk);
+    }
+  }
+}
+
+// The second `op` of a stage's micro-batch, for the report (only when there is one).
+constexpr int repeat_of(const Programs& programs, const Positions& pos, Op op, int r, int c, int m) {
+  const Action* prog = programs.begin[r];
+  for (int i = pos.at(op, r, c, m) + 1; i < programs.size(r); ++i)
+    if (prog[i].op == op && prog[i].mb == m && prog[i].chunk == c) return i;
+  return -1;
+}
+
+// Pass 2, over the slots: the counts and orders of each stage's actions.
+constexpr void check_slots(const Programs& programs, const Positions& pos, Findings& f) {
+  const Shape& sh = programs.shape;
+  // Exactly one of `op` where `needed` (or none where not): -2 when so, else the position to report.
+  auto once = [&](Op op, bool needed, int r, int c, int m) {
+    const int n = pos.how_many(op, r, c, m);
+    if (n == (needed ? 1 : 0)) return -2;
+    return n == 0 ? -1 : repeat_of(programs, pos, op, r, c, m);
+  };
+  for (int r = 0; r < sh.ranks; ++r)
+    for (int c = 0; c < sh.chunks; ++c) {
+      const int st = sh.stage(r, c);
+      const bool forward_message = sh.sends_forward(r, c), backward_message = sh.sends_backward(r, c);
+      for (int m = 0; m < sh.micro_batches; ++m) {
+        auto report = [&](Property p, int at) {
+          if (at >= -1) f.found(p, r, at, m, c);
+        };
+        const int F = pos.at(Op::forward, r, c, m), Bk = pos.input_grad_at(r, c, m);
+        const int I = pos.at(Op::input_grad, r, c, m), W = pos.at(Op::weight_grad, r, c, m);
+        if (f.open(Property::one_forward_each)) report(Property::one_forward_each, once(Op::forward, true, r, c, m));
+        if (f.open(Property::one_backward_each)) {
+          const int b = pos.how_many(Op::backward, r, c, m), i = pos.how_many(Op::input_grad, r, c, m),
+                    w = pos.how_many(Op::weight_grad, r, c, m);
+          if (!((b == 1 && i == 0 && w == 0) || (b == 0 && i == 1 && w == 1)))
+            report(Property::one_backward_each, b > 1   ? repeat_of(programs, pos, Op::backward, r, c, m)
+                                                : i > 1 ? repeat_of(programs, pos, Op::input_grad, r, c, m)
+                                                : w > 1 ? repeat_of(programs, pos, Op::weight_grad, r, c, m)
+                                                : b == 1 ? (i == 1 ? I : W)
+                                                         : -1);
+        }
+        if (f.open(Property::forward_before_backward) && Bk < F) report(Property::forward_before_backward, Bk);
+        if (f.open(Property::input_grad_before_weight_grad) && W >= 0 && W < I)
+          report(Property::input_grad_before_weight_grad, W);
+        if (f.open(Property::one_send_each)) {
+          const int a = once(Op::send_act, forward_message, r, c, m);
+          report(Property::one_send_each, a >= -1 ? a : once(Op::send_grad, backward_message, r, c, m));
+        }
+        if (f.open(Property::one_receive_each)) {
+          const int a = once(Op::recv_act, backward_message, r, c, m);
+          report(Property::one_receive_each, a >= -1 ? a : once(Op::recv_grad, forward_message, r, c, m));
+        }
+        if (f.open(Property::sends_after_compute)) {
+          const int a = pos.at(Op::send_act, r, c, m), g = pos.at(Op::send_grad, r, c, m);
+          if (a >= 0 && a < F) report(Property::sends_after_compute, a);
+          else if (g >= 0 && g < Bk) report(Property::sends_after_compute, g);
+        }
+        if (f.open(Property::forward_after_input) && st > 0) {
+          const int before = backward_message ? pos.at(Op::recv_act, r, c, m)
+                                              : pos.at(Op::forward, r, sh.chunk_of(st - 1), m);
+          if (!(before < F)) report(Property::forward_after_input, F);
+        }
+        if (f.open(Property::backward_after_gradient) && st + 1 < sh.stages()) {
+          const int before = forward_message ? pos.at(Op::recv_grad, r, c, m)
+                                             : pos.input_grad_at(r, sh.chunk_of(st + 1), m);
+          if (!(before < Bk)) report(Property::backward_after_gradient, Bk);
+        }
+      }
+    }
+}
+
+// Pass 3, over the receives: NCCL matches the k-th send from a rank with the
+// k-th receive posted for it, so a message's two ends must have the same number.
+constexpr Verdict check_pairing(const Programs& programs, const Positions& pos, const Scratch<int>& numbers) {
+  for (int r = 0; r < programs.ranks(); ++r) {
+    const Action* prog = programs.begin[r];
+    const int n = programs.size(r), base = programs.offset[r];
+    for (int i = 0; i < n; ++i) {
+      if (!is_recv(prog[i].op)) continue;
+      const Place from = partner(pos, r, prog[i]);
+      if (numbers[programs.offset[from.rank] + from.index] != numbers[base + i])
+        return {Property::sends_match_receives, r, i, prog[i].mb, prog[i].chunk};
+    }
+  }
+  return {};
+}
+
+// Passes 1 to 3: everything but the dry run.
+constexpr Verdict check_table(const Programs& programs, const Positions& pos) {
+  Findings f;
+  Scratch<int> numbers(programs.total());
+  check_actions(programs, numbers, f);
+  check_slots(programs, pos, f);
+  if (!f.first.ok()) return f.first;
+  return check_pairing(programs, pos, numbers);
+}
+
+// The dry run under blocking sends: it must reach the end of every program.
+constexpr Verdict check_run(const Programs& programs, const Positions& pos, const DryRun& run) {
+  if (run.finished) return {};
+  const Place crossed = crossed_sends(programs, pos, run);
+  const Property p = crossed.rank >= 0 ? Property::no_crossed_sends : Property::progresses;
+  int r = crossed.rank, i = crossed.index;
+  for (int q = 0; r < 0 && q < programs.ranks(); ++q)
+    if (run.at[q] < programs.size(q)) r = q, i = run.at[q];
+  const Action& a = programs.begin[r][i];
+  return {p, r, i, a.mb, a.chunk};
+}
+
+template <class S>
+constexpr bool shape_is_valid(const S& s) {
+  if constexpr (requires { s.programs.size(); })
+    return s.shape.valid() && static_cast<int>(s.programs.size()) == s.shape.ranks;
+  else
+    return s.shape.valid();
+}
+
 }  // namespace detail
 
-constexpr Verdict verify(const Schedule& s) {
-  if (!s.shape.valid() || static_cast<int>(s.programs.size()) != s.shape.ranks) return {Property::shape};
-  const Positions pos = positions(s);
-  const detail::Checker check{s, pos};
-  for (auto step : {&detail::Checker::well_formed, &detail::Checker::counts, &detail::Checker::compute_order,
-                    &detail::Checker::peers, &detail::Checker::messages, &detail::Checker::data_order,
-                    &detail::Checker::pairing, &detail::Checker::dry_run})
-    if (const Verdict v = (check.*step)(); !v.ok()) return v;
-  return {};
+// Any table: a Schedule, or a Table<P, M, V, Order>.
+template <class S>
+constexpr Verdict verify(const S& s) {
+  if (!detail::shape_is_valid(s)) return {Property::shape};
+  const detail::Programs programs(s);
+  const Positions pos = positions(programs);
+  if (const Verdict v = detail::check_table(programs, pos); !v.ok()) return v;
+  return detail::check_run(programs, pos, detail::dry_run(programs, pos, Cost{}, Sends::blocking));
 }
 
 }  // namespace fived::pipeline
