@@ -44,18 +44,20 @@ struct Cost {
 
 // Where each (rank, chunk, micro-batch)'s actions sit in its rank's program:
 // the index of the first action of each kind, and which kinds come more than
-// once. Only reads actions whose micro-batch and chunk are in range.
+// once. A view of arrays that detail::Index below fills (from actions whose
+// micro-batch and chunk are in range).
 struct Positions {
   static constexpr int kinds = static_cast<int>(Op::recv_grad);  // the ops after Op::none
   Shape shape;
-  detail::Scratch<int> first;               // [slot · kinds + op - 1]: index of the first such action, or -1
-  detail::Scratch<unsigned char> repeated;  // [slot]: bit op - 1 set when that op comes again
+  const int* first;               // [slot · kinds + op - 1]: 1 + index of the first such action; 0: none
+  const unsigned char* repeated;  // [slot]: bit op - 1 set when that op comes again
 
   constexpr int slot(int rank, int chunk, int mb) const {
     return (rank * shape.chunks + chunk) * shape.micro_batches + mb;
   }
+  // Index of the first such action, or -1.
   constexpr int at(Op op, int rank, int chunk, int mb) const {
-    return first[slot(rank, chunk, mb) * kinds + static_cast<int>(op) - 1];
+    return first[slot(rank, chunk, mb) * kinds + static_cast<int>(op) - 1] - 1;
   }
   // 0, 1, or 2 for "more than once".
   constexpr int how_many(Op op, int rank, int chunk, int mb) const {
@@ -73,51 +75,105 @@ constexpr bool in_range(const Shape& shape, const Action& a) {
   return a.mb >= 0 && a.mb < shape.micro_batches && a.chunk >= 0 && a.chunk < shape.chunks;
 }
 
-constexpr Positions positions(const detail::Programs& programs) {
+namespace detail {
+
+// For every comm action (numbered as Programs numbers them), the comm action it
+// meets on the other rank: same micro-batch, the neighbouring stage, the
+// opposite direction (the first such; -1 where there is none, and for compute
+// actions). A view of arrays that Index fills.
+struct Partners {
+  const int* action;  // [action]: the partner's number
+  const int* rank;    // [action]: the partner's rank
+};
+
+// What the checks and the dry run look up, found in two passes over the table.
+// (These loops, and the others that visit every action, run inside the
+// compiler for each schedule type a program names: they call nothing and look
+// neighbours up in arrays, since a call there costs as much as many operators.)
+//
+// `first` and `repeated` must come zeroed; `partner` and `partner_rank` are written whole.
+constexpr void find_positions(const Programs& programs, int* first, unsigned char* repeated) {
   const Shape& sh = programs.shape;
-  const int slots = sh.ranks * sh.chunks * sh.micro_batches;
-  Positions p{sh, detail::Scratch<int>(slots * Positions::kinds, -1), detail::Scratch<unsigned char>(slots, 0)};
-  int* first = p.first.data();
-  unsigned char* repeated = p.repeated.data();
+  const int V = sh.chunks, M = sh.micro_batches;
   for (int r = 0; r < sh.ranks; ++r) {
     const Action* prog = programs.begin[r];
-    const int n = programs.size(r);
+    const int n = programs.offset[r + 1] - programs.offset[r];
     for (int i = 0; i < n; ++i) {
       const Action& a = prog[i];
-      if (a.op == Op::none || !in_range(sh, a)) continue;
-      const int slot = (r * sh.chunks + a.chunk) * sh.micro_batches + a.mb, kind = static_cast<int>(a.op) - 1;
+      if (a.op == Op::none || a.mb < 0 || a.mb >= M || a.chunk < 0 || a.chunk >= V) continue;
+      const int slot = (r * V + a.chunk) * M + a.mb, kind = static_cast<int>(a.op) - 1;
       int& at = first[slot * Positions::kinds + kind];
-      if (at < 0) at = i;
+      if (at == 0) at = i + 1;
       else repeated[slot] |= static_cast<unsigned char>(1 << kind);
     }
   }
-  return p;
 }
 
-template <class S>
-constexpr Positions positions(const S& s) {
-  return positions(detail::Programs(s));
+constexpr void find_partners(const Programs& programs, const int* first, int* partner, int* partner_rank) {
+  const Shape& sh = programs.shape;
+  const int V = sh.chunks, M = sh.micro_batches;
+  const StageMap map(sh);
+  for (int r = 0; r < sh.ranks; ++r) {
+    const Action* prog = programs.begin[r];
+    const int base = programs.offset[r], n = programs.offset[r + 1] - base;
+    for (int i = 0; i < n; ++i) {
+      const Action& a = prog[i];
+      // The other end: the next stage for send_act and recv_grad, the previous for the other two;
+      // send_act <-> recv_act and send_grad <-> recv_grad are kinds 4 <-> 5 and 6 <-> 7.
+      const bool comm = a.op >= Op::send_act && a.op <= Op::recv_grad && a.mb >= 0 && a.mb < M && a.chunk >= 0 &&
+                        a.chunk < V;
+      const int other = !comm ? -1
+                        : a.op == Op::send_act || a.op == Op::recv_grad ? map.next[r * V + a.chunk]
+                                                                        : map.prev[r * V + a.chunk],
+                kind = static_cast<int>(a.op) - 1, other_kind = kind % 2 == 0 ? kind + 1 : kind - 1,
+                at = other < 0 ? -1 : first[(other * M + a.mb) * Positions::kinds + other_kind] - 1;
+      partner[base + i] = at < 0 ? -1 : programs.offset[other / V] + at, partner_rank[base + i] = other / V;
+    }
+  }
 }
 
-struct Place {
-  int rank = -1, index = -1;
+// Positions and Partners of a table, in arrays sized at run time (Scratch)...
+class Index {
+ public:
+  constexpr explicit Index(const Programs& programs)
+      : shape_(programs.shape),
+        first_(slots(programs.shape) * Positions::kinds, 0),
+        repeated_(slots(programs.shape), 0),
+        partner_(programs.total()),
+        partner_rank_(programs.total()) {
+    find_positions(programs, first_.data(), repeated_.data());
+    find_partners(programs, first_.data(), partner_.data(), partner_rank_.data());
+  }
+  constexpr Positions positions() const { return {shape_, first_.data(), repeated_.data()}; }
+  constexpr Partners partners() const { return {partner_.data(), partner_rank_.data()}; }
+  static constexpr int slots(const Shape& sh) { return sh.ranks * sh.chunks * sh.micro_batches; }
+
+ private:
+  Shape shape_;
+  Scratch<int> first_;
+  Scratch<unsigned char> repeated_;
+  Scratch<int> partner_, partner_rank_;
 };
 
-// The operation a comm action meets on the other rank: same micro-batch, the
-// neighbouring stage, the opposite direction. {-1, -1} when it is missing.
-constexpr Place partner(const Positions& p, int rank, const Action& a) {
-  const Shape& sh = p.shape;
-  const int s = sh.stage(rank, a.chunk);
-  const bool next = a.op == Op::send_act || a.op == Op::recv_grad;  // the other end is stage s + 1
-  const int t = next ? s + 1 : s - 1;
-  if (t < 0 || t >= sh.stages()) return {};
-  const Op other = a.op == Op::send_act    ? Op::recv_act
-                     : a.op == Op::recv_act  ? Op::send_act
-                     : a.op == Op::send_grad ? Op::recv_grad
-                                                 : Op::send_grad;
-  const int q = sh.rank_of(t);
-  return {q, p.at(other, q, sh.chunk_of(t), a.mb)};
-}
+// ... and in arrays of fixed size, a constant of its own for a Table.
+template <class TableType>
+struct StaticIndex {
+  static constexpr int slots = TableType::ranks * TableType::chunks * TableType::micro_batches,
+                       actions = TableType::ranks * TableType::capacity;
+  int first[slots * Positions::kinds]{};
+  unsigned char repeated[slots]{};
+  int partner[actions]{}, partner_rank[actions]{};
+
+  constexpr explicit StaticIndex(const TableType& t) {
+    const Programs programs(t);
+    find_positions(programs, first, repeated);
+    find_partners(programs, first, partner, partner_rank);
+  }
+  constexpr Positions positions() const { return {TableType::shape, first, repeated}; }
+  constexpr Partners partners() const { return {partner, partner_rank}; }
+};
+
+}  // namespace detail
 
 // How a send completes. blocking: when the receiver has posted its receive
 // (NCCL's point-to-point, what the proofs assume). eager: at once, as if
@@ -142,90 +198,95 @@ namespace detail {
 // both). Arrays hold one value per action, numbered as Programs numbers them.
 struct DryRun {
   bool finished = true;
-  Scratch<int> at;          // [rank]: the action it runs next, or waits in (the program's size: finished)
-  Scratch<int> reached;     // [rank]: every action before this one has started (compute) or is posted (comm)
+  Scratch<int> at;       // [rank]: the action it runs next, or waits in (the program's size: finished)
+  Scratch<int> reached;  // [rank]: every action before this one has started (compute) or is posted (comm)
   Scratch<int> posted_blocking, posted_eager;  // [action]: when it started or was posted
-  int makespan[2] = {0, 0};                   // [Sends]: end of the last compute action
+  int makespan[2] = {0, 0};                    // [Sends]: end of the last compute action
 
   constexpr DryRun(int ranks, int actions)
       : at(ranks, 0), reached(ranks, 0), posted_blocking(actions), posted_eager(actions) {}
-  constexpr const int* posted(Sends s) const {
-    return (s == Sends::blocking ? posted_blocking : posted_eager).data();
+  constexpr const int* posted(Sends s) const { return (s == Sends::blocking ? posted_blocking : posted_eager).data(); }
+  // Whether the partner of action number k has been posted.
+  constexpr bool partner_posted(const Programs& programs, const Partners& partners, int k) const {
+    const int other = partners.action[k];
+    return other >= 0 && other - programs.offset[partners.rank[k]] < reached[partners.rank[k]];
   }
-
-  constexpr bool is_posted(Place p) const { return p.index >= 0 && p.index < reached[p.rank]; }
 };
 
-constexpr DryRun dry_run(const Programs& programs, const Positions& pos, Cost cost, Sends drive) {
-  const int P = programs.ranks(), total = programs.total();
-  constexpr int B = static_cast<int>(Sends::blocking), E = static_cast<int>(Sends::eager);
+constexpr DryRun dry_run(const Programs& programs, const Partners& partners, Cost cost, Sends drive) {
+  static_assert(static_cast<int>(Sends::blocking) == 0 && static_cast<int>(Sends::eager) == 1);
+  const int P = programs.ranks();
   const bool sends_wait = drive == Sends::blocking;
-  DryRun run(P, total);
-  Scratch<int> clocks(2 * P, 0);  // [Sends · P + rank]
+  DryRun run(P, programs.total());
+  Scratch<int> clock_b(P, 0), clock_e(P, 0);
+  int cost_of[9] = {};
+  for (int op = 0; op < 9; ++op) cost_of[op] = cost.of(static_cast<Op>(op));
   int* posted_b = run.posted_blocking.data();
   int* posted_e = run.posted_eager.data();
-  for (bool progressed = true; progressed;) {
+  int* at = run.at.data();
+  int* reached = run.reached.data();
+  const int* offset = programs.offset.data();
+  const int* partner = partners.action;
+  const int* partner_rank = partners.rank;
+  // Sweeps down the ranks and back up, in turn: a chain of waits that runs either
+  // way along the ranks then resolves in one sweep, so the sweeps are as many as the
+  // chains' turns, not as their length times P.
+  for (bool progressed = true, down = true; progressed; down = !down) {
     progressed = false;
-    for (int r = 0; r < P; ++r) {
+    for (int step = 0; step < P; ++step) {
+      const int r = down ? step : P - 1 - step;
       const Action* prog = programs.begin[r];
-      const int n = programs.size(r), base = programs.offset[r];
-      int& now_b = clocks[B * P + r];
-      int& now_e = clocks[E * P + r];
-      int& i = run.at[r];
-      int& reached = run.reached[r];
+      const int base = offset[r], n = offset[r + 1] - base;
+      int now_b = clock_b[r], now_e = clock_e[r], i = at[r];
       while (i < n) {
-        if (!is_comm(prog[i].op)) {
+        const Action& a = prog[i];
+        if (a.op < Op::send_act) {  // compute
           posted_b[base + i] = now_b, posted_e[base + i] = now_e;
-          const int c = cost.of(prog[i].op);
-          now_b += c, now_e += c;
-          if (now_b > run.makespan[B]) run.makespan[B] = now_b;
-          if (now_e > run.makespan[E]) run.makespan[E] = now_e;
-          reached = ++i, progressed = true;
+          now_b += cost_of[static_cast<int>(a.op)], now_e += cost_of[static_cast<int>(a.op)];
+          if (now_b > run.makespan[0]) run.makespan[0] = now_b;
+          if (now_e > run.makespan[1]) run.makespan[1] = now_e;
+          reached[r] = ++i, progressed = true;
           continue;
         }
-        int end = i + 1;
-        while (end < n && prog[end].joins_previous && is_comm(prog[end].op)) ++end;
-        if (reached < end) {  // the rank reaches the group: all of it is posted
-          for (int j = i; j < end; ++j) posted_b[base + j] = now_b, posted_e[base + j] = now_e;
-          reached = end, progressed = true;
+        int end = i + 1;  // the group: the comm actions joined to this one
+        while (end < n && prog[end].joins_previous && prog[end].op >= Op::send_act) ++end;
+        if (reached[r] < end) {  // the rank reaches the group: all of it is posted
+          for (int j = base + i; j < base + end; ++j) posted_b[j] = now_b, posted_e[j] = now_e;
+          reached[r] = end, progressed = true;
         }
         // Complete when every partner has posted (with eager sends: every receive's partner).
         bool complete = true;
         int met_b = now_b, met_e = now_e;
-        for (int j = i; j < end; ++j) {
-          const bool send = is_send(prog[j].op);
+        for (int j = base + i; j < base + end && complete; ++j) {
+          const bool send = prog[j - base].op == Op::send_act || prog[j - base].op == Op::send_grad;
           if (send && !sends_wait) continue;
-          const Place other = partner(pos, r, prog[j]);
-          if (!run.is_posted(other)) {
-            complete = false;
-            break;
-          }
-          const int k = programs.offset[other.rank] + other.index;
-          if (posted_b[k] > met_b) met_b = posted_b[k];
-          if (!send && posted_e[k] > met_e) met_e = posted_e[k];
+          const int k = partner[j];
+          complete = k >= 0 && k - offset[partner_rank[j]] < reached[partner_rank[j]];
+          if (complete && posted_b[k] > met_b) met_b = posted_b[k];
+          if (complete && !send && posted_e[k] > met_e) met_e = posted_e[k];
         }
         if (!complete) break;
-        now_b = met_b, now_e = met_e, i = end, progressed = true;
+        now_b = met_b, now_e = met_e, i = end;
       }
+      clock_b[r] = now_b, clock_e[r] = now_e, at[r] = i;
     }
   }
-  for (int r = 0; r < P; ++r) run.finished = run.finished && run.at[r] == programs.size(r);
+  for (int r = 0; r < P; ++r) run.finished = run.finished && at[r] == offset[r + 1] - offset[r];
   return run;
 }
 
-// When a comm action completes in the run: when its partner met it (blocking),
-// or when it was posted (a send, eager) or its send was (a receive, eager); -1: never.
-constexpr int completed(const Programs& programs, const Positions& pos, const DryRun& run, Sends sends, int r,
+// When comm action i of rank r completes in the run: when its partner met it
+// (blocking), or when it was posted (a send, eager) or its send was (a receive,
+// eager); -1: never.
+constexpr int completed(const Programs& programs, const Partners& partners, const DryRun& run, Sends sends, int r,
                         int i) {
-  const Action& a = programs.begin[r][i];
-  const int* posted = run.posted(sends);
-  const int mine = posted[programs.offset[r] + i];
+  const int k = programs.offset[r] + i;
   if (i >= run.reached[r]) return -1;
-  if (sends == Sends::eager && is_send(a.op)) return mine;
-  const Place other = partner(pos, r, a);
-  if (!run.is_posted(other)) return -1;
-  const int theirs = posted[programs.offset[other.rank] + other.index];
-  return theirs > mine ? theirs : mine;
+  const int* posted = run.posted(sends);
+  if (sends == Sends::eager && is_send(programs.begin[r][i].op)) return posted[k];
+  if (!run.partner_posted(programs, partners, k)) return -1;
+  const int theirs = posted[partners.action[k]];
+  return theirs > posted[k] ? theirs : posted[k];
 }
 
 }  // namespace detail
@@ -234,8 +295,9 @@ constexpr int completed(const Programs& programs, const Positions& pos, const Dr
 template <class S>
 constexpr Run execute(const S& s, Cost cost = {}, Sends sends = Sends::blocking) {
   const detail::Programs programs(s);
-  const Positions pos = positions(programs);
-  const detail::DryRun run = detail::dry_run(programs, pos, cost, sends);
+  const detail::Index index(programs);
+  const detail::Partners partners = index.partners();
+  const detail::DryRun run = detail::dry_run(programs, partners, cost, sends);
   const int* posted = run.posted(sends);
   Run out{run.finished, {}, {}, {}, run.makespan[static_cast<int>(sends)]};
   for (int r = 0; r < programs.ranks(); ++r) {
@@ -245,23 +307,29 @@ constexpr Run execute(const S& s, Cost cost = {}, Sends sends = Sends::blocking)
     for (int i = 0; i < run.reached[r]; ++i) {
       const Action& a = programs.begin[r][i];
       start[static_cast<std::size_t>(i)] = posted[programs.offset[r] + i];
-      end[static_cast<std::size_t>(i)] = is_comm(a.op) ? detail::completed(programs, pos, run, sends, r, i)
+      end[static_cast<std::size_t>(i)] = is_comm(a.op) ? detail::completed(programs, partners, run, sends, r, i)
                                                        : start[static_cast<std::size_t>(i)] + cost.of(a.op);
     }
   }
   return out;
 }
 
+struct Place {
+  int rank = -1, index = -1;
+};
+
 // After a deadlocked run: a rank that waits in a send to a peer which itself
 // waits in a send back to it, neither receive posted (the crossed-sends
 // deadlock of blocking point-to-point). Its place, or {-1, -1}.
-constexpr Place crossed_sends(const detail::Programs& programs, const Positions& pos, const detail::DryRun& run) {
+constexpr Place crossed_sends(const detail::Programs& programs, const detail::Partners& partners,
+                              const detail::DryRun& run) {
   auto waiting_send_to = [&](int r, int q) {
     const int i = run.at[r], n = programs.size(r);
     const Action* prog = programs.begin[r];
     if (i >= n || !is_comm(prog[i].op)) return -1;
     for (int j = i; j < n && (j == i || (prog[j].joins_previous && is_comm(prog[j].op))); ++j)
-      if (is_send(prog[j].op) && prog[j].peer == q && !run.is_posted(partner(pos, r, prog[j]))) return j;
+      if (is_send(prog[j].op) && prog[j].peer == q && !run.partner_posted(programs, partners, programs.offset[r] + j))
+        return j;
     return -1;
   };
   for (int r = 0; r < programs.ranks(); ++r)

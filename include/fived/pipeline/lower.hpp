@@ -58,93 +58,84 @@ class Orders {
 
 // Start and end times of each compute action (numbered as Orders numbers them),
 // the compute orders run as a dataflow under `cost`.
-struct Timeline {
-  Scratch<int> start, end;
-};
-
-constexpr Timeline ideal_timeline(const Orders& orders, Cost cost) {
+//
+// (This loop and the others below that visit every action run inside the
+// compiler for each schedule type a program names. There a function call, or
+// a statement, costs as much as many operators: Clang counts statements
+// against its limit. So they look neighbours up in arrays, join declarations,
+// and call nothing.)
+// `orders`: Orders, or TimedOrders below; start and end: one value per compute
+// action, numbered as `orders` numbers them.
+template <class O>
+constexpr void ideal_timeline(const O& orders, Cost cost, int* start, int* end) {
   const Shape& sh = orders.shape();
-  const int P = sh.ranks, slots = sh.ranks * sh.chunks * sh.micro_batches;
-  // Per (rank, chunk, micro-batch): when its F, its B or I, and its I (for W) ended; -1: not yet.
-  Scratch<int> forward_end(slots, -1), input_grad_end(slots, -1), weight_input_end(slots, -1);
-  Timeline t{Scratch<int>(orders.numbers()), Scratch<int>(orders.numbers())};
+  const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches, slots = P * V * M;
+  const StageMap map(sh);
+  const int *next = map.next.data(), *prev = map.prev.data();
+  int cost_of[9] = {};
+  for (int op = 0; op < 9; ++op) cost_of[op] = cost.of(static_cast<Op>(op));
+  // Per (rank, chunk, micro-batch) slot: when its F, its B or I, and its I (for W) ended; -1: not yet.
+  Scratch<int> forward_ends(slots, -1), input_grad_ends(slots, -1), weight_input_ends(slots, -1);
+  int *forward_end = forward_ends.data(), *input_grad_end = input_grad_ends.data(),
+      *weight_input_end = weight_input_ends.data();
   Scratch<int> pc(P, 0), clock(P, 0);
-  auto slot = [&](int r, int c, int m) { return (r * sh.chunks + c) * sh.micro_batches + m; };
-  for (bool progressed = true; progressed;) {
+  for (bool progressed = true, down = true; progressed; down = !down) {  // sweeps as in dry_run.hpp
     progressed = false;
-    for (int r = 0; r < P; ++r) {
+    for (int step = 0; step < P; ++step) {
+      const int r = down ? step : P - 1 - step;
       const Action* order = orders.begin(r);
       const int n = orders.size(r), base = orders.first(r);
-      int& i = pc[r];
-      int& now = clock[r];
+      int i = pc[r], now = clock[r];
       for (; i < n; ++i) {
         const Action& a = order[i];
-        const int st = sh.stage(r, a.chunk);
-        int ready = now;
-        // The end of what `a` waits for, or -1 while that has not run.
-        int needs = now;
-        if (a.op == Op::forward) {
-          if (st > 0) needs = forward_end[slot(sh.rank_of(st - 1), sh.chunk_of(st - 1), a.mb)];
-        } else if (a.op == Op::weight_grad) {
-          needs = weight_input_end[slot(r, a.chunk, a.mb)];
-        } else {
-          needs = forward_end[slot(r, a.chunk, a.mb)];
-          if (needs >= 0 && st + 1 < sh.stages()) {
-            const int grad = input_grad_end[slot(sh.rank_of(st + 1), sh.chunk_of(st + 1), a.mb)];
-            needs = grad < 0 ? -1 : grad > needs ? grad : needs;
-          }
-        }
-        if (needs < 0) break;
-        if (needs > ready) ready = needs;
-        t.start[base + i] = ready;
-        now = ready + cost.of(a.op);
-        t.end[base + i] = now;
-        const int k = slot(r, a.chunk, a.mb);
+        // What `a` waits for: F for the previous stage's F, W for its I, B or I for its F and
+        // the next stage's B or I; the latest of their ends, or -1 while one has not run.
+        const int rc = r * V + a.chunk, k = rc * M + a.mb,
+                  before = a.op == Op::forward ? (prev[rc] < 0 ? 0 : forward_end[prev[rc] * M + a.mb])
+                           : a.op == Op::weight_grad ? weight_input_end[k]
+                                                     : forward_end[k],
+                  grad = a.op == Op::forward || a.op == Op::weight_grad || next[rc] < 0
+                             ? 0
+                             : input_grad_end[next[rc] * M + a.mb];
+        if (before < 0 || grad < 0) break;
+        const int begin = now > before ? (now > grad ? now : grad) : (before > grad ? before : grad);
+        start[base + i] = begin, now = end[base + i] = begin + cost_of[static_cast<int>(a.op)], progressed = true;
         if (a.op == Op::forward) forward_end[k] = now;
-        if (makes_input_grad(a.op)) input_grad_end[k] = now;
-        if (a.op == Op::input_grad) weight_input_end[k] = now;
-        progressed = true;
+        else if (a.op == Op::backward) input_grad_end[k] = now;
+        else if (a.op == Op::input_grad) input_grad_end[k] = weight_input_end[k] = now;
       }
+      pc[r] = i, clock[r] = now;
     }
   }
   for (int r = 0; r < P; ++r)
     if (pc[r] < orders.size(r)) throw std::logic_error("fived::pipeline: a generator's compute order waits for itself");
-  return t;
 }
 
-// Gap k of a rank is the time between its compute k-1 and compute k: the
-// window [end of k-1, start of k] in which it can post a comm group without
-// delaying either (gap 0 opens at 0, the last gap never closes).
-struct Gaps {
-  const int* start;
-  const int* end;
-  int computes;
-  constexpr int count() const { return computes + 1; }
-  constexpr int open(int k) const { return k == 0 ? 0 : end[k - 1]; }
-  constexpr int close(int k) const { return k == computes ? 1 << 30 : start[k]; }
+// The gaps (k on the sender, l on the receiver) where a message is posted: the
+// earliest moment after it exists (`sent`, by the sender's compute j) at which
+// both ranks sit between computes, before its consumer (the receiver's compute
+// c) starts, so the blocking exchange delays neither; if there is none, right
+// after the producer and just before the first compute that starts after the
+// message exists. Gap k of a rank is the time between its compute k-1 and
+// compute k: open from the end of k-1 (gap 0 from 0), closed at the start of k
+// (the last gap never closes). `first_l` is the receiver's first gap that
+// closes at or after `sent` (gaps close in time order).
+struct Meeting {
+  int sender_gap, receiver_gap;
 };
 
-// The gaps (k on the sender, l on the receiver) where a message sent at
-// `sent` by the sender's compute j and consumed by the receiver's compute c
-// is posted: the earliest moment both ranks are between computes, so the
-// blocking exchange delays neither; if there is none before the consumer
-// starts, right after the producer and just before the first compute that
-// starts after the message exists.
-constexpr std::pair<int, int> meeting(const Gaps& sender, int j, const Gaps& receiver, int c, int sent) {
-  // The receiver's first gap that closes at or after `sent` (gaps close in time order).
-  int l = 0;
-  for (int hi = c; l < hi;) {
-    const int mid = l + (hi - l) / 2;
-    if (receiver.close(mid) < sent) l = mid + 1;
-    else hi = mid;
-  }
-  const int first_l = l;
-  int k = j + 1;
-  while (k < sender.count() && l <= c) {
-    const int lo = sender.open(k) > receiver.open(l) ? sender.open(k) : receiver.open(l);
-    const int hi = sender.close(k) < receiver.close(l) ? sender.close(k) : receiver.close(l);
-    if (lo <= hi) return {k, l};
-    if (sender.close(k) < receiver.close(l)) ++k;
+constexpr Meeting meeting(const int* sender_start, const int* sender_end, int sender_computes, int j,
+                                      const int* receiver_start, const int* receiver_end, int receiver_computes,
+                                      int c, int first_l) {
+  constexpr int never = 1 << 30;
+  for (int k = j + 1, l = first_l; k <= sender_computes && l <= c;) {
+    const int sender_open = k == 0 ? 0 : sender_end[k - 1], receiver_open = l == 0 ? 0 : receiver_end[l - 1],
+              sender_close = k == sender_computes ? never : sender_start[k],
+              receiver_close = l == receiver_computes ? never : receiver_start[l];
+    if ((sender_open > receiver_open ? sender_open : receiver_open) <=
+        (sender_close < receiver_close ? sender_close : receiver_close))
+      return {k, l};
+    if (sender_close < receiver_close) ++k;
     else ++l;
   }
   return {j + 1, first_l};
@@ -159,15 +150,6 @@ struct Ends {
 
   constexpr explicit Ends(int capacity)
       : rank(capacity), gap(capacity), sent(capacity), peer(capacity), action(capacity) {}
-  constexpr void add(int r, int g, int s, int q, const Action& a) {
-    rank[count] = r, gap[count] = g, sent[count] = s, peer[count] = q, action[count] = a;
-    ++count;
-  }
-  // Per rank and gap, in the order the messages came to exist; one sender's messages thus stay in its order.
-  constexpr bool before(int a, int b) const {
-    if (sent[a] != sent[b]) return sent[a] < sent[b];
-    return peer[a] < peer[b];
-  }
 };
 
 }  // namespace detail
@@ -175,76 +157,92 @@ struct Ends {
 // The compute orders lowered into `out` (a Table, or a Schedule through
 // ScheduleBuilder): each rank's compute actions, with the comm actions of each
 // gap as one group before the compute action that closes the gap.
-template <class Out>
-constexpr void with_messages(const detail::Orders& orders, Out& out, Cost cost = {}) {
+// `start` and `end`: the orders' ideal timeline (detail::ideal_timeline).
+template <class O, class Out>
+constexpr void with_messages(const O& orders, const int* start, const int* end, Out& out) {
   const Shape& sh = orders.shape();
-  const int P = sh.ranks, slots = sh.ranks * sh.chunks * sh.micro_batches;
-  const detail::Timeline t = detail::ideal_timeline(orders, cost);
-  auto gaps = [&](int r) {
-    return detail::Gaps{t.start.data() + orders.first(r), t.end.data() + orders.first(r), orders.size(r)};
-  };
-  auto slot = [&](int r, int c, int m) { return (r * sh.chunks + c) * sh.micro_batches + m; };
+  const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches, slots = P * V * M;
+  const detail::StageMap map(sh);
+  const int *next = map.next.data(), *prev = map.prev.data();
   // Index of each (rank, chunk, micro-batch)'s F and B-or-I in its rank's compute order.
-  detail::Scratch<int> forward_at(slots, -1), input_grad_at(slots, -1);
+  detail::Scratch<int> forward_index(slots, -1), input_grad_index(slots, -1);
+  int *forward_at = forward_index.data(), *input_grad_at = input_grad_index.data();
   int computes = 0;
   for (int r = 0; r < P; ++r) {
     const Action* order = orders.begin(r);
-    computes += orders.size(r);
-    for (int j = 0; j < orders.size(r); ++j) {
+    const int n = orders.size(r);
+    computes += n;
+    for (int j = 0; j < n; ++j) {
       const Action& a = order[j];
-      if (a.op == Op::forward) forward_at[slot(r, a.chunk, a.mb)] = j;
-      if (makes_input_grad(a.op)) input_grad_at[slot(r, a.chunk, a.mb)] = j;
+      if (a.op == Op::forward) forward_at[(r * V + a.chunk) * M + a.mb] = j;
+      else if (a.op == Op::backward || a.op == Op::input_grad) input_grad_at[(r * V + a.chunk) * M + a.mb] = j;
     }
   }
 
-  // Both ends of every message.
+  // Both ends of every message. The receiver's first gap that closes after a message
+  // exists only moves on as the sender's messages to it do (they come to exist in
+  // order), so it is found by a cursor per (sender, receiver), not a search.
   detail::Ends ends(2 * computes);
+  int *end_rank = ends.rank.data(), *end_gap = ends.gap.data(), *end_sent = ends.sent.data(),
+      *end_peer = ends.peer.data();
+  Action* end_action = ends.action.data();
+  detail::Scratch<int> cursors(P * P, 0), firsts(P), sizes(P);
+  int *cursor = cursors.data(), *first = firsts.data(), *size = sizes.data();
+  for (int r = 0; r < P; ++r) first[r] = orders.first(r), size[r] = orders.size(r);
+  int e = 0;
   for (int r = 0; r < P; ++r) {
     const Action* order = orders.begin(r);
-    for (int j = 0; j < orders.size(r); ++j) {
+    const int n = size[r], base = first[r];
+    for (int j = 0; j < n; ++j) {
       const Action& a = order[j];
-      const bool forward_message = a.op == Op::forward && sh.sends_forward(r, a.chunk);
-      const bool backward_message = makes_input_grad(a.op) && sh.sends_backward(r, a.chunk);
+      const int rc = r * V + a.chunk;
+      const bool forward_message = a.op == Op::forward && next[rc] >= 0 && next[rc] / V != r,
+                 backward_message = (a.op == Op::backward || a.op == Op::input_grad) && prev[rc] >= 0 && prev[rc] / V != r;
       if (!forward_message && !backward_message) continue;
-      const int st = sh.stage(r, a.chunk), sent = t.end[orders.first(r) + j];
-      const int to = forward_message ? st + 1 : st - 1, q = sh.rank_of(to), qc = sh.chunk_of(to);
-      const int consumer = (forward_message ? forward_at : input_grad_at)[slot(q, qc, a.mb)];
-      const auto [k, l] = detail::meeting(gaps(r), j, gaps(q), consumer, sent);
-      ends.add(r, k, sent, q, forward_message ? send_act(a.mb, q, a.chunk) : send_grad(a.mb, q, a.chunk));
-      ends.add(q, l, sent, r, forward_message ? recv_act(a.mb, r, qc) : recv_grad(a.mb, r, qc));
+      const int to = forward_message ? next[rc] : prev[rc], q = to / V, sent = end[base + j],
+                consumer = (forward_message ? forward_at : input_grad_at)[to * M + a.mb], qbase = first[q];
+      int& l = cursor[r * P + q];
+      while (l < consumer && l < size[q] && start[qbase + l] < sent) ++l;
+      const detail::Meeting at = detail::meeting(start + base, end + base, n, j, start + qbase, end + qbase, size[q],
+                                                 consumer, l < consumer ? l : consumer);
+      end_rank[e] = r, end_gap[e] = at.sender_gap, end_sent[e] = end_sent[e + 1] = sent, end_peer[e] = q;
+      end_rank[e + 1] = q, end_gap[e + 1] = at.receiver_gap, end_peer[e + 1] = r;
+      end_action[e] = {forward_message ? Op::send_act : Op::send_grad, false, a.mb, a.chunk, q};
+      end_action[e + 1] = {forward_message ? Op::recv_act : Op::recv_grad, false, a.mb, to % V, r};
+      e += 2;
     }
   }
+  ends.count = e;
 
   // The ends sorted by (rank, gap, time, peer): a counting sort into one bucket
-  // per gap (gap k of rank r is bucket first_gap[r] + k), then each small bucket by time.
+  // per gap (gap k of rank r is bucket first_gap[r] + k), then each small bucket by
+  // time (in the order the messages came to exist; one sender's messages thus stay
+  // in its order) and peer.
   detail::Scratch<int> first_gap(P + 1);
   first_gap[0] = 0;
   for (int r = 0; r < P; ++r) first_gap[r + 1] = first_gap[r] + orders.size(r) + 1;
   const int buckets = first_gap[P];
-  detail::Scratch<int> bucket_start(buckets + 1, 0);
-  for (int e = 0; e < ends.count; ++e) ++bucket_start[first_gap[ends.rank[e]] + ends.gap[e] + 1];
-  for (int b = 0; b < buckets; ++b) bucket_start[b + 1] += bucket_start[b];
-  detail::Scratch<int> sorted(ends.count), fill(buckets);
-  for (int b = 0; b < buckets; ++b) fill[b] = bucket_start[b];
-  for (int e = 0; e < ends.count; ++e) sorted[fill[first_gap[ends.rank[e]] + ends.gap[e]]++] = e;
+  detail::Scratch<int> bucket_starts(buckets + 1, 0), sorted_ends(ends.count), fills(buckets);
+  int *bucket_start = bucket_starts.data(), *sorted = sorted_ends.data(), *fill = fills.data();
+  for (int e = 0; e < ends.count; ++e) ++bucket_start[first_gap[end_rank[e]] + end_gap[e] + 1];
+  for (int b = 0; b < buckets; ++b) fill[b] = bucket_start[b], bucket_start[b + 1] += bucket_start[b];
+  for (int e = 0; e < ends.count; ++e) sorted[fill[first_gap[end_rank[e]] + end_gap[e]]++] = e;
   for (int b = 0; b < buckets; ++b)
     for (int i = bucket_start[b] + 1; i < bucket_start[b + 1]; ++i)
-      for (int j = i; j > bucket_start[b] && ends.before(sorted[j], sorted[j - 1]); --j) {
-        const int tmp = sorted[j];
-        sorted[j] = sorted[j - 1];
-        sorted[j - 1] = tmp;
+      for (int j = i; j > bucket_start[b]; --j) {
+        const int x = sorted[j], y = sorted[j - 1];
+        if (end_sent[x] > end_sent[y] || (end_sent[x] == end_sent[y] && end_peer[x] >= end_peer[y])) break;
+        sorted[j] = y, sorted[j - 1] = x;
       }
 
   for (int r = 0; r < P; ++r) {
     const Action* order = orders.begin(r);
-    for (int k = 0; k <= orders.size(r); ++k) {
-      const int b = first_gap[r] + k;
-      for (int i = bucket_start[b]; i < bucket_start[b + 1]; ++i) {
-        Action a = ends.action[sorted[i]];
-        a.joins_previous = i > bucket_start[b];
-        out.append(r, a);
-      }
-      if (k < orders.size(r)) out.append(r, order[k]);
+    const int n = orders.size(r), first = first_gap[r];
+    Action* program = out.program_of_size(r, n + bucket_start[first_gap[r + 1]] - bucket_start[first]);
+    for (int k = 0, w = 0; k <= n; ++k) {
+      for (int i = bucket_start[first + k]; i < bucket_start[first + k + 1]; ++i)
+        program[w] = end_action[sorted[i]], program[w++].joins_previous = i > bucket_start[first + k];
+      if (k < n) program[w++] = order[k];
     }
   }
 }
@@ -253,14 +251,61 @@ namespace detail {
 // A Schedule as with_messages' output.
 struct ScheduleBuilder {
   Schedule schedule;
-  constexpr void append(int r, const Action& a) { schedule.programs[static_cast<std::size_t>(r)].push_back(a); }
+  constexpr Action* program_of_size(int r, int n) {
+    auto& p = schedule.programs[static_cast<std::size_t>(r)];
+    p.resize(static_cast<std::size_t>(n));
+    return p.data();
+  }
 };
 }  // namespace detail
 
 constexpr Schedule with_messages(const detail::Orders& orders, Cost cost = {}) {
+  detail::Scratch<int> start(orders.numbers()), end(orders.numbers());
+  detail::ideal_timeline(orders, cost, start.data(), end.data());
   detail::ScheduleBuilder out{Schedule(orders.shape())};
-  with_messages(orders, out, cost);
+  with_messages(orders, start.data(), end.data(), out);
   return std::move(out.schedule);
 }
+
+namespace detail {
+
+// A generator's compute orders with their ideal timeline, in arrays of fixed
+// size: the first of the two constants a schedule type's table is made in (the
+// compilers limit each constant expression's work, so each half gets a budget).
+template <class TableType>
+struct TimedOrders {
+  static constexpr int P = TableType::ranks, capacity = 3 * TableType::micro_batches * TableType::chunks;
+
+  Action actions[P][capacity]{};
+  int sizes[P]{};
+  int start[P * capacity]{}, end[P * capacity]{};
+
+  constexpr TimedOrders() = default;
+  constexpr explicit TimedOrders(const Orders& orders) {
+    for (int r = 0; r < P; ++r) {
+      const Action* from = orders.begin(r);
+      const int n = orders.size(r);
+      for (int i = 0; i < n; ++i) actions[r][i] = from[i];
+      sizes[r] = n;
+    }
+    ideal_timeline(*this, Cost{}, start, end);
+  }
+
+  constexpr const Shape& shape() const { return TableType::shape; }
+  constexpr const Action* begin(int r) const { return actions[r]; }
+  constexpr int size(int r) const { return sizes[r]; }
+  constexpr int first(int r) const { return r * capacity; }
+  constexpr int numbers() const { return P * capacity; }
+};
+
+// The second constant: the table, the messages placed.
+template <class TableType>
+constexpr TableType lowered(const TimedOrders<TableType>& timed) {
+  TableType t;
+  with_messages(timed, timed.start, timed.end, t);
+  return t;
+}
+
+}  // namespace detail
 
 }  // namespace fived::pipeline

@@ -58,19 +58,18 @@ struct RunProof {
   StaticFigures<P> figures;
 };
 
-template <int P, class S>
-constexpr Verdict check_table(const S& s) {
-  if (!shape_is_valid(s)) return {Property::shape};
-  const Programs programs(s);
-  return check_table(programs, positions(programs));
+template <class TableType>
+constexpr Verdict check_table(const TableType& t, const StaticIndex<TableType>& index) {
+  if (!shape_is_valid(t)) return {Property::shape};
+  return check_table(Programs(t), index.positions(), index.partners());
 }
 
-template <int P, class S>
-constexpr RunProof<P> check_run(const S& s) {
-  const Programs programs(s);
-  const Positions pos = positions(programs);
-  const DryRun run = dry_run(programs, pos, Cost{}, Sends::blocking);
-  RunProof<P> out{check_run(programs, pos, run), {}};
+template <int P, class TableType>
+constexpr RunProof<P> check_run(const TableType& t, const StaticIndex<TableType>& index) {
+  const Programs programs(t);
+  const Partners partners = index.partners();
+  const DryRun run = dry_run(programs, partners, Cost{}, Sends::blocking);
+  RunProof<P> out{check_run(programs, partners, run), {}};
   if (!out.verdict.ok()) return out;
   StaticFigures<P>& f = out.figures;
   fill_figures(programs, run, Cost{}, f);
@@ -104,12 +103,13 @@ struct Proven {
   static constexpr Shape shape = table_type::shape;
   static constexpr int ranks = table_type::ranks, micro_batches = table_type::micro_batches, chunks = table_type::chunks;
 
-  // Two constants, each one constant expression: the table's form, counts, orders and
-  // pairing; then, when those hold, the dry run with the figures it times.
-  static constexpr Verdict table_verdict =
-      detail::admissible<S>() ? detail::check_table<table_type::ranks>(S::table) : Verdict{};
+  // Three constants, each one constant expression (the compilers limit the work
+  // of each): where every action is and whom it meets; the table's form, counts,
+  // orders and pairing; then, when those hold, the dry run with the figures it times.
+  static constexpr detail::StaticIndex<table_type> index{S::table};
+  static constexpr Verdict table_verdict = detail::admissible<S>() ? detail::check_table(S::table, index) : Verdict{};
   static constexpr detail::RunProof<table_type::ranks> run =
-      detail::admissible<S>() && table_verdict.ok() ? detail::check_run<table_type::ranks>(S::table)
+      detail::admissible<S>() && table_verdict.ok() ? detail::check_run<table_type::ranks>(S::table, index)
                                                     : detail::RunProof<table_type::ranks>{};
   static constexpr Verdict verdict = table_verdict.ok() ? run.verdict : table_verdict;
 

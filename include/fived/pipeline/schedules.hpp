@@ -16,20 +16,16 @@ namespace fived::pipeline {
 
 namespace detail {
 
-// A generator's compute orders with their messages, straight into a table.
-template <class TableType>
-constexpr TableType lowered(const Orders& orders) {
-  TableType t;
-  with_messages(orders, t);
-  return t;
-}
-
+// Each table is made in two constants (lower.hpp): the generator's compute
+// orders with their timeline, then the table with its messages.
 template <int P, int M>
 struct GPipeTable {
   static constexpr bool admissible = P >= 1 && M >= 1;
   static_assert(admissible, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1)>;
-  static constexpr table_type table = admissible ? lowered<table_type>(gpipe_order(P, M)) : table_type{};
+  static constexpr TimedOrders<table_type> timed =
+      admissible ? TimedOrders<table_type>(gpipe_order(P, M)) : TimedOrders<table_type>{};
+  static constexpr table_type table = lowered(timed);
 };
 
 template <int P, int M>
@@ -38,7 +34,9 @@ struct OneFOneBTable {
   static_assert(P >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   static_assert(M >= P, FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P);
   using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1)>;
-  static constexpr table_type table = admissible ? lowered<table_type>(one_f_one_b_order(P, M)) : table_type{};
+  static constexpr TimedOrders<table_type> timed =
+      admissible ? TimedOrders<table_type>(one_f_one_b_order(P, M)) : TimedOrders<table_type>{};
+  static constexpr table_type table = lowered(timed);
 };
 
 template <int P, int M, int V>
@@ -48,7 +46,9 @@ struct Interleaved1F1BTable {
   static_assert(V >= 2, FIVED_PIPELINE_SAYS_INTERLEAVED_NEEDS_CHUNKS);
   static_assert(P < 1 || M % P == 0, FIVED_PIPELINE_SAYS_INTERLEAVED_NEEDS_ROUNDS);
   using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1), (V >= 1 ? V : 1)>;
-  static constexpr table_type table = admissible ? lowered<table_type>(interleaved_1f1b_order(P, M, V)) : table_type{};
+  static constexpr TimedOrders<table_type> timed =
+      admissible ? TimedOrders<table_type>(interleaved_1f1b_order(P, M, V)) : TimedOrders<table_type>{};
+  static constexpr table_type table = lowered(timed);
 };
 
 template <int P, int M>
@@ -57,7 +57,9 @@ struct ZBH1Table {
   static_assert(P >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   static_assert(M >= P, FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P);
   using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1)>;
-  static constexpr table_type table = admissible ? lowered<table_type>(zb_h1_order(P, M)) : table_type{};
+  static constexpr TimedOrders<table_type> timed =
+      admissible ? TimedOrders<table_type>(zb_h1_order(P, M)) : TimedOrders<table_type>{};
+  static constexpr table_type table = lowered(timed);
 };
 
 // The V-shaped schedules (two chunks per rank, the stages down the ranks and back up),
@@ -68,7 +70,9 @@ struct VeeTable {
   static_assert(P >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   static_assert(M >= 2 * P, FIVED_PIPELINE_SAYS_V_NEEDS_M_GE_2P);
   using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1), 2, StageOrder::vee>;
-  static constexpr table_type table = admissible ? lowered<table_type>(order(P, M)) : table_type{};
+  static constexpr TimedOrders<table_type> timed =
+      admissible ? TimedOrders<table_type>(order(P, M)) : TimedOrders<table_type>{};
+  static constexpr table_type table = lowered(timed);
 };
 
 }  // namespace detail

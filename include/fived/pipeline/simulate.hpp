@@ -119,10 +119,10 @@ constexpr void fill_figures(const Programs& programs, const DryRun& run, Cost co
 template <class S>
 constexpr Figures measure(const S& s, Cost cost = {}) {
   const detail::Programs programs(s);
-  const Positions pos = positions(programs);
   Figures f;
   f.ranks = programs.ranks();
-  detail::fill_figures(programs, detail::dry_run(programs, pos, cost, Sends::blocking), cost, f);
+  detail::fill_figures(programs, detail::dry_run(programs, detail::Index(programs).partners(), cost, Sends::blocking),
+                       cost, f);
   return f;
 }
 

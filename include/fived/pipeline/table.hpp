@@ -107,11 +107,11 @@ struct Table {
     return {actions[rank], static_cast<std::size_t>(sizes[rank])};
   }
 
-  // Appends to rank r's program (what the lowering writes with).
-  constexpr void append(int r, const Action& a) {
-    if (sizes[r] == capacity)
-      throw std::invalid_argument("fived::pipeline::Table: a rank's program is longer than any valid one");
-    actions[r][sizes[r]++] = a;
+  // Rank r's program as n actions to write (what the lowering writes into).
+  constexpr Action* program_of_size(int r, int n) {
+    if (n > capacity) throw std::invalid_argument("fived::pipeline::Table: a rank's program is longer than any valid one");
+    sizes[r] = n;
+    return actions[r];
   }
 
   friend constexpr bool operator==(const Table& a, const Table& b) {

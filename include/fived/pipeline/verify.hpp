@@ -98,28 +98,28 @@ struct Findings {
 // send and receive by its order among those between the same two ranks.
 constexpr void check_actions(const Programs& programs, Scratch<int>& numbers, Findings& f) {
   const Shape& sh = programs.shape;
-  const int P = sh.ranks;
+  const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches;
+  const StageMap map(sh);
   Scratch<int> counters(2 * P);  // [sent to q | received from P + q], for one rank at a time
   for (int r = 0; r < P; ++r) {
     for (int q = 0; q < 2 * P; ++q) counters[q] = 0;
     const Action* prog = programs.begin[r];
-    const int n = programs.size(r), base = programs.offset[r];
+    const int base = programs.offset[r], n = programs.offset[r + 1] - base;
     for (int i = 0; i < n; ++i) {
       const Action& a = prog[i];
-      const bool comm = is_comm(a.op);
-      const bool peer_ok = a.peer >= 0 && a.peer < P && a.peer != r;
-      if (a.op == Op::none || !in_range(sh, a) || (comm && !peer_ok) ||
-          (a.joins_previous && !(comm && i > 0 && is_comm(prog[i - 1].op)))) {
+      const bool comm = a.op >= Op::send_act && a.op <= Op::recv_grad;
+      if (a.op == Op::none || a.mb < 0 || a.mb >= M || a.chunk < 0 || a.chunk >= V ||
+          (comm && (a.peer < 0 || a.peer >= P || a.peer == r)) ||
+          (a.joins_previous && !(comm && i > 0 && prog[i - 1].op >= Op::send_act && prog[i - 1].op <= Op::recv_grad))) {
         f.found(Property::well_formed, r, i, a.mb, a.chunk);
         continue;
       }
       if (!comm) continue;
-      numbers[base + i] = counters[(is_send(a.op) ? 0 : P) + a.peer]++;
-      const bool to_next = a.op == Op::send_act || a.op == Op::recv_grad;
-      const bool exists = to_next ? sh.sends_forward(r, a.chunk) : sh.sends_backward(r, a.chunk);
-      const int st = sh.stage(r, a.chunk);
-      if (!exists || a.peer != sh.rank_of(to_next ? st + 1 : st - 1))
-        f.found(Property::peers_are_neighbours, r, i, a.mb, a.chunk);
+      const bool send = a.op == Op::send_act || a.op == Op::send_grad;
+      numbers[base + i] = counters[(send ? 0 : P) + a.peer]++;
+      // Activations go to the next stage and gradients come from it; the other two, the previous.
+      const int other = (a.op == Op::send_act || a.op == Op::recv_grad ? map.next : map.prev)[r * V + a.chunk];
+      if (other < 0 || other / V == r || other / V != a.peer) f.found(Property::peers_are_neighbours, r, i, a.mb, a.chunk);
     }
   }
 }
@@ -132,61 +132,64 @@ constexpr int repeat_of(const Programs& programs, const Positions& pos, Op op, i
   return -1;
 }
 
-// Pass 2, over the slots: the counts and orders of each stage's actions.
+// Pass 2, over the slots: the counts and orders of each stage's actions. The
+// usual slot passes every check with plain comparisons; a failure is then
+// looked at again to say where.
 constexpr void check_slots(const Programs& programs, const Positions& pos, Findings& f) {
   const Shape& sh = programs.shape;
-  // Exactly one of `op` where `needed` (or none where not): -2 when so, else the position to report.
-  auto once = [&](Op op, bool needed, int r, int c, int m) {
-    const int n = pos.how_many(op, r, c, m);
-    if (n == (needed ? 1 : 0)) return -2;
-    return n == 0 ? -1 : repeat_of(programs, pos, op, r, c, m);
-  };
+  const int V = sh.chunks, M = sh.micro_batches;
+  constexpr int K = Positions::kinds;
+  constexpr int F = 0, B = 1, I = 2, W = 3, SA = 4, RA = 5, SG = 6, RG = 7;  // op - 1
+  const StageMap map(sh);
+  const int* first = pos.first;
+  const unsigned char* repeated = pos.repeated;
   for (int r = 0; r < sh.ranks; ++r)
-    for (int c = 0; c < sh.chunks; ++c) {
-      const int st = sh.stage(r, c);
-      const bool forward_message = sh.sends_forward(r, c), backward_message = sh.sends_backward(r, c);
-      for (int m = 0; m < sh.micro_batches; ++m) {
-        auto report = [&](Property p, int at) {
-          if (at >= -1) f.found(p, r, at, m, c);
-        };
-        const int F = pos.at(Op::forward, r, c, m), Bk = pos.input_grad_at(r, c, m);
-        const int I = pos.at(Op::input_grad, r, c, m), W = pos.at(Op::weight_grad, r, c, m);
-        if (f.open(Property::one_forward_each)) report(Property::one_forward_each, once(Op::forward, true, r, c, m));
-        if (f.open(Property::one_backward_each)) {
-          const int b = pos.how_many(Op::backward, r, c, m), i = pos.how_many(Op::input_grad, r, c, m),
-                    w = pos.how_many(Op::weight_grad, r, c, m);
-          if (!((b == 1 && i == 0 && w == 0) || (b == 0 && i == 1 && w == 1)))
-            report(Property::one_backward_each, b > 1   ? repeat_of(programs, pos, Op::backward, r, c, m)
-                                                : i > 1 ? repeat_of(programs, pos, Op::input_grad, r, c, m)
-                                                : w > 1 ? repeat_of(programs, pos, Op::weight_grad, r, c, m)
-                                                : b == 1 ? (i == 1 ? I : W)
-                                                         : -1);
+    for (int c = 0; c < V; ++c) {
+      const int next = map.next[r * V + c], prev = map.prev[r * V + c];
+      const bool forward_message = next >= 0 && next / V != r, backward_message = prev >= 0 && prev / V != r;
+      for (int m = 0; m < M; ++m) {
+        const int slot = (r * V + c) * M + m, many = repeated[slot];
+        const int* f1 = first + slot * K;  // 1 + index, 0: none
+        const int at[K] = {f1[0] - 1, f1[1] - 1, f1[2] - 1, f1[3] - 1, f1[4] - 1, f1[5] - 1, f1[6] - 1, f1[7] - 1};
+        const int back = at[B] >= 0 ? at[B] : at[I];  // what makes the input gradient: B, or I
+        // Exactly one where `needed`, none where not.
+        auto once = [&](int kind, bool needed) { return (at[kind] >= 0) == needed && !(many >> kind & 1); };
+        auto where = [&](Property p, int at_) { f.found(p, r, at_, m, c); };
+        auto again = [&](int kind) { return repeat_of(programs, pos, static_cast<Op>(kind + 1), r, c, m); };
+        if (f.open(Property::one_forward_each) && !once(F, true))
+          where(Property::one_forward_each, at[F] < 0 ? -1 : again(F));
+        const bool one_b = once(B, true) && at[I] < 0 && at[W] < 0, split = at[B] < 0 && once(I, true) && once(W, true);
+        if (f.open(Property::one_backward_each) && !one_b && !split) {
+          const bool b = at[B] >= 0, i = at[I] >= 0;
+          where(Property::one_backward_each, b && (many >> B & 1)   ? again(B)
+                                             : i && (many >> I & 1) ? again(I)
+                                             : at[W] >= 0 && (many >> W & 1) ? again(W)
+                                             : b                    ? (i ? at[I] : at[W])
+                                                                    : -1);
         }
-        if (f.open(Property::forward_before_backward) && Bk < F) report(Property::forward_before_backward, Bk);
-        if (f.open(Property::input_grad_before_weight_grad) && W >= 0 && W < I)
-          report(Property::input_grad_before_weight_grad, W);
-        if (f.open(Property::one_send_each)) {
-          const int a = once(Op::send_act, forward_message, r, c, m);
-          report(Property::one_send_each, a >= -1 ? a : once(Op::send_grad, backward_message, r, c, m));
+        if (back < at[F] && f.open(Property::forward_before_backward)) where(Property::forward_before_backward, back);
+        if (at[W] >= 0 && at[W] < at[I] && f.open(Property::input_grad_before_weight_grad))
+          where(Property::input_grad_before_weight_grad, at[W]);
+        if (!(once(SA, forward_message) && once(SG, backward_message)) && f.open(Property::one_send_each)) {
+          const int kind = once(SA, forward_message) ? SG : SA;
+          where(Property::one_send_each, at[kind] < 0 ? -1 : again(kind));
         }
-        if (f.open(Property::one_receive_each)) {
-          const int a = once(Op::recv_act, backward_message, r, c, m);
-          report(Property::one_receive_each, a >= -1 ? a : once(Op::recv_grad, forward_message, r, c, m));
+        if (!(once(RA, backward_message) && once(RG, forward_message)) && f.open(Property::one_receive_each)) {
+          const int kind = once(RA, backward_message) ? RG : RA;
+          where(Property::one_receive_each, at[kind] < 0 ? -1 : again(kind));
         }
-        if (f.open(Property::sends_after_compute)) {
-          const int a = pos.at(Op::send_act, r, c, m), g = pos.at(Op::send_grad, r, c, m);
-          if (a >= 0 && a < F) report(Property::sends_after_compute, a);
-          else if (g >= 0 && g < Bk) report(Property::sends_after_compute, g);
+        if (at[SA] >= 0 && at[SA] < at[F]) where(Property::sends_after_compute, at[SA]);
+        else if (at[SG] >= 0 && at[SG] < back) where(Property::sends_after_compute, at[SG]);
+        // F after its input: received, or (the previous stage on this rank) that stage's F.
+        if (prev >= 0) {
+          const int before = backward_message ? at[RA] : first[(prev * M + m) * K + F] - 1;
+          if (!(before < at[F])) where(Property::forward_after_input, at[F]);
         }
-        if (f.open(Property::forward_after_input) && st > 0) {
-          const int before = backward_message ? pos.at(Op::recv_act, r, c, m)
-                                              : pos.at(Op::forward, r, sh.chunk_of(st - 1), m);
-          if (!(before < F)) report(Property::forward_after_input, F);
-        }
-        if (f.open(Property::backward_after_gradient) && st + 1 < sh.stages()) {
-          const int before = forward_message ? pos.at(Op::recv_grad, r, c, m)
-                                             : pos.input_grad_at(r, sh.chunk_of(st + 1), m);
-          if (!(before < Bk)) report(Property::backward_after_gradient, Bk);
+        // B or I after its output gradient: received, or the next stage's B or I on this rank.
+        if (next >= 0) {
+          const int* their = first + (next * M + m) * K;  // 1 + index
+          const int before = forward_message ? at[RG] : (their[B] > 0 ? their[B] : their[I]) - 1;
+          if (!(before < back)) where(Property::backward_after_gradient, back);
         }
       }
     }
@@ -194,34 +197,32 @@ constexpr void check_slots(const Programs& programs, const Positions& pos, Findi
 
 // Pass 3, over the receives: NCCL matches the k-th send from a rank with the
 // k-th receive posted for it, so a message's two ends must have the same number.
-constexpr Verdict check_pairing(const Programs& programs, const Positions& pos, const Scratch<int>& numbers) {
+constexpr Verdict check_pairing(const Programs& programs, const Partners& partners, const Scratch<int>& numbers) {
   for (int r = 0; r < programs.ranks(); ++r) {
     const Action* prog = programs.begin[r];
-    const int n = programs.size(r), base = programs.offset[r];
-    for (int i = 0; i < n; ++i) {
-      if (!is_recv(prog[i].op)) continue;
-      const Place from = partner(pos, r, prog[i]);
-      if (numbers[programs.offset[from.rank] + from.index] != numbers[base + i])
+    const int base = programs.offset[r], n = programs.offset[r + 1] - base;
+    for (int i = 0; i < n; ++i)
+      if ((prog[i].op == Op::recv_act || prog[i].op == Op::recv_grad) &&
+          numbers[partners.action[base + i]] != numbers[base + i])
         return {Property::sends_match_receives, r, i, prog[i].mb, prog[i].chunk};
-    }
   }
   return {};
 }
 
 // Passes 1 to 3: everything but the dry run.
-constexpr Verdict check_table(const Programs& programs, const Positions& pos) {
+constexpr Verdict check_table(const Programs& programs, const Positions& pos, const Partners& partners) {
   Findings f;
   Scratch<int> numbers(programs.total());
   check_actions(programs, numbers, f);
   check_slots(programs, pos, f);
   if (!f.first.ok()) return f.first;
-  return check_pairing(programs, pos, numbers);
+  return check_pairing(programs, partners, numbers);
 }
 
 // The dry run under blocking sends: it must reach the end of every program.
-constexpr Verdict check_run(const Programs& programs, const Positions& pos, const DryRun& run) {
+constexpr Verdict check_run(const Programs& programs, const Partners& partners, const DryRun& run) {
   if (run.finished) return {};
-  const Place crossed = crossed_sends(programs, pos, run);
+  const Place crossed = crossed_sends(programs, partners, run);
   const Property p = crossed.rank >= 0 ? Property::no_crossed_sends : Property::progresses;
   int r = crossed.rank, i = crossed.index;
   for (int q = 0; r < 0 && q < programs.ranks(); ++q)
@@ -245,9 +246,10 @@ template <class S>
 constexpr Verdict verify(const S& s) {
   if (!detail::shape_is_valid(s)) return {Property::shape};
   const detail::Programs programs(s);
-  const Positions pos = positions(programs);
-  if (const Verdict v = detail::check_table(programs, pos); !v.ok()) return v;
-  return detail::check_run(programs, pos, detail::dry_run(programs, pos, Cost{}, Sends::blocking));
+  const detail::Index index(programs);
+  if (const Verdict v = detail::check_table(programs, index.positions(), index.partners()); !v.ok()) return v;
+  return detail::check_run(programs, index.partners(),
+                           detail::dry_run(programs, index.partners(), Cost{}, Sends::blocking));
 }
 
 }  // namespace fived::pipeline
