@@ -231,44 +231,51 @@ constexpr DryRun dry_run(const Programs& programs, const Partners& partners, Cos
   // Sweeps down the ranks and back up, in turn: a chain of waits that runs either
   // way along the ranks then resolves in one sweep, so the sweeps are as many as the
   // chains' turns, not as their length times P.
+  // A rank that waits skips the sweep until the partner it waits for is posted.
+  Scratch<int> awaiting(P, -1), awaiting_rank(P, 0);
+  int *awaits = awaiting.data(), *awaited_rank = awaiting_rank.data(), *now_blocking = clock_b.data(),
+      *now_eager = clock_e.data();
+  int& makespan_b = run.makespan[0];
+  int& makespan_e = run.makespan[1];
   for (bool progressed = true, down = true; progressed; down = !down) {
     progressed = false;
     for (int step = 0; step < P; ++step) {
       const int r = down ? step : P - 1 - step;
+      if (awaits[r] >= 0 && awaits[r] - offset[awaited_rank[r]] >= reached[awaited_rank[r]]) continue;
       const Action* prog = programs.begin[r];
       const int base = offset[r], n = offset[r + 1] - base;
-      int now_b = clock_b[r], now_e = clock_e[r], i = at[r];
+      int now_b = now_blocking[r], now_e = now_eager[r], i = at[r];
       while (i < n) {
-        const Action& a = prog[i];
-        if (a.op < Op::send_act) {  // compute
-          posted_b[base + i] = now_b, posted_e[base + i] = now_e;
-          now_b += cost_of[static_cast<int>(a.op)], now_e += cost_of[static_cast<int>(a.op)];
-          if (now_b > run.makespan[0]) run.makespan[0] = now_b;
-          if (now_e > run.makespan[1]) run.makespan[1] = now_e;
-          reached[r] = ++i, progressed = true;
-          continue;
-        }
-        int end = i + 1;  // the group: the comm actions joined to this one
+        // A run of compute actions, each starting as the one before it ends.
+        for (; i < n && prog[i].op < Op::send_act; ++i)
+          posted_b[base + i] = now_b, posted_e[base + i] = now_e, now_b += cost_of[static_cast<int>(prog[i].op)],
+                       now_e += cost_of[static_cast<int>(prog[i].op)],
+                       makespan_b = now_b > makespan_b ? now_b : makespan_b,
+                       makespan_e = now_e > makespan_e ? now_e : makespan_e, reached[r] = i + 1, progressed = true;
+        if (i == n) break;
+        // A comm group: this action and those joined to it, all posted when the rank reaches it.
+        int end = i + 1;
         while (end < n && prog[end].joins_previous && prog[end].op >= Op::send_act) ++end;
-        if (reached[r] < end) {  // the rank reaches the group: all of it is posted
-          for (int j = base + i; j < base + end; ++j) posted_b[j] = now_b, posted_e[j] = now_e;
-          reached[r] = end, progressed = true;
+        for (int j = base + (reached[r] < end ? i : end); j < base + end; ++j)
+          posted_b[j] = now_b, posted_e[j] = now_e, reached[r] = end, progressed = true;
+        // Complete when every partner has posted (with eager sends: every receive's partner);
+        // a partner that does not exist is never posted.
+        int j = base + i, met_b = now_b, met_e = now_e;
+        for (; j < base + end; ++j) {
+          const int k = partner[j], q = partner_rank[j],
+                    send = prog[j - base].op == Op::send_act || prog[j - base].op == Op::send_grad,
+                    waits = !send || sends_wait;
+          if (waits && (k < 0 || k - offset[q] >= reached[q])) break;
+          met_b = waits && posted_b[k] > met_b ? posted_b[k] : met_b,
+          met_e = waits && !send && posted_e[k] > met_e ? posted_e[k] : met_e;
         }
-        // Complete when every partner has posted (with eager sends: every receive's partner).
-        bool complete = true;
-        int met_b = now_b, met_e = now_e;
-        for (int j = base + i; j < base + end && complete; ++j) {
-          const bool send = prog[j - base].op == Op::send_act || prog[j - base].op == Op::send_grad;
-          if (send && !sends_wait) continue;
-          const int k = partner[j];
-          complete = k >= 0 && k - offset[partner_rank[j]] < reached[partner_rank[j]];
-          if (complete && posted_b[k] > met_b) met_b = posted_b[k];
-          if (complete && !send && posted_e[k] > met_e) met_e = posted_e[k];
+        if (j < base + end) {
+          awaits[r] = partner[j] >= 0 ? partner[j] : 1 << 30, awaited_rank[r] = partner[j] >= 0 ? partner_rank[j] : r;
+          break;
         }
-        if (!complete) break;
-        now_b = met_b, now_e = met_e, i = end;
+        now_b = met_b, now_e = met_e, i = end, awaits[r] = -1;
       }
-      clock_b[r] = now_b, clock_e[r] = now_e, at[r] = i;
+      now_blocking[r] = now_b, now_eager[r] = now_e, at[r] = i;
     }
   }
   for (int r = 0; r < P; ++r) run.finished = run.finished && at[r] == offset[r + 1] - offset[r];

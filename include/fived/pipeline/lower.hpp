@@ -205,11 +205,10 @@ constexpr void with_messages(const O& orders, const int* start, const int* end, 
       while (l < consumer && l < size[q] && start[qbase + l] < sent) ++l;
       const detail::Meeting at = detail::meeting(start + base, end + base, n, j, start + qbase, end + qbase, size[q],
                                                  consumer, l < consumer ? l : consumer);
-      end_rank[e] = r, end_gap[e] = at.sender_gap, end_sent[e] = end_sent[e + 1] = sent, end_peer[e] = q;
-      end_rank[e + 1] = q, end_gap[e + 1] = at.receiver_gap, end_peer[e + 1] = r;
-      end_action[e] = {forward_message ? Op::send_act : Op::send_grad, false, a.mb, a.chunk, q};
-      end_action[e + 1] = {forward_message ? Op::recv_act : Op::recv_grad, false, a.mb, to % V, r};
-      e += 2;
+      end_rank[e] = r, end_gap[e] = at.sender_gap, end_sent[e] = sent, end_peer[e] = q,
+      end_action[e] = {forward_message ? Op::send_act : Op::send_grad, false, a.mb, a.chunk, q}, ++e;
+      end_rank[e] = q, end_gap[e] = at.receiver_gap, end_sent[e] = sent, end_peer[e] = r,
+      end_action[e] = {forward_message ? Op::recv_act : Op::recv_grad, false, a.mb, to % V, r}, ++e;
     }
   }
   ends.count = e;
@@ -229,11 +228,11 @@ constexpr void with_messages(const O& orders, const int* start, const int* end, 
   for (int e = 0; e < ends.count; ++e) sorted[fill[first_gap[end_rank[e]] + end_gap[e]]++] = e;
   for (int b = 0; b < buckets; ++b)
     for (int i = bucket_start[b] + 1; i < bucket_start[b + 1]; ++i)
-      for (int j = i; j > bucket_start[b]; --j) {
-        const int x = sorted[j], y = sorted[j - 1];
-        if (end_sent[x] > end_sent[y] || (end_sent[x] == end_sent[y] && end_peer[x] >= end_peer[y])) break;
-        sorted[j] = y, sorted[j - 1] = x;
-      }
+      for (int j = i, x = sorted[i];
+           j > bucket_start[b] && (end_sent[x] < end_sent[sorted[j - 1]] ||
+                                   (end_sent[x] == end_sent[sorted[j - 1]] && end_peer[x] < end_peer[sorted[j - 1]]));
+           --j)
+        sorted[j] = sorted[j - 1], sorted[j - 1] = x;
 
   for (int r = 0; r < P; ++r) {
     const Action* order = orders.begin(r);

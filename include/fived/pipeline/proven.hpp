@@ -49,13 +49,10 @@ struct StaticFigures {
 
 namespace detail {
 
-// The second half of the proof (the dry run) and the figures it times, as one
-// constant of their own: the compilers limit the work of each constant
-// expression, not of a translation unit, so the halves get a budget each.
-template <int P>
+// The dry run's part of the proof, and the makespans it times.
 struct RunProof {
   Verdict verdict;
-  StaticFigures<P> figures;
+  int eager_makespan = 0, blocking_makespan = 0;
 };
 
 template <class TableType>
@@ -64,15 +61,19 @@ constexpr Verdict check_table(const TableType& t, const StaticIndex<TableType>& 
   return check_table(Programs(t), index.positions(), index.partners());
 }
 
-template <int P, class TableType>
-constexpr RunProof<P> check_run(const TableType& t, const StaticIndex<TableType>& index) {
+template <class TableType>
+constexpr RunProof check_run(const TableType& t, const StaticIndex<TableType>& index) {
   const Programs programs(t);
-  const Partners partners = index.partners();
-  const DryRun run = dry_run(programs, partners, Cost{}, Sends::blocking);
-  RunProof<P> out{check_run(programs, partners, run), {}};
-  if (!out.verdict.ok()) return out;
-  StaticFigures<P>& f = out.figures;
-  fill_figures(programs, run, Cost{}, f);
+  const DryRun run = dry_run(programs, index.partners(), Cost{}, Sends::blocking);
+  return {check_run(programs, index.partners(), run), run.makespan[static_cast<int>(Sends::eager)],
+          run.makespan[static_cast<int>(Sends::blocking)]};
+}
+
+template <int P, class TableType>
+constexpr StaticFigures<P> static_figures(const TableType& t, const RunProof& run) {
+  StaticFigures<P> f;
+  if (!run.verdict.ok()) return f;
+  fill_figures(Programs(t), run.eager_makespan, run.blocking_makespan, Cost{}, f);
   long long busy = 0;
   for (int b : f.busy) busy += b;
   f.rank_time = static_cast<long long>(P) * f.makespan;
@@ -81,7 +82,7 @@ constexpr RunProof<P> check_run(const TableType& t, const StaticIndex<TableType>
   const long long blocking_time = static_cast<long long>(P) * f.blocking_makespan;
   f.blocking_bubble =
       blocking_time == 0 ? 0.0 : static_cast<double>(blocking_time - busy) / static_cast<double>(blocking_time);
-  return out;
+  return f;
 }
 
 }  // namespace detail
@@ -105,12 +106,11 @@ struct Proven {
 
   // Three constants, each one constant expression (the compilers limit the work
   // of each): where every action is and whom it meets; the table's form, counts,
-  // orders and pairing; then, when those hold, the dry run with the figures it times.
+  // orders and pairing; then, when those hold, the dry run.
   static constexpr detail::StaticIndex<table_type> index{S::table};
   static constexpr Verdict table_verdict = detail::admissible<S>() ? detail::check_table(S::table, index) : Verdict{};
-  static constexpr detail::RunProof<table_type::ranks> run =
-      detail::admissible<S>() && table_verdict.ok() ? detail::check_run<table_type::ranks>(S::table, index)
-                                                    : detail::RunProof<table_type::ranks>{};
+  static constexpr detail::RunProof run =
+      detail::admissible<S>() && table_verdict.ok() ? detail::check_run(S::table, index) : detail::RunProof{};
   static constexpr Verdict verdict = table_verdict.ok() ? run.verdict : table_verdict;
 
   static_assert(verdict.failed != Property::shape, FIVED_PIPELINE_SAYS_SHAPE);
@@ -133,8 +133,8 @@ struct Proven {
 
   static constexpr bool value = verdict.ok() && detail::admissible<S>();
 
-  // Bubble, makespan and peaks (simulate.hpp), timed by the proof's dry run.
-  static constexpr const StaticFigures<table_type::ranks>& figures = run.figures;
+  // Bubble, makespan and peaks (simulate.hpp), timed by the proof's dry run; computed when first used.
+  static constexpr StaticFigures<table_type::ranks> figures = detail::static_figures<table_type::ranks>(S::table, run);
 };
 
 template <class S>

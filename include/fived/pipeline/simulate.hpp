@@ -83,33 +83,28 @@ struct Figures {
   }
 };
 
-// Peaks of one rank's program: F takes a pair, the end of its B or I (or W) gives it back.
-constexpr int peak_held(const Action* program, int n, bool until_weight_grad) {
-  int held = 0, peak = 0;
-  const Op gives_back = until_weight_grad ? Op::weight_grad : Op::input_grad;
-  for (int i = 0; i < n; ++i) {
-    const Op op = program[i].op;
-    if (op == Op::forward) held += 1, peak = held > peak ? held : peak;
-    if (op == Op::backward || op == gives_back) held -= 1;
-  }
-  return peak;
-}
-
 namespace detail {
 
-// The figures of a table whose dry run under blocking sends is `run` (also
-// timed with eager sends): per rank, busy time and peaks; `out` is a Figures
-// or a StaticFigures (proven.hpp).
+// The figures of a table whose dry run ended at these makespans: per rank, busy
+// time and peaks, in one pass over the actions. `out` is a Figures or a
+// StaticFigures (proven.hpp).
 template <class Out>
-constexpr void fill_figures(const Programs& programs, const DryRun& run, Cost cost, Out& out) {
-  out.makespan = run.makespan[static_cast<int>(Sends::eager)];
-  out.blocking_makespan = run.makespan[static_cast<int>(Sends::blocking)];
+constexpr void fill_figures(const Programs& programs, int eager_makespan, int blocking_makespan, Cost cost, Out& out) {
+  int cost_of[9] = {};
+  for (int op = 0; op < 9; ++op) cost_of[op] = cost.of(static_cast<Op>(op));
+  out.makespan = eager_makespan, out.blocking_makespan = blocking_makespan;
   for (int r = 0; r < programs.ranks(); ++r) {
     const Action* prog = programs.begin[r];
     const int n = programs.size(r);
-    int busy = 0;
-    for (int i = 0; i < n; ++i) busy += cost.of(prog[i].op);
-    out.set_rank(r, busy, peak_held(prog, n, false), peak_held(prog, n, true));
+    // Pairs held: from F to the end of B or I (activations), and to the end of B or W (pending).
+    int busy = 0, held = 0, peak = 0, pending = 0, peak_pending = 0;
+    for (int i = 0; i < n; ++i) {
+      const Op op = prog[i].op;
+      busy += cost_of[static_cast<int>(op)], held += op == Op::forward, pending += op == Op::forward,
+          peak = held > peak ? held : peak, peak_pending = pending > peak_pending ? pending : peak_pending,
+          held -= op == Op::backward || op == Op::input_grad, pending -= op == Op::backward || op == Op::weight_grad;
+    }
+    out.set_rank(r, busy, peak, peak_pending);
   }
 }
 
@@ -119,10 +114,11 @@ constexpr void fill_figures(const Programs& programs, const DryRun& run, Cost co
 template <class S>
 constexpr Figures measure(const S& s, Cost cost = {}) {
   const detail::Programs programs(s);
+  const detail::DryRun run = detail::dry_run(programs, detail::Index(programs).partners(), cost, Sends::blocking);
   Figures f;
   f.ranks = programs.ranks();
-  detail::fill_figures(programs, detail::dry_run(programs, detail::Index(programs).partners(), cost, Sends::blocking),
-                       cost, f);
+  detail::fill_figures(programs, run.makespan[static_cast<int>(Sends::eager)],
+                       run.makespan[static_cast<int>(Sends::blocking)], cost, f);
   return f;
 }
 

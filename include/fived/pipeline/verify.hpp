@@ -107,19 +107,20 @@ constexpr void check_actions(const Programs& programs, Scratch<int>& numbers, Fi
     const int base = programs.offset[r], n = programs.offset[r + 1] - base;
     for (int i = 0; i < n; ++i) {
       const Action& a = prog[i];
-      const bool comm = a.op >= Op::send_act && a.op <= Op::recv_grad;
-      if (a.op == Op::none || a.mb < 0 || a.mb >= M || a.chunk < 0 || a.chunk >= V ||
-          (comm && (a.peer < 0 || a.peer >= P || a.peer == r)) ||
-          (a.joins_previous && !(comm && i > 0 && prog[i - 1].op >= Op::send_act && prog[i - 1].op <= Op::recv_grad))) {
-        f.found(Property::well_formed, r, i, a.mb, a.chunk);
-        continue;
-      }
-      if (!comm) continue;
-      const bool send = a.op == Op::send_act || a.op == Op::send_grad;
-      numbers[base + i] = counters[(send ? 0 : P) + a.peer]++;
       // Activations go to the next stage and gradients come from it; the other two, the previous.
-      const int other = (a.op == Op::send_act || a.op == Op::recv_grad ? map.next : map.prev)[r * V + a.chunk];
-      if (other < 0 || other / V == r || other / V != a.peer) f.found(Property::peers_are_neighbours, r, i, a.mb, a.chunk);
+      const bool comm = a.op >= Op::send_act && a.op <= Op::recv_grad,
+                 formed = a.op != Op::none && a.mb >= 0 && a.mb < M && a.chunk >= 0 && a.chunk < V &&
+                          (!comm || (a.peer >= 0 && a.peer < P && a.peer != r)) &&
+                          (!a.joins_previous ||
+                           (comm && i > 0 && prog[i - 1].op >= Op::send_act && prog[i - 1].op <= Op::recv_grad)),
+                 send = a.op == Op::send_act || a.op == Op::send_grad;
+      const int other = !formed || !comm                                 ? -1
+                        : a.op == Op::send_act || a.op == Op::recv_grad ? map.next[r * V + a.chunk]
+                                                                        : map.prev[r * V + a.chunk];
+      if (!formed) f.found(Property::well_formed, r, i, a.mb, a.chunk);
+      else if (comm && (numbers[base + i] = counters[(send ? 0 : P) + a.peer]++,
+                        other < 0 || other / V == r || other / V != a.peer))
+        f.found(Property::peers_are_neighbours, r, i, a.mb, a.chunk);
     }
   }
 }
@@ -132,65 +133,85 @@ constexpr int repeat_of(const Programs& programs, const Positions& pos, Op op, i
   return -1;
 }
 
-// Pass 2, over the slots: the counts and orders of each stage's actions. The
-// usual slot passes every check with plain comparisons; a failure is then
-// looked at again to say where.
+// Pass 2, over the slots: the counts and orders of each stage's actions. A slot
+// is checked first in one expression (the usual slot passes); one that fails
+// is looked at again, property by property, to say which and where.
+namespace slot_kind {
+constexpr int F = 0, B = 1, I = 2, W = 3, SA = 4, RA = 5, SG = 6, RG = 7, count = 8;  // op - 1
+}
+
+// `at`: index of the slot's first action of each kind, or -1; `many`: kinds that come again;
+// `input` and `grad`: what its F and its B or I wait for (-1: nothing there).
+struct Slot {
+  int r, c, m;
+  const int* at;
+  int many, back, input, grad;
+  bool forward_message, backward_message, has_prev, has_next;
+};
+
+constexpr void report_slot(const Programs& programs, const Positions& pos, const Slot& s, Findings& f) {
+  using namespace slot_kind;
+  const int* at = s.at;
+  auto once = [&](int kind, bool needed) { return (at[kind] >= 0) == needed && !(s.many >> kind & 1); };
+  auto where = [&](Property p, int position) { f.found(p, s.r, position, s.m, s.c); };
+  auto again = [&](int kind) { return repeat_of(programs, pos, static_cast<Op>(kind + 1), s.r, s.c, s.m); };
+  if (!once(F, true)) where(Property::one_forward_each, at[F] < 0 ? -1 : again(F));
+  const bool one_b = once(B, true) && at[I] < 0 && at[W] < 0, split = at[B] < 0 && once(I, true) && once(W, true);
+  if (!one_b && !split) {
+    const bool b = at[B] >= 0, i = at[I] >= 0;
+    where(Property::one_backward_each, b && (s.many >> B & 1)             ? again(B)
+                                       : i && (s.many >> I & 1)           ? again(I)
+                                       : at[W] >= 0 && (s.many >> W & 1) ? again(W)
+                                       : b                                ? (i ? at[I] : at[W])
+                                                                          : -1);
+  }
+  if (s.back < at[F]) where(Property::forward_before_backward, s.back);
+  if (at[W] >= 0 && at[W] < at[I]) where(Property::input_grad_before_weight_grad, at[W]);
+  if (!(once(SA, s.forward_message) && once(SG, s.backward_message))) {
+    const int kind = once(SA, s.forward_message) ? SG : SA;
+    where(Property::one_send_each, at[kind] < 0 ? -1 : again(kind));
+  }
+  if (!(once(RA, s.backward_message) && once(RG, s.forward_message))) {
+    const int kind = once(RA, s.backward_message) ? RG : RA;
+    where(Property::one_receive_each, at[kind] < 0 ? -1 : again(kind));
+  }
+  if (at[SA] >= 0 && at[SA] < at[F]) where(Property::sends_after_compute, at[SA]);
+  else if (at[SG] >= 0 && at[SG] < s.back) where(Property::sends_after_compute, at[SG]);
+  if (s.has_prev && !(s.input < at[F])) where(Property::forward_after_input, at[F]);
+  if (s.has_next && !(s.grad < s.back)) where(Property::backward_after_gradient, s.back);
+}
+
 constexpr void check_slots(const Programs& programs, const Positions& pos, Findings& f) {
+  using namespace slot_kind;
   const Shape& sh = programs.shape;
   const int V = sh.chunks, M = sh.micro_batches;
-  constexpr int K = Positions::kinds;
-  constexpr int F = 0, B = 1, I = 2, W = 3, SA = 4, RA = 5, SG = 6, RG = 7;  // op - 1
   const StageMap map(sh);
-  const int* first = pos.first;
-  const unsigned char* repeated = pos.repeated;
+  const int* first = pos.first;  // 1 + index; 0: none
   for (int r = 0; r < sh.ranks; ++r)
     for (int c = 0; c < V; ++c) {
       const int next = map.next[r * V + c], prev = map.prev[r * V + c];
       const bool forward_message = next >= 0 && next / V != r, backward_message = prev >= 0 && prev / V != r;
       for (int m = 0; m < M; ++m) {
-        const int slot = (r * V + c) * M + m, many = repeated[slot];
-        const int* f1 = first + slot * K;  // 1 + index, 0: none
-        const int at[K] = {f1[0] - 1, f1[1] - 1, f1[2] - 1, f1[3] - 1, f1[4] - 1, f1[5] - 1, f1[6] - 1, f1[7] - 1};
-        const int back = at[B] >= 0 ? at[B] : at[I];  // what makes the input gradient: B, or I
-        // Exactly one where `needed`, none where not.
-        auto once = [&](int kind, bool needed) { return (at[kind] >= 0) == needed && !(many >> kind & 1); };
-        auto where = [&](Property p, int at_) { f.found(p, r, at_, m, c); };
-        auto again = [&](int kind) { return repeat_of(programs, pos, static_cast<Op>(kind + 1), r, c, m); };
-        if (f.open(Property::one_forward_each) && !once(F, true))
-          where(Property::one_forward_each, at[F] < 0 ? -1 : again(F));
-        const bool one_b = once(B, true) && at[I] < 0 && at[W] < 0, split = at[B] < 0 && once(I, true) && once(W, true);
-        if (f.open(Property::one_backward_each) && !one_b && !split) {
-          const bool b = at[B] >= 0, i = at[I] >= 0;
-          where(Property::one_backward_each, b && (many >> B & 1)   ? again(B)
-                                             : i && (many >> I & 1) ? again(I)
-                                             : at[W] >= 0 && (many >> W & 1) ? again(W)
-                                             : b                    ? (i ? at[I] : at[W])
-                                                                    : -1);
-        }
-        if (back < at[F] && f.open(Property::forward_before_backward)) where(Property::forward_before_backward, back);
-        if (at[W] >= 0 && at[W] < at[I] && f.open(Property::input_grad_before_weight_grad))
-          where(Property::input_grad_before_weight_grad, at[W]);
-        if (!(once(SA, forward_message) && once(SG, backward_message)) && f.open(Property::one_send_each)) {
-          const int kind = once(SA, forward_message) ? SG : SA;
-          where(Property::one_send_each, at[kind] < 0 ? -1 : again(kind));
-        }
-        if (!(once(RA, backward_message) && once(RG, forward_message)) && f.open(Property::one_receive_each)) {
-          const int kind = once(RA, backward_message) ? RG : RA;
-          where(Property::one_receive_each, at[kind] < 0 ? -1 : again(kind));
-        }
-        if (at[SA] >= 0 && at[SA] < at[F]) where(Property::sends_after_compute, at[SA]);
-        else if (at[SG] >= 0 && at[SG] < back) where(Property::sends_after_compute, at[SG]);
-        // F after its input: received, or (the previous stage on this rank) that stage's F.
-        if (prev >= 0) {
-          const int before = backward_message ? at[RA] : first[(prev * M + m) * K + F] - 1;
-          if (!(before < at[F])) where(Property::forward_after_input, at[F]);
-        }
-        // B or I after its output gradient: received, or the next stage's B or I on this rank.
-        if (next >= 0) {
-          const int* their = first + (next * M + m) * K;  // 1 + index
-          const int before = forward_message ? at[RG] : (their[B] > 0 ? their[B] : their[I]) - 1;
-          if (!(before < back)) where(Property::backward_after_gradient, back);
-        }
+        const int slot = (r * V + c) * M + m, *f1 = first + slot * count,
+                  *their = next < 0 ? f1 : first + (next * M + m) * count;
+        const int at[count] = {f1[0] - 1, f1[1] - 1, f1[2] - 1, f1[3] - 1, f1[4] - 1, f1[5] - 1, f1[6] - 1, f1[7] - 1};
+        // What makes the input gradient (B, or I); what F waits for (its activations received, or the
+        // previous stage's F on this rank); what B or I waits for (the output gradient received, or the
+        // next stage's B or I on this rank).
+        const int back = at[B] >= 0 ? at[B] : at[I],
+                  input = prev < 0 ? -1 : backward_message ? at[RA] : first[(prev * M + m) * count + F] - 1,
+                  grad = next < 0 ? -1 : forward_message ? at[RG] : (their[B] > 0 ? their[B] : their[I]) - 1;
+        const bool fine = pos.repeated[slot] == 0 && at[F] >= 0 &&
+                          ((at[B] >= 0 && at[I] < 0 && at[W] < 0) || (at[B] < 0 && at[I] >= 0 && at[W] >= 0)) &&
+                          back > at[F] && (at[W] < 0 || at[W] > at[I]) && (at[SA] >= 0) == forward_message &&
+                          (at[SG] >= 0) == backward_message && (at[RA] >= 0) == backward_message &&
+                          (at[RG] >= 0) == forward_message && (at[SA] < 0 || at[SA] > at[F]) &&
+                          (at[SG] < 0 || at[SG] > back) && (prev < 0 || input < at[F]) && (next < 0 || grad < back);
+        if (!fine)
+          report_slot(programs, pos,
+                      {r, c, m, at, pos.repeated[slot], back, input, grad, forward_message, backward_message,
+                       prev >= 0, next >= 0},
+                      f);
       }
     }
 }
