@@ -149,17 +149,17 @@ constexpr detail::Orders dualpipe_v_order(int P, int M) {
   detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   detail::require(M >= 2 * P, FIVED_PIPELINE_SAYS_V_NEEDS_M_GE_2P);
   detail::Orders o({P, M, 2, StageOrder::vee});
-  detail::Scratch<Action> weights(2 * M);  // W's of split backwards, in the order their I's ran
+  detail::Scratch<int> weights(2 * M);  // W's of split backwards (micro-batch · 2 + chunk), in the order their I's ran
   for (int r = 0; r < P; ++r) {
     int f[2] = {0, 0}, b[2] = {0, 0};  // next micro-batch of F and of B (or I) on chunks 0 and 1
     int owed = 0, next_weight = 0;
     auto F = [&](int c) { o.add(r, forward(f[c]++, c)); };
     auto B = [&](int c, bool split) {
-      if (split) o.add(r, input_grad(b[c], c)), weights[owed++] = weight_grad(b[c], c);
+      if (split) o.add(r, input_grad(b[c], c)), weights[owed++] = b[c] * 2 + c;
       else o.add(r, backward(b[c], c));
       ++b[c];
     };
-    auto W = [&] { o.add(r, weights[next_weight++]); };
+    auto W = [&] { o.add(r, weight_grad(weights[next_weight] / 2, weights[next_weight] % 2)), ++next_weight; };
     const int down = P - 1 - r;  // ranks below this one
     for (int k = 0; k < 2 * down; ++k) F(0);               // 1: chunk 0 fills the V's left arm
     for (int k = 0; k <= r; ++k) F(0), F(1);               // 2: the bottom turns

@@ -146,10 +146,10 @@ constexpr Meeting meeting(const int* sender_start, const int* sender_end, int se
 struct Ends {
   int count = 0;
   Scratch<int> rank, gap, sent, peer;  // [end]; sent: when the message exists
-  Scratch<Action> action;
+  Scratch<int> op, mb, chunk;          // [end]: the comm action's (ints: an Action array costs its member defaults)
 
   constexpr explicit Ends(int capacity)
-      : rank(capacity), gap(capacity), sent(capacity), peer(capacity), action(capacity) {}
+      : rank(capacity), gap(capacity), sent(capacity), peer(capacity), op(capacity), mb(capacity), chunk(capacity) {}
 };
 
 }  // namespace detail
@@ -184,8 +184,7 @@ constexpr void with_messages(const O& orders, const int* start, const int* end, 
   // order), so it is found by a cursor per (sender, receiver), not a search.
   detail::Ends ends(2 * computes);
   int *end_rank = ends.rank.data(), *end_gap = ends.gap.data(), *end_sent = ends.sent.data(),
-      *end_peer = ends.peer.data();
-  Action* end_action = ends.action.data();
+      *end_peer = ends.peer.data(), *end_op = ends.op.data(), *end_mb = ends.mb.data(), *end_chunk = ends.chunk.data();
   detail::Scratch<int> cursors(P * P, 0), firsts(P), sizes(P);
   int *cursor = cursors.data(), *first = firsts.data(), *size = sizes.data();
   for (int r = 0; r < P; ++r) first[r] = orders.first(r), size[r] = orders.size(r);
@@ -206,9 +205,11 @@ constexpr void with_messages(const O& orders, const int* start, const int* end, 
       const detail::Meeting at = detail::meeting(start + base, end + base, n, j, start + qbase, end + qbase, size[q],
                                                  consumer, l < consumer ? l : consumer);
       end_rank[e] = r, end_gap[e] = at.sender_gap, end_sent[e] = sent, end_peer[e] = q,
-      end_action[e] = {forward_message ? Op::send_act : Op::send_grad, false, a.mb, a.chunk, q}, ++e;
+      end_op[e] = static_cast<int>(forward_message ? Op::send_act : Op::send_grad), end_mb[e] = a.mb,
+      end_chunk[e] = a.chunk, ++e;
       end_rank[e] = q, end_gap[e] = at.receiver_gap, end_sent[e] = sent, end_peer[e] = r,
-      end_action[e] = {forward_message ? Op::recv_act : Op::recv_grad, false, a.mb, to % V, r}, ++e;
+      end_op[e] = static_cast<int>(forward_message ? Op::recv_act : Op::recv_grad), end_mb[e] = a.mb,
+      end_chunk[e] = to % V, ++e;
     }
   }
   ends.count = e;
@@ -240,7 +241,8 @@ constexpr void with_messages(const O& orders, const int* start, const int* end, 
     Action* program = out.program_of_size(r, n + bucket_start[first_gap[r + 1]] - bucket_start[first]);
     for (int k = 0, w = 0; k <= n; ++k) {
       for (int i = bucket_start[first + k]; i < bucket_start[first + k + 1]; ++i)
-        program[w] = end_action[sorted[i]], program[w++].joins_previous = i > bucket_start[first + k];
+        program[w++] = {static_cast<Op>(end_op[sorted[i]]), i > bucket_start[first + k], end_mb[sorted[i]],
+                        end_chunk[sorted[i]], end_peer[sorted[i]]};
       if (k < n) program[w++] = order[k];
     }
   }
