@@ -41,15 +41,14 @@
 //                difference (671.03B and 37.55B with MLA's 187.1M per layer).
 //   layout       Mesh<DP<128>, PP<16>, EP<64>> (2048 GPUs, EP carved out of DP: an
 //                expert-data group of 2), ZB-V as the V-shaped schedule nearest DualPipe,
-//                32 micro-batches (DeepSeek's 15360-sequence batch is 120 per DP rank; a
-//                compile-time ZB-V table of 120 exceeds GCC's constexpr budget). ZB-V holds
-//                2P chunk pairs whatever M, so memory does not depend on it; the bubble and
-//                the per-step traffic are those of 32 micro-batches.
+//                120 micro-batches (DeepSeek's 15360-sequence batch over DP 128), the table
+//                proven at compile time like every other. ZB-V holds 2P chunk pairs
+//                whatever M, so memory does not depend on it; the bubble is 15/735.
 //   memory       the paper gives no per-GPU figures to compare with. Here: an MoE block keeps
 //                N·k = 32768 rows of C twice (the experts' outputs and the rows received) and
 //                the experts' hidden rows (3 x [32768, 2048]), with attention about 1.7 GiB
 //                per block and micro-batch, so without
-//                recomputation 32 chunk pairs in flight do not fit 80 GB; with full
+//                recomputation 32 chunk pairs in flight (2P) do not fit 80 GB; with full
 //                recomputation they do. The fullest rank then holds the first and the last
 //                chunk (V shape): its slot is the head's logits [4096, 129280], and the plan
 //                counts the largest chunk's slot for all 32 pairs, an upper bound there.
@@ -100,15 +99,6 @@ struct gpt2_run : plan::layout {
   using mesh = Mesh<DP<8>>;
   using recompute = R;
   static constexpr int zero = 1, element_bytes = 2, micro_batch = 16, sequence = 1024;
-};
-
-// DeepSeek-V3's layout (see the top of this file).
-template <class R>
-struct deepseek_run : plan::layout {
-  using mesh = Mesh<DP<128>, PP<16>, EP<64>>;
-  using schedule = pipeline::ZBV<16, 32>;
-  using recompute = R;
-  static constexpr int zero = 1, element_bytes = 2, micro_batch = 1, sequence = 4096;
 };
 
 // ---- a plan's figures, as values to print -------------------------------------------------
@@ -167,22 +157,24 @@ Config make(std::string_view name) {
     constexpr plan::Transformer m = plan::from_model<Llama<llama3_405b_config>>();  // the model type itself
     using one = pipeline::OneFOneB<16, 16>;
     using two = pipeline::Interleaved1F1B<16, 16, 2>;
+    using two_of_64 = pipeline::Interleaved1F1B<16, 64, 2>;  // a 4x larger batch per DP rank
     return {"llama3-405b", "Llama-3-405B (126 layers, d_model 16384, 128 heads, 8 KV heads, SwiGLU 53248)",
             describe_layout<plan::llama3_405b_run<one, FullRecompute>>("16 micro-batches"), m.parameters(),
             m.active_parameters(),
             {column<plan::Plan<m, plan::llama3_405b_run<one, FullRecompute>>>("1F1B, full"),
              column<plan::Plan<m, plan::llama3_405b_run<one, SelectiveRecompute>>>("1F1B, selective"),
              column<plan::Plan<m, plan::llama3_405b_run<two, FullRecompute>>>("interleaved V2, full"),
-             column<plan::Plan<m, plan::llama3_405b_run<two, SelectiveRecompute>>>("interleaved V2, sel.")}};
+             column<plan::Plan<m, plan::llama3_405b_run<two, SelectiveRecompute>>>("interleaved V2, sel."),
+             column<plan::Plan<m, plan::llama3_405b_run<two_of_64, FullRecompute>>>("V2, M 64, full")}};
   }
   if (name == "deepseek-v3") {
     constexpr plan::Transformer m = plan::deepseek_v3;
     return {"deepseek-v3", "DeepSeek-V3-like MoE (61 layers, 3 dense, 256 experts top-8 + 1 shared, MLA as MHA)",
-            describe_layout<deepseek_run<NoRecompute>>("ZB-V, 32 micro-batches"), m.parameters(),
+            describe_layout<plan::deepseek_v3_run<NoRecompute>>("ZB-V, 120 micro-batches"), m.parameters(),
             m.active_parameters(),
-            {column<plan::Plan<m, deepseek_run<NoRecompute>>>("ZB-V, no recompute"),
-             column<plan::Plan<m, deepseek_run<SelectiveRecompute>>>("ZB-V, selective"),
-             column<plan::Plan<m, deepseek_run<FullRecompute>>>("ZB-V, full")}};
+            {column<plan::Plan<m, plan::deepseek_v3_run<NoRecompute>>>("ZB-V, no recompute"),
+             column<plan::Plan<m, plan::deepseek_v3_run<SelectiveRecompute>>>("ZB-V, selective"),
+             column<plan::Plan<m, plan::deepseek_v3_run<FullRecompute>>>("ZB-V, full")}};
   }
   return {};
 }

@@ -235,6 +235,21 @@ TEST_CASE("the bubble and the micro-batches in flight are the schedule's (pipeli
   CHECK(Dual::memory.in_flight == v.peak_activations[static_cast<std::size_t>(Dual::fullest_rank)]);
 }
 
+TEST_CASE("production pipelines are planned from tables proven at compile time: M = 64 and 120 at P = 16") {
+  // Llama-3-405B interleaved over 64 micro-batches (a 4x larger batch per DP rank than the paper's).
+  using Llama64 = plan::Plan<plan::llama3_405b, plan::llama3_405b_run<pipeline::Interleaved1F1B<16, 64, 2>, FullRecompute>>;
+  const pipeline::Figures i64 = pipeline::measure(pipeline::interleaved_1f1b(16, 64, 2));
+  CHECK(Llama64::bubble == i64.bubble());
+  CHECK(Llama64::bubble == doctest::Approx(15.0 / (2 * 64 + 15)));  // (P - 1) / (V M + P - 1)
+  CHECK(Llama64::memory.in_flight == i64.peak_activations[static_cast<std::size_t>(Llama64::fullest_rank)]);
+  // DeepSeek-V3 on ZB-V with its 120 micro-batches: ZB-V's bubble, 2P chunk pairs in flight whatever M.
+  using DeepSeek = plan::Plan<plan::deepseek_v3, plan::deepseek_v3_run<FullRecompute>>;
+  static_assert(std::is_same_v<plan::deepseek_v3_run<FullRecompute>::schedule, pipeline::ZBV<16, 120>>);
+  CHECK(DeepSeek::bubble == doctest::Approx(15.0 / (6 * 120 + 15)));  // (P - 1) / (6M + P - 1)
+  CHECK(DeepSeek::memory.in_flight == 2 * 16);
+  CHECK(DeepSeek::bubble == pipeline::measure(pipeline::zb_v(16, 120)).bubble());
+}
+
 // ---- activations against Megatron's count ----------------------------------------------------
 
 TEST_CASE("a GPT-3-like layer against Korthikanti et al. 2022: 34sbh + 5as^2b less the dropout masks and the s^2 term") {

@@ -42,6 +42,9 @@ static_assert(bubble_is<ZBV<4, 8>>(3, 51));                 // (P-1)/(6M+P-1)
 static_assert(bubble_is<DualPipeV<4, 8>>(3, 51) && DualPipeV<4, 8>::figures.makespan == ZBV<4, 8>::figures.makespan);
 static_assert(DualPipeV<4, 8>::figures.peak_activations == std::array{9, 9, 9, 9});
 static_assert(OneFOneB<4, 8>::figures.makespan == 33 && OneFOneB<4, 8>::figures.blocking_makespan == 33);
+// A production size, proven inside the compiler at its default limits like the small ones
+// (bench/schedule_compile_cost.sh measures what that costs, up to P = 32, M = 256).
+static_assert(bubble_is<OneFOneB<16, 128>>(15, 143) && OneFOneB<16, 128>::figures.peak_activations[0] == 16);
 static_assert(OneFOneB<4, 8>::figures.peak_activations == std::array{4, 3, 2, 1});
 static_assert(GPipe<4, 8>::figures.peak_activations == std::array{8, 8, 8, 8});
 static_assert(ZBH1<4, 8>::figures.peak_activations == std::array{4, 3, 2, 1});

@@ -18,6 +18,7 @@
 #include "fived/mesh/mesh.hpp"
 #include "fived/nn/config.hpp"
 #include "fived/nn/recompute.hpp"
+#include "fived/pipeline/schedules.hpp"
 #include "fived/plan/layout.hpp"
 #include "fived/plan/model.hpp"
 
@@ -69,5 +70,16 @@ inline constexpr Transformer deepseek_v3{.layers = 61,
                                          .dense_first = 3,
                                          .expert_d_ff = 2048,
                                          .shared_experts = 1};
+
+// DeepSeek-V3's layout (DeepSeek-AI 2024): PP 16, EP 64 carved out of DP 128 (2048 GPUs),
+// ZeRO-1, no TP, bf16, micro-batches of one 4096-token sequence, 120 of them per step (its
+// 15360-sequence batch over DP 128). ZB-V is the V-shaped schedule nearest DualPipe.
+template <class R, class Schedule = pipeline::ZBV<16, 120>>
+struct deepseek_v3_run : layout {
+  using mesh = Mesh<DP<128>, PP<16>, EP<64>>;
+  using schedule = Schedule;
+  using recompute = R;
+  static constexpr int zero = 1, element_bytes = 2, micro_batch = 1, sequence = 4096;
+};
 
 }  // namespace fived::plan
