@@ -56,16 +56,15 @@ class Orders {
   Scratch<int> sizes_;
 };
 
-// Start and end times of each compute action (numbered as Orders numbers them),
-// the compute orders run as a dataflow under `cost`.
+// Start and end times of each compute action, the compute orders run as a
+// dataflow under `cost`. `orders`: Orders, or TimedOrders below; `start` and
+// `end` hold one value per compute action, numbered as `orders` numbers them.
 //
 // (This loop and the others below that visit every action run inside the
 // compiler for each schedule type a program names. There a function call, or
 // a statement, costs as much as many operators: Clang counts statements
 // against its limit. So they look neighbours up in arrays, join declarations,
 // and call nothing.)
-// `orders`: Orders, or TimedOrders below; start and end: one value per compute
-// action, numbered as `orders` numbers them.
 template <class O>
 constexpr void ideal_timeline(const O& orders, Cost cost, int* start, int* end) {
   const Shape& sh = orders.shape();
@@ -125,8 +124,8 @@ struct Meeting {
 };
 
 constexpr Meeting meeting(const int* sender_start, const int* sender_end, int sender_computes, int j,
-                                      const int* receiver_start, const int* receiver_end, int receiver_computes,
-                                      int c, int first_l) {
+                          const int* receiver_start, const int* receiver_end, int receiver_computes, int c,
+                          int first_l) {
   constexpr int never = 1 << 30;
   for (int k = j + 1, l = first_l; k <= sender_computes && l <= c;) {
     const int sender_open = k == 0 ? 0 : sender_end[k - 1], receiver_open = l == 0 ? 0 : receiver_end[l - 1],
