@@ -4,11 +4,13 @@
 //   action.hpp      Action: F, B, I, W, send/recv of activations and gradients; NCCL groups
 //   stages.hpp      Shape: P ranks, M micro-batches, V chunks; looped or V-shaped stages
 //   table.hpp       Schedule (run-time sizes) and Table<P, M, V, Order> (compile time); step_end
+//   scratch.hpp     Scratch<T>: the proofs' working arrays, sized once (they run inside the compiler)
 //   dry_run.hpp     all ranks run together under blocking point-to-point, with or without time
 //   verify.hpp      verify(): the properties, the first that fails and where
 //   simulate.hpp    measure(): makespan, bubble, peak activations
 //   lower.hpp       with_messages(): compute orders to a full table with sends and receives
-//   generators.hpp  gpipe, one_f_one_b, interleaved_1f1b, zb_h1, zb_v as constexpr functions
+//   generators.hpp  gpipe, one_f_one_b, interleaved_1f1b, zb_h1, zb_v, dualpipe_v as constexpr
+//                   functions (and their compute orders, *_order)
 //   proven.hpp      Proven<S> / proven<S>: the proofs as static_asserts, the numbers as constants
 //   schedules.hpp   GPipe<P, M>, OneFOneB<P, M>, Interleaved1F1B<P, M, V>, ZBH1<P, M>, ZBV<P, M>, DualPipeV<P, M>
 
