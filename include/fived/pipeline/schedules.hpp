@@ -28,14 +28,16 @@ struct GPipeTable {
   static constexpr table_type table = lowered(timed);
 };
 
-template <int P, int M>
-struct OneFOneBTable {
+// The one-chunk schedules that warm up with P-1-r forwards on rank r (1F1B, ZB-H1), one
+// table type over their generator.
+template <int P, int M, Orders (*order)(int, int)>
+struct WarmUpTable {
   static constexpr bool admissible = P >= 1 && M >= P;
   static_assert(P >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   static_assert(M >= P, FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P);
   using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1)>;
   static constexpr TimedOrders<table_type> timed =
-      admissible ? TimedOrders<table_type>(one_f_one_b_order(P, M)) : TimedOrders<table_type>{};
+      admissible ? TimedOrders<table_type>(order(P, M)) : TimedOrders<table_type>{};
   static constexpr table_type table = lowered(timed);
 };
 
@@ -48,17 +50,6 @@ struct Interleaved1F1BTable {
   using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1), (V >= 1 ? V : 1)>;
   static constexpr TimedOrders<table_type> timed =
       admissible ? TimedOrders<table_type>(interleaved_1f1b_order(P, M, V)) : TimedOrders<table_type>{};
-  static constexpr table_type table = lowered(timed);
-};
-
-template <int P, int M>
-struct ZBH1Table {
-  static constexpr bool admissible = P >= 1 && M >= P;
-  static_assert(P >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
-  static_assert(M >= P, FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P);
-  using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1)>;
-  static constexpr TimedOrders<table_type> timed =
-      admissible ? TimedOrders<table_type>(zb_h1_order(P, M)) : TimedOrders<table_type>{};
   static constexpr table_type table = lowered(timed);
 };
 
@@ -83,7 +74,7 @@ struct GPipe : Proven<detail::GPipeTable<P, M>> {};
 
 // PipeDream-flush / Megatron 1F1B; needs M >= P.
 template <int P, int M>
-struct OneFOneB : Proven<detail::OneFOneBTable<P, M>> {};
+struct OneFOneB : Proven<detail::WarmUpTable<P, M, one_f_one_b_order>> {};
 
 // Megatron's interleaved 1F1B with V chunks per rank; needs V >= 2 and M a multiple of P.
 template <int P, int M, int V>
@@ -91,7 +82,7 @@ struct Interleaved1F1B : Proven<detail::Interleaved1F1BTable<P, M, V>> {};
 
 // Zero bubble H1: 1F1B's memory, W's moved into the cool-down; needs M >= P.
 template <int P, int M>
-struct ZBH1 : Proven<detail::ZBH1Table<P, M>> {};
+struct ZBH1 : Proven<detail::WarmUpTable<P, M, zb_h1_order>> {};
 
 // ZB-V: two chunks per rank in a V; needs M >= 2P.
 template <int P, int M>
