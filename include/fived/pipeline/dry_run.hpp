@@ -59,21 +59,7 @@ struct Positions {
   constexpr int at(Op op, int rank, int chunk, int mb) const {
     return first[slot(rank, chunk, mb) * kinds + static_cast<int>(op) - 1] - 1;
   }
-  // 0, 1, or 2 for "more than once".
-  constexpr int how_many(Op op, int rank, int chunk, int mb) const {
-    if (at(op, rank, chunk, mb) < 0) return 0;
-    return (repeated[slot(rank, chunk, mb)] >> (static_cast<int>(op) - 1) & 1) ? 2 : 1;
-  }
-  // Index of the action that produces the input gradient (B or I), or -1.
-  constexpr int input_grad_at(int rank, int chunk, int mb) const {
-    const int b = at(Op::backward, rank, chunk, mb);
-    return b >= 0 ? b : at(Op::input_grad, rank, chunk, mb);
-  }
 };
-
-constexpr bool in_range(const Shape& shape, const Action& a) {
-  return a.mb >= 0 && a.mb < shape.micro_batches && a.chunk >= 0 && a.chunk < shape.chunks;
-}
 
 namespace detail {
 

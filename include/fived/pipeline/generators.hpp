@@ -30,7 +30,6 @@
 // rank P-1 cannot start before P-1 units, then computes without a gap.
 
 #include <stdexcept>
-#include <vector>
 
 #include "fived/pipeline/lower.hpp"
 #include "fived/pipeline/sentences.hpp"

@@ -40,11 +40,6 @@ struct StaticFigures {
   long long idle = 0, rank_time = 0;        // idle and total rank time (P × makespan)
   double bubble = 0, blocking_bubble = 0;   // idle / rank_time, and the same with blocking sends
   std::array<int, P> busy{}, peak_activations{}, peak_pending{};
-
-  constexpr void set_rank(int r, int b, int peak, int pending) {
-    busy[static_cast<std::size_t>(r)] = b, peak_activations[static_cast<std::size_t>(r)] = peak,
-                                 peak_pending[static_cast<std::size_t>(r)] = pending;
-  }
 };
 
 namespace detail {
@@ -71,18 +66,13 @@ constexpr RunProof check_run(const TableType& t, const StaticIndex<TableType>& i
 
 template <int P, class TableType>
 constexpr StaticFigures<P> static_figures(const TableType& t, const RunProof& run) {
-  StaticFigures<P> f;
-  if (!run.verdict.ok()) return f;
+  if (!run.verdict.ok()) return {};
+  Figures f;
   fill_figures(Programs(t), run.eager_makespan, run.blocking_makespan, Cost{}, f);
-  long long busy = 0;
-  for (int b : f.busy) busy += b;
-  f.rank_time = static_cast<long long>(P) * f.makespan;
-  f.idle = f.rank_time - busy;
-  f.bubble = f.rank_time == 0 ? 0.0 : static_cast<double>(f.idle) / static_cast<double>(f.rank_time);
-  const long long blocking_time = static_cast<long long>(P) * f.blocking_makespan;
-  f.blocking_bubble =
-      blocking_time == 0 ? 0.0 : static_cast<double>(blocking_time - busy) / static_cast<double>(blocking_time);
-  return f;
+  StaticFigures<P> s{f.makespan, f.blocking_makespan, f.idle(), f.rank_time(), f.bubble(), f.blocking_bubble(), {}, {}, {}};
+  for (std::size_t r = 0; r < P; ++r)
+    s.busy[r] = f.busy[r], s.peak_activations[r] = f.peak_activations[r], s.peak_pending[r] = f.peak_pending[r];
+  return s;
 }
 
 }  // namespace detail

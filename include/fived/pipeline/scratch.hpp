@@ -17,21 +17,15 @@ namespace fived::pipeline::detail {
 template <class T>
 class Scratch {
  public:
-  constexpr Scratch() = default;
-  constexpr explicit Scratch(int n) : data_(new T[n > 0 ? n : 1]), size_(n) {}
+  constexpr explicit Scratch(int n) : data_(new T[n > 0 ? n : 1]) {}
   constexpr Scratch(int n, const T& fill) : Scratch(n) {
     for (int i = 0; i < n; ++i) data_[i] = fill;
   }
-  constexpr Scratch(Scratch&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
-  constexpr Scratch& operator=(Scratch&& o) noexcept {
-    std::swap(data_, o.data_), std::swap(size_, o.size_);
-    return *this;
-  }
+  constexpr Scratch(Scratch&& o) noexcept : data_(std::exchange(o.data_, nullptr)) {}
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
   constexpr ~Scratch() { delete[] data_; }
 
-  constexpr int size() const { return size_; }
   constexpr T* data() { return data_; }
   constexpr const T* data() const { return data_; }
   constexpr T& operator[](int i) { return data_[i]; }
@@ -39,7 +33,6 @@ class Scratch {
 
  private:
   T* data_ = nullptr;
-  int size_ = 0;
 };
 
 }  // namespace fived::pipeline::detail

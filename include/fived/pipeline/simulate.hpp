@@ -73,9 +73,6 @@ struct Figures {
     const long long t = static_cast<long long>(ranks) * blocking_makespan;
     return t == 0 ? 0.0 : static_cast<double>(t - (rank_time() - idle())) / static_cast<double>(t);
   }
-  constexpr void set_rank(int, int b, int peak, int pending) {
-    busy.push_back(b), peak_activations.push_back(peak), peak_pending.push_back(pending);
-  }
   constexpr int max_peak_activations() const {
     int m = 0;
     for (int p : peak_activations) m = p > m ? p : m;
@@ -86,13 +83,12 @@ struct Figures {
 namespace detail {
 
 // The figures of a table whose dry run ended at these makespans: per rank, busy
-// time and peaks, in one pass over the actions. `out` is a Figures or a
-// StaticFigures (proven.hpp).
-template <class Out>
-constexpr void fill_figures(const Programs& programs, int eager_makespan, int blocking_makespan, Cost cost, Out& out) {
+// time and peaks, in one pass over the actions.
+constexpr void fill_figures(const Programs& programs, int eager_makespan, int blocking_makespan, Cost cost,
+                            Figures& out) {
   int cost_of[9] = {};
   for (int op = 0; op < 9; ++op) cost_of[op] = cost.of(static_cast<Op>(op));
-  out.makespan = eager_makespan, out.blocking_makespan = blocking_makespan;
+  out.ranks = programs.ranks(), out.makespan = eager_makespan, out.blocking_makespan = blocking_makespan;
   for (int r = 0; r < programs.ranks(); ++r) {
     const Action* prog = programs.begin[r];
     const int n = programs.size(r);
@@ -104,7 +100,7 @@ constexpr void fill_figures(const Programs& programs, int eager_makespan, int bl
           peak = held > peak ? held : peak, peak_pending = pending > peak_pending ? pending : peak_pending,
           held -= op == Op::backward || op == Op::input_grad, pending -= op == Op::backward || op == Op::weight_grad;
     }
-    out.set_rank(r, busy, peak, peak_pending);
+    out.busy.push_back(busy), out.peak_activations.push_back(peak), out.peak_pending.push_back(peak_pending);
   }
 }
 
@@ -116,7 +112,6 @@ constexpr Figures measure(const S& s, Cost cost = {}) {
   const detail::Programs programs(s);
   const detail::DryRun run = detail::dry_run(programs, detail::Index(programs).partners(), cost, Sends::blocking);
   Figures f;
-  f.ranks = programs.ranks();
   detail::fill_figures(programs, run.makespan[static_cast<int>(Sends::eager)],
                        run.makespan[static_cast<int>(Sends::blocking)], cost, f);
   return f;

@@ -58,19 +58,16 @@ struct Shape {
 
 namespace detail {
 
-// Each (rank, chunk)'s stage and neighbours as arrays, numbered rank · V + chunk.
+// Each (rank, chunk)'s neighbouring stages as arrays, numbered rank · V + chunk.
 // The proofs' inner loops look these up rather than call Shape's functions:
 // inside the compiler a function call costs as much as a dozen array reads.
 struct StageMap {
-  Scratch<int> stage;       // the virtual stage
   Scratch<int> next, prev;  // rank · V + chunk of the next / previous stage; -1: none
 
-  constexpr explicit StageMap(const Shape& sh)
-      : stage(sh.ranks * sh.chunks), next(sh.ranks * sh.chunks), prev(sh.ranks * sh.chunks) {
+  constexpr explicit StageMap(const Shape& sh) : next(sh.ranks * sh.chunks), prev(sh.ranks * sh.chunks) {
     for (int r = 0; r < sh.ranks; ++r)
       for (int c = 0; c < sh.chunks; ++c) {
         const int i = r * sh.chunks + c, s = sh.stage(r, c);
-        stage[i] = s;
         next[i] = s + 1 < sh.stages() ? sh.rank_of(s + 1) * sh.chunks + sh.chunk_of(s + 1) : -1;
         prev[i] = s > 0 ? sh.rank_of(s - 1) * sh.chunks + sh.chunk_of(s - 1) : -1;
       }

@@ -22,7 +22,6 @@
 //   progresses                    the dry run reaches the end of every program: no deadlock
 
 #include <string_view>
-#include <vector>
 
 #include "fived/pipeline/dry_run.hpp"
 #include "fived/pipeline/sentences.hpp"
