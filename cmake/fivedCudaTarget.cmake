@@ -1,7 +1,7 @@
 # Defines fived::cuda (fived::fived + CUDA runtime + cuBLASLt + NCCL) when the
 # CUDA toolkit and NCCL are found (and cuDNN with the cudnn-frontend headers, for the fused
-# attention, when those are found and FIVED_ENABLE_CUDNN is not OFF), and fived::mpi (fived::cuda + MPI, for the
-# MPI bootstrap of the NCCL communicator) when MPI is found too. Used by fived's
+# attention, when those are found and FIVED_ENABLE_CUDNN is not OFF). The MPI bootstrap of
+# the NCCL communicator takes fived::mpi as well (fivedMpiTarget.cmake). Used by fived's
 # own build and by fivedConfig.cmake for consumers; does nothing when a
 # dependency is missing.
 if(TARGET fived::cuda)
@@ -29,13 +29,3 @@ else()
   message(STATUS "fived: cuDNN or the cudnn-frontend headers not found: attention runs fived's own kernel")
 endif()
 add_library(fived::cuda ALIAS fived_cuda)
-
-if(NOT TARGET MPI::MPI_CXX)
-  find_package(MPI COMPONENTS CXX QUIET)
-endif()
-if(TARGET MPI::MPI_CXX)
-  add_library(fived_mpi INTERFACE IMPORTED GLOBAL)
-  target_link_libraries(fived_mpi INTERFACE fived::cuda MPI::MPI_CXX)
-  target_compile_definitions(fived_mpi INTERFACE FIVED_WITH_MPI=1)
-  add_library(fived::mpi ALIAS fived_mpi)
-endif()

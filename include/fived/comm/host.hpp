@@ -5,6 +5,10 @@
 //
 //   fived::host::run(8, [](fived::host::Comm& world) { ... });
 //
+// Or every rank is a process: built with FIVED_WITH_MPI (link fived::mpi) and
+// started by mpirun, mpiexec or srun as n processes, run(n, fn) runs fn once in
+// each, over MPI (comm/mpi.hpp), with the same results and the same checks.
+//
 // Results are deterministic: reductions add contributions in group-rank order,
 // so every rank gets bit-identical values, run after run.
 //
@@ -43,9 +47,14 @@
 #include <vector>
 
 #include "fived/comm/arguments.hpp"
+#include "fived/comm/call_check.hpp"
 #include "fived/comm/communicator.hpp"
+#include "fived/comm/rank_order_reduce.hpp"
 #include "fived/comm/types.hpp"
 #include "fived/util/env.hpp"
+#if defined(FIVED_WITH_MPI)
+#include "fived/comm/mpi.hpp"
+#endif
 
 namespace fived::host {
 
@@ -60,6 +69,16 @@ struct RunOptions {
 };
 
 namespace detail {
+
+// Built with MPI (FIVED_WITH_MPI), a rank may be a process of an MPI job instead
+// of a thread (comm/mpi.hpp); without, it never is.
+#if defined(FIVED_WITH_MPI)
+using ProcessGroup = mpi::Group;
+inline constexpr bool with_processes = true;
+#else
+struct ProcessGroup {};
+inline constexpr bool with_processes = false;
+#endif
 
 // What one rank brings to a rendezvous.
 struct Post {
@@ -249,8 +268,8 @@ struct World : std::enable_shared_from_this<World> {
 
 inline constexpr double max_timeout_s = 365.0 * 24 * 3600;
 
-// RunOptions::timeout if set, else FIVED_HOST_TIMEOUT_S, else 300 s; at most a year.
-inline std::chrono::milliseconds resolve_timeout(const RunOptions& o) {
+// RunOptions::timeout if set, else FIVED_HOST_TIMEOUT_S, else `default_s`; at most a year.
+inline std::chrono::milliseconds resolve_timeout(const RunOptions& o, double default_s = 300.0) {
   if (o.timeout) {
     if (o.timeout->count() <= 0)
       throw std::invalid_argument("fived::host::run: RunOptions::timeout is " + std::to_string(o.timeout->count()) +
@@ -259,14 +278,9 @@ inline std::chrono::milliseconds resolve_timeout(const RunOptions& o) {
   }
   // At most a year: a longer wait is no timeout, and far larger values (1e10, 1e300 s) would
   // overflow the clock's arithmetic into a timeout already past.
-  const auto s = std::min(util::env_seconds("FIVED_HOST_TIMEOUT_S", 300.0), std::chrono::duration<double>(max_timeout_s));
+  const auto s = std::min(util::env_seconds("FIVED_HOST_TIMEOUT_S", default_s), std::chrono::duration<double>(max_timeout_s));
   // at least 1 ms: a sub-millisecond value must not become a timeout of zero
   return std::max(std::chrono::milliseconds(1), std::chrono::ceil<std::chrono::milliseconds>(s));
-}
-
-template <class T>
-T combine(T a, T b, ReduceOp op) {
-  return op == ReduceOp::max ? std::max(a, b) : static_cast<T>(a + b);
 }
 
 inline ThreadEntries::~ThreadEntries() {
@@ -288,6 +302,10 @@ class Comm {
  public:
   Comm(std::shared_ptr<detail::World> w, std::shared_ptr<detail::Group> g, int rank)
       : world_(std::move(w)), group_(std::move(g)), rank_(rank) {}
+  // This rank as a process of an MPI job, on one group of it (comm/mpi.hpp).
+  explicit Comm(std::shared_ptr<detail::ProcessGroup> p) : group_(std::make_shared<detail::Group>()), process_(std::move(p)) {
+    if constexpr (detail::with_processes) group_->name = process_->name(), group_->members = process_->members(), rank_ = process_->rank();
+  }
 
   int rank() const { return rank_; }
   int size() const { return static_cast<int>(group_->members.size()); }
@@ -298,6 +316,7 @@ class Comm {
   template <CommElement T>
   void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, ReduceOp op = ReduceOp::sum) {
     require("all_reduce", args::all_reduce(rank_, size(), send, recv));
+    if (as_process([&](auto& g) { g.template all_reduce<T>(send, recv, op); })) return;
     std::vector<T> out(send.size());
     rendezvous({.op = "all_reduce", .dtype = dtype_of<T>, .count = send.size(), .reduce = op, .send = send.data()},
                [&](const std::vector<detail::Post>& p) {
@@ -313,6 +332,7 @@ class Comm {
   template <CommElement T>
   void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, ReduceOp op = ReduceOp::sum) {
     require("reduce_scatter", args::reduce_scatter(rank_, size(), send, recv));
+    if (as_process([&](auto& g) { g.template reduce_scatter<T>(send, recv, op); })) return;
     std::vector<T> out(recv.size());
     rendezvous({.op = "reduce_scatter", .dtype = dtype_of<T>, .count = send.size(), .reduce = op, .send = send.data()},
                [&](const std::vector<detail::Post>& p) { reduce_into<T>(out, p, rank_ * recv.size(), op); });
@@ -322,6 +342,7 @@ class Comm {
   template <CommElement T>
   void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
     require("all_gather", args::all_gather(rank_, size(), send, recv));
+    if (as_process([&](auto& g) { g.template all_gather<T>(send, recv); })) return;
     std::vector<T> out(recv.size());
     rendezvous({.op = "all_gather", .dtype = dtype_of<T>, .count = send.size(), .send = send.data()},
                [&](const std::vector<detail::Post>& p) {
@@ -335,6 +356,7 @@ class Comm {
   template <CommElement T>
   void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
     require("all_to_all", args::all_to_all(rank_, size(), send, recv));
+    if (as_process([&](auto& g) { g.template all_to_all<T>(send, recv); })) return;
     const std::vector<std::size_t> counts(size(), send.size() / size());
     exchange<T>("all_to_all", send, counts, recv, counts);
   }
@@ -344,6 +366,7 @@ class Comm {
   void all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::size_t> send_counts, std::span<T> recv,
                     std::span<const std::size_t> recv_counts) {
     require("all_to_all_v", args::all_to_all_v(rank_, size(), send, send_counts, recv, recv_counts));
+    if (as_process([&](auto& g) { g.template all_to_all_v<T>(send, send_counts, recv, recv_counts); })) return;
     exchange<T>("all_to_all_v", send, send_counts, recv, recv_counts);
   }
 
@@ -355,6 +378,7 @@ class Comm {
     // check, which send-only calls would otherwise skip; no message is posted
     // unless the whole call is valid.
     require("send_recv", args::send_recv<T>(rank_, size(), sends, recvs));
+    if (as_process([&](auto& g) { g.template send_recv<T>(sends, recvs); })) return;
     std::unique_lock lk(world_->mu);
     world_->check_open(world_rank(), where("send_recv"));
     for (const auto& s : sends) {
@@ -385,6 +409,7 @@ class Comm {
   template <CommElement T>
   void broadcast(std::span<T> buf, int root) {
     require("broadcast", args::broadcast(rank_, size(), root));
+    if (as_process([&](auto& g) { g.template broadcast<T>(buf, root); })) return;
     std::vector<T> out(buf.size());
     rendezvous({.op = "broadcast", .dtype = dtype_of<T>, .count = buf.size(), .root = root, .send = buf.data()},
                [&](const std::vector<detail::Post>& p) {
@@ -393,7 +418,10 @@ class Comm {
     std::copy(out.begin(), out.end(), buf.begin());
   }
 
-  void barrier() { rendezvous({.op = "barrier"}, [](const auto&) {}); }
+  void barrier() {
+    if (as_process([](auto& g) { g.barrier(); })) return;
+    rendezvous({.op = "barrier"}, [](const auto&) {});
+  }
 
   // Host collectives have completed when they return: nothing to wait for.
   // Here so that code generic over Communicator can call it on every backend.
@@ -402,6 +430,8 @@ class Comm {
   // One communicator per color; ranks ordered by key, then by rank here.
   Comm split(int color, int key, std::string name) {
     require("split", args::split(color));
+    std::optional<Comm> part;
+    if (as_process([&](auto& g) { part.emplace(g.split(color, key, name)); })) return std::move(*part);
     std::shared_ptr<detail::Group> mine;
     rendezvous({.op = "split", .color = color, .key = key, .name = name},
                [&](const auto&) { mine = group_->split_result[rank_]; },
@@ -412,9 +442,21 @@ class Comm {
   }
 
  private:
-  std::shared_ptr<detail::World> world_;
-  std::shared_ptr<detail::Group> group_;
-  int rank_;
+  std::shared_ptr<detail::World> world_;      // the threads' run; null for a process
+  std::shared_ptr<detail::Group> group_;      // the threads' rendezvous; for a process, its name and members
+  int rank_ = 0;
+  std::shared_ptr<detail::ProcessGroup> process_;  // set: this rank is a process of an MPI job
+
+  // Runs f(process group) and says true when this rank is a process; false when it is a thread.
+  template <class F>
+  bool as_process(F&& f) {
+    if constexpr (detail::with_processes)
+      if (process_) {
+        f(*process_);
+        return true;
+      }
+    return false;
+  }
 
   // all_to_all and all_to_all_v, with arguments already checked; `op` is the
   // collective's own name, for messages and the mismatch check.
@@ -451,44 +493,17 @@ class Comm {
     return s;
   }
 
-  // out[i] = reduction over ranks (in rank order) of send_r[base + i]. bf16 is
-  // reduced in float and rounded once (NCCL rounds at every step of its ring or
-  // tree, so its bf16 sums may differ from these in the last bit or two).
+  // out[i] = the reduction over ranks, in rank order, of send_r[base + i].
   template <class T>
   void reduce_into(std::vector<T>& out, const std::vector<detail::Post>& p, std::size_t base, ReduceOp op) const {
-    using A = std::conditional_t<std::is_same_v<T, bf16>, float, T>;
-    std::vector<A> acc(out.size());
-    std::copy_n(static_cast<const T*>(p[0].send) + base, out.size(), acc.begin());
-    for (int r = 1; r < size(); ++r) {
-      const T* in = static_cast<const T*>(p[r].send) + base;
-      for (std::size_t i = 0; i < out.size(); ++i) acc[i] = detail::combine(acc[i], static_cast<A>(in[i]), op);
-    }
-    if (op == ReduceOp::avg)
-      for (auto& v : acc) v = static_cast<A>(v / static_cast<A>(size()));
-    for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<T>(acc[i]);
+    fived::detail::reduce_in_rank_order<T>(out, size(), [&](int r) { return static_cast<const T*>(p[r].send) + base; }, op);
   }
 
   // Called by the last rank to arrive: all ranks must have made the same call.
   std::string mismatch(const detail::Group& g) const {
     const auto& p = g.posts;
     auto who = [&](int r) { return "rank " + std::to_string(g.members[r]); };
-    for (int r = 1; r < size(); ++r) {
-      if (p[r].op != p[0].op)
-        return "the ranks called different collectives: " + who(0) + " called " + p[0].op + ", " + who(r) +
-               " called " + p[r].op;
-      if (p[r].dtype != p[0].dtype)
-        return who(0) + " passed " + std::string(dtype_name(p[0].dtype)) + " but " + who(r) + " passed " +
-               std::string(dtype_name(p[r].dtype));
-      if (p[r].reduce != p[0].reduce)
-        return who(0) + " reduces with " + std::string(reduce_op_name(p[0].reduce)) + " but " + who(r) + " with " +
-               std::string(reduce_op_name(p[r].reduce));
-      if (p[r].root != p[0].root)
-        return who(0) + " names root " + std::to_string(p[0].root) + " but " + who(r) + " names root " +
-               std::to_string(p[r].root);
-      if (p[0].op != "all_to_all_v" && p[r].count != p[0].count)
-        return who(0) + " passed " + std::to_string(p[0].count) + " elements but " + who(r) + " passed " +
-               std::to_string(p[r].count);
-    }
+    if (auto why = fived::detail::call_mismatch<detail::Post>(p, g.members); !why.empty()) return why;
     // Every rank is in this collective, so each has made every receive it made before: a
     // message still waiting was sent and not received before it. NCCL would hang there (the
     // send waits for its receive on the group's stream), and a later receive would take it
@@ -498,19 +513,9 @@ class Comm {
         return who(route.first) + " sent " + who(route.second) + " " + std::to_string(box.size()) +
                " message(s) in send_recv that it had not received when the group's " + p[0].op +
                " began: each send must be received before the next collective on its group";
-    if (p[0].op == "split") {  // the ranks of one new group give it one name
-      std::map<int, int> first;  // color -> the first rank with it
-      for (int r = 0; r < size(); ++r)
-        if (const auto [at, fresh] = first.try_emplace(p[r].color, r); !fresh && p[at->second].name != p[r].name)
-          return who(at->second) + " names its new group \"" + p[at->second].name + "\" but " + who(r) +
-                 " names the same group (color " + std::to_string(p[r].color) + ") \"" + p[r].name + "\"";
-    }
     if (p[0].op == "all_to_all_v")
-      for (int s = 0; s < size(); ++s)
-        for (int d = 0; d < size(); ++d)
-          if (p[s].send_counts[d] != p[d].recv_counts[s])
-            return who(s) + " sends " + std::to_string(p[s].send_counts[d]) + " elements to " + who(d) +
-                   ", which expects " + std::to_string(p[d].recv_counts[s]);
+      return fived::detail::counts_mismatch(
+          g.members, [&](int s, int d) { return p[s].send_counts[d]; }, [&](int d, int s) { return p[d].recv_counts[s]; });
     return {};
   }
 
@@ -586,16 +591,55 @@ class Comm {
   }
 };
 
+namespace detail {
+
+// run() in a process that an MPI launcher started as one of several: this
+// process is one rank, fn runs once, on the world of the job's processes. A rank
+// whose fn throws tells its peers (comm/mpi_process.hpp), so that each of them
+// stops with a CommError naming it, and rethrows.
+template <class F>
+void run_as_process(int n, F& fn, const RunOptions& opts) {
+  if constexpr (with_processes) {
+    auto& process = mpi::detail::Process::get();
+    process.timeout = resolve_timeout(opts, 60.0);
+    if (process.size != n)
+      throw CommError("fived::host::run: this run has " + std::to_string(n) + " ranks but the launcher started " +
+                      std::to_string(process.size) + " processes: start one process per rank (mpirun -np " +
+                      std::to_string(n) + "), or one process to run the ranks as its threads");
+    const std::string me = "rank " + std::to_string(process.rank);
+    try {
+      Comm world(mpi::Group::world());
+      fn(world);
+    } catch (const CommError& e) {
+      process.fail(me + " failed: " + e.what(), /*tell_peers=*/true);  // told only when it is the first cause
+      throw;
+    } catch (const std::exception& e) {
+      process.fail(me + " threw: " + e.what(), /*tell_peers=*/true);
+      throw;
+    } catch (...) {
+      process.fail(me + " threw an exception that is not a std::exception", /*tell_peers=*/true);
+      throw;
+    }
+  }
+}
+
+}  // namespace detail
+
 // Runs fn(world) on n threads, one per rank, and waits for all of them. A
 // message sent and never received makes it throw CommError at the end. If any
 // rank throws, the run is aborted (peers blocked in collectives get a
 // CommError) and, once every thread has ended, the first rank's exception in
 // rank order whose cause is not another rank's failure is rethrown. A bad
 // RunOptions::timeout or FIVED_HOST_TIMEOUT_S throws std::invalid_argument
-// before any rank starts.
+// before any rank starts. Launched by mpirun (or mpiexec, srun) as n processes
+// and built with FIVED_WITH_MPI, it runs fn once in this process, as its rank
+// (detail::run_as_process above).
 template <class F>
 void run(int n, F&& fn, RunOptions opts = {}) {
   if (n < 1) throw std::invalid_argument("fived::host::run needs at least one rank, got " + std::to_string(n));
+  if constexpr (detail::with_processes)
+    if (const std::optional<int> processes = mpi::launched_size(); processes && *processes > 1)
+      return detail::run_as_process(n, fn, opts);
   auto world = std::make_shared<detail::World>(n, detail::resolve_timeout(opts));
   auto group = std::make_shared<detail::Group>();
   world->groups.push_back(group);

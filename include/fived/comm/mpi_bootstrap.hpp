@@ -40,7 +40,8 @@ inline void ensure_initialized() {
   int initialized = 0;
   check(MPI_Initialized(&initialized), "MPI_Initialized");
   if (initialized) return;
-  check(MPI_Init(nullptr, nullptr), "MPI_Init");
+  int provided = 0;  // MPI_THREAD_MULTIPLE, as the host backend's processes start it (comm/mpi_process.hpp)
+  check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread");
   std::atexit([] {
     int finalized = 0;
     MPI_Finalized(&finalized);
