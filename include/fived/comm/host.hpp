@@ -302,10 +302,13 @@ class Comm {
  public:
   Comm(std::shared_ptr<detail::World> w, std::shared_ptr<detail::Group> g, int rank)
       : world_(std::move(w)), group_(std::move(g)), rank_(rank) {}
+#if defined(FIVED_WITH_MPI)
   // This rank as a process of an MPI job, on one group of it (comm/mpi.hpp).
-  explicit Comm(std::shared_ptr<detail::ProcessGroup> p) : group_(std::make_shared<detail::Group>()), process_(std::move(p)) {
-    if constexpr (detail::with_processes) group_->name = process_->name(), group_->members = process_->members(), rank_ = process_->rank();
+  explicit Comm(std::shared_ptr<mpi::Group> p)
+      : group_(std::make_shared<detail::Group>()), rank_(p->rank()), process_(std::move(p)) {
+    group_->name = process_->name(), group_->members = process_->members();
   }
+#endif
 
   int rank() const { return rank_; }
   int size() const { return static_cast<int>(group_->members.size()); }
@@ -597,31 +600,31 @@ namespace detail {
 // process is one rank, fn runs once, on the world of the job's processes. A rank
 // whose fn throws tells its peers (comm/mpi_process.hpp), so that each of them
 // stops with a CommError naming it, and rethrows.
+#if defined(FIVED_WITH_MPI)
 template <class F>
 void run_as_process(int n, F& fn, const RunOptions& opts) {
-  if constexpr (with_processes) {
-    auto& process = mpi::detail::Process::get();
-    process.timeout = resolve_timeout(opts, 60.0);
-    if (process.size != n)
-      throw CommError("fived::host::run: this run has " + std::to_string(n) + " ranks but the launcher started " +
-                      std::to_string(process.size) + " processes: start one process per rank (mpirun -np " +
-                      std::to_string(n) + "), or one process to run the ranks as its threads");
-    const std::string me = "rank " + std::to_string(process.rank);
-    try {
-      Comm world(mpi::Group::world());
-      fn(world);
-    } catch (const CommError& e) {
-      process.fail(me + " failed: " + e.what(), /*tell_peers=*/true);  // told only when it is the first cause
-      throw;
-    } catch (const std::exception& e) {
-      process.fail(me + " threw: " + e.what(), /*tell_peers=*/true);
-      throw;
-    } catch (...) {
-      process.fail(me + " threw an exception that is not a std::exception", /*tell_peers=*/true);
-      throw;
-    }
+  auto& process = mpi::detail::Process::get();
+  process.timeout = resolve_timeout(opts, 60.0);
+  if (process.size != n)
+    throw CommError("fived::host::run: this run has " + std::to_string(n) + " ranks but the launcher started " +
+                    std::to_string(process.size) + " processes: start one process per rank (mpirun -np " +
+                    std::to_string(n) + "), or one process to run the ranks as its threads");
+  const std::string me = "rank " + std::to_string(process.rank);
+  try {
+    Comm world(mpi::Group::world());
+    fn(world);
+  } catch (const CommError& e) {
+    process.fail(me + " failed: " + e.what(), /*tell_peers=*/true);  // told only when it is the first cause
+    throw;
+  } catch (const std::exception& e) {
+    process.fail(me + " threw: " + e.what(), /*tell_peers=*/true);
+    throw;
+  } catch (...) {
+    process.fail(me + " threw an exception that is not a std::exception", /*tell_peers=*/true);
+    throw;
   }
 }
+#endif
 
 }  // namespace detail
 
@@ -637,9 +640,10 @@ void run_as_process(int n, F& fn, const RunOptions& opts) {
 template <class F>
 void run(int n, F&& fn, RunOptions opts = {}) {
   if (n < 1) throw std::invalid_argument("fived::host::run needs at least one rank, got " + std::to_string(n));
-  if constexpr (detail::with_processes)
-    if (const std::optional<int> processes = mpi::launched_size(); processes && *processes > 1)
-      return detail::run_as_process(n, fn, opts);
+#if defined(FIVED_WITH_MPI)
+  if (const std::optional<int> processes = mpi::launched_size(); processes && *processes > 1)
+    return detail::run_as_process(n, fn, opts);
+#endif
   auto world = std::make_shared<detail::World>(n, detail::resolve_timeout(opts));
   auto group = std::make_shared<detail::Group>();
   world->groups.push_back(group);
