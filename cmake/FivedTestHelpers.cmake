@@ -112,7 +112,7 @@ set(EXPECT [==[${arg_EXPECT}]==])
 ")
   add_test(NAME "${arg_NAME}"
            COMMAND "${CMAKE_COMMAND}" "-DARGS_FILE=${args_file}" -P "${_FIVED_HELPERS_DIR}/ExpectCompileFail.cmake")
-  set_tests_properties("${arg_NAME}" PROPERTIES LABELS "compile-fail")
+  set_tests_properties("${arg_NAME}" PROPERTIES LABELS "refused")  # not "compile-...": `ctest -L mpi` would match it
 endfunction()
 
 # ---- header self-containment -------------------------------------------------------------

@@ -637,12 +637,22 @@ void run_as_process(int n, F& fn, const RunOptions& opts) {
 // before any rank starts. Launched by mpirun (or mpiexec, srun) as n processes
 // and built with FIVED_WITH_MPI, it runs fn once in this process, as its rank
 // (detail::run_as_process above).
+// Whether run() runs this program's ranks as processes: built with MPI and
+// started by an MPI launcher as more than one process.
+inline bool ranks_are_processes() {
+#if defined(FIVED_WITH_MPI)
+  const std::optional<int> processes = mpi::launched_size();
+  return processes && *processes > 1;
+#else
+  return false;
+#endif
+}
+
 template <class F>
 void run(int n, F&& fn, RunOptions opts = {}) {
   if (n < 1) throw std::invalid_argument("fived::host::run needs at least one rank, got " + std::to_string(n));
 #if defined(FIVED_WITH_MPI)
-  if (const std::optional<int> processes = mpi::launched_size(); processes && *processes > 1)
-    return detail::run_as_process(n, fn, opts);
+  if (ranks_are_processes()) return detail::run_as_process(n, fn, opts);
 #endif
   auto world = std::make_shared<detail::World>(n, detail::resolve_timeout(opts));
   auto group = std::make_shared<detail::Group>();
