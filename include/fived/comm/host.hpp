@@ -51,6 +51,7 @@
 #include "fived/comm/communicator.hpp"
 #include "fived/comm/rank_order_reduce.hpp"
 #include "fived/comm/types.hpp"
+#include "fived/device/buffer.hpp"
 #include "fived/util/env.hpp"
 #if defined(FIVED_WITH_MPI)
 #include "fived/comm/mpi.hpp"
@@ -660,6 +661,12 @@ void run(int n, F&& fn, RunOptions opts = {}) {
   group->name = "world";
   for (int r = 0; r < n; ++r) group->members.push_back(r);
 
+  // The ranks share this process's count of held bytes while they run (device/buffer.hpp).
+  struct Sharing {
+    int before;
+    explicit Sharing(int n) : before(host_ranks_in_process().exchange(n)) {}
+    ~Sharing() { host_ranks_in_process() = before; }
+  } sharing(n);
   std::vector<std::exception_ptr> errors(n);
   std::vector<bool> origin(n, false);  // this rank's error is the cause, not a consequence
   std::vector<std::thread> threads;

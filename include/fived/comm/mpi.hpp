@@ -62,6 +62,7 @@ class Group {
   // A group over `comm` (owned: freed with the group, unless it is MPI_COMM_WORLD).
   Group(MPI_Comm comm, std::string name, std::vector<int> members)
       : comm_(comm), name_(std::move(name)), members_(std::move(members)) {
+    detail::returns_errors(comm_);
     detail::check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
   }
   // The world: every process of the job, under its own communicator.

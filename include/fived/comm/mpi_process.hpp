@@ -65,12 +65,17 @@ inline std::optional<int> launched_size() {
 
 namespace detail {
 
-inline void check(int rc, const char* call) {
+// MPI's errors as return codes, not the end of the process (MPI's default): a wait
+// that fails must still say why, and tell the peers.
+inline void returns_errors(MPI_Comm c) { MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN); }
+
+// Throws CommError "<who>: <call> failed: <MPI's text>" unless rc is MPI_SUCCESS.
+inline void check(int rc, const char* call, const char* who = "fived host backend") {
   if (rc == MPI_SUCCESS) return;
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   MPI_Error_string(rc, text, &len);
-  throw CommError("fived host backend: " + std::string(call) + " failed: " + std::string(text, len));
+  throw CommError(std::string(who) + ": " + call + " failed: " + std::string(text, len));
 }
 
 // What the SIGTERM handler reads: fixed storage, and whether this rank's failure has
@@ -103,7 +108,12 @@ class Process {
     const auto start = std::chrono::steady_clock::now();
     auto next_look = start;
     for (int polls = 0;; ++polls) {
-      if (done()) return;
+      try {
+        if (done()) return;
+      } catch (const CommError& e) {  // MPI saw a failure itself: most often, a peer that is gone
+        const std::string gone = peers_gone();
+        fail(gone.empty() ? std::string(e.what()) : gone + " (killed, or exited before the run ended)", true);
+      }
       if (std::string why = failure(); !why.empty()) throw_aborted(rank_name, what, why);
       const auto now = std::chrono::steady_clock::now();
       if (now >= next_look) {
@@ -189,6 +199,7 @@ class Process {
     check(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
     check(MPI_Comm_size(MPI_COMM_WORLD, &size), "MPI_Comm_size");
     check(MPI_Comm_dup(MPI_COMM_WORLD, &notices_), "MPI_Comm_dup");
+    returns_errors(notices_);
 
     // Who runs where: a peer on this host can be looked at (kill(pid, 0)) while waiting for it.
     struct Where {

@@ -39,6 +39,13 @@ std::atomic<std::size_t>& buffer_bytes_held() {
   return bytes;
 }
 
+// How many ranks share this process's count of host bytes: host::run sets it to its
+// number of threads while they run; a rank that is a process of its own is alone (1).
+inline std::atomic<int>& host_ranks_in_process() {
+  static std::atomic<int> ranks{1};
+  return ranks;
+}
+
 template <class T, class Device = Host>
 class Buffer;
 

@@ -154,8 +154,11 @@ class Trainer {
   std::vector<value_type> serial_expert_params() { return rank_->serial_params(true); }
 
   // Bytes the library's buffers hold on this rank's device: the process's on CUDA (a rank per
-  // process), the process's over the ranks on the host backend (the ranks are its threads).
-  static std::size_t memory_in_use() { return buffer_bytes_held<device>() / (std::is_same_v<device, Host> ? mesh::size : 1); }
+  // process), the process's over the ranks that share it on the host backend (its threads).
+  static std::size_t memory_in_use() {
+    const int sharing = std::is_same_v<device, Host> ? std::max(1, host_ranks_in_process().load()) : 1;
+    return buffer_bytes_held<device>() / static_cast<std::size_t>(sharing);
+  }
 
   // ---- checkpoints (train/checkpoint.hpp) ------------------------------------------------
 
@@ -238,8 +241,8 @@ class Trainer {
       log.add({s, loss, lr_, grad_norm(), dt, static_cast<double>(M) * B * T}, memory_in_use(), s == last);
       after(s, loss);
     }
-    // On the host the ranks are threads sharing one count of held bytes (memory_in_use): none
-    // may leave and free its buffers before rank 0 has logged the last step.
+    // On the host the ranks may be threads sharing one count of held bytes (memory_in_use):
+    // none may leave and free its buffers before rank 0 has logged the last step.
     if constexpr (std::is_same_v<device, Host>) world_->barrier();
     return total;
   }
