@@ -13,7 +13,7 @@
 // other values are skipped where they are unknown keys), and checks every rule above. Errors are `SafetensorsError` with the file, the byte offset in the file and what
 // was expected.
 //
-// Writing: `SafetensorsWriter` collects (name, dtype, shape, bytes) views and `write(path)`
+// Writing (io/safetensors_writer.hpp): `SafetensorsWriter` collects (name, dtype, shape, bytes) views and `write(path)`
 // writes "<path>.tmp.<pid>.<n>", flushes it to disk, renames it over <path> and flushes the
 // folder (atomic on POSIX; a killed writer leaves only its temporary file). The header is
 // padded with spaces to a multiple of 8 bytes, so the data section starts 8-byte aligned,
@@ -42,175 +42,17 @@
 #include <utility>
 #include <vector>
 
-#if __has_include(<unistd.h>)
-#include <fcntl.h>
-#include <unistd.h>
-#define FIVED_SAFETENSORS_HAS_FSYNC 1
-#endif
-
 #include "fived/device/bf16.hpp"
+#include "fived/io/atomic_file.hpp"
+#include "fived/io/dtype.hpp"
+#include "fived/io/error.hpp"
 #include "fived/io/json.hpp"
+#include "fived/io/safetensors_writer.hpp"
 
 namespace fived::io {
 
 static_assert(std::endian::native == std::endian::little,
               "fived::io::safetensors supports little-endian hosts only (the format is little-endian)");
-
-class SafetensorsError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-namespace detail {
-inline long process_id() {
-#ifdef FIVED_SAFETENSORS_HAS_FSYNC
-  return static_cast<long>(::getpid());
-#else
-  return 0;
-#endif
-}
-// Flushes the folder holding `path` (its entry for a renamed file) to disk.
-inline void sync_folder(const std::filesystem::path& path) {
-#ifdef FIVED_SAFETENSORS_HAS_FSYNC
-  const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0) return;  // a folder that cannot be opened cannot be flushed either; the rename stands
-  (void)::fsync(fd);
-  ::close(fd);
-#else
-  (void)path;
-#endif
-}
-// Writes n bytes to path atomically: "<path>.tmp.<pid>.<k>" (a name no other writer, thread
-// or process, uses), flushed to disk, renamed to path, the folder flushed so the new name
-// survives a crash. A killed writer leaves its temporary file behind, never a partial path.
-inline void write_atomically(const std::filesystem::path& path, const void* data, std::size_t n) {
-  static std::atomic<unsigned> counter{0};
-  std::filesystem::path tmp = path;
-  tmp += ".tmp." + std::to_string(process_id()) + "." + std::to_string(counter++);
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) throw SafetensorsError(tmp.string() + ": cannot open for writing (" + std::strerror(errno) + ")");
-  bool ok = n == 0 || std::fwrite(data, 1, n, f) == n;
-  ok = ok && std::fflush(f) == 0;
-#ifdef FIVED_SAFETENSORS_HAS_FSYNC
-  ok = ok && ::fsync(fileno(f)) == 0;
-#endif
-  const int err = errno;
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok) {
-    std::error_code ignored;
-    std::filesystem::remove(tmp, ignored);
-    throw SafetensorsError(tmp.string() + ": write failed (" + std::strerror(err) + ")");
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    const std::string why = ec.message();  // before the clean-up's own error code replaces it
-    std::error_code ignored;
-    std::filesystem::remove(tmp, ignored);
-    throw SafetensorsError(path.string() + ": cannot rename " + tmp.string() + " to it (" + why + ")");
-  }
-  sync_folder(path);
-}
-}  // namespace detail
-
-enum class Dtype : std::uint8_t { BOOL, U8, I8, I16, U16, F16, BF16, I32, U32, F32, I64, U64, F64 };
-
-constexpr std::string_view dtype_name(Dtype d) {
-  switch (d) {
-    case Dtype::BOOL: return "BOOL";
-    case Dtype::U8: return "U8";
-    case Dtype::I8: return "I8";
-    case Dtype::I16: return "I16";
-    case Dtype::U16: return "U16";
-    case Dtype::F16: return "F16";
-    case Dtype::BF16: return "BF16";
-    case Dtype::I32: return "I32";
-    case Dtype::U32: return "U32";
-    case Dtype::F32: return "F32";
-    case Dtype::I64: return "I64";
-    case Dtype::U64: return "U64";
-    case Dtype::F64: return "F64";
-  }
-  return "?";
-}
-
-constexpr std::size_t dtype_size(Dtype d) {
-  switch (d) {
-    case Dtype::BOOL:
-    case Dtype::U8:
-    case Dtype::I8: return 1;
-    case Dtype::I16:
-    case Dtype::U16:
-    case Dtype::F16:
-    case Dtype::BF16: return 2;
-    case Dtype::I32:
-    case Dtype::U32:
-    case Dtype::F32: return 4;
-    case Dtype::I64:
-    case Dtype::U64:
-    case Dtype::F64: return 8;
-  }
-  return 0;
-}
-
-constexpr bool is_floating(Dtype d) {
-  return d == Dtype::F16 || d == Dtype::BF16 || d == Dtype::F32 || d == Dtype::F64;
-}
-
-inline std::optional<Dtype> parse_dtype(std::string_view s) {
-  for (int i = 0; i <= static_cast<int>(Dtype::F64); ++i)
-    if (dtype_name(static_cast<Dtype>(i)) == s) return static_cast<Dtype>(i);
-  return std::nullopt;
-}
-
-// The safetensors dtype of a C++ element type (no F16: there is no host half type here;
-// F16 files are read by converting, see SafetensorsFile::read_into).
-template <class T> struct dtype_of_t;
-template <> struct dtype_of_t<float> { static constexpr Dtype value = Dtype::F32; };
-template <> struct dtype_of_t<double> { static constexpr Dtype value = Dtype::F64; };
-template <> struct dtype_of_t<bf16> { static constexpr Dtype value = Dtype::BF16; };
-template <> struct dtype_of_t<std::int8_t> { static constexpr Dtype value = Dtype::I8; };
-template <> struct dtype_of_t<std::uint8_t> { static constexpr Dtype value = Dtype::U8; };
-template <> struct dtype_of_t<std::int16_t> { static constexpr Dtype value = Dtype::I16; };
-template <> struct dtype_of_t<std::uint16_t> { static constexpr Dtype value = Dtype::U16; };
-template <> struct dtype_of_t<std::int32_t> { static constexpr Dtype value = Dtype::I32; };
-template <> struct dtype_of_t<std::uint32_t> { static constexpr Dtype value = Dtype::U32; };
-template <> struct dtype_of_t<std::int64_t> { static constexpr Dtype value = Dtype::I64; };
-template <> struct dtype_of_t<std::uint64_t> { static constexpr Dtype value = Dtype::U64; };
-template <class T> inline constexpr Dtype dtype_of = dtype_of_t<std::remove_cv_t<T>>::value;
-
-// IEEE half (binary16) bits to float, exact.
-inline float half_to_float(std::uint16_t h) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  std::uint32_t exp = (h >> 10) & 0x1fu;
-  std::uint32_t man = h & 0x3ffu;
-  std::uint32_t bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (man << 13);  // inf / NaN
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112u) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;  // +-0
-  } else {        // subnormal: normalise
-    int e = -1;
-    do {
-      ++e;
-      man <<= 1;
-    } while ((man & 0x400u) == 0);
-    bits = sign | ((112u - static_cast<std::uint32_t>(e)) << 23) | ((man & 0x3ffu) << 13);
-  }
-  return std::bit_cast<float>(bits);
-}
-
-inline std::string shape_string(std::span<const std::int64_t> shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
 
 // One tensor of a file: offsets are into the data section.
 struct TensorEntry {
@@ -490,115 +332,6 @@ class SafetensorsFile {
   std::map<std::string, std::size_t> index_;
   std::map<std::string, std::string> metadata_;
   bool saw_metadata_ = false;
-};
-
-// Collects tensors (views: the data must stay alive until write) and writes a file.
-class SafetensorsWriter {
- public:
-  void add(std::string name, Dtype dtype, std::vector<std::int64_t> shape, std::span<const std::byte> data) {
-    if (name == "__metadata__") throw std::invalid_argument("safetensors: \"__metadata__\" is not a tensor name");
-    for (const auto& t : tensors_)
-      if (t.name == name) throw std::invalid_argument("safetensors: tensor '" + name + "' added twice");
-    std::size_t n = dtype_size(dtype);
-    for (auto d : shape) {
-      if (d < 0) throw std::invalid_argument("safetensors: tensor '" + name + "' has a negative dimension");
-      n *= static_cast<std::size_t>(d);
-    }
-    if (n != data.size())
-      throw std::invalid_argument("safetensors: tensor '" + name + "' is " + std::string(dtype_name(dtype)) + " " +
-                                  shape_string(shape) + " (" + std::to_string(n) + " bytes) but " +
-                                  std::to_string(data.size()) + " bytes were given");
-    tensors_.push_back(Item{std::move(name), dtype, std::move(shape), data});
-  }
-  template <class T>
-  void add(std::string name, std::vector<std::int64_t> shape, std::span<const T> data) {
-    add(std::move(name), dtype_of<T>, std::move(shape), std::as_bytes(data));
-  }
-  template <class T>
-  void add(std::string name, std::vector<std::int64_t> shape, std::span<T> data) {
-    add(std::move(name), std::move(shape), std::span<const T>(data));
-  }
-  void add_metadata(std::string key, std::string value) { metadata_[std::move(key)] = std::move(value); }
-
-  // The whole file in memory (what write() puts on disk).
-  std::vector<std::byte> serialize() const {
-    std::vector<std::byte> out;
-    emit([&](const void* p, std::size_t n) {
-      auto b = static_cast<const std::byte*>(p);
-      out.insert(out.end(), b, b + n);
-    });
-    return out;
-  }
-
-  // Writes the file atomically (detail::write_atomically).
-  void write(const std::filesystem::path& path) const {
-    std::vector<std::byte> bytes;
-    emit([&](const void* p, std::size_t n) {
-      auto b = static_cast<const std::byte*>(p);
-      bytes.insert(bytes.end(), b, b + n);
-    });
-    detail::write_atomically(path, bytes.data(), bytes.size());
-  }
-
- private:
-  struct Item {
-    std::string name;
-    Dtype dtype;
-    std::vector<std::int64_t> shape;
-    std::span<const std::byte> data;
-  };
-
-  template <class Sink>
-  void emit(Sink&& sink) const {
-    std::vector<const Item*> order;
-    for (const auto& t : tensors_) order.push_back(&t);
-    std::stable_sort(order.begin(), order.end(), [](const Item* a, const Item* b) {
-      if (dtype_size(a->dtype) != dtype_size(b->dtype)) return dtype_size(a->dtype) > dtype_size(b->dtype);
-      return a->name < b->name;
-    });
-    std::string h = "{";
-    bool first = true;
-    if (!metadata_.empty()) {
-      h += "\"__metadata__\":{";
-      for (const auto& [k, v] : metadata_) {
-        if (!first) h += ',';
-        first = false;
-        json_string(h, k);
-        h += ':';
-        json_string(h, v);
-      }
-      h += '}';
-      first = false;
-    }
-    std::size_t off = 0;
-    for (const Item* t : order) {
-      if (!first) h += ',';
-      first = false;
-      json_string(h, t->name);
-      h += ":{\"dtype\":\"";
-      h += dtype_name(t->dtype);
-      h += "\",\"shape\":[";
-      for (std::size_t i = 0; i < t->shape.size(); ++i) {
-        if (i) h += ',';
-        h += std::to_string(t->shape[i]);
-      }
-      h += "],\"data_offsets\":[";
-      h += std::to_string(off);
-      h += ',';
-      h += std::to_string(off + t->data.size());
-      h += "]}";
-      off += t->data.size();
-    }
-    h += '}';
-    while (h.size() % 8 != 0) h += ' ';  // the data section starts 8-byte aligned
-    const std::uint64_t n = h.size();
-    sink(&n, 8);
-    sink(h.data(), h.size());
-    for (const Item* t : order) sink(t->data.data(), t->data.size());
-  }
-
-  std::vector<Item> tensors_;
-  std::map<std::string, std::string> metadata_;
 };
 
 }  // namespace fived::io
