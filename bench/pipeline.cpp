@@ -29,7 +29,7 @@
 
 #include "fived/comm/host.hpp"
 #include "fived/device/buffer.hpp"
-#include "fived/nn/unit_hooks.hpp"
+#include "fived/model/unit_hooks.hpp"
 #include "fived/optim/flat_range.hpp"
 #include "fived/pipeline/executor.hpp"
 #include "fived/pipeline/schedules.hpp"

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "fived/model/layers.hpp"
-#include "fived/nn/unit_hooks.hpp"
+#include "fived/model/unit_hooks.hpp"
 #include "fived/optim/flat_range.hpp"
 
 namespace fived {

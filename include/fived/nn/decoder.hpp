@@ -81,8 +81,8 @@
 #include "fived/nn/ops.hpp"
 #include "fived/nn/param_table.hpp"
 #include "fived/nn/stream.hpp"
-#include "fived/nn/unit_hooks.hpp"
-#include "fived/plan/model.hpp"
+#include "fived/model/unit_hooks.hpp"
+#include "fived/model/plan_shape.hpp"
 
 namespace fived {
 
@@ -553,7 +553,7 @@ class Decoder {
   }
 
   // Accumulates the gradient of the slot's last forward's mean loss into grads(). Hooks
-  // (nn/unit_hooks.hpp): before_backward(u) before unit u's parameters are read or its
+  // (model/unit_hooks.hpp): before_backward(u) before unit u's parameters are read or its
   // gradients written, after_backward(u) as soon as they are final (under SP, after the
   // unit's LayerNorm gradients are all-reduced over TP). Units finish from the last to 0.
   void backward(const UnitHooks& hooks = {}, int slot = 0) {

@@ -30,6 +30,7 @@
 #include "fived/nn/config.hpp"
 #include "fived/nn/decoder.hpp"
 #include "fived/nn/embedding.hpp"
+#include "fived/nn/gpt_shape.hpp"
 #include "fived/nn/layernorm.hpp"
 #include "fived/nn/mlp.hpp"
 #include "fived/nn/moe.hpp"

@@ -32,7 +32,7 @@
 #include "fived/nn/rmsnorm.hpp"
 #include "fived/nn/rotary_attention.hpp"
 #include "fived/nn/swiglu.hpp"
-#include "fived/plan/model.hpp"
+#include "fived/model/plan_shape.hpp"
 
 namespace fived {
 

@@ -20,7 +20,7 @@
 //              then cuts each expert's rows (nn/moe.hpp)
 //   sp_partial its gradient is a sum over the rows this rank holds, so under sequence
 //              parallelism it is Partial over TP until the model reduces it (LayerNorms)
-//   unit       what a trainer gathers, reduces and frees together (nn/unit_hooks.hpp)
+//   unit       what a trainer gathers, reduces and frees together (model/unit_hooks.hpp)
 //   decays     AdamW's weight decay applies (2-D tensors, the GPT-2 rule)
 //   init, stream   how it starts (nn/init.hpp); the stream is fixed forever, so adding a
 //              layer or untying the head does not change any other tensor's first values

@@ -54,7 +54,7 @@
 #include "fived/comm/types.hpp"
 #include "fived/device/bf16.hpp"
 #include "fived/device/buffer.hpp"
-#include "fived/nn/unit_hooks.hpp"
+#include "fived/model/unit_hooks.hpp"
 #include "fived/optim/flat_range.hpp"
 #include "fived/pipeline/action.hpp"
 #include "fived/pipeline/stages.hpp"

@@ -53,7 +53,7 @@
 //            The first and last units (embeddings with a tied head, ln_f) stay gathered from
 //            their first use to the end of the step, as FSDP keeps its root unit. AdamW
 //            updates the pieces; the next step's gathers distribute them.
-// ZeRO<3> needs a model that calls UnitHooks (nn/unit_hooks.hpp; docs/model.md).
+// ZeRO<3> needs a model that calls UnitHooks (model/unit_hooks.hpp; docs/model.md).
 //
 // Memory per rank (memory()), N = layout::size elements, S = plan::shard_total (about N/DP:
 // each bucket padded to a multiple of 64 DP elements, then divided by DP), O = elements owned
@@ -120,7 +120,7 @@
 #include "fived/device/bf16.hpp"
 #include "fived/device/host_pages.hpp"
 #include "fived/mesh/context.hpp"
-#include "fived/nn/unit_hooks.hpp"
+#include "fived/model/unit_hooks.hpp"
 #include "fived/optim/adamw.hpp"
 #include "fived/train/bucket_plan.hpp"
 #include "fived/train/comm_queue.hpp"
