@@ -8,6 +8,8 @@
 #   check.sh MPIEXEC killed TRAIN_GPT                SIGKILL to rank 2 of 4 mid-step: the other three
 #                                                    stop within 60 s, each naming rank 2
 #   check.sh MPIEXEC train TRAIN_GPT MESH RANKS      losses and held-out losses as the threads print them
+#   check.sh MPIEXEC moe TRAIN_MOE                   a mixture of experts on DP 2 x TP 2 x EP 2: the threads'
+#                                                    losses and tokens per expert (all_to_all_v, empty experts)
 #   check.sh MPIEXEC resume TRAIN_GPT                a checkpoint written by processes resumes bit for bit
 #                                                    (and processes write what threads write)
 #   check.sh MPIEXEC reshard TRAIN_GPT               saved by 16 processes (5D mesh), resumed by 4 on
@@ -98,6 +100,19 @@ case "$case" in
     [ "$(wc -l <processes.txt)" -ge 4 ] || fail "no losses printed"
     diff threads.txt processes.txt || fail "losses differ between processes and threads"
     echo "$mesh on $ranks processes: the threads' losses, to the printed digits:"
+    cat processes.txt
+    ;;
+
+  moe)
+    train="$1"
+    rows() { awk '/^ +[0-9]+ +[0-9.]+ /{$4 = ""; print}'; }  # all but tokens/s
+    "$train" --steps 4 | rows >threads.txt
+    "${launch[@]}" -np 4 "$train" --steps 4 >processes.log
+    rows <processes.log >processes.txt
+    grep -q "ranks as processes" processes.log || fail "the run did not say its ranks are processes"
+    [ "$(wc -l <processes.txt)" -eq 4 ] || fail "no losses printed"
+    diff threads.txt processes.txt || fail "losses or expert loads differ between processes and threads"
+    echo "MoE on 4 processes: the threads' losses and tokens per expert:"
     cat processes.txt
     ;;
 
