@@ -571,8 +571,7 @@ int train_on(const Options& opt, const Corpus& corpus) {
   int status = 0;
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
-    const int s = train_rank<F, M, Host>(
-        ctx, opt, corpus, host::ranks_are_processes() ? "host backend, ranks as processes (MPI)" : "host backend, ranks as threads", 0.0);
+    const int s = train_rank<F, M, Host>(ctx, opt, corpus, std::string("host backend, ") + host::ranks_are(), 0.0);
     if (ctx.rank() == 0) status = s;
   });
   return status;

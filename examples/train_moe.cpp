@@ -188,9 +188,7 @@ void train(const Options& opt) {
 #endif
   fived::host::run(MoeMesh::size, [&](fived::host::Comm& world) {
     auto ctx = fived::make_mesh_context<MoeMesh>(world);
-    train_rank<Cfg, fived::Host>(ctx, opt,
-                                 fived::host::ranks_are_processes() ? "the host backend, ranks as processes (MPI)"
-                                                                    : "the host backend, ranks as threads");
+    train_rank<Cfg, fived::Host>(ctx, opt, (std::string("the host backend, ") + fived::host::ranks_are()).c_str());
   });
 }
 

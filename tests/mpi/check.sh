@@ -3,7 +3,8 @@
 # (ctest -L mpi; tests/mpi/CMakeLists.txt names each case):
 #
 #   check.sh MPIEXEC collectives MPI_RANKS           every collective: the same bits as the threads
-#   check.sh MPIEXEC fails MODE MPI_RANKS            rank 2 throws / is stuck, rank 1 miscalls: every
+#   check.sh MPIEXEC fails MODE MPI_RANKS            rank 2 throws / is stuck, rank 1 miscalls or sends
+#                                                    rank 0 a message of the wrong size: every
 #                                                    rank exits non-zero, in bounded time, naming it
 #   check.sh MPIEXEC killed TRAIN_GPT                SIGKILL to rank 2 of 4 mid-step: the other three
 #                                                    stop within 60 s, each naming rank 2
@@ -35,7 +36,24 @@ seconds_since() { local ms=$(($(now_ms) - $1)); printf '%d.%03d' $((ms / 1000)) 
 within_60_s() { [ $(($(now_ms) - $1)) -lt 60000 ]; }
 # The numbers a run reports: its progress lines (step, loss, lr, gradient norm) and held-out losses.
 losses() { awk '/^ +[0-9]+ +[0-9.]+ +[0-9.e+-]+ /{print $1, $2, $3, $4} /held-out loss/'; }
+# train_moe's progress lines: all but tokens/s (loss, balancing loss, tokens per expert).
+moe_rows() { awk '/^ +[0-9]+ +[0-9.]+ /{$4 = ""; print}'; }
 args=(--batch 8 --seq 32 --log-every 1)
+
+# Runs `program args` as threads and as `ranks` processes; the lines `filter` keeps (at
+# least `lines` of them) must be the same.
+same_as_threads() {
+  local filter="$1" lines="$2" ranks="$3"
+  shift 3
+  "$@" | "$filter" >threads.txt
+  "${launch[@]}" -np "$ranks" "$@" >processes.log
+  "$filter" <processes.log >processes.txt
+  grep -q "ranks as processes" processes.log || fail "the run did not say its ranks are processes"
+  [ "$(wc -l <processes.txt)" -ge "$lines" ] || fail "fewer than $lines lines to compare"
+  diff threads.txt processes.txt || fail "processes and threads printed different numbers"
+  echo "$(basename "$1") ${*:2} on $ranks processes: the threads' numbers, to the printed digits:"
+  cat processes.txt
+}
 
 case "$case" in
   collectives)
@@ -51,6 +69,7 @@ case "$case" in
       throw) cause="rank 2 threw: boom in step 3" ;;
       stuck) cause="timed out after 2000 ms waiting in all_reduce" ;;
       mismatch) cause="rank 0 passed 4 elements but rank 1 passed 3" ;;
+      message) cause="rank 1 sent 12 bytes of float32 but rank 0 expects 16 bytes of float32" ;;
     esac
     start=$(now_ms)
     if FIVED_HOST_TIMEOUT_S=2 timeout 120 "${launch[@]}" -np 4 "$prog" "$mode" >out.txt 2>&1; then
@@ -93,27 +112,11 @@ case "$case" in
 
   train)
     train="$1" mesh="$2" ranks="$3"
-    "$train" --mesh "$mesh" --steps 3 "${args[@]}" | losses >threads.txt
-    "${launch[@]}" -np "$ranks" "$train" --mesh "$mesh" --steps 3 "${args[@]}" >processes.log
-    losses <processes.log >processes.txt
-    grep -q "ranks as processes" processes.log || fail "the run did not say its ranks are processes"
-    [ "$(wc -l <processes.txt)" -ge 4 ] || fail "no losses printed"
-    diff threads.txt processes.txt || fail "losses differ between processes and threads"
-    echo "$mesh on $ranks processes: the threads' losses, to the printed digits:"
-    cat processes.txt
+    same_as_threads losses 4 "$ranks" "$train" --mesh "$mesh" --steps 3 "${args[@]}"
     ;;
 
   moe)
-    train="$1"
-    rows() { awk '/^ +[0-9]+ +[0-9.]+ /{$4 = ""; print}'; }  # all but tokens/s
-    "$train" --steps 4 | rows >threads.txt
-    "${launch[@]}" -np 4 "$train" --steps 4 >processes.log
-    rows <processes.log >processes.txt
-    grep -q "ranks as processes" processes.log || fail "the run did not say its ranks are processes"
-    [ "$(wc -l <processes.txt)" -eq 4 ] || fail "no losses printed"
-    diff threads.txt processes.txt || fail "losses or expert loads differ between processes and threads"
-    echo "MoE on 4 processes: the threads' losses and tokens per expert:"
-    cat processes.txt
+    same_as_threads moe_rows 4 4 "$1" --steps 4
     ;;
 
   resume)

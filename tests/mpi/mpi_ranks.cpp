@@ -4,6 +4,8 @@
 //                            the same program started once (threads) prints the same lines
 //   mpi_ranks throw          rank 2 throws in its fourth step; the others are in an all_reduce
 //   mpi_ranks mismatch       rank 1 passes 3 elements to an all_reduce, the others 4
+//   mpi_ranks message        rank 1 sends rank 0 3 floats where it expects 4 (only rank 0 can see
+//                            it: the others, in their all_reduce, must be told)
 //   mpi_ranks stuck          rank 2 sleeps for 10 minutes before its all_reduce (run with a short
 //                            FIVED_HOST_TIMEOUT_S)
 //   mpi_ranks loop           all_reduces until killed (the test kills a rank)
@@ -119,6 +121,13 @@ void loop(Comm& world, int failing_rank, const std::string& how) {
     if (world.rank() == failing_rank && step == 3) {
       if (how == "throw") throw std::runtime_error("boom in step 3");
       if (how == "stuck") std::this_thread::sleep_for(std::chrono::minutes(10));
+    }
+    if (how == "message" && step == 3 && world.rank() < 2) {
+      std::vector<float> out(3, 1.0f), in(4);
+      const fived::SendOp<float> send[] = {{out, 0}};
+      const fived::RecvOp<float> recv[] = {{in, 1}};
+      if (world.rank() == 1) world.send_recv<float>(send, {});
+      else world.send_recv<float>({}, recv);
     }
     std::vector<float> v(4 - (how == "mismatch" && world.rank() == 1 && step == 3), 1.0f);
     world.all_reduce<float>(v);

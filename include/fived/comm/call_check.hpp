@@ -20,6 +20,13 @@
 
 namespace fived::detail {
 
+// "tp {2,3}": a group's name and its members' world ranks, as every message names it.
+inline std::string describe_group(const std::string& name, std::span<const int> members) {
+  std::string s = name + " {";
+  for (std::size_t i = 0; i < members.size(); ++i) s += (i ? "," : "") + std::to_string(members[i]);
+  return s + "}";
+}
+
 template <class Call>
 std::string call_mismatch(std::span<const Call> calls, std::span<const int> members) {
   const auto& p = calls;

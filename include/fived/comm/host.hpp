@@ -8,7 +8,6 @@
 // Or every rank is a process: built with FIVED_WITH_MPI (link fived::mpi) and
 // started by mpirun, mpiexec or srun as n processes, run(n, fn) runs fn once in
 // each, over MPI (comm/mpi.hpp), with the same results and the same checks.
-//
 // Results are deterministic: reductions add contributions in group-rank order,
 // so every rank gets bit-identical values, run after run.
 //
@@ -99,6 +98,9 @@ inline bool ranks_are_processes() {
 // before any rank starts. Launched by mpirun (or mpiexec, srun) as n processes
 // and built with FIVED_WITH_MPI, it runs fn once in this process, as its rank
 // (detail::run_as_process above).
+// "ranks as processes (MPI)" or "ranks as threads": what progress lines say of the backend.
+inline const char* ranks_are() { return ranks_are_processes() ? "ranks as processes (MPI)" : "ranks as threads"; }
+
 template <class F>
 void run(int n, F&& fn, RunOptions opts = {}) {
   if (n < 1) throw std::invalid_argument("fived::host::run needs at least one rank, got " + std::to_string(n));

@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "fived/comm/call_check.hpp"
 #include "fived/comm/types.hpp"
 #include "fived/util/env.hpp"
 
@@ -74,14 +75,7 @@ struct Group {
   std::vector<std::shared_ptr<Group>> split_result;  // per group rank
   std::map<std::pair<int, int>, std::deque<Message>> mailbox;  // (src, dst) group ranks
 
-  std::string describe() const {
-    std::string s = name + " {";
-    for (std::size_t i = 0; i < members.size(); ++i) {
-      if (i) s += ',';
-      s += std::to_string(members[i]);
-    }
-    return s + "}";
-  }
+  std::string describe() const { return fived::detail::describe_group(name, members); }
 };
 
 // Shared state of one run: one mutex guards everything, which keeps the

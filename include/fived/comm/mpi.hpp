@@ -137,7 +137,7 @@ class Group {
     if (std::string why = fived::detail::counts_mismatch(
             members_, [&](int s, int d) { return all[s * 2 * n + d]; }, [&](int d, int s) { return all[d * 2 * n + n + s]; });
         !why.empty())
-      disagree("all_to_all_v", why);
+      stop("all_to_all_v", why, true);
     std::vector<int> sc(n), sd(n), rc(n), rd(n);
     for (std::size_t r = 0, s_at = 0, r_at = 0; r < n; ++r) {
       sc[r] = byte_count<T>(send_counts[r], "all_to_all_v"), sd[r] = byte_count<T>(s_at, "all_to_all_v");
@@ -183,10 +183,11 @@ class Group {
       detail::Header h{};
       std::memcpy(&h, bytes.data(), sizeof h);
       if (h.dtype != dtype_of<T> || h.bytes != r.buf.size_bytes())
-        disagree("send_recv", "rank " + std::to_string(members_[r.peer]) + " sent " + std::to_string(h.bytes) +
+        stop("send_recv", "rank " + std::to_string(members_[r.peer]) + " sent " + std::to_string(h.bytes) +
                                   " bytes of " + std::string(dtype_name(h.dtype)) + " but rank " +
                                   std::to_string(world_rank()) + " expects " + std::to_string(r.buf.size_bytes()) +
-                                  " bytes of " + std::string(dtype_name(dtype_of<T>)));
+                                  " bytes of " + std::string(dtype_name(dtype_of<T>)),
+             false);
       if (h.bytes) std::memcpy(r.buf.data(), bytes.data() + sizeof h, h.bytes);
     }
   }
@@ -206,8 +207,9 @@ class Group {
     detail::Call mine = call("split", DType::u8, 0);
     mine.color = color, mine.key = key;
     if (name.size() >= sizeof mine.name)
-      disagree("split", "the new group's name \"" + name + "\" is longer than " + std::to_string(sizeof mine.name - 1) +
-                            " characters");
+      stop("split", "the new group's name \"" + name + "\" is longer than " + std::to_string(sizeof mine.name - 1) +
+                        " characters",
+           false);
     std::strncpy(mine.name, name.c_str(), sizeof mine.name - 1);
     const std::vector<detail::Call> calls = agree(mine, "split");
     std::vector<std::pair<int, int>> same;  // (key, group rank) of this rank's color
@@ -221,11 +223,7 @@ class Group {
     return std::make_shared<Group>(c, name, std::move(members));
   }
 
-  std::string describe() const {
-    std::string s = name_ + " {";
-    for (std::size_t i = 0; i < members_.size(); ++i) s += (i ? "," : "") + std::to_string(members_[i]);
-    return s + "}";
-  }
+  std::string describe() const { return fived::detail::describe_group(name_, members_); }
 
  private:
   struct Pending {
@@ -268,13 +266,16 @@ class Group {
     start_and_wait(op, [&](MPI_Request* req) {
       return MPI_Iallgather(&mine, sizeof mine, MPI_BYTE, all.data(), sizeof mine, MPI_BYTE, comm_, req);
     });
-    if (std::string why = fived::detail::call_mismatch<detail::Call>(all, members_); !why.empty()) disagree(op, why);
+    if (std::string why = fived::detail::call_mismatch<detail::Call>(all, members_); !why.empty()) stop(op, why, true);
     return all;
   }
 
-  [[noreturn]] void disagree(const char* op, const std::string& why) {
+  // Stops the run over this call. A disagreement found in what the ranks exchanged
+  // (agree, all_to_all_v's counts) every rank of the group finds too; anything else only
+  // this rank sees, so it tells the peers.
+  [[noreturn]] void stop(const char* op, const std::string& why, bool every_rank_sees_it) {
     const std::string what = std::string(op) + " on group " + describe();
-    detail::Process::get().fail(what + ": " + why, /*tell_peers=*/false);  // every rank of the group sees it too
+    detail::Process::get().fail(what + ": " + why, /*tell_peers=*/!every_rank_sees_it);
     detail::Process::throw_aborted(world_rank(), what, what + ": " + why);
   }
 
@@ -294,7 +295,7 @@ class Group {
   template <class T>
   int byte_count(std::size_t elements, const char* op) {
     if (elements > static_cast<std::size_t>(INT_MAX) / sizeof(T))
-      disagree(op, std::to_string(elements) + " elements are more than MPI counts in one call (2 GiB): split the call");
+      stop(op, std::to_string(elements) + " elements are more than MPI counts in one call (2 GiB): split the call", false);
     return static_cast<int>(elements * sizeof(T));
   }
 

@@ -78,8 +78,9 @@ inline void check(int rc, const char* call, const char* who = "fived host backen
   throw CommError(std::string(who) + ": " + call + " failed: " + std::string(text, len));
 }
 
-// What the SIGTERM handler reads: fixed storage, and whether this rank's failure has
-// already gone up as an exception (then the handler says nothing more).
+// What the SIGTERM handler reads: fixed storage, and whether this rank's run has failed
+// (its exception says why, so the handler says nothing more; and the exit handler ends the
+// job with MPI_Abort).
 inline char current_call[256] = "between collectives";
 inline volatile sig_atomic_t failure_reported = 0;
 
@@ -136,7 +137,6 @@ class Process {
   // rank found itself, tells every peer, so that they stop too and say why.
   void fail(const std::string& reason, bool tell_peers) {
     std::lock_guard lk(mu_);
-    failed_ = true;
     failure_reported = 1;
     if (!reason_.empty()) return;
     reason_ = reason;
@@ -162,7 +162,6 @@ class Process {
     MPI_Get_count(&st, MPI_CHAR, &n);
     std::string text(static_cast<std::size_t>(n), '\0');
     MPI_Mrecv(text.data(), n, MPI_CHAR, &msg, MPI_STATUS_IGNORE);
-    failed_ = true;
     failure_reported = 1;
     reason_ = text;
     return reason_;
@@ -179,7 +178,6 @@ class Process {
  private:
   std::mutex mu_;
   std::string reason_;
-  bool failed_ = false;
   MPI_Comm notices_ = MPI_COMM_NULL;
   std::vector<MPI_Request> told_;
   std::vector<long> pids_;      // [world rank]
@@ -236,12 +234,7 @@ class Process {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) return;
-    bool failed;
-    {
-      std::lock_guard lk(mu_);
-      failed = failed_;
-    }
-    if (!failed) {
+    if (!failure_reported) {
       MPI_Finalize();
       return;
     }
