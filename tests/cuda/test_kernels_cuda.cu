@@ -503,9 +503,12 @@ TEST_CASE_TEMPLATE("attention forward and backward (flash-style) against the ref
     int B, L, C, NH, NKV;  // L: sequence length; NKV key/value heads
   };
   // hs = 32, 64 and 80 (padded to 128); T not a multiple of the 32-row tile; grouped-query
-  // (6 query heads over 2 key/value heads) and multi-query (over 1).
+  // (6 query heads over 2 key/value heads) and multi-query (over 1). bf16 at hs 32, 64 and 128
+  // runs the tensor-core kernels: over several 64-row tiles (T = 150, 130), grouped (4 over 2),
+  // multi-query at hs 128 (its 32-row steps), and a sequence inside one tile.
   for (const Shape s : {Shape{2, 70, 96, 3, 3}, Shape{1, 33, 128, 2, 2}, Shape{2, 45, 160, 2, 2}, Shape{2, 50, 192, 6, 2},
-                        Shape{1, 40, 128, 4, 1}}) {
+                        Shape{1, 40, 128, 4, 1}, Shape{2, 150, 256, 4, 2}, Shape{1, 130, 256, 2, 1},
+                        Shape{1, 7, 64, 2, 2}}) {
     CAPTURE(s.L);
     CAPTURE(s.C);
     CAPTURE(s.NH);
@@ -521,6 +524,14 @@ TEST_CASE_TEMPLATE("attention forward and backward (flash-style) against the ref
     auto d_qkv = up(qkv), d_dout = up(dout);
     Buffer<T, Cuda> d_out(nout), d_dqkv(nqkv);
     Buffer<float, Cuda> d_lse(nlse);
+    const int hs = s.C / s.NH;
+    const bool sm80 = [] {
+      int device = 0, major = 0;
+      return cudaGetDevice(&device) == cudaSuccess &&
+             cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8;
+    }();
+    CHECK(ck::attention_on_tensor_cores<T>(s.C, s.NH, s.NKV) ==
+          (std::is_same_v<T, bf16> && (hs == 32 || hs == 64 || hs == 128) && sm80));
     ck::attention_forward(stream(), d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.L, s.C, s.NH, s.NKV);
     CHECK_CLOSE(out, down(d_out), bound<T>(fp32_sum));
     CHECK_CLOSE(lse, down(d_lse), fp32_sum);

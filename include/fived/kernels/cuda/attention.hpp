@@ -14,8 +14,10 @@
 // key/value head accumulates dK and dV over the query tiles at or after it, for every
 // query head of its group; one block per query tile accumulates dQ over the key tiles at
 // or before it.
-// Correctness first: scores and products are fp32 FMAs from shared memory (no
-// tensor cores). The head size is padded to 32, 64 or 128 inside the kernels.
+// bf16 at head size 32, 64 or 128 runs on tensor cores (kernels/cuda/flash_attention.hpp,
+// attention_on_tensor_cores says when); the kernels below are the rest: fp32, any head size
+// up to 128 (padded to 32, 64 or 128 inside), scores and products as fp32 FMAs from shared
+// memory, and the reference the tensor-core kernels are tested beside.
 //
 // Ring attention's blocks (context parallelism), contract of the host block kernels:
 //   attention_block_forward(s, o, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal, first)
@@ -31,6 +33,7 @@
 #include <string>
 
 #include <fived/kernels/cuda/common.hpp>
+#include <fived/kernels/cuda/flash_attention.hpp>
 
 namespace fived::kernels::cuda {
 
@@ -50,19 +53,6 @@ __device__ __forceinline__ void attn_load_tile(float* dst, int ld, const E* src,
     dst[r * ld + d] = (t < T && d < hs) ? to_float(src[static_cast<std::size_t>(t) * row_stride + d]) * mul : 0.0f;
   }
 }
-
-// Where sequence b's rows of query head h, and of the key/value head it reads, start in a
-// [B,T,C + 2Ckv] q|k|v buffer (row stride `stride`).
-template <class E>
-struct QkvRows {
-  std::size_t stride;
-  const E *q, *k, *v;
-  __device__ QkvRows(const E* qkv, int b, int h, int T, int C, int NH, int NKV, int hs)
-      : stride(static_cast<std::size_t>(C) + 2 * static_cast<std::size_t>(NKV) * hs),
-        q(qkv + static_cast<std::size_t>(b) * T * stride + static_cast<std::size_t>(h) * hs),
-        k(qkv + static_cast<std::size_t>(b) * T * stride + C + static_cast<std::size_t>(h / (NH / NKV)) * hs),
-        v(k + static_cast<std::size_t>(NKV) * hs) {}
-};
 
 template <class E, int D>
 __global__ void __launch_bounds__(attn_threads)
@@ -419,6 +409,14 @@ void attention_forward(cudaStream_t stream, E* out, float* lse, const E* qkv, in
   const int hs = detail::attention_check("attention_forward", B, T, C, NH, NKV);
   if (B == 0 || T == 0) return;
   detail::require(lse != nullptr, "attention_forward", "lse [B,NH,T] is an output and must not be null");
+  if constexpr (std::is_same_v<E, fived::bf16>) {
+    if (detail::flash::fits(hs, C, NH, NKV, {out, qkv})) {
+      detail::flash::with_head_size(hs, [&]<int D>() {
+        detail::flash::forward<D>(stream, dev(out), lse, dev(qkv), B, T, C, NH, NKV);
+      });
+      return;
+    }
+  }
   detail::attention_dispatch<detail::AttentionForward, device_t<E>>(hs, stream, dev(out), lse, dev(qkv), B, T, C, NH,
                                                                     NKV, hs);
 }
@@ -434,9 +432,25 @@ void attention_backward(cudaStream_t stream, E* dqkv, const E* dout, const E* qk
   detail::attention_dot_kernel<<<detail::grid_for(rows, 8, 0x7fffffffu), 256, 0, stream>>>(
       Dd.get(), dev(dout), dev(out), B, T, C, NH, hs);
   FIVED_CUDA_CHECK_LAUNCH("attention_dot_kernel");
+  if constexpr (std::is_same_v<E, fived::bf16>) {
+    if (detail::flash::fits(hs, C, NH, NKV, {dqkv, dout, qkv})) {
+      detail::flash::with_head_size(hs, [&]<int D>() {
+        detail::flash::backward<D>(stream, dev(dqkv), dev(dout), dev(qkv), lse, Dd.get(), B, T, C, NH, NKV);
+      });
+      return;
+    }
+  }
   detail::attention_dispatch<detail::AttentionBackward, device_t<E>>(hs, stream, dev(dqkv), dev(dout), dev(qkv), lse,
                                                                      static_cast<const float*>(Dd.get()), B, T, C, NH,
                                                                      NKV, hs);
+}
+
+// Whether attention_forward and attention_backward run on tensor cores for this shape on the
+// current device (buffers from Buffer or cudaMalloc: 16-byte aligned).
+template <class E>
+bool attention_on_tensor_cores(int C, int NH, int NKV) {
+  return std::is_same_v<E, fived::bf16> && NH > 0 && NKV > 0 && C % NH == 0 &&
+         detail::flash::fits(C / NH, C, NH, NKV, {});
 }
 
 // ---- ring attention's blocks --------------------------------------------------------------

@@ -1,0 +1,513 @@
+#pragma once
+// fived's own tensor-core attention for bf16: FlashAttention-2's algorithm on the warp-level
+// mma.sync instructions (sm_80 and later), what attention_forward / attention_backward
+// (kernels/cuda/attention.hpp) run for bf16 when the shape fits (flash::fits) and cuDNN is
+// not the one used. Same contract, same [B,T,C + 2Ckv] q|k|v layout, same lse.
+//
+// Forward: one block of 4 warps per (64-query tile, head, batch); each warp owns 16 query
+// rows and keeps them in registers as mma operands. Key/value tiles of 64 rows stream through
+// shared memory, double-buffered with cp.async. S = Q K^T and O += P V run on mma.m16n8k16
+// (bf16 in, fp32 accumulate); the online softmax is fp32 in registers (exp2 with the scale
+// folded in), and P goes from the accumulator registers straight back in as the A operand.
+//
+// Backward, deterministic (no atomics), in two kernels as the scalar one:
+//   dK, dV: one block per (64-key tile, key/value head, batch); each warp owns 16 keys and
+//     computes S^T = K Q^T and dP^T = V dO^T for query tiles at or after its keys, of every
+//     query head of the group, so dV += P^T dO and dK += dS^T Q need no transposes;
+//   dQ: one block per (64-query tile, head, batch): S = Q K^T, dP = dO V^T, dQ += dS K.
+// P is recomputed from lse; dS = P (dP - D) with D_t = dout_t . out_t (precomputed).
+// Head sizes 32, 64 and 128 exactly; rows of 16-byte multiples at 16-byte aligned addresses.
+
+#include <cstddef>
+#include <cstdint>
+
+#include <fived/kernels/cuda/common.hpp>
+
+namespace fived::kernels::cuda::detail {
+
+// Where sequence b's rows of query head h, and of the key/value head it reads, start in a
+// [B,T,C + 2Ckv] q|k|v buffer (row stride `stride`).
+template <class E>
+struct QkvRows {
+  std::size_t stride;
+  const E *q, *k, *v;
+  __device__ QkvRows(const E* qkv, int b, int h, int T, int C, int NH, int NKV, int hs)
+      : stride(static_cast<std::size_t>(C) + 2 * static_cast<std::size_t>(NKV) * hs),
+        q(qkv + static_cast<std::size_t>(b) * T * stride + static_cast<std::size_t>(h) * hs),
+        k(qkv + static_cast<std::size_t>(b) * T * stride + C + static_cast<std::size_t>(h / (NH / NKV)) * hs),
+        v(k + static_cast<std::size_t>(NKV) * hs) {}
+};
+
+namespace flash {
+
+using bf16x = __nv_bfloat16;
+inline constexpr int threads = 128;  // 4 warps
+inline constexpr int tile = 64;      // rows a block owns: 16 a warp
+
+// ---- warp-level instructions (sm_80+) -------------------------------------------------------
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define FIVED_FLASH_ARCH 1
+#else
+#define FIVED_FLASH_ARCH 0
+#endif
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// Four 8x8 matrices of bf16 from shared memory, lane l naming the row of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+#if FIVED_FLASH_ARCH
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+#endif
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+#if FIVED_FLASH_ARCH
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+#endif
+}
+
+// c += a b: a 16x16 (row), b 16x8 (col), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#if FIVED_FLASH_ARCH
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+
+// 16 (or 4) bytes global -> shared without passing through registers; zeros when !valid.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#if FIVED_FLASH_ARCH
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+#endif
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+#if FIVED_FLASH_ARCH
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 4 : 0));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if FIVED_FLASH_ARCH
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int pending>
+__device__ __forceinline__ void cp_async_wait() {
+#if FIVED_FLASH_ARCH
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
+#endif
+}
+
+// ---- tiles in shared memory -------------------------------------------------------------------
+// A tile of rows x D bf16, row stride D + 8: the 16 extra bytes put the 8 rows one ldmatrix
+// reads on different banks.
+template <int D>
+inline constexpr int stride = D + 8;
+
+// Starts copying rows [t0, t0 + rows) of a [T, ld] row-major head slice into `dst`; rows past
+// T read as zero.
+template <int D, int rows>
+__device__ __forceinline__ void load_rows(bf16x* dst, const bf16x* src, std::size_t ld, int t0, int T) {
+  constexpr int chunks = D / 8;  // 16 bytes each
+  for (int i = static_cast<int>(threadIdx.x); i < rows * chunks; i += threads) {
+    const int r = i / chunks, c = i % chunks, t = t0 + r;
+    const bool valid = t < T;
+    cp_async16(dst + r * stride<D> + c * 8, src + (valid ? static_cast<std::size_t>(t) * ld + c * 8 : 0), valid);
+  }
+}
+// Starts copying floats [t0, t0 + rows) of a length-T row into `dst`; zero past T.
+template <int rows>
+__device__ __forceinline__ void load_floats(float* dst, const float* src, int t0, int T) {
+  for (int i = static_cast<int>(threadIdx.x); i < rows; i += threads) {
+    const bool valid = t0 + i < T;
+    cp_async4(dst + i, src + (valid ? t0 + i : 0), valid);
+  }
+}
+
+// The A operand (16 rows x 16 columns from column k0) of a row-major tile.
+template <int D>
+__device__ __forceinline__ void load_a(unsigned (&a)[4], const bf16x* tile_rows, int k0) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  ldmatrix_x4(a, tile_rows + (lane % 16) * stride<D> + k0 + (lane / 16) * 8);
+}
+// The B operands of two n-tiles (rows n0..n0+15 of the tile as columns of B, k from column k0):
+// b = rows^T. r[0], r[1] are n-tile n0; r[2], r[3] n-tile n0 + 8.
+template <int D>
+__device__ __forceinline__ void load_b_rows(unsigned (&r)[4], const bf16x* t, int n0, int k0) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  ldmatrix_x4(r, t + (n0 + lane % 8 + (lane / 16) * 8) * stride<D> + k0 + ((lane / 8) % 2) * 8);
+}
+// The B operands of two n-tiles where the tile is B itself (rows = k from row k0, columns =
+// n from column n0): r[0], r[1] are n-tile n0; r[2], r[3] n-tile n0 + 8.
+template <int D>
+__device__ __forceinline__ void load_b_cols(unsigned (&r)[4], const bf16x* t, int k0, int n0) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  ldmatrix_x4_trans(r, t + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * stride<D> + n0 + (lane / 16) * 8);
+}
+
+// acc[n] (16 x N, n-tiles of 8) += A (16 rows of `a_rows`, K = D) x rows^T (N rows of `b_rows`).
+template <int D, int N>
+__device__ __forceinline__ void rows_times_rows(float (&acc)[N / 8][4], const bf16x* a_rows, const bf16x* b_rows) {
+#pragma unroll
+  for (int k = 0; k < D; k += 16) {
+    unsigned a[4];
+    load_a<D>(a, a_rows, k);
+#pragma unroll
+    for (int n = 0; n < N; n += 16) {
+      unsigned b[4];
+      load_b_rows<D>(b, b_rows, n, k);
+      mma(acc[n / 8], a, b[0], b[1]);
+      mma(acc[n / 8 + 1], a, b[2], b[3]);
+    }
+  }
+}
+// acc[n] (16 x D) += P (16 x K, accumulator registers) x tile (K rows x D).
+template <int D, int K>
+__device__ __forceinline__ void regs_times_tile(float (&acc)[D / 8][4], const float (&p)[K / 8][4], const bf16x* t) {
+#pragma unroll
+  for (int k = 0; k < K; k += 16) {
+    const unsigned a[4] = {pack_bf16(p[k / 8][0], p[k / 8][1]), pack_bf16(p[k / 8][2], p[k / 8][3]),
+                           pack_bf16(p[k / 8 + 1][0], p[k / 8 + 1][1]), pack_bf16(p[k / 8 + 1][2], p[k / 8 + 1][3])};
+#pragma unroll
+    for (int n = 0; n < D; n += 16) {
+      unsigned b[4];
+      load_b_cols<D>(b, t, k, n);
+      mma(acc[n / 8], a, b[0], b[1]);
+      mma(acc[n / 8 + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Stores a warp's 16 x D accumulator (times `mul`) as bf16 rows r0 + g and r0 + g + 8 of dst
+// (row stride ld), rows at or past T skipped.
+template <int D>
+__device__ __forceinline__ void store_rows(bf16x* dst, std::size_t ld, const float (&acc)[D / 8][4], int r0, int T,
+                                           float mul0, float mul1) {
+  const int lane = static_cast<int>(threadIdx.x) % 32, g = lane / 4, c = lane % 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int t = r0 + g + 8 * half;
+    if (t >= T) continue;
+    const float mul = half ? mul1 : mul0;
+    bf16x* row = dst + static_cast<std::size_t>(t) * ld;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<unsigned*>(row + 8 * n + 2 * c) = pack_bf16(acc[n][2 * half] * mul, acc[n][2 * half + 1] * mul);
+  }
+}
+
+inline constexpr float log2e = 1.4426950408889634f;
+
+// ---- forward ------------------------------------------------------------------------------------
+template <int D>
+__global__ void __launch_bounds__(threads)
+    forward_kernel(bf16x* out, float* lse, const bf16x* qkv, int T, int C, int NH, int NKV, float scale) {
+  extern __shared__ __align__(16) unsigned char smem_bytes[];
+  bf16x* sQ = reinterpret_cast<bf16x*>(smem_bytes);
+  bf16x* sKV = sQ + tile * stride<D>;  // 2 stages of [K | V]
+  const int qt = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // longest rows first
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4, c = lane % 4;
+  const QkvRows<bf16x> at(qkv, b, h, T, C, NH, NKV, D);
+  const int q0 = qt * tile;
+  const float sl2 = scale * log2e;  // scores in log2 units
+
+  auto stage = [&](int s) { return sKV + s * 2 * tile * stride<D>; };
+  auto load_kv = [&](int kt) {
+    bf16x* st = stage(kt % 2);
+    load_rows<D, tile>(st, at.k, at.stride, kt * tile, T);
+    load_rows<D, tile>(st + tile * stride<D>, at.v, at.stride, kt * tile, T);
+  };
+  load_rows<D, tile>(sQ, at.q, at.stride, q0, T);
+  load_kv(0);
+  cp_async_commit();
+
+  float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  const bf16x* my_q = sQ + warp * 16 * stride<D>;
+  for (int kt = 0; kt <= qt; ++kt) {
+    if (kt < qt) {
+      load_kv(kt + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bf16x* sK = stage(kt % 2);
+    const bf16x* sV = sK + tile * stride<D>;
+    float s[tile / 8][4] = {};
+    rows_times_rows<D, tile>(s, my_q, sK);
+    // causal mask on the diagonal tile, then the online softmax of rows g and g + 8
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < tile / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = warp * 16 + g + 8 * (e / 2), key = 8 * n + 2 * c + e % 2;
+        s[n][e] = (kt == qt && key > row) ? -INFINITY : s[n][e] * sl2;
+        mx[e / 2] = fmaxf(mx[e / 2], s[n][e]);
+      }
+    float corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      const float m_new = fmaxf(m[r], mx[r]);  // finite: every row sees key 0 in tile 0
+      corr[r] = exp2f(m[r] - m_new);
+      m[r] = m_new;
+      l[r] *= corr[r];
+    }
+#pragma unroll
+    for (int n = 0; n < tile / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[n][e] = exp2f(s[n][e] - m[e / 2]);
+        l[e / 2] += s[n][e];  // this thread's part of the row sum: the quad adds at the end
+      }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[n][e] *= corr[e / 2];
+    regs_times_tile<D, tile>(o, s, sV);
+    __syncthreads();  // this stage is loaded again two tiles on
+  }
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    inv[r] = 1.0f / l[r];
+    const int t = q0 + warp * 16 + g + 8 * r;
+    if (c == 0 && t < T) lse[(static_cast<std::size_t>(b) * NH + h) * T + t] = (m[r] + log2f(l[r])) / log2e;
+  }
+  store_rows<D>(out + static_cast<std::size_t>(b) * T * C + static_cast<std::size_t>(h) * D,
+                static_cast<std::size_t>(C), o, q0 + warp * 16, T, inv[0], inv[1]);
+}
+
+// ---- backward: dK and dV ----------------------------------------------------------------------
+// Queries per step: 64, or 32 at head size 128 (the registers of dK and dV are twice as many).
+template <int D>
+inline constexpr int query_step = D > 64 ? 32 : 64;
+
+template <int D>
+__global__ void __launch_bounds__(threads)
+    backward_kv_kernel(bf16x* dqkv, const bf16x* dout, const bf16x* qkv, const float* lse, const float* Dd, int T,
+                       int C, int NH, int NKV, float scale) {
+  constexpr int BQ = query_step<D>;
+  constexpr int stage_elems = 2 * BQ * stride<D>;  // [Q | dO], then 2 x BQ floats
+  extern __shared__ __align__(16) unsigned char smem_bytes[];
+  bf16x* sK = reinterpret_cast<bf16x*>(smem_bytes);
+  bf16x* sV = sK + tile * stride<D>;
+  bf16x* stages = sV + tile * stride<D>;
+  float* stats = reinterpret_cast<float*>(stages + 2 * stage_elems);  // 2 stages of [lse | D]
+  const int kt = static_cast<int>(blockIdx.x);  // tile 0 has the most work and starts first
+  const int j = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z), group = NH / NKV;
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4, c = lane % 4;
+  const QkvRows<bf16x> kv(qkv, b, j * group, T, C, NH, NKV, D);
+  const int k0 = kt * tile;
+  const float sl2 = scale * log2e;
+  // The steps: every query head of the group, query tiles of BQ from the one holding key k0.
+  const int first = k0 / BQ, per_head = (T + BQ - 1) / BQ - first, steps = group * per_head;
+  auto load_step = [&](int i) {
+    const int h = j * group + i / per_head, t0 = (first + i % per_head) * BQ;
+    bf16x* st = stages + (i % 2) * stage_elems;
+    load_rows<D, BQ>(st, qkv + static_cast<std::size_t>(b) * T * kv.stride + static_cast<std::size_t>(h) * D,
+                     kv.stride, t0, T);
+    load_rows<D, BQ>(st + BQ * stride<D>, dout + static_cast<std::size_t>(b) * T * C + static_cast<std::size_t>(h) * D,
+                     static_cast<std::size_t>(C), t0, T);
+    const std::size_t row = (static_cast<std::size_t>(b) * NH + h) * T;
+    float* ss = stats + (i % 2) * 2 * BQ;
+    load_floats<BQ>(ss, lse + row, t0, T);
+    load_floats<BQ>(ss + BQ, Dd + row, t0, T);
+  };
+  load_rows<D, tile>(sK, kv.k, kv.stride, k0, T);
+  load_rows<D, tile>(sV, kv.v, kv.stride, k0, T);
+  load_step(0);
+  cp_async_commit();
+
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  const bf16x* my_k = sK + warp * 16 * stride<D>;
+  const bf16x* my_v = sV + warp * 16 * stride<D>;
+  for (int i = 0; i < steps; ++i) {
+    if (i + 1 < steps) {
+      load_step(i + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bf16x* sQ = stages + (i % 2) * stage_elems;
+    const bf16x* sO = sQ + BQ * stride<D>;
+    const float* sL = stats + (i % 2) * 2 * BQ;
+    const float* sD = sL + BQ;
+    const int t0 = (first + i % per_head) * BQ;
+    float s[BQ / 8][4] = {}, dp[BQ / 8][4] = {};
+    rows_times_rows<D, BQ>(s, my_k, sQ);   // S^T: keys x queries
+    rows_times_rows<D, BQ>(dp, my_v, sO);  // dP^T
+#pragma unroll
+    for (int n = 0; n < BQ / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = k0 + warp * 16 + g + 8 * (e / 2), qi = 8 * n + 2 * c + e % 2, query = t0 + qi;
+        const float p = (query >= key && query < T) ? exp2f(s[n][e] * sl2 - sL[qi] * log2e) : 0.0f;
+        s[n][e] = p;
+        dp[n][e] = p * (dp[n][e] - sD[qi]);
+      }
+    regs_times_tile<D, BQ>(dv, s, sO);  // dV += P^T dO
+    regs_times_tile<D, BQ>(dk, dp, sQ); // dK += dS^T Q
+    __syncthreads();
+  }
+  const std::size_t base = static_cast<std::size_t>(b) * T * kv.stride + C + static_cast<std::size_t>(j) * D;
+  store_rows<D>(dqkv + base, kv.stride, dk, k0 + warp * 16, T, scale, scale);
+  store_rows<D>(dqkv + base + static_cast<std::size_t>(NKV) * D, kv.stride, dv, k0 + warp * 16, T, 1.0f, 1.0f);
+}
+
+// ---- backward: dQ -------------------------------------------------------------------------------
+template <int D>
+__global__ void __launch_bounds__(threads)
+    backward_q_kernel(bf16x* dqkv, const bf16x* dout, const bf16x* qkv, const float* lse, const float* Dd, int T,
+                      int C, int NH, int NKV, float scale) {
+  constexpr int BK = query_step<D>;  // keys per step
+  constexpr int stage_elems = 2 * BK * stride<D>;  // [K | V]
+  extern __shared__ __align__(16) unsigned char smem_bytes[];
+  bf16x* sQ = reinterpret_cast<bf16x*>(smem_bytes);
+  bf16x* sO = sQ + tile * stride<D>;
+  bf16x* stages = sO + tile * stride<D>;
+  const int qt = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // longest rows first
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4, c = lane % 4;
+  const QkvRows<bf16x> at(qkv, b, h, T, C, NH, NKV, D);
+  const int q0 = qt * tile;
+  const float sl2 = scale * log2e;
+  const int steps = (q0 + tile + BK - 1) / BK;  // key steps up to the tile's last query
+  auto load_step = [&](int i) {
+    bf16x* st = stages + (i % 2) * stage_elems;
+    load_rows<D, BK>(st, at.k, at.stride, i * BK, T);
+    load_rows<D, BK>(st + BK * stride<D>, at.v, at.stride, i * BK, T);
+  };
+  load_rows<D, tile>(sQ, at.q, at.stride, q0, T);
+  load_rows<D, tile>(sO, dout + static_cast<std::size_t>(b) * T * C + static_cast<std::size_t>(h) * D,
+                     static_cast<std::size_t>(C), q0, T);
+  load_step(0);
+  cp_async_commit();
+
+  const std::size_t row = (static_cast<std::size_t>(b) * NH + h) * T;
+  float rl[2], rd[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = q0 + warp * 16 + g + 8 * r;
+    rl[r] = t < T ? lse[row + t] * log2e : 0.0f;
+    rd[r] = t < T ? Dd[row + t] : 0.0f;
+  }
+  float dq[D / 8][4] = {};
+  const bf16x* my_q = sQ + warp * 16 * stride<D>;
+  const bf16x* my_o = sO + warp * 16 * stride<D>;
+  for (int i = 0; i < steps; ++i) {
+    if (i + 1 < steps) {
+      load_step(i + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bf16x* sK = stages + (i % 2) * stage_elems;
+    const bf16x* sV = sK + BK * stride<D>;
+    float s[BK / 8][4] = {}, dp[BK / 8][4] = {};
+    rows_times_rows<D, BK>(s, my_q, sK);
+    rows_times_rows<D, BK>(dp, my_o, sV);
+#pragma unroll
+    for (int n = 0; n < BK / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int query = q0 + warp * 16 + g + 8 * (e / 2), key = i * BK + 8 * n + 2 * c + e % 2;
+        const float p = (key <= query && query < T) ? exp2f(s[n][e] * sl2 - rl[e / 2]) : 0.0f;
+        dp[n][e] = p * (dp[n][e] - rd[e / 2]);
+      }
+    regs_times_tile<D, BK>(dq, dp, sK);  // dQ += dS K
+    __syncthreads();
+  }
+  store_rows<D>(dqkv + static_cast<std::size_t>(b) * T * at.stride + static_cast<std::size_t>(h) * D, at.stride, dq,
+                q0 + warp * 16, T, scale, scale);
+}
+
+// ---- launch -------------------------------------------------------------------------------------
+
+// Whether the tensor-core kernels take this call: bf16 on an sm_80+ device, head size 32, 64
+// or 128, and every row starting on a 16-byte boundary.
+inline bool fits(int hs, int C, int NH, int NKV, std::initializer_list<const void*> ptrs) {
+  if (hs != 32 && hs != 64 && hs != 128) return false;
+  const long long stride = static_cast<long long>(C) + 2LL * NKV * hs;
+  if (C % 8 != 0 || stride % 8 != 0 || NH % NKV != 0 || !aligned16(ptrs)) return false;
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8;
+}
+
+template <int D>
+inline constexpr std::size_t forward_smem = sizeof(bf16x) * 5 * tile * stride<D>;
+template <int D>
+inline constexpr std::size_t backward_kv_smem =
+    sizeof(bf16x) * (2 * tile + 4 * query_step<D>) * stride<D> + sizeof(float) * 4 * query_step<D>;
+template <int D>
+inline constexpr std::size_t backward_q_smem = sizeof(bf16x) * (2 * tile + 4 * query_step<D>) * stride<D>;
+
+template <class Kernel>
+void allow_smem(Kernel kernel, std::size_t bytes) {
+  FIVED_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+template <int D>
+void forward(cudaStream_t stream, bf16x* out, float* lse, const bf16x* qkv, int B, int T, int C, int NH, int NKV) {
+  allow_smem(forward_kernel<D>, forward_smem<D>);
+  const dim3 grid(static_cast<unsigned>((T + tile - 1) / tile), static_cast<unsigned>(NH), static_cast<unsigned>(B));
+  forward_kernel<D><<<grid, threads, forward_smem<D>, stream>>>(out, lse, qkv, T, C, NH, NKV,
+                                                                 1.0f / sqrtf(static_cast<float>(D)));
+  FIVED_CUDA_CHECK_LAUNCH("flash::forward_kernel");
+}
+
+template <int D>
+void backward(cudaStream_t stream, bf16x* dqkv, const bf16x* dout, const bf16x* qkv, const float* lse, const float* Dd,
+              int B, int T, int C, int NH, int NKV) {
+  const float scale = 1.0f / sqrtf(static_cast<float>(D));
+  const unsigned tiles = static_cast<unsigned>((T + tile - 1) / tile);
+  allow_smem(backward_kv_kernel<D>, backward_kv_smem<D>);
+  backward_kv_kernel<D><<<dim3(tiles, static_cast<unsigned>(NKV), static_cast<unsigned>(B)), threads,
+                          backward_kv_smem<D>, stream>>>(dqkv, dout, qkv, lse, Dd, T, C, NH, NKV, scale);
+  FIVED_CUDA_CHECK_LAUNCH("flash::backward_kv_kernel");
+  allow_smem(backward_q_kernel<D>, backward_q_smem<D>);
+  backward_q_kernel<D><<<dim3(tiles, static_cast<unsigned>(NH), static_cast<unsigned>(B)), threads,
+                         backward_q_smem<D>, stream>>>(dqkv, dout, qkv, lse, Dd, T, C, NH, NKV, scale);
+  FIVED_CUDA_CHECK_LAUNCH("flash::backward_q_kernel");
+}
+
+// Runs f.template operator()<D>() with D = hs (one of fits' head sizes).
+template <class F>
+void with_head_size(int hs, F&& f) {
+  if (hs == 32)
+    f.template operator()<32>();
+  else if (hs == 64)
+    f.template operator()<64>();
+  else
+    f.template operator()<128>();
+}
+
+}  // namespace flash
+}  // namespace fived::kernels::cuda::detail
