@@ -205,8 +205,10 @@ int main(int argc, char** argv) {
     const double own_bwd = time_ms(s, [&] {
       ck::attention_backward(s, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH, NH);
     });
-    row("attention fwd (fived's kernel)", own_fwd, 0, attn_fwd_flops);
-    row("attention bwd (fived's kernel)", own_bwd, 0, 2.5 * attn_fwd_flops);
+    const bool tc = ck::attention_on_tensor_cores<bf16>(C, NH, NH);
+    row(tc ? "attention fwd (fived's, tensor cores)" : "attention fwd (fived's, scalar)", own_fwd, 0, attn_fwd_flops);
+    row(tc ? "attention bwd (fived's, tensor cores)" : "attention bwd (fived's, scalar)", own_bwd, 0,
+        2.5 * attn_fwd_flops);
 #if defined(FIVED_WITH_CUDNN)
     ck::CudnnAttention cudnn(s);
     const double cudnn_fwd = time_ms(s, [&] { cudnn.forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, NH); });

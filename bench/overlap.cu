@@ -1,15 +1,16 @@
 // Data-parallel step time with the gradient reductions overlapped with backward, issued
 // after it, and with no communication at all, on GPUs over NCCL:
 //
-//   scripts/launch-local.sh 2 build/bench/overlap [--batch 8] [--seq 1024] [--steps 10] [--warmup 3] [--zero 1]
+//   scripts/launch-local.sh 2 build/bench/overlap [--batch 8] [--seq 1024] [--steps 10] [--warmup 3] [--zero 0|1|2|3]
 //
 // Each rank trains GPT-2 124M in bf16 (fp32 masters, AdamW, clip 1.0) with
-// DataParallel<GPT<gpt2_124m, Mesh<DP<2>>, bf16, Cuda>, NoZeRO or ZeRO<1>> on B / 2 rows of a
+// DataParallel<GPT<gpt2_124m, Mesh<DP<2>>, bf16, Cuda>, NoZeRO or ZeRO<1..3>> on B / 2 rows of a
 // global batch of B. Rows of the table (median wall-clock ms of a step over --steps, after
 // --warmup; every rank waits for the loss at the end of a step, so wall clock is step time):
 //   no communication   rank 0 alone: the serial model on the same B / 2 rows (no collective)
 //   DP 2, after        the reductions issued once backward has finished
 //   DP 2, overlapped   each unit's reductions issued on the side stream as backward finishes it
+//                      (ZeRO-3: and each unit's parameters gathered there before it runs)
 // The difference between the last two is what overlap hides; against the first, what
 // communication still costs. Several ranks on ONE GPU share its SMs and talk over loopback
 // sockets (NCCL_HOSTID per rank, see scripts/launch-local.sh): such numbers show whether the
@@ -47,7 +48,7 @@ struct Options {
 [[noreturn]] void usage(const std::string& msg) {
   std::fprintf(stderr,
                "%s\nusage: scripts/launch-local.sh 2 overlap [--batch B (8, even)] [--seq T (1024)] [--steps N (10)] "
-               "[--warmup W (3)] [--zero 0|1 (1)]\n",
+               "[--warmup W (3)] [--zero 0|1|2|3 (1)]\n",
                msg.c_str());
   std::exit(2);
 }
@@ -64,8 +65,8 @@ Options parse(int argc, char** argv) {
     return true;
   });
   if (o.batch < 2 || o.batch % 2 != 0 || o.seq < 1 || o.seq > gpt2_124m::max_seq || o.steps < 1 || o.warmup < 0 ||
-      (o.zero != 0 && o.zero != 1))
-    usage("need an even --batch >= 2, 1 <= --seq <= 1024, --steps >= 1, --warmup >= 0, --zero 0 or 1");
+      o.zero < 0 || o.zero > 3)
+    usage("need an even --batch >= 2, 1 <= --seq <= 1024, --steps >= 1, --warmup >= 0, --zero 0, 1, 2 or 3");
   return o;
 }
 
@@ -126,8 +127,12 @@ int main(int argc, char** argv) {
     ctx.world().barrier();
 
     double after = 0, overlapped = 0;
-    if (opt.zero == 0) dp_rows<fived::NoZeRO>(opt, ctx, tok, tgt, after, overlapped);
-    else dp_rows<fived::ZeRO<1>>(opt, ctx, tok, tgt, after, overlapped);
+    switch (opt.zero) {
+      case 0: dp_rows<fived::NoZeRO>(opt, ctx, tok, tgt, after, overlapped); break;
+      case 1: dp_rows<fived::ZeRO<1>>(opt, ctx, tok, tgt, after, overlapped); break;
+      case 2: dp_rows<fived::ZeRO<2>>(opt, ctx, tok, tgt, after, overlapped); break;
+      default: dp_rows<fived::ZeRO<3>>(opt, ctx, tok, tgt, after, overlapped); break;
+    }
 
     if (printer) {
       cudaDeviceProp prop{};
@@ -135,7 +140,7 @@ int main(int argc, char** argv) {
       FIVED_CUDA_CHECK(cudaGetDevice(&dev));
       FIVED_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
       std::printf("device: %s  fived bench/overlap  GPT-2 124M bf16, global batch %d x %d, %s, %d ranks\n", prop.name,
-                  opt.batch, opt.seq, opt.zero ? "ZeRO-1" : "no ZeRO", DpMesh::size);
+                  opt.batch, opt.seq, opt.zero ? ("ZeRO-" + std::to_string(opt.zero)).c_str() : "no ZeRO", DpMesh::size);
       std::printf("%-22s %10s %12s\n", "step", "ms/step", "tokens/s");
       auto row = [&](const char* name, double ms, double tokens) {
         std::printf("%-22s %10.1f %12.0f\n", name, ms, tokens / (ms * 1e-3));

@@ -549,6 +549,69 @@ TEST_CASE_TEMPLATE("attention forward and backward (flash-style) against the ref
   CHECK_THROWS_AS(ck::attention_forward(stream(), x.data(), l.data(), x.data(), 1, 1, 96, 3, 2), std::invalid_argument);
 }
 
+// Ring attention's blocks (context parallelism) against the host's: q from a q|k|v buffer, k
+// and v from a packed [k | v] one (the ring's), a causal diagonal block first, then a full
+// block merged into o and lse; the backward adds to dq, dk and dv. bf16 at head sizes 64 and
+// 128 runs the tensor-core kernels (rows past one 64-row tile, grouped and multi-query heads),
+// the rest the scalar ones.
+TEST_CASE_TEMPLATE("attention blocks (ring attention) against the reference", T, ELEMENT_TYPES) {
+  struct Shape {
+    int B, n, C, NH, NKV;
+  };
+  for (const Shape s : {Shape{2, 100, 256, 4, 2}, Shape{1, 70, 256, 2, 1}, Shape{2, 45, 96, 3, 3}}) {
+    CAPTURE(s.n);
+    CAPTURE(s.C);
+    CAPTURE(s.NH);
+    CAPTURE(s.NKV);
+    const int hs = s.C / s.NH, Ckv = hs * s.NKV, ldq = s.C + 2 * Ckv, ldkv = 2 * Ckv;
+    const std::size_t rows = static_cast<std::size_t>(s.B) * s.n, nlse = static_cast<std::size_t>(s.B) * s.NH * s.n;
+    const auto qkv = rnd<T>(rows * ldq, 40, -1.5f, 1.5f), kv1 = rnd<T>(rows * ldkv, 41, -1.5f, 1.5f);
+    const auto dout = rnd<T>(rows * s.C, 42);
+    const auto dq0 = rnd<float>(rows * s.C, 43), dkv0 = rnd<float>(rows * ldkv, 44);
+    // host: the diagonal block from qkv's own k, v, then kv1's block merged
+    std::vector<float> o(rows * s.C), lse(nlse), Dd(nlse);
+    const T* k0 = qkv.data() + s.C;
+    hk::attention_block_forward(o.data(), lse.data(), qkv.data(), k0, k0 + Ckv, ldq, ldq, s.B, s.n, s.C, s.NH, s.NKV,
+                                true, true);
+    hk::attention_block_forward(o.data(), lse.data(), qkv.data(), kv1.data(), kv1.data() + Ckv, ldq, ldkv, s.B, s.n,
+                                s.C, s.NH, s.NKV, false, false);
+    std::vector<T> out(o.size());
+    for (std::size_t i = 0; i < o.size(); ++i) out[i] = T(o[i]);
+    hk::attention_row_dot(Dd.data(), dout.data(), out.data(), s.B, s.n, s.C, s.NH);
+    auto dq = dq0, dkv = dkv0;
+    for (const bool causal : {true, false})
+      hk::attention_block_backward(dq.data(), dkv.data(), dkv.data() + Ckv, ldkv, dout.data(), Dd.data(), lse.data(),
+                                   qkv.data(), causal ? k0 : kv1.data(), (causal ? k0 : kv1.data()) + Ckv, ldq,
+                                   causal ? ldq : ldkv, s.B, s.n, s.C, s.NH, s.NKV, causal);
+    // device
+    auto d_qkv = up(qkv), d_kv1 = up(kv1), d_dout = up(dout), d_out = up(out);
+    Buffer<float, Cuda> d_o(o.size()), d_lse(nlse), d_Dd(nlse);
+    const T* dk0 = d_qkv.data() + s.C;
+    ck::attention_block_forward(stream(), d_o.data(), d_lse.data(), d_qkv.data(), dk0, dk0 + Ckv, ldq, ldq, s.B, s.n,
+                                s.C, s.NH, s.NKV, true, true);
+    ck::attention_block_forward(stream(), d_o.data(), d_lse.data(), d_qkv.data(), d_kv1.data(), d_kv1.data() + Ckv,
+                                ldq, ldkv, s.B, s.n, s.C, s.NH, s.NKV, false, false);
+    CHECK_CLOSE(o, down(d_o), bound<T>(fp32_sum));
+    CHECK_CLOSE(lse, down(d_lse), 1e-4);
+    ck::attention_row_dot(stream(), d_Dd.data(), d_dout.data(), d_out.data(), s.B, s.n, s.C, s.NH);
+    CHECK_CLOSE(Dd, down(d_Dd), bound<T>(fp32_sum));
+    auto d_dq = up(dq0), d_dkv = up(dkv0), d_lse_ref = up(lse), d_Dd_ref = up(Dd);
+    for (const bool causal : {true, false}) {
+      const T* kk = causal ? dk0 : d_kv1.data();
+      ck::attention_block_backward(stream(), d_dq.data(), d_dkv.data(), d_dkv.data() + Ckv, ldkv, d_dout.data(),
+                                   d_Dd_ref.data(), d_lse_ref.data(), d_qkv.data(), kk, kk + Ckv, ldq,
+                                   causal ? ldq : ldkv, s.B, s.n, s.C, s.NH, s.NKV, causal);
+    }
+    // the random starting values dominate dq0 + gradient: compare the gradients themselves
+    auto minus = [](std::vector<float> a, const std::vector<float>& b) {
+      for (std::size_t i = 0; i < a.size(); ++i) a[i] -= b[i];
+      return a;
+    };
+    CHECK_CLOSE(minus(dq, dq0), minus(down(d_dq), dq0), bound<T>(fp32_sum));
+    CHECK_CLOSE(minus(dkv, dkv0), minus(down(d_dkv), dkv0), bound<T>(fp32_sum));
+  }
+}
+
 #if defined(FIVED_WITH_CUDNN)
 // cuDNN's fused attention (bf16), as Ops<bf16, Cuda> runs it, against the host reference:
 // out, the log-sum-exp statistics fived's backward and context-parallel merges read, and

@@ -39,6 +39,19 @@ namespace fived::kernels::cuda {
 
 namespace detail {
 
+// Where sequence b's rows of query head h, and of the key/value head it reads, start in a
+// [B,T,C + 2Ckv] q|k|v buffer (row stride `stride`).
+template <class E>
+struct QkvRows {
+  std::size_t stride;
+  const E *q, *k, *v;
+  __device__ QkvRows(const E* qkv, int b, int h, int T, int C, int NH, int NKV, int hs)
+      : stride(static_cast<std::size_t>(C) + 2 * static_cast<std::size_t>(NKV) * hs),
+        q(qkv + static_cast<std::size_t>(b) * T * stride + static_cast<std::size_t>(h) * hs),
+        k(qkv + static_cast<std::size_t>(b) * T * stride + C + static_cast<std::size_t>(h / (NH / NKV)) * hs),
+        v(k + static_cast<std::size_t>(NKV) * hs) {}
+};
+
 inline constexpr int attn_tile = 32;     // queries and keys per tile
 inline constexpr int attn_threads = 256; // 8 warps x 4 rows = 32 rows
 inline constexpr int attn_rows = 4;      // rows (queries or keys) per warp
@@ -335,6 +348,15 @@ __global__ void __launch_bounds__(attn_threads)
   }
 }
 
+// Whole causal sequences of a [B,T,C + 2Ckv] q|k|v buffer as the tensor-core kernels' problem.
+inline flash::Operands whole_sequences(const __nv_bfloat16* qkv, int B, int T, int C, int NH, int NKV) {
+  (void)B;
+  const int hs = C / NH;
+  const std::size_t ld = static_cast<std::size_t>(C) + 2 * static_cast<std::size_t>(NKV) * hs;
+  return {qkv, qkv + C, qkv + C + static_cast<std::size_t>(NKV) * hs, ld, ld, T, NH, NKV, true,
+          1.0f / sqrtf(static_cast<float>(hs))};
+}
+
 inline int attention_check(const char* kernel, int B, int T, int C, int NH, int NKV) {
   require_non_negative(kernel, "B", B);
   require_non_negative(kernel, "T", T);
@@ -410,9 +432,10 @@ void attention_forward(cudaStream_t stream, E* out, float* lse, const E* qkv, in
   if (B == 0 || T == 0) return;
   detail::require(lse != nullptr, "attention_forward", "lse [B,NH,T] is an output and must not be null");
   if constexpr (std::is_same_v<E, fived::bf16>) {
-    if (detail::flash::fits(hs, C, NH, NKV, {out, qkv})) {
+    const auto a = detail::whole_sequences(dev(qkv), B, T, C, NH, NKV);
+    if (detail::flash::fits(hs, NH, NKV, {a.ldq, static_cast<std::size_t>(C)}, {out, qkv})) {
       detail::flash::with_head_size(hs, [&]<int D>() {
-        detail::flash::forward<D>(stream, dev(out), lse, dev(qkv), B, T, C, NH, NKV);
+        detail::flash::forward<D>(stream, a, B, dev(out), static_cast<std::size_t>(C), lse, true);
       });
       return;
     }
@@ -433,10 +456,12 @@ void attention_backward(cudaStream_t stream, E* dqkv, const E* dout, const E* qk
       Dd.get(), dev(dout), dev(out), B, T, C, NH, hs);
   FIVED_CUDA_CHECK_LAUNCH("attention_dot_kernel");
   if constexpr (std::is_same_v<E, fived::bf16>) {
-    if (detail::flash::fits(hs, C, NH, NKV, {dqkv, dout, qkv})) {
-      detail::flash::with_head_size(hs, [&]<int D>() {
-        detail::flash::backward<D>(stream, dev(dqkv), dev(dout), dev(qkv), lse, Dd.get(), B, T, C, NH, NKV);
-      });
+    const auto a = detail::whole_sequences(dev(qkv), B, T, C, NH, NKV);
+    if (detail::flash::fits(hs, NH, NKV, {a.ldq, static_cast<std::size_t>(C)}, {dqkv, dout, qkv})) {
+      auto* g = dev(dqkv);
+      const detail::flash::Gradients<__nv_bfloat16> gr{dev(dout), static_cast<std::size_t>(C), lse, Dd.get(), g,
+                                                       g + C, g + C + static_cast<std::size_t>(NKV) * hs, a.ldq, a.ldq};
+      detail::flash::with_head_size(hs, [&]<int D>() { detail::flash::backward<D>(stream, a, B, gr); });
       return;
     }
   }
@@ -450,7 +475,7 @@ void attention_backward(cudaStream_t stream, E* dqkv, const E* dout, const E* qk
 template <class E>
 bool attention_on_tensor_cores(int C, int NH, int NKV) {
   return std::is_same_v<E, fived::bf16> && NH > 0 && NKV > 0 && C % NH == 0 &&
-         detail::flash::fits(C / NH, C, NH, NKV, {});
+         detail::flash::fits(C / NH, NH, NKV, {static_cast<std::size_t>(C) + 2ULL * NKV * (C / NH)}, {});
 }
 
 // ---- ring attention's blocks --------------------------------------------------------------
@@ -601,6 +626,16 @@ void attention_block_forward(cudaStream_t stream, float* o, float* lse, const E*
   static_assert(is_element_v<E>, "attention_block_forward: element type must be float or fived::bf16");
   const int hs = detail::attention_check("attention_block_forward", B, n, C, NH, NKV);
   if (B == 0 || n == 0) return;
+  if constexpr (std::is_same_v<E, fived::bf16>) {
+    const detail::flash::Operands a{dev(q), dev(k), dev(v), static_cast<std::size_t>(ldq), static_cast<std::size_t>(ldkv),
+                                    n, NH, NKV, causal, 1.0f / sqrtf(static_cast<float>(hs))};
+    if (detail::flash::fits(hs, NH, NKV, {a.ldq, a.ldkv, static_cast<std::size_t>(C)}, {o, q, k, v})) {
+      detail::flash::with_head_size(hs, [&]<int D>() {
+        detail::flash::forward<D>(stream, a, B, o, static_cast<std::size_t>(C), lse, first);
+      });
+      return;
+    }
+  }
   detail::attention_block_forward_kernel<<<detail::block_row_grid(B, n, NH, "attention_block_forward"),
                                            32 * detail::block_row_warps, 0, stream>>>(
       o, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, NKV, hs, 1.0f / sqrtf(static_cast<float>(hs)), causal,
@@ -627,6 +662,16 @@ void attention_block_backward(cudaStream_t stream, float* dq, float* dk, float* 
   const int hs = detail::attention_check("attention_block_backward", B, n, C, NH, NKV);
   if (B == 0 || n == 0) return;
   const float scale = 1.0f / sqrtf(static_cast<float>(hs));
+  if constexpr (std::is_same_v<E, fived::bf16>) {
+    const detail::flash::Operands a{dev(q), dev(k), dev(v), static_cast<std::size_t>(ldq), static_cast<std::size_t>(ldkv),
+                                    n, NH, NKV, causal, scale};
+    const std::size_t Cs = static_cast<std::size_t>(C), lds = static_cast<std::size_t>(lddkv);
+    if (detail::flash::fits(hs, NH, NKV, {a.ldq, a.ldkv, Cs, lds}, {dq, dk, dv, dout, q, k, v})) {
+      const detail::flash::Gradients<float> gr{dev(dout), Cs, lse, Dd, dq, dk, dv, Cs, lds};
+      detail::flash::with_head_size(hs, [&]<int D>() { detail::flash::backward<D>(stream, a, B, gr); });
+      return;
+    }
+  }
   detail::attention_block_backward_q_kernel<<<detail::block_row_grid(B, n, NH, "attention_block_backward"),
                                               32 * detail::block_row_warps, 0, stream>>>(
       dq, dev(dout), Dd, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, NKV, hs, scale, causal);

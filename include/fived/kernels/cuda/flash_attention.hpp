@@ -1,18 +1,24 @@
 #pragma once
 // fived's own tensor-core attention for bf16: FlashAttention-2's algorithm on the warp-level
-// mma.sync instructions (sm_80 and later), what attention_forward / attention_backward
-// (kernels/cuda/attention.hpp) run for bf16 when the shape fits (flash::fits) and cuDNN is
-// not the one used. Same contract, same [B,T,C + 2Ckv] q|k|v layout, same lse.
+// mma.sync instructions (sm_80 and later). What attention_forward / attention_backward and
+// ring attention's blocks (kernels/cuda/attention.hpp) run for bf16 when the shape fits
+// (flash::fits) and cuDNN is not the one used.
+//
+// The kernels see one problem, `Operands`: B sequences of T rows, query head h reading
+// key/value head h / (NH / NKV), q, k and v anywhere with their own row strides, causal (the
+// diagonal: key u seen by query t only when u <= t) or not (every key). Where the results go
+// is the output type: bf16 rows (a whole sequence: out and lse; dq, dk, dv overwritten), or
+// float accumulators (a ring block: o and lse merged by log-sum-exp, dq, dk, dv added to).
 //
 // Forward: one block of 4 warps per (64-query tile, head, batch); each warp owns 16 query
-// rows and keeps them in registers as mma operands. Key/value tiles of 64 rows stream through
-// shared memory, double-buffered with cp.async. S = Q K^T and O += P V run on mma.m16n8k16
-// (bf16 in, fp32 accumulate); the online softmax is fp32 in registers (exp2 with the scale
-// folded in), and P goes from the accumulator registers straight back in as the A operand.
+// rows. Key/value tiles of 64 rows stream through shared memory, double-buffered with
+// cp.async. S = Q K^T and O += P V run on mma.m16n8k16 (bf16 in, fp32 accumulate); the online
+// softmax is fp32 in registers (exp2 with the scale folded in), and P goes from the
+// accumulator registers straight back in as the A operand.
 //
 // Backward, deterministic (no atomics), in two kernels as the scalar one:
 //   dK, dV: one block per (64-key tile, key/value head, batch); each warp owns 16 keys and
-//     computes S^T = K Q^T and dP^T = V dO^T for query tiles at or after its keys, of every
+//     computes S^T = K Q^T and dP^T = V dO^T for the query tiles that see its keys, of every
 //     query head of the group, so dV += P^T dO and dK += dS^T Q need no transposes;
 //   dQ: one block per (64-query tile, head, batch): S = Q K^T, dP = dO V^T, dQ += dS K.
 // P is recomputed from lse; dS = P (dP - D) with D_t = dout_t . out_t (precomputed).
@@ -24,19 +30,6 @@
 #include <fived/kernels/cuda/common.hpp>
 
 namespace fived::kernels::cuda::detail {
-
-// Where sequence b's rows of query head h, and of the key/value head it reads, start in a
-// [B,T,C + 2Ckv] q|k|v buffer (row stride `stride`).
-template <class E>
-struct QkvRows {
-  std::size_t stride;
-  const E *q, *k, *v;
-  __device__ QkvRows(const E* qkv, int b, int h, int T, int C, int NH, int NKV, int hs)
-      : stride(static_cast<std::size_t>(C) + 2 * static_cast<std::size_t>(NKV) * hs),
-        q(qkv + static_cast<std::size_t>(b) * T * stride + static_cast<std::size_t>(h) * hs),
-        k(qkv + static_cast<std::size_t>(b) * T * stride + C + static_cast<std::size_t>(h / (NH / NKV)) * hs),
-        v(k + static_cast<std::size_t>(NKV) * hs) {}
-};
 
 namespace flash {
 
@@ -191,55 +184,81 @@ __device__ __forceinline__ void regs_times_tile(float (&acc)[D / 8][4], const fl
   }
 }
 
-// Stores a warp's 16 x D accumulator (times `mul`) as bf16 rows r0 + g and r0 + g + 8 of dst
-// (row stride ld), rows at or past T skipped.
-template <int D>
-__device__ __forceinline__ void store_rows(bf16x* dst, std::size_t ld, const float (&acc)[D / 8][4], int r0, int T,
-                                           float mul0, float mul1) {
+inline constexpr float log2e = 1.4426950408889634f;
+
+// One attention problem (see the top of the file). Row t of sequence b: q + (b T + t) ldq +
+// h D for query head h, k (v) + (b T + t) ldkv + j D for key/value head j.
+struct Operands {
+  const bf16x *q, *k, *v;
+  std::size_t ldq, ldkv;
+  int T, NH, NKV;
+  bool causal;
+  float scale;  // 1 / sqrt(D)
+  __device__ std::size_t row(int b, int t) const { return static_cast<std::size_t>(b) * T + t; }
+};
+
+// Rows r0 + g and r0 + g + 8 of a warp's 16 x D accumulator into dst (row stride ld, rows
+// past T skipped), times mul[0] / mul[1]: stored as bf16; or into float as
+// dst = dst keep + acc mul (keep 0: dst is not read).
+template <int D, class Out>
+__device__ __forceinline__ void put_rows(Out* dst, std::size_t ld, const float (&acc)[D / 8][4], int r0, int T,
+                                         const float (&mul)[2], const float (&keep)[2]) {
   const int lane = static_cast<int>(threadIdx.x) % 32, g = lane / 4, c = lane % 4;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int t = r0 + g + 8 * half;
     if (t >= T) continue;
-    const float mul = half ? mul1 : mul0;
-    bf16x* row = dst + static_cast<std::size_t>(t) * ld;
+    Out* row = dst + static_cast<std::size_t>(t) * ld;
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-      *reinterpret_cast<unsigned*>(row + 8 * n + 2 * c) = pack_bf16(acc[n][2 * half] * mul, acc[n][2 * half + 1] * mul);
+    for (int n = 0; n < D / 8; ++n) {
+      const float x = acc[n][2 * half] * mul[half], y = acc[n][2 * half + 1] * mul[half];
+      if constexpr (std::is_same_v<Out, float>) {
+        float2* p = reinterpret_cast<float2*>(row + 8 * n + 2 * c);
+        if (keep[half] == 0.0f) {
+          *p = make_float2(x, y);
+        } else {
+          const float2 old = *p;
+          *p = make_float2(old.x * keep[half] + x, old.y * keep[half] + y);
+        }
+      } else {
+        *reinterpret_cast<unsigned*>(row + 8 * n + 2 * c) = pack_bf16(x, y);
+      }
+    }
   }
 }
 
-inline constexpr float log2e = 1.4426950408889634f;
-
 // ---- forward ------------------------------------------------------------------------------------
-template <int D>
-__global__ void __launch_bounds__(threads)
-    forward_kernel(bf16x* out, float* lse, const bf16x* qkv, int T, int C, int NH, int NKV, float scale) {
+// Out = bf16x: o [B T, ldo] and lse [B, NH, T] are this problem's. Out = float: they are
+// merged into (or, `first`, set to) o and lse.
+template <int D, class Out>
+__global__ void __launch_bounds__(threads) forward_kernel(Operands a, Out* o, std::size_t ldo, float* lse, bool first) {
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   bf16x* sQ = reinterpret_cast<bf16x*>(smem_bytes);
   bf16x* sKV = sQ + tile * stride<D>;  // 2 stages of [K | V]
   const int qt = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // longest rows first
-  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z), T = a.T;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane / 4, c = lane % 4;
-  const QkvRows<bf16x> at(qkv, b, h, T, C, NH, NKV, D);
-  const int q0 = qt * tile;
-  const float sl2 = scale * log2e;  // scores in log2 units
+  const std::size_t kvh = static_cast<std::size_t>(h / (a.NH / a.NKV)) * D;
+  const bf16x* k = a.k + a.row(b, 0) * a.ldkv + kvh;
+  const bf16x* v = a.v + a.row(b, 0) * a.ldkv + kvh;
+  const int q0 = qt * tile, last = a.causal ? qt : (T - 1) / tile;
+  const float sl2 = a.scale * log2e;  // scores in log2 units
 
   auto stage = [&](int s) { return sKV + s * 2 * tile * stride<D>; };
   auto load_kv = [&](int kt) {
     bf16x* st = stage(kt % 2);
-    load_rows<D, tile>(st, at.k, at.stride, kt * tile, T);
-    load_rows<D, tile>(st + tile * stride<D>, at.v, at.stride, kt * tile, T);
+    load_rows<D, tile>(st, k, a.ldkv, kt * tile, T);
+    load_rows<D, tile>(st + tile * stride<D>, v, a.ldkv, kt * tile, T);
   };
-  load_rows<D, tile>(sQ, at.q, at.stride, q0, T);
+  load_rows<D, tile>(sQ, a.q + a.row(b, 0) * a.ldq + static_cast<std::size_t>(h) * D, a.ldq, q0, T);
   load_kv(0);
   cp_async_commit();
 
-  float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  float acc[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   const bf16x* my_q = sQ + warp * 16 * stride<D>;
-  for (int kt = 0; kt <= qt; ++kt) {
-    if (kt < qt) {
+  for (int kt = 0; kt <= last; ++kt) {
+    if (kt < last) {
       load_kv(kt + 1);
       cp_async_commit();
       cp_async_wait<1>();
@@ -251,14 +270,16 @@ __global__ void __launch_bounds__(threads)
     const bf16x* sV = sK + tile * stride<D>;
     float s[tile / 8][4] = {};
     rows_times_rows<D, tile>(s, my_q, sK);
-    // causal mask on the diagonal tile, then the online softmax of rows g and g + 8
+    // the mask (the diagonal tile, keys past T), then the online softmax of rows g and g + 8
+    const bool edge = (a.causal && kt == qt) || (kt + 1) * tile > T;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < tile / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int row = warp * 16 + g + 8 * (e / 2), key = 8 * n + 2 * c + e % 2;
-        s[n][e] = (kt == qt && key > row) ? -INFINITY : s[n][e] * sl2;
+        const int query = q0 + warp * 16 + g + 8 * (e / 2), key = kt * tile + 8 * n + 2 * c + e % 2;
+        const bool seen = !edge || (key < T && (!a.causal || key <= query));
+        s[n][e] = seen ? s[n][e] * sl2 : -INFINITY;
         mx[e / 2] = fmaxf(mx[e / 2], s[n][e]);
       }
     float corr[2];
@@ -281,33 +302,63 @@ __global__ void __launch_bounds__(threads)
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[n][e] *= corr[e / 2];
-    regs_times_tile<D, tile>(o, s, sV);
+      for (int e = 0; e < 4; ++e) acc[n][e] *= corr[e / 2];
+    regs_times_tile<D, tile>(acc, s, sV);
     __syncthreads();  // this stage is loaded again two tiles on
   }
-  float inv[2];
+  // lse of rows g and g + 8 (natural log); Out = float and not first: merged with the earlier
+  // blocks', o = o1 exp(l1 - l) + o2 exp(l2 - l), l = log(exp(l1) + exp(l2)).
+  float mul[2], keep[2] = {0.0f, 0.0f};
+  float* lse_row = lse + (static_cast<std::size_t>(b) * a.NH + h) * T;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    inv[r] = 1.0f / l[r];
     const int t = q0 + warp * 16 + g + 8 * r;
-    if (c == 0 && t < T) lse[(static_cast<std::size_t>(b) * NH + h) * T + t] = (m[r] + log2f(l[r])) / log2e;
+    float lse_new = (m[r] + log2f(l[r])) / log2e;
+    mul[r] = 1.0f / l[r];
+    if constexpr (std::is_same_v<Out, float>) {
+      if (!first && t < T) {
+        const float lo = lse_row[t], top = fmaxf(lo, lse_new);
+        const float merged = top + logf(expf(lo - top) + expf(lse_new - top));
+        keep[r] = expf(lo - merged);
+        mul[r] *= expf(lse_new - merged);
+        lse_new = merged;
+      }
+    }
+    __syncwarp();  // every lane of the quad has read lse_row[t]
+    if (c == 0 && t < T) lse_row[t] = lse_new;
   }
-  store_rows<D>(out + static_cast<std::size_t>(b) * T * C + static_cast<std::size_t>(h) * D,
-                static_cast<std::size_t>(C), o, q0 + warp * 16, T, inv[0], inv[1]);
+  put_rows<D>(o + a.row(b, 0) * ldo + static_cast<std::size_t>(h) * D, ldo, acc, q0 + warp * 16, T, mul, keep);
 }
 
-// ---- backward: dK and dV ----------------------------------------------------------------------
-// Queries per step: 64, or 32 at head size 128 (the registers of dK and dV are twice as many).
-template <int D>
-inline constexpr int query_step = D > 64 ? 32 : 64;
+// ---- backward ---------------------------------------------------------------------------------
+// What the backward reads beside the operands, and where it puts the gradients: dout [B T,
+// lddo] (query heads' columns), lse and Dd [B, NH, T]; dq [B T, lddq] (query heads), dk and
+// dv [B T, lddkv] (key/value heads), of type Out: bf16x (overwritten; dq and dk times the
+// scale) or float (added to).
+template <class Out>
+struct Gradients {
+  const bf16x* dout;
+  std::size_t lddo;
+  const float *lse, *Dd;
+  Out *dq, *dk, *dv;
+  std::size_t lddq, lddkv;
+};
 
+// Queries (or keys) per step of the inner loops: 64, or 32 at head size 128 (the registers of
+// the accumulators are twice as many).
 template <int D>
-__global__ void __launch_bounds__(threads)
-    backward_kv_kernel(bf16x* dqkv, const bf16x* dout, const bf16x* qkv, const float* lse, const float* Dd, int T,
-                       int C, int NH, int NKV, float scale) {
-  constexpr int BQ = query_step<D>;
+inline constexpr int step_rows = D > 64 ? 32 : 64;
+
+// Whether query `query` sees key `key`.
+__device__ __forceinline__ bool sees(const Operands& a, int query, int key) {
+  return query < a.T && key < a.T && (!a.causal || key <= query);
+}
+
+template <int D, class Out>
+__global__ void __launch_bounds__(threads) backward_kv_kernel(Operands a, Gradients<Out> gr) {
+  constexpr int BQ = step_rows<D>;
   constexpr int stage_elems = 2 * BQ * stride<D>;  // [Q | dO], then 2 x BQ floats
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   bf16x* sK = reinterpret_cast<bf16x*>(smem_bytes);
@@ -315,28 +366,28 @@ __global__ void __launch_bounds__(threads)
   bf16x* stages = sV + tile * stride<D>;
   float* stats = reinterpret_cast<float*>(stages + 2 * stage_elems);  // 2 stages of [lse | D]
   const int kt = static_cast<int>(blockIdx.x);  // tile 0 has the most work and starts first
-  const int j = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z), group = NH / NKV;
+  const int j = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z), T = a.T;
+  const int group = a.NH / a.NKV;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane / 4, c = lane % 4;
-  const QkvRows<bf16x> kv(qkv, b, j * group, T, C, NH, NKV, D);
+  const std::size_t kvh = static_cast<std::size_t>(j) * D;
   const int k0 = kt * tile;
-  const float sl2 = scale * log2e;
-  // The steps: every query head of the group, query tiles of BQ from the one holding key k0.
-  const int first = k0 / BQ, per_head = (T + BQ - 1) / BQ - first, steps = group * per_head;
+  const float sl2 = a.scale * log2e;
+  // The steps: every query head of the group, the query tiles of BQ that see these keys.
+  const int first = a.causal ? k0 / BQ : 0, per_head = (T + BQ - 1) / BQ - first, steps = group * per_head;
   auto load_step = [&](int i) {
     const int h = j * group + i / per_head, t0 = (first + i % per_head) * BQ;
     bf16x* st = stages + (i % 2) * stage_elems;
-    load_rows<D, BQ>(st, qkv + static_cast<std::size_t>(b) * T * kv.stride + static_cast<std::size_t>(h) * D,
-                     kv.stride, t0, T);
-    load_rows<D, BQ>(st + BQ * stride<D>, dout + static_cast<std::size_t>(b) * T * C + static_cast<std::size_t>(h) * D,
-                     static_cast<std::size_t>(C), t0, T);
-    const std::size_t row = (static_cast<std::size_t>(b) * NH + h) * T;
+    load_rows<D, BQ>(st, a.q + a.row(b, 0) * a.ldq + static_cast<std::size_t>(h) * D, a.ldq, t0, T);
+    load_rows<D, BQ>(st + BQ * stride<D>, gr.dout + a.row(b, 0) * gr.lddo + static_cast<std::size_t>(h) * D, gr.lddo,
+                     t0, T);
+    const std::size_t row = (static_cast<std::size_t>(b) * a.NH + h) * T;
     float* ss = stats + (i % 2) * 2 * BQ;
-    load_floats<BQ>(ss, lse + row, t0, T);
-    load_floats<BQ>(ss + BQ, Dd + row, t0, T);
+    load_floats<BQ>(ss, gr.lse + row, t0, T);
+    load_floats<BQ>(ss + BQ, gr.Dd + row, t0, T);
   };
-  load_rows<D, tile>(sK, kv.k, kv.stride, k0, T);
-  load_rows<D, tile>(sV, kv.v, kv.stride, k0, T);
+  load_rows<D, tile>(sK, a.k + a.row(b, 0) * a.ldkv + kvh, a.ldkv, k0, T);
+  load_rows<D, tile>(sV, a.v + a.row(b, 0) * a.ldkv + kvh, a.ldkv, k0, T);
   load_step(0);
   cp_async_commit();
 
@@ -364,57 +415,56 @@ __global__ void __launch_bounds__(threads)
     for (int n = 0; n < BQ / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int key = k0 + warp * 16 + g + 8 * (e / 2), qi = 8 * n + 2 * c + e % 2, query = t0 + qi;
-        const float p = (query >= key && query < T) ? exp2f(s[n][e] * sl2 - sL[qi] * log2e) : 0.0f;
+        const int key = k0 + warp * 16 + g + 8 * (e / 2), qi = 8 * n + 2 * c + e % 2;
+        const float p = sees(a, t0 + qi, key) ? exp2f(s[n][e] * sl2 - sL[qi] * log2e) : 0.0f;
         s[n][e] = p;
         dp[n][e] = p * (dp[n][e] - sD[qi]);
       }
-    regs_times_tile<D, BQ>(dv, s, sO);  // dV += P^T dO
-    regs_times_tile<D, BQ>(dk, dp, sQ); // dK += dS^T Q
+    regs_times_tile<D, BQ>(dv, s, sO);   // dV += P^T dO
+    regs_times_tile<D, BQ>(dk, dp, sQ);  // dK += dS^T Q
     __syncthreads();
   }
-  const std::size_t base = static_cast<std::size_t>(b) * T * kv.stride + C + static_cast<std::size_t>(j) * D;
-  store_rows<D>(dqkv + base, kv.stride, dk, k0 + warp * 16, T, scale, scale);
-  store_rows<D>(dqkv + base + static_cast<std::size_t>(NKV) * D, kv.stride, dv, k0 + warp * 16, T, 1.0f, 1.0f);
+  const bool add = std::is_same_v<Out, float>;
+  const float scale[2] = {a.scale, a.scale}, one[2] = {1.0f, 1.0f}, keep[2] = {add ? 1.0f : 0.0f, add ? 1.0f : 0.0f};
+  put_rows<D>(gr.dk + a.row(b, 0) * gr.lddkv + kvh, gr.lddkv, dk, k0 + warp * 16, T, scale, keep);
+  put_rows<D>(gr.dv + a.row(b, 0) * gr.lddkv + kvh, gr.lddkv, dv, k0 + warp * 16, T, one, keep);
 }
 
-// ---- backward: dQ -------------------------------------------------------------------------------
-template <int D>
-__global__ void __launch_bounds__(threads)
-    backward_q_kernel(bf16x* dqkv, const bf16x* dout, const bf16x* qkv, const float* lse, const float* Dd, int T,
-                      int C, int NH, int NKV, float scale) {
-  constexpr int BK = query_step<D>;  // keys per step
+template <int D, class Out>
+__global__ void __launch_bounds__(threads) backward_q_kernel(Operands a, Gradients<Out> gr) {
+  constexpr int BK = step_rows<D>;  // keys per step
   constexpr int stage_elems = 2 * BK * stride<D>;  // [K | V]
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   bf16x* sQ = reinterpret_cast<bf16x*>(smem_bytes);
   bf16x* sO = sQ + tile * stride<D>;
   bf16x* stages = sO + tile * stride<D>;
   const int qt = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // longest rows first
-  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z), T = a.T;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane / 4, c = lane % 4;
-  const QkvRows<bf16x> at(qkv, b, h, T, C, NH, NKV, D);
+  const std::size_t head = static_cast<std::size_t>(h) * D, kvh = static_cast<std::size_t>(h / (a.NH / a.NKV)) * D;
+  const bf16x* k = a.k + a.row(b, 0) * a.ldkv + kvh;
+  const bf16x* v = a.v + a.row(b, 0) * a.ldkv + kvh;
   const int q0 = qt * tile;
-  const float sl2 = scale * log2e;
-  const int steps = (q0 + tile + BK - 1) / BK;  // key steps up to the tile's last query
+  const float sl2 = a.scale * log2e;
+  const int keys = a.causal ? min(q0 + tile, T) : T, steps = (keys + BK - 1) / BK;  // the key steps these queries see
   auto load_step = [&](int i) {
     bf16x* st = stages + (i % 2) * stage_elems;
-    load_rows<D, BK>(st, at.k, at.stride, i * BK, T);
-    load_rows<D, BK>(st + BK * stride<D>, at.v, at.stride, i * BK, T);
+    load_rows<D, BK>(st, k, a.ldkv, i * BK, T);
+    load_rows<D, BK>(st + BK * stride<D>, v, a.ldkv, i * BK, T);
   };
-  load_rows<D, tile>(sQ, at.q, at.stride, q0, T);
-  load_rows<D, tile>(sO, dout + static_cast<std::size_t>(b) * T * C + static_cast<std::size_t>(h) * D,
-                     static_cast<std::size_t>(C), q0, T);
+  load_rows<D, tile>(sQ, a.q + a.row(b, 0) * a.ldq + head, a.ldq, q0, T);
+  load_rows<D, tile>(sO, gr.dout + a.row(b, 0) * gr.lddo + head, gr.lddo, q0, T);
   load_step(0);
   cp_async_commit();
 
-  const std::size_t row = (static_cast<std::size_t>(b) * NH + h) * T;
+  const std::size_t row = (static_cast<std::size_t>(b) * a.NH + h) * T;
   float rl[2], rd[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int t = q0 + warp * 16 + g + 8 * r;
-    rl[r] = t < T ? lse[row + t] * log2e : 0.0f;
-    rd[r] = t < T ? Dd[row + t] : 0.0f;
+    rl[r] = t < T ? gr.lse[row + t] * log2e : 0.0f;
+    rd[r] = t < T ? gr.Dd[row + t] : 0.0f;
   }
   float dq[D / 8][4] = {};
   const bf16x* my_q = sQ + warp * 16 * stride<D>;
@@ -438,24 +488,27 @@ __global__ void __launch_bounds__(threads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int query = q0 + warp * 16 + g + 8 * (e / 2), key = i * BK + 8 * n + 2 * c + e % 2;
-        const float p = (key <= query && query < T) ? exp2f(s[n][e] * sl2 - rl[e / 2]) : 0.0f;
+        const float p = sees(a, query, key) ? exp2f(s[n][e] * sl2 - rl[e / 2]) : 0.0f;
         dp[n][e] = p * (dp[n][e] - rd[e / 2]);
       }
     regs_times_tile<D, BK>(dq, dp, sK);  // dQ += dS K
     __syncthreads();
   }
-  store_rows<D>(dqkv + static_cast<std::size_t>(b) * T * at.stride + static_cast<std::size_t>(h) * D, at.stride, dq,
-                q0 + warp * 16, T, scale, scale);
+  const bool add = std::is_same_v<Out, float>;
+  const float scale[2] = {a.scale, a.scale}, keep[2] = {add ? 1.0f : 0.0f, add ? 1.0f : 0.0f};
+  put_rows<D>(gr.dq + a.row(b, 0) * gr.lddq + head, gr.lddq, dq, q0 + warp * 16, T, scale, keep);
 }
 
 // ---- launch -------------------------------------------------------------------------------------
 
-// Whether the tensor-core kernels take this call: bf16 on an sm_80+ device, head size 32, 64
-// or 128, and every row starting on a 16-byte boundary.
-inline bool fits(int hs, int C, int NH, int NKV, std::initializer_list<const void*> ptrs) {
+// Whether the tensor-core kernels take a problem: an sm_80+ device, head size 32, 64 or 128,
+// every row stride (in elements) a multiple of 8 and every pointer 16-byte aligned.
+inline bool fits(int hs, int NH, int NKV, std::initializer_list<std::size_t> strides,
+                 std::initializer_list<const void*> ptrs) {
   if (hs != 32 && hs != 64 && hs != 128) return false;
-  const long long stride = static_cast<long long>(C) + 2LL * NKV * hs;
-  if (C % 8 != 0 || stride % 8 != 0 || NH % NKV != 0 || !aligned16(ptrs)) return false;
+  if (NKV <= 0 || NH % NKV != 0 || !aligned16(ptrs)) return false;
+  for (const std::size_t ld : strides)
+    if (ld % 8 != 0) return false;
   int device = 0, major = 0;
   return cudaGetDevice(&device) == cudaSuccess &&
          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8;
@@ -465,36 +518,33 @@ template <int D>
 inline constexpr std::size_t forward_smem = sizeof(bf16x) * 5 * tile * stride<D>;
 template <int D>
 inline constexpr std::size_t backward_kv_smem =
-    sizeof(bf16x) * (2 * tile + 4 * query_step<D>) * stride<D> + sizeof(float) * 4 * query_step<D>;
+    sizeof(bf16x) * (2 * tile + 4 * step_rows<D>) * stride<D> + sizeof(float) * 4 * step_rows<D>;
 template <int D>
-inline constexpr std::size_t backward_q_smem = sizeof(bf16x) * (2 * tile + 4 * query_step<D>) * stride<D>;
+inline constexpr std::size_t backward_q_smem = sizeof(bf16x) * (2 * tile + 4 * step_rows<D>) * stride<D>;
 
 template <class Kernel>
 void allow_smem(Kernel kernel, std::size_t bytes) {
   FIVED_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
-template <int D>
-void forward(cudaStream_t stream, bf16x* out, float* lse, const bf16x* qkv, int B, int T, int C, int NH, int NKV) {
-  allow_smem(forward_kernel<D>, forward_smem<D>);
-  const dim3 grid(static_cast<unsigned>((T + tile - 1) / tile), static_cast<unsigned>(NH), static_cast<unsigned>(B));
-  forward_kernel<D><<<grid, threads, forward_smem<D>, stream>>>(out, lse, qkv, T, C, NH, NKV,
-                                                                 1.0f / sqrtf(static_cast<float>(D)));
+inline dim3 grid(int T, int heads, int B) {
+  return dim3(static_cast<unsigned>((T + tile - 1) / tile), static_cast<unsigned>(heads), static_cast<unsigned>(B));
+}
+
+template <int D, class Out>
+void forward(cudaStream_t stream, const Operands& a, int B, Out* o, std::size_t ldo, float* lse, bool first) {
+  allow_smem(forward_kernel<D, Out>, forward_smem<D>);
+  forward_kernel<D, Out><<<grid(a.T, a.NH, B), threads, forward_smem<D>, stream>>>(a, o, ldo, lse, first);
   FIVED_CUDA_CHECK_LAUNCH("flash::forward_kernel");
 }
 
-template <int D>
-void backward(cudaStream_t stream, bf16x* dqkv, const bf16x* dout, const bf16x* qkv, const float* lse, const float* Dd,
-              int B, int T, int C, int NH, int NKV) {
-  const float scale = 1.0f / sqrtf(static_cast<float>(D));
-  const unsigned tiles = static_cast<unsigned>((T + tile - 1) / tile);
-  allow_smem(backward_kv_kernel<D>, backward_kv_smem<D>);
-  backward_kv_kernel<D><<<dim3(tiles, static_cast<unsigned>(NKV), static_cast<unsigned>(B)), threads,
-                          backward_kv_smem<D>, stream>>>(dqkv, dout, qkv, lse, Dd, T, C, NH, NKV, scale);
+template <int D, class Out>
+void backward(cudaStream_t stream, const Operands& a, int B, const Gradients<Out>& gr) {
+  allow_smem(backward_kv_kernel<D, Out>, backward_kv_smem<D>);
+  backward_kv_kernel<D, Out><<<grid(a.T, a.NKV, B), threads, backward_kv_smem<D>, stream>>>(a, gr);
   FIVED_CUDA_CHECK_LAUNCH("flash::backward_kv_kernel");
-  allow_smem(backward_q_kernel<D>, backward_q_smem<D>);
-  backward_q_kernel<D><<<dim3(tiles, static_cast<unsigned>(NH), static_cast<unsigned>(B)), threads,
-                         backward_q_smem<D>, stream>>>(dqkv, dout, qkv, lse, Dd, T, C, NH, NKV, scale);
+  allow_smem(backward_q_kernel<D, Out>, backward_q_smem<D>);
+  backward_q_kernel<D, Out><<<grid(a.T, a.NH, B), threads, backward_q_smem<D>, stream>>>(a, gr);
   FIVED_CUDA_CHECK_LAUNCH("flash::backward_q_kernel");
 }
 

@@ -6,7 +6,7 @@
 //   rmsnorm_forward(s, out, rstd, inp, weight, N, C)
 //   rmsnorm_backward(s, dinp, dweight, dout, inp, weight, rstd, N, C)                  both +=
 // One warp per row (two-pass mean / variance in float; 16-byte accesses where the rows
-// allow), the second pass reading the row again from L1/L2; the weight and bias
+// allow), the row held in registers between the passes where it fits; the weight and bias
 // gradients are deterministic column reductions (no atomics). dweight/dbias
 // may be null (not computed).
 
@@ -26,8 +26,33 @@ namespace detail {
 inline constexpr int norm_rows_per_block = 8;  // one warp per row, 256 threads
 
 // The row kernels walk a row W elements at a time: W = vec16<T> (16-byte accesses) where C
-// and the pointers allow it, else 1.
-template <int W, class T>
+// and the pointers allow it, else 1. A lane holds its pieces of the row (pieces lane, lane +
+// 32, ...) in registers when they fit in K (K > 0: the row is read from memory once, every
+// load in flight at once); K = 0 reads the row again for each pass (any C).
+template <int W, int K>
+struct RowPieces {
+  float v[K > 0 ? K : 1][W];
+  // f(c, k) for each of this lane's pieces: c its first column, k where it is held (v[k]; a
+  // constant once the loop is unrolled, so v stays in registers).
+  template <class F>
+  __device__ __forceinline__ void each(int C, F&& f) {
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    if constexpr (K > 0) {
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        if ((k * 32 + lane) * W < C) f((k * 32 + lane) * W, k);
+    } else {
+      for (int c = lane * W; c < C; c += 32 * W) f(c, 0);
+    }
+  }
+  // The piece at column c of row x: from the registers, or read (K = 0, or `first`).
+  template <class E>
+  __device__ __forceinline__ void fetch(float (&p)[W], const E* x, int c, bool first) {
+    if (K == 0 || first) load_elems<W>(p, x + c);
+  }
+};
+
+template <int W, int K, class T>
 __global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const T* inp, const T* weight,
                                          const T* bias, int N, int C) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -35,31 +60,33 @@ __global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const
   if (row >= N) return;
   const T* x = inp + static_cast<std::size_t>(row) * C;
   T* y = out + static_cast<std::size_t>(row) * C;
+  RowPieces<W, K> xs;
   float s = 0.0f;
-  for (int c = lane * W; c < C; c += 32 * W) {
-    float v[W];
-    load_elems<W>(v, x + c);
+  xs.each(C, [&](int c, int p) {
+    float(&v)[W] = xs.v[p];
+    xs.fetch(v, x, c, true);
 #pragma unroll
     for (int k = 0; k < W; ++k) s += v[k];
-  }
+  });
   const float m = warp_sum(s) / static_cast<float>(C);
   float var = 0.0f;
-  for (int c = lane * W; c < C; c += 32 * W) {
-    float v[W];
-    load_elems<W>(v, x + c);
+  xs.each(C, [&](int c, int p) {
+    float(&v)[W] = xs.v[p];
+    xs.fetch(v, x, c, false);
 #pragma unroll
     for (int k = 0; k < W; ++k) var += (v[k] - m) * (v[k] - m);
-  }
+  });
   const float r = 1.0f / sqrtf(warp_sum(var) / static_cast<float>(C) + layernorm_eps);
-  for (int c = lane * W; c < C; c += 32 * W) {
-    float v[W], w[W], b[W];
-    load_elems<W>(v, x + c);
+  xs.each(C, [&](int c, int p) {
+    float(&v)[W] = xs.v[p];
+    float w[W], b[W];
+    xs.fetch(v, x, c, false);
     load_elems<W>(w, weight + c);
     if (bias != nullptr) load_elems<W>(b, bias + c);
 #pragma unroll
     for (int k = 0; k < W; ++k) v[k] = (v[k] - m) * r * w[k] + (bias != nullptr ? b[k] : 0.0f);
     store_elems<W>(y + c, v);
-  }
+  });
   if (lane == 0) {
     if (mean != nullptr) mean[row] = m;
     if (rstd != nullptr) rstd[row] = r;
@@ -67,20 +94,22 @@ __global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const
 }
 
 // mean == nullptr: RMSNorm (no centring, no bias term).
-template <int W, class T>
+template <int W, int K, class T>
 __global__ void norm_backward_rows_kernel(T* dinp, const T* dout, const T* inp, const T* weight, const float* mean,
                                           const float* rstd, int N, int C) {
-  const int lane = static_cast<int>(threadIdx.x) % 32;
   const int row = static_cast<int>(blockIdx.x) * norm_rows_per_block + static_cast<int>(threadIdx.x) / 32;
   if (row >= N) return;
   const std::size_t off = static_cast<std::size_t>(row) * C;
   const float m = mean != nullptr ? mean[row] : 0.0f;
   const float r = rstd[row];
+  RowPieces<W, (K > 4 ? 0 : K)> ds, xs;  // two rows: 16 pieces of each would spill
   float sd = 0.0f, sdx = 0.0f;
-  for (int c = lane * W; c < C; c += 32 * W) {
-    float d[W], x[W], w[W];
-    load_elems<W>(d, dout + off + c);
-    load_elems<W>(x, inp + off + c);
+  ds.each(C, [&](int c, int p) {
+    float(&d)[W] = ds.v[p];
+    float(&x)[W] = xs.v[p];
+    float w[W];
+    ds.fetch(d, dout + off, c, true);
+    xs.fetch(x, inp + off, c, true);
     load_elems<W>(w, weight + c);
 #pragma unroll
     for (int k = 0; k < W; ++k) {
@@ -88,19 +117,21 @@ __global__ void norm_backward_rows_kernel(T* dinp, const T* dout, const T* inp, 
       sd += dn;
       sdx += dn * (x[k] - m) * r;
     }
-  }
+  });
   const float dn_mean = mean != nullptr ? warp_sum(sd) / static_cast<float>(C) : 0.0f;
   const float dnx_mean = warp_sum(sdx) / static_cast<float>(C);
-  for (int c = lane * W; c < C; c += 32 * W) {
-    float d[W], x[W], w[W], g[W];
-    load_elems<W>(d, dout + off + c);
-    load_elems<W>(x, inp + off + c);
+  ds.each(C, [&](int c, int p) {
+    float(&d)[W] = ds.v[p];
+    float(&x)[W] = xs.v[p];
+    float w[W], g[W];
+    ds.fetch(d, dout + off, c, false);
+    xs.fetch(x, inp + off, c, false);
     load_elems<W>(w, weight + c);
     load_elems<W>(g, dinp + off + c);
 #pragma unroll
     for (int k = 0; k < W; ++k) g[k] += r * (d[k] * w[k] - dn_mean - (x[k] - m) * r * dnx_mean);
     store_elems<W>(dinp + off + c, g);
-  }
+  });
 }
 
 // (dout * xhat, dout) at (row, col).
@@ -138,29 +169,31 @@ struct AddNormParamGrads {
   }
 };
 
-template <int W, class T>
+template <int W, int K, class T>
 __global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* inp, const T* weight, int N, int C) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int row = static_cast<int>(blockIdx.x) * norm_rows_per_block + static_cast<int>(threadIdx.x) / 32;
   if (row >= N) return;
   const T* x = inp + static_cast<std::size_t>(row) * C;
   T* y = out + static_cast<std::size_t>(row) * C;
+  RowPieces<W, K> xs;
   float ss = 0.0f;
-  for (int c = lane * W; c < C; c += 32 * W) {
-    float v[W];
-    load_elems<W>(v, x + c);
+  xs.each(C, [&](int c, int p) {
+    float(&v)[W] = xs.v[p];
+    xs.fetch(v, x, c, true);
 #pragma unroll
     for (int k = 0; k < W; ++k) ss += v[k] * v[k];
-  }
+  });
   const float r = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(C) + layernorm_eps);
-  for (int c = lane * W; c < C; c += 32 * W) {
-    float v[W], w[W];
-    load_elems<W>(v, x + c);
+  xs.each(C, [&](int c, int p) {
+    float(&v)[W] = xs.v[p];
+    float w[W];
+    xs.fetch(v, x, c, false);
     load_elems<W>(w, weight + c);
 #pragma unroll
     for (int k = 0; k < W; ++k) v[k] = v[k] * r * w[k];
     store_elems<W>(y + c, v);
-  }
+  });
   if (lane == 0 && rstd != nullptr) rstd[row] = r;
 }
 
@@ -169,16 +202,26 @@ inline void check_norm_sizes(const char* kernel, int N, int C) {
   require_positive(kernel, "C", C);
 }
 
-// Launches kernel<W> with W = vec16 (16-byte accesses) when C is a multiple of it and every
-// row pointer is 16-byte aligned, else W = 1.
+// Launches kernel<W, K> with W = vec16 (16-byte accesses) when C is a multiple of it and every
+// row pointer is 16-byte aligned, else W = 1; K = the pieces a lane holds: 4 or 16 where the
+// row fits (bf16 rows up to 1024 or 4096 wide), else 0 (read again).
 template <class E, class Launch>
 void launch_by_width(int C, std::initializer_list<const void*> rows, Launch&& launch) {
   bool wide = C % vec16<E> == 0;
   for (const void* p : rows) wide = wide && reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+  auto with_pieces = [&](auto w) {
+    const int pieces = (C + 32 * w - 1) / (32 * w);
+    if (pieces <= 4)
+      launch(w, std::integral_constant<int, 4>{});
+    else if (pieces <= 16)
+      launch(w, std::integral_constant<int, 16>{});
+    else
+      launch(w, std::integral_constant<int, 0>{});
+  };
   if (wide)
-    launch(std::integral_constant<int, vec16<E>>{});
+    with_pieces(std::integral_constant<int, vec16<E>>{});
   else
-    launch(std::integral_constant<int, 1>{});
+    with_pieces(std::integral_constant<int, 1>{});
 }
 
 inline unsigned norm_blocks(int N) {
@@ -193,8 +236,8 @@ void layernorm_forward(cudaStream_t stream, T* out, float* mean, float* rstd, co
   static_assert(is_element_v<T>, "layernorm_forward: element type must be float or fived::bf16");
   detail::check_norm_sizes("layernorm_forward", N, C);
   if (N == 0) return;
-  detail::launch_by_width<T>(C, {out, inp, weight, bias}, [&](auto w) {
-    detail::layernorm_forward_kernel<decltype(w)::value>
+  detail::launch_by_width<T>(C, {out, inp, weight, bias}, [&](auto w, auto k) {
+    detail::layernorm_forward_kernel<decltype(w)::value, decltype(k)::value>
         <<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(dev(out), mean, rstd, dev(inp),
                                                                                   dev(weight), dev(bias), N, C);
   });
@@ -209,8 +252,8 @@ void layernorm_backward(cudaStream_t stream, T* dinp, T* dweight, T* dbias, cons
   if (N == 0) return;
   detail::require(mean != nullptr && rstd != nullptr, "layernorm_backward", "mean and rstd from the forward are needed");
   if (dinp != nullptr) {
-    detail::launch_by_width<T>(C, {dinp, dout, inp, weight}, [&](auto w) {
-      detail::norm_backward_rows_kernel<decltype(w)::value>
+    detail::launch_by_width<T>(C, {dinp, dout, inp, weight}, [&](auto w, auto k) {
+      detail::norm_backward_rows_kernel<decltype(w)::value, decltype(k)::value>
           <<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(dev(dinp), dev(dout), dev(inp),
                                                                                     dev(weight), mean, rstd, N, C);
     });
@@ -227,8 +270,8 @@ void rmsnorm_forward(cudaStream_t stream, T* out, float* rstd, const T* inp, con
   static_assert(is_element_v<T>, "rmsnorm_forward: element type must be float or fived::bf16");
   detail::check_norm_sizes("rmsnorm_forward", N, C);
   if (N == 0) return;
-  detail::launch_by_width<T>(C, {out, inp, weight}, [&](auto w) {
-    detail::rmsnorm_forward_kernel<decltype(w)::value>
+  detail::launch_by_width<T>(C, {out, inp, weight}, [&](auto w, auto k) {
+    detail::rmsnorm_forward_kernel<decltype(w)::value, decltype(k)::value>
         <<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(dev(out), rstd, dev(inp), dev(weight),
                                                                                   N, C);
   });
@@ -243,8 +286,8 @@ void rmsnorm_backward(cudaStream_t stream, T* dinp, T* dweight, const T* dout, c
   if (N == 0) return;
   detail::require(rstd != nullptr, "rmsnorm_backward", "rstd from the forward is needed");
   if (dinp != nullptr) {
-    detail::launch_by_width<T>(C, {dinp, dout, inp, weight}, [&](auto w) {
-      detail::norm_backward_rows_kernel<decltype(w)::value>
+    detail::launch_by_width<T>(C, {dinp, dout, inp, weight}, [&](auto w, auto k) {
+      detail::norm_backward_rows_kernel<decltype(w)::value, decltype(k)::value>
           <<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(
               dev(dinp), dev(dout), dev(inp), dev(weight), static_cast<const float*>(nullptr), rstd, N, C);
     });
