@@ -38,10 +38,14 @@ if [[ -n $mpiexec ]]; then
   exit $((status == 0 || status == 77 ? status : 1))
 fi
 
-# A TCP port nothing listens on (bash's /dev/tcp connects, or fails).
+# A TCP port nothing listens on (bash's /dev/tcp connects, or fails), below the kernel's
+# ephemeral range: NCCL's own connections take ports from that range, and one of them holding
+# the chosen port makes the root's bind fail ("Address already in use").
+read -r ephemeral _ </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || ephemeral=32768
+((ephemeral > 12000)) || ephemeral=32768
 port=""
 for _ in $(seq 50); do
-  candidate=$((20000 + RANDOM % 40000))
+  candidate=$((10000 + RANDOM % (ephemeral - 10000)))
   if ! (exec 3<>"/dev/tcp/127.0.0.1/$candidate") 2>/dev/null; then
     port=$candidate
     break

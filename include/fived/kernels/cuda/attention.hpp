@@ -163,6 +163,48 @@ __global__ void attention_dot_kernel(float* Dd, const E* dout, const E* out, int
   if (lane == 0) Dd[(static_cast<std::size_t>(b) * NH + h) * T + t] = s;
 }
 
+// The same with 16-byte loads: `lanes` lanes per row (hs = lanes * vec16<E>, lanes a power of
+// two up to 32), 32 / lanes rows a warp.
+template <class E>
+__global__ void attention_dot_wide_kernel(float* Dd, const E* dout, const E* out, long long rows, int T, int C, int NH,
+                                          int hs, int lanes) {
+  constexpr int W = vec16<E>;
+  const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32, part = lane % lanes;
+  const long long row = warp * (32 / lanes) + lane / lanes;
+  float s = 0.0f;
+  const int h = static_cast<int>(row % NH);
+  const long long bt = row / NH;
+  if (row < rows) {
+    const std::size_t off = static_cast<std::size_t>(bt) * C + static_cast<std::size_t>(h) * hs + part * W;
+    float a[W], b[W];
+    load_vec16(a, dout + off);
+    load_vec16(b, out + off);
+#pragma unroll
+    for (int k = 0; k < W; ++k) s += a[k] * b[k];
+  }
+  for (int o = lanes / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if (row < rows && part == 0)
+    Dd[(static_cast<std::size_t>(bt / T) * NH + h) * T + static_cast<std::size_t>(bt % T)] = s;
+}
+
+// Dd for B * T * NH rows: 16-byte loads where the rows allow.
+template <class E>
+void attention_dot(cudaStream_t stream, float* Dd, const E* dout, const E* out, int B, int T, int C, int NH, int hs) {
+  const long long rows = static_cast<long long>(B) * T * NH;
+  const int lanes = hs / vec16<E>;
+  if (hs % vec16<E> == 0 && lanes <= 32 && (lanes & (lanes - 1)) == 0 && C % vec16<E> == 0 && aligned16({dout, out})) {
+    const std::size_t threads = static_cast<std::size_t>((rows * lanes + 31) / 32) * 32;
+    attention_dot_wide_kernel<<<grid_for(threads, 256, 0x7fffffffu), 256, 0, stream>>>(Dd, dout, out, rows, T, C, NH,
+                                                                                        hs, lanes);
+    FIVED_CUDA_CHECK_LAUNCH("attention_dot_wide_kernel");
+    return;
+  }
+  attention_dot_kernel<<<grid_for(static_cast<std::size_t>(rows), 8, 0x7fffffffu), 256, 0, stream>>>(Dd, dout, out, B,
+                                                                                                      T, C, NH, hs);
+  FIVED_CUDA_CHECK_LAUNCH("attention_dot_kernel");
+}
+
 // dK and dV of one key tile of key/value head j, summed over the query tiles at or after it
 // of every query head that reads j.
 template <class E, int D>
@@ -452,9 +494,7 @@ void attention_backward(cudaStream_t stream, E* dqkv, const E* dout, const E* qk
   if (B == 0 || T == 0) return;
   const std::size_t rows = static_cast<std::size_t>(B) * T * NH;
   Scratch<float> Dd(rows, stream);
-  detail::attention_dot_kernel<<<detail::grid_for(rows, 8, 0x7fffffffu), 256, 0, stream>>>(
-      Dd.get(), dev(dout), dev(out), B, T, C, NH, hs);
-  FIVED_CUDA_CHECK_LAUNCH("attention_dot_kernel");
+  detail::attention_dot(stream, Dd.get(), dev(dout), dev(out), B, T, C, NH, hs);
   if constexpr (std::is_same_v<E, fived::bf16>) {
     const auto a = detail::whole_sequences(dev(qkv), B, T, C, NH, NKV);
     if (detail::flash::fits(hs, NH, NKV, {a.ldq, static_cast<std::size_t>(C)}, {dqkv, dout, qkv})) {
@@ -648,10 +688,7 @@ void attention_row_dot(cudaStream_t stream, float* Dd, const E* dout, const E* o
   static_assert(is_element_v<E>, "attention_row_dot: element type must be float or fived::bf16");
   const int hs = detail::attention_check("attention_row_dot", B, n, C, NH, 1);
   if (B == 0 || n == 0) return;
-  const std::size_t rows = static_cast<std::size_t>(B) * n * NH;
-  detail::attention_dot_kernel<<<detail::grid_for(rows, 8, 0x7fffffffu), 256, 0, stream>>>(Dd, dev(dout), dev(out), B,
-                                                                                           n, C, NH, hs);
-  FIVED_CUDA_CHECK_LAUNCH("attention_dot_kernel");
+  detail::attention_dot(stream, Dd, dev(dout), dev(out), B, n, C, NH, hs);
 }
 
 template <class E>

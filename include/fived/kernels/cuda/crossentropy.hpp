@@ -127,21 +127,25 @@ __global__ void __launch_bounds__(Threads)
       if (i < nvec) held[p] = in[i];
     }
   }
-  float m = -INFINITY, s = 0.0f;  // running max and sum of exp(x - m) over this thread's columns
+  // In log2 units (x log2e), so each exp is one FFMA and one exp2. Padding columns (>= V)
+  // count as -inf.
+  float m = -INFINITY, s = 0.0f;  // running max and sum of 2^(x - m) over this thread's columns
   each_piece([&](int i, float(&x)[W]) {
     float vm = -INFINITY;
 #pragma unroll
-    for (int k = 0; k < W; ++k)
-      if (i * W + k < V) vm = fmaxf(vm, x[k]);
+    for (int k = 0; k < W; ++k) {
+      x[k] = i * W + k < V ? x[k] * log2e : -INFINITY;
+      vm = fmaxf(vm, x[k]);
+    }
     if (vm == -INFINITY) return;  // padding only
     const float nm = fmaxf(m, vm);
     float add = 0.0f;
 #pragma unroll
-    for (int k = 0; k < W; ++k)
-      if (i * W + k < V) add += exp2f((x[k] - nm) * log2e);
-    s = s * exp2f((m - nm) * log2e) + add;
+    for (int k = 0; k < W; ++k) add += exp2f(x[k] - nm);
+    s = s * exp2f(m - nm) + add;
     m = nm;
   });
+  m /= log2e;  // back to natural units for the statistics
   const float gm = block_max(m, scratch);
   const float gs = block_sum(m == -INFINITY ? 0.0f : s * exp2f((m - gm) * log2e), scratch);  // synchronises
   if (threadIdx.x == 0) {
@@ -151,12 +155,12 @@ __global__ void __launch_bounds__(Threads)
     if (target_out != nullptr) target_out[row] = tl;
   }
   if (dlogits == nullptr) return;
-  const float inv = 1.0f / gs;
+  const float scale = dloss / gs, gm2 = gm * log2e;
   each_piece([&](int i, float(&x)[W]) {
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const int j = i * W + k;
-      x[k] = j < V ? dloss * (exp2f((x[k] - gm) * log2e) * inv - (j == tgt ? 1.0f : 0.0f)) : 0.0f;
+      x[k] = j < V ? scale * exp2f(fmaf(x[k], log2e, -gm2)) - (j == tgt ? dloss : 0.0f) : 0.0f;
     }
     store_vec16(dlogits + base + static_cast<std::size_t>(i) * W, x);
   });
