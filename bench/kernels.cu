@@ -173,32 +173,12 @@ int main(int argc, char** argv) {
           ck::crossentropy_forward_backward(s, losses.data(), logits.data(), logits.data(), tokens.data(), M, Vp, V,
                                             1.0f / M);
         }), 2.0 * e * BT * Vp, 0);
-    // The same kernel reading the row again in its second pass instead of keeping it in
-    // registers: which is faster on this card decides which one crossentropy_fused runs.
-    row("  (variant: row read twice)", time_ms(s, [&] {
-          ck::detail::crossentropy_rows_kernel<__nv_bfloat16, ck::detail::ce_block, 0>
-              <<<M, ck::detail::ce_block, 0, s>>>(losses.data(), ck::dev(logits.data()), nullptr, nullptr, nullptr,
-                                                  ck::dev(logits.data()), tokens.data(), Vp, V, 1.0f / M);
-        }), 2.0 * e * BT * Vp, 0);
   }
   row("bias_backward [8192,3072]", time_ms(s, [&] { ck::bias_backward(s, dbias.data(), dh.data(), M, 4 * C); }),
       e * BT * 4 * C, 0);
   row("layernorm fwd", time_ms(s, [&] {
         ck::layernorm_forward(s, y.data(), mean.data(), rstd.data(), x.data(), lnw.data(), lnb.data(), M, C);
       }), 2.0 * e * BT * C, 0);
-  row("  (variant: row read thrice)", time_ms(s, [&] {
-        ck::detail::layernorm_forward_kernel<8, 0><<<ck::detail::norm_blocks(M), 256, 0, s>>>(
-            ck::dev(y.data()), mean.data(), rstd.data(), ck::dev(x.data()), ck::dev(lnw.data()), ck::dev(lnb.data()), M,
-            C);
-      }), 2.0 * e * BT * C, 0);
-  row("layernorm bwd rows (row in registers)", time_ms(s, [&] {
-        ck::detail::norm_backward_rows_kernel<8, 4><<<ck::detail::norm_blocks(M), 256, 0, s>>>(
-            ck::dev(dx.data()), ck::dev(y.data()), ck::dev(x.data()), ck::dev(lnw.data()), mean.data(), rstd.data(), M, C);
-      }), 4.0 * e * BT * C, 0);
-  row("  (variant: row read twice)", time_ms(s, [&] {
-        ck::detail::norm_backward_rows_kernel<8, 0><<<ck::detail::norm_blocks(M), 256, 0, s>>>(
-            ck::dev(dx.data()), ck::dev(y.data()), ck::dev(x.data()), ck::dev(lnw.data()), mean.data(), rstd.data(), M, C);
-      }), 4.0 * e * BT * C, 0);
   row("layernorm bwd", time_ms(s, [&] {
         ck::layernorm_backward(s, dx.data(), dlnw.data(), dlnb.data(), y.data(), x.data(), lnw.data(), mean.data(),
                                rstd.data(), M, C);

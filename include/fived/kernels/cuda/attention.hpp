@@ -28,6 +28,7 @@
 // kernels above in speed (they are what CP runs until the tile kernels take q, k and v
 // from separate buffers).
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <string>
@@ -163,29 +164,27 @@ __global__ void attention_dot_kernel(float* Dd, const E* dout, const E* out, int
   if (lane == 0) Dd[(static_cast<std::size_t>(b) * NH + h) * T + t] = s;
 }
 
-// The same with 16-byte loads: `lanes` lanes per row (hs = lanes * vec16<E>, lanes a power of
-// two up to 32), 32 / lanes rows a warp.
+// The same with 16-byte loads, one block per token row (b, t): its C / vec16 pieces over the
+// threads, `lanes` consecutive lanes a head (hs = lanes * vec16<E>, lanes a power of two up
+// to 32, so a head's lanes share a warp).
 template <class E>
-__global__ void attention_dot_wide_kernel(float* Dd, const E* dout, const E* out, long long rows, int T, int C, int NH,
-                                          int hs, int lanes) {
+__global__ void attention_dot_wide_kernel(float* Dd, const E* dout, const E* out, int T, int C, int NH, int lanes) {
   constexpr int W = vec16<E>;
-  const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = static_cast<int>(threadIdx.x) % 32, part = lane % lanes;
-  const long long row = warp * (32 / lanes) + lane / lanes;
-  float s = 0.0f;
-  const int h = static_cast<int>(row % NH);
-  const long long bt = row / NH;
-  if (row < rows) {
-    const std::size_t off = static_cast<std::size_t>(bt) * C + static_cast<std::size_t>(h) * hs + part * W;
-    float a[W], b[W];
-    load_vec16(a, dout + off);
-    load_vec16(b, out + off);
+  const int bt = static_cast<int>(blockIdx.x), b = bt / T, t = bt % T, pieces = C / W;
+  const std::size_t row = static_cast<std::size_t>(bt) * C;
+  for (int j0 = 0; j0 < pieces; j0 += static_cast<int>(blockDim.x)) {  // the same trip count in every thread
+    const int j = j0 + static_cast<int>(threadIdx.x);
+    float s = 0.0f;
+    if (j < pieces) {
+      float a[W], c[W];
+      load_vec16(a, dout + row + static_cast<std::size_t>(j) * W);
+      load_vec16(c, out + row + static_cast<std::size_t>(j) * W);
 #pragma unroll
-    for (int k = 0; k < W; ++k) s += a[k] * b[k];
+      for (int k = 0; k < W; ++k) s += a[k] * c[k];
+    }
+    for (int o = lanes / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (j < pieces && j % lanes == 0) Dd[(static_cast<std::size_t>(b) * NH + j / lanes) * T + t] = s;
   }
-  for (int o = lanes / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  if (row < rows && part == 0)
-    Dd[(static_cast<std::size_t>(bt / T) * NH + h) * T + static_cast<std::size_t>(bt % T)] = s;
 }
 
 // Dd for B * T * NH rows: 16-byte loads where the rows allow.
@@ -193,10 +192,10 @@ template <class E>
 void attention_dot(cudaStream_t stream, float* Dd, const E* dout, const E* out, int B, int T, int C, int NH, int hs) {
   const long long rows = static_cast<long long>(B) * T * NH;
   const int lanes = hs / vec16<E>;
-  if (hs % vec16<E> == 0 && lanes <= 32 && (lanes & (lanes - 1)) == 0 && C % vec16<E> == 0 && aligned16({dout, out})) {
-    const std::size_t threads = static_cast<std::size_t>((rows * lanes + 31) / 32) * 32;
-    attention_dot_wide_kernel<<<grid_for(threads, 256, 0x7fffffffu), 256, 0, stream>>>(Dd, dout, out, rows, T, C, NH,
-                                                                                        hs, lanes);
+  if (hs % vec16<E> == 0 && lanes <= 32 && (lanes & (lanes - 1)) == 0 && C % vec16<E> == 0 && aligned16({dout, out}) &&
+      static_cast<long long>(B) * T <= 0x7fffffffLL) {
+    const int pieces = C / vec16<E>, block = std::min(256, (pieces + 31) / 32 * 32);
+    attention_dot_wide_kernel<<<static_cast<unsigned>(static_cast<long long>(B) * T), block, 0, stream>>>(Dd, dout, out, T, C, NH, lanes);
     FIVED_CUDA_CHECK_LAUNCH("attention_dot_wide_kernel");
     return;
   }

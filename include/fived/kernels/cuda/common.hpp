@@ -89,14 +89,11 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 template <class E>
 inline constexpr int vec16 = static_cast<int>(16 / sizeof(E));
 template <class E>
-__device__ __forceinline__ void unpack_vec16(float (&out)[vec16<E>], const uint4& raw) {
+__device__ __forceinline__ void load_vec16(float (&out)[vec16<E>], const E* p) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
   const E* e = reinterpret_cast<const E*>(&raw);
 #pragma unroll
   for (int k = 0; k < vec16<E>; ++k) out[k] = to_float(e[k]);
-}
-template <class E>
-__device__ __forceinline__ void load_vec16(float (&out)[vec16<E>], const E* p) {
-  unpack_vec16<E>(out, *reinterpret_cast<const uint4*>(p));
 }
 template <class E>
 __device__ __forceinline__ void store_vec16(E* p, const float (&in)[vec16<E>]) {
