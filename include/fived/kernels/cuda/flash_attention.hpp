@@ -357,7 +357,7 @@ __device__ __forceinline__ bool sees(const Operands& a, int query, int key) {
 }
 
 template <int D, class Out>
-__global__ void __launch_bounds__(threads) backward_kv_kernel(Operands a, Gradients<Out> gr) {
+__global__ void __launch_bounds__(threads, D > 64 ? 1 : 3) backward_kv_kernel(Operands a, Gradients<Out> gr) {
   constexpr int BQ = step_rows<D>;
   constexpr int stage_elems = 2 * BQ * stride<D>;  // [Q | dO], then 2 x BQ floats
   extern __shared__ __align__(16) unsigned char smem_bytes[];
