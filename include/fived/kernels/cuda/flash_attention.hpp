@@ -104,6 +104,27 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// The double-buffered loop of every kernel here: load(i) starts copying step i's tiles into
+// buffer i % 2, one step ahead; body(i) runs once they have arrived, and buffer i % 2 is free
+// again after it. Copies started before the call arrive with step 0's.
+template <class Load, class Body>
+__device__ __forceinline__ void pipelined(int steps, Load&& load, Body&& body) {
+  load(0);
+  cp_async_commit();
+  for (int i = 0; i < steps; ++i) {
+    if (i + 1 < steps) {
+      load(i + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    body(i);
+    __syncthreads();
+  }
+}
+
 // ---- tiles in shared memory -------------------------------------------------------------------
 // A tile of rows x D bf16, row stride D + 8: the 16 extra bytes put the 8 rows one ldmatrix
 // reads on different banks.
@@ -252,20 +273,9 @@ __global__ void __launch_bounds__(threads) forward_kernel(Operands a, Out* o, st
     load_rows<D, tile>(st + tile * stride<D>, v, a.ldkv, kt * tile, T);
   };
   load_rows<D, tile>(sQ, a.q + a.row(b, 0) * a.ldq + static_cast<std::size_t>(h) * D, a.ldq, q0, T);
-  load_kv(0);
-  cp_async_commit();
-
   float acc[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   const bf16x* my_q = sQ + warp * 16 * stride<D>;
-  for (int kt = 0; kt <= last; ++kt) {
-    if (kt < last) {
-      load_kv(kt + 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+  pipelined(last + 1, load_kv, [&](int kt) {
     const bf16x* sK = stage(kt % 2);
     const bf16x* sV = sK + tile * stride<D>;
     float s[tile / 8][4] = {};
@@ -304,8 +314,7 @@ __global__ void __launch_bounds__(threads) forward_kernel(Operands a, Out* o, st
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[n][e] *= corr[e / 2];
     regs_times_tile<D, tile>(acc, s, sV);
-    __syncthreads();  // this stage is loaded again two tiles on
-  }
+  });
   // lse of rows g and g + 8 (natural log); Out = float and not first: merged with the earlier
   // blocks', o = o1 exp(l1 - l) + o2 exp(l2 - l), l = log(exp(l1) + exp(l2)).
   float mul[2], keep[2] = {0.0f, 0.0f};
@@ -388,21 +397,10 @@ __global__ void __launch_bounds__(threads, D > 64 ? 1 : 3) backward_kv_kernel(Op
   };
   load_rows<D, tile>(sK, a.k + a.row(b, 0) * a.ldkv + kvh, a.ldkv, k0, T);
   load_rows<D, tile>(sV, a.v + a.row(b, 0) * a.ldkv + kvh, a.ldkv, k0, T);
-  load_step(0);
-  cp_async_commit();
-
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   const bf16x* my_k = sK + warp * 16 * stride<D>;
   const bf16x* my_v = sV + warp * 16 * stride<D>;
-  for (int i = 0; i < steps; ++i) {
-    if (i + 1 < steps) {
-      load_step(i + 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+  pipelined(steps, load_step, [&](int i) {
     const bf16x* sQ = stages + (i % 2) * stage_elems;
     const bf16x* sO = sQ + BQ * stride<D>;
     const float* sL = stats + (i % 2) * 2 * BQ;
@@ -422,8 +420,7 @@ __global__ void __launch_bounds__(threads, D > 64 ? 1 : 3) backward_kv_kernel(Op
       }
     regs_times_tile<D, BQ>(dv, s, sO);   // dV += P^T dO
     regs_times_tile<D, BQ>(dk, dp, sQ);  // dK += dS^T Q
-    __syncthreads();
-  }
+  });
   const bool add = std::is_same_v<Out, float>;
   const float scale[2] = {a.scale, a.scale}, one[2] = {1.0f, 1.0f}, keep[2] = {add ? 1.0f : 0.0f, add ? 1.0f : 0.0f};
   put_rows<D>(gr.dk + a.row(b, 0) * gr.lddkv + kvh, gr.lddkv, dk, k0 + warp * 16, T, scale, keep);
@@ -455,8 +452,6 @@ __global__ void __launch_bounds__(threads) backward_q_kernel(Operands a, Gradien
   };
   load_rows<D, tile>(sQ, a.q + a.row(b, 0) * a.ldq + head, a.ldq, q0, T);
   load_rows<D, tile>(sO, gr.dout + a.row(b, 0) * gr.lddo + head, gr.lddo, q0, T);
-  load_step(0);
-  cp_async_commit();
 
   const std::size_t row = (static_cast<std::size_t>(b) * a.NH + h) * T;
   float rl[2], rd[2];
@@ -469,15 +464,7 @@ __global__ void __launch_bounds__(threads) backward_q_kernel(Operands a, Gradien
   float dq[D / 8][4] = {};
   const bf16x* my_q = sQ + warp * 16 * stride<D>;
   const bf16x* my_o = sO + warp * 16 * stride<D>;
-  for (int i = 0; i < steps; ++i) {
-    if (i + 1 < steps) {
-      load_step(i + 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+  pipelined(steps, load_step, [&](int i) {
     const bf16x* sK = stages + (i % 2) * stage_elems;
     const bf16x* sV = sK + BK * stride<D>;
     float s[BK / 8][4] = {}, dp[BK / 8][4] = {};
@@ -492,8 +479,7 @@ __global__ void __launch_bounds__(threads) backward_q_kernel(Operands a, Gradien
         dp[n][e] = p * (dp[n][e] - rd[e / 2]);
       }
     regs_times_tile<D, BK>(dq, dp, sK);  // dQ += dS K
-    __syncthreads();
-  }
+  });
   const bool add = std::is_same_v<Out, float>;
   const float scale[2] = {a.scale, a.scale}, keep[2] = {add ? 1.0f : 0.0f, add ? 1.0f : 0.0f};
   put_rows<D>(gr.dq + a.row(b, 0) * gr.lddq + head, gr.lddq, dq, q0 + warp * 16, T, scale, keep);
