@@ -103,12 +103,13 @@ __global__ void __launch_bounds__(Threads)
   for (int i = static_cast<int>(threadIdx.x); i < nvec; i += Threads) {
     float x[W];
     load_vec16(x, logits + base + static_cast<std::size_t>(i) * W);
-    float vm = -INFINITY;
+    if ((i + 1) * W > V) {  // the piece holding column V: padding past it
 #pragma unroll
-    for (int k = 0; k < W; ++k) {
-      x[k] = i * W + k < V ? x[k] : -INFINITY;
-      vm = fmaxf(vm, x[k]);
+      for (int k = 0; k < W; ++k) x[k] = i * W + k < V ? x[k] : -INFINITY;
     }
+    float vm = x[0];
+#pragma unroll
+    for (int k = 1; k < W; ++k) vm = fmaxf(vm, x[k]);
     if (vm == -INFINITY) continue;  // padding only
     const float nm = fmaxf(m, vm), nm2 = nm * log2e;
     float add = 0.0f;
@@ -131,9 +132,14 @@ __global__ void __launch_bounds__(Threads)
     float x[W];
     load_vec16(x, logits + base + static_cast<std::size_t>(i) * W);
 #pragma unroll
-    for (int k = 0; k < W; ++k) {
-      const int j = i * W + k;
-      x[k] = j < V ? scale * exp2f(fmaf(x[k], log2e, -gm2)) - (j == tgt ? dloss : 0.0f) : 0.0f;
+    for (int k = 0; k < W; ++k) x[k] = scale * exp2f(fmaf(x[k], log2e, -gm2));
+    if ((i + 1) * W > V) {  // padding columns get 0
+#pragma unroll
+      for (int k = 0; k < W; ++k) x[k] = i * W + k < V ? x[k] : 0.0f;
+    }
+    if (tgt_ok && static_cast<unsigned>(tgt - i * W) < static_cast<unsigned>(W)) {  // the piece holding the target
+#pragma unroll
+      for (int k = 0; k < W; ++k) x[k] -= i * W + k == tgt ? dloss : 0.0f;
     }
     store_vec16(dlogits + base + static_cast<std::size_t>(i) * W, x);
   }
