@@ -23,10 +23,10 @@
 //   attention_block_forward(s, o, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal, first)
 //   attention_row_dot(s, Dd, dout, out, B, n, C, NH)
 //   attention_block_backward(s, dq, dk, dv, lddkv, dout, Dd, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal)
-// o, lse, dq, dk, dv are float. These are one warp per query (or key) row walking the
-// other side's rows with warp reductions: simple and deterministic, and far from the tile
-// kernels above in speed (they are what CP runs until the tile kernels take q, k and v
-// from separate buffers).
+// o, lse, dq, dk, dv are float. bf16 blocks that fit run on the tensor-core kernels (the
+// same ones as whole sequences, merging into the float accumulators); the rest run one warp
+// per query (or key) row walking the other side's rows with warp reductions: simple and
+// deterministic, and far from the tile kernels in speed.
 
 #include <algorithm>
 #include <cmath>
@@ -390,8 +390,7 @@ __global__ void __launch_bounds__(attn_threads)
 }
 
 // Whole causal sequences of a [B,T,C + 2Ckv] q|k|v buffer as the tensor-core kernels' problem.
-inline flash::Operands whole_sequences(const __nv_bfloat16* qkv, int B, int T, int C, int NH, int NKV) {
-  (void)B;
+inline flash::Operands whole_sequences(const __nv_bfloat16* qkv, int T, int C, int NH, int NKV) {
   const int hs = C / NH;
   const std::size_t ld = static_cast<std::size_t>(C) + 2 * static_cast<std::size_t>(NKV) * hs;
   return {qkv, qkv + C, qkv + C + static_cast<std::size_t>(NKV) * hs, ld, ld, T, NH, NKV, true,
@@ -425,16 +424,11 @@ void attention_dispatch(int hs, Args&&... args) {
     Launch<E, 128>::run(static_cast<Args&&>(args)...);
 }
 
-template <class Kernel>
-void set_smem(Kernel kernel, std::size_t bytes) {
-  FIVED_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-}
-
 template <class E, int D>
 struct AttentionForward {
   static void run(cudaStream_t stream, E* out, float* lse, const E* qkv, int B, int T, int C, int NH, int NKV, int hs) {
     const std::size_t smem = sizeof(float) * (attn_tile * D * 2 + attn_tile * (D + 1));
-    set_smem(attention_forward_kernel<E, D>, smem);
+    allow_dynamic_smem(attention_forward_kernel<E, D>, smem);
     const dim3 grid(static_cast<unsigned>((T + attn_tile - 1) / attn_tile), static_cast<unsigned>(NH),
                     static_cast<unsigned>(B));
     attention_forward_kernel<E, D><<<grid, attn_threads, smem, stream>>>(out, lse, qkv, T, C, NH, NKV, hs,
@@ -450,13 +444,13 @@ struct AttentionBackward {
     const float scale = 1.0f / sqrtf(static_cast<float>(hs));
     const unsigned tiles = static_cast<unsigned>((T + attn_tile - 1) / attn_tile);
     const std::size_t smem_kv = sizeof(float) * (attn_tile * D * 2 + attn_tile * (D + 1) * 2 + 2 * attn_tile);
-    set_smem(attention_backward_kv_kernel<E, D>, smem_kv);
+    allow_dynamic_smem(attention_backward_kv_kernel<E, D>, smem_kv);
     attention_backward_kv_kernel<E, D>
         <<<dim3(tiles, static_cast<unsigned>(NKV), static_cast<unsigned>(B)), attn_threads, smem_kv, stream>>>(
             dqkv, dout, qkv, lse, Dd, T, C, NH, NKV, hs, scale);
     FIVED_CUDA_CHECK_LAUNCH("attention_backward_kv_kernel");
     const std::size_t smem_q = sizeof(float) * (attn_tile * D * 2 + attn_tile * (D + 1) * 2);
-    set_smem(attention_backward_q_kernel<E, D>, smem_q);
+    allow_dynamic_smem(attention_backward_q_kernel<E, D>, smem_q);
     attention_backward_q_kernel<E, D>
         <<<dim3(tiles, static_cast<unsigned>(NH), static_cast<unsigned>(B)), attn_threads, smem_q, stream>>>(
             dqkv, dout, qkv, lse, Dd, T, C, NH, NKV, hs, scale);
@@ -473,7 +467,7 @@ void attention_forward(cudaStream_t stream, E* out, float* lse, const E* qkv, in
   if (B == 0 || T == 0) return;
   detail::require(lse != nullptr, "attention_forward", "lse [B,NH,T] is an output and must not be null");
   if constexpr (std::is_same_v<E, fived::bf16>) {
-    const auto a = detail::whole_sequences(dev(qkv), B, T, C, NH, NKV);
+    const auto a = detail::whole_sequences(dev(qkv), T, C, NH, NKV);
     if (detail::flash::fits(hs, NH, NKV, {a.ldq, static_cast<std::size_t>(C)}, {out, qkv})) {
       detail::flash::with_head_size(hs, [&]<int D>() {
         detail::flash::forward<D>(stream, a, B, dev(out), static_cast<std::size_t>(C), lse, true);
@@ -495,7 +489,7 @@ void attention_backward(cudaStream_t stream, E* dqkv, const E* dout, const E* qk
   Scratch<float> Dd(rows, stream);
   detail::attention_dot(stream, Dd.get(), dev(dout), dev(out), B, T, C, NH, hs);
   if constexpr (std::is_same_v<E, fived::bf16>) {
-    const auto a = detail::whole_sequences(dev(qkv), B, T, C, NH, NKV);
+    const auto a = detail::whole_sequences(dev(qkv), T, C, NH, NKV);
     if (detail::flash::fits(hs, NH, NKV, {a.ldq, static_cast<std::size_t>(C)}, {dqkv, dout, qkv})) {
       auto* g = dev(dqkv);
       const detail::flash::Gradients<__nv_bfloat16> gr{dev(dout), static_cast<std::size_t>(C), lse, Dd.get(), g,

@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -213,6 +214,26 @@ void launch_elementwise(cudaStream_t stream, const char* name, std::size_t n, co
   else
     elementwise_kernel<1><<<grid_for(n, block), block, 0, stream>>>(f, n);
   FIVED_CUDA_CHECK_LAUNCH(name);
+}
+
+// Whether the current device is sm_80 or later (bf16 tensor-core instructions, cuDNN's fused
+// attention): asked of the driver once per device, since attention asks on every call.
+inline bool device_is_sm80_or_later() {
+  constexpr int cached = 64;
+  static std::atomic<signed char> known[cached] = {};  // 0: not asked yet, 1: no, 2: yes
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (device >= 0 && device < cached && known[device].load(std::memory_order_relaxed) != 0)
+    return known[device].load(std::memory_order_relaxed) == 2;
+  const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8;
+  if (device >= 0 && device < cached) known[device].store(yes ? 2 : 1, std::memory_order_relaxed);
+  return yes;
+}
+
+// Lets `kernel` take `bytes` of dynamic shared memory (past the default 48 KB).
+template <class Kernel>
+void allow_dynamic_smem(Kernel kernel, std::size_t bytes) {
+  FIVED_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
 [[noreturn]] inline void bad_argument(const char* kernel, const std::string& what) {

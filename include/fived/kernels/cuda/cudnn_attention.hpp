@@ -38,6 +38,7 @@
 
 #include <fived/device/bf16.hpp>
 #include <fived/device/cuda.hpp>
+#include <fived/kernels/cuda/common.hpp>
 
 namespace fived::kernels::cuda {
 
@@ -171,11 +172,7 @@ class CudnnAttention {
     const std::int64_t kv = std::int64_t{s.NKV} * s.hs();
     return {q, q + s.C, q + s.C + kv};
   }
-  static bool device_supported() {
-    int device = 0, major = 0;
-    return cudaGetDevice(&device) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8;
-  }
+  static bool device_supported() { return detail::device_is_sm80_or_later(); }
 
   struct Plan {
     std::unique_ptr<cudnn_frontend::graph::Graph> graph;

@@ -495,9 +495,7 @@ inline bool fits(int hs, int NH, int NKV, std::initializer_list<std::size_t> str
   if (NKV <= 0 || NH % NKV != 0 || !aligned16(ptrs)) return false;
   for (const std::size_t ld : strides)
     if (ld % 8 != 0) return false;
-  int device = 0, major = 0;
-  return cudaGetDevice(&device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8;
+  return device_is_sm80_or_later();
 }
 
 template <int D>
@@ -508,28 +506,23 @@ inline constexpr std::size_t backward_kv_smem =
 template <int D>
 inline constexpr std::size_t backward_q_smem = sizeof(bf16x) * (2 * tile + 4 * step_rows<D>) * stride<D>;
 
-template <class Kernel>
-void allow_smem(Kernel kernel, std::size_t bytes) {
-  FIVED_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-}
-
 inline dim3 grid(int T, int heads, int B) {
   return dim3(static_cast<unsigned>((T + tile - 1) / tile), static_cast<unsigned>(heads), static_cast<unsigned>(B));
 }
 
 template <int D, class Out>
 void forward(cudaStream_t stream, const Operands& a, int B, Out* o, std::size_t ldo, float* lse, bool first) {
-  allow_smem(forward_kernel<D, Out>, forward_smem<D>);
+  allow_dynamic_smem(forward_kernel<D, Out>, forward_smem<D>);
   forward_kernel<D, Out><<<grid(a.T, a.NH, B), threads, forward_smem<D>, stream>>>(a, o, ldo, lse, first);
   FIVED_CUDA_CHECK_LAUNCH("flash::forward_kernel");
 }
 
 template <int D, class Out>
 void backward(cudaStream_t stream, const Operands& a, int B, const Gradients<Out>& gr) {
-  allow_smem(backward_kv_kernel<D, Out>, backward_kv_smem<D>);
+  allow_dynamic_smem(backward_kv_kernel<D, Out>, backward_kv_smem<D>);
   backward_kv_kernel<D, Out><<<grid(a.T, a.NKV, B), threads, backward_kv_smem<D>, stream>>>(a, gr);
   FIVED_CUDA_CHECK_LAUNCH("flash::backward_kv_kernel");
-  allow_smem(backward_q_kernel<D, Out>, backward_q_smem<D>);
+  allow_dynamic_smem(backward_q_kernel<D, Out>, backward_q_smem<D>);
   backward_q_kernel<D, Out><<<grid(a.T, a.NH, B), threads, backward_q_smem<D>, stream>>>(a, gr);
   FIVED_CUDA_CHECK_LAUNCH("flash::backward_q_kernel");
 }

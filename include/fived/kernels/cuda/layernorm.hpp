@@ -102,7 +102,7 @@ __global__ void norm_backward_rows_kernel(T* dinp, const T* dout, const T* inp, 
   const std::size_t off = static_cast<std::size_t>(row) * C;
   const float m = mean != nullptr ? mean[row] : 0.0f;
   const float r = rstd[row];
-  RowPieces<W, (K > 4 ? 0 : K)> ds, xs;  // two rows: 16 pieces of each would spill
+  RowPieces<W, K> ds, xs;
   float sd = 0.0f, sdx = 0.0f;
   ds.each(C, [&](int c, int p) {
     float(&d)[W] = ds.v[p];
@@ -203,20 +203,19 @@ inline void check_norm_sizes(const char* kernel, int N, int C) {
 }
 
 // Launches kernel<W, K> with W = vec16 (16-byte accesses) when C is a multiple of it and every
-// row pointer is 16-byte aligned, else W = 1; K = the pieces a lane holds: 4 or 16 where the
-// row fits (bf16 rows up to 1024 or 4096 wide), else 0 (read again).
-template <class E, class Launch>
+// row pointer is 16-byte aligned, else W = 1; K = the pieces a lane holds: 4, or 16 when
+// MaxPieces allows, where the row fits (bf16 rows up to 1024 or 4096 wide), else 0 (read
+// again). The backward holds two rows, so 4 at most: 16 pieces of each would spill.
+template <class E, int MaxPieces = 16, class Launch>
 void launch_by_width(int C, std::initializer_list<const void*> rows, Launch&& launch) {
   bool wide = C % vec16<E> == 0;
   for (const void* p : rows) wide = wide && reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
   auto with_pieces = [&](auto w) {
     const int pieces = (C + 32 * w - 1) / (32 * w);
-    if (pieces <= 4)
-      launch(w, std::integral_constant<int, 4>{});
-    else if (pieces <= 16)
-      launch(w, std::integral_constant<int, 16>{});
-    else
-      launch(w, std::integral_constant<int, 0>{});
+    if (pieces <= 4) return launch(w, std::integral_constant<int, 4>{});
+    if constexpr (MaxPieces >= 16)
+      if (pieces <= 16) return launch(w, std::integral_constant<int, 16>{});
+    launch(w, std::integral_constant<int, 0>{});
   };
   if (wide)
     with_pieces(std::integral_constant<int, vec16<E>>{});
@@ -252,7 +251,7 @@ void layernorm_backward(cudaStream_t stream, T* dinp, T* dweight, T* dbias, cons
   if (N == 0) return;
   detail::require(mean != nullptr && rstd != nullptr, "layernorm_backward", "mean and rstd from the forward are needed");
   if (dinp != nullptr) {
-    detail::launch_by_width<T>(C, {dinp, dout, inp, weight}, [&](auto w, auto k) {
+    detail::launch_by_width<T, 4>(C, {dinp, dout, inp, weight}, [&](auto w, auto k) {
       detail::norm_backward_rows_kernel<decltype(w)::value, decltype(k)::value>
           <<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(dev(dinp), dev(dout), dev(inp),
                                                                                     dev(weight), mean, rstd, N, C);
@@ -286,7 +285,7 @@ void rmsnorm_backward(cudaStream_t stream, T* dinp, T* dweight, const T* dout, c
   if (N == 0) return;
   detail::require(rstd != nullptr, "rmsnorm_backward", "rstd from the forward is needed");
   if (dinp != nullptr) {
-    detail::launch_by_width<T>(C, {dinp, dout, inp, weight}, [&](auto w, auto k) {
+    detail::launch_by_width<T, 4>(C, {dinp, dout, inp, weight}, [&](auto w, auto k) {
       detail::norm_backward_rows_kernel<decltype(w)::value, decltype(k)::value>
           <<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(
               dev(dinp), dev(dout), dev(inp), dev(weight), static_cast<const float*>(nullptr), rstd, N, C);
