@@ -9,6 +9,15 @@
 //   after_backward(u)   unit u's gradients are final for this backward, and backward needs
 //                       its parameters no more
 //
+// A backward split in two (backward_input, then backward_weight: the zero-bubble schedules'
+// I and W) calls before_backward(u) and after_input_grad(u) around each unit in the first
+// (it reads the parameters and writes no gradient), then before_weight_grad(u) and
+// after_backward(u) around each unit in the second (it writes the gradients and reads no
+// parameter):
+//
+//   after_input_grad(u)    the input half is done with unit u's parameters
+//   before_weight_grad(u)  the weight half is about to write unit u's gradients
+//
 // A data-parallel trainer reduces a unit's gradient buckets at after_backward (so the
 // reductions run while the rest of backward does), and ZeRO-3 gathers a unit's parameters
 // at before_* and frees them at after_*. Calls come in execution order; before_* may repeat
@@ -22,6 +31,7 @@ namespace fived {
 
 struct UnitHooks {
   std::function<void(int unit)> before_forward, after_forward, before_backward, after_backward;
+  std::function<void(int unit)> after_input_grad, before_weight_grad;  // a split backward's (above)
 };
 
 namespace detail {

@@ -108,13 +108,20 @@ struct Attention {
                                local_kv);
   }
 
+  // The core's output as c_proj's weight gradient reads it: the slot's, or under
+  // SelectiveRecompute (core is the shared one, recomputed) a snapshot when that is deferred.
+  static const T* held_output(S& s, const Saved& a, const Core& core, int C) {
+    if (&core == &a.core) return core.atty.data();
+    return s.hold(core.atty.data(), static_cast<std::size_t>(s.rows()) * static_cast<std::size_t>(C / S::tp));
+  }
+
   // dx (the stream's rows, "=") from dy; gradients "+=". x: ln_1's output, as in forward.
   // Work buffers: datty [N, C/TP], dqkv [N, 3C/TP], full [N, C] when SP (dy's rows, then dx's partial).
   static void backward(S& s, ContextWork& ring, T* dx, Params g, const T* dy, const T* x, const Saved& a,
                        const Core& core, Params p, int C, T* datty, T* dqkv, T* full) {
     const int Cl = C / S::tp;
     const T* x_full = S::sp ? a.x_full.data() : x;
-    RowParallel<S>::backward(s, datty, g.proj_w, g.proj_b, dy, core.atty.data(), p.proj_w, Cl, C, full);
+    RowParallel<S>::backward(s, datty, g.proj_w, g.proj_b, dy, held_output(s, a, core, C), p.proj_w, Cl, C, full);
     core_backward(s, ring, dqkv, datty, a.qkv.data(), core, C);
     ColumnParallel<S>::backward(s, dx, g.qkv_w, g.qkv_b, dqkv, x_full, p.qkv_w, C, 3 * Cl, full);
   }

@@ -81,6 +81,7 @@
 #include "fived/nn/ops.hpp"
 #include "fived/nn/param_table.hpp"
 #include "fived/nn/stream.hpp"
+#include "fived/nn/weight_grads.hpp"
 #include "fived/model/unit_hooks.hpp"
 #include "fived/model/plan_shape.hpp"
 
@@ -487,6 +488,9 @@ class Decoder {
     check_batch(tokens, targets, B, T_);
     const int Tl = local_length(T_);
     Slot& a = slot_at(slot);
+    if (a.tape.pending())
+      throw std::logic_error(std::string(Arch::name) + "::forward: slot " + std::to_string(slot) +
+                             " still holds a backward_input's weight gradients; call backward_weight first");
     reserve(a, B, Tl);
     a.B = B, a.T_ = Tl;
     upload_local(a.tokens, tokens, B, T_);
@@ -556,44 +560,38 @@ class Decoder {
   // (model/unit_hooks.hpp): before_backward(u) before unit u's parameters are read or its
   // gradients written, after_backward(u) as soon as they are final (under SP, after the
   // unit's LayerNorm gradients are all-reduced over TP). Units finish from the last to 0.
-  void backward(const UnitHooks& hooks = {}, int slot = 0) {
+  void backward(const UnitHooks& hooks = {}, int slot = 0) { run_backward(hooks, slot_at(slot), nullptr); }
+
+  // The same backward in two halves, for the zero-bubble pipeline schedules (I and W,
+  // pipeline/action.hpp): backward_input makes d(input) (input_grad()) and leaves every
+  // weight gradient on the slot's tape (nn/weight_grads.hpp); backward_weight makes them, in
+  // the same order, so the two together give backward()'s gradients bit for bit. The slot
+  // keeps its activations until backward_weight. Hooks: before_backward(u) and
+  // after_input_grad(u) around each unit in the first, before_weight_grad(u) and
+  // after_backward(u) in the second.
+  void backward_input(const UnitHooks& hooks = {}, int slot = 0) {
     Slot& a = slot_at(slot);
-    if (!a.has_dlogits)
-      throw std::logic_error(std::string(Arch::name) +
-                             (has_head ? "::backward: call forward(tokens, targets, B, T) with targets first (once "
-                                         "per backward)"
-                                       : "::backward: call forward first (once per backward)"));
-    a.has_dlogits = false;
-    step_type s = step(a);
-    T* dres = work_.dres.data();
-
-    if constexpr (has_head) {
-      detail::call(hooks.before_backward, specs::final_unit);
-      if constexpr (dims::tied && has_embedding) detail::call(hooks.before_backward, 0);  // the head is wte
-      HeadL::backward(s, work_.dln.data(), G(head_index), a.head, a.lnf.out.data(), P(head_index), Vp, C,
-                      work_.partial.data());
-      ops_.zero(work_.dres);
-      const T* x_last = blocks > 0 ? a.out[static_cast<std::size_t>(blocks - 1)].data() : a.encoded.data();
-      Norm::backward(s, dres, norm_grads_, work_.dln.data(), x_last, norm_params_, a.lnf, C);
-      finish_unit(specs::final_unit);
-      detail::call(hooks.after_backward, specs::final_unit);
-    }  // else dres holds d(output), received into output_grad()
-
-    for (int l = blocks - 1; l >= 0; --l) {
-      detail::call(hooks.before_backward, specs::block_unit(l));
-      typename Block::Saved& A = saved(a, l);
-      const T* x = l == 0 ? a.encoded.data() : a.out[static_cast<std::size_t>(l - 1)].data();
-      const auto& p = block_params_[static_cast<std::size_t>(l)];
-      if constexpr (recompute::whole_block) Block::forward(s, A, work_.block, scratch(), p, x, work_.rerun_out.data(), first_layer + l);
-      Block::backward(s, A, work_.block, scratch(), p, block_grads_[static_cast<std::size_t>(l)], x, dres, first_layer + l);
-      finish_unit(specs::block_unit(l));
-      detail::call(hooks.after_backward, specs::block_unit(l));
-    }
-    if constexpr (has_embedding) {
-      detail::call(hooks.before_backward, 0);
-      Embedding<step_type>::backward(s, G(0), positions(g_at_), dres, a.tokens.data(), Vp, C, work_.partial.data());
-      detail::call(hooks.after_backward, 0);  // wte (which a tied head also wrote) and wpe
-    }  // else dres holds d(input): input_grad()
+    if (a.tape.pending())
+      throw std::logic_error(std::string(Arch::name) + "::backward_input: slot " + std::to_string(slot) +
+                             " still waits for backward_weight of its last backward_input");
+    run_backward(hooks, a, &a.tape);
+  }
+  void backward_weight(const UnitHooks& hooks = {}, int slot = 0) {
+    Slot& a = slot_at(slot);
+    if (!a.tape.pending())
+      throw std::logic_error(std::string(Arch::name) + "::backward_weight: call backward_input(hooks, " +
+                             std::to_string(slot) + ") first (once per backward_weight)");
+    a.tape.run(
+        ops_,
+        [&](int u) {
+          detail::call(hooks.before_weight_grad, u);
+          if constexpr (dims::tied && has_embedding)  // the head writes wte's gradient
+            if (u == specs::final_unit) detail::call(hooks.before_weight_grad, 0);
+        },
+        [&](int u) {
+          finish_unit(u);
+          detail::call(hooks.after_backward, u);
+        });
   }
 
   // ---- a pipeline stage's boundary (parts: Layers<first, count>) ------------------------------
@@ -731,6 +729,7 @@ class Decoder {
     bool has_dlogits = false;   // forward done, backward may run (d-logits written, with a head)
     mutable bool loss_pending = false;  // the statistics of the last forward are not summed yet
     mutable double loss = 0;
+    WeightGradTape<ops_type> tape;  // backward_input's weight gradients, until backward_weight
   };
   // Shared by every slot: what one forward or backward uses and leaves behind.
   struct Work {
@@ -747,6 +746,56 @@ class Decoder {
     else return a.blocks[static_cast<std::size_t>(l)];
   }
   StreamScratch<T> scratch() { return {work_.out.data(), work_.dln.data(), work_.partial.data()}; }
+
+  // backward(), or with a tape backward_input(): each unit's weight gradients left on it.
+  void run_backward(const UnitHooks& hooks, Slot& a, WeightGradTape<ops_type>* tape) {
+    if (!a.has_dlogits)
+      throw std::logic_error(std::string(Arch::name) +
+                             (has_head ? "::backward: call forward(tokens, targets, B, T) with targets first (once "
+                                         "per backward)"
+                                       : "::backward: call forward first (once per backward)"));
+    a.has_dlogits = false;
+    step_type s = step(a);
+    s.tape = tape;
+    T* dres = work_.dres.data();
+    auto begin_unit = [&](int u) {
+      detail::call(hooks.before_backward, u);
+      if (tape != nullptr) tape->begin_unit(u);
+    };
+    auto end_unit = [&](int u) {
+      if (tape != nullptr) return detail::call(hooks.after_input_grad, u);
+      finish_unit(u);
+      detail::call(hooks.after_backward, u);
+    };
+
+    if constexpr (has_head) {
+      begin_unit(specs::final_unit);
+      if constexpr (dims::tied && has_embedding) detail::call(hooks.before_backward, 0);  // the head is wte
+      HeadL::backward(s, work_.dln.data(), G(head_index), a.head, a.lnf.out.data(), P(head_index), Vp, C,
+                      work_.partial.data());
+      ops_.zero(work_.dres);
+      const T* x_last = blocks > 0 ? a.out[static_cast<std::size_t>(blocks - 1)].data() : a.encoded.data();
+      Norm::backward(s, dres, norm_grads_, work_.dln.data(), x_last, norm_params_, a.lnf, C);
+      end_unit(specs::final_unit);
+    }  // else dres holds d(output), received into output_grad()
+
+    s.recomputed = recompute::whole_block;  // the blocks' saved activations: shared, recomputed
+    for (int l = blocks - 1; l >= 0; --l) {
+      begin_unit(specs::block_unit(l));
+      typename Block::Saved& A = saved(a, l);
+      const T* x = l == 0 ? a.encoded.data() : a.out[static_cast<std::size_t>(l - 1)].data();
+      const auto& p = block_params_[static_cast<std::size_t>(l)];
+      if constexpr (recompute::whole_block) Block::forward(s, A, work_.block, scratch(), p, x, work_.rerun_out.data(), first_layer + l);
+      Block::backward(s, A, work_.block, scratch(), p, block_grads_[static_cast<std::size_t>(l)], x, dres, first_layer + l);
+      end_unit(specs::block_unit(l));
+    }
+    s.recomputed = false;
+    if constexpr (has_embedding) {
+      begin_unit(0);
+      Embedding<step_type>::backward(s, G(0), positions(g_at_), dres, a.tokens.data(), Vp, C, work_.partial.data());
+      end_unit(0);  // wte (which a tied head also wrote) and wpe
+    }  // else dres holds d(input): input_grad()
+  }
 
   Decoder(AxisComm<M, Axis::tp> comm, AxisComm<M, Axis::cp> cp_comm, ep_comm_type ep_comm, int ep_rank,
           const GptInit& init)
@@ -927,6 +976,7 @@ class Decoder {
     const std::size_t n = step_type::sp ? N / tp : N, c = C;
     if (N <= a.capacity) return;
     Slot s;
+    s.tape = std::move(a.tape);  // its arena is sized by the largest backward so far
     s.capacity = N;
     s.tokens = make<int>(N);
     s.targets = make<int>(N);

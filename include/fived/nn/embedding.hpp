@@ -51,17 +51,18 @@ struct Embedding {
     }
     s.reduce_rows(p, x, C);
   }
-  // dwte (this rank's rows), dwpe (or none) "+=" from dx (the stream's rows). gather: [N, C] when SP.
+  // dwte (this rank's rows), dwpe (or none) "+=" from dx (the stream's rows): all of it the
+  // weight half (Step::weight_grad); tokens stay in the slot. gather: [N, C] when SP.
   static void backward(S& s, T* dwte, T* dwpe, const T* dx, const int* tokens, int Vp, int C, T* gather) {
-    const int rows = Vp / S::tp, n = s.chunk_length();
-    const T* dx_full = s.gather_rows(dx, gather, C);
+    const int rows = Vp / S::tp, n = s.chunk_length(), B = s.B, vocab_begin = s.rank() * rows;
+    const T* dx_full = s.hold(s.gather_rows(dx, gather, C), static_cast<std::size_t>(s.rows()) * static_cast<std::size_t>(C));
     for (int c = 0; c < S::chunks; ++c) {
-      const std::size_t first = static_cast<std::size_t>(c) * static_cast<std::size_t>(s.B) * static_cast<std::size_t>(n);
+      const std::size_t first = static_cast<std::size_t>(c) * static_cast<std::size_t>(B) * static_cast<std::size_t>(n);
       T* dpos = dwpe != nullptr ? dwpe + static_cast<std::size_t>(s.chunk_position(c)) * static_cast<std::size_t>(C)
                                 : nullptr;
-      s.ops.embedding_backward(dwte, dpos,
-                               dx_full + first * static_cast<std::size_t>(C), tokens + first, s.B, n, C,
-                               s.rank() * rows, rows);
+      const T* g = dx_full + first * static_cast<std::size_t>(C);
+      const int* ids = tokens + first;
+      s.weight_grad([=](auto& ops) { ops.embedding_backward(dwte, dpos, g, ids, B, n, C, vocab_begin, rows); });
     }
   }
 };

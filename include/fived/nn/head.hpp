@@ -69,13 +69,17 @@ struct Head {
                                 target.data(), N, Vl, first, V, 1.0 / N);
   }
 
-  // dx (the stream's rows, "=") from the d-logits; dW "+=". partial: [N, C] when SP.
+  // dx (the stream's rows, "=") from the d-logits; dW "+=" as the weight half
+  // (Step::weight_grad: the d-logits and x stay in the slot). partial: [N, C] when SP.
   static void backward(S& s, T* dx, T* dw, const Saved& a, const T* x, const T* w, int Vp, int C, T* partial) {
-    const int Vl = Vp / S::tp;
+    const int Vl = Vp / S::tp, N = s.rows();
     const T* x_full = S::sp ? a.x_full.data() : x;
+    const T* dlogits = a.logits.data();
     T* p = s.partial_buffer(dx, partial);
-    s.ops.matmul(p, a.logits.data(), w, static_cast<const T*>(nullptr), s.rows(), C, Vl, false, false);
-    s.ops.matmul(dw, a.logits.data(), x_full, static_cast<const T*>(nullptr), Vl, C, s.rows(), true, false, true);
+    s.ops.matmul(p, dlogits, w, static_cast<const T*>(nullptr), N, C, Vl, false, false);
+    s.weight_grad([=](auto& ops) {
+      ops.matmul(dw, dlogits, x_full, static_cast<const T*>(nullptr), Vl, C, N, true, false, true);
+    });
     s.reduce_rows(p, dx, C);
   }
 };

@@ -46,9 +46,18 @@ struct LayerNorm {
     s.ops.layernorm_forward(a.out.data(), a.mean.data(), a.rstd.data(), x, w, b, s.local_rows(), C);
   }
   static void forward(S& s, Saved& a, const T* x, Params p, int C) { forward(s, a, x, p.w, p.b, C); }
-  // dx, dw, db "+=" from dy (the stream's rows); x is the forward's input.
+  // dx, dw, db "+=" from dy (the stream's rows); x is the forward's input. dx now, dw and db
+  // as the weight half (Step::weight_grad).
   static void backward(S& s, T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, const Saved& a, int C) {
-    s.ops.layernorm_backward(dx, dw, db, dy, x, w, a.mean.data(), a.rstd.data(), s.local_rows(), C);
+    const int n = s.local_rows();
+    const std::size_t rows = static_cast<std::size_t>(n), elems = rows * static_cast<std::size_t>(C);
+    s.ops.layernorm_backward(dx, static_cast<T*>(nullptr), static_cast<T*>(nullptr), dy, x, w, a.mean.data(),
+                             a.rstd.data(), n, C);
+    const T *g = s.hold(dy, elems), *xs = s.hold_saved(x, elems);
+    const stat_t *mean = s.hold_saved(a.mean.data(), rows), *rstd = s.hold_saved(a.rstd.data(), rows);
+    s.weight_grad([=](auto& ops) {
+      ops.layernorm_backward(static_cast<T*>(nullptr), dw, db, g, xs, static_cast<const T*>(nullptr), mean, rstd, n, C);
+    });
   }
   static void backward(S& s, T* dx, Params g, const T* dy, const T* x, Params p, const Saved& a, int C) {
     backward(s, dx, g.w, g.b, dy, x, p.w, a, C);

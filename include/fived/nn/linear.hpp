@@ -36,14 +36,20 @@ template <class W, class S, class T, class... Epi>
 void apply(S& s, T* y, const T* x, const T* w, const T* b, int in, int out, Epi... epilogue) {
   s.ops.matmul(y, x, w, b, s.rows(), out, in, false, W::transposed, false, epilogue...);
 }
-// dx[N, in] = dy[N, out] W^T; dW += x^T dy in W's storage; db += the sum of dy's rows.
+// dx[N, in] = dy[N, out] W^T; then the weight half (Step::weight_grad: now, or deferred):
+// dW += x^T dy in W's storage; db += the sum of dy's rows.
 template <class W, class S, class T>
 void backward(S& s, T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, int in, int out) {
   const T* none = nullptr;
-  s.ops.matmul(dx, dy, w, none, s.rows(), in, out, false, !W::transposed);
-  if constexpr (W::transposed) s.ops.matmul(dw, dy, x, none, out, in, s.rows(), true, false, true);
-  else s.ops.matmul(dw, x, dy, none, in, out, s.rows(), true, false, true);
-  if (db != nullptr) s.ops.bias_backward(db, dy, s.rows(), out);
+  const int N = s.rows();
+  s.ops.matmul(dx, dy, w, none, N, in, out, false, !W::transposed);
+  const T* g = s.hold(dy, static_cast<std::size_t>(N) * static_cast<std::size_t>(out));
+  const T* xs = s.hold_saved(x, static_cast<std::size_t>(N) * static_cast<std::size_t>(in));
+  s.weight_grad([=](auto& ops) {
+    if constexpr (W::transposed) ops.matmul(dw, g, xs, none, out, in, N, true, false, true);
+    else ops.matmul(dw, xs, g, none, in, out, N, true, false, true);
+    if (db != nullptr) ops.bias_backward(db, g, N, out);
+  });
 }
 }  // namespace detail_linear
 

@@ -228,33 +228,47 @@ struct MoE {
     // d(y) to the experts; their backward leaves dx of their rows in place of d(y)
     T* d_exp = EP == 1 ? w.rows.data() : w.y_exp.data();
     if constexpr (EP > 1) to_experts(s, a, w, w.rows.data(), d_exp, C);
+    // Each expert's input gradient now, its weights' as the weight half (Step::weight_grad):
+    // the rows' d(y), dh and d(gate|up) are held (their buffers are reused), its rows' input
+    // and activations stay in the slot.
     for_each_expert(a, [&](int j, std::size_t off, int n) {
       T* dyj = d_exp + off * C;
       T* dh = w.dh.data() + off * Fl;
+      const T* none = nullptr;
+      const std::size_t rows = static_cast<std::size_t>(n);
+      const T* xj = s.hold_saved(a.x_exp.data() + off * C, rows * C);
+      const T* hj = s.hold_saved(a.h.data() + off * Fl, rows * Fl);
       if constexpr (Gated) {
-        const T* none = nullptr;
         const T* wgu = p.fc_w + j * std::size_t(2 * Fl) * C;
         const T* wd = p.proj_w + j * std::size_t(C) * Fl;
         const T* gu = a.pre.data() + off * 2 * Fl;
         T* dgu = w.dgu.data() + off * 2 * Fl;
+        T *g_down = g.proj_w + j * std::size_t(C) * Fl, *g_gu = g.fc_w + j * std::size_t(2 * Fl) * C;
         ops.matmul(dh, dyj, wd, none, n, Fl, C, false, false);  // dh = dy Wd
-        ops.matmul(g.proj_w + j * std::size_t(C) * Fl, dyj, a.h.data() + off * Fl, none, C, Fl, n, true, false, true);
+        const T* dyh = s.hold(static_cast<const T*>(dyj), rows * C);
+        s.weight_grad([=](auto& o) { o.matmul(g_down, dyh, hj, none, C, Fl, n, true, false, true); });
         ops.swiglu_backward(dgu, dh, gu, n, Fl);
-        ops.matmul(g.fc_w + j * std::size_t(2 * Fl) * C, dgu, a.x_exp.data() + off * C, none, 2 * Fl, C, n, true, false,
-                   true);
+        const T* dguh = s.hold(static_cast<const T*>(dgu), rows * 2 * Fl);
+        s.weight_grad([=](auto& o) { o.matmul(g_gu, dguh, xj, none, 2 * Fl, C, n, true, false, true); });
         ops.matmul(dyj, dgu, wgu, none, n, C, 2 * Fl, false, false);  // dx of the rows
         return;
       }
       const T* w1 = p.fc_w + j * std::size_t(C) * Fl;
-      ops.matmul(dh, dyj, p.proj_w + j * std::size_t(Fl) * C, static_cast<const T*>(nullptr), n, Fl, C, false, true);
-      ops.matmul(g.proj_w + j * std::size_t(Fl) * C, a.h.data() + off * Fl, dyj, static_cast<const T*>(nullptr), Fl, C, n,
-                 true, false, true);
-      ops.bias_backward(g.proj_b + j * std::size_t(C), dyj, n, C);
-      ops.gelu_backward(dh, a.pre.data() + off * Fl, dh, static_cast<std::size_t>(n) * Fl);
-      ops.matmul(g.fc_w + j * std::size_t(C) * Fl, a.x_exp.data() + off * C, dh, static_cast<const T*>(nullptr), C, Fl, n,
-                 true, false, true);
-      ops.bias_backward(g.fc_b + j * std::size_t(Fl), dh, n, Fl);
-      ops.matmul(dyj, dh, w1, static_cast<const T*>(nullptr), n, C, Fl, false, true);  // dx of the rows
+      T *g_proj = g.proj_w + j * std::size_t(Fl) * C, *g_proj_b = g.proj_b + j * std::size_t(C);
+      T *g_fc = g.fc_w + j * std::size_t(C) * Fl, *g_fc_b = g.fc_b + j * std::size_t(Fl);
+      ops.matmul(dh, dyj, p.proj_w + j * std::size_t(Fl) * C, none, n, Fl, C, false, true);
+      const T* dyh = s.hold(static_cast<const T*>(dyj), rows * C);
+      s.weight_grad([=](auto& o) {
+        o.matmul(g_proj, hj, dyh, none, Fl, C, n, true, false, true);
+        o.bias_backward(g_proj_b, dyh, n, C);
+      });
+      ops.gelu_backward(dh, a.pre.data() + off * Fl, dh, rows * Fl);
+      const T* dhh = s.hold(static_cast<const T*>(dh), rows * Fl);
+      s.weight_grad([=](auto& o) {
+        o.matmul(g_fc, xj, dhh, none, C, Fl, n, true, false, true);
+        o.bias_backward(g_fc_b, dhh, n, Fl);
+      });
+      ops.matmul(dyj, dh, w1, none, n, C, Fl, false, true);  // dx of the rows
     });
     if constexpr (EP > 1) from_experts(s, a, w, d_exp, w.rows.data(), C);
 
@@ -263,7 +277,12 @@ struct MoE {
     T* dlogits = w.logits.data();
     ops.router_backward(dlogits, w.dgate.data(), a.scores.data(), a.expert.data(), a.gate.data(),
                         coef > 0 ? a.daux.data() : static_cast<const stat_t*>(nullptr), N, E, K, renormalize, sigmoid);
-    ops.matmul(g.router, xf, dlogits, static_cast<const T*>(nullptr), C, E, N, true, false, true);
+    {
+      T* g_router = g.router;
+      const T *xs = s.hold_saved(xf, static_cast<std::size_t>(N) * C),
+              *dl = s.hold(static_cast<const T*>(dlogits), static_cast<std::size_t>(N) * E);
+      s.weight_grad([=](auto& o) { o.matmul(g_router, xs, dl, static_cast<const T*>(nullptr), C, E, N, true, false, true); });
+    }
     if (s.rank() == 0) ops.matmul(out, dlogits, p.router, static_cast<const T*>(nullptr), N, C, E, false, true);
     else ops.zero(out, static_cast<std::size_t>(N) * C);
     ops.moe_dispatch_backward(out, w.rows.data(), a.pos.data(), N, K, C);

@@ -41,9 +41,18 @@ struct RMSNorm {
   static void forward(S& s, Saved& a, const T* x, Params p, int C) {
     s.ops.rmsnorm_forward(a.out.data(), a.rstd.data(), x, p.w, s.local_rows(), C);
   }
-  // dx, dw "+=" from dy (the stream's rows); x is the forward's input.
+  // dx, dw "+=" from dy (the stream's rows); x is the forward's input. dx now, dw as the
+  // weight half (Step::weight_grad).
   static void backward(S& s, T* dx, Params g, const T* dy, const T* x, Params p, const Saved& a, int C) {
-    s.ops.rmsnorm_backward(dx, g.w, dy, x, p.w, a.rstd.data(), s.local_rows(), C);
+    const int n = s.local_rows();
+    const std::size_t rows = static_cast<std::size_t>(n), elems = rows * static_cast<std::size_t>(C);
+    s.ops.rmsnorm_backward(dx, static_cast<T*>(nullptr), dy, x, p.w, a.rstd.data(), n, C);
+    const T *d = s.hold(dy, elems), *xs = s.hold_saved(x, elems);
+    const stat_t* rstd = s.hold_saved(a.rstd.data(), rows);
+    T* dw = g.w;
+    s.weight_grad([=](auto& ops) {
+      ops.rmsnorm_backward(static_cast<T*>(nullptr), dw, d, xs, static_cast<const T*>(nullptr), rstd, n, C);
+    });
   }
 };
 

@@ -21,7 +21,9 @@
 // Collectives per step on the TP group: as nn/attention.hpp, plus that all-reduce.
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <stdexcept>
 
 #include "fived/device/buffer.hpp"
@@ -104,21 +106,28 @@ struct RotaryAttention {
   static void backward(S& s, ContextWork& ring, Work& w, T* dx, Params g, const T* dy, const T* x, const Saved& a,
                        const Core& core, Params p, int C, int KVC, const stat_t* inv_freq, T* datty, T* dqkv, T* full) {
     const T* x_full = S::sp ? a.x_full.data() : x;
-    RowParallel<S, Linear>::backward(s, datty, g.o, nullptr, dy, core.atty.data(), p.o, C / S::tp, C, full);
+    RowParallel<S, Linear>::backward(s, datty, g.o, nullptr, dy, Attn::held_output(s, a, core, C), p.o, C / S::tp, C,
+                                     full);
     Attn::core_backward(s, ring, dqkv, datty, a.qkv.data(), core, C);
     s.ops.rotary_backward(dqkv, inv_freq, s.rows(), local_heads, local_kv, C / Heads, s.positions());
     if constexpr (replicas == 1) {
       ColumnParallel<S, Linear>::backward(s, dx, g.qkv, nullptr, dqkv, x_full, p.qkv, C, raw_width(C, KVC), full);
-    } else {  // the projection's gradient whole, then the shared key/value head's part summed over its replicas
-      s.ops.zero(w.dw);
-      ColumnParallel<S, Linear>::backward(s, dx, w.dw.data(), nullptr, dqkv, x_full, p.qkv, C, raw_width(C, KVC), full);
+    } else {  // the projection's gradient whole, then the shared key/value head's part summed over its
+              // replicas: all of it the weight half (Step::weight_grad), the all-reduce included
       const std::size_t q = static_cast<std::size_t>(C / S::tp) * C, kv = 2 * static_cast<std::size_t>(kv_rows(KVC)) * C;
-      T* slot = w.slots.data() + static_cast<std::size_t>(s.rank() / replicas) * kv;
-      s.ops.residual_forward(g.qkv, g.qkv, w.dw.data(), q);
-      s.ops.zero(w.slots);
-      s.ops.copy(slot, w.dw.data() + q, kv);
-      s.comm.all_reduce(w.slots.span());
-      s.ops.residual_forward(g.qkv + q, g.qkv + q, slot, kv);
+      T *dw = w.dw.data(), *slots = w.slots.data(), *gq = g.qkv;
+      T* slot = slots + static_cast<std::size_t>(s.rank() / replicas) * kv;
+      const std::size_t n_dw = w.dw.size(), n_slots = w.slots.size();
+      auto* comm = &s.comm;
+      s.weight_grad([=](auto& ops) { ops.zero(dw, n_dw); });
+      ColumnParallel<S, Linear>::backward(s, dx, dw, nullptr, dqkv, x_full, p.qkv, C, raw_width(C, KVC), full);
+      s.weight_grad([=](auto& ops) {
+        ops.residual_forward(gq, gq, dw, q);
+        ops.zero(slots, n_slots);
+        ops.copy(slot, dw + q, kv);
+        comm->all_reduce(std::span<T>(slots, n_slots));
+        ops.residual_forward(gq + q, gq + q, slot, kv);
+      });
     }
   }
 };

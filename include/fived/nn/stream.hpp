@@ -42,6 +42,7 @@
 #include "fived/context/zigzag.hpp"
 #include "fived/mesh/mesh.hpp"
 #include "fived/nn/ops.hpp"
+#include "fived/nn/weight_grads.hpp"
 #include "fived/place/placement.hpp"
 #include "fived/place/redistribute.hpp"
 
@@ -80,6 +81,29 @@ struct Step {
   AxisComm<M, Axis::cp>& cp_comm;
   int B = 0, T_ = 0;  // T_: this rank's tokens of each sequence
   ep_comm_type* ep_comm = nullptr;  // a mixture of experts' all-to-all (EP > 1)
+  // A split backward (the model's backward_input): weight gradients go on this tape and run
+  // at backward_weight (nn/weight_grads.hpp). None: they run where they stand.
+  WeightGradTape<ops_type>* tape = nullptr;
+  bool recomputed = false;  // the block's saved activations live in buffers shared by every block (FullRecompute)
+
+  // A layer's weight gradient, f(ops): now, or at backward_weight when the backward is split.
+  // f captures by value ([=]); what it reads that backward overwrites, it reads through hold().
+  template <class F>
+  void weight_grad(const F& f) {
+    if (tape != nullptr) tape->add(f);
+    else f(ops);
+  }
+  // What a deferred weight gradient reads of n elements at p that backward overwrites (a
+  // layer's output gradient in a shared buffer): p itself, or a snapshot when the backward is split.
+  template <class U>
+  const U* hold(const U* p, std::size_t n) {
+    return tape != nullptr ? tape->keep(ops, p, n) : p;
+  }
+  // The same for a saved activation: the slot keeps it, unless the block recomputes it.
+  template <class U>
+  const U* hold_saved(const U* p, std::size_t n) {
+    return recomputed ? hold(p, n) : p;
+  }
 
   int chunk_length() const { return T_ / chunks; }  // n
   // The position in the sequence of local chunk c's first token.

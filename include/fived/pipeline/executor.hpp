@@ -23,7 +23,7 @@
 //     grouped send_recv over the PP communicator (so two neighbours that both send first
 //     cannot block each other);
 //   - drives each chunk's DataParallel (train/data_parallel.hpp) through the step in pieces:
-//     begin_step, the hooks, begin/end_backward around every backward (the chunk's M-th
+//     begin_step, the hooks, begin/end_backward around every backward or W (the chunk's M-th
 //     backward is the one NoZeRO and ZeRO-1 reduce), end_micro_batches; then the clip over
 //     every parameter of the pipeline (each chunk's grad_sum_of_squares, summed over the
 //     chunks and all-reduced over PP) and each chunk's AdamW update;
@@ -34,10 +34,9 @@
 //     has no message: right after the forward (backward) that makes them.
 //
 // A backward split into I and W parts calls the model's backward_input(hooks, slot) at I and
-// backward_weight(hooks, slot) at W when it has them. fived's own model does not yet (its backward makes
-// both gradients together): it runs the whole backward at I and nothing at W, so every
-// gradient is the same but the bubble a zero-bubble schedule removes by moving W is not
-// removed yet (bench/pipeline measures the schedules with stand-in stages that do split).
+// backward_weight(hooks, slot) at W (fived's Decoder has both: nn/weight_grads.hpp); the
+// chunk's DataParallel reduces at W, where the gradients are made. A model without them
+// runs its whole backward at I and nothing at W: the same gradients, without the gain.
 
 #include <algorithm>
 #include <cstddef>
@@ -204,15 +203,11 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
           const int k = slot(c, s.mb, false);
           if constexpr (!Model::has_head)
             model.ops().copy(model.output_grad(b_, T_), grad_in(c, k), boundary());
-          const bool last = ++backwards_[static_cast<std::size_t>(c)] == M_;
-          dp.begin_backward(last);
-          if constexpr (splits_backward<Model>) {
-            if (s.op == Op::input_grad) model.backward_input(dp.hooks(), k);
-            else model.backward(dp.hooks(), k);
+          if (s.op == Op::input_grad && splits_backward<Model>) {
+            if constexpr (splits_backward<Model>) model.backward_input(dp.hooks(), k);  // the gradients come at W
           } else {
-            model.backward(dp.hooks(), k);
+            gradients_made(c, dp, [&] { model.backward(dp.hooks(), k); });
           }
-          dp.end_backward();
           if constexpr (!Model::has_embedding) {
             const int prev = local_neighbour(c, -1);  // the previous stage is here: straight to it
             model.ops().copy(prev >= 0 ? grad_in(prev, slot(prev, s.mb, false)) : grad_out(c, k), model.input_grad(),
@@ -222,7 +217,8 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
           break;
         }
         case Op::weight_grad:  // else computed with the input part (see the top of this file)
-          if constexpr (splits_backward<Model>) model.backward_weight(dp.hooks(), slot(c, s.mb, false));
+          if constexpr (splits_backward<Model>)
+            gradients_made(c, dp, [&] { model.backward_weight(dp.hooks(), slot(c, s.mb, false)); });
           done_with(c, s.mb);
           break;
         default:
@@ -354,6 +350,15 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     else
       pp_.all_reduce(std::span<const double>(&v, 1), std::span<double>(&v, 1), ReduceOp::sum);
     return v;
+  }
+
+  // A backward that writes chunk c's parameter gradients (the whole one, or the weight
+  // half), inside its DataParallel's begin/end_backward: the chunk's M-th is the step's last.
+  template <class Trainer, class F>
+  void gradients_made(int c, Trainer& dp, F&& backward) {
+    dp.begin_backward(++backwards_[static_cast<std::size_t>(c)] == M_);
+    backward();
+    dp.end_backward();
   }
 
   template <class Model>

@@ -594,6 +594,14 @@ class DataParallel {
       done_with_params(u);
       if constexpr (HasExperts<Model>) detail::call(experts_->hooks().after_backward, u);
     };
+    hooks_.after_input_grad = [this](int u) {  // a split backward's halves (model/unit_hooks.hpp)
+      done_with_params(u);
+      if constexpr (HasExperts<Model>) detail::call(experts_->hooks().after_input_grad, u);
+    };
+    hooks_.before_weight_grad = [this](int u) {
+      grads_in_use(u);
+      if constexpr (HasExperts<Model>) detail::call(experts_->hooks().before_weight_grad, u);
+    };
     check_replicas_agree();
     shard_state();
   }

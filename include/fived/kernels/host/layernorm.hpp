@@ -13,7 +13,9 @@
 // (rmsnorm: no mean(dnorm) term, xhat = x * rstd). All gradients are "+=":
 // dinp is on the residual path and the parameter gradients accumulate over
 // micro-batches. Statistics and sums are in acc_t<T>; the parameter gradients are
-// summed over rows in acc_t and added to the T output once.
+// summed over rows in acc_t and added to the T output once. A null dinp skips the input's
+// gradient, null dweight and dbias the parameters' (the two halves of a split backward,
+// nn/weight_grads.hpp, each the same arithmetic as the whole).
 
 #include <cmath>
 #include <cstddef>
@@ -67,11 +69,19 @@ void layernorm_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* i
   using A = acc_t<T>;
   detail_norm::check_sizes("layernorm_backward", N, C);
   const std::size_t sC = static_cast<std::size_t>(C);
-  std::vector<A> dw(sC, A(0)), db(sC, A(0));
+  const bool params = dweight != nullptr || dbias != nullptr;
+  std::vector<A> dw(params ? sC : 0, A(0)), db(params ? sC : 0, A(0));
   for (std::size_t i = 0; i < static_cast<std::size_t>(N); ++i) {
     const T* x = inp + i * sC;
     const T* g = dout + i * sC;
     const A m = mean[i], r = rstd[i];
+    if (params)
+      for (std::size_t c = 0; c < sC; ++c) {
+        const A go = static_cast<A>(g[c]);
+        db[c] += go;
+        dw[c] += (static_cast<A>(x[c]) - m) * r * go;
+      }
+    if (dinp == nullptr) continue;
     A dnorm_mean = 0, dnorm_xhat_mean = 0;
     for (std::size_t c = 0; c < sC; ++c) {
       const A xhat = (static_cast<A>(x[c]) - m) * r;
@@ -84,16 +94,13 @@ void layernorm_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* i
     T* dx = dinp + i * sC;
     for (std::size_t c = 0; c < sC; ++c) {
       const A xhat = (static_cast<A>(x[c]) - m) * r;
-      const A go = static_cast<A>(g[c]);
-      const A dnorm = static_cast<A>(weight[c]) * go;
-      db[c] += go;
-      dw[c] += xhat * go;
+      const A dnorm = static_cast<A>(weight[c]) * static_cast<A>(g[c]);
       dx[c] = static_cast<T>(static_cast<A>(dx[c]) + r * (dnorm - dnorm_mean - xhat * dnorm_xhat_mean));
     }
   }
-  for (std::size_t c = 0; c < sC; ++c) {
-    dweight[c] = static_cast<T>(static_cast<A>(dweight[c]) + dw[c]);
-    dbias[c] = static_cast<T>(static_cast<A>(dbias[c]) + db[c]);
+  for (std::size_t c = 0; c < (params ? sC : 0); ++c) {
+    if (dweight != nullptr) dweight[c] = static_cast<T>(static_cast<A>(dweight[c]) + dw[c]);
+    if (dbias != nullptr) dbias[c] = static_cast<T>(static_cast<A>(dbias[c]) + db[c]);
   }
 }
 
@@ -121,11 +128,14 @@ void rmsnorm_backward(T* dinp, T* dweight, const T* dout, const T* inp, const T*
   using A = acc_t<T>;
   detail_norm::check_sizes("rmsnorm_backward", N, C);
   const std::size_t sC = static_cast<std::size_t>(C);
-  std::vector<A> dw(sC, A(0));
+  std::vector<A> dw(dweight != nullptr ? sC : 0, A(0));
   for (std::size_t i = 0; i < static_cast<std::size_t>(N); ++i) {
     const T* x = inp + i * sC;
     const T* g = dout + i * sC;
     const A r = rstd[i];
+    if (dweight != nullptr)
+      for (std::size_t c = 0; c < sC; ++c) dw[c] += static_cast<A>(x[c]) * r * static_cast<A>(g[c]);
+    if (dinp == nullptr) continue;
     A dnorm_xhat_mean = 0;
     for (std::size_t c = 0; c < sC; ++c)
       dnorm_xhat_mean += static_cast<A>(weight[c]) * static_cast<A>(g[c]) * static_cast<A>(x[c]) * r;
@@ -133,12 +143,12 @@ void rmsnorm_backward(T* dinp, T* dweight, const T* dout, const T* inp, const T*
     T* dx = dinp + i * sC;
     for (std::size_t c = 0; c < sC; ++c) {
       const A xhat = static_cast<A>(x[c]) * r;
-      const A go = static_cast<A>(g[c]);
-      dw[c] += xhat * go;
-      dx[c] = static_cast<T>(static_cast<A>(dx[c]) + r * (static_cast<A>(weight[c]) * go - xhat * dnorm_xhat_mean));
+      dx[c] = static_cast<T>(static_cast<A>(dx[c]) +
+                             r * (static_cast<A>(weight[c]) * static_cast<A>(g[c]) - xhat * dnorm_xhat_mean));
     }
   }
-  for (std::size_t c = 0; c < sC; ++c) dweight[c] = static_cast<T>(static_cast<A>(dweight[c]) + dw[c]);
+  if (dweight != nullptr)
+    for (std::size_t c = 0; c < sC; ++c) dweight[c] = static_cast<T>(static_cast<A>(dweight[c]) + dw[c]);
 }
 
 }  // namespace fived::kernels::host
