@@ -1,5 +1,5 @@
 // The pipeline executor on CUDA with NCCL, each rank a process (scripts/launch-local.sh 2):
-// PP 2 with GPipe and 1F1B against the serial CUDA model trained by DataParallel on the
+// PP 2 with GPipe, 1F1B and ZB-H1 (the backward split into I and W, nn/weight_grads.hpp) against the serial CUDA model trained by DataParallel on the
 // same global batches, fp32: every step's loss within 1e-5 relative, the weights after 3
 // steps within 1e-4 (max |diff| / max |serial| over the model; different GEMM shapes per
 // stage may sum in another order). Exits 77 without a GPU.
@@ -79,9 +79,10 @@ void pipeline_equals_serial() {
 
 }  // namespace
 
-TEST_CASE("PP 2 on CUDA: GPipe and 1F1B equal the serial CUDA model") {
+TEST_CASE("PP 2 on CUDA: GPipe, 1F1B and ZB-H1 (split backward) equal the serial CUDA model") {
   pipeline_equals_serial<pipeline::GPipe<2, 2>>();
   pipeline_equals_serial<pipeline::OneFOneB<2, 4>>();
+  pipeline_equals_serial<pipeline::ZBH1<2, 4>>();
 }
 
 int main(int argc, char** argv) { return test::nccl_doctest_main(argc, argv, "test_pipeline_cuda"); }

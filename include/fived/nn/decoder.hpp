@@ -63,6 +63,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "fived/mesh/mesh_comm.hpp"
@@ -488,7 +489,7 @@ class Decoder {
     check_batch(tokens, targets, B, T_);
     const int Tl = local_length(T_);
     Slot& a = slot_at(slot);
-    if (a.tape.pending())
+    if (a.tape >= 0)
       throw std::logic_error(std::string(Arch::name) + "::forward: slot " + std::to_string(slot) +
                              " still holds a backward_input's weight gradients; call backward_weight first");
     reserve(a, B, Tl);
@@ -566,22 +567,28 @@ class Decoder {
   // pipeline/action.hpp): backward_input makes d(input) (input_grad()) and leaves every
   // weight gradient on the slot's tape (nn/weight_grads.hpp); backward_weight makes them, in
   // the same order, so the two together give backward()'s gradients bit for bit. The slot
-  // keeps its activations until backward_weight. Hooks: before_backward(u) and
+  // keeps its activations until backward_weight, and the model one tape of snapshots for
+  // each micro-batch between the two (nn/weight_grads.hpp). Hooks: before_backward(u) and
   // after_input_grad(u) around each unit in the first, before_weight_grad(u) and
   // after_backward(u) in the second.
   void backward_input(const UnitHooks& hooks = {}, int slot = 0) {
     Slot& a = slot_at(slot);
-    if (a.tape.pending())
+    if (a.tape >= 0)
       throw std::logic_error(std::string(Arch::name) + "::backward_input: slot " + std::to_string(slot) +
                              " still waits for backward_weight of its last backward_input");
-    run_backward(hooks, a, &a.tape);
+    if (free_tapes_.empty()) free_tapes_.push_back(static_cast<int>(tapes_.size())), tapes_.emplace_back();
+    a.tape = free_tapes_.back();
+    free_tapes_.pop_back();
+    run_backward(hooks, a, &tapes_[static_cast<std::size_t>(a.tape)]);
   }
   void backward_weight(const UnitHooks& hooks = {}, int slot = 0) {
     Slot& a = slot_at(slot);
-    if (!a.tape.pending())
+    if (a.tape < 0)
       throw std::logic_error(std::string(Arch::name) + "::backward_weight: call backward_input(hooks, " +
                              std::to_string(slot) + ") first (once per backward_weight)");
-    a.tape.run(
+    WeightGradTape<ops_type>& tape = tapes_[static_cast<std::size_t>(a.tape)];
+    free_tapes_.push_back(std::exchange(a.tape, -1));
+    tape.run(
         ops_,
         [&](int u) {
           detail::call(hooks.before_weight_grad, u);
@@ -729,7 +736,7 @@ class Decoder {
     bool has_dlogits = false;   // forward done, backward may run (d-logits written, with a head)
     mutable bool loss_pending = false;  // the statistics of the last forward are not summed yet
     mutable double loss = 0;
-    WeightGradTape<ops_type> tape;  // backward_input's weight gradients, until backward_weight
+    int tape = -1;  // the tape (tapes_) holding backward_input's weight gradients, until backward_weight
   };
   // Shared by every slot: what one forward or backward uses and leaves behind.
   struct Work {
@@ -976,7 +983,6 @@ class Decoder {
     const std::size_t n = step_type::sp ? N / tp : N, c = C;
     if (N <= a.capacity) return;
     Slot s;
-    s.tape = std::move(a.tape);  // its arena is sized by the largest backward so far
     s.capacity = N;
     s.tokens = make<int>(N);
     s.targets = make<int>(N);
@@ -1045,6 +1051,9 @@ class Decoder {
   typename Norm::Params norm_params_{}, norm_grads_{};  // the final norm's (a part with the head)
   std::vector<Slot> slots_;
   Work work_;
+  // Split backwards (backward_input): one tape per micro-batch awaiting backward_weight.
+  std::vector<WeightGradTape<ops_type>> tapes_;
+  std::vector<int> free_tapes_;
   std::vector<int> local_ids_;  // CP: this rank's ids of a batch, on the host before upload
   Experts experts_view_;
 };

@@ -17,9 +17,13 @@
 // order, and returns where they are. Layers do not see the tape: they call Step::weight_grad
 // and Step::hold (nn/stream.hpp).
 //
-// Each activation slot has its own tape. Its arena grows on the first steps (a chunk more
-// when one runs out, never moved, so snapshots stay where they are) and is reused after:
-// a steady-state step allocates nothing.
+// A model keeps a pool of tapes, one for each micro-batch between its I and its W (the
+// schedule's "awaiting W" count: 1 on ZB-H1's first stage, P on its last). A tape's arena
+// grows on the first steps (a chunk more when one runs out, never moved, so snapshots stay
+// where they are; after the run, one chunk of the bytes taken, each snapshot rounded up to
+// 256) and is reused after: a steady-state step allocates nothing. (A mixture of experts'
+// snapshots depend on the routing: its tapes grow to the largest backward seen, as its
+// saved rows do.)
 
 #include <algorithm>
 #include <cstddef>
@@ -76,7 +80,12 @@ class WeightGradTape {
     }
     units_.clear();
     calls_.clear();
-    chunk_ = 0, used_ = 0;
+    if (chunks_.size() > 1) {  // one chunk of what this backward took (never less than before), for the next
+      const std::size_t bytes = std::max(taken_, chunks_.front().size());
+      chunks_.clear();
+      chunks_.push_back(ops.template make_buffer<std::byte>(bytes));
+    }
+    chunk_ = 0, used_ = 0, taken_ = 0;
   }
 
   // Bytes the arena holds (all chunks).
@@ -88,7 +97,7 @@ class WeightGradTape {
 
  private:
   using Chunk = typename Ops::template buffer<std::byte>;
-  static constexpr std::size_t alignment = 256;
+  static constexpr std::size_t alignment = 256;  // plan/activations.hpp's deferred_bytes rounds alike
 
   struct Call {
     void (*run)(Ops&, void*) = nullptr;
@@ -107,7 +116,7 @@ class WeightGradTape {
       used_ = 0;
     }
     std::byte* p = chunks_[chunk_].data() + used_;
-    used_ += bytes;
+    used_ += bytes, taken_ += bytes;
     return p;
   }
 
@@ -115,6 +124,7 @@ class WeightGradTape {
   std::vector<Call> calls_;
   std::vector<Chunk> chunks_;
   std::size_t chunk_ = 0, used_ = 0;  // where the next snapshot goes
+  std::size_t taken_ = 0;             // bytes of snapshots since the last run
 };
 
 }  // namespace fived
