@@ -232,7 +232,20 @@ TEST_CASE("the bubble and the micro-batches in flight are the schedule's (pipeli
   const pipeline::Figures v = pipeline::measure(pipeline::dualpipe_v(16, 32));
   CHECK(Dual::bubble == v.bubble());
   CHECK(Dual::bubble == doctest::Approx(15.0 / (6 * 32 + 15)));  // ZB-V's (P - 1) / (6M + P - 1)
-  CHECK(Dual::memory.in_flight == v.peak_activations[static_cast<std::size_t>(Dual::fullest_rank)]);
+  // A split backward keeps a slot until W, and a tape for each micro-batch between I and W.
+  CHECK(Dual::memory.in_flight == v.peak_pending[static_cast<std::size_t>(Dual::fullest_rank)]);
+  CHECK(Dual::memory.awaiting_w == v.peak_deferred[static_cast<std::size_t>(Dual::fullest_rank)]);
+  CHECK(Dual::memory.peak_deferred == Dual::memory.awaiting_w * Dual::memory.deferred);
+  CHECK(LlamaFull::memory.awaiting_w == 0);  // 1F1B does not split
+  using H1 = plan::Plan<plan::llama3_405b, plan::llama3_405b_run<pipeline::ZBH1<16, 32>, FullRecompute>>;
+  const pipeline::Figures h = pipeline::measure(pipeline::zb_h1(16, 32));
+  for (int r = 0; r < 16; ++r) {
+    const plan::Memory& m = H1::by_rank[static_cast<std::size_t>(r)];
+    CHECK(m.in_flight == 16);                                       // every rank holds P slots until W,
+    CHECK(m.in_flight == h.peak_pending[static_cast<std::size_t>(r)]);
+    CHECK(m.awaiting_w == r + 1);                                   // and r + 1 tapes
+    CHECK(m.awaiting_w == h.peak_deferred[static_cast<std::size_t>(r)]);
+  }
 }
 
 TEST_CASE("production pipelines are planned from tables proven at compile time: M = 64 and 120 at P = 16") {
@@ -379,6 +392,40 @@ TEST_CASE("the demo's activation and work buffers are what the model allocates, 
   check_buffers_held<NoRecompute>();
   check_buffers_held<SelectiveRecompute>();
   check_buffers_held<FullRecompute>();
+}
+
+// A split backward's snapshots (nn/weight_grads.hpp): a micro-batch's backward_input and
+// backward_weight leave the model one tape (kept for the next, its arena sized by this one),
+// and the plan's deferred_bytes is its size.
+template <class R>
+void check_deferred_bytes() {
+  using P = DemoPlan<0, R>;
+  std::vector<int> tok, tgt;
+  batch(tok, tgt);
+  std::size_t tape = 0;
+  host::run(DemoMesh::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<DemoMesh>(world);
+    DemoModel<R> model(ctx, GptInit{.seed = 1});
+    const std::size_t rows = static_cast<std::size_t>(ctx.coord().dp) * (demo_B / 2) * demo_T;
+    auto forward = [&] { model.forward(tok.data() + rows, tgt.data() + rows, demo_B / 2, demo_T); };
+    forward();
+    ctx.world().barrier();
+    const std::size_t before = buffer_bytes_held<Host>();
+    ctx.world().barrier();
+    model.backward_input(), model.backward_weight();
+    ctx.world().barrier();
+    if (ctx.rank() == 0) tape = buffer_bytes_held<Host>() - before;
+    ctx.world().barrier();  // no rank frees its model before rank 0 has read
+  });
+  CAPTURE(R::name);
+  CHECK(P::memory.deferred > 0);
+  CHECK(tape == DemoMesh::size * P::memory.deferred);
+}
+
+TEST_CASE("a split backward's snapshots for W are the plan's deferred bytes, for every recomputation") {
+  check_deferred_bytes<NoRecompute>();
+  check_deferred_bytes<SelectiveRecompute>();
+  check_deferred_bytes<FullRecompute>();
 }
 
 // The layout of a trainer's run, for the planner.

@@ -49,6 +49,12 @@ static_assert(OneFOneB<4, 8>::figures.peak_activations == std::array{4, 3, 2, 1}
 static_assert(GPipe<4, 8>::figures.peak_activations == std::array{8, 8, 8, 8});
 static_assert(ZBH1<4, 8>::figures.peak_activations == std::array{4, 3, 2, 1});
 static_assert(ZBH1<4, 8>::figures.peak_pending == std::array{4, 4, 4, 4});
+// Micro-batches between their I and their W (one tape of snapshots each, nn/weight_grads.hpp):
+// ZB-H1 delays W more on later ranks; ZB-V and DualPipeV too, per chunk pair.
+static_assert(ZBH1<4, 8>::figures.peak_deferred == std::array{1, 2, 3, 4});
+static_assert(ZBV<4, 8>::figures.peak_deferred == std::array{1, 3, 5, 7});
+static_assert(DualPipeV<4, 8>::figures.peak_deferred == std::array{1, 2, 3, 4});
+static_assert(OneFOneB<4, 8>::figures.peak_deferred == std::array{0, 0, 0, 0});
 static_assert(ZBV<4, 8>::figures.peak_activations == std::array{8, 8, 8, 8});  // chunk units: 4 whole stages
 static_assert(Interleaved1F1B<4, 8, 2>::figures.peak_activations == std::array{11, 9, 7, 5});
 

@@ -39,7 +39,7 @@ struct StaticFigures {
   int makespan = 0, blocking_makespan = 0;  // messages free (eager sends) / blocking sends
   long long idle = 0, rank_time = 0;        // idle and total rank time (P × makespan)
   double bubble = 0, blocking_bubble = 0;   // idle / rank_time, and the same with blocking sends
-  std::array<int, P> busy{}, peak_activations{}, peak_pending{};
+  std::array<int, P> busy{}, peak_activations{}, peak_pending{}, peak_deferred{};
 };
 
 namespace detail {
@@ -69,9 +69,11 @@ constexpr StaticFigures<P> static_figures(const TableType& t, const RunProof& ru
   if (!run.verdict.ok()) return {};
   Figures f;
   fill_figures(Programs(t), run.eager_makespan, run.blocking_makespan, Cost{}, f);
-  StaticFigures<P> s{f.makespan, f.blocking_makespan, f.idle(), f.rank_time(), f.bubble(), f.blocking_bubble(), {}, {}, {}};
+  StaticFigures<P> s{f.makespan, f.blocking_makespan, f.idle(), f.rank_time(), f.bubble(), f.blocking_bubble(), {}, {},
+                     {},         {}};
   for (std::size_t r = 0; r < P; ++r)
-    s.busy[r] = f.busy[r], s.peak_activations[r] = f.peak_activations[r], s.peak_pending[r] = f.peak_pending[r];
+    s.busy[r] = f.busy[r], s.peak_activations[r] = f.peak_activations[r], s.peak_pending[r] = f.peak_pending[r],
+    s.peak_deferred[r] = f.peak_deferred[r];
   return s;
 }
 

@@ -14,7 +14,9 @@
 // start of the pair's F until the end of its B or, for split backwards, its I.
 // After I only what W needs stays (the inputs and output gradients of the
 // chunk's matrix products, a part of its activations); `peak_pending` counts
-// until the end of W instead. A chunk holds 1/V of the rank's layers: divide by
+// until the end of W instead, and `peak_deferred` the pairs between the end of
+// their I and the end of their W (a model keeps one tape of snapshots for each:
+// nn/weight_grads.hpp). A chunk holds 1/V of the rank's layers: divide by
 // V to compare with a one-chunk schedule in micro-batches of a whole stage.
 // Both depend on the order alone, not on the cost model.
 //
@@ -59,6 +61,7 @@ struct Figures {
   std::vector<int> busy;              // per rank: time spent computing
   std::vector<int> peak_activations;  // per rank: most pairs between F and the end of B or I
   std::vector<int> peak_pending;      // per rank: most pairs between F and the end of B or W
+  std::vector<int> peak_deferred;     // per rank: most pairs between the end of I and the end of W
 
   constexpr long long rank_time() const { return static_cast<long long>(ranks) * makespan; }
   constexpr long long idle() const {
@@ -93,14 +96,18 @@ constexpr void fill_figures(const Programs& programs, int eager_makespan, int bl
     const Action* prog = programs.begin[r];
     const int n = programs.size(r);
     // Pairs held: from F to the end of B or I (activations), and to the end of B or W (pending).
-    int busy = 0, held = 0, peak = 0, pending = 0, peak_pending = 0;
+    // Pairs awaiting W: from the end of I to the end of W.
+    int busy = 0, held = 0, peak = 0, pending = 0, peak_pending = 0, deferred = 0, peak_deferred = 0;
     for (int i = 0; i < n; ++i) {
       const Op op = prog[i].op;
       busy += cost_of[static_cast<int>(op)], held += op == Op::forward, pending += op == Op::forward,
           peak = held > peak ? held : peak, peak_pending = pending > peak_pending ? pending : peak_pending,
           held -= op == Op::backward || op == Op::input_grad, pending -= op == Op::backward || op == Op::weight_grad;
+      deferred += (op == Op::input_grad) - (op == Op::weight_grad);
+      peak_deferred = deferred > peak_deferred ? deferred : peak_deferred;
     }
     out.busy.push_back(busy), out.peak_activations.push_back(peak), out.peak_pending.push_back(peak_pending);
+    out.peak_deferred.push_back(peak_deferred);
   }
 }
 

@@ -149,4 +149,43 @@ constexpr Bytes work_bytes(const Transformer& m, const Blocks& part, const Rows&
   return w;
 }
 
+// What one micro-batch's split backward leaves for its weight half (nn/weight_grads.hpp's
+// tape, Decoder::backward_input): a snapshot, rounded up to 256 bytes, of every operand a
+// deferred weight gradient reads that backward overwrites. Per block: each norm's d(out)
+// [n, C]; c_proj's d(out) [N, C] (gathered under SP) and c_attn's d(q|k|v); the FFN's d(out)
+// [N, C] and d(hidden) [N, F/TP] (SwiGLU: d(gate | up), twice that); a MoE's d(y) and d(hidden)
+// of each local expert's rows (R/El of them, balanced) and the router's d(logits) [N, E];
+// under SelectiveRecompute the shared core output [N, H·hd/TP]; under FullRecompute also every
+// saved input the weight half reads (each norm's input and statistics, each linear's input),
+// since the block's saved activations are recomputed into shared buffers. The final norm's
+// d(out) with the head, the gathered d(stream) [N, C] with the embedding.
+constexpr Bytes snapshot(std::int64_t elements, int each) { return (detail::bytes(elements, each) + 255) / 256 * 256; }
+constexpr Bytes deferred_ffn_bytes(const Transformer& m, std::int64_t rows, int width, const Rows& a, bool full) {
+  const std::int64_t C = m.d_model, h = width / a.tp;
+  return snapshot(rows * C, a.t) + snapshot(rows * h * (m.gated ? 2 : 1), a.t) +  // d(out), d(hidden)
+         (full ? snapshot(rows * h, a.t) + snapshot(rows * C, a.t) : 0);          // h, the input
+}
+constexpr Bytes deferred_block_bytes(const Transformer& m, int layer, const Rows& a) {
+  const bool full = a.recompute == Recompute::full;
+  const std::int64_t C = m.d_model, q = m.attention_width() / a.tp;
+  Bytes b = m.block_norms() * (snapshot(a.n * C, a.t) +
+                               (full ? snapshot(a.n * C, a.t) + m.norm_vectors() * snapshot(a.n, a.st) : 0));
+  b += snapshot(a.N * C, a.t) + snapshot(a.N * m.local_qkv_width(a.tp), a.t);  // c_proj's, c_attn's d(out)
+  if (a.recompute != Recompute::none) b += snapshot(a.N * q, a.t);                // c_proj's input, the core
+  if (full) b += snapshot(a.N * C, a.t);                                         // c_attn's input
+  if (!m.is_moe(layer)) return b + deferred_ffn_bytes(m, a.N, m.d_ff, a, full);
+  const int local = m.experts / a.ep;
+  const std::int64_t rows = a.N * m.top_k / local;  // each local expert's, routing balanced
+  b += local * deferred_ffn_bytes(m, rows, m.expert_d_ff, a, full) + snapshot(a.N * m.experts, a.t) +
+       (full ? snapshot(a.N * C, a.t) : 0);  // the router's d(logits) and input
+  return b + m.shared_experts * deferred_ffn_bytes(m, a.N, m.expert_d_ff, a, full);
+}
+constexpr Bytes deferred_bytes(const Transformer& m, const Blocks& part, const Rows& a) {
+  Bytes b = 0;
+  for (int l = part.first; l < part.first + part.count; ++l) b += deferred_block_bytes(m, l, a);
+  if (part.head) b += snapshot(a.n * m.d_model, a.t);
+  if (part.embedding) b += snapshot(a.N * m.d_model, a.t);
+  return b;
+}
+
 }  // namespace fived::plan

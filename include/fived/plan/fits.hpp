@@ -40,7 +40,7 @@ constexpr bool fits(Bytes device_bytes) {
 
 enum class Largest : std::uint8_t { parameters, gradients, optimizer, activations };
 
-constexpr Bytes activation_total(const Memory& m) { return m.peak_activations + m.recompute + m.work; }
+constexpr Bytes activation_total(const Memory& m) { return m.peak_activations + m.peak_deferred + m.recompute + m.work; }
 constexpr Largest largest_part(const Memory& m) {
   const Bytes a = activation_total(m);
   if (m.optimizer >= m.parameters && m.optimizer >= m.gradients && m.optimizer >= a) return Largest::optimizer;

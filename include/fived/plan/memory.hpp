@@ -91,18 +91,24 @@ constexpr State buffer_state(int zero) {
 
 // One pipeline rank's bytes. `activations` is one micro-batch slot (of its largest chunk when
 // it holds several), `in_flight` the (micro-batch, chunk) pairs its schedule holds at once
-// (pipeline/simulate.hpp's peak_activations), and the peak their product.
+// (pipeline/simulate.hpp's peak_pending: a slot is kept until its backward, or its W), and
+// the peak their product. A schedule that splits the backward also keeps, for each pair
+// between its I and its W (`awaiting_w`, peak_deferred), one tape of snapshots (`deferred`:
+// plan/activations.hpp's deferred_bytes).
 struct Memory {
   Bytes parameters = 0, gradients = 0, optimizer = 0, staging = 0;
   Bytes transient = 0;    // ZeRO-2/3: whole units gathered or unreduced while a step runs
   Bytes activations = 0;  // one micro-batch slot
   int in_flight = 0;
   Bytes peak_activations = 0;  // activations x in_flight
-  Bytes recompute = 0;         // the buffers recomputation runs in
-  Bytes work = 0;              // buffers the slots share: gradients of the stream, SP rows, ring, MoE,
-                               // and the pipeline's boundary buffers
+  Bytes deferred = 0;          // one micro-batch's snapshots for its W
+  int awaiting_w = 0;
+  Bytes peak_deferred = 0;  // deferred x awaiting_w
+  Bytes recompute = 0;      // the buffers recomputation runs in
+  Bytes work = 0;           // buffers the slots share: gradients of the stream, SP rows, ring, MoE,
+                            // and the pipeline's boundary buffers
   constexpr Bytes state() const { return parameters + gradients + optimizer + staging; }
-  constexpr Bytes total() const { return state() + transient + peak_activations + recompute + work; }
+  constexpr Bytes total() const { return state() + transient + peak_activations + peak_deferred + recompute + work; }
 };
 
 }  // namespace fived::plan

@@ -14,10 +14,12 @@
 // micro-batch in flight. Everything is computed for every pipeline rank (by_rank,
 // traffic_by_rank); `memory` is the rank that needs most, `traffic` the largest tally of any
 // rank, kind by kind. The peak of activations is the schedule's own count of (micro-batch,
-// chunk) pairs held at once on that rank (measure()'s peak_activations) times the largest
-// chunk's slot: exact for one chunk per rank or equal chunks, an upper bound otherwise. (The
-// executor, pipeline/executor.hpp, sizes slots per chunk and keeps one until its d(input)
-// has been sent, which can hold a slot a little longer than the schedule's count.)
+// chunk) pairs held at once on that rank (measure()'s peak_pending: from F to the end of the
+// backward, or of W when it is split) times the largest chunk's slot: exact for one chunk per
+// rank or equal chunks, an upper bound otherwise; a split backward adds one tape of snapshots
+// per pair awaiting W (peak_deferred, nn/weight_grads.hpp). (The executor,
+// pipeline/executor.hpp, sizes slots per chunk and keeps one until its d(input) has been
+// sent, which can hold a slot a little longer than the schedule's count.)
 
 #include <algorithm>
 #include <array>
@@ -90,11 +92,14 @@ struct Plan : Setup<Model, Layout> {
       m.parameters += s.parameters, m.gradients += s.gradients, m.optimizer += s.optimizer, m.staging += s.staging;
       m.transient += s.transient;
       m.activations = std::max(m.activations, slot_bytes(Model, part, rows));
+      m.deferred = std::max(m.deferred, deferred_bytes(Model, part, rows));
       m.recompute += recompute_bytes(Model, part, rows);
       m.work += work_bytes(Model, part, rows);
     }
-    m.in_flight = schedule::figures.peak_activations[static_cast<std::size_t>(rank)];
+    m.in_flight = schedule::figures.peak_pending[static_cast<std::size_t>(rank)];
     m.peak_activations = m.activations * static_cast<Bytes>(m.in_flight);
+    m.awaiting_w = schedule::figures.peak_deferred[static_cast<std::size_t>(rank)];
+    m.peak_deferred = m.deferred * static_cast<Bytes>(m.awaiting_w);
     if (P > 1)  // the executor's received gradient and kept d(input) per slot, [n, C] each
       m.work += 2 * static_cast<Bytes>(m.in_flight) * static_cast<Bytes>(rows.n * Model.d_model * t);
     return m;
