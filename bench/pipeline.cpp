@@ -13,8 +13,11 @@
 // the executor's activation slots there (the most micro-batches it kept at once, over its
 // chunks: a slot is held until W and until d(input) has been sent, and at the turn of a V
 // from the forward that hands it over, so it can exceed the table's count by the
-// messages in flight). The median step of --steps is reported. Sleeping, not spinning, so
-// the 2-core VM can run 4 ranks.
+// messages in flight), and the most micro-batches any rank holds between I and W (a
+// model's tapes of snapshots for W: nn/weight_grads.hpp). The planner's figures are these
+// counts (plan/plan.hpp: slots to W, tapes I..W). M = 8 and 16; then one line per
+// schedule in the form scripts read. The median step of --steps is reported. Sleeping,
+// not spinning, so the 2-core VM can run 4 ranks.
 
 #include <algorithm>
 #include <chrono>
@@ -29,6 +32,10 @@
 
 #include "fived/comm/host.hpp"
 #include "fived/device/buffer.hpp"
+#include "fived/mesh/context.hpp"
+#include "fived/nn/gpt.hpp"
+#include "fived/pipeline/stage_layers.hpp"
+#include "fived/train/data_parallel.hpp"
 #include "fived/model/unit_hooks.hpp"
 #include "fived/optim/flat_range.hpp"
 #include "fived/pipeline/executor.hpp"
@@ -109,6 +116,9 @@ struct Measured {
   int slots0 = 0;            // rank 0's activation slots, over its chunks
 };
 
+// One line per schedule, for scripts: schedule=<name> P=<p> M=<m> bubble_measured=<x> bubble_table=<y>.
+std::vector<std::string> summary;
+
 template <class Sched, int r, std::size_t... c>
 void run_rank(fived::host::Comm& pp, int steps, Measured& out, std::vector<double>& step_idle,
               std::index_sequence<c...>) {
@@ -159,7 +169,114 @@ void row(const char* name, int steps) {
   std::printf("%-13s %2d %3d %2d %8.1f%% %8.1f%% %+7.1f   ", name, Sched::table.ranks, Sched::table.micro_batches,
               Sched::table.chunks, 100.0 * f.bubble, 100.0 * bubble, 100.0 * (bubble - f.bubble));
   for (double i : m.idle) std::printf(" %5.1f", 100.0 * i);
-  std::printf("   %5d %5d %6d\n", f.peak_activations[0], f.peak_pending[0], m.slots0);
+  const int deferred = *std::max_element(f.peak_deferred.begin(), f.peak_deferred.end());
+  std::printf("   %5d %5d %6d %6d\n", f.peak_activations[0], f.peak_pending[0], m.slots0, deferred);
+  std::fflush(stdout);
+  char line[160];
+  std::snprintf(line, sizeof line, "schedule=%s P=%d M=%d bubble_measured=%.4f bubble_table=%.4f", name,
+                Sched::table.ranks, Sched::table.micro_batches, bubble, f.bubble);
+  summary.emplace_back(line);
+}
+
+template <int M>
+void every_schedule(int steps) {
+  namespace pl = fived::pipeline;
+  row<pl::GPipe<4, M>>("GPipe", steps);
+  row<pl::OneFOneB<4, M>>("1F1B", steps);
+  row<pl::Interleaved1F1B<4, M, 2>>("interleaved", steps);
+  row<pl::ZBH1<4, M>>("ZB-H1", steps);
+  row<pl::ZBV<4, M>>("ZB-V", steps);
+  row<pl::DualPipeV<4, M>>("DualPipeV", steps);
+}
+
+// ---- the schedules on a real model --------------------------------------------------------
+
+// GPT-2 blocks on Mesh<PP<2>> (one core a rank on the 2-core VM), the backward split into I
+// and W for real (nn/weight_grads.hpp). Each rank's idle share is measured as above, with its
+// compute timed around the model's calls (Timed), so the bubble does not depend on how fast
+// the machine happens to be. Its actions do not cost the table's units: their mean times are
+// printed.
+struct bench_gpt : fived::gpt_config {
+  static constexpr int layers = 8, d_model = 128, heads = 4, vocab = 512, max_seq = 128, vocab_multiple = 64;
+  static constexpr bool tied = false;
+};
+constexpr int model_B = 2, model_T = 128;
+
+struct Timing {
+  double seconds = 0;
+  double op[4] = {};  // F, B, I, W: seconds in all
+  int count[4] = {};
+};
+
+// A model part whose compute calls are timed.
+template <class Part>
+struct Timed : Part {
+  using Part::Part;
+  Timing* timing = nullptr;
+  template <class F>
+  void timed(int op, F&& f) {
+    const auto t0 = Clock::now();
+    f();
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    timing->seconds += s, timing->op[op] += s, ++timing->count[op];
+  }
+  void enqueue_forward(const int* tok, const int* tgt, int B, int T, const fived::UnitHooks& h, int k) {
+    timed(0, [&] { Part::enqueue_forward(tok, tgt, B, T, h, k); });
+  }
+  void backward(const fived::UnitHooks& h, int k) { timed(1, [&] { Part::backward(h, k); }); }
+  void backward_input(const fived::UnitHooks& h, int k) { timed(2, [&] { Part::backward_input(h, k); }); }
+  void backward_weight(const fived::UnitHooks& h, int k) { timed(3, [&] { Part::backward_weight(h, k); }); }
+};
+
+struct ModelMeasured {
+  std::vector<double> idle;  // per rank
+  Timing timing;             // rank 0's, over the timed steps
+};
+
+template <class Sched, int r>
+void run_model_rank(fived::MeshContext<fived::Mesh<fived::PP<2>>, fived::host::Comm>& ctx, int steps,
+                    ModelMeasured& out) {
+  using M = fived::Mesh<fived::PP<2>>;
+  using Part = fived::GPT<bench_gpt, M, float, fived::Host, fived::NoSequenceParallel,
+                          typename fived::StageLayers<fived::GPT<bench_gpt>, 2>::template part<r>>;
+  constexpr int micro = Sched::table.micro_batches;
+  Timed<Part> model(ctx, fived::GptInit{.seed = 1});
+  fived::DataParallel<Timed<Part>> dp(model, ctx, {.lr = 1e-3f, .max_norm = 1.0f}, micro);
+  auto& pp = ctx.template comm<fived::Axis::pp>();
+  auto exec = fived::pipeline::make_executor(Sched::table, r, pp, std::tie(model), std::tie(dp));
+  std::vector<int> tok(static_cast<std::size_t>(micro) * model_B * model_T), tgt(tok.size());
+  for (std::size_t i = 0; i < tok.size(); ++i) tok[i] = static_cast<int>(i * 7 % 512), tgt[i] = tok[(i + 1) % tok.size()];
+  Timing timing;
+  std::vector<double> idle;
+  for (int s = 0; s <= steps; ++s) {  // step 0 sizes the buffers
+    model.timing = &timing;
+    timing = {};
+    pp.barrier();
+    const auto t0 = Clock::now();
+    exec.step(tok, tgt, model_B, model_T);
+    const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (s > 0) idle.push_back(1.0 - timing.seconds / wall);
+    if (r == 0 && s == steps) out.timing = timing;
+  }
+  std::sort(idle.begin(), idle.end());
+  out.idle[r] = idle[idle.size() / 2];
+}
+
+template <class Sched>
+void model_row(const char* name, int steps) {
+  static_assert(Sched::table.ranks == 2 && Sched::table.chunks == 1);
+  ModelMeasured m;
+  m.idle.assign(2, 0.0);
+  fived::host::run(2, [&](fived::host::Comm& world) {
+    auto ctx = fived::make_mesh_context<fived::Mesh<fived::PP<2>>>(world);
+    if (ctx.rank() == 0) run_model_rank<Sched, 0>(ctx, steps, m);
+    else run_model_rank<Sched, 1>(ctx, steps, m);
+  });
+  const double bubble = (m.idle[0] + m.idle[1]) / 2;
+  auto mean_ms = [&](int op) { return m.timing.count[op] ? 1e3 * m.timing.op[op] / m.timing.count[op] : 0.0; };
+  std::printf("%-13s %2d %3d %8.1f%% %9.1f%%     %5.1f %5.1f   %5.1f %5.1f %5.1f %5.1f\n", name, 2,
+              Sched::table.micro_batches, 100.0 * Sched::figures.bubble, 100.0 * bubble, 100.0 * m.idle[0],
+              100.0 * m.idle[1], mean_ms(0), mean_ms(1), mean_ms(2), mean_ms(3));
   std::fflush(stdout);
 }
 
@@ -181,17 +298,25 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  namespace pl = fived::pipeline;
   std::printf("fived bench/pipeline: host executor, stand-in stages sleeping F = %g ms, B = 2F, I = W = F; "
               "median of %d steps\n",
               unit_ms, steps);
-  std::printf("%-13s %2s %3s %2s %9s %9s %7s   %-23s   %5s %5s %6s\n", "schedule", "P", "M", "V", "table", "measured",
-              "diff", "idle % per rank", "to BI", "to W", "slots");
-  row<pl::GPipe<4, 8>>("GPipe", steps);
-  row<pl::OneFOneB<4, 8>>("1F1B", steps);
-  row<pl::Interleaved1F1B<4, 8, 2>>("interleaved", steps);
-  row<pl::ZBH1<4, 8>>("ZB-H1", steps);
-  row<pl::ZBV<4, 8>>("ZB-V", steps);
-  row<pl::DualPipeV<4, 8>>("DualPipeV", steps);
+  std::printf("%-13s %2s %3s %2s %9s %9s %7s   %-23s   %5s %5s %6s %6s\n", "schedule", "P", "M", "V", "table",
+              "measured", "diff", "idle % per rank", "to BI", "to W", "slots", "I..W");
+  every_schedule<8>(steps);
+  every_schedule<16>(steps);
+  std::printf("\n");
+  for (const std::string& l : summary) std::printf("%s\n", l.c_str());
+
+  std::printf("\nthe backward split for real: GPT-2 blocks (%d layers, d_model %d, B %d, T %d) on Mesh<PP<2>>, "
+              "ranks as threads, compute timed in the model's calls; median of %d steps\n",
+              bench_gpt::layers, bench_gpt::d_model, model_B, model_T, steps);
+  std::printf("%-13s %2s %3s %9s %10s     %-11s   %5s %5s %5s %5s\n", "schedule", "P", "M", "table", "measured",
+              "idle % rank", "F ms", "B ms", "I ms", "W ms");
+  namespace pl = fived::pipeline;
+  model_row<pl::OneFOneB<2, 8>>("1F1B", steps);
+  model_row<pl::ZBH1<2, 8>>("ZB-H1", steps);
+  model_row<pl::OneFOneB<2, 16>>("1F1B", steps);
+  model_row<pl::ZBH1<2, 16>>("ZB-H1", steps);
   return 0;
 }
