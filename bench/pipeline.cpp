@@ -195,7 +195,8 @@ void every_schedule(int steps) {
 // and W for real (nn/weight_grads.hpp). Each rank's idle share is measured as above, with its
 // compute timed around the model's calls (Timed), so the bubble does not depend on how fast
 // the machine happens to be. Its actions do not cost the table's units: their mean times are
-// printed.
+// printed, and the table's bubble at those costs ("at costs": the dry run of
+// pipeline/simulate.hpp with rank 0's mean F, B, I and W).
 struct bench_gpt : fived::gpt_config {
   static constexpr int layers = 8, d_model = 128, heads = 4, vocab = 512, max_seq = 128, vocab_multiple = 64;
   static constexpr bool tied = false;
@@ -274,9 +275,13 @@ void model_row(const char* name, int steps) {
   });
   const double bubble = (m.idle[0] + m.idle[1]) / 2;
   auto mean_ms = [&](int op) { return m.timing.count[op] ? 1e3 * m.timing.op[op] / m.timing.count[op] : 0.0; };
-  std::printf("%-13s %2d %3d %8.1f%% %9.1f%%     %5.1f %5.1f   %5.1f %5.1f %5.1f %5.1f\n", name, 2,
-              Sched::table.micro_batches, 100.0 * Sched::figures.bubble, 100.0 * bubble, 100.0 * m.idle[0],
-              100.0 * m.idle[1], mean_ms(0), mean_ms(1), mean_ms(2), mean_ms(3));
+  // The table's bubble at these costs (rank 0's means in 0.1 ms, the same on both ranks).
+  auto tenths = [&](int op) { return std::max(1, static_cast<int>(10 * mean_ms(op) + 0.5)); };
+  const double at_costs =
+      fived::pipeline::measure(Sched::table, {tenths(0), tenths(1), tenths(2), tenths(3)}).bubble();
+  std::printf("%-13s %2d %3d %8.1f%% %9.1f%% %9.1f%%     %5.1f %5.1f   %5.1f %5.1f %5.1f %5.1f\n", name, 2,
+              Sched::table.micro_batches, 100.0 * Sched::figures.bubble, 100.0 * at_costs, 100.0 * bubble,
+              100.0 * m.idle[0], 100.0 * m.idle[1], mean_ms(0), mean_ms(1), mean_ms(2), mean_ms(3));
   std::fflush(stdout);
 }
 
@@ -311,8 +316,8 @@ int main(int argc, char** argv) {
   std::printf("\nthe backward split for real: GPT-2 blocks (%d layers, d_model %d, B %d, T %d) on Mesh<PP<2>>, "
               "ranks as threads, compute timed in the model's calls; median of %d steps\n",
               bench_gpt::layers, bench_gpt::d_model, model_B, model_T, steps);
-  std::printf("%-13s %2s %3s %9s %10s     %-11s   %5s %5s %5s %5s\n", "schedule", "P", "M", "table", "measured",
-              "idle % rank", "F ms", "B ms", "I ms", "W ms");
+  std::printf("%-13s %2s %3s %9s %10s %10s     %-11s   %5s %5s %5s %5s\n", "schedule", "P", "M", "table",
+              "at costs", "measured", "idle % rank", "F ms", "B ms", "I ms", "W ms");
   namespace pl = fived::pipeline;
   model_row<pl::OneFOneB<2, 8>>("1F1B", steps);
   model_row<pl::ZBH1<2, 8>>("ZB-H1", steps);

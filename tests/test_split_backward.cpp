@@ -165,6 +165,7 @@ TEST_CASE("a split backward out of order is an error that says what to call") {
   std::vector<int> tok, tgt;
   test::global_batch(0, 1, B, T, 53, tok, tgt);
   CHECK_THROWS_AS(m.backward_weight(), std::logic_error);  // nothing left by backward_input
+  CHECK_THROWS_AS(m.backward_input(), std::logic_error);   // no forward to go back from
   m.forward(tok.data(), tgt.data(), B, T);
   m.backward_input();
   CHECK_THROWS_AS(m.forward(tok.data(), tgt.data(), B, T), std::logic_error);  // its slot still waits for W

@@ -459,7 +459,7 @@ class Decoder {
 
   // The same backward in two halves, for the zero-bubble pipeline schedules (I and W,
   // pipeline/action.hpp): backward_input makes d(input) (input_grad()) and leaves every
-  // weight gradient on the slot's tape (nn/weight_grads.hpp); backward_weight makes them, in
+  // weight gradient on a tape (nn/weight_grads.hpp); backward_weight makes them, in
   // the same order, so the two together give backward()'s gradients bit for bit. The slot
   // keeps its activations until backward_weight, and the model one tape of snapshots for
   // each micro-batch between the two (nn/weight_grads.hpp). Hooks: before_backward(u) and
@@ -471,9 +471,15 @@ class Decoder {
       throw std::logic_error(std::string(Arch::name) + "::backward_input: slot " + std::to_string(slot) +
                              " still waits for backward_weight of its last backward_input");
     if (free_tapes_.empty()) free_tapes_.push_back(static_cast<int>(tapes_.size())), tapes_.emplace_back();
-    a.tape = free_tapes_.back();
+    const int t = free_tapes_.back();
     free_tapes_.pop_back();
-    run_backward(hooks, a, &tapes_[static_cast<std::size_t>(a.tape)]);
+    try {
+      run_backward(hooks, a, &tapes_[static_cast<std::size_t>(t)]);
+    } catch (...) {  // (no forward to go back from) the tape stays free
+      free_tapes_.push_back(t);
+      throw;
+    }
+    a.tape = t;
   }
   void backward_weight(const UnitHooks& hooks = {}, int slot = 0) {
     Slot& a = slot_at(slot);

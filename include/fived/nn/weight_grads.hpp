@@ -65,9 +65,6 @@ class WeightGradTape {
     return dst;
   }
 
-  // Something is left to run.
-  bool pending() const { return !units_.empty(); }
-
   // Every deferred call, unit by unit: begin(u), u's calls, end(u). Then the tape is empty
   // and its arena free for the next backward.
   template <class Begin, class End>
@@ -80,7 +77,9 @@ class WeightGradTape {
     }
     units_.clear();
     calls_.clear();
-    if (chunks_.size() > 1) {  // one chunk of what this backward took (never less than before), for the next
+    // One chunk of what this backward took (never less than before), for the next. (On a device
+    // the calls just queued still read the old chunks: cudaFree waits for the device first.)
+    if (chunks_.size() > 1) {
       const std::size_t bytes = std::max(taken_, chunks_.front().size());
       chunks_.clear();
       chunks_.push_back(ops.template make_buffer<std::byte>(bytes));
