@@ -252,3 +252,36 @@ TEST_CASE("Mesh<DP<2>, PP<2>, TP<2>> (8 ranks, SP): 1F1B with ZeRO-1 and ZB-H1 w
   equals_serial<pipeline::Interleaved1F1B<2, 2, 2>, M, NoZeRO, SequenceParallel>();
   MESSAGE("worst relative error: loss " << worst_loss << ", gradients " << worst_grad << ", weights " << worst_weight);
 }
+
+namespace {
+// ZeRO-2's transient gradients on stage r of Mesh<DP<2>, PP<2>> after two steps of Sched.
+template <class Sched, int r>
+std::size_t transient_peak(MeshContext<Mesh<DP<2>, PP<2>>, host::Comm>& ctx) {
+  Chunk<ChunkModel<Sched, Mesh<DP<2>, PP<2>>, NoSequenceParallel, r, 0>, ZeRO<2>, Sched::table.micro_batches> c(ctx);
+  auto exec = pipeline::make_executor(Sched::table, r, ctx.comm<Axis::pp>(), std::tie(c.model), std::tie(c.dp));
+  std::vector<int> tok, tgt;
+  for (int s = 0; s < 2; ++s) {
+    global_batch(s, Sched::table.micro_batches, tok, tgt);
+    exec.step(tok, tgt, B, T);
+  }
+  return c.dp.memory().transient_peak;
+}
+template <class Sched>
+std::vector<std::size_t> transient_peaks() {
+  std::vector<std::size_t> by_rank(4);
+  host::run(4, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<Mesh<DP<2>, PP<2>>>(world);
+    by_rank[static_cast<std::size_t>(ctx.rank())] =
+        ctx.coord()[Axis::pp] == 0 ? transient_peak<Sched, 0>(ctx) : transient_peak<Sched, 1>(ctx);
+  });
+  return by_rank;
+}
+}  // namespace
+
+// A split backward writes its gradients at W alone: ZeRO-2 holds a unit's gradients from its
+// W to their reduction, as a whole backward does, not from the I before.
+TEST_CASE("ZeRO-2 on Mesh<DP<2>, PP<2>>: ZB-H1's transient gradients are 1F1B's (one unit at a time)") {
+  const std::vector<std::size_t> one = transient_peaks<pipeline::OneFOneB<2, 4>>();
+  CHECK(transient_peaks<pipeline::ZBH1<2, 4>>() == one);
+  CHECK(one[0] > 0);
+}

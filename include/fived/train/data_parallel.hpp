@@ -337,10 +337,12 @@ class DataParallel {
   void begin_backward(bool last) {
     if constexpr (HasExperts<Model>) experts_->begin_backward(last);
     reducing_ = stage >= 2 || last;
+    in_backward_ = true;
     std::fill(reduced_.begin(), reduced_.end(), false);
   }
   // After it: waits for what backward handed over, and reduces what it did not.
   void end_backward() {
+    in_backward_ = false;
     if constexpr (stage == 3) check_hooks_called();
     if constexpr (HasExperts<Model>) experts_->end_backward();
     queue_.drain();
@@ -716,8 +718,10 @@ class DataParallel {
   }
 
   // Backward is about to write unit u's gradients (for the transient count under ZeRO-2/3).
+  // Only between begin_backward and end_backward: a split backward's input half (a pipeline's
+  // I, outside them) reads parameters and writes no gradient; its weight half (W) does.
   void grads_in_use(int u) {
-    if (stage < 2 || grads_live_[static_cast<std::size_t>(u)]) return;
+    if (stage < 2 || !in_backward_ || grads_live_[static_cast<std::size_t>(u)]) return;
     grads_live_[static_cast<std::size_t>(u)] = true;
     hold(plan::unit(u).size());
   }
@@ -847,6 +851,7 @@ class DataParallel {
   double last_clip_ = 1.0;
   double last_norm_ = 0;
   bool reducing_ = false;  // the current micro-batch's gradients are reduced
+  bool in_backward_ = false;  // between begin_backward and end_backward
   bool async_ = false;     // this step's collectives run on the communication thread
   optimizer_type opt_;
   UnitHooks hooks_;
