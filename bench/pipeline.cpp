@@ -313,12 +313,26 @@ int main(int argc, char** argv) {
   std::printf("\n");
   for (const std::string& l : summary) std::printf("%s\n", l.c_str());
 
-  std::printf("\nthe backward split for real: GPT-2 blocks (%d layers, d_model %d, B %d, T %d) on Mesh<PP<2>>, "
+  namespace pl = fived::pipeline;
+  // The tables' orders assume I = W (= F); a model whose input half costs more than its
+  // weight half (attention's backward is all I) loses ZB-H1's gain. The dry run at F = 29,
+  // I + W = 57 (about this model's on the 2-core VM), as I grows:
+  std::printf("\nthe dry run of ZB-H1 against 1F1B at F = 29, I + W = B = 57, as I grows (M = 8):\n");
+  std::printf("%6s %6s %12s %12s %12s %12s\n", "I", "W", "ZB-H1 P=2", "1F1B P=2", "ZB-H1 P=4", "1F1B P=4");
+  for (int i = 285; i <= 425; i += 35) {
+    const pl::Cost split{290, 1, i, 570 - i}, whole{290, 570, 1, 1};
+    std::printf("%6.1f %6.1f %11.1f%% %11.1f%% %11.1f%% %11.1f%%\n", i / 10.0, (570 - i) / 10.0,
+                100.0 * pl::measure(pl::ZBH1<2, 8>::table, split).bubble(),
+                100.0 * pl::measure(pl::OneFOneB<2, 8>::table, whole).bubble(),
+                100.0 * pl::measure(pl::ZBH1<4, 8>::table, split).bubble(),
+                100.0 * pl::measure(pl::OneFOneB<4, 8>::table, whole).bubble());
+  }
+  std::printf("\n");
+  std::printf("the backward split for real: GPT-2 blocks (%d layers, d_model %d, B %d, T %d) on Mesh<PP<2>>, "
               "ranks as threads, compute timed in the model's calls; median of %d steps\n",
               bench_gpt::layers, bench_gpt::d_model, model_B, model_T, steps);
   std::printf("%-13s %2s %3s %9s %10s %10s     %-11s   %5s %5s %5s %5s\n", "schedule", "P", "M", "table",
               "at costs", "measured", "idle % rank", "F ms", "B ms", "I ms", "W ms");
-  namespace pl = fived::pipeline;
   model_row<pl::OneFOneB<2, 8>>("1F1B", steps);
   model_row<pl::ZBH1<2, 8>>("ZB-H1", steps);
   model_row<pl::OneFOneB<2, 16>>("1F1B", steps);
