@@ -196,7 +196,8 @@ void every_schedule(int steps) {
 // compute timed around the model's calls (Timed), so the bubble does not depend on how fast
 // the machine happens to be. Its actions do not cost the table's units: their mean times are
 // printed, and the table's bubble at those costs ("at costs": the dry run of
-// pipeline/simulate.hpp with rank 0's mean F, B, I and W).
+// pipeline/simulate.hpp with rank 0's mean F, B, I and W). ZB-H1 runs twice: with its
+// messages placed for unit costs (the default) and for about these costs (model_costs).
 struct bench_gpt : fived::gpt_config {
   static constexpr int layers = 8, d_model = 128, heads = 4, vocab = 512, max_seq = 128, vocab_multiple = 64;
   static constexpr bool tied = false;
@@ -285,6 +286,19 @@ void model_row(const char* name, int steps) {
   std::fflush(stdout);
 }
 
+// ZB-H1's and 1F1B's bubbles at costs C, ZB-H1's messages placed for unit costs and for C.
+template <fived::pipeline::Cost C>
+void dry_run_row() {
+  namespace pl = fived::pipeline;
+  auto at = [](const auto& table) { return 100.0 * pl::measure(table, C).bubble(); };
+  std::printf("%6d %6d %11.1f%% %11.1f%% %11.1f%%   %11.1f%% %11.1f%% %11.1f%%\n", C.input_grad, C.weight_grad,
+              at(pl::ZBH1<2, 8>::table), at(pl::ZBH1<2, 8, C>::table), at(pl::OneFOneB<2, 8>::table),
+              at(pl::ZBH1<4, 8>::table), at(pl::ZBH1<4, 8, C>::table), at(pl::OneFOneB<4, 8>::table));
+}
+
+// About this model's costs on the 2-core VM (ms): what ZB-H1's messages are placed for below.
+constexpr fived::pipeline::Cost model_costs{.forward = 29, .backward = 57, .input_grad = 40, .weight_grad = 17};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -314,19 +328,17 @@ int main(int argc, char** argv) {
   for (const std::string& l : summary) std::printf("%s\n", l.c_str());
 
   namespace pl = fived::pipeline;
-  // The tables' orders assume I = W (= F); a model whose input half costs more than its
-  // weight half (attention's backward is all I) loses ZB-H1's gain. The dry run at F = 29,
-  // I + W = 57 (about this model's on the 2-core VM), as I grows:
-  std::printf("\nthe dry run of ZB-H1 against 1F1B at F = 29, I + W = B = 57, as I grows (M = 8):\n");
-  std::printf("%6s %6s %12s %12s %12s %12s\n", "I", "W", "ZB-H1 P=2", "1F1B P=2", "ZB-H1 P=4", "1F1B P=4");
-  for (int i = 285; i <= 425; i += 35) {
-    const pl::Cost split{290, 1, i, 570 - i}, whole{290, 570, 1, 1};
-    std::printf("%6.1f %6.1f %11.1f%% %11.1f%% %11.1f%% %11.1f%%\n", i / 10.0, (570 - i) / 10.0,
-                100.0 * pl::measure(pl::ZBH1<2, 8>::table, split).bubble(),
-                100.0 * pl::measure(pl::OneFOneB<2, 8>::table, whole).bubble(),
-                100.0 * pl::measure(pl::ZBH1<4, 8>::table, split).bubble(),
-                100.0 * pl::measure(pl::OneFOneB<4, 8>::table, whole).bubble());
-  }
+  // A zero-bubble table's receives are placed for the costs it is made for (unit costs by
+  // default, I = W = F). When I costs more than W (attention's backward is all I), a rank
+  // waits at a receive placed for unit costs before W's it could run; placed for the real
+  // costs, the same order keeps its gain. The dry run at F = 29, I + W = B = 57 (about this
+  // model's on the 2-core VM), as I grows:
+  std::printf("\nthe dry run at F = 29, I + W = B = 57 as I grows (M = 8): ZB-H1 with its messages placed for unit "
+              "costs, and for these\n");
+  std::printf("%6s %6s %12s %12s %12s   %12s %12s %12s\n", "I", "W", "P=2 unit", "P=2 costs", "1F1B P=2",
+              "P=4 unit", "P=4 costs", "1F1B P=4");
+  [&]<pl::Cost... C>() { (dry_run_row<C>(), ...); }.template operator()<pl::Cost{29, 57, 29, 28}, pl::Cost{29, 57, 34, 23},
+                                                                       pl::Cost{29, 57, 40, 17}, pl::Cost{29, 57, 45, 12}>();
   std::printf("\n");
   std::printf("the backward split for real: GPT-2 blocks (%d layers, d_model %d, B %d, T %d) on Mesh<PP<2>>, "
               "ranks as threads, compute timed in the model's calls; median of %d steps\n",
@@ -334,8 +346,10 @@ int main(int argc, char** argv) {
   std::printf("%-13s %2s %3s %9s %10s %10s     %-11s   %5s %5s %5s %5s\n", "schedule", "P", "M", "table",
               "at costs", "measured", "idle % rank", "F ms", "B ms", "I ms", "W ms");
   model_row<pl::OneFOneB<2, 8>>("1F1B", steps);
-  model_row<pl::ZBH1<2, 8>>("ZB-H1", steps);
+  model_row<pl::ZBH1<2, 8>>("ZB-H1 (unit)", steps);
+  model_row<pl::ZBH1<2, 8, model_costs>>("ZB-H1 (costs)", steps);
   model_row<pl::OneFOneB<2, 16>>("1F1B", steps);
-  model_row<pl::ZBH1<2, 16>>("ZB-H1", steps);
+  model_row<pl::ZBH1<2, 16>>("ZB-H1 (unit)", steps);
+  model_row<pl::ZBH1<2, 16, model_costs>>("ZB-H1 (costs)", steps);
   return 0;
 }

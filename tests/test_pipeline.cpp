@@ -234,6 +234,11 @@ void every_schedule() {
   equals_serial<ZBV<P, 3 * P + 1>>();
   equals_serial<DualPipeV<P, 2 * P>>();
   equals_serial<DualPipeV<P, 3 * P + 1>>();
+  // the messages placed for other costs (I 1.4 F, W 0.6 F)
+  constexpr Cost c{.forward = 29, .backward = 57, .input_grad = 40, .weight_grad = 17};
+  equals_serial<ZBH1<P, 2 * P, c>>();
+  equals_serial<ZBV<P, 2 * P, c>>();
+  equals_serial<DualPipeV<P, 2 * P, c>>();
 }
 
 }  // namespace

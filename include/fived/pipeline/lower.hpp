@@ -281,14 +281,14 @@ struct TimedOrders {
   int start[P * capacity]{}, end[P * capacity]{};
 
   constexpr TimedOrders() = default;
-  constexpr explicit TimedOrders(const Orders& orders) {
+  constexpr explicit TimedOrders(const Orders& orders, Cost cost = {}) {
     for (int r = 0; r < P; ++r) {
       const Action* from = orders.begin(r);
       const int n = orders.size(r);
       for (int i = 0; i < n; ++i) actions[r][i] = from[i];
       sizes[r] = n;
     }
-    ideal_timeline(*this, Cost{}, start, end);
+    ideal_timeline(*this, cost, start, end);
   }
 
   constexpr const Shape& shape() const { return TableType::shape; }

@@ -29,15 +29,15 @@ struct GPipeTable {
 };
 
 // The one-chunk schedules that warm up with P-1-r forwards on rank r (1F1B, ZB-H1), one
-// table type over their generator.
-template <int P, int M, Orders (*order)(int, int)>
+// table type over their generator; the messages placed for costs C (lower.hpp).
+template <int P, int M, Orders (*order)(int, int), Cost C = Cost{}>
 struct WarmUpTable {
   static constexpr bool admissible = P >= 1 && M >= P;
   static_assert(P >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   static_assert(M >= P, FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P);
   using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1)>;
   static constexpr TimedOrders<table_type> timed =
-      admissible ? TimedOrders<table_type>(order(P, M)) : TimedOrders<table_type>{};
+      admissible ? TimedOrders<table_type>(order(P, M), C) : TimedOrders<table_type>{};
   static constexpr table_type table = lowered(timed);
 };
 
@@ -54,15 +54,15 @@ struct Interleaved1F1BTable {
 };
 
 // The V-shaped schedules (two chunks per rank, the stages down the ranks and back up),
-// one table type over their generator.
-template <int P, int M, Orders (*order)(int, int)>
+// one table type over their generator; the messages placed for costs C.
+template <int P, int M, Orders (*order)(int, int), Cost C = Cost{}>
 struct VeeTable {
   static constexpr bool admissible = P >= 1 && M >= 2 * P;
   static_assert(P >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   static_assert(M >= 2 * P, FIVED_PIPELINE_SAYS_V_NEEDS_M_GE_2P);
   using table_type = Table<(P >= 1 ? P : 1), (M >= 1 ? M : 1), 2, StageOrder::vee>;
   static constexpr TimedOrders<table_type> timed =
-      admissible ? TimedOrders<table_type>(order(P, M)) : TimedOrders<table_type>{};
+      admissible ? TimedOrders<table_type>(order(P, M), C) : TimedOrders<table_type>{};
   static constexpr table_type table = lowered(timed);
 };
 
@@ -80,17 +80,25 @@ struct OneFOneB : Proven<detail::WarmUpTable<P, M, one_f_one_b_order>> {};
 template <int P, int M, int V>
 struct Interleaved1F1B : Proven<detail::Interleaved1F1BTable<P, M, V>> {};
 
+// The zero-bubble schedules take the costs of F, B, I and W (C, per chunk, any unit) their
+// messages are placed for: each receive goes where the order, run at those costs, waits for
+// it (lower.hpp). The default is the tables' unit costs, I = W = F. A model whose input half
+// costs more than its weight half (attention's backward is all I) waits at receives placed
+// for unit costs, before W's it could have run, and loses the gain (bench/pipeline: on GPT-2
+// stages ZB-H1 idles 15% at PP 2, M 8, with unit-cost messages, 7% with its own, 1F1B 11%):
+//   using sched = ZBH1<4, 8, Cost{.forward = 29, .backward = 57, .input_grad = 40, .weight_grad = 17}>;
+
 // Zero bubble H1: 1F1B's memory, W's moved into the cool-down; needs M >= P.
-template <int P, int M>
-struct ZBH1 : Proven<detail::WarmUpTable<P, M, zb_h1_order>> {};
+template <int P, int M, Cost C = Cost{}>
+struct ZBH1 : Proven<detail::WarmUpTable<P, M, zb_h1_order, C>> {};
 
 // ZB-V: two chunks per rank in a V; needs M >= 2P.
-template <int P, int M>
-struct ZBV : Proven<detail::VeeTable<P, M, zb_v_order>> {};
+template <int P, int M, Cost C = Cost{}>
+struct ZBV : Proven<detail::VeeTable<P, M, zb_v_order, C>> {};
 
 // DualPipeV (DeepSeek-V3): two chunks per rank in a V, forwards and backwards of the two
 // chunks paired through the steady state, W's split off at the ends; needs M >= 2P.
-template <int P, int M>
-struct DualPipeV : Proven<detail::VeeTable<P, M, dualpipe_v_order>> {};
+template <int P, int M, Cost C = Cost{}>
+struct DualPipeV : Proven<detail::VeeTable<P, M, dualpipe_v_order, C>> {};
 
 }  // namespace fived::pipeline
