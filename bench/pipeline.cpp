@@ -15,7 +15,8 @@
 // from the forward that hands it over, so it can exceed the table's count by the
 // messages in flight), and the most micro-batches any rank holds between I and W (a
 // model's tapes of snapshots for W: nn/weight_grads.hpp). The planner's figures are these
-// counts (plan/plan.hpp: slots to W, tapes I..W). M = 8 and 16; then one line per
+// counts (plan/plan.hpp: slots to W, tapes I..W); then the step time, the table's makespan
+// in units (a chunk's F is one unit) against rank 0's median. M = 8 and 16; then one line per
 // schedule in the form scripts read. The median step of --steps is reported. Sleeping,
 // not spinning, so the 2-core VM can run 4 ranks.
 
@@ -114,6 +115,7 @@ struct NoTrainer {
 struct Measured {
   std::vector<double> idle;  // per rank
   int slots0 = 0;            // rank 0's activation slots, over its chunks
+  double step_ms = 0;        // rank 0's median step
 };
 
 // One line per schedule, for scripts: schedule=<name> P=<p> M=<m> bubble_measured=<x> bubble_table=<y>.
@@ -132,7 +134,7 @@ void run_rank(fived::host::Comm& pp, int steps, Measured& out, std::vector<doubl
   auto exec = fived::pipeline::make_executor(Sched::table, r, pp, std::tie(std::get<c>(stages)...),
                                              std::tie(std::get<c>(trainers)...));
   const std::vector<int> ids(static_cast<std::size_t>(M), 0);
-  std::vector<double> idle;
+  std::vector<double> idle, ms;
   for (int s = 0; s < steps; ++s) {
     pp.barrier();
     busy.seconds = 0;
@@ -140,10 +142,12 @@ void run_rank(fived::host::Comm& pp, int steps, Measured& out, std::vector<doubl
     exec.step(ids, ids, 1, 1);
     const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
     idle.push_back(1.0 - busy.seconds / wall);
+    ms.push_back(1e3 * wall);
   }
   std::sort(idle.begin(), idle.end());
+  std::sort(ms.begin(), ms.end());
   step_idle[static_cast<std::size_t>(r)] = idle[idle.size() / 2];
-  if (r == 0) out.slots0 = (exec.slots(static_cast<int>(c)) + ...);
+  if (r == 0) out.slots0 = (exec.slots(static_cast<int>(c)) + ...), out.step_ms = ms[ms.size() / 2];
 }
 
 template <class Sched>
@@ -170,7 +174,8 @@ void row(const char* name, int steps) {
               Sched::table.chunks, 100.0 * f.bubble, 100.0 * bubble, 100.0 * (bubble - f.bubble));
   for (double i : m.idle) std::printf(" %5.1f", 100.0 * i);
   const int deferred = *std::max_element(f.peak_deferred.begin(), f.peak_deferred.end());
-  std::printf("   %5d %5d %6d %6d\n", f.peak_activations[0], f.peak_pending[0], m.slots0, deferred);
+  std::printf("   %5d %5d %6d %6d   %7.0f %7.0f\n", f.peak_activations[0], f.peak_pending[0], m.slots0, deferred,
+              unit_ms * f.makespan, m.step_ms);
   std::fflush(stdout);
   char line[160];
   std::snprintf(line, sizeof line, "schedule=%s P=%d M=%d bubble_measured=%.4f bubble_table=%.4f", name,
@@ -320,8 +325,8 @@ int main(int argc, char** argv) {
   std::printf("fived bench/pipeline: host executor, stand-in stages sleeping F = %g ms, B = 2F, I = W = F; "
               "median of %d steps\n",
               unit_ms, steps);
-  std::printf("%-13s %2s %3s %2s %9s %9s %7s   %-23s   %5s %5s %6s %6s\n", "schedule", "P", "M", "V", "table",
-              "measured", "diff", "idle % per rank", "to BI", "to W", "slots", "I..W");
+  std::printf("%-13s %2s %3s %2s %9s %9s %7s   %-23s   %5s %5s %6s %6s   %7s %7s\n", "schedule", "P", "M", "V",
+              "table", "measured", "diff", "idle % per rank", "to BI", "to W", "slots", "I..W", "step ms", "measured");
   every_schedule<8>(steps);
   every_schedule<16>(steps);
   std::printf("\n");
