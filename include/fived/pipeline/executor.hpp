@@ -203,11 +203,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
           const int k = slot(c, s.mb, false);
           if constexpr (!Model::has_head)
             model.ops().copy(model.output_grad(b_, T_), grad_in(c, k), boundary());
-          if (s.op == Op::input_grad && splits_backward<Model>) {
-            if constexpr (splits_backward<Model>) model.backward_input(dp.hooks(), k);  // the gradients come at W
-          } else {
-            gradients_made(c, dp, [&] { model.backward(dp.hooks(), k); });
-          }
+          backward_at(s.op, c, model, dp, k);
           if constexpr (!Model::has_embedding) {
             const int prev = local_neighbour(c, -1);  // the previous stage is here: straight to it
             model.ops().copy(prev >= 0 ? grad_in(prev, slot(prev, s.mb, false)) : grad_out(c, k), model.input_grad(),
@@ -350,6 +346,15 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     else
       pp_.all_reduce(std::span<const double>(&v, 1), std::span<double>(&v, 1), ReduceOp::sum);
     return v;
+  }
+
+  // B, or I: the input half where the model splits its backward (its gradients come at W),
+  // else the whole backward.
+  template <class Model, class Trainer>
+  void backward_at(Op op, int c, Model& model, Trainer& dp, int k) {
+    if constexpr (splits_backward<Model>)
+      if (op == Op::input_grad) return model.backward_input(dp.hooks(), k);
+    gradients_made(c, dp, [&] { model.backward(dp.hooks(), k); });
   }
 
   // A backward that writes chunk c's parameter gradients (the whole one, or the weight
