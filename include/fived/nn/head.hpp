@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "fived/device/buffer.hpp"
+#include "fived/nn/linear.hpp"
 #include "fived/nn/param_table.hpp"
 #include "fived/nn/stream.hpp"
 
@@ -77,9 +78,7 @@ struct Head {
     const T* dlogits = a.logits.data();
     T* p = s.partial_buffer(dx, partial);
     s.ops.matmul(p, dlogits, w, static_cast<const T*>(nullptr), N, C, Vl, false, false);
-    s.weight_grad([=](auto& ops) {
-      ops.matmul(dw, dlogits, x_full, static_cast<const T*>(nullptr), Vl, C, N, true, false, true);
-    });
+    linear_weight_grad<TorchLinear>(s, dw, static_cast<T*>(nullptr), dlogits, x_full, N, C, Vl);
     s.reduce_rows(p, dx, C);
   }
 };

@@ -36,20 +36,30 @@ template <class W, class S, class T, class... Epi>
 void apply(S& s, T* y, const T* x, const T* w, const T* b, int in, int out, Epi... epilogue) {
   s.ops.matmul(y, x, w, b, s.rows(), out, in, false, W::transposed, false, epilogue...);
 }
-// dx[N, in] = dy[N, out] W^T; then the weight half (Step::weight_grad: now, or deferred):
-// dW += x^T dy in W's storage; db += the sum of dy's rows.
+}  // namespace detail_linear
+
+// A linear map's weight half over `rows` rows, as Step::weight_grad runs it (now, or at W):
+// dW += x^T dy in W's storage, db += the sum of dy's rows (a null db: no bias). dy and x must
+// outlive the call: pass what backward overwrites through Step::hold. For every layer with
+// a weight of its own (the experts' slices, the router, the head) as for these below.
+template <class W, class S, class T>
+void linear_weight_grad(S& s, T* dw, T* db, const T* dy, const T* x, int rows, int in, int out) {
+  s.weight_grad([=](auto& ops) {
+    const T* none = nullptr;
+    if constexpr (W::transposed) ops.matmul(dw, dy, x, none, out, in, rows, true, false, true);
+    else ops.matmul(dw, x, dy, none, in, out, rows, true, false, true);
+    if (db != nullptr) ops.bias_backward(db, dy, rows, out);
+  });
+}
+
+namespace detail_linear {
+// dx[N, in] = dy[N, out] W^T; then the weight half, with dy and a recomputed x held.
 template <class W, class S, class T>
 void backward(S& s, T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, int in, int out) {
-  const T* none = nullptr;
   const int N = s.rows();
-  s.ops.matmul(dx, dy, w, none, N, in, out, false, !W::transposed);
-  const T* g = s.hold(dy, static_cast<std::size_t>(N) * static_cast<std::size_t>(out));
-  const T* xs = s.hold_saved(x, static_cast<std::size_t>(N) * static_cast<std::size_t>(in));
-  s.weight_grad([=](auto& ops) {
-    if constexpr (W::transposed) ops.matmul(dw, g, xs, none, out, in, N, true, false, true);
-    else ops.matmul(dw, xs, g, none, in, out, N, true, false, true);
-    if (db != nullptr) ops.bias_backward(db, g, N, out);
-  });
+  s.ops.matmul(dx, dy, w, static_cast<const T*>(nullptr), N, in, out, false, !W::transposed);
+  linear_weight_grad<W>(s, dw, db, s.hold(dy, static_cast<std::size_t>(N) * static_cast<std::size_t>(out)),
+                        s.hold_saved(x, static_cast<std::size_t>(N) * static_cast<std::size_t>(in)), N, in, out);
 }
 }  // namespace detail_linear
 

@@ -45,6 +45,7 @@
 #include "fived/mesh/mesh_comm.hpp"
 #include "fived/device/buffer.hpp"
 #include "fived/nn/config.hpp"
+#include "fived/nn/linear.hpp"
 #include "fived/nn/param_table.hpp"
 #include "fived/nn/stream.hpp"
 
@@ -243,31 +244,23 @@ struct MoE {
         const T* wd = p.proj_w + j * std::size_t(C) * Fl;
         const T* gu = a.pre.data() + off * 2 * Fl;
         T* dgu = w.dgu.data() + off * 2 * Fl;
-        T *g_down = g.proj_w + j * std::size_t(C) * Fl, *g_gu = g.fc_w + j * std::size_t(2 * Fl) * C;
+        T* nobias = nullptr;
         ops.matmul(dh, dyj, wd, none, n, Fl, C, false, false);  // dh = dy Wd
-        const T* dyh = s.hold(static_cast<const T*>(dyj), rows * C);
-        s.weight_grad([=](auto& o) { o.matmul(g_down, dyh, hj, none, C, Fl, n, true, false, true); });
+        linear_weight_grad<TorchLinear>(s, g.proj_w + j * std::size_t(C) * Fl, nobias, s.hold(dyj, rows * C), hj, n,
+                                        Fl, C);
         ops.swiglu_backward(dgu, dh, gu, n, Fl);
-        const T* dguh = s.hold(static_cast<const T*>(dgu), rows * 2 * Fl);
-        s.weight_grad([=](auto& o) { o.matmul(g_gu, dguh, xj, none, 2 * Fl, C, n, true, false, true); });
+        linear_weight_grad<TorchLinear>(s, g.fc_w + j * std::size_t(2 * Fl) * C, nobias, s.hold(dgu, rows * 2 * Fl),
+                                        xj, n, C, 2 * Fl);
         ops.matmul(dyj, dgu, wgu, none, n, C, 2 * Fl, false, false);  // dx of the rows
         return;
       }
       const T* w1 = p.fc_w + j * std::size_t(C) * Fl;
-      T *g_proj = g.proj_w + j * std::size_t(Fl) * C, *g_proj_b = g.proj_b + j * std::size_t(C);
-      T *g_fc = g.fc_w + j * std::size_t(C) * Fl, *g_fc_b = g.fc_b + j * std::size_t(Fl);
       ops.matmul(dh, dyj, p.proj_w + j * std::size_t(Fl) * C, none, n, Fl, C, false, true);
-      const T* dyh = s.hold(static_cast<const T*>(dyj), rows * C);
-      s.weight_grad([=](auto& o) {
-        o.matmul(g_proj, hj, dyh, none, Fl, C, n, true, false, true);
-        o.bias_backward(g_proj_b, dyh, n, C);
-      });
+      linear_weight_grad<Conv1D>(s, g.proj_w + j * std::size_t(Fl) * C, g.proj_b + j * std::size_t(C),
+                                 s.hold(dyj, rows * C), hj, n, Fl, C);
       ops.gelu_backward(dh, a.pre.data() + off * Fl, dh, rows * Fl);
-      const T* dhh = s.hold(static_cast<const T*>(dh), rows * Fl);
-      s.weight_grad([=](auto& o) {
-        o.matmul(g_fc, xj, dhh, none, C, Fl, n, true, false, true);
-        o.bias_backward(g_fc_b, dhh, n, Fl);
-      });
+      linear_weight_grad<Conv1D>(s, g.fc_w + j * std::size_t(C) * Fl, g.fc_b + j * std::size_t(Fl),
+                                 s.hold(dh, rows * Fl), xj, n, C, Fl);
       ops.matmul(dyj, dh, w1, none, n, C, Fl, false, true);  // dx of the rows
     });
     if constexpr (EP > 1) from_experts(s, a, w, d_exp, w.rows.data(), C);
@@ -277,12 +270,8 @@ struct MoE {
     T* dlogits = w.logits.data();
     ops.router_backward(dlogits, w.dgate.data(), a.scores.data(), a.expert.data(), a.gate.data(),
                         coef > 0 ? a.daux.data() : static_cast<const stat_t*>(nullptr), N, E, K, renormalize, sigmoid);
-    {
-      T* g_router = g.router;
-      const T *xs = s.hold_saved(xf, static_cast<std::size_t>(N) * C),
-              *dl = s.hold(static_cast<const T*>(dlogits), static_cast<std::size_t>(N) * E);
-      s.weight_grad([=](auto& o) { o.matmul(g_router, xs, dl, static_cast<const T*>(nullptr), C, E, N, true, false, true); });
-    }
+    linear_weight_grad<Conv1D>(s, g.router, static_cast<T*>(nullptr), s.hold(dlogits, static_cast<std::size_t>(N) * E),
+                               s.hold_saved(xf, static_cast<std::size_t>(N) * C), N, C, E);
     if (s.rank() == 0) ops.matmul(out, dlogits, p.router, static_cast<const T*>(nullptr), N, C, E, false, true);
     else ops.zero(out, static_cast<std::size_t>(N) * C);
     ops.moe_dispatch_backward(out, w.rows.data(), a.pos.data(), N, K, C);
