@@ -9,6 +9,7 @@
 // one the original mesh computes (within 1e-5: another reduction order), and a checkpoint
 // saved there loads back.
 // Refusal: a missing manifest, a file that does not match it, another model.
+// Loading reads a rank's share: the manifest's index and the entries that hold what it keeps.
 
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
@@ -171,6 +172,107 @@ TEST_CASE("a checkpoint reshards: Mesh<DP<2>, TP<2>> -> Mesh<TP<4>> -> serial ->
   for (const fs::path& d : {a, b, c}) fs::remove_all(d);
 }
 
+TEST_CASE("a rank loads only its share: Mesh<DP<4>, TP<2>> -> Mesh<DP<2>, TP<2>> reads the manifest and the entries "
+          "that hold what it keeps, not every file; a manifest without an index (format 2) still loads") {
+  // (rank, DP coordinate) below: what each rank read, and its DP coordinate
+  using From = Mesh<DP<4>, TP<2>>;
+  using To = Mesh<DP<2>, TP<2>>;
+  using Model = GPT<cfg, To, float, Host, SequenceParallel>;
+  const fs::path dir = fresh("share");
+  const Run original = train<From, ZeRO<1>, Accumulate<1>>(1, 3);
+  (void)train<From, ZeRO<1>, Accumulate<1>>(1, 2, {}, 2, dir);
+  const fs::path step = checkpoint::step_folder(dir, 2);
+  std::uintmax_t files = 0;
+  for (int r = 0; r < From::size; ++r) files += fs::file_size(step / checkpoint::rank_file(r));
+  const std::uintmax_t index = fs::file_size(step / "manifest.json");
+  // What a rank of To keeps: its TP half of the parameters (ZeRO-1: every DP rank all of
+  // them) and the two AdamW moments of its DP piece of each bucket, all float: its share. The
+  // files hold each DP rank's piece of each bucket as one entry per tensor and kind; a piece
+  // of To that cuts a piece of From reads the entries it cuts whole (each is checked against
+  // its hash), so a rank reads exactly: the index, its parameters, and for the moments the
+  // entries of From that hold any element of its pieces.
+  using Layout = Model::layout;
+  using ToPlan = DataParallel<Model, ZeRO<1>>::plan;
+  using FromPlan = DataParallel<GPT<cfg, From, float, Host, SequenceParallel>, ZeRO<1>>::plan;
+  static_assert(ToPlan::count == FromPlan::count);
+  auto moment_bytes = [&](int dp, bool whole_entries) {
+    std::uintmax_t bytes = 0;
+    for (std::size_t i = 0; i < ToPlan::count; ++i) {
+      REQUIRE(ToPlan::bucket(i).range.begin == FromPlan::bucket(i).range.begin);
+      const FlatRange mine = ToPlan::owned(i, dp);
+      if (!whole_entries) bytes += mine.size();
+      for (int saver = 0; whole_entries && saver < From::dp; ++saver)
+        for (const ParamInfo& t : Layout::tensors) {
+          const FlatRange saved = FromPlan::owned(i, saver);
+          const std::size_t b = std::max(t.offset, saved.begin), e = std::min(t.end(), saved.end);
+          if (b < e && b < mine.end && mine.begin < e) bytes += e - b;  // an entry that holds an element of mine
+        }
+    }
+    return 2 * sizeof(float) * bytes;
+  };
+  auto load = [&](std::vector<std::uintmax_t>& read, std::vector<int>& dp) {
+    double loss = 0;
+    host::run(To::size, [&](host::Comm& world) {
+      auto ctx = make_mesh_context<To>(world);
+      Trainer<Model, ZeRO<1>, Accumulate<1>> t(ctx, hp, GptInit{99, 0.05});
+      const std::uint64_t before = io::bytes_read_by_this_thread();
+      CHECK(t.load(dir) == 2);
+      read[static_cast<std::size_t>(ctx.rank())] = io::bytes_read_by_this_thread() - before;
+      dp[static_cast<std::size_t>(ctx.rank())] = ctx.coord().dp;
+      std::vector<int> tok, tgt;
+      test::global_batch(3, 1, B, T, cfg::vocab, tok, tgt);
+      const double l = t.step(3, tok, tgt, B, T);
+      if (ctx.rank() == 0) loss = l;
+    });
+    return loss;
+  };
+  std::vector<std::uintmax_t> read(To::size);
+  std::vector<int> dp(To::size);
+  CHECK(std::abs(load(read, dp) - original.losses[2]) <= 1e-5 * original.losses[2]);
+  for (int r = 0; r < To::size; ++r) {
+    CAPTURE(r);
+    const std::uintmax_t params = sizeof(float) * Layout::size, share = params + moment_bytes(dp[r], false),
+                         expected = index + params + moment_bytes(dp[r], true);
+    MESSAGE("rank " << r << " read " << read[r] << " bytes: the index " << index << ", its share " << share
+                    << " and the rest of the entries it cuts " << expected - index - share << "; the step's files hold "
+                    << files);
+    CHECK(read[r] == expected);
+    CHECK(read[r] < files / 2);
+  }
+
+  // Format 2, before the index: the files' headers say where the tensors are, and each file is
+  // read whole for its hash.
+  checkpoint::Manifest m = checkpoint::read_manifest(step);
+  m.format = 2;
+  for (checkpoint::FileEntry& f : m.files) f.metadata.clear(), f.tensors.clear();
+  checkpoint::write_manifest(step, m);
+  CHECK(checkpoint::read_manifest(step).format == 2);
+  CHECK(std::abs(load(read, dp) - original.losses[2]) <= 1e-5 * original.losses[2]);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("piece_index inverts whole_index: every element of a tensor is found in the piece that holds it") {
+  const TensorSpec specs[] = {
+      matrix_spec("w", 0, 6, 24, TpSplit{1, 3}, 0, Init::normal, 1),             // columns in 3 groups
+      matrix_spec("k", 0, 8, 6, TpSplit{0, 1, 2}, 0, Init::normal, 1),           // rows, at most 2 pieces
+      vector_spec("b", 0, 12, TpSplit{}, 0, Init::zeros, 1),                      // replicated
+      [] { auto s = matrix_spec("e", 0, 32, 4, TpSplit{0, 2}, 0, Init::normal, 1); s.experts = 4; return s; }()};  // experts
+  for (const TensorSpec& s : specs)
+    for (int tp : {1, 2, 4})
+      for (int ep : {1, 2, 4}) {
+        if (s.experts == 0 && ep > 1) continue;
+        const std::int64_t piece = piece_extent(s, 0, tp, ep) * piece_extent(s, 1, tp, ep);
+        for (int r = 0; r < tp; ++r)
+          for (int e = 0; e < ep; ++e)
+            for (std::int64_t local = 0; local < piece; ++local) {
+              const PieceIndex at = piece_index(s, tp, ep, whole_index(s, tp, ep, r, e, local));
+              INFO(s.name << " TP " << tp << " EP " << ep << ": rank " << r << ", " << e << " element " << local);
+              CHECK((at.local == local && at.piece == (s.tp.dim < 0 ? 0 : r / s.tp.replicas(tp)) &&
+                     at.ep_rank == (s.experts > 0 ? e : 0)));
+            }
+      }
+}
+
 TEST_CASE("what is not a checkpoint is refused with the reason: no manifest, a changed file, another model") {
   const fs::path dir = fresh("refuse");
   (void)train<Mesh<DP<2>>, ZeRO<1>, Accumulate<1>>(1, 1, {}, 1, dir);
@@ -301,10 +403,10 @@ TEST_CASE("a manifest carries its own hash: an edited field is refused; a manife
   const std::size_t run = text.find(",\n  \"run\"");
   REQUIRE(run != std::string::npos);
   std::string old = text.substr(0, run) + "\n}\n";
-  old.replace(old.find("fived-checkpoint-2"), 18, "fived-checkpoint-1");
+  old.replace(old.find("fived-checkpoint-3"), 18, "fived-checkpoint-1");
   std::ofstream(manifest, std::ios::trunc) << old;
   CHECK(error() == "no error");
-  rewrite("fived-checkpoint-2", "fived-checkpoint-3");
+  rewrite("fived-checkpoint-3", "fived-checkpoint-4");
   CHECK(error().find("unknown format") != std::string::npos);
   // A manifest whose own hash agrees but whose AdamW step cannot be: more steps than trained.
   const checkpoint::Manifest m = [&] {

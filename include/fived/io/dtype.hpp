@@ -6,6 +6,7 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <span>
 #include <string>
@@ -103,6 +104,17 @@ inline float half_to_float(std::uint16_t h) {
     bits = sign | ((112u - static_cast<std::uint32_t>(e)) << 23) | ((man & 0x3ffu) << 13);
   }
   return std::bit_cast<float>(bits);
+}
+
+// Element i of floating data of dtype d (F64, F32, BF16, F16; 0 for others), as a double.
+inline double floating_element(Dtype d, const std::byte* p, std::size_t i) {
+  switch (d) {
+    case Dtype::F64: { double x; std::memcpy(&x, p + 8 * i, 8); return x; }
+    case Dtype::F32: { float x; std::memcpy(&x, p + 4 * i, 4); return x; }
+    case Dtype::BF16: { std::uint16_t b; std::memcpy(&b, p + 2 * i, 2); return float(bf16::from_bits(b)); }
+    case Dtype::F16: { std::uint16_t b; std::memcpy(&b, p + 2 * i, 2); return half_to_float(b); }
+    default: return 0;
+  }
 }
 
 inline std::string shape_string(std::span<const std::int64_t> shape) {

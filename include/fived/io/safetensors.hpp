@@ -47,6 +47,7 @@
 #include "fived/io/dtype.hpp"
 #include "fived/io/error.hpp"
 #include "fived/io/json.hpp"
+#include "fived/io/read_count.hpp"
 #include "fived/io/safetensors_writer.hpp"
 
 namespace fived::io {
@@ -90,15 +91,41 @@ class SafetensorsFile {
     std::vector<std::byte> bytes(size);
     if (size && !in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size)))
       throw SafetensorsError(path.string() + ": read error");
+    count_read(size);
     return parse(std::move(bytes), path.string());
   }
+
+  // A file's header alone: its tensors (checked against the file's size) and metadata, not
+  // its data (bytes() and read_into() are not for such a file). What a checkpoint's manifest
+  // indexes.
+  static SafetensorsFile read_header(const std::filesystem::path& path) {
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(path, ec);
+    std::ifstream in(path, std::ios::binary);
+    if (ec || !in || !std::filesystem::is_regular_file(path, ec))
+      throw SafetensorsError(path.string() + ": cannot open for reading (give the path of a .safetensors file)");
+    std::uint64_t n = 0;
+    if (size >= 8) {
+      const std::vector<std::byte> length = read_range(in, path, 0, 8);
+      std::memcpy(&n, length.data(), 8);
+    }
+    SafetensorsFile f;
+    f.source_ = path.string();
+    f.bytes_ = size >= 8 && n <= max_header_bytes && n <= size - 8 ? read_range(in, path, 0, 8 + n)
+                                                                    : std::vector<std::byte>(size < 8 ? 0 : 8);
+    if (size >= 8) std::memcpy(f.bytes_.data(), &n, 8);
+    f.parse_header(static_cast<std::size_t>(size));
+    return f;
+  }
+  // Where the data section starts in the file.
+  std::size_t data_start() const { return data_start_; }
 
   // Parses a whole file held in memory; `source` names it in errors.
   static SafetensorsFile parse(std::vector<std::byte> bytes, std::string source = "<memory>") {
     SafetensorsFile f;
     f.source_ = std::move(source);
     f.bytes_ = std::move(bytes);
-    f.parse_header();
+    f.parse_header(f.bytes_.size());
     return f;
   }
 
@@ -143,7 +170,7 @@ class SafetensorsFile {
     }
     if constexpr (floating) {
       if (is_floating(e.dtype)) {
-        for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<T>(element_as_double(e.dtype, p, i));
+        for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<T>(floating_element(e.dtype, p, i));
         return;
       }
     }
@@ -159,30 +186,21 @@ class SafetensorsFile {
   }
 
  private:
-  static double element_as_double(Dtype d, const std::byte* p, std::size_t i) {
-    switch (d) {
-      case Dtype::F64: { double x; std::memcpy(&x, p + 8 * i, 8); return x; }
-      case Dtype::F32: { float x; std::memcpy(&x, p + 4 * i, 4); return x; }
-      case Dtype::BF16: { std::uint16_t b; std::memcpy(&b, p + 2 * i, 2); return float(bf16::from_bits(b)); }
-      case Dtype::F16: { std::uint16_t b; std::memcpy(&b, p + 2 * i, 2); return half_to_float(b); }
-      default: return 0;
-    }
-  }
-
-  void parse_header() {
-    if (bytes_.size() < 8)
-      throw SafetensorsError(source_ + ": truncated: the file has " + std::to_string(bytes_.size()) +
+  // `file_size`: the whole file's; bytes_ holds at least its first 8 + header-length bytes.
+  void parse_header(std::size_t file_size) {
+    if (file_size < 8)
+      throw SafetensorsError(source_ + ": truncated: the file has " + std::to_string(file_size) +
                              " bytes, a safetensors file starts with an 8-byte header length");
     std::uint64_t n = 0;
     std::memcpy(&n, bytes_.data(), 8);
     if (n > max_header_bytes)
       throw SafetensorsError(source_ + ": the header length is " + std::to_string(n) + " bytes, more than the " +
                              std::to_string(max_header_bytes) + " allowed (not a safetensors file?)");
-    if (n > bytes_.size() - 8)
+    if (n > file_size - 8)
       throw SafetensorsError(source_ + ": truncated: the header length is " + std::to_string(n) +
-                             " bytes but only " + std::to_string(bytes_.size() - 8) + " bytes follow it");
+                             " bytes but only " + std::to_string(file_size - 8) + " bytes follow it");
     data_start_ = 8 + static_cast<std::size_t>(n);
-    const std::size_t data_size = bytes_.size() - data_start_;
+    const std::size_t data_size = file_size - data_start_;
     std::string_view text(reinterpret_cast<const char*>(bytes_.data()) + 8, static_cast<std::size_t>(n));
     JsonReader<SafetensorsError> P(text, source_, 8, "safetensors header");
 

@@ -181,6 +181,42 @@ constexpr std::int64_t whole_index(const TensorSpec& s, int TP, int EP, int r, i
   return row * s.cols + col;
 }
 
+// The inverse of whole_index: which piece holds element `whole` of the whole tensor (its TP
+// piece, r / replicas of the ranks that hold it; its EP rank), and the element's index there.
+// Replicated dimensions give piece 0, tensors that are not experts EP rank 0: every rank's copy
+// holds them.
+struct PieceIndex {
+  int piece = 0, ep_rank = 0;
+  std::int64_t local = 0;
+};
+constexpr PieceIndex piece_index(const TensorSpec& s, int TP, int EP, std::int64_t whole) {
+  std::int64_t row = whole / s.cols, col = whole % s.cols;
+  PieceIndex at;
+  // along a split dimension of n elements cut as `groups` blocks: the whole index w's piece and local index
+  auto unsplit = [&](std::int64_t n, std::int64_t w) {
+    const std::int64_t group = n / s.tp.groups, piece = group / s.tp.pieces(TP);
+    at.piece = static_cast<int>(w % group / piece);
+    return (w / group) * piece + w % group % piece;
+  };
+  if (s.experts > 0) {
+    const std::int64_t rows_of = s.rows / s.experts, mine = s.tp.dim == 0 ? rows_of / TP : rows_of,
+                       per_rank = s.experts / EP, expert = row / rows_of, in_expert = row % rows_of;
+    std::int64_t within = in_expert;
+    if (s.tp.dim == 0) {
+      const std::int64_t block = mine / s.tp.groups, group = rows_of / s.tp.groups;
+      at.piece = static_cast<int>(in_expert % group / block);
+      within = (in_expert / group) * block + in_expert % group % block;
+    }
+    at.ep_rank = static_cast<int>(expert / per_rank);
+    row = (expert % per_rank) * mine + within;
+  } else if (s.tp.dim == 0) {
+    row = unsplit(s.rows, row);
+  }
+  if (s.tp.dim == 1) col = unsplit(s.cols, col);
+  at.local = row * piece_extent(s, 1, TP, EP) + col;
+  return at;
+}
+
 // Specs: a type with `static constexpr std::array<TensorSpec, n> specs` and `static
 // constexpr int layers` (for the residual init's std); optionally `static constexpr int
 // units` (default: the last spec's unit + 1).

@@ -510,36 +510,41 @@ class DataParallel {
     std::copy(h.begin(), h.end(), out.begin());
     return out;
   }
-  // Restores the step's state: fetch(kind, range) gives the values of any range of the flat
-  // buffer (from a checkpoint of any mesh); `step` is AdamW's step count.
-  // (A mixture of experts' expert buffers are their own DataParallel's: experts().)
+  // What load_state asks of its fetch, in its order: the parameters this rank holds (under
+  // ZeRO-3 its owned piece of each bucket, else the whole buffer), then the AdamW state of
+  // each range its optimizer owns. A loader reads just these (train/checkpoint.hpp).
+  std::vector<std::pair<State, FlatRange>> state_wanted() const {
+    std::vector<std::pair<State, FlatRange>> w;
+    if constexpr (stage == 3)
+      for (std::size_t i = 0; i < plan::count; ++i) w.push_back({State::params, owned(i)});
+    else
+      w.push_back({State::params, FlatRange{0, layout::size}});
+    for (const FlatRange& r : opt_.owned()) {
+      w.push_back({State::exp_avg, r}), w.push_back({State::exp_avg_sq, r});
+      if constexpr (optimizer_type::has_master) w.push_back({State::master, r});
+    }
+    return w;
+  }
+  // Restores the step's state: fetch(kind, range) gives the values of each range of the flat
+  // buffer that state_wanted() names (from a checkpoint of any mesh); `step` is AdamW's step
+  // count. (A mixture of experts' expert buffers are their own DataParallel's: experts().)
   template <class Fetch>
   void load_state(Fetch&& fetch, int step) {
     ops_type& ops = model_.ops();
-    auto as = [](const std::vector<double>& d, auto* out) {
-      using U = std::remove_pointer_t<decltype(out)>;
-      std::vector<U> v(d.size());
-      for (std::size_t k = 0; k < d.size(); ++k) v[k] = static_cast<U>(d[k]);
-      return v;
-    };
-    if constexpr (stage == 3) {
-      for (std::size_t i = 0; i < plan::count; ++i) {
-        const std::vector<T> v = as(fetch(State::params, owned(i)), static_cast<T*>(nullptr));
-        ops.upload(param_piece(i).data(), v.data(), v.size());
-      }
-    } else {
-      const std::vector<T> v = as(fetch(State::params, FlatRange{0, layout::size}), static_cast<T*>(nullptr));
-      ops.upload(model_.params().data(), v.data(), v.size());
-    }
     using S = typename optimizer_type::state_type;
     std::vector<S> m, v, master;
-    for (const FlatRange& r : opt_.owned()) {
-      auto put = [&](State k, std::vector<S>& to) {
-        const std::vector<S> x = as(fetch(k, r), static_cast<S*>(nullptr));
-        to.insert(to.end(), x.begin(), x.end());
-      };
-      put(State::exp_avg, m), put(State::exp_avg_sq, v);
-      if constexpr (optimizer_type::has_master) put(State::master, master);
+    std::size_t bucket = 0;  // ZeRO-3: the next bucket's piece
+    for (const auto& [k, r] : state_wanted()) {
+      const std::vector<double> x = fetch(k, r);
+      if (k == State::params) {
+        std::vector<T> p(x.size());
+        for (std::size_t i = 0; i < x.size(); ++i) p[i] = static_cast<T>(x[i]);
+        T* to = stage == 3 ? param_piece(bucket++).data() : model_.params().data() + r.begin;
+        ops.upload(to, p.data(), p.size());
+        continue;
+      }
+      std::vector<S>& to = k == State::exp_avg ? m : k == State::exp_avg_sq ? v : master;
+      for (double d : x) to.push_back(static_cast<S>(d));
     }
     opt_.restore(ops, step, m, v, master);
   }

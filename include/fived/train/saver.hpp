@@ -10,7 +10,7 @@
 //
 // A save is a collective of the ranks of `comm`: each writes its shard as rank-<r>.safetensors
 // in dir/step-<step>/, every file's size and hash go to rank 0 (an all-reduce, which also says
-// that every file is written), and rank 0 writes the manifest (the commit: a step is complete
+// that every file is written), and rank 0 reads the files' headers for the index and writes the manifest (the commit: a step is complete
 // only with it), removes what killed saves left and, with keep_last, the oldest complete steps.
 //
 // A background save holds its shard (the values were copied when the caller made it, so
@@ -38,13 +38,21 @@
 
 namespace fived::checkpoint {
 
+// The metadata key under which a rank's file records the FNV-1a 64 hash of a tensor's bytes,
+// for the manifest's index (train/manifest.hpp).
+inline std::string hash_key(const std::string& tensor) { return "fnv1a64/" + tensor; }
+
 // A rank's file of a checkpoint: named tensors (one dimension, any element type) and
-// metadata, with the values they hold (the writer only points at them).
+// metadata, with the values they hold (the writer only points at them), and each tensor's
+// hash in the metadata.
 class Shard {
  public:
   template <class U>
   void add(std::string name, std::vector<U> values) {
     auto kept = std::make_shared<const std::vector<U>>(std::move(values));
+    util::Fnv1a64 h;
+    h.add(std::as_bytes(std::span<const U>(*kept)));
+    writer_.add_metadata(hash_key(name), detail::hex(h.value()));
     writer_.add(std::move(name), {static_cast<std::int64_t>(kept->size())}, std::span<const U>(*kept));
     held_.push_back(std::move(kept));
   }
@@ -55,6 +63,19 @@ class Shard {
   io::SafetensorsWriter writer_;
   std::vector<std::shared_ptr<const void>> held_;
 };
+
+// The manifest's index of a rank's file (train/manifest.hpp), from its header: its metadata
+// and each tensor's bytes, with the hash its Shard recorded.
+inline void index_file(const io::SafetensorsFile& header, FileEntry& e) {
+  e.metadata = header.metadata();
+  for (const io::TensorEntry& t : header.tensors()) {
+    const auto h = e.metadata.find(hash_key(t.name));
+    if (h == e.metadata.end()) throw io::SafetensorsError(header.source() + ": records no hash of tensor '" + t.name + "'");
+    e.tensors.push_back({t.name, t.dtype, header.data_start() + t.begin, header.data_start() + t.end,
+                         std::stoull(h->second, nullptr, 16)});
+  }
+  std::erase_if(e.metadata, [](const auto& kv) { return kv.first.rfind("fnv1a64/", 0) == 0; });
+}
 
 // What a save records besides the files: where, which step, and the manifest's fields.
 struct SaveRecord {
@@ -116,8 +137,10 @@ class Saver {
       Manifest m{r.step, r.adam_step, world, r.mesh, r.model, {}, r.run};
       for (int q = 0; q < world; ++q) {
         const auto i = 3 * static_cast<std::size_t>(q);
-        m.files.push_back({rank_file(q), static_cast<std::uint64_t>(all[i + 2]),
-                           static_cast<std::uint64_t>(all[i]) << 32 | static_cast<std::uint64_t>(all[i + 1])});
+        FileEntry& e = m.files.emplace_back(FileEntry{
+            rank_file(q), static_cast<std::uint64_t>(all[i + 2]),
+            static_cast<std::uint64_t>(all[i]) << 32 | static_cast<std::uint64_t>(all[i + 1])});
+        index_file(io::SafetensorsFile::read_header(folder / e.name), e);
       }
       write_manifest(folder, m);
       remove_leftovers(r.dir, r.step);

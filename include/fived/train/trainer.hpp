@@ -187,35 +187,50 @@ class Trainer {
   int wait_for_save() { return saver_.wait(); }
 
   // Loads the checkpoint of `step` under dir, saved from this model on any mesh, ZeRO stage or
-  // schedule: parameters and AdamW's state. Without a step, the newest that verifies (every
-  // file of its recorded size and hash); the newer ones passed over are added to `refused`
-  // (each with its reason), and when none verifies the error lists them. A step asked for is
-  // refused outright when it does not verify. Every rank reads every file (resharding
-  // assembles whole tensors in host memory), and every rank has loaded when this returns.
-  // Returns the step it holds; training goes on at the next one.
+  // schedule: parameters and AdamW's state. Without a step, the newest that verifies (its
+  // manifest, every file of its recorded size, and every tensor entry the ranks read of its
+  // recorded hash); the newer ones passed over are added to `refused` (each with its reason),
+  // and when none verifies the error lists them. A step asked for is refused outright when it
+  // does not verify. Each rank reads the manifest (the step's index) and the entries that hold
+  // its share (checkpoint::Restored), and every rank has loaded when this returns. Returns the
+  // step it holds; training goes on at the next one. A collective.
   int load(const std::filesystem::path& dir, std::optional<int> step = std::nullopt,
            std::vector<checkpoint::Refusal>* refused = nullptr) {
     saver_.wait();
     std::vector<checkpoint::Refusal> passed_over;
-    const bool verified = !step;  // newest_verified_step has read every file's hash already
-    if (!step) step = checkpoint::newest_verified_step(dir, passed_over);
-    if (refused) refused->insert(refused->end(), passed_over.begin(), passed_over.end());
-    if (!step) {
-      std::string why = dir.string() + ": holds no complete checkpoint";
-      if (passed_over.empty()) why += " (no step-*/manifest.json)";
-      for (const checkpoint::Refusal& r : passed_over) why += "; step " + std::to_string(r.step) + " refused: " + r.reason;
-      throw io::SafetensorsError(why);
+    const std::vector<int> candidates = step ? std::vector<int>{*step} : checkpoint::steps_with_manifest(dir);
+    for (const int s : candidates) {
+      const std::filesystem::path folder = checkpoint::step_folder(dir, s);
+      std::optional<checkpoint::Manifest> m;
+      std::string why;
+      try {
+        m = checkpoint::read_manifest(folder);
+      } catch (const std::exception& e) {
+        if (step) throw;
+        why = e.what();
+      }
+      if (m) {
+        if (m->model != model_name())
+          throw io::SafetensorsError((folder / "manifest.json").string() + ": a checkpoint of " + m->model +
+                                     ", not of this model (" + model_name() + ")");
+        checkpoint::Restored<Model> restored(folder, *m);
+        if (const std::optional<int> failed = read_share(restored); !failed) {
+          rank_->load(restored, m->adam_step);
+          world_->barrier();
+          if (refused) refused->insert(refused->end(), passed_over.begin(), passed_over.end());
+          return m->step;
+        } else {
+          why = restored.failure(*failed);
+          if (step) throw io::SafetensorsError(why);
+        }
+      }
+      passed_over.push_back({s, why});
     }
-    const std::filesystem::path folder = checkpoint::step_folder(dir, *step);
-    const checkpoint::Manifest m = checkpoint::read_manifest(folder, /*check_files=*/!verified);
-    if (m.model != model_name())
-      throw io::SafetensorsError((folder / "manifest.json").string() + ": a checkpoint of " + m.model +
-                                 ", not of this model (" + model_name() + ")");
-    checkpoint::Restored<Model> restored;
-    for (const checkpoint::FileEntry& f : m.files) restored.add(io::SafetensorsFile::read(folder / f.name));
-    rank_->load(restored, m.adam_step);
-    world_->barrier();
-    return m.step;
+    if (refused) refused->insert(refused->end(), passed_over.begin(), passed_over.end());
+    std::string why = dir.string() + ": holds no complete checkpoint";
+    if (passed_over.empty()) why += " (no step-*/manifest.json)";
+    for (const checkpoint::Refusal& r : passed_over) why += "; step " + std::to_string(r.step) + " refused: " + r.reason;
+    throw io::SafetensorsError(why);
   }
 
   struct FitOptions {
@@ -249,6 +264,20 @@ class Trainer {
 
  private:
   static std::string model_name() { return Model::config_name(); }
+  // Every rank reads its share of a step (Rank::want); the first failure of any, which all
+  // ranks agree on (a collective), or none.
+  std::optional<int> read_share(checkpoint::Restored<Model>& restored) {
+    double code = 0;  // minus the failure's code, minus one; 0: none
+    try {
+      rank_->want(restored);
+    } catch (const checkpoint::ReadFailure& f) {
+      code = -1.0 - f.code();
+    }
+    std::array<double, 2> agreed{code == 0 ? -1e18 : code, code == 0 ? 0.0 : 1.0};
+    world_->all_reduce_host(std::span<double>(agreed), ReduceOp::max);
+    if (agreed[1] == 0) return std::nullopt;
+    return static_cast<int>(-agreed[0] - 1.0);
+  }
   checkpoint::SaveRecord record(const std::filesystem::path& dir, int step, const SaveOptions& o) const {
     return {dir, step, rank_->adam_step(), mesh::name(), model_name(), o.run, o.keep_last};
   }
@@ -263,6 +292,7 @@ class Trainer {
     virtual double grad_norm() const = 0;
     virtual std::vector<value_type> serial_params(bool experts) = 0;
     virtual checkpoint::Shard shard() = 0;  // this rank's state, copied out
+    virtual void want(checkpoint::Restored<Model>& restored) = 0;  // reads what load() takes
     virtual void load(const checkpoint::Restored<Model>& restored, int adam_step) = 0;
     virtual int adam_step() const = 0;
   };
@@ -351,6 +381,12 @@ class Trainer {
       return w;
     }
 
+    void want(checkpoint::Restored<Model>& restored) override {
+      [&]<std::size_t... c>(std::index_sequence<c...>) {
+        (want_chunk(*std::get<c>(trainers_), restored), ...);
+      }(chunks{});
+    }
+
     void load(const checkpoint::Restored<Model>& restored, int adam_step) override {
       [&]<std::size_t... c>(std::index_sequence<c...>) {
         (load_chunk(*std::get<c>(models_), *std::get<c>(trainers_), restored, adam_step), ...);
@@ -371,6 +407,21 @@ class Trainer {
             w.add(checkpoint::bias_entry_name(Model::moe_blocks_before(Part::first_layer) + m),
                   std::vector<float>(b.begin(), b.end()));
           }
+      }
+    }
+    // What load_chunk takes: the state each trainer names, and the MoE blocks' selection biases.
+    template <class D>
+    void want_chunk(D& dp, checkpoint::Restored<Model>& restored) {
+      using Part = typename D::model_type;
+      auto from = [&](auto& trainer) {
+        using L = typename std::remove_reference_t<decltype(trainer)>::layout;
+        for (const auto& [k, r] : trainer.state_wanted()) restored.template want<L>(k, r, tp_rank_, ep_rank_);
+      };
+      from(dp);
+      if constexpr (Part::has_experts) {
+        from(dp.experts());
+        if constexpr (Part::has_router_bias)
+          for (int m = 0; m < Part::moe_blocks; ++m) restored.want_bias(Model::moe_blocks_before(Part::first_layer) + m);
       }
     }
     // A chunk's dense state, its experts' and its MoE blocks' selection biases.
