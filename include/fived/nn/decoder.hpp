@@ -22,26 +22,19 @@
 // serial model. Under CP every rank takes the whole [B, T] batch and keeps its two zig-zag
 // chunks of each sequence (context/zigzag.hpp).
 //
-// A block type B (the contract docs/model.md writes out, GPT-2's is nn/gpt.hpp's PreNormBlock):
-//   B::specs(layer, unit, stream)     its dense tensors (a SpecList), in the order it takes them
-//   B::expert_specs(layer, unit, stream)  a mixture of experts' stacked tensors (MoE configs only)
-//   B::flops()                        forward matmul FLOPs per token (pipeline balance)
-//   B::run<S>                         the block on step type S (nn/stream.hpp):
-//     Params, bind(layer, dense, experts, router_bias)   typed handles, taken in spec order
-//     Saved, Work: reserve(ops, N, n, first, count)      kept per slot / shared, for blocks
-//                                                        [first, first + count)
-//     forward(s, saved, work, scratch, p, x, out, layer)
-//     backward(s, saved, work, scratch, p, g, x, dres, layer)   dres: d(out) in, d(x) out
-//     aux_loss(saved), expert_counts(saved)              MoE blocks only
-// Recomputation (nn/recompute.hpp) is the decoder's for whole blocks (forward again before
-// backward) and the block's for what it keeps inside (selective: the core attention).
+// A block type B (GPT-2's is nn/gpt.hpp's PreNormBlock) gives its tensors (B::specs, and
+// B::expert_specs for a mixture of experts), its forward FLOPs and B::run<S>: its handles,
+// what it keeps per slot and shares, and its forward and backward on step type S
+// (nn/stream.hpp); docs/model.md writes the contract out. Recomputation (nn/recompute.hpp)
+// is the decoder's for whole blocks and the block's for what it keeps inside.
 //
 // Parameters and gradients are one flat buffer each, laid out at compile time by the
 // parameter table (nn/param_table.hpp: this rank's pieces, in HF order); a block reaches
 // its tensors through the handles bind() builds once. Activations live in per-micro-batch
-// slots (set_slots(K)), sized for B*T at run time: allocated on the first forward and
-// reallocated only when a larger B*T comes. The residual stream is [B*T, C] on every rank,
-// or its rows split over TP with sequence parallelism (nn/stream.hpp).
+// slots (set_slots(K); nn/decoder_slots.hpp), sized for B*T at run time: allocated on the
+// first forward and reallocated only when a larger B*T comes. The residual stream is
+// [B*T, C] on every rank, or its rows split over TP with sequence parallelism
+// (nn/stream.hpp).
 //
 // The loss is fused with its gradient (d-logits written over the logits, as llm.c does):
 // forward(tokens, targets) leaves d-logits for backward(); forward(tokens, nullptr)
@@ -75,43 +68,23 @@
 #include "fived/model/layers.hpp"
 #include "fived/nn/checkpoint.hpp"
 #include "fived/nn/config.hpp"
+#include "fived/nn/decoder_slots.hpp"
 #include "fived/nn/decoder_specs.hpp"
 #include "fived/nn/embedding.hpp"
+#include "fived/nn/expert_balance.hpp"
 #include "fived/nn/head.hpp"
 #include "fived/nn/init.hpp"
 #include "fived/nn/layernorm.hpp"
 #include "fived/nn/ops.hpp"
 #include "fived/nn/param_table.hpp"
+#include "fived/nn/sp_partial_grads.hpp"
 #include "fived/nn/stream.hpp"
+#include "fived/nn/tensor_view.hpp"
 #include "fived/nn/weight_grads.hpp"
 #include "fived/model/unit_hooks.hpp"
 #include "fived/model/plan_shape.hpp"
 
 namespace fived {
-
-// Pointers the decoder lends a block for one forward or backward: the stream-sized scratch
-// rows ([n, C] each) and, under sequence parallelism, [N, C] for gathered rows or partial sums.
-template <class T>
-struct StreamScratch {
-  T* out;      // forward: a sublayer's output before the residual add
-  T* dln;      // backward: the gradient at a norm's output
-  T* partial;  // SP only
-};
-
-// A named tensor inside a flat buffer (device memory on Cuda: for passing on, not indexing).
-template <class T>
-struct TensorView {
-  const ParamInfo* info = nullptr;
-  std::span<T> data;
-
-  std::string name() const { return info->name(); }
-  std::int64_t rows() const { return info->rows; }
-  std::int64_t cols() const { return info->cols; }
-  int rank() const { return info->rank(); }
-  std::size_t size() const { return data.size(); }
-  T& operator[](std::size_t i) const { return data[i]; }
-  T& operator()(std::int64_t r, std::int64_t c) const { return data[static_cast<std::size_t>(r * info->cols + c)]; }
-};
 
 template <class Arch, MeshType M = Mesh<>, class T = float, class Device = Host, class SP = NoSequenceParallel,
           class Part = AllLayers>
@@ -320,39 +293,15 @@ class Decoder {
   // selection bias moves by bias_update_rate * sign(mean load - load). Nothing without experts.
   template <GroupView G>
   void balance_experts(MeshComm<G>& group) {
-    if constexpr (has_experts) {
-      group.all_reduce_host(std::span<double>(loads_));
-      last_loads_ = loads_;
-      if constexpr (config::balancing::bias) {
-        for (int m = 0; m < moe_blocks; ++m) {
-          const std::span<const double> load(loads_.data() + m * dims::experts, dims::experts);
-          double mean = 0;
-          for (double x : load) mean += x / dims::experts;
-          for (int e = 0; e < dims::experts; ++e) {
-            const double d = mean - load[static_cast<std::size_t>(e)];
-            bias_host_[static_cast<std::size_t>(m * dims::experts + e)] +=
-                static_cast<float>(config::bias_update_rate * ((d > 0) - (d < 0)));
-          }
-        }
-        ops_.upload(router_bias_.data(), bias_host_.data(), bias_host_.size());
-      }
-      std::fill(loads_.begin(), loads_.end(), 0.0);
-    }
+    if constexpr (has_experts) balance_.step(group, ops_);
   }
   // Rows per expert in the last balanced step, [MoE block][expert] (empty before the first).
-  const std::vector<double>& expert_loads() const { return last_loads_; }
+  const std::vector<double>& expert_loads() const { return balance_.last_loads(); }
   // The selection bias of the part's m-th MoE block (AuxLossFreeBias), [expert].
-  std::span<const float> router_bias(int m) const {
-    return std::span<const float>(bias_host_).subspan(static_cast<std::size_t>(m * dims::experts), dims::experts);
-  }
+  std::span<const float> router_bias(int m) const { return balance_.bias(m); }
   // Sets it (a resumed run's, or a test's skewed router); the same on every rank of a replica.
   void set_router_bias(int m, std::span<const float> bias) requires(config::balancing::bias) {
-    if (m < 0 || m >= moe_blocks || bias.size() != static_cast<std::size_t>(dims::experts))
-      throw std::invalid_argument(std::string(Arch::name) + "::set_router_bias: block " + std::to_string(m) + " of " +
-                                  std::to_string(moe_blocks) + " MoE blocks, " + std::to_string(bias.size()) +
-                                  " values for " + std::to_string(dims::experts) + " experts");
-    std::copy(bias.begin(), bias.end(), bias_host_.begin() + static_cast<std::ptrdiff_t>(m * dims::experts));
-    ops_.upload(router_bias_.data(), bias_host_.data(), bias_host_.size());
+    balance_.set_bias(m, bias, ops_, std::string(Arch::name) + "::set_router_bias");
   }
 
   // ---- micro-batch slots ------------------------------------------------------------------
@@ -408,10 +357,7 @@ class Decoder {
       if constexpr (has_experts)
         if (is_moe_block(l)) {
           a.aux[static_cast<std::size_t>(l)] = Block::aux_loss(A);
-          if (targets != nullptr)  // a training step's loads, for balance_experts
-            for (int e = 0; e < dims::experts; ++e)
-              loads_[static_cast<std::size_t>(moe_index(l) * dims::experts + e)] +=
-                  Block::expert_counts(A)[static_cast<std::size_t>(e)];
+          if (targets != nullptr) balance_.count(moe_index(l), Block::expert_counts(A));  // for balance_experts
         }
       x = out;
       detail::call(hooks.after_forward, specs::block_unit(l));
@@ -622,31 +568,10 @@ class Decoder {
     else return nullptr;
   }
 
-  struct Slot {
-    std::size_t capacity = 0;  // B*T the buffers hold
-    Buffer<int, Device> tokens, targets;
-    Buffer<T, Device> encoded;
-    std::vector<typename Block::Saved> blocks;  // none under FullRecompute: one shared in Work
-    std::vector<Buffer<T, Device>> out;         // each block's output: the next block's input
-    typename Norm::Saved lnf;
-    typename HeadL::Saved head;
-    std::vector<double> aux;  // per block: an MoE block's load-balancing loss
-    int B = 0, T_ = 0;
-    const T* output = nullptr;  // the stream leaving the part (parts without the head)
-    bool has_dlogits = false;   // forward done, backward may run (d-logits written, with a head)
-    mutable bool loss_pending = false;  // the statistics of the last forward are not summed yet
-    mutable double loss = 0;
-    int tape = -1;  // the tape (tapes_) holding backward_input's weight gradients, until backward_weight
-  };
-  // Shared by every slot: what one forward or backward uses and leaves behind.
-  struct Work {
-    std::size_t capacity = 0;
-    Buffer<T, Device> out, dres, dln;  // the stream's rows [n, C]
-    Buffer<T, Device> partial;         // SP: [N, C] gathered rows or partial sums
-    typename Block::Work block;        // the blocks' own (shared) buffers
-    typename Block::Saved rerun;       // FullRecompute: the block being run again,
-    Buffer<T, Device> rerun_out;       // and its output
-  };
+  using Slot = DecoderSlot<step_type, Block, Norm, HeadL>;  // nn/decoder_slots.hpp
+  using Work = DecoderWork<step_type, Block>;
+  static constexpr SlotShape slot_shape{first_layer, blocks, has_head, recompute::whole_block, C,
+                                        static_cast<std::size_t>(Vp)};
 
   typename Block::Saved& saved(Slot& a, int l) {
     if constexpr (recompute::whole_block) return work_.rerun;
@@ -710,8 +635,7 @@ class Decoder {
         params_(ops_.template make_buffer<T>(num_params)), grads_(ops_.template make_buffer<T>(num_params)),
         expert_params_(ops_.template make_buffer<T>(expert_layout::size)),
         expert_grads_(ops_.template make_buffer<T>(expert_layout::size)),
-        router_bias_(ops_.template make_buffer<float>(std::max(moe_blocks * dims::experts, 1))), slots_(1),
-        experts_view_(*this) {
+        balance_(ops_, moe_blocks), sp_partial_(ops_), slots_(1), experts_view_(*this) {
     // (The whole model on a PP mesh is a type the Trainer reads facts from, never an object.)
     static_assert(M::pp == 1 || !std::is_same_v<Part, AllLayers>,
                   "a model on a mesh with PP > 1: each rank holds one stage's layers, not the whole model; give the "
@@ -724,11 +648,6 @@ class Decoder {
     if constexpr (has_experts)
       ops_.write_from_host(expert_params_,
                            [&](std::span<T> p) { init_params<expert_layout>(p, tp_rank(), init, ep_rank_); });
-    loads_.assign(static_cast<std::size_t>(moe_blocks * dims::experts), 0.0);
-    bias_host_.assign(loads_.size(), 0.0f);
-    if constexpr (step_type::sp)
-      for (int u = 0; u < layout::units; ++u)
-        sp_partial_[static_cast<std::size_t>(u)] = ops_.template make_buffer<T>(sp_partial_size(u));
     bind_blocks();
   }
   template <Axis A, class Ctx>
@@ -756,7 +675,7 @@ class Decoder {
       norm_params_ = Norm::bind(p), norm_grads_ = Norm::bind(g);
     }
     for (int l = 0; l < blocks; ++l) {
-      const float* bias = has_router_bias && is_moe_block(l) ? router_bias_.data() + moe_index(l) * dims::experts : nullptr;
+      const float* bias = has_router_bias && is_moe_block(l) ? balance_.device_bias(moe_index(l)) : nullptr;
       auto take = [&](const auto& dense, const auto& experts) {
         TensorCursor<T> d(dense.data() + specs::block_first(l)), e(experts.data() + expert_specs::block_first(l));
         return Block::bind(first_layer + l, d, e, bias);
@@ -784,49 +703,11 @@ class Decoder {
   // Where tensor i's gradient accumulates: the gradient buffer, or under SP, for a gradient
   // summed over this rank's rows, its unit's partial buffer (finish_unit reduces it).
   T* G(int i) {
-    if constexpr (step_type::sp) {
-      const TensorSpec& s = layout::specs[static_cast<std::size_t>(i)];
-      if (s.sp_partial)
-        return sp_partial_[static_cast<std::size_t>(s.unit)].data() + sp_partial_offset[static_cast<std::size_t>(i)];
-    }
+    if (T* partial = sp_partial_.at(i)) return partial;
     return grads_.data() + layout::tensors[static_cast<std::size_t>(i)].offset;
   }
-
-  // SP: the partial gradients of each unit, packed per unit in spec order.
-  static constexpr std::array<std::size_t, layout::count> sp_partial_offset = [] {
-    std::array<std::size_t, layout::count> o{};
-    std::array<std::size_t, layout::units> next{};
-    for (int i = 0; i < layout::count; ++i) {
-      const TensorSpec& s = layout::specs[static_cast<std::size_t>(i)];
-      if (!s.sp_partial) continue;
-      o[static_cast<std::size_t>(i)] = next[static_cast<std::size_t>(s.unit)];
-      next[static_cast<std::size_t>(s.unit)] += layout::tensors[static_cast<std::size_t>(i)].size();
-    }
-    return o;
-  }();
-  static constexpr std::size_t sp_partial_size(int u) {
-    std::size_t n = 0;
-    for (int i = 0; i < layout::count; ++i)
-      if (layout::specs[static_cast<std::size_t>(i)].sp_partial && layout::specs[static_cast<std::size_t>(i)].unit == u)
-        n += layout::tensors[static_cast<std::size_t>(i)].size();
-    return n;
-  }
-  // SP: unit u's backward is done; its partial gradients are summed over TP (one
-  // all-reduce) and added to the gradient buffer.
-  void finish_unit(int u) {
-    if constexpr (step_type::sp) {
-      Buffer<T, Device>& part = sp_partial_[static_cast<std::size_t>(u)];
-      if (part.size() == 0) return;
-      comm_.all_reduce(part.span());
-      for (int i = 0; i < layout::count; ++i) {
-        const ParamInfo& t = layout::tensors[static_cast<std::size_t>(i)];
-        if (!t.spec.sp_partial || t.spec.unit != u) continue;
-        T* g = grads_.data() + t.offset;
-        ops_.residual_forward(g, g, part.data() + sp_partial_offset[static_cast<std::size_t>(i)], t.size());
-      }
-      ops_.zero(part);
-    }
-  }
+  // Unit u's backward is done: under SP its partial gradients are summed over TP.
+  void finish_unit(int u) { sp_partial_.finish(u, comm_, ops_, grads_.data()); }
 
   Slot& slot_at(int k) {
     if (k < 0 || k >= slots())
@@ -859,45 +740,15 @@ class Decoder {
                                     " is outside [0, vocab = " + std::to_string(V) + ")");
   }
 
+  // Activations for B x T rows (this rank's T): the shared work, and slot a's.
   void reserve_work(int B, int T_) {
     const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_);
-    const std::size_t n = step_type::sp ? N / tp : N, c = C;
-    if (N > work_.capacity) {
-      Work w;
-      w.capacity = N;
-      w.out = make<T>(n * c);
-      w.dres = make<T>(n * c);
-      w.dln = make<T>(n * c);
-      if constexpr (step_type::sp) w.partial = make<T>(N * c);
-      w.block.reserve(ops_, N, n, first_layer, blocks);
-      if constexpr (recompute::whole_block) {
-        w.rerun.reserve(ops_, N, n, first_layer, blocks);
-        w.rerun_out = make<T>(n * c);
-      }
-      work_ = std::move(w);
-    }
+    work_.reserve(ops_, N, step_type::sp ? N / tp : N, slot_shape);
   }
   void reserve(Slot& a, int B, int T_) {
     reserve_work(B, T_);
     const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T_);
-    const std::size_t n = step_type::sp ? N / tp : N, c = C;
-    if (N <= a.capacity) return;
-    Slot s;
-    s.capacity = N;
-    s.tokens = make<int>(N);
-    s.targets = make<int>(N);
-    s.encoded = make<T>(n * c);
-    if constexpr (!recompute::whole_block) s.blocks.resize(static_cast<std::size_t>(blocks));
-    s.aux.assign(static_cast<std::size_t>(blocks), 0.0);
-    for (int l = 0; l < blocks; ++l) {
-      if constexpr (!recompute::whole_block) s.blocks[static_cast<std::size_t>(l)].reserve(ops_, N, n, first_layer + l, 1);
-      s.out.push_back(make<T>(n * c));
-    }
-    if constexpr (has_head) {
-      s.lnf.reserve(ops_, n, c);
-      s.head.reserve(ops_, N, c, static_cast<std::size_t>(Vp));
-    }
-    a = std::move(s);
+    a.reserve(ops_, N, step_type::sp ? N / tp : N, slot_shape);
   }
   template <class U>
   Buffer<U, Device> make(std::size_t n) {
@@ -941,10 +792,8 @@ class Decoder {
   int ep_rank_ = 0;
   Buffer<T, Device> params_, grads_;
   Buffer<T, Device> expert_params_, expert_grads_;  // empty without a mixture of experts
-  Buffer<float, Device> router_bias_;               // AuxLossFreeBias: [MoE block][expert]
-  std::vector<float> bias_host_;                    // the same, in host memory
-  std::vector<double> loads_, last_loads_;          // rows per expert: this step's here, the last step's summed
-  std::array<Buffer<T, Device>, layout::units> sp_partial_;  // SP only: per unit
+  ExpertBalance<config, Device> balance_;           // rows per expert, AuxLossFreeBias's selection bias
+  SpPartialGrads<layout, T, Device, step_type::sp> sp_partial_;
   std::array<T*, layout::count> p_at_{}, g_at_{};           // each tensor's parameters and gradient
   std::array<T*, expert_layout::count> ep_at_{}, eg_at_{};  // the same for the experts
   std::vector<typename Block::Params> block_params_, block_grads_;

@@ -145,4 +145,13 @@ struct Step {
   }
 };
 
+// Pointers the decoder lends a block for one forward or backward: the stream-sized scratch
+// rows ([n, C] each) and, under sequence parallelism, [N, C] for gathered rows or partial sums.
+template <class T>
+struct StreamScratch {
+  T* out;      // forward: a sublayer's output before the residual add
+  T* dln;      // backward: the gradient at a norm's output
+  T* partial;  // SP only
+};
+
 }  // namespace fived

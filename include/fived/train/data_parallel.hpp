@@ -1,7 +1,7 @@
 #pragma once
-// Data-parallel training steps, on the host backend and on CUDA: every DP rank takes its slice of each global
-// batch, and the gradients are averaged over the DP group; the policy says how much of the
-// training state each rank holds.
+// Data-parallel training steps, on the host backend and on CUDA: every DP rank takes its
+// slice of each global batch, and the gradients are averaged over the DP group; the policy
+// (train/zero_policy.hpp) says how much of the training state each rank holds.
 //
 //   using M = Mesh<DP<4>>;
 //   fived::host::run(M::size, [&](fived::host::Comm& world) {
@@ -19,88 +19,33 @@
 // taken from the MeshContext. On a mesh whose group has one rank (Mesh<>, Mesh<TP<4>>) no
 // context is needed and DataParallel<Model> is the training step of one replica: the same
 // clip and AdamW with every collective compiled away. That is the one optimizer step of
-// every path.
+// every path. The model may itself be split over TP: DP then cuts and reduces one TP rank's
+// buffer over the DP group of that TP rank.
 //
 // Data: micro-batch k of the step is rows [k*B, (k+1)*B) of `tokens`; rank r reads rows
-// [r*B/DP, (r+1)*B/DP) of each micro-batch (`rows(r, B)`), so the DP ranks together see exactly
-// the tokens a serial run of the same global batch sees. B must be divisible by DP.
+// [r*B/DP, (r+1)*B/DP) of each micro-batch (`rows(r, B)`), so the DP ranks together see
+// exactly the tokens a serial run of the same global batch sees. Gradient: each rank's
+// gradient of its micro-batch's mean loss, scaled by 1/accum and averaged over DP, summed
+// over the micro-batches: the serial run's, up to summation order.
 //
-// Gradient: each rank's gradient of its micro-batch's mean loss, scaled by 1/accum and
-// averaged over DP, summed over the micro-batches, is the gradient of the mean loss over the
-// global batch: the serial run's (trained with the same accumulation) up to summation order.
-//
-// Buckets (train/bucket_plan.hpp): the flat buffer is cut into buckets that never cross a
-// model unit (embeddings, each layer, ln_f + head); each bucket is reduced on its own, and
-// under ZeRO each rank owns one equal piece of every bucket.
-//
-// Policies:
-//   NoZeRO   all-reduce (avg) of each bucket in the last micro-batch (as soon as backward
-//            finishes its unit, see Overlap); every rank holds all parameters, gradients
-//            and optimizer state, and steps all of it.
-//   ZeRO<1>  reduce-scatter (avg) of each bucket in the last micro-batch; AdamW state
-//            (fp32 moments, and fp32 masters for bf16) for this rank's pieces only; AdamW
-//            updates the pieces, and an all-gather per bucket brings every replica the new
-//            parameters.
-//   ZeRO<2>  as ZeRO<1>, but the gradient of every micro-batch is reduce-scattered as soon as
+// Buckets (train/bucket_plan.hpp) never cross a model unit (embeddings, each layer, ln_f +
+// head); each is reduced on its own, through one padded staging buffer under ZeRO
+// (train/bucket_staging.hpp), where each rank owns one equal piece of every bucket:
+//   NoZeRO   all-reduce of each bucket in the last micro-batch; every rank steps all of it.
+//   ZeRO<1>  reduce-scatter in the last micro-batch; AdamW state for this rank's pieces;
+//            an all-gather per bucket brings every replica the new parameters.
+//   ZeRO<2>  as ZeRO<1>, but every micro-batch's gradient is reduce-scattered as soon as
 //            backward finishes its unit, added into this rank's gradient pieces, and the
-//            bucket's pages of the model's gradient buffer are given back to the system
-//            (release_pages, device/host_pages.hpp). So the gradients held are the pieces plus
-//            the units backward is in (one reduction per micro-batch: that is the price of
-//            not holding the whole gradient, as in DeepSpeed's stage 2).
-//   ZeRO<3>  as ZeRO<2>, and the parameters too are held as pieces. Before a unit runs
-//            (forward, and again backward) its buckets are all-gathered into the model's
-//            buffer, and the next unit's are prefetched; after it has run they are given back.
-//            The first and last units (embeddings with a tied head, ln_f) stay gathered from
-//            their first use to the end of the step, as FSDP keeps its root unit. AdamW
-//            updates the pieces; the next step's gathers distribute them.
-// ZeRO<3> needs a model that calls UnitHooks (model/unit_hooks.hpp; docs/model.md).
-//
-// Memory per rank (memory()), N = layout::size elements, S = plan::shard_total (about N/DP:
-// each bucket padded to a multiple of 64 DP elements, then divided by DP), O = elements owned
-// (the real part of S; the O of all ranks add up to N), t = sizeof(T):
-//   NoZeRO   params tN, grads tN, optimizer 8N (fp32 m, v) or 12N (bf16: + fp32 master)
-//   ZeRO<1>  params tN, grads tN, optimizer 8O or 12O
-//   ZeRO<2>  params tN, grads tS, optimizer 8O or 12O
-//   ZeRO<3>  params tS, grads tS, optimizer 8O or 12O
-// so bf16 with DP ranks: 2 + 2 + 12/DP bytes per parameter under ZeRO<1>, 2 + 14/DP under
-// ZeRO<2>, 16/DP under ZeRO<3>. These are the bytes held between steps. ZeRO always holds a
-// staging buffer for one bucket's collective (its padded size plus one piece), and ZeRO<2>
-// and <3> also hold whole units while they run (`transient_peak`: the most gathered
-// parameters plus unreduced gradients at any moment of the last step, a unit's gradients
-// counted until its reduction is issued; a communication thread that falls behind holds
-// them a little longer).
-//
-// DP x TP: the model may itself be split over TP (GPT<cfg, Mesh<DP<2>, TP<2>>>). Its layout
-// is then one TP rank's buffer, which DP cuts and reduces over the DP group of the same TP
-// rank, and ZeRO-3 gathers its units through the same hooks. The clip norm counts every
-// parameter once: the model says which parts of a range this rank counts (norm_parts) and
-// sums over TP (sum_over_tp); DataParallel sums over DP.
-//
-//   auto ctx = make_mesh_context<Mesh<DP<2>, TP<2>>>(world);
-//   GPT<cfg, Mesh<DP<2>, TP<2>>, float, Host, SequenceParallel> model(ctx, init);
-//   DataParallel<decltype(model), ZeRO<3>> dp(model, ctx, hp);
-//
-// Mixed precision: a bf16 model computes, and its gradients are reduced, in bf16 (the host
-// backend sums bf16 in float and rounds once); AdamW keeps fp32 master weights and moments for
-// what it owns and writes bf16(master) back, so every replica's bf16 weights come from the
-// same fp32 masters.
-//
-// Overlap: with a model that calls UnitHooks, a unit's buckets are handed at its
-// after_backward to the communication side (train/comm_queue.hpp: a thread on the host, a
-// second stream on CUDA), which reduces them while backward goes on; ZeRO-3's gathers and
-// prefetches run there too, and forward/backward wait only for the unit they are about to
-// use. Before the gradients are touched again (the next micro-batch, the optimizer) the
-// model waits for all of it. set_overlap(false), or a model without hooks, issues every
-// reduction after backward (on the host, on the calling thread). The results are the same
-// bit for bit.
-//
-// Devices: on CUDA (a model with Device = Cuda, in a .cu file) the staging buffers, pieces
-// and optimizer state are device memory, allocated once in the constructor; the step's
-// copies, scalings and AdamW are kernels through Ops, and the collectives NCCL calls on the
-// side stream, ordered by events. The host waits for the device only where it reads a
-// value: the loss of each micro-batch, and the gradient norm when clipping. Given-back memory
-// is the host backend's (release_pages); on CUDA a released range is zeroed but stays
-// allocated (unmapping it needs the driver's virtual memory API, not used yet).
+//            unit's gradient pages given back (release_pages, device/host_pages.hpp).
+//   ZeRO<3>  as ZeRO<2>, and the parameters too are pieces: a unit is all-gathered before
+//            it runs (forward, and again backward), the next one prefetched, and given back
+//            after; the outer units stay gathered for the step. Needs a model that calls
+//            UnitHooks (model/unit_hooks.hpp; checked: train/unit_hook_check.hpp).
+// With hooks, a unit's reductions and gathers run on the communication side (a thread on
+// the host, a second stream on CUDA: train/comm_queue.hpp) while backward goes on; without,
+// after backward; the results are the same bit for bit. The ranks compare a hash of their
+// first weights (train/replica_check.hpp). Memory per policy (memory()), mixed precision
+// and what waits for the device: docs/architecture.md, "Optimizer and data parallelism".
 
 #include <algorithm>
 #include <array>
@@ -123,62 +68,16 @@
 #include "fived/model/unit_hooks.hpp"
 #include "fived/optim/adamw.hpp"
 #include "fived/train/bucket_plan.hpp"
+#include "fived/train/bucket_staging.hpp"
 #include "fived/train/comm_queue.hpp"
+#include "fived/train/replica_check.hpp"
+#include "fived/train/unit_hook_check.hpp"
+#include "fived/train/zero_policy.hpp"
 #if defined(__CUDACC__)
 #include "fived/train/cuda/comm_queue.hpp"  // CommQueue<T, Cuda>
 #endif
-#include "fived/util/fnv.hpp"
 
 namespace fived {
-
-// No optimizer sharding: gradients all-reduced, every rank holds all the optimizer state.
-struct NoZeRO {
-  static constexpr int stage = 0;
-};
-// ZeRO stage 1 (optimizer state sharded over DP), 2 (+ gradients), 3 (+ parameters).
-template <int Stage>
-struct ZeRO {
-  static_assert(Stage >= 1 && Stage <= 3, "fived::ZeRO<S>: the ZeRO stages are 1, 2 and 3");
-  static constexpr int stage = Stage;
-};
-
-// The kinds of state a training step carries over to the next (checkpoints save each).
-enum class TrainState { params, master, exp_avg, exp_avg_sq };
-
-template <class Policy>
-inline constexpr bool is_zero_policy = false;
-template <>
-inline constexpr bool is_zero_policy<NoZeRO> = true;
-template <int S>
-inline constexpr bool is_zero_policy<ZeRO<S>> = true;
-
-namespace dp_detail {
-// The group a model's gradients reduce over: its own (a model's experts: the expert-data group)
-// or its mesh's gradient group (DP x CP).
-template <class Model>
-struct reduce_group {
-  using type = typename Model::mesh::grad_group;
-};
-template <class Model>
-  requires requires { typename Model::grad_group; }
-struct reduce_group<Model> {
-  using type = typename Model::grad_group;
-};
-template <class Model>
-constexpr double grad_scale() {
-  if constexpr (requires { Model::grad_scale; }) return Model::grad_scale;
-  else return 1.0;
-}
-}  // namespace dp_detail
-
-// A model with a mixture of experts: its expert buffers (Model::Experts) get a DataParallel of
-// their own over the expert-data group, driven by this one.
-template <class Model>
-concept HasExperts = requires(Model& m) {
-  typename Model::Experts;
-  requires Model::has_experts;
-  m.experts();
-};
 
 template <class Model, class Policy = NoZeRO, std::size_t BucketBytes = (std::size_t{4} << 20)>
 class DataParallel {
@@ -343,7 +242,7 @@ class DataParallel {
   // After it: waits for what backward handed over, and reduces what it did not.
   void end_backward() {
     in_backward_ = false;
-    if constexpr (stage == 3) check_hooks_called();
+    if constexpr (stage == 3) hook_check_.check([](int u) { return plan::unit(u); });
     if constexpr (HasExperts<Model>) experts_->end_backward();
     queue_.drain();
     if (reducing_) {
@@ -451,7 +350,7 @@ class DataParallel {
   Memory memory() const {
     const std::size_t t = sizeof(T);
     Memory m{(stage < 3 ? layout::size : plan::shard_total) * t, (stage < 2 ? layout::size : plan::shard_total) * t,
-             opt_.state_bytes(), (staging_.size() + piece_.size()) * t, stage >= 2 ? peak_ * t : 0};
+             opt_.state_bytes(), staging_.elements() * t, stage >= 2 ? peak_ * t : 0};
     if constexpr (HasExperts<Model>) {
       const Memory e = experts_->memory();
       m.params += e.params, m.grads += e.grads, m.optimizer += e.optimizer, m.staging += e.staging;
@@ -486,12 +385,13 @@ class DataParallel {
       if (const FlatRange r = plan::owned(i, rank_); !r.empty()) v.push_back(r);
     return v;
   }
-  // The values of a kind of state over `r` (one of save_ranges()), in host memory: the
-  // parameters, or AdamW's fp32 masters (bf16 models), first or second moments.
+  // The values of a kind of state over `r` (one of save_ranges()), in host memory and in the
+  // precision they are kept in: the parameters (T), or AdamW's masters (bf16 models), first
+  // or second moments (optimizer_type::state_type). f(std::span<const U>) is given them.
   using State = TrainState;
-  std::vector<double> save_state(State kind, FlatRange r) {
+  template <class F>
+  void save_state(State kind, FlatRange r, F&& f) {
     ops_type& ops = model_.ops();
-    std::vector<double> out(r.size());
     if (kind == State::params) {
       std::span<const T> from;
       if constexpr (stage == 3) {  // the piece holds the owned elements first
@@ -501,14 +401,13 @@ class DataParallel {
         from = model_.params().subspan(r.begin, r.size());
       }
       const std::vector<T> h = ops.to_host(from);
-      for (std::size_t k = 0; k < h.size(); ++k) out[k] = static_cast<double>(static_cast<acc_t<T>>(h[k]));
-      return out;
+      f(std::span<const T>(h));
+      return;
     }
     using S = typename optimizer_type::state_type;
     const std::span<const S> s = kind == State::master ? opt_.master() : kind == State::exp_avg ? opt_.exp_avg() : opt_.exp_avg_sq();
     const std::vector<S> h = ops.to_host(s.subspan(opt_.state_offset(r), r.size()));
-    std::copy(h.begin(), h.end(), out.begin());
-    return out;
+    f(std::span<const S>(h));
   }
   // What load_state asks of its fetch, in its order: the parameters this rank holds (under
   // ZeRO-3 its owned piece of each bucket, else the whole buffer), then the AdamW state of
@@ -569,8 +468,7 @@ class DataParallel {
     comm_.set_compute_stream(queue_.stream());  // the group's collectives run on the communication side
     auto make = [&](std::size_t n) { return model_.ops().template make_buffer<T>(n); };
     if constexpr (stage >= 1) {
-      staging_ = make(plan::max_padded);
-      piece_ = make(plan::max_padded / DP);
+      staging_ = BucketStaging<plan, T, Device>(model_.ops());
     }
     if constexpr (stage >= 2) grad_pieces_ = make(plan::shard_total);
     if constexpr (stage == 3) param_pieces_ = make(plan::shard_total);
@@ -578,25 +476,24 @@ class DataParallel {
     gathered_.assign(plan::units, false);
     gather_ticket_.assign(plan::units, 0);
     grads_live_.assign(plan::units, false);
-    if constexpr (stage == 3) hooks_seen_.assign(plan::units, 0);
     hooks_.before_forward = [this](int u) {
-      saw_hook(u, 0);
+      hook_check_.saw(u, UnitHookCheck::before_forward);
       use_params(u, u + 1);
       if constexpr (HasExperts<Model>) detail::call(experts_->hooks().before_forward, u);
     };
     hooks_.after_forward = [this](int u) {
-      saw_hook(u, 1);
+      hook_check_.saw(u, UnitHookCheck::after_forward);
       done_with_params(u);
       if constexpr (HasExperts<Model>) detail::call(experts_->hooks().after_forward, u);
     };
     hooks_.before_backward = [this](int u) {
-      saw_hook(u, 2);
+      hook_check_.saw(u, UnitHookCheck::before_backward);
       grads_in_use(u);
       use_params(u, u - 1);
       if constexpr (HasExperts<Model>) detail::call(experts_->hooks().before_backward, u);
     };
     hooks_.after_backward = [this](int u) {
-      saw_hook(u, 3);
+      hook_check_.saw(u, UnitHookCheck::after_backward);
       if (async_ && reducing_) reduce_unit(u, true);
       done_with_params(u);
       if constexpr (HasExperts<Model>) detail::call(experts_->hooks().after_backward, u);
@@ -613,25 +510,10 @@ class DataParallel {
     shard_state();
   }
 
-  // Every rank of the group must start from the same weights, or the replicas drift apart
-  // silently (ranks initialised from different seeds). PyTorch's DDP broadcasts rank 0's; a
-  // fived model initialises each rank's piece alone from the seed, so a difference is a
-  // mistake to report: a 64-bit hash of the parameters, compared over the group (its halves
-  // as doubles: max and max of the negation agree only if every rank has the same).
   void check_replicas_agree() {
     if constexpr (DP > 1 && requires { model_.params_to_host(); }) {
       const std::vector<T> p = model_.params_to_host();
-      util::Fnv1a64 hash;
-      hash.add(std::as_bytes(std::span<const T>(p)));
-      const std::uint64_t h = hash.value();
-      const double hi = static_cast<double>(h >> 32), lo = static_cast<double>(h & 0xffffffffu);
-      std::array<double, 4> v{hi, lo, -hi, -lo};
-      comm_.all_reduce_host(std::span<double>(v), ReduceOp::max);
-      if (v[0] != -v[2] || v[1] != -v[3])
-        throw std::invalid_argument(
-            "fived::DataParallel: the ranks of the data-parallel group " + group::name() +
-            " hold different initial weights, so their replicas would drift apart: give every rank the same "
-            "GptInit seed (or load the same weights) before making the trainer");
+      check_replicas_agree_over(comm_, std::span<const T>(p));
     }
   }
 
@@ -697,10 +579,7 @@ class DataParallel {
     if constexpr (stage == 0) {
       comm_.all_reduce(g, ReduceOp::avg);
     } else {
-      std::span<T> in = staging_.span().first(bk.padded), out = piece_.span().first(bk.padded / DP);
-      ops.copy(in.data(), g.data(), g.size());
-      ops.zero(in.data() + g.size(), in.size() - g.size());
-      comm_.reduce_scatter(std::span<const T>(in), out, ReduceOp::avg);
+      const std::span<const T> out = staging_.reduce_scatter(ops, comm_, i, g);
       std::span<T> mine = owned_grads(i);
       if constexpr (stage == 1) ops.copy(mine.data(), out.data(), mine.size());
       else ops.residual_forward(mine.data(), mine.data(), out.data(), mine.size());
@@ -738,14 +617,9 @@ class DataParallel {
   static constexpr bool outer(int u) { return u == 0 || u == plan::units - 1; }
 
   // All-gather bucket i into dst (flat-buffer offsets) from every rank's piece; `mine` is
-  // this rank's (its owned elements, or the whole stored piece), the rest of it is padding.
+  // this rank's (its owned elements, or the whole stored piece).
   void gather_bucket(ops_type& ops, std::size_t i, std::span<const T> mine, std::span<T> dst) {
-    const Bucket& bk = plan::bucket(i);
-    std::span<T> in = piece_.span().first(bk.padded / DP), out = staging_.span().first(bk.padded);
-    ops.copy(in.data(), mine.data(), mine.size());
-    ops.zero(in.data() + mine.size(), in.size() - mine.size());
-    comm_.all_gather(std::span<const T>(in), out);
-    ops.copy(dst.data() + bk.range.begin, out.data(), bk.range.size());
+    staging_.all_gather(ops, comm_, i, mine, dst);
   }
 
   // Starts gathering unit u (on the communication thread when async_). Returns whether it
@@ -784,31 +658,6 @@ class DataParallel {
   }
 
   void hold(std::size_t elements) { peak_ = std::max(peak_, held_ += elements); }
-
-  // ZeRO-3 gathers a unit's parameters only when the model says so: a model that accepts
-  // UnitHooks and never calls them would train on released ranges without a word. So the
-  // first micro-batch's hooks are noted and, after its backward, every unit that holds
-  // parameters must have had all four.
-  void saw_hook(int u, int which) {
-    if constexpr (stage == 3)
-      if (!hooks_checked_) hooks_seen_[static_cast<std::size_t>(u)] |= static_cast<unsigned char>(1u << which);
-  }
-  void check_hooks_called() {
-    if (hooks_checked_) return;
-    hooks_checked_ = true;
-    static constexpr const char* names[] = {"before_forward", "after_forward", "before_backward", "after_backward"};
-    for (int u = 0; u < plan::units; ++u) {
-      const FlatRange r = plan::unit(u);
-      if (r.size() == 0) continue;
-      for (int h = 0; h < 4; ++h)
-        if ((hooks_seen_[static_cast<std::size_t>(u)] & (1u << h)) == 0)
-          throw std::logic_error("fived::DataParallel<ZeRO<3>>: the model's first micro-batch never called UnitHooks::" +
-                                 std::string(names[h]) + "(" + std::to_string(u) + "), so unit " + std::to_string(u) +
-                                 "'s parameters (elements [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
-                                 ") of its layout) were not gathered before use or released after; call each hook "
-                                 "around every unit's use in forward and backward (docs/model.md)");
-    }
-  }
 
   // ---- the optimizer step -------------------------------------------------------------------
 
@@ -860,9 +709,8 @@ class DataParallel {
   bool async_ = false;     // this step's collectives run on the communication thread
   optimizer_type opt_;
   UnitHooks hooks_;
-  std::vector<unsigned char> hooks_seen_;  // ZeRO-3: the hooks of each unit the first micro-batch called
-  bool hooks_checked_ = false;
-  buffer staging_, piece_;  // ZeRO: one bucket, padded, and one piece of it
+  UnitHookCheck hook_check_{stage == 3 ? plan::units : 0};  // ZeRO-3: the first micro-batch's hooks
+  BucketStaging<plan, T, Device> staging_;  // ZeRO: one bucket's collectives
   buffer grad_pieces_;      // ZeRO-2/3: this rank's pieces of the reduced gradient
   buffer param_pieces_;     // ZeRO-3: this rank's pieces of the parameters
   std::vector<bool> reduced_, gathered_, grads_live_;  // per unit

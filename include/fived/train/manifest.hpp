@@ -102,18 +102,23 @@ inline std::string hex(std::uint64_t v) {
   std::snprintf(s, sizeof s, "%016llx", static_cast<unsigned long long>(v));
   return s;
 }
+// An object of strings' members: each "key": "value" after `first` (the first) or `next`.
+inline void json_members(std::string& j, const std::map<std::string, std::string>& strings, const char* first,
+                         const char* next) {
+  bool at_first = true;
+  for (const auto& [k, v] : strings) {
+    j += at_first ? first : next;
+    io::json_string(j, k);
+    j += ": ";
+    io::json_string(j, v);
+    at_first = false;
+  }
+}
 // A file's index in the manifest: its metadata, then one array per tensor entry
 // [name, dtype, begin, end, hash].
 inline void index_body(std::string& j, const FileEntry& f) {
   j += ",\n     \"metadata\": {";
-  bool first = true;
-  for (const auto& [k, v] : f.metadata) {
-    j += first ? "" : ", ";
-    io::json_string(j, k);
-    j += ": ";
-    io::json_string(j, v);
-    first = false;
-  }
+  json_members(j, f.metadata, "", ", ");
   j += "},\n     \"tensors\": [";
   for (std::size_t t = 0; t < f.tensors.size(); ++t) {
     const IndexedTensor& e = f.tensors[t];
@@ -145,14 +150,7 @@ inline std::string manifest_body(const Manifest& m) {
     j += "}";
   }
   j += "\n  ],\n  \"run\": {";
-  bool first = true;
-  for (const auto& [k, v] : m.run) {
-    j += first ? "\n    " : ",\n    ";
-    io::json_string(j, k);
-    j += ": ";
-    io::json_string(j, v);
-    first = false;
-  }
+  detail::json_members(j, m.run, "\n    ", ",\n    ");
   j += "\n  }";
   return j;
 }

@@ -447,25 +447,16 @@ class Trainer {
       std::vector<State> kinds{State::params, State::exp_avg, State::exp_avg_sq};
       if constexpr (D::optimizer_type::has_master) kinds.push_back(State::master);
       for (const FlatRange& r : dp.save_ranges())
-        for (State k : kinds) {
-          const std::vector<double> v = dp.save_state(k, r);
-          for (const ParamInfo& t : L::tensors) {
-            const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
-            if (b >= e) continue;
-            const std::string name = checkpoint::entry_name(k, t.name(), b - t.offset);
-            const auto from = v.begin() + static_cast<std::ptrdiff_t>(b - r.begin), to = from + static_cast<std::ptrdiff_t>(e - b);
-            if (k == State::params) {
-              std::vector<value_type> x(e - b);
-              std::transform(from, to, x.begin(), [](double d) { return static_cast<value_type>(static_cast<acc_t<value_type>>(d)); });
-              w.add(name, std::move(x));
-            } else {
-              using S = typename D::optimizer_type::state_type;  // AdamW's precision: double for a double model
-              std::vector<S> x(e - b);
-              std::transform(from, to, x.begin(), [](double d) { return static_cast<S>(d); });
-              w.add(name, std::move(x));
+        for (State k : kinds)
+          dp.save_state(k, r, [&]<class U>(std::span<const U> v) {  // in the precision it is kept in
+            for (const ParamInfo& t : L::tensors) {
+              const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
+              if (b < e)
+                w.add(checkpoint::entry_name(k, t.name(), b - t.offset),
+                      std::vector<U>(v.begin() + static_cast<std::ptrdiff_t>(b - r.begin),
+                                     v.begin() + static_cast<std::ptrdiff_t>(e - r.begin)));
             }
-          }
-        }
+          });
     }
 
     static std::vector<pipeline::Action> programme() {
