@@ -12,6 +12,7 @@
 #if defined(__CUDACC__)
 #include <fived/kernels/cuda/adamw.hpp>
 #include <fived/kernels/cuda/attention.hpp>
+#include <fived/kernels/cuda/attention_blocks.hpp>
 #include <fived/kernels/cuda/common.hpp>
 #include <fived/kernels/cuda/convert.hpp>
 #include <fived/kernels/cuda/crossentropy.hpp>
@@ -24,6 +25,7 @@
 #include <fived/kernels/cuda/norm.hpp>
 #include <fived/kernels/cuda/regroup.hpp>
 #include <fived/kernels/cuda/residual.hpp>
+#include <fived/kernels/cuda/router.hpp>
 #include <fived/kernels/cuda/rotary.hpp>
 #include <fived/kernels/cuda/swiglu.hpp>
 #endif

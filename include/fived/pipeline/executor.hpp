@@ -8,35 +8,27 @@
 //   pipeline::Executor run(OneFOneB<P, M>::table, r, ctx.comm<Axis::pp>(), std::tie(model), std::tie(trainer));
 //   double loss = run.step(tokens, targets, B, T);   // M micro-batches of [B, T]; the same on every rank
 //
-// `program` is this rank's list of actions (pipeline::Action, pipeline/action.hpp: a row of a
-// schedule table): forwards, backwards (full, or split into input and weight parts) and the
-// sends and receives between neighbouring stages, in the order this rank issues them. The
-// executor
-//   - runs a chunk's forward on micro-batch m (tokens from the batch on the first virtual
-//     stage; on the others the activations received from the previous one), in an
-//     activation slot of its own: slots are handed out at the forward (or at the receive
-//     that precedes it) and taken back when the micro-batch's backward is done, so a chunk
-//     holds as many micro-batches as the schedule keeps in flight, no more;
-//   - runs its backward (the loss gradient on the last virtual stage, the gradient received
-//     from the next one elsewhere) and keeps d(input) for the send back;
-//   - issues a communication action, with the ones after it marked joins_previous, as one
-//     grouped send_recv over the PP communicator (so two neighbours that both send first
-//     cannot block each other);
+// `program` is this rank's list of actions (pipeline/action.hpp: a row of a schedule table),
+// in the order this rank issues them. The executor
+//   - runs a chunk's forward on micro-batch m (tokens on the first virtual stage, else the
+//     activations received) in an activation slot of its own (pipeline/slot_book.hpp), so a
+//     chunk holds as many micro-batches as the schedule keeps in flight, no more;
+//   - runs its backward (the loss gradient on the last virtual stage, else the gradient
+//     received) and keeps d(input) for the send back;
+//   - issues a communication action and the ones joined to it as one grouped send_recv over
+//     the PP communicator (two neighbours that both send first cannot block each other);
 //   - drives each chunk's DataParallel (train/data_parallel.hpp) through the step in pieces:
 //     begin_step, the hooks, begin/end_backward around every backward or W (the chunk's M-th
-//     backward is the one NoZeRO and ZeRO-1 reduce), end_micro_batches; then the clip over
-//     every parameter of the pipeline (each chunk's grad_sum_of_squares, summed over the
-//     chunks and all-reduced over PP) and each chunk's AdamW update;
+//     is the one NoZeRO and ZeRO-1 reduce), end_micro_batches; then the clip over every
+//     parameter of the pipeline (summed over the chunks and over PP) and each AdamW update;
 //   - returns the mean loss over the M micro-batches and the data-parallel group, on every
 //     rank (the last virtual stage computes it; an all-reduce over PP hands it out);
 //   - hands activations and gradients over in memory between two chunks of this rank that
-//     hold neighbouring virtual stages (the turn of a V-shaped schedule), where the table
-//     has no message: right after the forward (backward) that makes them.
+//     hold neighbouring virtual stages (the turn of a V), where the table has no message.
 //
 // A backward split into I and W parts calls the model's backward_input(hooks, slot) at I and
-// backward_weight(hooks, slot) at W (fived's Decoder has both: nn/weight_grads.hpp); the
-// chunk's DataParallel reduces at W, where the gradients are made. A model without them
-// runs its whole backward at I and nothing at W: the same gradients, without the gain.
+// backward_weight(hooks, slot) at W (nn/weight_grads.hpp); the chunk's DataParallel reduces
+// at W, where the gradients are made. A model without them runs its whole backward at I.
 
 #include <algorithm>
 #include <cstddef>
@@ -56,6 +48,9 @@
 #include "fived/model/unit_hooks.hpp"
 #include "fived/optim/flat_range.hpp"
 #include "fived/pipeline/action.hpp"
+#include "fived/pipeline/connect.hpp"
+#include "fived/pipeline/slot_book.hpp"
+#include "fived/pipeline/tied_grads.hpp"
 #include "fived/pipeline/stages.hpp"
 #include "fived/pipeline/table.hpp"
 
@@ -82,7 +77,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   Executor(Shape shape, int rank, std::vector<Action> program, C& pp, std::tuple<Models&...> chunks,
            std::tuple<Trainers&...> trainers)
       : shape_(shape), rank_(rank), program_(std::move(program)), M_(shape.micro_batches), pp_(pp), chunks_(chunks),
-        trainers_(trainers) {
+        trainers_(trainers), backwards_(V, 0) {
     if (!shape_.valid() || shape_.chunks != V || rank < 0 || rank >= shape_.ranks)
       throw std::invalid_argument("pipeline::Executor: rank " + std::to_string(rank) + " with " + std::to_string(V) +
                                   " model chunks does not fit the schedule's shape (" + std::to_string(shape_.ranks) +
@@ -99,9 +94,9 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
                                     ", outside the " + std::to_string(V) + " chunks and " + std::to_string(M_) +
                                     " micro-batches of this rank");
     }
-    slots_needed();
+    book_.emplace(program_, V, M_, [this](int c) { return local_neighbour(c, +1); });
     for_each_chunk([&]<int c>(auto& model, auto& dp) {
-      model.set_slots(slots_[c]);
+      model.set_slots(book_->slots(c));
       if (dp.accum() != M_)
         throw std::invalid_argument("pipeline::Executor: chunk " + std::to_string(c) + "'s DataParallel averages over " +
                                     std::to_string(dp.accum()) + " micro-batches, the schedule runs " +
@@ -110,7 +105,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     // On a device the point-to-point transfers are ordered with the chunks' kernels.
     if constexpr (requires { pp_.set_compute_stream(std::get<0>(chunks_).ops().stream()); })
       pp_.set_compute_stream(std::get<0>(chunks_).ops().stream());
-    connect_neighbours();
+    connect_peers<T>(std::span<const Action>(program_), pp_, std::get<0>(chunks_).ops());
   }
 
   // One optimizer step on the global batch: M micro-batches of [B, T] token ids, rows
@@ -141,10 +136,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
       if constexpr (std::remove_reference_t<decltype(model)>::has_head) model.ops().begin_loss_sum();
     });
     std::fill(backwards_.begin(), backwards_.end(), 0);
-    std::fill(slot_of_.begin(), slot_of_.end(), -1);
-    for (auto& f : free_) f.clear();
-    for (int c = 0; c < V; ++c)
-      for (int k = slots_[static_cast<std::size_t>(c)]; k-- > 0;) free_[static_cast<std::size_t>(c)].push_back(k);
+    book_->begin_step();
 
     const std::span<const Action> program(program_);
     for (int i = 0; i < static_cast<int>(program.size());) {  // a compute action, or one comm group
@@ -177,7 +169,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   }
 
   // Activation slots chunk c holds: the most micro-batches it keeps in flight.
-  int slots(int chunk) const { return slots_.at(static_cast<std::size_t>(chunk)); }
+  int slots(int chunk) const { return book_->slots(chunk); }
 
  private:
   // ---- compute -----------------------------------------------------------------------------
@@ -266,71 +258,14 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
       if (program_[j].op == Op::send_grad) done_with(program_[j].chunk, program_[j].mb);
   }
 
-  // One element each way with every rank this program exchanges with, all in one group, so
-  // every connection the step will use exists before it. NCCL sets a point-to-point
-  // connection up the first time a pair uses it, with both hosts taking part: in the step a
-  // group whose receive is new (1F1B's first gradient) waited for its peer's host, which
-  // could be blocked on its own device (a first allocation, a cudaFree) queued behind a
-  // receive from this very group: DP 2 x PP 2 x TP 2 hung there on one GPU. The relation is
-  // symmetric (a table's sends and receives pair up), so every peer issues the same group.
-  void connect_neighbours() {
-    std::vector<int> peers;
-    for (const Action& s : program_)
-      if (is_comm(s.op) && s.peer >= 0 && std::find(peers.begin(), peers.end(), s.peer) == peers.end())
-        peers.push_back(s.peer);
-    if (peers.empty()) return;
-    std::sort(peers.begin(), peers.end());
-    auto& ops = std::get<0>(chunks_).ops();
-    auto out = ops.template make_buffer<T>(peers.size()), in = ops.template make_buffer<T>(peers.size());
-    std::vector<SendOp<T>> sends;
-    std::vector<RecvOp<T>> recvs;
-    for (std::size_t k = 0; k < peers.size(); ++k) {
-      sends.push_back({std::span<const T>(out.data() + k, 1), peers[k]});
-      recvs.push_back({std::span<T>(in.data() + k, 1), peers[k]});
-    }
-    pp_.send_recv(std::span<const SendOp<T>>(sends), std::span<const RecvOp<T>>(recvs));
-    pp_.synchronize();  // the buffers go at return
-  }
-
-  // A tensor tied across stages (the model's `tied_weight`: GPT-2's wte, which the first
-  // stage embeds with and the last stage's head multiplies by, each holding a copy) gets the
-  // sum of its reduced gradients over every chunk and stage that holds it (Megatron's
-  // embedding group; the stages without it add zeros), so the copies take the same steps.
-  template <class Model>
-  static constexpr const char* tied_name() {
-    if constexpr (requires { Model::tied_weight; }) return Model::tied_weight;
-    else return nullptr;
-  }
+  // A tensor tied across stages gets the sum of its reduced gradients over every chunk and
+  // stage that holds it (pipeline/tied_grads.hpp).
   static constexpr bool ties = ((tied_name<Models>() != nullptr) || ...);
-  template <class Model>
-  static std::optional<FlatRange> tied_range() {
-    if constexpr (tied_name<Model>() == nullptr) return std::nullopt;
-    else if (const auto i = Model::layout::find(tied_name<Model>()))
-      return FlatRange{Model::layout::tensors[static_cast<std::size_t>(*i)].offset,
-                       Model::layout::tensors[static_cast<std::size_t>(*i)].end()};
-    else return std::nullopt;
-  }
   void sum_tied_grads() {
     if constexpr (ties) {
       if (pp_.size() == 1 && V == 1) return;  // one model holds the only copy
-      std::vector<double> sum;
-      for_each_chunk([&]<int c>(auto& model, auto& dp) {
-        if (const auto r = tied_range<std::remove_reference_t<decltype(model)>>()) {
-          const std::vector<T> g = dp.reduced_grads(*r);
-          sum.resize(g.size(), 0.0);
-          for (std::size_t k = 0; k < g.size(); ++k) sum[k] += static_cast<double>(static_cast<acc_t<T>>(g[k]));
-        }
-      });
-      std::vector<double> n{static_cast<double>(sum.size())};
-      all_reduce_pp(std::span<double>(n), ReduceOp::max);  // the stages without it learn its size
-      sum.resize(static_cast<std::size_t>(n[0]), 0.0);
-      all_reduce_pp(std::span<double>(sum), ReduceOp::sum);
-      std::vector<T> back(sum.size());
-      for (std::size_t k = 0; k < sum.size(); ++k) back[k] = static_cast<T>(sum[k]);
-      for_each_chunk([&]<int c>(auto& model, auto& dp) {
-        if (const auto r = tied_range<std::remove_reference_t<decltype(model)>>())
-          dp.set_reduced_grads(*r, std::span<const T>(back));
-      });
+      pipeline::sum_tied_grads<T>([&](auto&& f) { for_each_chunk(f); },
+                                  [&](std::span<double> v, ReduceOp op) { all_reduce_pp(v, op); });
     }
   }
 
@@ -389,60 +324,8 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
 
   // ---- slots and boundary buffers -----------------------------------------------------------
 
-  // Slot of micro-batch m in chunk c; `take`: hand one out if it has none yet.
-  int slot(int c, int m, bool take) {
-    int& k = slot_of_[static_cast<std::size_t>(c * M_ + m)];
-    if (k < 0) {
-      auto& free = free_[static_cast<std::size_t>(c)];
-      if (!take || free.empty())
-        throw std::logic_error("pipeline::Executor: micro-batch " + std::to_string(m) + " of chunk " +
-                               std::to_string(c) + " has no activation slot here (the schedule uses it before its "
-                               "forward, or keeps more in flight than it said)");
-      k = free.back();
-      free.pop_back();
-      holds_[static_cast<std::size_t>(c * M_ + m)] = holds_at_start(c, m);
-    }
-    return k;
-  }
-  // A micro-batch's slot (its activations, and the d(input) kept for the send back) is
-  // free once its backward is done (the full one, or the weight part) and d(input) has been
-  // sent where the program sends it: the later of the two.
-  void done_with(int c, int m) {
-    const std::size_t i = static_cast<std::size_t>(c * M_ + m);
-    if (--holds_[i] > 0) return;
-    int& k = slot_of_[i];
-    if (k >= 0) free_[static_cast<std::size_t>(c)].push_back(k);
-    k = -1;
-  }
-  int holds_at_start(int c, int m) const { return 1 + sends_back_[static_cast<std::size_t>(c * M_ + m)]; }
-
-  // The most micro-batches each chunk holds at once, from a dry walk of the program with
-  // the rule of done_with.
-  void slots_needed() {
-    const std::size_t n = static_cast<std::size_t>(V * M_);
-    sends_back_.assign(n, 0);
-    for (const Action& s : program_)
-      if (s.op == Op::send_grad) sends_back_[static_cast<std::size_t>(s.chunk * M_ + s.mb)] = 1;
-    std::vector<int> live(V, 0), holds(n, 0);
-    slots_.assign(V, 1);
-    for (const Action& s : program_) {
-      const std::size_t i = static_cast<std::size_t>(s.chunk * M_ + s.mb);
-      int& l = live[static_cast<std::size_t>(s.chunk)];
-      if ((s.op == Op::forward || s.op == Op::recv_act) && holds[i] == 0) holds[i] = holds_at_start(s.chunk, s.mb), ++l;
-      if (s.op == Op::forward)  // a local hand-over takes the next chunk's slot now
-        if (const int n = local_neighbour(s.chunk, +1); n >= 0) {
-          const std::size_t j = static_cast<std::size_t>(n * M_ + s.mb);
-          if (holds[j] == 0) holds[j] = holds_at_start(n, s.mb), ++live[static_cast<std::size_t>(n)];
-          slots_[static_cast<std::size_t>(n)] = std::max(slots_[static_cast<std::size_t>(n)], live[static_cast<std::size_t>(n)]);
-        }
-      if ((s.op == Op::backward || s.op == Op::weight_grad || s.op == Op::send_grad) && holds[i] > 0 && --holds[i] == 0) --l;
-      slots_[static_cast<std::size_t>(s.chunk)] = std::max(slots_[static_cast<std::size_t>(s.chunk)], l);
-    }
-    slot_of_.assign(n, -1);
-    holds_.assign(n, 0);
-    free_.assign(V, {});
-    backwards_.assign(V, 0);
-  }
+  int slot(int c, int m, bool take) { return book_->slot(c, m, take); }
+  void done_with(int c, int m) { book_->done_with(c, m); }
 
   std::size_t boundary() const { return first_model::boundary_size(b_, T_); }
   // Gradients received for (and d(input) kept from) each chunk's slots.
@@ -452,7 +335,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     boundary_capacity_ = n;
     grad_in_.clear(), grad_out_.clear();
     for_each_chunk([&]<int c>(auto& model, auto&) {
-      for (int k = 0; k < slots_[static_cast<std::size_t>(c)]; ++k) {
+      for (int k = 0; k < book_->slots(c); ++k) {
         grad_in_.push_back(model.ops().template make_buffer<T>(n));
         grad_out_.push_back(model.ops().template make_buffer<T>(n));
       }
@@ -460,7 +343,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   }
   std::size_t buffer_index(int c, int k) const {
     std::size_t i = 0;
-    for (int d = 0; d < c; ++d) i += static_cast<std::size_t>(slots_[static_cast<std::size_t>(d)]);
+    for (int d = 0; d < c; ++d) i += static_cast<std::size_t>(book_->slots(d));
     return i + static_cast<std::size_t>(k);
   }
   T* grad_in(int c, int k) { return grad_in_[buffer_index(c, k)].data(); }
@@ -492,12 +375,8 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   C& pp_;
   std::tuple<Models&...> chunks_;
   std::tuple<Trainers&...> trainers_;
-  std::vector<int> slots_;       // per chunk: activation slots
-  std::vector<int> slot_of_;     // [chunk * M + m]: the slot micro-batch m holds, or -1
-  std::vector<int> holds_;       // [chunk * M + m]: what it still waits for before its slot is free
-  std::vector<int> sends_back_;  // [chunk * M + m]: 1 if the program sends its d(input)
-  std::vector<std::vector<int>> free_;
-  std::vector<int> backwards_;   // per chunk: backwards run this step
+  std::vector<int> backwards_;    // per chunk: backwards run this step
+  std::optional<SlotBook> book_;  // which slot each micro-batch holds (made once the program is checked)
   std::vector<Buffer<T, Device>> grad_in_, grad_out_;
   std::size_t boundary_capacity_ = 0;
   std::vector<SendOp<T>> sends_;

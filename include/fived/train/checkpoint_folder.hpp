@@ -5,7 +5,7 @@
 //   <dir>/step-00000042/manifest.json
 //
 // The manifest (train/manifest.hpp) commits the step. Here: which step to resume from (the
-// newest that verifies), and the housekeeping of a checkpoint folder (what killed saves left;
+// newest that loads), and the housekeeping of a checkpoint folder (what killed saves left;
 // only the newest N steps).
 
 #include <algorithm>
@@ -48,19 +48,48 @@ struct Refusal {
   std::string reason;
 };
 
-// The step to resume from: the newest under `dir` that verifies (its manifest reads and agrees
-// with its folder, every file has its recorded size, and without an index its hash). The newer steps that did not
-// are added to `refused`. None when no step verifies.
-inline std::optional<int> newest_verified_step(const std::filesystem::path& dir, std::vector<Refusal>& refused) {
-  for (const int step : steps_with_manifest(dir)) {
+// Resuming (Trainer::load): the step asked for, or else the steps under `dir` newest first,
+// until one loads. A step's manifest must read (read_manifest) and name `model` (another
+// model's is an error, not a step passed over); then try_load(folder, manifest) reads it and
+// returns why it refuses it, or nothing once it has loaded. A step asked for is refused
+// outright; newer steps passed over are added to `refused` with their reasons, and when none
+// loads the error lists them. Returns the step loaded.
+template <class TryLoad>
+int resume(const std::filesystem::path& dir, std::optional<int> step, const std::string& model,
+           std::vector<Refusal>* refused, TryLoad&& try_load) {
+  std::vector<Refusal> passed_over;
+  auto report = [&] {
+    if (refused) refused->insert(refused->end(), passed_over.begin(), passed_over.end());
+  };
+  for (const int s : step ? std::vector<int>{*step} : steps_with_manifest(dir)) {
+    const std::filesystem::path folder = step_folder(dir, s);
+    std::string why;
+    std::optional<Manifest> m;
     try {
-      (void)read_manifest(step_folder(dir, step));
-      return step;
+      m = read_manifest(folder);
     } catch (const std::exception& e) {
-      refused.push_back({step, e.what()});
+      why = e.what();
     }
+    if (m && m->model != model)
+      throw io::SafetensorsError((folder / "manifest.json").string() + ": a checkpoint of " + m->model +
+                                 ", not of this model (" + model + ")");
+    if (m) {
+      try {
+        const std::optional<std::string> refusal = try_load(folder, *m);
+        if (!refusal) return report(), m->step;
+        why = *refusal;
+      } catch (const io::SafetensorsError& e) {
+        why = e.what();
+      }
+    }
+    if (step) throw io::SafetensorsError(why);
+    passed_over.push_back({s, why});
   }
-  return std::nullopt;
+  report();
+  std::string why = dir.string() + ": holds no complete checkpoint";
+  if (passed_over.empty()) why += " (no step-*/manifest.json)";
+  for (const Refusal& r : passed_over) why += "; step " + std::to_string(r.step) + " refused: " + r.reason;
+  throw io::SafetensorsError(why);
 }
 
 // ---- housekeeping: leftovers of killed saves, and the last N steps ---------------------------

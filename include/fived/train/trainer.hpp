@@ -48,10 +48,12 @@
 #include "fived/pipeline/schedules.hpp"
 #include "fived/pipeline/stage_layers.hpp"
 #include "fived/train/checkpoint.hpp"
+#include "fived/train/chunk_state.hpp"
 #include "fived/train/data_parallel.hpp"
 #include "fived/train/lr_schedule.hpp"
 #include "fived/train/progress.hpp"
 #include "fived/train/saver.hpp"
+#include "fived/train/serial_state.hpp"
 #include "fived/train/token_data.hpp"
 
 namespace fived {
@@ -197,40 +199,15 @@ class Trainer {
   int load(const std::filesystem::path& dir, std::optional<int> step = std::nullopt,
            std::vector<checkpoint::Refusal>* refused = nullptr) {
     saver_.wait();
-    std::vector<checkpoint::Refusal> passed_over;
-    const std::vector<int> candidates = step ? std::vector<int>{*step} : checkpoint::steps_with_manifest(dir);
-    for (const int s : candidates) {
-      const std::filesystem::path folder = checkpoint::step_folder(dir, s);
-      std::optional<checkpoint::Manifest> m;
-      std::string why;
-      try {
-        m = checkpoint::read_manifest(folder);
-      } catch (const std::exception& e) {
-        if (step) throw;
-        why = e.what();
-      }
-      if (m) {
-        if (m->model != model_name())
-          throw io::SafetensorsError((folder / "manifest.json").string() + ": a checkpoint of " + m->model +
-                                     ", not of this model (" + model_name() + ")");
-        checkpoint::Restored<Model> restored(folder, *m);
-        if (const std::optional<int> failed = read_share(restored); !failed) {
-          rank_->load(restored, m->adam_step);
-          world_->barrier();
-          if (refused) refused->insert(refused->end(), passed_over.begin(), passed_over.end());
-          return m->step;
-        } else {
-          why = restored.failure(*failed);
-          if (step) throw io::SafetensorsError(why);
-        }
-      }
-      passed_over.push_back({s, why});
-    }
-    if (refused) refused->insert(refused->end(), passed_over.begin(), passed_over.end());
-    std::string why = dir.string() + ": holds no complete checkpoint";
-    if (passed_over.empty()) why += " (no step-*/manifest.json)";
-    for (const checkpoint::Refusal& r : passed_over) why += "; step " + std::to_string(r.step) + " refused: " + r.reason;
-    throw io::SafetensorsError(why);
+    return checkpoint::resume(dir, step, model_name(), refused,
+                              [&](const std::filesystem::path& folder,
+                                  const checkpoint::Manifest& m) -> std::optional<std::string> {
+                                checkpoint::Restored<Model> restored(folder, m);
+                                if (const std::optional<int> failed = read_share(restored)) return restored.failure(*failed);
+                                rank_->load(restored, m.adam_step);
+                                world_->barrier();
+                                return std::nullopt;
+                              });
   }
 
   struct FitOptions {
@@ -343,7 +320,9 @@ class Trainer {
     std::vector<value_type> serial_grads(bool experts) override {
       std::vector<double> whole(experts ? serial_expert_layout::size : serial_layout::size, 0.0);
       [&]<std::size_t... c>(std::index_sequence<c...>) {
-        (add_grads(*std::get<c>(models_), *std::get<c>(trainers_), experts, whole), ...);
+        (add_serial_grads<serial_layout, serial_expert_layout>(*std::get<c>(trainers_), experts, whole, tp_, tp_rank_,
+                                                               ep_rank_),
+         ...);
       }(chunks{});
       if (experts) ep_.all_reduce_host(std::span<double>(whole));  // each expert on one EP rank
       pp_.all_reduce_host(std::span<double>(whole));  // each element is on one stage, zeros elsewhere
@@ -359,7 +338,9 @@ class Trainer {
     std::vector<value_type> serial_params(bool experts) override {
       std::vector<double> whole(experts ? serial_expert_layout::size : serial_layout::size, 0.0);
       [&]<std::size_t... c>(std::index_sequence<c...>) {
-        (add_part(*std::get<c>(models_), *std::get<c>(trainers_), experts, whole), ...);
+        (add_serial_params<serial_layout, serial_expert_layout>(*std::get<c>(models_), *std::get<c>(trainers_), experts,
+                                                                whole),
+         ...);
       }(chunks{});
       // Each element is on one stage (and, for experts, one EP and TP rank), zeros elsewhere.
       if (experts) tp_.all_reduce_host(std::span<double>(whole)), ep_.all_reduce_host(std::span<double>(whole));
@@ -374,7 +355,7 @@ class Trainer {
     checkpoint::Shard shard() override {
       checkpoint::Shard w;
       [&]<std::size_t... c>(std::index_sequence<c...>) {
-        (add_chunk(*std::get<c>(models_), *std::get<c>(trainers_), w), ...);
+        (checkpoint::add_chunk<Model>(*std::get<c>(models_), *std::get<c>(trainers_), w), ...);
       }(chunks{});
       w.add_metadata("tp", std::to_string(mesh::tp)), w.add_metadata("ep", std::to_string(mesh::ep));
       w.add_metadata("tp_rank", std::to_string(tp_rank_)), w.add_metadata("ep_rank", std::to_string(ep_rank_));
@@ -383,134 +364,22 @@ class Trainer {
 
     void want(checkpoint::Restored<Model>& restored) override {
       [&]<std::size_t... c>(std::index_sequence<c...>) {
-        (want_chunk(*std::get<c>(trainers_), restored), ...);
+        (checkpoint::want_chunk(*std::get<c>(trainers_), restored, tp_rank_, ep_rank_), ...);
       }(chunks{});
     }
 
     void load(const checkpoint::Restored<Model>& restored, int adam_step) override {
       [&]<std::size_t... c>(std::index_sequence<c...>) {
-        (load_chunk(*std::get<c>(models_), *std::get<c>(trainers_), restored, adam_step), ...);
+        (checkpoint::load_chunk(*std::get<c>(models_), *std::get<c>(trainers_), restored, adam_step, tp_rank_, ep_rank_),
+         ...);
       }(chunks{});
     }
 
    private:
-    using State = TrainState;
-    // A chunk's dense state, its experts' and its MoE blocks' selection biases.
-    template <class Part, class D>
-    void add_chunk(Part& part, D& dp, checkpoint::Shard& w) {
-      add_shard(dp, w);
-      if constexpr (Part::has_experts) {
-        add_shard(dp.experts(), w);
-        if constexpr (Part::has_router_bias)
-          for (int m = 0; m < Part::moe_blocks; ++m) {
-            const std::span<const float> b = part.router_bias(m);
-            w.add(checkpoint::bias_entry_name(Model::moe_blocks_before(Part::first_layer) + m),
-                  std::vector<float>(b.begin(), b.end()));
-          }
-      }
-    }
-    // What load_chunk takes: the state each trainer names, and the MoE blocks' selection biases.
-    template <class D>
-    void want_chunk(D& dp, checkpoint::Restored<Model>& restored) {
-      using Part = typename D::model_type;
-      auto from = [&](auto& trainer) {
-        using L = typename std::remove_reference_t<decltype(trainer)>::layout;
-        for (const auto& [k, r] : trainer.state_wanted()) restored.template want<L>(k, r, tp_rank_, ep_rank_);
-      };
-      from(dp);
-      if constexpr (Part::has_experts) {
-        from(dp.experts());
-        if constexpr (Part::has_router_bias)
-          for (int m = 0; m < Part::moe_blocks; ++m) restored.want_bias(Model::moe_blocks_before(Part::first_layer) + m);
-      }
-    }
-    // A chunk's dense state, its experts' and its MoE blocks' selection biases.
-    template <class Part, class D>
-    void load_chunk(Part& part, D& dp, const checkpoint::Restored<Model>& restored, int adam_step) {
-      auto from = [&](auto& trainer) {
-        using L = typename std::remove_reference_t<decltype(trainer)>::layout;
-        trainer.load_state([&](State k, FlatRange r) { return restored.template values<L>(k, r, tp_rank_, ep_rank_); },
-                           adam_step);
-      };
-      from(dp);
-      if constexpr (Part::has_experts) {
-        from(dp.experts());
-        if constexpr (Part::has_router_bias)
-          for (int m = 0; m < Part::moe_blocks; ++m)
-            part.set_router_bias(m, restored.bias(Model::moe_blocks_before(Part::first_layer) + m));
-      }
-    }
-
-    template <class D>
-    void add_shard(D& dp, checkpoint::Shard& w) {
-      using L = typename D::layout;
-      std::vector<State> kinds{State::params, State::exp_avg, State::exp_avg_sq};
-      if constexpr (D::optimizer_type::has_master) kinds.push_back(State::master);
-      for (const FlatRange& r : dp.save_ranges())
-        for (State k : kinds)
-          dp.save_state(k, r, [&]<class U>(std::span<const U> v) {  // in the precision it is kept in
-            for (const ParamInfo& t : L::tensors) {
-              const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
-              if (b < e)
-                w.add(checkpoint::entry_name(k, t.name(), b - t.offset),
-                      std::vector<U>(v.begin() + static_cast<std::ptrdiff_t>(b - r.begin),
-                                     v.begin() + static_cast<std::ptrdiff_t>(e - r.begin)));
-            }
-          });
-    }
-
     static std::vector<pipeline::Action> programme() {
       const auto p = Schedule::table.program(R);
       return {p.begin(), p.end()};
     }
-    // Adds a part's tensors, in its serial layout, to the whole model's at their names.
-    template <class From, class To, class U>
-    static void put(std::span<const U> part, std::vector<double>& whole) {
-      for (const ParamInfo& t : From::tensors) {
-        if (t.spec.tied_copy) continue;  // its owner (the embedding's stage) gives it
-        const ParamInfo& to = To::tensors[static_cast<std::size_t>(*To::find(t.name()))];
-        for (std::size_t i = 0; i < t.size(); ++i) whole[to.offset + i] += static_cast<double>(part[t.offset + i]);
-      }
-    }
-    // A chunk's reduced gradient: its TP piece (the same on every rank of the reduction
-    // group), the TP pieces assembled into the chunk's serial layout, added into the whole
-    // model's. Experts: this rank's piece among the EP x TP ones (the others are summed in
-    // by serial_grads over EP).
-    template <class Part, class D>
-    void add_grads(Part&, D& dp, bool experts, std::vector<double>& whole) {
-      auto add = [&]<class L, class To>(const std::vector<value_type>& mine, int piece) {
-        std::vector<double> pieces(L::size * static_cast<std::size_t>(L::tp * L::ep), 0.0), serial(L::serial::size);
-        for (std::size_t k = 0; k < mine.size(); ++k)
-          pieces[static_cast<std::size_t>(piece) * L::size + k] = static_cast<double>(static_cast<acc_t<value_type>>(mine[k]));
-        tp_.all_reduce_host(std::span<double>(pieces));
-        L::assemble(std::span<const double>(pieces), std::span<double>(serial));
-        put<typename L::serial, To>(std::span<const double>(serial), whole);
-      };
-      if (!experts) add.template operator()<typename Part::layout, serial_layout>(dp.reduced_grads(), tp_rank_);
-      else if constexpr (Part::has_experts)
-        add.template operator()<typename Part::expert_layout, serial_expert_layout>(
-            dp.experts().reduced_grads(), ep_rank_ * mesh::tp + tp_rank_);
-    }
-    template <class Part, class D>
-    void add_part(Part& part, D& dp, bool experts, std::vector<double>& whole) {
-      if (!experts) {
-        if constexpr (Policy::stage == 3) {  // the pieces gathered over DP into the model's buffer first
-          const std::vector<value_type> full = dp.full_params();
-          part.ops().upload(part.params().data(), full.data(), full.size());
-        }
-        const std::vector<value_type> p = part.gather_params();  // the part whole over TP
-        put<typename Part::serial_layout, serial_layout>(std::span<const value_type>(p), whole);
-      } else if constexpr (Part::has_experts) {  // this rank's piece in place, the other pieces zero
-        using EL = typename Part::expert_layout;
-        std::vector<value_type> pieces(EL::size * static_cast<std::size_t>(mesh::ep * mesh::tp)), mine(EL::serial::size);
-        const std::vector<value_type> own = part.expert_params_to_host();
-        std::copy(own.begin(), own.end(),
-                  pieces.begin() + static_cast<std::ptrdiff_t>(EL::size * static_cast<std::size_t>(part.ep_rank() * mesh::tp + part.tp_rank())));
-        EL::assemble(std::span<const value_type>(pieces), std::span<value_type>(mine));
-        put<typename EL::serial, serial_expert_layout>(std::span<const value_type>(mine), whole);
-      }
-    }
-
     MeshComm<typename mesh::pp_group> pp_;
     MeshComm<typename mesh::tp_group> tp_;
     MeshComm<typename mesh::expert_group> ep_;
