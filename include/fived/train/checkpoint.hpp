@@ -37,9 +37,9 @@
 #include <optional>
 #include <span>
 #include <stdexcept>
-#include <tuple>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -92,9 +92,26 @@ constexpr int experts_per_block_of() {
   else return 0;
 }
 
+// The metadata key under which a rank's file records the FNV-1a 64 hash of a tensor's bytes
+// (checkpoint::Shard writes it), for the manifest's index (train/manifest.hpp).
+inline std::string hash_key(const std::string& tensor) { return "fnv1a64/" + tensor; }
+
+// A rank's file as the manifest indexes it, from its header: its metadata (the hashes taken
+// out) and each tensor's bytes in the file, with the hash its Shard recorded (0 in files of
+// an older fived, which recorded none; their manifest's file hash checks them instead).
+inline void index_file(const io::SafetensorsFile& header, FileEntry& e) {
+  e.metadata = header.metadata();
+  for (const io::TensorEntry& t : header.tensors()) {
+    const auto h = e.metadata.find(hash_key(t.name));
+    e.tensors.push_back({t.name, t.dtype, header.data_start() + t.begin, header.data_start() + t.end,
+                         h == e.metadata.end() ? 0 : std::stoull(h->second, nullptr, 16)});
+  }
+  std::erase_if(e.metadata, [](const auto& kv) { return kv.first.rfind("fnv1a64/", 0) == 0; });
+}
+
 // A failure to read what a rank needs from a step's files: which file (the number of files
 // for none in particular) and why. The ranks that load agree on the first failure of any of
-// them (Restored::agreed_failure), so all refuse the step with one sentence.
+// them (the smallest code()), so all refuse the step with one sentence (Restored::failure).
 struct ReadFailure {
   enum Why : int { contents = 0, unreadable = 1, lacking = 2 };
   int file;
@@ -126,11 +143,9 @@ class Restored {
         add_file(folder / f.name, f.metadata, f.tensors, true);
         continue;
       }
-      const io::SafetensorsFile header = io::SafetensorsFile::read_header(folder / f.name);
-      std::vector<IndexedTensor> tensors;
-      for (const io::TensorEntry& t : header.tensors())
-        tensors.push_back({t.name, t.dtype, header.data_start() + t.begin, header.data_start() + t.end, 0});
-      add_file(folder / f.name, header.metadata(), tensors, false);
+      FileEntry e;  // an older manifest: the file's header says where its tensors are
+      index_file(io::SafetensorsFile::read_header(folder / f.name), e);
+      add_file(folder / f.name, e.metadata, e.tensors, false);
     }
     for (auto& [key, runs] : runs_) std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.first < b.first; });
   }
@@ -165,22 +180,27 @@ class Restored {
       const TensorSpec& whole = find(t.name())->second->spec;
       const std::vector<Run>* runs = nullptr;
       std::pair<int, int> runs_of{-1, -1};  // the (piece, EP rank) `runs` are of
+      const Run* run = nullptr;             // the run the last element was in, and its bytes
+      const std::byte* bytes = nullptr;
       for (std::size_t j = b; j < e; ++j) {
         const PieceIndex at =
             piece_index(whole, tp_, ep_, L::global_index(i, tp_rank, static_cast<std::int64_t>(j - t.offset), ep_rank));
         if (runs_of != std::pair{at.piece, at.ep_rank}) {
           const auto it = runs_.find({kind, t.name(), at.piece, at.ep_rank});
           runs = it == runs_.end() ? nullptr : &it->second;
-          runs_of = {at.piece, at.ep_rank};
+          runs_of = {at.piece, at.ep_rank}, run = nullptr;
         }
-        const Run* run = nullptr;
-        if (runs) {
-          auto next = std::upper_bound(runs->begin(), runs->end(), at.local, [](std::int64_t x, const Run& q) { return x < q.first; });
-          if (next != runs->begin() && at.local < (next - 1)->first + (next - 1)->count) run = &*(next - 1);
+        if (!run || at.local < run->first || at.local >= run->first + run->count) {
+          run = nullptr;
+          if (runs) {
+            auto next = std::upper_bound(runs->begin(), runs->end(), at.local,
+                                         [](std::int64_t x, const Run& q) { return x < q.first; });
+            if (next != runs->begin() && at.local < (next - 1)->first + (next - 1)->count) run = &*(next - 1);
+          }
+          if (!run) throw ReadFailure{static_cast<int>(files_.size()), ReadFailure::lacking};
+          bytes = bytes_of(run->file, run->entry).data();
         }
-        if (!run) throw ReadFailure{static_cast<int>(files_.size()), ReadFailure::lacking};
-        const IndexedTensor& entry = files_[run->file].tensors[run->entry];
-        out[j - r.begin] = io::floating_element(entry.dtype, bytes_of(run->file, run->entry).data(),
+        out[j - r.begin] = io::floating_element(files_[run->file].tensors[run->entry].dtype, bytes,
                                                 static_cast<std::size_t>(at.local - run->first));
       }
     }

@@ -38,10 +38,6 @@
 
 namespace fived::checkpoint {
 
-// The metadata key under which a rank's file records the FNV-1a 64 hash of a tensor's bytes,
-// for the manifest's index (train/manifest.hpp).
-inline std::string hash_key(const std::string& tensor) { return "fnv1a64/" + tensor; }
-
 // A rank's file of a checkpoint: named tensors (one dimension, any element type) and
 // metadata, with the values they hold (the writer only points at them), and each tensor's
 // hash in the metadata.
@@ -63,19 +59,6 @@ class Shard {
   io::SafetensorsWriter writer_;
   std::vector<std::shared_ptr<const void>> held_;
 };
-
-// The manifest's index of a rank's file (train/manifest.hpp), from its header: its metadata
-// and each tensor's bytes, with the hash its Shard recorded.
-inline void index_file(const io::SafetensorsFile& header, FileEntry& e) {
-  e.metadata = header.metadata();
-  for (const io::TensorEntry& t : header.tensors()) {
-    const auto h = e.metadata.find(hash_key(t.name));
-    if (h == e.metadata.end()) throw io::SafetensorsError(header.source() + ": records no hash of tensor '" + t.name + "'");
-    e.tensors.push_back({t.name, t.dtype, header.data_start() + t.begin, header.data_start() + t.end,
-                         std::stoull(h->second, nullptr, 16)});
-  }
-  std::erase_if(e.metadata, [](const auto& kv) { return kv.first.rfind("fnv1a64/", 0) == 0; });
-}
 
 // What a save records besides the files: where, which step, and the manifest's fields.
 struct SaveRecord {

@@ -24,11 +24,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -244,16 +246,15 @@ class Trainer {
   // Every rank reads its share of a step (Rank::want); the first failure of any, which all
   // ranks agree on (a collective), or none.
   std::optional<int> read_share(checkpoint::Restored<Model>& restored) {
-    double code = 0;  // minus the failure's code, minus one; 0: none
+    double worst = -std::numeric_limits<double>::infinity();  // minus the smallest failure code
     try {
       rank_->want(restored);
     } catch (const checkpoint::ReadFailure& f) {
-      code = -1.0 - f.code();
+      worst = -static_cast<double>(f.code());
     }
-    std::array<double, 2> agreed{code == 0 ? -1e18 : code, code == 0 ? 0.0 : 1.0};
-    world_->all_reduce_host(std::span<double>(agreed), ReduceOp::max);
-    if (agreed[1] == 0) return std::nullopt;
-    return static_cast<int>(-agreed[0] - 1.0);
+    world_->all_reduce_host(std::span<double>(&worst, 1), ReduceOp::max);
+    if (std::isinf(worst)) return std::nullopt;
+    return static_cast<int>(-worst);
   }
   checkpoint::SaveRecord record(const std::filesystem::path& dir, int step, const SaveOptions& o) const {
     return {dir, step, rank_->adam_step(), mesh::name(), model_name(), o.run, o.keep_last};
