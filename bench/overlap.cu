@@ -12,7 +12,9 @@
 //   DP 2, overlapped   each unit's reductions issued on the side stream as backward finishes it
 //                      (ZeRO-3: and each unit's parameters gathered there before it runs)
 // The difference between the last two is what overlap hides; against the first, what
-// communication still costs. Several ranks on ONE GPU share its SMs and talk over loopback
+// communication still costs. With --zero 2 or 3, a second table: what the model's buffers
+// hold on the device during a step (the pages ZeRO gives back, device/cuda_pages.hpp)
+// against DataParallel's count of it. Several ranks on ONE GPU share its SMs and talk over loopback
 // sockets (NCCL_HOSTID per rank, see scripts/launch-local.sh): such numbers show whether the
 // overlap works, not what a real DP 2 costs.
 
@@ -87,15 +89,37 @@ double median_ms(const Options& opt, Step step) {
   return ms[ms.size() / 2];
 }
 
+// What the model's flat buffers hold on the device in one step (ZeRO-2/3), this rank:
+// DataParallel's count (the planner's formula: plan/memory.hpp; equal on the host, tests/
+// test_data_parallel.cpp) against the chunks device/cuda_pages.hpp mapped at most at once.
+struct PagesRow {
+  std::size_t counted = 0, mapped_peak = 0, at_rest = 0, held = 0, chunk = 0;
+};
+
 template <class Policy>
 void dp_rows(const Options& opt, fived::MeshContext<DpMesh, fived::nccl::Comm>& ctx, const std::vector<int>& tok,
-             const std::vector<int>& tgt, double& after, double& overlapped) {
+             const std::vector<int>& tgt, double& after, double& overlapped, PagesRow& pages) {
   Model model(ctx, fived::GptInit{1337, 0.02});
   fived::DataParallel<Model, Policy> dp(model, ctx, hp);
   dp.set_overlap(false);
   after = median_ms(opt, [&] { dp.step(tok, tgt, opt.batch, opt.seq); });
   dp.set_overlap(true);
   overlapped = median_ms(opt, [&] { dp.step(tok, tgt, opt.batch, opt.seq); });
+  if constexpr (Policy::stage >= 2) {
+    fived::cuda::settle_pages();
+    fived::cuda::reset_page_peak();
+    dp.step(tok, tgt, opt.batch, opt.seq);
+    FIVED_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto m = dp.memory();
+    const auto st = fived::cuda::page_stats();
+    // ZeRO-2 keeps every parameter in the model's buffer; both keep the units a step holds.
+    pages.counted = (Policy::stage == 2 ? m.params : 0) + m.transient_peak;
+    pages.mapped_peak = st.peak_mapped;
+    fived::cuda::settle_pages();
+    pages.at_rest = fived::cuda::page_stats().mapped;
+    pages.held = st.held;
+    pages.chunk = st.chunk;
+  }
 }
 
 }  // namespace
@@ -127,11 +151,12 @@ int main(int argc, char** argv) {
     ctx.world().barrier();
 
     double after = 0, overlapped = 0;
+    PagesRow pages;
     switch (opt.zero) {
-      case 0: dp_rows<fived::NoZeRO>(opt, ctx, tok, tgt, after, overlapped); break;
-      case 1: dp_rows<fived::ZeRO<1>>(opt, ctx, tok, tgt, after, overlapped); break;
-      case 2: dp_rows<fived::ZeRO<2>>(opt, ctx, tok, tgt, after, overlapped); break;
-      default: dp_rows<fived::ZeRO<3>>(opt, ctx, tok, tgt, after, overlapped); break;
+      case 0: dp_rows<fived::NoZeRO>(opt, ctx, tok, tgt, after, overlapped, pages); break;
+      case 1: dp_rows<fived::ZeRO<1>>(opt, ctx, tok, tgt, after, overlapped, pages); break;
+      case 2: dp_rows<fived::ZeRO<2>>(opt, ctx, tok, tgt, after, overlapped, pages); break;
+      default: dp_rows<fived::ZeRO<3>>(opt, ctx, tok, tgt, after, overlapped, pages); break;
     }
 
     if (printer) {
@@ -149,6 +174,15 @@ int main(int argc, char** argv) {
       row("no communication", alone, global / 2);
       row("DP 2, after backward", after, global);
       row("DP 2, overlapped", overlapped, global);
+      if (opt.zero >= 2) {  // rank 0's model buffers; the serial model of the first row is gone
+        const double mb = 1 << 20;
+        std::printf("\nmodel buffers on the device, rank 0 (chunks of %.0f MiB, device/cuda_pages.hpp)\n", pages.chunk / mb);
+        std::printf("%-44s %10.1f MiB\n", "counted (DataParallel::memory, the planner's)", pages.counted / mb);
+        std::printf("%-44s %10.1f MiB  (%+.1f%%)\n", "mapped at most at once in a step", pages.mapped_peak / mb,
+                    100.0 * (static_cast<double>(pages.mapped_peak) / static_cast<double>(pages.counted) - 1.0));
+        std::printf("%-44s %10.1f MiB\n", "mapped between steps", pages.at_rest / mb);
+        std::printf("%-44s %10.1f MiB\n", "held from the driver (mapped or pooled)", pages.held / mb);
+      }
     }
     return 0;
   } catch (const std::exception& e) {

@@ -32,7 +32,7 @@ out=${2:-gpu-out}
 [[ $stage == test || $stage == bench ]] && [ -f .gpu/env ] && source .gpu/env
 build=${BUILD_DIR:-${FIVED_GPU_BUILD:-build-gpu}}
 status=0
-cuda_targets="train_moe_cuda test_nccl_comm nccl_ranks_check test_nccl_mesh_context test_kernels_cuda test_gpt_cuda test_llama_cuda
+cuda_targets="train_moe_cuda test_cuda_pages test_nccl_comm nccl_ranks_check test_nccl_mesh_context test_kernels_cuda test_gpt_cuda test_llama_cuda
   test_mesh_cuda test_pipeline_cuda test_context_cuda test_moe_cuda test_trainer_cuda test_checkpoint_cuda bench_kernels bench_train_step bench_overlap
   bench_collectives_nccl bench_ring_attention train_gpt_cuda"
 

@@ -13,8 +13,11 @@
 //   - 5 steps with accumulation 2 and clipping: the loss of every step, then every weight
 //     tensor (per tensor ||par - ser|| / ||ser||);
 //   - steps 2-5 allocate no device buffer (buffer_allocations<Cuda>: the step's workspaces
-//     were all sized before), and the kernels' stream-ordered scratch takes no memory from
-//     the driver (the default pool's reserved bytes stay as they were after step 1).
+//     were all sized before), the kernels' stream-ordered scratch takes no memory from
+//     the driver (the default pool's reserved bytes stay as they were after step 1), and the
+//     pages ZeRO-2/3 give back are reused (no chunk created: device/cuda_pages.hpp);
+//   - ZeRO-2/3: between steps the model's gradient buffer (ZeRO-3: and its parameters)
+//     holds no device memory (this model's buffers are smaller than one chunk).
 // Bounds: fp32 loss 1e-4 relative, gradients 1e-3 (max |diff| / max |ser| per tensor),
 // weights 1e-3; bf16 loss 2e-2, gradients 5e-2, weights 5e-2 (bf16 rounds each rank's
 // partial sums: the runs differ by bf16 rounding of different sums). AdamW's eps is 1e-2 so
@@ -108,15 +111,26 @@ void parallel_equals_serial() {
   DataParallel<Ser> serial(s, hp, accum);
   std::size_t after_first = 0;
   std::uint64_t pool_after_first = 0;
+  std::size_t chunks_after_first = 0;
   for (int step = 0; step < steps; ++step) {
     CAPTURE(step);
     global_batch(step, accum, tok, tgt);
     const double lp = dp.step(tok, tgt, B, T), ls = serial.step(tok, tgt, B, T);
     CHECK(std::abs(lp - ls) <= bound.loss * std::abs(ls));
-    if (step == 0) after_first = buffer_allocations<Cuda>().load(), pool_after_first = kernels::cuda::scratch_pool_reserved();
+    if (step == 0) {
+      after_first = buffer_allocations<Cuda>().load();
+      pool_after_first = kernels::cuda::scratch_pool_reserved();
+      chunks_after_first = fived::cuda::page_stats().chunks_created;
+    }
   }
   CHECK(buffer_allocations<Cuda>().load() == after_first);
   CHECK(kernels::cuda::scratch_pool_reserved() == pool_after_first);  // the kernels' scratch: no memory from the driver
+  CHECK(fived::cuda::page_stats().chunks_created == chunks_after_first);  // released pages reused, not grown
+  if constexpr (Policy::stage >= 2) {  // between steps the model's buffers hold what ZeRO keeps of them: nothing
+    fived::cuda::settle_pages();
+    CHECK(fived::cuda::resident_bytes(std::span<const E>(p.grads())) == 0);
+    if constexpr (Policy::stage == 3) CHECK(fived::cuda::resident_bytes(std::span<const E>(p.params())) == 0);
+  }
 
   std::vector<E> wp;
   if constexpr (Policy::stage == 3) {
@@ -146,7 +160,8 @@ TEST_CASE("DP 2 with ZeRO-1 equals serial on CUDA: 2 ranks") {
   parallel_equals_serial<Mesh<DP<2>>, ZeRO<1>, bf16, NoSequenceParallel>();
 }
 
-TEST_CASE("DP 2 with ZeRO-3 equals serial on CUDA: 2 ranks") {
+TEST_CASE("DP 2 with ZeRO-3 (and ZeRO-2) equals serial on CUDA: 2 ranks") {
+  parallel_equals_serial<Mesh<DP<2>>, ZeRO<2>, float, NoSequenceParallel>();
   parallel_equals_serial<Mesh<DP<2>>, ZeRO<3>, float, NoSequenceParallel>();
   parallel_equals_serial<Mesh<DP<2>>, ZeRO<3>, bf16, NoSequenceParallel>();
 }

@@ -46,6 +46,13 @@ inline std::atomic<int>& host_ranks_in_process() {
   return ranks;
 }
 
+// Tag for a buffer whose memory a range at a time is given back and taken again while the
+// buffer keeps its addresses (a model's flat parameters and gradients, which ZeRO-2/3 hold a
+// unit at a time): any host memory can (device/host_pages.hpp); on CUDA such a buffer is a
+// reserved address range with chunks mapped on demand (device/cuda_pages.hpp).
+struct ReleasablePages {};
+inline constexpr ReleasablePages releasable_pages{};
+
 template <class T, class Device = Host>
 class Buffer;
 
@@ -57,6 +64,7 @@ class Buffer<T, Host> {
     if (n != 0) ++buffer_allocations<Host>();
     buffer_bytes_held<Host>() += n * sizeof(T);
   }
+  Buffer(std::size_t n, ReleasablePages) : Buffer(n) {}
   Buffer(Buffer&& o) noexcept : data_(std::move(o.data_)), size_(std::exchange(o.size_, 0)) {}
   Buffer& operator=(Buffer&& o) noexcept {
     if (this != &o) {

@@ -1,12 +1,10 @@
 #pragma once
-// CUDA device policy: error checking, streams, events and Buffer<T, Cuda>.
-//
-//   FIVED_CUDA_CHECK(cudaMemsetAsync(p, 0, n, s));   // throws fived::cuda::Error
-//   kernel<<<grid, block, 0, s>>>(...);
-//   FIVED_CUDA_CHECK_LAUNCH("kernel");                 // cudaGetLastError after a launch
+// CUDA device policy: streams, events and Buffer<T, Cuda> (errors: device/cuda_error.hpp).
 //
 //   fived::cuda::Stream s;                             // non-blocking stream, RAII
 //   fived::Buffer<float, fived::Cuda> x(n);            // cudaMalloc'd, zeroed, move-only
+//   fived::Buffer<float, fived::Cuda> g(n, fived::releasable_pages);  // pages given back a range
+//                                                      // at a time (device/cuda_pages.hpp)
 //   x.upload(host_span, s);  x.download(host_span, s); auto h = x.to_host(s);
 //
 // Host code only (no kernels): this header compiles with the host compiler and
@@ -16,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <memory>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -23,38 +22,8 @@
 #include <utility>
 
 #include <fived/device/buffer.hpp>
-
-namespace fived::cuda {
-
-// A failed CUDA runtime call or kernel launch: "file:line: call failed: name: description".
-class Error : public std::runtime_error {
- public:
-  Error(cudaError_t code, const std::string& what) : std::runtime_error(what), code_(code) {}
-  cudaError_t code() const noexcept { return code_; }
-
- private:
-  cudaError_t code_;
-};
-
-inline void check(cudaError_t e, const char* call, const char* file, int line) {
-  if (e == cudaSuccess) return;
-  throw Error(e, std::string(file) + ":" + std::to_string(line) + ": " + call + " failed: " + cudaGetErrorName(e) +
-                     ": " + cudaGetErrorString(e));
-}
-
-// After a kernel launch: launch-configuration errors (and sticky errors from
-// earlier asynchronous work) surface here, named after the kernel.
-inline void check_launch(const char* kernel, const char* file, int line) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return;
-  throw Error(e, std::string(file) + ":" + std::to_string(line) + ": launch of " + kernel + " failed: " +
-                     cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
-}
-
-}  // namespace fived::cuda
-
-#define FIVED_CUDA_CHECK(call) ::fived::cuda::check((call), #call, __FILE__, __LINE__)
-#define FIVED_CUDA_CHECK_LAUNCH(kernel_name) ::fived::cuda::check_launch((kernel_name), __FILE__, __LINE__)
+#include <fived/device/cuda_error.hpp>
+#include <fived/device/cuda_pages.hpp>
 
 namespace fived::cuda {
 
@@ -170,16 +139,27 @@ class Buffer<T, Cuda> {
     }
     buffer_bytes_held<Cuda>() += n * sizeof(T);
   }
+  // Releasable (device/cuda_pages.hpp): a reserved address range whose pages
+  // cuda::release_pages gives back and cuda::commit_pages maps again; zeroed, like the other.
+  Buffer(std::size_t n, ReleasablePages) : size_(n) {
+    if (n == 0) return;
+    pages_ = std::make_unique<cuda::PagedMemory>(n * sizeof(T));
+    data_ = static_cast<T*>(pages_->data());
+    ++buffer_allocations<Cuda>();
+    buffer_bytes_held<Cuda>() += n * sizeof(T);
+  }
   // Allocates and copies `host` (ordered on `stream`, complete on return).
   Buffer(std::span<const T> host, cudaStream_t stream) : Buffer(host.size()) { upload(host, stream); }
   explicit Buffer(const Buffer<T, Host>& host, cudaStream_t stream = nullptr) : Buffer(host.span(), stream) {}
 
-  Buffer(Buffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  Buffer(Buffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)), pages_(std::move(o.pages_)) {}
   Buffer& operator=(Buffer&& o) noexcept {
     if (this != &o) {
       release();
       data_ = std::exchange(o.data_, nullptr);
       size_ = std::exchange(o.size_, 0);
+      pages_ = std::move(o.pages_);
     }
     return *this;
   }
@@ -230,15 +210,17 @@ class Buffer<T, Cuda> {
   }
   void release() noexcept {
     if (data_ != nullptr) {
-      (void)cudaFree(data_);
+      if (pages_ == nullptr) (void)cudaFree(data_);
       buffer_bytes_held<Cuda>() -= size_ * sizeof(T);
     }
+    pages_.reset();
     data_ = nullptr;
     size_ = 0;
   }
 
   T* data_ = nullptr;
   std::size_t size_ = 0;
+  std::unique_ptr<cuda::PagedMemory> pages_;  // a releasable buffer's reservation
 };
 
 }  // namespace fived

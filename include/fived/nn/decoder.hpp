@@ -632,9 +632,10 @@ class Decoder {
   Decoder(AxisComm<M, Axis::tp> comm, AxisComm<M, Axis::cp> cp_comm, ep_comm_type ep_comm, int ep_rank,
           const GptInit& init)
       : comm_(std::move(comm)), cp_comm_(std::move(cp_comm)), ep_comm_(std::move(ep_comm)), ep_rank_(ep_rank),
-        params_(ops_.template make_buffer<T>(num_params)), grads_(ops_.template make_buffer<T>(num_params)),
-        expert_params_(ops_.template make_buffer<T>(expert_layout::size)),
-        expert_grads_(ops_.template make_buffer<T>(expert_layout::size)),
+        params_(ops_.template make_buffer<T>(num_params, releasable_pages)),
+        grads_(ops_.template make_buffer<T>(num_params, releasable_pages)),
+        expert_params_(ops_.template make_buffer<T>(expert_layout::size, releasable_pages)),
+        expert_grads_(ops_.template make_buffer<T>(expert_layout::size, releasable_pages)),
         balance_(ops_, moe_blocks), sp_partial_(ops_), slots_(1), experts_view_(*this) {
     // (The whole model on a PP mesh is a type the Trainer reads facts from, never an object.)
     static_assert(M::pp == 1 || !std::is_same_v<Part, AllLayers>,

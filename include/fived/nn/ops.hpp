@@ -35,6 +35,11 @@
 //     begin_sum_of_squares(); add_sum_of_squares(g, n) ...; double sum_of_squares()
 //     (accumulated on the device, in float on Cuda; the last call waits for the device)
 //   buffer<U> make_buffer(size_t n)                       n zeroed elements, ready for use
+//   buffer<U> make_buffer(size_t n, releasable_pages)     the same, its pages given back a range
+//       at a time: release_pages(std::span<U>) (reads as zeros on the host; unmapped on CUDA
+//       once the stream has passed, device/cuda_pages.hpp), commit_pages(std::span<U>)
+//       before the range is written again (nothing to do on the host, which maps on touch),
+//       trim_pages() the released memory back to the system (waits for the device)
 //   void zero(buffer<U>&), zero(U* p, size_t n)           elements to 0 (stream-ordered)
 //   void copy(U* dst, const U* src, size_t n)             device to device (stream-ordered)
 //   void copy_rows(U* dst, dst_ld, const U* src, src_ld, width, rows)   a strided 2-D copy
@@ -67,6 +72,7 @@
 
 #include "fived/device/bf16.hpp"
 #include "fived/device/buffer.hpp"
+#include "fived/device/host_pages.hpp"
 #include "fived/kernels/host.hpp"
 
 namespace fived {
@@ -239,6 +245,17 @@ struct Ops<T, Host> {
   Buffer<U, Host> make_buffer(std::size_t n) {
     return Buffer<U, Host>(n);
   }
+  template <class U>
+  Buffer<U, Host> make_buffer(std::size_t n, ReleasablePages) {
+    return Buffer<U, Host>(n);
+  }
+  template <class U>
+  void release_pages(std::span<U> range) {
+    fived::release_pages(range);
+  }
+  template <class U>
+  void commit_pages(std::span<U>) {}  // the system maps a released page again when it is written
+  void trim_pages() {}                // released pages went back to the system at once
   template <class U>
   void zero(Buffer<U, Host>& b) {
     b.zero();

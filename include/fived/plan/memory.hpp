@@ -23,8 +23,9 @@
 // backward: ZeRO-2 holds a block's gradients (+ the embedding's when tied), or an end unit's
 // if larger; ZeRO-3 both ends and three blocks (two gathered, one's gradients), + the
 // embedding's gradients when tied. The planner counts given-back memory as given back, as
-// DataParallel::memory() does: true on the host backend; on CUDA fived zeroes a released
-// range but keeps it allocated today, so there ZeRO-2/3 do not yet shrink the model's buffers.
+// DataParallel::memory() does: on the host the pages go back to the system, on CUDA their
+// chunks to a pool that the next commit maps again (device/cuda_pages.hpp; a chunk that
+// straddles a unit boundary stays while either unit is live).
 
 #include <algorithm>
 #include <cstddef>

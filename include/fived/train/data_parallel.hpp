@@ -36,7 +36,8 @@
 //            an all-gather per bucket brings every replica the new parameters.
 //   ZeRO<2>  as ZeRO<1>, but every micro-batch's gradient is reduce-scattered as soon as
 //            backward finishes its unit, added into this rank's gradient pieces, and the
-//            unit's gradient pages given back (release_pages, device/host_pages.hpp).
+//            unit's gradient pages given back (Ops::release_pages: device/host_pages.hpp,
+//            device/cuda_pages.hpp) and taken back before backward writes them again.
 //   ZeRO<3>  as ZeRO<2>, and the parameters too are pieces: a unit is all-gathered before
 //            it runs (forward, and again backward), the next one prefetched, and given back
 //            after; the outer units stay gathered for the step. Needs a model that calls
@@ -63,7 +64,6 @@
 #include "fived/mesh/mesh_comm.hpp"
 #include "fived/comm/types.hpp"
 #include "fived/device/bf16.hpp"
-#include "fived/device/host_pages.hpp"
 #include "fived/mesh/context.hpp"
 #include "fived/model/unit_hooks.hpp"
 #include "fived/optim/adamw.hpp"
@@ -154,7 +154,10 @@ class DataParallel {
         ops.copy(param_piece(i).data(), model_.params().data() + owned(i).begin, owned(i).size());
       give_back(ops, model_.params());
     }
-    if constexpr (stage >= 2) give_back(ops, model_.grads());
+    if constexpr (stage >= 2) {
+      give_back(ops, model_.grads());
+      ops.trim_pages();  // the device holds what a step holds at once, no more
+    }
   }
 
  public:
@@ -530,12 +533,13 @@ class DataParallel {
   static std::span<T> piece_of(buffer& v, std::size_t i) {
     return v.span().subspan(plan::bucket(i).shard_offset, plan::shard_size(i));
   }
-  // Done with `range` until it is written again: its memory goes back to the system on the
-  // host (and reads as zeros); on a device it is zeroed on the stream of `ops`.
-  static void give_back(ops_type& ops, std::span<T> range) {
-    if constexpr (std::is_same_v<Device, Host>) release_pages(range);
-    else ops.zero(range.data(), range.size());
-  }
+  // Done with `range` until it is written again, after the work queued on the stream of
+  // `ops`: its memory goes back (the host's to the system, reading as zeros; a device's to
+  // the pool of device/cuda_pages.hpp); take_back before the next write.
+  static void give_back(ops_type& ops, std::span<T> range) { ops.release_pages(range); }
+  static void take_back(ops_type& ops, std::span<T> range) { ops.commit_pages(range); }
+  std::span<T> unit_params(int u) { return model_.params().subspan(plan::unit(u).begin, plan::unit(u).size()); }
+  std::span<T> unit_grads(int u) { return model_.grads().subspan(plan::unit(u).begin, plan::unit(u).size()); }
   std::span<T> param_piece(std::size_t i) { return piece_of(param_pieces_, i); }
   // The whole buffer from every rank's piece of every bucket (piece(i): this rank's of bucket
   // i), all-gathered over the group, in host memory.
@@ -596,8 +600,7 @@ class DataParallel {
     queue_.submit([this, u](ops_type& ops) {
       const FlatRange bs = plan::buckets_of(u);
       for (std::size_t i = bs.end; i-- > bs.begin;) reduce_bucket(ops, i);
-      if constexpr (stage >= 2)  // the reduced gradient lives in the pieces now
-        give_back(ops, model_.grads().subspan(plan::unit(u).begin, plan::unit(u).size()));
+      if constexpr (stage >= 2) give_back(ops, unit_grads(u));  // the reduced gradient lives in the pieces now
     }, async);
   }
 
@@ -608,6 +611,7 @@ class DataParallel {
     if (stage < 2 || !in_backward_ || grads_live_[static_cast<std::size_t>(u)]) return;
     grads_live_[static_cast<std::size_t>(u)] = true;
     hold(plan::unit(u).size());
+    take_back(model_.ops(), unit_grads(u));  // backward writes them on the compute stream
   }
 
   // ---- ZeRO-3 parameters ------------------------------------------------------------------
@@ -629,6 +633,7 @@ class DataParallel {
     gathered_[static_cast<std::size_t>(u)] = true;
     hold(plan::unit(u).size());
     gather_ticket_[static_cast<std::size_t>(u)] = queue_.submit([this, u](ops_type& ops) {
+      take_back(ops, unit_params(u));
       const FlatRange bs = plan::buckets_of(u);
       for (std::size_t i = bs.begin; i < bs.end; ++i) gather_bucket(ops, i, param_piece(i), model_.params());
     }, async_);
@@ -638,8 +643,7 @@ class DataParallel {
   void release_params(int u) {
     if (!gathered_[static_cast<std::size_t>(u)]) return;
     gathered_[static_cast<std::size_t>(u)] = false;
-    if constexpr (std::is_same_v<Device, Host>)  // on a device the next gather overwrites it
-      release_pages(model_.params().subspan(plan::unit(u).begin, plan::unit(u).size()));
+    give_back(model_.ops(), unit_params(u));  // after the kernels queued on it
     held_ -= plan::unit(u).size();
   }
 

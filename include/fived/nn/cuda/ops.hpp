@@ -296,6 +296,21 @@ struct Ops<T, Cuda> {
     return Buffer<U, Cuda>(n);
   }
   template <class U>
+  Buffer<U, Cuda> make_buffer(std::size_t n, ReleasablePages) {
+    return Buffer<U, Cuda>(n, releasable_pages);
+  }
+  // After the work queued so far on this stream (device/cuda_pages.hpp).
+  template <class U>
+  void release_pages(std::span<U> range) {
+    cuda::release_pages(range, stream());
+  }
+  template <class U>
+  void commit_pages(std::span<U> range) {
+    cuda::commit_pages(range, stream());
+  }
+  // The released pages' memory back to the driver (waits for the device).
+  void trim_pages() { cuda::trim_pages(); }
+  template <class U>
   void zero(Buffer<U, Cuda>& b) {
     b.zero(stream());
   }
