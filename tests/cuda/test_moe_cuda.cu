@@ -16,7 +16,8 @@
 // serial model's expert buffer (expert_layout::slice). AdamW's eps is 1e-2, as in
 // test_mesh_cuda.cu: its step is then a smooth function of the gradient, so summation-order
 // noise in a near-zero gradient cannot turn into a full lr-sized step.
-// Exits 77 without a GPU.
+// A second case keeps every token away from EP rank 1's experts (the selection bias): the
+// empty exchanges still meet, and the same comparisons hold. Exits 77 without a GPU.
 
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
@@ -103,6 +104,56 @@ TEST_CASE("EP 2 (DP 2) on CUDA: 4 experts top-2 with the balancing loss equal th
                 grad_bound);
   check_tensors(EL::tensors, model.expert_params_to_host(), my_experts(serial.expert_params_to_host(), model.ep_rank()),
                 weight_bound);
+}
+
+namespace {
+
+// DeepSeek-V3's selection bias, set so that no token picks experts 2 and 3: EP rank 1, which
+// holds them, receives no rows in either MoE block, and EP rank 0 sends it none, in forward
+// and backward.
+struct biased_cfg : gpt_config {
+  static constexpr int layers = 2, d_model = 64, heads = 4, vocab = 101, max_seq = 32, vocab_multiple = 16;
+  static constexpr int experts = 4, top_k = 1, mlp_ratio = 2;
+  using balancing = AuxLossFreeBias;
+};
+const std::vector<float> keep_away{0, 0, -10, -10};
+
+}  // namespace
+
+TEST_CASE("EP 2 on CUDA: experts and a rank that get no tokens still join every collective, equal to serial") {
+  using BSerial = GPT<biased_cfg, Mesh<>, float, Cuda>;
+  using BModel = GPT<biased_cfg, EPMesh, float, Cuda>;
+  using BEL = BModel::expert_layout;
+  auto ctx = make_mesh_context<EPMesh>(test::world().split(0, test::world().rank(), "world"));
+  CAPTURE(ctx.rank());
+  BModel model(ctx, init);
+  BSerial serial(init);
+  for (int m = 0; m < 2; ++m) model.set_router_bias(m, keep_away), serial.set_router_bias(m, keep_away);
+  DataParallel<BModel> dp(model, ctx, hp);
+  DataParallel<BSerial> sdp(serial, hp, data_ranks);
+  std::vector<int> tok, tgt;
+  for (int s = 0; s < steps; ++s) {
+    CAPTURE(s);
+    test::global_batch(s, 1, B, T, biased_cfg::vocab, tok, tgt);
+    const double lm = dp.step(tok, tgt, B, T), ls = sdp.step(tok, tgt, B / data_ranks, T);
+    CHECK(std::abs(lm - ls) <= loss_bound * std::abs(ls));
+  }
+  const std::vector<double>& loads = serial.expert_loads();  // 2 blocks x 4 experts
+  REQUIRE(loads.size() == 8);
+  CHECK(loads[2] + loads[3] + loads[6] + loads[7] == 0);
+  CHECK(loads[0] + loads[1] > 0);
+  if (model.ep_rank() == 1)  // its experts took nothing: no gradient
+    for (float g : model.expert_grads_to_host()) REQUIRE(g == 0.0f);
+
+  auto mine = [&](const std::vector<float>& all) {
+    std::vector<float> v(BEL::size);
+    BEL::slice(std::span<const float>(all), std::span<float>(v), 0, model.ep_rank());
+    return v;
+  };
+  check_tensors(BSerial::layout::tensors, model.grads_to_host(), serial.grads_to_host(), grad_bound);
+  check_tensors(BSerial::layout::tensors, model.params_to_host(), serial.params_to_host(), weight_bound);
+  check_tensors(BEL::tensors, model.expert_grads_to_host(), mine(serial.expert_grads_to_host()), grad_bound);
+  check_tensors(BEL::tensors, model.expert_params_to_host(), mine(serial.expert_params_to_host()), weight_bound);
 }
 
 int main(int argc, char** argv) { return test::nccl_doctest_main(argc, argv, "test_moe_cuda"); }
