@@ -28,7 +28,7 @@
 // cudaMalloc memory) is only zeroed by release_pages, and commit_pages does nothing to it.
 //
 // One process drives one device (fived's ranks are processes); the pool is that device's.
-// Host code only; the driver API (libcuda) is linked through fived::cuda.
+// Host code only; the driver calls are found at run time (device/cuda_driver.hpp).
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "fived/device/buffer.hpp"
+#include "fived/device/cuda_driver.hpp"
 #include "fived/device/cuda_error.hpp"
 
 namespace fived::cuda {
@@ -89,12 +90,12 @@ class Pool {
 
   // The free chunks back to the driver.
   void trim() {
-    for (CUmemGenericAllocationHandle h : free_) FIVED_CU_CHECK(cuMemRelease(h));
+    for (CUmemGenericAllocationHandle h : free_) FIVED_CU_CHECK(driver().mem_release(h));
     stats_.held -= free_.size() * chunk_;
     free_.clear();
   }
   ~Pool() {
-    for (CUmemGenericAllocationHandle h : free_) (void)cuMemRelease(h);
+    for (CUmemGenericAllocationHandle h : free_) (void)driver().mem_release(h);
   }
 
  private:
@@ -104,7 +105,7 @@ class Pool {
     prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop_.location.id = device_;
-    FIVED_CU_CHECK(cuMemGetAllocationGranularity(&chunk_, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    FIVED_CU_CHECK(driver().mem_get_allocation_granularity(&chunk_, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
     stats_.chunk = chunk_;
   }
 
@@ -127,7 +128,7 @@ class PagedMemory {
     chunks_.resize((bytes + g - 1) / g);
     pending_.reserve(chunks_.size());
     live_.reserve(16);
-    FIVED_CU_CHECK(cuMemAddressReserve(&base_, chunks_.size() * g, g, 0, 0));
+    FIVED_CU_CHECK(driver().mem_address_reserve(&base_, chunks_.size() * g, g, 0, 0));
     pool_.add(this);
     try {
       commit(0, bytes, nullptr);
@@ -283,17 +284,17 @@ class PagedMemory {
   }
   void map(std::size_t c) {
     const CUdeviceptr at = base_ + c * pool_.chunk();
-    FIVED_CU_CHECK(cuMemMap(at, pool_.chunk(), 0, chunks_[c].handle, 0));
+    FIVED_CU_CHECK(driver().mem_map(at, pool_.chunk(), 0, chunks_[c].handle, 0));
     CUmemAccessDesc access{};
     access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     access.location.id = pool_.device();
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    FIVED_CU_CHECK(cuMemSetAccess(at, pool_.chunk(), &access, 1));
+    FIVED_CU_CHECK(driver().mem_set_access(at, pool_.chunk(), &access, 1));
     PageStats& st = pool_.stats();
     st.peak_mapped = std::max(st.peak_mapped, st.mapped += pool_.chunk());
   }
   void unmap(std::size_t c) {
-    FIVED_CU_CHECK(cuMemUnmap(base_ + c * pool_.chunk(), pool_.chunk()));
+    FIVED_CU_CHECK(driver().mem_unmap(base_ + c * pool_.chunk(), pool_.chunk()));
     pool_.give(std::exchange(chunks_[c].handle, 0));
     pool_.stats().mapped -= pool_.chunk();
   }
@@ -303,13 +304,13 @@ class PagedMemory {
     for (std::size_t c = 0; c < chunks_.size(); ++c) {
       Chunk& k = chunks_[c];
       if (k.handle != 0) {
-        (void)cuMemUnmap(base_ + c * pool_.chunk(), pool_.chunk());
+        (void)driver().mem_unmap(base_ + c * pool_.chunk(), pool_.chunk());
         pool_.give(std::exchange(k.handle, 0));
         pool_.stats().mapped -= pool_.chunk();
       }
       if (k.done != nullptr) (void)cudaEventDestroy(k.done);
     }
-    (void)cuMemAddressFree(base_, chunks_.size() * pool_.chunk());
+    (void)driver().mem_address_free(base_, chunks_.size() * pool_.chunk());
     pool_.remove(this);
     base_ = 0;
   }
@@ -352,7 +353,7 @@ inline CUmemGenericAllocationHandle Pool::take() {
     return h;
   }
   CUmemGenericAllocationHandle h = 0;
-  FIVED_CU_CHECK(cuMemCreate(&h, chunk_, &prop_, 0));
+  FIVED_CU_CHECK(driver().mem_create(&h, chunk_, &prop_, 0));
   stats_.held += chunk_;
   ++stats_.chunks_created;
   return h;
