@@ -27,6 +27,7 @@
 #include "fived/mesh/context.hpp"
 #include "fived/nn/gpt.hpp"
 #include "fived/device/host_pages.hpp"
+#include "fived/device/live_ranges.hpp"
 #include "fived/train/bucket_plan.hpp"
 #include "fived/train/data_parallel.hpp"
 #include "fived/util/worker.hpp"
@@ -607,6 +608,47 @@ TEST_CASE("release_pages zeroes a range and gives its whole pages back") {
   v[n / 2] = 2.0f;  // writing maps a fresh page
   CHECK(v[n / 2] == 2.0f);
   CHECK(v[n / 2 + 1] == 0.0f);
+}
+
+TEST_CASE("LiveRanges: committed and released ranges as a releasable buffer keeps them") {
+  using R = LiveRanges::Range;
+  LiveRanges live;
+  live.add(0, 100);
+  live.remove(10, 20);  // splits
+  CHECK(live.ranges() == std::vector<R>{{0, 10}, {20, 100}});
+  CHECK(!live.intersects(10, 20));
+  CHECK(live.intersects(19, 21));
+  live.remove(10, 20);  // released twice: nothing changes
+  live.remove(90, 200);  // the end cut
+  live.remove(0, 5);     // the front cut
+  CHECK(live.ranges() == std::vector<R>{{5, 10}, {20, 90}});
+  live.add(10, 20);  // joins both neighbours
+  CHECK(live.ranges() == std::vector<R>{{5, 90}});
+  live.add(200, 300);
+  live.add(150, 160);
+  live.add(100, 250);  // covers one range and overlaps the next
+  CHECK(live.ranges() == std::vector<R>{{5, 90}, {100, 300}});
+  live.remove(0, 1000);
+  CHECK(live.ranges().empty());
+  CHECK(!live.intersects(0, 1000));
+  // Against a byte map, over random adds and removes.
+  std::mt19937 rng(3);
+  std::vector<bool> ref(256, false);
+  for (int i = 0; i < 2000; ++i) {
+    std::size_t b = rng() % 256, e = rng() % 257;
+    if (b > e) std::swap(b, e);
+    const bool add = rng() % 2 == 0;
+    if (add) live.add(b, e);
+    else live.remove(b, e);
+    for (std::size_t k = b; k < e; ++k) ref[k] = add;
+    std::vector<R> want;
+    for (std::size_t k = 0; k < 256; ++k)
+      if (ref[k]) {
+        if (!want.empty() && want.back().second == k) ++want.back().second;
+        else want.push_back({k, k + 1});
+      }
+    REQUIRE(live.ranges() == want);
+  }
 }
 
 TEST_CASE("the communication thread runs tasks in order and hands a failure to the waiter") {

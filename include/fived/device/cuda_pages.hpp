@@ -43,6 +43,7 @@
 #include "fived/device/buffer.hpp"
 #include "fived/device/cuda_driver.hpp"
 #include "fived/device/cuda_error.hpp"
+#include "fived/device/live_ranges.hpp"
 
 namespace fived::cuda {
 
@@ -127,7 +128,6 @@ class PagedMemory {
     const std::size_t g = pool_.chunk();
     chunks_.resize((bytes + g - 1) / g);
     pending_.reserve(chunks_.size());
-    live_.reserve(16);
     FIVED_CU_CHECK(driver().mem_address_reserve(&base_, chunks_.size() * g, g, 0, 0));
     pool_.add(this);
     try {
@@ -160,7 +160,7 @@ class PagedMemory {
   void release(std::size_t b, std::size_t e, cudaStream_t s) {
     if (b >= e) return;
     pool_.on_this_thread();
-    remove_live(b, e);
+    live_.remove(b, e);
     for_chunks(b, e, [&](std::size_t c) {
       Chunk& k = chunks_[c];
       if (k.handle == 0) return;
@@ -186,7 +186,7 @@ class PagedMemory {
     if (b >= e) return;
     pool_.on_this_thread();
     pool_.reap(false);
-    add_live(b, e);
+    live_.add(b, e);
     for_chunks(b, e, [&](std::size_t c) {  // released, not unmapped yet: kept, after its release
       Chunk& k = chunks_[c];
       if (!k.pending) return;
@@ -246,39 +246,7 @@ class PagedMemory {
     if (b >= e) return;
     for (std::size_t c = b / pool_.chunk(); c <= (e - 1) / pool_.chunk(); ++c) f(c);
   }
-  bool has_live(std::size_t c) const {
-    const std::size_t lo = c * pool_.chunk(), hi = lo + pool_.chunk();
-    for (const auto& [b, e] : live_)
-      if (b < hi && lo < e) return true;
-    return false;
-  }
-  // The live set: sorted, disjoint, non-adjacent byte ranges.
-  void add_live(std::size_t b, std::size_t e) {
-    remove_live(b, e);
-    auto at = std::lower_bound(live_.begin(), live_.end(), std::pair{b, e});
-    at = live_.insert(at, {b, e});
-    if (at + 1 != live_.end() && (at + 1)->first == at->second) at->second = (at + 1)->second, live_.erase(at + 1);
-    if (at != live_.begin() && (at - 1)->second == at->first) (at - 1)->second = at->second, live_.erase(at);
-  }
-  void remove_live(std::size_t b, std::size_t e) {
-    std::vector<std::pair<std::size_t, std::size_t>>::iterator it = live_.begin();
-    while (it != live_.end()) {
-      const auto [lo, hi] = *it;
-      if (hi <= b || e <= lo) {
-        ++it;
-      } else if (lo < b && e < hi) {  // [b, e) splits it
-        it->second = b;
-        live_.insert(it + 1, {e, hi});
-        return;
-      } else if (lo < b) {
-        (it++)->second = b;
-      } else if (e < hi) {
-        (it++)->first = e;
-      } else {
-        it = live_.erase(it);
-      }
-    }
-  }
+  bool has_live(std::size_t c) const { return live_.intersects(c * pool_.chunk(), (c + 1) * pool_.chunk()); }
   void zero_chunk(std::size_t c, cudaStream_t s) {
     FIVED_CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<void*>(base_ + c * pool_.chunk()), 0, pool_.chunk(), s));
   }
@@ -320,7 +288,7 @@ class PagedMemory {
   CUdeviceptr base_ = 0;
   std::vector<Chunk> chunks_;
   std::vector<std::size_t> pending_;  // chunks released and not yet unmapped
-  std::vector<std::pair<std::size_t, std::size_t>> live_;
+  LiveRanges live_;  // committed and not released since
 };
 
 namespace pages_detail {
