@@ -68,11 +68,20 @@ void check_tensors(const Tensors& tensors, const std::vector<float>& got, const 
   }
 }
 
-// What EP rank e holds of the serial model's expert buffer.
-std::vector<float> my_experts(const std::vector<float>& serial, int e) {
-  std::vector<float> mine(EL::size);
-  EL::slice(std::span<const float>(serial), std::span<float>(mine), 0, e);
-  return mine;
+// Every dense tensor whole (TP 1), and the experts this EP rank holds against the matching
+// slice of the serial model's expert buffer: gradients, then weights.
+template <class Par, class Ser>
+void check_against_serial(Par& model, Ser& serial) {
+  using L = typename Par::expert_layout;
+  auto mine = [&](const std::vector<float>& all) {
+    std::vector<float> v(L::size);
+    L::slice(std::span<const float>(all), std::span<float>(v), 0, model.ep_rank());
+    return v;
+  };
+  check_tensors(Ser::layout::tensors, model.grads_to_host(), serial.grads_to_host(), grad_bound);
+  check_tensors(Ser::layout::tensors, model.params_to_host(), serial.params_to_host(), weight_bound);
+  check_tensors(L::tensors, model.expert_grads_to_host(), mine(serial.expert_grads_to_host()), grad_bound);
+  check_tensors(L::tensors, model.expert_params_to_host(), mine(serial.expert_params_to_host()), weight_bound);
 }
 
 }  // namespace
@@ -98,12 +107,7 @@ TEST_CASE("EP 2 (DP 2) on CUDA: 4 experts top-2 with the balancing loss equal th
     if (dp.data_rank() == data_ranks - 1) CHECK(std::abs(model.aux_loss() - serial.aux_loss()) <= loss_bound * serial.aux_loss());
   }
 
-  check_tensors(Serial::layout::tensors, model.grads_to_host(), serial.grads_to_host(), grad_bound);
-  check_tensors(Serial::layout::tensors, model.params_to_host(), serial.params_to_host(), weight_bound);
-  check_tensors(EL::tensors, model.expert_grads_to_host(), my_experts(serial.expert_grads_to_host(), model.ep_rank()),
-                grad_bound);
-  check_tensors(EL::tensors, model.expert_params_to_host(), my_experts(serial.expert_params_to_host(), model.ep_rank()),
-                weight_bound);
+  check_against_serial(model, serial);
 }
 
 namespace {
@@ -123,7 +127,6 @@ const std::vector<float> keep_away{0, 0, -10, -10};
 TEST_CASE("EP 2 on CUDA: experts and a rank that get no tokens still join every collective, equal to serial") {
   using BSerial = GPT<biased_cfg, Mesh<>, float, Cuda>;
   using BModel = GPT<biased_cfg, EPMesh, float, Cuda>;
-  using BEL = BModel::expert_layout;
   auto ctx = make_mesh_context<EPMesh>(test::world().split(0, test::world().rank(), "world"));
   CAPTURE(ctx.rank());
   BModel model(ctx, init);
@@ -145,15 +148,7 @@ TEST_CASE("EP 2 on CUDA: experts and a rank that get no tokens still join every 
   if (model.ep_rank() == 1)  // its experts took nothing: no gradient
     for (float g : model.expert_grads_to_host()) REQUIRE(g == 0.0f);
 
-  auto mine = [&](const std::vector<float>& all) {
-    std::vector<float> v(BEL::size);
-    BEL::slice(std::span<const float>(all), std::span<float>(v), 0, model.ep_rank());
-    return v;
-  };
-  check_tensors(BSerial::layout::tensors, model.grads_to_host(), serial.grads_to_host(), grad_bound);
-  check_tensors(BSerial::layout::tensors, model.params_to_host(), serial.params_to_host(), weight_bound);
-  check_tensors(BEL::tensors, model.expert_grads_to_host(), mine(serial.expert_grads_to_host()), grad_bound);
-  check_tensors(BEL::tensors, model.expert_params_to_host(), mine(serial.expert_params_to_host()), weight_bound);
+  check_against_serial(model, serial);
 }
 
 int main(int argc, char** argv) { return test::nccl_doctest_main(argc, argv, "test_moe_cuda"); }
