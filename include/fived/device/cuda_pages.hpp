@@ -12,9 +12,11 @@
 // under it, each chunk of the device's allocation granularity (2 MiB on Hopper) is mapped to
 // physical memory of its own or not. The buffer knows which bytes are live (committed and
 // not released since). Releasing a range zeroes it where its chunks still hold live bytes,
-// and a chunk left with none is unmapped once the work queued on the releasing stream has
-// finished: an event, asked without waiting at each later release or commit. Its physical
-// memory goes to one pool per process, which the next commit maps again, so a steady state
+// and a chunk left with none is pending: unmapped once the work queued on the releasing
+// stream has finished (an event), when a commit needs memory and the pool has none free. A
+// pending chunk committed again before that is simply kept (its stream waits for the event),
+// so a range given back and taken again at once costs no unmap and map. Its physical memory
+// goes to one pool per process, which the next commit maps again, so a steady state
 // allocates nothing. When a commit finds the pool empty while released chunks still wait for
 // their streams, the host waits for the oldest of them (as PyTorch FSDP's rate limiter waits
 // for an old all-gather): memory is bounded by what the step holds at once, not by how far
@@ -26,6 +28,10 @@
 // committed before it is written: a kernel that touches a released chunk stops with an
 // illegal address instead of reading zeros. A span outside every releasable buffer (plain
 // cudaMalloc memory) is only zeroed by release_pages, and commit_pages does nothing to it.
+//
+// The host's waits here (the pool's, settle_pages, trim_pages) are not bounded: like reading
+// a loss, they wait for the device, and a collective queued before them whose peer died
+// holds them up for good (only the communicator's own polls are bounded: comm/nccl.hpp).
 //
 // One process drives one device (fived's ranks are processes); the pool is that device's.
 // Host code only; the driver calls are found at run time (device/cuda_driver.hpp).
@@ -143,7 +149,6 @@ class PagedMemory {
   ~PagedMemory() { destroy(); }
 
   void* data() const { return reinterpret_cast<void*>(base_); }
-  std::size_t bytes() const { return bytes_; }
   bool holds(const void* p) const {
     const auto a = reinterpret_cast<std::uintptr_t>(p);
     return a >= base_ && a < base_ + bytes_;
@@ -177,7 +182,6 @@ class PagedMemory {
       }
       k.released_at = pool_.next_release();
     });
-    pool_.reap(false);
   }
 
   // [b, e) is about to be written on `s`: every chunk under it mapped; a chunk mapped now
@@ -185,7 +189,6 @@ class PagedMemory {
   void commit(std::size_t b, std::size_t e, cudaStream_t s) {
     if (b >= e) return;
     pool_.on_this_thread();
-    pool_.reap(false);
     live_.add(b, e);
     for_chunks(b, e, [&](std::size_t c) {  // released, not unmapped yet: kept, after its release
       Chunk& k = chunks_[c];
@@ -345,19 +348,30 @@ inline void trim_pages() {
   pages_detail::Pool::get().trim();
 }
 
+namespace pages_detail {
+
+// The releasable buffer holding `range`, and the range's byte offsets in it (none: plain memory).
+struct Located {
+  PagedMemory* memory = nullptr;
+  std::size_t begin = 0, end = 0;
+};
+inline Located locate(const void* p, std::size_t bytes) {
+  PagedMemory* m = Pool::get().find(p);
+  if (m == nullptr) return {};
+  const auto b = static_cast<std::size_t>(static_cast<const std::byte*>(p) - static_cast<const std::byte*>(m->data()));
+  return {m, b, b + bytes};
+}
+
+}  // namespace pages_detail
+
 // Gives `range` back: zeroed where its chunks stay mapped, the others unmapped once `stream`
 // has passed this point. A range outside every releasable buffer is only zeroed.
 template <class T>
 void release_pages(std::span<T> range, cudaStream_t stream) {
   if (range.empty()) return;
-  PagedMemory* m = pages_detail::Pool::get().find(range.data());
-  if (m == nullptr) {
-    FIVED_CUDA_CHECK(cudaMemsetAsync(range.data(), 0, range.size_bytes(), stream));
-    return;
-  }
-  const std::size_t b = static_cast<std::size_t>(reinterpret_cast<const std::byte*>(range.data()) -
-                                                 static_cast<const std::byte*>(m->data()));
-  m->release(b, b + range.size_bytes(), stream);
+  const pages_detail::Located at = pages_detail::locate(range.data(), range.size_bytes());
+  if (at.memory == nullptr) FIVED_CUDA_CHECK(cudaMemsetAsync(range.data(), 0, range.size_bytes(), stream));
+  else at.memory->release(at.begin, at.end, stream);
 }
 
 // Before `range` is written on `stream` again: mapped, reading as zeros where it was given
@@ -365,22 +379,16 @@ void release_pages(std::span<T> range, cudaStream_t stream) {
 template <class T>
 void commit_pages(std::span<T> range, cudaStream_t stream) {
   if (range.empty()) return;
-  PagedMemory* m = pages_detail::Pool::get().find(range.data());
-  if (m == nullptr) return;
-  const std::size_t b = static_cast<std::size_t>(reinterpret_cast<const std::byte*>(range.data()) -
-                                                 static_cast<const std::byte*>(m->data()));
-  m->commit(b, b + range.size_bytes(), stream);
+  const pages_detail::Located at = pages_detail::locate(range.data(), range.size_bytes());
+  if (at.memory != nullptr) at.memory->commit(at.begin, at.end, stream);
 }
 
 // Bytes of device memory mapped under `range` (whole chunks; plain memory counts whole).
 template <class T>
 std::size_t resident_bytes(std::span<const T> range) {
   if (range.empty()) return 0;
-  PagedMemory* m = pages_detail::Pool::get().find(range.data());
-  if (m == nullptr) return range.size_bytes();
-  const std::size_t b = static_cast<std::size_t>(reinterpret_cast<const std::byte*>(range.data()) -
-                                                 static_cast<const std::byte*>(m->data()));
-  return m->resident(b, b + range.size_bytes());
+  const pages_detail::Located at = pages_detail::locate(range.data(), range.size_bytes());
+  return at.memory == nullptr ? range.size_bytes() : at.memory->resident(at.begin, at.end);
 }
 
 }  // namespace fived::cuda

@@ -152,10 +152,10 @@ class DataParallel {
     if constexpr (stage == 3) {  // the pieces are the parameters from now on
       for (std::size_t i = 0; i < plan::count; ++i)
         ops.copy(param_piece(i).data(), model_.params().data() + owned(i).begin, owned(i).size());
-      give_back(ops, model_.params());
+      ops.release_pages(model_.params());
     }
     if constexpr (stage >= 2) {
-      give_back(ops, model_.grads());
+      ops.release_pages(model_.grads());
       ops.trim_pages();  // the device holds what a step holds at once, no more
     }
   }
@@ -533,11 +533,9 @@ class DataParallel {
   static std::span<T> piece_of(buffer& v, std::size_t i) {
     return v.span().subspan(plan::bucket(i).shard_offset, plan::shard_size(i));
   }
-  // Done with `range` until it is written again, after the work queued on the stream of
-  // `ops`: its memory goes back (the host's to the system, reading as zeros; a device's to
-  // the pool of device/cuda_pages.hpp); take_back before the next write.
-  static void give_back(ops_type& ops, std::span<T> range) { ops.release_pages(range); }
-  static void take_back(ops_type& ops, std::span<T> range) { ops.commit_pages(range); }
+  // A unit's ranges of the model's buffers: ZeRO-2/3 give them back with Ops::release_pages
+  // once done (after the work queued on that Ops' stream) and take them back with
+  // commit_pages before the next write.
   std::span<T> unit_params(int u) { return model_.params().subspan(plan::unit(u).begin, plan::unit(u).size()); }
   std::span<T> unit_grads(int u) { return model_.grads().subspan(plan::unit(u).begin, plan::unit(u).size()); }
   std::span<T> param_piece(std::size_t i) { return piece_of(param_pieces_, i); }
@@ -600,7 +598,7 @@ class DataParallel {
     queue_.submit([this, u](ops_type& ops) {
       const FlatRange bs = plan::buckets_of(u);
       for (std::size_t i = bs.end; i-- > bs.begin;) reduce_bucket(ops, i);
-      if constexpr (stage >= 2) give_back(ops, unit_grads(u));  // the reduced gradient lives in the pieces now
+      if constexpr (stage >= 2) ops.release_pages(unit_grads(u));  // the reduced gradient lives in the pieces now
     }, async);
   }
 
@@ -611,7 +609,7 @@ class DataParallel {
     if (stage < 2 || !in_backward_ || grads_live_[static_cast<std::size_t>(u)]) return;
     grads_live_[static_cast<std::size_t>(u)] = true;
     hold(plan::unit(u).size());
-    take_back(model_.ops(), unit_grads(u));  // backward writes them on the compute stream
+    model_.ops().commit_pages(unit_grads(u));  // backward writes them on the compute stream
   }
 
   // ---- ZeRO-3 parameters ------------------------------------------------------------------
@@ -633,7 +631,7 @@ class DataParallel {
     gathered_[static_cast<std::size_t>(u)] = true;
     hold(plan::unit(u).size());
     gather_ticket_[static_cast<std::size_t>(u)] = queue_.submit([this, u](ops_type& ops) {
-      take_back(ops, unit_params(u));
+      ops.commit_pages(unit_params(u));
       const FlatRange bs = plan::buckets_of(u);
       for (std::size_t i = bs.begin; i < bs.end; ++i) gather_bucket(ops, i, param_piece(i), model_.params());
     }, async_);
@@ -643,7 +641,7 @@ class DataParallel {
   void release_params(int u) {
     if (!gathered_[static_cast<std::size_t>(u)]) return;
     gathered_[static_cast<std::size_t>(u)] = false;
-    give_back(model_.ops(), unit_params(u));  // after the kernels queued on it
+    model_.ops().release_pages(unit_params(u));  // after the kernels queued on it
     held_ -= plan::unit(u).size();
   }
 
