@@ -126,4 +126,24 @@ class WeightGradTape {
   std::size_t taken_ = 0;             // bytes of snapshots since the last run
 };
 
+// The tapes of the micro-batches between their backward_input and backward_weight: a tape is
+// taken by one and given back by the other, and a given-back tape keeps its arena for the
+// next (no allocation in a steady step).
+template <class Ops>
+class WeightGradTapes {
+ public:
+  int take() {
+    if (free_.empty()) free_.push_back(static_cast<int>(tapes_.size())), tapes_.emplace_back();
+    const int t = free_.back();
+    free_.pop_back();
+    return t;
+  }
+  void give_back(int t) { free_.push_back(t); }
+  WeightGradTape<Ops>& operator[](int t) { return tapes_[static_cast<std::size_t>(t)]; }
+
+ private:
+  std::vector<WeightGradTape<Ops>> tapes_;
+  std::vector<int> free_;
+};
+
 }  // namespace fived
