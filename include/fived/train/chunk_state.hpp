@@ -17,6 +17,7 @@
 
 #include "fived/train/checkpoint.hpp"
 #include "fived/train/saver.hpp"
+#include "fived/train/trainer_state.hpp"
 
 namespace fived::checkpoint {
 
@@ -27,9 +28,9 @@ void add_trainer_state(D& dp, Shard& w) {
   using L = typename D::layout;
   std::vector<TrainState> kinds{TrainState::params, TrainState::exp_avg, TrainState::exp_avg_sq};
   if constexpr (D::optimizer_type::has_master) kinds.push_back(TrainState::master);
-  for (const FlatRange& r : dp.save_ranges())
+  for (const FlatRange& r : save_ranges(dp))
     for (TrainState k : kinds)
-      dp.save_state(k, r, [&]<class U>(std::span<const U> v) {
+      save_state(dp, k, r, [&]<class U>(std::span<const U> v) {
         for (const ParamInfo& t : L::tensors) {
           const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
           if (b < e)
@@ -52,14 +53,14 @@ void add_chunk(Part& part, D& dp, Shard& w) {
   }
 }
 
-// What load_chunk takes: the state each trainer names (DataParallel::state_wanted), and the
+// What load_chunk takes: the state each trainer names (state_wanted, train/trainer_state.hpp), and the
 // MoE blocks' selection biases.
 template <class D, class Model>
 void want_chunk(D& dp, Restored<Model>& restored, int tp_rank, int ep_rank) {
   using Part = typename D::model_type;
   auto from = [&](auto& trainer) {
     using L = typename std::remove_reference_t<decltype(trainer)>::layout;
-    for (const auto& [k, r] : trainer.state_wanted()) restored.template want<L>(k, r, tp_rank, ep_rank);
+    for (const auto& [k, r] : state_wanted(trainer)) restored.template want<L>(k, r, tp_rank, ep_rank);
   };
   from(dp);
   if constexpr (Part::has_experts) {
@@ -73,7 +74,7 @@ template <class Part, class D, class Model>
 void load_chunk(Part& part, D& dp, const Restored<Model>& restored, int adam_step, int tp_rank, int ep_rank) {
   auto from = [&](auto& trainer) {
     using L = typename std::remove_reference_t<decltype(trainer)>::layout;
-    trainer.load_state([&](TrainState k, FlatRange r) { return restored.template values<L>(k, r, tp_rank, ep_rank); },
+    load_state(trainer, [&](TrainState k, FlatRange r) { return restored.template values<L>(k, r, tp_rank, ep_rank); },
                        adam_step);
   };
   from(dp);

@@ -15,7 +15,7 @@
 //   Host: a Worker thread (util/worker.hpp). submit(task, true) queues the task there and
 //         returns at once; submit(task, false) runs it on the calling thread. wait and
 //         drain block the calling thread.
-//   Cuda: train/cuda/comm_queue.hpp (nvcc). A second stream: submit records an event on
+//   Cuda: train/cuda_comm_queue.hpp (nvcc). A second stream: submit records an event on
 //         the compute stream, makes the side stream wait for it (the task sees every
 //         gradient computed so far), issues the task's kernels and collectives on the side
 //         stream and records a ticket event there; wait and drain make the COMPUTE STREAM

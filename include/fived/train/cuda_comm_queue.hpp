@@ -1,6 +1,10 @@
 #pragma once
 // CommQueue<T, Cuda>: the communication side of a step on a second CUDA stream (see
-// train/comm_queue.hpp). Device code: included by train/data_parallel.hpp under nvcc.
+// train/comm_queue.hpp). Included by train/bucket_shards.hpp under nvcc.
+//
+// It runs Ops<T, Cuda> (nn/cuda/ops.hpp), which is device code: CommQueue<T, Cuda> is
+// declared only when compiling with nvcc (a .cu file), like the kernels of kernels/cuda.hpp.
+// From host-compiled C++ this header gives train/comm_queue.hpp and the device layer alone.
 
 #include <cuda_runtime.h>
 
@@ -9,8 +13,10 @@
 #include <vector>
 
 #include "fived/device/cuda.hpp"
-#include "fived/nn/cuda/ops.hpp"
 #include "fived/train/comm_queue.hpp"
+
+#if defined(__CUDACC__)
+#include "fived/nn/cuda/ops.hpp"
 
 namespace fived {
 
@@ -56,3 +62,5 @@ class CommQueue<T, Cuda> {
 };
 
 }  // namespace fived
+
+#endif  // defined(__CUDACC__)
