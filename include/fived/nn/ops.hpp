@@ -74,6 +74,7 @@
 #include "fived/device/buffer.hpp"
 #include "fived/device/host_pages.hpp"
 #include "fived/kernels/host.hpp"
+#include "fived/nn/ops_kernels.hpp"
 
 namespace fived {
 
@@ -104,38 +105,16 @@ struct Ops<T, Host> {
 
   // ---- kernels ------------------------------------------------------------------------------
 
+  // Every kernel the devices forward alike (nn/ops_kernels.hpp), then the rest.
+#define FIVED_HOST_KERNEL(name, parameters, arguments) \
+  void name parameters { kernels::host::name arguments; }
+  FIVED_OPS_KERNELS(FIVED_HOST_KERNEL)
+#undef FIVED_HOST_KERNEL
+
   void matmul(T* out, const T* a, const T* b, const T* bias, int M, int N, int K, bool trans_a, bool trans_b,
               bool accumulate = false, Epilogue ep = Epilogue::none, T* pre_act = nullptr) {
     kernels::host::matmul(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act);
   }
-  void bias_backward(T* dbias, const T* dout, int M, int N) { kernels::host::bias_backward(dbias, dout, M, N); }
-  void layernorm_forward(T* out, stat_t* mean, stat_t* rstd, const T* inp, const T* weight, const T* bias, int N,
-                         int C) {
-    kernels::host::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
-  }
-  void layernorm_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp, const T* weight,
-                          const stat_t* mean, const stat_t* rstd, int N, int C) {
-    kernels::host::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
-  }
-  void rmsnorm_forward(T* out, stat_t* rstd, const T* inp, const T* weight, int N, int C) {
-    kernels::host::rmsnorm_forward(out, rstd, inp, weight, N, C);
-  }
-  void rmsnorm_backward(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight, const stat_t* rstd, int N,
-                        int C) {
-    kernels::host::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
-  }
-  void swiglu_forward(T* h, const T* gu, int N, int F) { kernels::host::swiglu_forward(h, gu, N, F); }
-  void swiglu_backward(T* dgu, const T* dh, const T* gu, int N, int F) { kernels::host::swiglu_backward(dgu, dh, gu, N, F); }
-  void rotary_forward(T* qkv, const stat_t* inv_freq, int N, int H, int KV, int hd, RowPositions pos) {
-    kernels::host::rotary_forward(qkv, inv_freq, N, H, KV, hd, pos);
-  }
-  void rotary_backward(T* dqkv, const stat_t* inv_freq, int N, int H, int KV, int hd, RowPositions pos) {
-    kernels::host::rotary_backward(dqkv, inv_freq, N, H, KV, hd, pos);
-  }
-  void gelu_backward(T* dinp, const T* inp, const T* dout, std::size_t n) {
-    kernels::host::gelu_backward(dinp, inp, dout, n);
-  }
-  void residual_forward(T* out, const T* a, const T* b, std::size_t n) { kernels::host::residual_forward(out, a, b, n); }
   void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH, int NKV) {
     kernels::host::attention_forward(out, lse, qkv, B, T_, C, NH, NKV);
   }
@@ -143,88 +122,15 @@ struct Ops<T, Host> {
                           int NH, int NKV) {
     kernels::host::attention_backward(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV);
   }
-  void attention_block_forward(stat_t* o, stat_t* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B,
-                               int n, int C, int NH, int NKV, bool causal, bool first) {
-    kernels::host::attention_block_forward(o, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal, first);
-  }
-  void attention_row_dot(stat_t* Dd, const T* dout, const T* out, int B, int n, int C, int NH) {
-    kernels::host::attention_row_dot(Dd, dout, out, B, n, C, NH);
-  }
-  void attention_block_backward(stat_t* dq, stat_t* dk, stat_t* dv, int lddkv, const T* dout, const stat_t* Dd,
-                                const stat_t* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B, int n,
-                                int C, int NH, int NKV, bool causal) {
-    kernels::host::attention_block_backward(dq, dk, dv, lddkv, dout, Dd, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV,
-                                            causal);
-  }
-  void embedding_forward(T* out, const int* tokens, const T* wte, int vocab_begin, int vocab_rows, const T* wpe, int B,
-                         int T_, int C) {
-    kernels::host::embedding_forward(out, tokens, wte, vocab_begin, vocab_rows, wpe, B, T_, C);
-  }
-  void embedding_backward(T* dwte, T* dwpe, const T* dout, const int* tokens, int B, int T_, int C, int vocab_begin,
-                          int vocab_rows) {
-    kernels::host::embedding_backward(dwte, dwpe, dout, tokens, B, T_, C, vocab_begin, vocab_rows);
-  }
-  void logits_max(stat_t* max, const T* logits, int N, int Vs, int offset, int V) {
-    kernels::host::logits_max(max, logits, N, Vs, offset, V);
-  }
-  void crossentropy_partials(stat_t* sumexp, stat_t* target_logit, const T* logits, const int* targets,
-                             const stat_t* max, int N, int Vs, int offset, int V) {
-    kernels::host::crossentropy_partials(sumexp, target_logit, logits, targets, max, N, Vs, offset, V);
-  }
-  void crossentropy_backward(stat_t* losses, T* dlogits, const T* logits, const int* targets, const stat_t* max,
-                             const stat_t* sumexp, const stat_t* target_logit, int N, int Vs, int offset, int V,
-                             double dloss) {
-    kernels::host::crossentropy_backward(losses, dlogits, logits, targets, max, sumexp, target_logit, N, Vs, offset, V,
-                                         dloss);
-  }
-  void crossentropy_fused(stat_t* losses, T* dlogits, stat_t* max, stat_t* sumexp, stat_t* target_logit,
-                          const T* logits, const int* targets, int N, int Vp, int V, double dloss) {
-    kernels::host::crossentropy_fused(losses, dlogits, max, sumexp, target_logit, logits, targets, N, Vp, V, dloss);
-  }
-  void adamw_update(T* param, adamw_state_t<T>* master, const T* grad, adamw_state_t<T>* m, adamw_state_t<T>* v,
-                    std::size_t n, double lr, double beta1, double beta2, double eps, double weight_decay, int step) {
-    kernels::host::adamw_update(param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step);
-  }
-  void gelu_forward(T* out, const T* inp, std::size_t n) { kernels::host::gelu_forward(out, inp, n); }
-  void scale(T* g, std::size_t n, double factor) { kernels::host::scale(g, n, factor); }
-  void to_fp32(float* dst, const T* src, std::size_t n) { kernels::host::to_fp32(dst, src, n); }
-  void from_acc(T* dst, const stat_t* src, std::size_t n) { kernels::host::from_acc(dst, src, n); }
   template <class U>
   void regroup(U* out, const U* in, std::int64_t outer, int n, std::int64_t block, kernels::host::Blocks how) {
     kernels::host::regroup(out, in, outer, n, block, how);
   }
 
-  // Mixture of experts (kernels/host/moe.hpp). dispatch_plan writes the per-expert counts
-  // to host memory (on CUDA it waits for them: the all-to-all's sizes are host values).
-  void router_scores(stat_t* scores, const T* logits, int N, int E, bool sigmoid) {
-    kernels::host::router_scores(scores, logits, N, E, sigmoid);
-  }
-  void router_topk(int* expert, stat_t* gate, const stat_t* scores, const float* bias, int N, int E, int k,
-                   bool renormalize) {
-    kernels::host::router_topk(expert, gate, scores, bias, N, E, k, renormalize);
-  }
+  // A mixture of experts' plan (kernels/host/moe.hpp) writes the per-expert counts to host
+  // memory (on CUDA it waits for them: the all-to-all's sizes are host values).
   void dispatch_plan(int* token_of, int* pos, int* host_counts, const int* expert, int N, int k, int E, int capacity) {
     kernels::host::dispatch_plan(token_of, pos, host_counts, expert, N, k, E, capacity);
-  }
-  void gather_rows(T* out, const T* x, const int* index, int rows, int C) {
-    kernels::host::gather_rows(out, x, index, rows, C);
-  }
-  void moe_combine(T* out, const T* y, const int* pos, const stat_t* gate, int N, int k, int C) {
-    kernels::host::moe_combine(out, y, pos, gate, N, k, C);
-  }
-  void moe_combine_backward(T* dy, stat_t* dgate, const T* dout, const T* y, const int* pos, const stat_t* gate, int N,
-                            int k, int C) {
-    kernels::host::moe_combine_backward(dy, dgate, dout, y, pos, gate, N, k, C);
-  }
-  void moe_dispatch_backward(T* dx, const T* dxp, const int* pos, int N, int k, int C) {
-    kernels::host::moe_dispatch_backward(dx, dxp, pos, N, k, C);
-  }
-  void router_backward(T* dlogits, const stat_t* dgate, const stat_t* scores, const int* expert, const stat_t* gate,
-                       const stat_t* daux, int N, int E, int k, bool renormalize, bool sigmoid) {
-    kernels::host::router_backward(dlogits, dgate, scores, expert, gate, daux, N, E, k, renormalize, sigmoid);
-  }
-  void router_score_sums(stat_t* sums, const stat_t* scores, int N, int E) {
-    kernels::host::router_score_sums(sums, scores, N, E);
   }
 
   // The sum of squares of every piece added since begin_sum_of_squares(), in double.

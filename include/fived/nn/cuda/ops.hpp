@@ -40,6 +40,7 @@
 #include <fived/device/cuda.hpp>
 #include <fived/kernels/cuda.hpp>
 #include <fived/nn/ops.hpp>
+#include <fived/nn/ops_kernels.hpp>
 
 namespace fived {
 
@@ -115,42 +116,15 @@ struct Ops<T, Cuda> {
 
   // ---- kernels ------------------------------------------------------------------------------
 
+  // Every kernel the devices forward alike (nn/ops_kernels.hpp), on this stream; then the rest.
+#define FIVED_CUDA_KERNEL(name, parameters, arguments) \
+  void name parameters { kernels::cuda::name(stream(), FIVED_OPS_ARGS arguments); }
+  FIVED_OPS_KERNELS(FIVED_CUDA_KERNEL)
+#undef FIVED_CUDA_KERNEL
+
   void matmul(T* out, const T* a, const T* b, const T* bias, int M, int N, int K, bool trans_a, bool trans_b,
               bool accumulate = false, Epilogue ep = Epilogue::none, T* pre_act = nullptr) {
     kernels::cuda::matmul(lt_, out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act);
-  }
-  void bias_backward(T* dbias, const T* dout, int M, int N) { kernels::cuda::bias_backward(stream(), dbias, dout, M, N); }
-  void layernorm_forward(T* out, stat_t* mean, stat_t* rstd, const T* inp, const T* weight, const T* bias, int N,
-                         int C) {
-    kernels::cuda::layernorm_forward(stream(), out, mean, rstd, inp, weight, bias, N, C);
-  }
-  void layernorm_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp, const T* weight,
-                          const stat_t* mean, const stat_t* rstd, int N, int C) {
-    kernels::cuda::layernorm_backward(stream(), dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
-  }
-  void rmsnorm_forward(T* out, stat_t* rstd, const T* inp, const T* weight, int N, int C) {
-    kernels::cuda::rmsnorm_forward(stream(), out, rstd, inp, weight, N, C);
-  }
-  void rmsnorm_backward(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight, const stat_t* rstd, int N,
-                        int C) {
-    kernels::cuda::rmsnorm_backward(stream(), dinp, dweight, dout, inp, weight, rstd, N, C);
-  }
-  void swiglu_forward(T* h, const T* gu, int N, int F) { kernels::cuda::swiglu_forward(stream(), h, gu, N, F); }
-  void swiglu_backward(T* dgu, const T* dh, const T* gu, int N, int F) {
-    kernels::cuda::swiglu_backward(stream(), dgu, dh, gu, N, F);
-  }
-  void rotary_forward(T* qkv, const stat_t* inv_freq, int N, int H, int KV, int hd, RowPositions pos) {
-    kernels::cuda::rotary_forward(stream(), qkv, inv_freq, N, H, KV, hd, pos);
-  }
-  void rotary_backward(T* dqkv, const stat_t* inv_freq, int N, int H, int KV, int hd, RowPositions pos) {
-    kernels::cuda::rotary_backward(stream(), dqkv, inv_freq, N, H, KV, hd, pos);
-  }
-  void gelu_forward(T* out, const T* inp, std::size_t n) { kernels::cuda::gelu_forward(stream(), out, inp, n); }
-  void gelu_backward(T* dinp, const T* inp, const T* dout, std::size_t n) {
-    kernels::cuda::gelu_backward(stream(), dinp, inp, dout, n);
-  }
-  void residual_forward(T* out, const T* a, const T* b, std::size_t n) {
-    kernels::cuda::residual_forward(stream(), out, a, b, n);
   }
   // bf16 attention runs through cuDNN's fused kernel where fived was built with it
   // (FIVED_WITH_CUDNN) and it takes the shape; fived's own kernel otherwise, or when
@@ -180,48 +154,6 @@ struct Ops<T, Cuda> {
 #endif
     return false;
   }
-  void attention_block_forward(stat_t* o, stat_t* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B,
-                               int n, int C, int NH, int NKV, bool causal, bool first) {
-    kernels::cuda::attention_block_forward(stream(), o, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal, first);
-  }
-  void attention_row_dot(stat_t* Dd, const T* dout, const T* out, int B, int n, int C, int NH) {
-    kernels::cuda::attention_row_dot(stream(), Dd, dout, out, B, n, C, NH);
-  }
-  void attention_block_backward(stat_t* dq, stat_t* dk, stat_t* dv, int lddkv, const T* dout, const stat_t* Dd,
-                                const stat_t* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B, int n,
-                                int C, int NH, int NKV, bool causal) {
-    kernels::cuda::attention_block_backward(stream(), dq, dk, dv, lddkv, dout, Dd, lse, q, k, v, ldq, ldkv, B, n, C, NH,
-                                            NKV, causal);
-  }
-  void embedding_forward(T* out, const int* tokens, const T* wte, int vocab_begin, int vocab_rows, const T* wpe, int B,
-                         int T_, int C) {
-    kernels::cuda::embedding_forward(stream(), out, tokens, wte, vocab_begin, vocab_rows, wpe, B, T_, C);
-  }
-  void embedding_backward(T* dwte, T* dwpe, const T* dout, const int* tokens, int B, int T_, int C, int vocab_begin,
-                          int vocab_rows) {
-    kernels::cuda::embedding_backward(stream(), dwte, dwpe, dout, tokens, B, T_, C, vocab_begin, vocab_rows);
-  }
-  void logits_max(stat_t* max, const T* logits, int N, int Vs, int offset, int V) {
-    kernels::cuda::logits_max(stream(), max, logits, N, Vs, offset, V);
-  }
-  void crossentropy_partials(stat_t* sumexp, stat_t* target_logit, const T* logits, const int* targets,
-                             const stat_t* max, int N, int Vs, int offset, int V) {
-    kernels::cuda::crossentropy_partials(stream(), sumexp, target_logit, logits, targets, max, N, Vs, offset, V);
-  }
-  void crossentropy_backward(stat_t* losses, T* dlogits, const T* logits, const int* targets, const stat_t* max,
-                             const stat_t* sumexp, const stat_t* target_logit, int N, int Vs, int offset, int V,
-                             double dloss) {
-    kernels::cuda::crossentropy_backward(stream(), losses, dlogits, logits, targets, max, sumexp, target_logit, N, Vs,
-                                         offset, V, dloss);
-  }
-  void crossentropy_fused(stat_t* losses, T* dlogits, stat_t* max, stat_t* sumexp, stat_t* target_logit,
-                          const T* logits, const int* targets, int N, int Vp, int V, double dloss) {
-    kernels::cuda::crossentropy_fused(stream(), losses, dlogits, max, sumexp, target_logit, logits, targets, N, Vp, V, dloss);
-  }
-  void adamw_update(T* param, float* master, const T* grad, float* m, float* v, std::size_t n, double lr, double beta1,
-                    double beta2, double eps, double weight_decay, int step) {
-    kernels::cuda::adamw_update(stream(), param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step);
-  }
   // The global gradient norm: pieces accumulate in float on the device, into a one-element
   // buffer this Ops owns; sum_of_squares() reads it back (waits for the stream, once).
   void begin_sum_of_squares() { sumsq_.zero(stream()); }
@@ -246,46 +178,16 @@ struct Ops<T, Cuda> {
     synchronize();
     return h;
   }
-  void to_fp32(float* dst, const T* src, std::size_t n) { kernels::cuda::to_fp32(stream(), dst, src, n); }
-  void from_acc(T* dst, const stat_t* src, std::size_t n) { kernels::cuda::from_acc(stream(), dst, src, n); }
   template <class U>
   void regroup(U* out, const U* in, std::int64_t outer, int n, std::int64_t block, kernels::cuda::Blocks how) {
     kernels::cuda::regroup(stream(), out, in, outer, n, block, how);
   }
-  void scale(T* g, std::size_t n, double factor) { kernels::cuda::scale(stream(), g, n, factor); }
 
   // Mixture of experts (kernels/cuda/moe.hpp). dispatch_plan writes the kept per-expert counts
   // to host memory and waits for the stream (the all-to-all's sizes are host values); its
   // sort and count buffers are kept here and grow only with N*k or E.
-  void router_scores(stat_t* scores, const T* logits, int N, int E, bool sigmoid) {
-    kernels::cuda::router_scores(stream(), scores, logits, N, E, sigmoid);
-  }
-  void router_topk(int* expert, stat_t* gate, const stat_t* scores, const float* bias, int N, int E, int k,
-                   bool renormalize) {
-    kernels::cuda::router_topk(stream(), expert, gate, scores, bias, N, E, k, renormalize);
-  }
   void dispatch_plan(int* token_of, int* pos, int* host_counts, const int* expert, int N, int k, int E, int capacity) {
     kernels::cuda::dispatch_plan(stream(), dispatch_, token_of, pos, host_counts, expert, N, k, E, capacity);
-  }
-  void gather_rows(T* out, const T* x, const int* index, int rows, int C) {
-    kernels::cuda::gather_rows(stream(), out, x, index, rows, C);
-  }
-  void moe_combine(T* out, const T* y, const int* pos, const stat_t* gate, int N, int k, int C) {
-    kernels::cuda::moe_combine(stream(), out, y, pos, gate, N, k, C);
-  }
-  void moe_combine_backward(T* dy, stat_t* dgate, const T* dout, const T* y, const int* pos, const stat_t* gate, int N,
-                            int k, int C) {
-    kernels::cuda::moe_combine_backward(stream(), dy, dgate, dout, y, pos, gate, N, k, C);
-  }
-  void moe_dispatch_backward(T* dx, const T* dxp, const int* pos, int N, int k, int C) {
-    kernels::cuda::moe_dispatch_backward(stream(), dx, dxp, pos, N, k, C);
-  }
-  void router_backward(T* dlogits, const stat_t* dgate, const stat_t* scores, const int* expert, const stat_t* gate,
-                       const stat_t* daux, int N, int E, int k, bool renormalize, bool sigmoid) {
-    kernels::cuda::router_backward(stream(), dlogits, dgate, scores, expert, gate, daux, N, E, k, renormalize, sigmoid);
-  }
-  void router_score_sums(stat_t* sums, const stat_t* scores, int N, int E) {
-    kernels::cuda::router_score_sums(stream(), sums, scores, N, E);
   }
 
   // ---- memory and staging ----------------------------------------------------------------------
