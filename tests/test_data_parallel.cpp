@@ -14,6 +14,7 @@
 #include <chrono>
 #include <mutex>
 #include <thread>
+#include <tuple>
 #include <cmath>
 #include <functional>
 #include <random>
@@ -747,6 +748,54 @@ TEST_CASE("ZeRO-3 with a model that takes UnitHooks but does not call them is an
     const std::string want = forget_all ? "never called UnitHooks::before_forward(0), so unit 0's parameters"
                                         : "never called UnitHooks::after_backward(1), so unit 1's parameters";
     for (const std::string& e : errors) CHECK(e.find(want) != std::string::npos);
+  }
+}
+
+// GptInit{.deferred = true}: the model writes no parameter, and ZeRO-3 computes only what
+// each rank owns. The pieces hold the eager model's values (bit for bit), so the runs agree
+// step for step; a forward before the trainer is refused; ZeRO-1 writes the whole buffer.
+TEST_CASE("ZeRO-3 initialises only the owned pieces of a deferred model, with the same values") {
+  using M = Mesh<DP<4>>;
+  using ModelT = GPT<cfg, M>;
+  GptInit deferred = init;
+  deferred.deferred = true;
+  auto run = [&]<class Policy>(const GptInit& how, Policy) {
+    std::vector<Run> runs(4);
+    std::vector<std::vector<float>> first(4), before(4);
+    host::run(4, [&](host::Comm& world) {
+      auto ctx = make_mesh_context<M>(world);
+      ModelT m(how);
+      const std::size_t r = static_cast<std::size_t>(ctx.rank());
+      before[r] = as_floats(std::span<const float>(m.params()));
+      std::vector<int> tok, tgt;
+      global_batch(0, 1, tok, tgt);
+      if (how.deferred) CHECK_THROWS_WITH_AS(m.forward(tok.data(), tgt.data(), B, T), doctest::Contains("deferred"),
+                                             std::logic_error);
+      DataParallel<ModelT, Policy, bucket_bytes> dp(m, ctx, hp);
+      const auto w = dp.full_params();
+      first[r] = as_floats(std::span<const float>(w));
+      for (int s = 0; s < steps; ++s) {
+        global_batch(s, 1, tok, tgt);
+        runs[r].losses.push_back(dp.step(tok, tgt, B, T));
+      }
+      const auto after = dp.full_params();
+      runs[r].params = as_floats(std::span<const float>(after));
+    });
+    return std::tuple{runs, first, before};
+  };
+  const auto [eager, eager_first, eager_before] = run(init, ZeRO<3>{});
+  const auto [lazy, lazy_first, lazy_before] = run(deferred, ZeRO<3>{});
+  const auto [lazy1, lazy1_first, lazy1_before] = run(deferred, ZeRO<1>{});
+  for (std::size_t r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    // Nothing was computed before the trainer, and the eager model held its values.
+    CHECK(std::all_of(lazy_before[r].begin(), lazy_before[r].end(), [](float x) { return x == 0.0f; }));
+    CHECK(eager_before[r] == eager_first[r]);
+    CHECK(lazy_first[r] == eager_first[r]);
+    CHECK(lazy1_first[r] == eager_first[r]);
+    CHECK(lazy[r].losses == eager[r].losses);
+    CHECK(lazy[r].params == eager[r].params);
+    CHECK(lazy1[r].losses.front() == eager[r].losses.front());
   }
 }
 

@@ -127,6 +127,10 @@ class Decoder : public DecoderParams<Arch, M, T, Device, SP, Part> {
   void enqueue_forward(const int* tokens, const int* targets, int B, int T_, const UnitHooks& hooks = {},
                        int slot = 0) {
     DecoderBatch<DecoderFacts<Arch, M, T, Device, SP, Part>>::check(tokens, targets, B, T_);
+    if (!this->params_written())
+      throw std::logic_error(std::string(Arch::name) +
+                             "::forward: the model was made with GptInit{.deferred = true}, so its parameters are "
+                             "written by its trainer: make the DataParallel (or Trainer) first");
     const int Tl = local_length(T_);
     Slot& a = slot_at(slot);
     if (a.tape >= 0)

@@ -78,6 +78,17 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
   std::vector<FlatRange> norm_parts(FlatRange r) const { return layout::norm_parts(r, tp_rank()); }
   double sum_over_tp(double s) { return comm_.all_reduce_host(s); }
 
+  // ---- initial values, when GptInit::deferred leaves them to the trainer ----------------------
+
+  // Whether the parameters wait for their trainer to write them (GptInit{.deferred = true}).
+  bool init_deferred() const { return init_.deferred && !init_written_; }
+  // The initial values of this rank's parameters [r), computed for those elements alone:
+  // the values a model made without deferred holds there.
+  std::vector<T> initial_params(FlatRange r) const { return initial<layout>(r, 0); }
+  // The trainer has written them where this rank keeps them.
+  void init_done() { init_written_ = true; }
+  const GptInit& init() const { return init_; }
+
   // ---- a mixture of experts ------------------------------------------------------------------
 
   // The expert buffers as a trainer sees a model (train/data_parallel.hpp drives them beside
@@ -103,6 +114,10 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
     std::vector<T> params_to_host() const { return m_.ops_.to_host(std::span<const T>(m_.expert_params_.span())); }
     std::vector<FlatRange> norm_parts(FlatRange r) const { return layout::norm_parts(r, m_.tp_rank()); }
     double sum_over_tp(double s) { return m_.ep_comm_.all_reduce_host(m_.comm_.all_reduce_host(s)); }
+    bool init_deferred() const { return m_.init_.deferred && !m_.experts_init_written_; }
+    std::vector<T> initial_params(FlatRange r) const { return m_.template initial<layout>(r, m_.ep_rank_); }
+    void init_done() { m_.experts_init_written_ = true; }
+    const GptInit& init() const { return m_.init_; }
 
    private:
     DecoderParams& m_;
@@ -184,7 +199,7 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
   // GptInit, this rank's piece element by element.
   DecoderParams(AxisComm<M, Axis::tp> comm, AxisComm<M, Axis::cp> cp_comm, ep_comm_type ep_comm, int ep_rank,
                 const GptInit& init)
-      : comm_(std::move(comm)), cp_comm_(std::move(cp_comm)), ep_comm_(std::move(ep_comm)), ep_rank_(ep_rank),
+      : comm_(std::move(comm)), cp_comm_(std::move(cp_comm)), ep_comm_(std::move(ep_comm)), ep_rank_(ep_rank), init_(init),
         params_(ops_.template make_buffer<T>(num_params, releasable_pages)),
         grads_(ops_.template make_buffer<T>(num_params, releasable_pages)),
         expert_params_(ops_.template make_buffer<T>(expert_layout::size, releasable_pages)),
@@ -193,10 +208,12 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
     comm_.set_compute_stream(stream_of(ops_));     // TP collectives in the order of the model's kernels
     cp_comm_.set_compute_stream(stream_of(ops_));  // and the ring's transfers
     ep_comm_.set_compute_stream(stream_of(ops_));  // and the experts' all-to-all
-    ops_.write_from_host(params_, [&](std::span<T> p) { init_params<layout>(p, tp_rank(), init); });
-    if constexpr (has_experts)
-      ops_.write_from_host(expert_params_,
-                           [&](std::span<T> p) { init_params<expert_layout>(p, tp_rank(), init, ep_rank_); });
+    if (!init.deferred) {
+      ops_.write_from_host(params_, [&](std::span<T> p) { init_params<layout>(p, tp_rank(), init); });
+      if constexpr (has_experts)
+        ops_.write_from_host(expert_params_,
+                             [&](std::span<T> p) { init_params<expert_layout>(p, tp_rank(), init, ep_rank_); });
+    }
     for (int i = 0; i < layout::count; ++i) p_at_[static_cast<std::size_t>(i)] = P(i), g_at_[static_cast<std::size_t>(i)] = G(i);
     for (int i = 0; i < expert_layout::count; ++i) {
       const std::size_t off = expert_layout::tensors[static_cast<std::size_t>(i)].offset;
@@ -224,6 +241,10 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
   }
   // Unit u's backward is done: under SP its partial gradients are summed over TP.
   void finish_unit(int u) { sp_partial_.finish(u, comm_, ops_, grads_.data()); }
+  // Whether forward may read the parameters: written at construction, or by the trainer.
+  bool params_written() const {
+    return !init_deferred() && (!has_experts || !init_.deferred || experts_init_written_);
+  }
 
   static StreamHandle stream_of(ops_type& ops) {
     if constexpr (on_host) return nullptr;
@@ -235,6 +256,8 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
   AxisComm<M, Axis::cp> cp_comm_;
   ep_comm_type ep_comm_;
   int ep_rank_ = 0;
+  GptInit init_;
+  bool init_written_ = false, experts_init_written_ = false;  // GptInit::deferred: by the trainer
   Buffer<T, Device> params_, grads_;
   Buffer<T, Device> expert_params_, expert_grads_;  // empty without a mixture of experts
   ExpertBalance<config, Device> balance_;           // rows per expert, AuxLossFreeBias's selection bias
@@ -243,6 +266,12 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
   std::array<T*, expert_layout::count> ep_at_{}, eg_at_{};  // the same for the experts
 
  private:
+  template <class Table>
+  std::vector<T> initial(FlatRange r, int ep_rank) const {
+    std::vector<T> v(r.size());
+    init_range<Table>(r, std::span<T>(v), tp_rank(), init_, ep_rank);
+    return v;
+  }
   std::vector<T> gather(const Buffer<T, Device>& local) {
     if constexpr (tp == 1) {
       return ops_.to_host(local.span());

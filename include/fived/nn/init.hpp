@@ -19,6 +19,7 @@
 // it does not depend on the number of layers or on tying. Values are computed in double (log, cos, sqrt)
 // and rounded once to the element type.
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -60,6 +61,10 @@ inline double standard_normal(std::uint64_t seed, std::uint64_t stream, std::uin
 struct GptInit {
   std::uint64_t seed = 1337;
   double std = 0.02;  // of weights and embeddings; c_proj weights get std / sqrt(2 * layers)
+  // The parameters are not written when the model is made: its trainer writes the elements
+  // this rank keeps (DataParallel: under ZeRO-3 only its owned pieces, computed for those
+  // elements alone), with the same values. A forward before that is an error.
+  bool deferred = false;
 };
 
 // The initial value of element `index` (row-major, whole-tensor shape) of a tensor in a
@@ -79,19 +84,33 @@ inline double init_value(const TensorSpec& t, int layers, const GptInit& how, st
   return 0.0;
 }
 
-// The flat buffer of TP rank tp_rank (and EP rank ep_rank) of a ParamTable, element by
-// element: every piece equals the same piece of the serial model's tensors.
+// Elements [r.begin, r.end) of the flat buffer of TP rank tp_rank (and EP rank ep_rank) of a
+// ParamTable, into out (r.size() elements; padding between tensors zero): every element
+// equals the same element of the serial model's tensors, computed for the range alone.
+template <class Table, class T>
+void init_range(FlatRange r, std::span<T> out, int tp_rank, const GptInit& how = {}, int ep_rank = 0) {
+  if (r.end > Table::size || out.size() != r.size())
+    throw std::invalid_argument("init_range: [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
+                                ") into " + std::to_string(out.size()) + " elements, in a layout of " +
+                                std::to_string(Table::size));
+  std::fill(out.begin(), out.end(), T{});
+  for (int i = 0; i < Table::count; ++i) {
+    const ParamInfo& t = Table::tensors[static_cast<std::size_t>(i)];
+    const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
+    for (std::size_t k = b; k < e; ++k)
+      out[k - r.begin] = static_cast<T>(init_value(
+          t.spec, Table::layers, how,
+          static_cast<std::size_t>(Table::global_index(i, tp_rank, static_cast<std::int64_t>(k - t.offset), ep_rank))));
+  }
+}
+
+// The whole flat buffer the same way.
 template <class Table, class T>
 void init_params(std::span<T> params, int tp_rank, const GptInit& how = {}, int ep_rank = 0) {
   if (params.size() != Table::size)
     throw std::invalid_argument("init_params: the buffer has " + std::to_string(params.size()) +
                                 " elements, the layout needs " + std::to_string(Table::size));
-  for (int i = 0; i < Table::count; ++i) {
-    const ParamInfo& t = Table::tensors[static_cast<std::size_t>(i)];
-    for (std::size_t j = 0; j < t.size(); ++j)
-      params[t.offset + j] = static_cast<T>(init_value(
-          t.spec, Table::layers, how, static_cast<std::size_t>(Table::global_index(i, tp_rank, static_cast<std::int64_t>(j), ep_rank))));
-  }
+  init_range<Table>(FlatRange{0, Table::size}, params, tp_rank, how, ep_rank);
 }
 
 }  // namespace fived

@@ -14,6 +14,8 @@
 // before the next write (commit_pages).
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -106,7 +108,8 @@ class BucketShards {
 
  protected:
   // comm: this rank's communicator of the gradient group, rank its index there; accum:
-  // micro-batches per step. Checks that the replicas start equal, then cuts the shards.
+  // micro-batches per step. Writes a deferred model's initial values (GptInit::deferred), checks
+  // that the replicas start equal, then cuts the shards.
   BucketShards(Model& model, MeshComm<group> comm, int rank, int accum)
       : model_(model), comm_(std::move(comm)), rank_(rank), accum_(accum), queue_(model.ops()) {
     if (accum < 1)
@@ -121,22 +124,56 @@ class BucketShards {
     gathered_.assign(plan::units, false);
     gather_ticket_.assign(plan::units, 0);
     grads_live_.assign(plan::units, false);
-    check_replicas_agree();
-    shard_state();
+    const bool deferred = init_deferred();
+    if (deferred) write_initial_params();
+    check_replicas_agree(deferred);
+    shard_state(deferred);
   }
 
-  void check_replicas_agree() {
+  // A model (or experts' view) made with GptInit{.deferred = true}: nothing written yet.
+  bool init_deferred() const {
+    if constexpr (requires { model_.init_deferred(); }) return model_.init_deferred();
+    else return false;
+  }
+  // Its initial values, written where this rank keeps them and computed for those elements
+  // alone: under ZeRO-3 its owned pieces (never the whole buffer), else the whole buffer.
+  void write_initial_params() {
+    if constexpr (requires { model_.initial_params(FlatRange{}); }) {
+      ops_type& ops = model_.ops();
+      if constexpr (stage == 3) {
+        for (std::size_t i = 0; i < plan::count; ++i) {
+          const std::vector<T> v = model_.initial_params(owned(i));
+          ops.upload(param_piece(i).data(), v.data(), v.size());
+        }
+      } else {
+        const std::vector<T> v = model_.initial_params(FlatRange{0, layout::size});
+        ops.upload(model_.params().data(), v.data(), v.size());
+      }
+      model_.init_done();
+    }
+  }
+
+  // The ranks compare a hash of their first weights, or of what a deferred model's will be
+  // (its GptInit: under ZeRO-3 no rank holds them whole).
+  void check_replicas_agree(bool deferred) {
     if constexpr (DP > 1 && requires { model_.params_to_host(); }) {
+      if constexpr (requires { model_.init().seed; }) {
+        if (deferred) {
+          const std::array<std::uint64_t, 2> init{model_.init().seed, std::bit_cast<std::uint64_t>(model_.init().std)};
+          return check_replicas_agree_over(comm_, std::span<const std::uint64_t>(init));
+        }
+      }
       const std::vector<T> p = model_.params_to_host();
       check_replicas_agree_over(comm_, std::span<const T>(p));
     }
   }
 
-  void shard_state() {
+  void shard_state(bool deferred) {
     ops_type& ops = model_.ops();
-    if constexpr (stage == 3) {  // the pieces are the parameters from now on
-      for (std::size_t i = 0; i < plan::count; ++i)
-        ops.copy(param_piece(i).data(), model_.params().data() + owned(i).begin, owned(i).size());
+    if constexpr (stage == 3) {  // the pieces are the parameters from now on (a deferred model's: written)
+      if (!deferred)
+        for (std::size_t i = 0; i < plan::count; ++i)
+          ops.copy(param_piece(i).data(), model_.params().data() + owned(i).begin, owned(i).size());
       ops.release_pages(model_.params());
     }
     if constexpr (stage >= 2) {
