@@ -17,8 +17,8 @@
 //     received) and keeps d(input) for the send back;
 //   - issues a communication action and the ones joined to it as one grouped send_recv over
 //     the PP communicator (two neighbours that both send first cannot block each other);
-//   - drives each chunk's DataParallel (train/data_parallel.hpp) through the step in pieces:
-//     begin_step, the hooks, begin/end_backward around every backward or W (the chunk's M-th
+//   - drives each chunk's DataParallel (train/data_parallel.hpp) through the step in pieces,
+//     in the frame every step runs (pipeline/step_frame.hpp; DataParallel::step too): begin_step, the hooks, begin/end_backward around every backward or W (the chunk's M-th
 //     is the one NoZeRO and ZeRO-1 reduce), end_micro_batches; then the clip over every
 //     parameter of the pipeline (summed over the chunks and over PP) and each AdamW update;
 //   - returns the mean loss over the M micro-batches and the data-parallel group, on every
@@ -52,6 +52,7 @@
 #include "fived/pipeline/slot_book.hpp"
 #include "fived/pipeline/tied_grads.hpp"
 #include "fived/pipeline/stages.hpp"
+#include "fived/pipeline/step_frame.hpp"
 #include "fived/pipeline/table.hpp"
 
 namespace fived::pipeline {
@@ -77,7 +78,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   Executor(Shape shape, int rank, std::vector<Action> program, C& pp, std::tuple<Models&...> chunks,
            std::tuple<Trainers&...> trainers)
       : shape_(shape), rank_(rank), program_(std::move(program)), M_(shape.micro_batches), pp_(pp), chunks_(chunks),
-        trainers_(trainers), backwards_(V, 0) {
+        trainers_(trainers), frame_(shape.micro_batches, trainers) {
     if (!shape_.valid() || shape_.chunks != V || rank < 0 || rank >= shape_.ranks)
       throw std::invalid_argument("pipeline::Executor: rank " + std::to_string(rank) + " with " + std::to_string(V) +
                                   " model chunks does not fit the schedule's shape (" + std::to_string(shape_.ranks) +
@@ -131,11 +132,10 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     b_ = static_cast<int>(mine.size()), T_ = seq;
     tokens_ = tokens, targets_ = targets, row0_ = mine.begin, B_ = B;
     reserve_boundaries();
-    for_each_chunk([&]<int c>(auto& model, auto& dp) {
-      dp.begin_step();
+    frame_.begin();
+    for_each_chunk([&]<int c>(auto& model, auto&) {
       if constexpr (std::remove_reference_t<decltype(model)>::has_head) model.ops().begin_loss_sum();
     });
-    std::fill(backwards_.begin(), backwards_.end(), 0);
     book_->begin_step();
 
     const std::span<const Action> program(program_);
@@ -149,9 +149,9 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     // The host waited for no device work until here: a rank blocked on its device while its
     // neighbour needs it inside NCCL (a p2p connection is set up at first use, by both hosts)
     // would hang the pipeline.
+    frame_.end();
     double loss = 0;
-    for_each_chunk([&]<int c>(auto& model, auto& dp) {
-      dp.end_micro_batches();
+    for_each_chunk([&]<int c>(auto& model, auto&) {
       if constexpr (std::remove_reference_t<decltype(model)>::has_head)
         loss = model.ops().loss_sum() / (static_cast<double>(b_) * model.local_length(T_));
     });
@@ -162,10 +162,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   // After reduce(): the clip over every parameter of the pipeline (each chunk's part of the
   // norm, summed over PP) and each chunk's AdamW step.
   void update() {
-    double sumsq = 0;
-    for_each_chunk([&]<int c>(auto&, auto& dp) { sumsq += dp.grad_sum_of_squares(); });
-    sumsq = all_reduce_pp(sumsq);
-    for_each_chunk([&]<int c>(auto&, auto& dp) { dp.update(sumsq); });
+    frame_.update([&](double sumsq) { return all_reduce_pp(sumsq); });
   }
 
   // Activation slots chunk c holds: the most micro-batches it keeps in flight.
@@ -206,7 +203,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
         }
         case Op::weight_grad:  // else computed with the input part (see the top of this file)
           if constexpr (splits_backward<Model>)
-            gradients_made(c, dp, [&] { model.backward_weight(dp.hooks(), slot(c, s.mb, false)); });
+            frame_.gradients(c, dp, [&] { model.backward_weight(dp.hooks(), slot(c, s.mb, false)); });
           done_with(c, s.mb);
           break;
         default:
@@ -289,16 +286,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   void backward_at(Op op, int c, Model& model, Trainer& dp, int k) {
     if constexpr (splits_backward<Model>)
       if (op == Op::input_grad) return model.backward_input(dp.hooks(), k);
-    gradients_made(c, dp, [&] { model.backward(dp.hooks(), k); });
-  }
-
-  // A backward that writes chunk c's parameter gradients (the whole one, or the weight
-  // half), inside its DataParallel's begin/end_backward: the chunk's M-th is the step's last.
-  template <class Trainer, class F>
-  void gradients_made(int c, Trainer& dp, F&& backward) {
-    dp.begin_backward(++backwards_[static_cast<std::size_t>(c)] == M_);
-    backward();
-    dp.end_backward();
+    frame_.gradients(c, dp, [&] { model.backward(dp.hooks(), k); });
   }
 
   template <class Model>
@@ -375,7 +363,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   C& pp_;
   std::tuple<Models&...> chunks_;
   std::tuple<Trainers&...> trainers_;
-  std::vector<int> backwards_;    // per chunk: backwards run this step
+  StepFrame<Trainers...> frame_;  // begin, each backward's bracket, end, the clip and the updates
   std::optional<SlotBook> book_;  // which slot each micro-batch holds (made once the program is checked)
   std::vector<Buffer<T, Device>> grad_in_, grad_out_;
   std::size_t boundary_capacity_ = 0;

@@ -66,6 +66,7 @@
 #include "fived/mesh/context.hpp"
 #include "fived/model/unit_hooks.hpp"
 #include "fived/optim/adamw.hpp"
+#include "fived/pipeline/step_frame.hpp"
 #include "fived/train/bucket_trainer.hpp"
 #include "fived/train/zero_policy.hpp"
 
@@ -125,7 +126,7 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
                               "micro-batch as backward finishes it");
     if constexpr (moe) experts_->reduce_all();
     Dense::reduce_all();
-    return optimizer_step();
+    return update(grad_sum_of_squares());  // every parameter is here
   }
 
   // Rows of each micro-batch that data rank r reads: [r*B/D, (r+1)*B/D), D the mesh's DP
@@ -156,29 +157,32 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
                                   std::to_string(want) + " ids (got " + std::to_string(tokens.size()) + " and " +
                                   std::to_string(targets.size()) + ")");
     const int b = static_cast<int>(mine.size());
-    begin_step();
+    Model& model = this->model();
+    // The frame every schedule's step runs (pipeline/step_frame.hpp): this is the one-stage
+    // schedule, forward and backward of each micro-batch in turn.
+    pipeline::StepFrame<DataParallel> frame(accum(), std::tie(*this));
+    frame.begin();
     double loss = 0;
     for (int k = 0; k < accum(); ++k) {
       const std::size_t off = (static_cast<std::size_t>(k) * static_cast<std::size_t>(B) + mine.begin) *
                               static_cast<std::size_t>(T_);
-      // The loss is read after backward is queued: on a device the host then waits while
-      // backward runs, not before it.
-      if constexpr (has_hooks) {
-        this->model().enqueue_forward(tokens.data() + off, targets.data() + off, b, T_, hooks());
-        begin_backward(k == accum() - 1);
-        this->model().backward(hooks());
-      } else {
-        this->model().enqueue_forward(tokens.data() + off, targets.data() + off, b, T_);
-        begin_backward(k == accum() - 1);
-        for (int u = 0; u < plan::units; ++u) this->grads_in_use(u);
-        this->model().backward();
-      }
-      loss += this->model().loss();
-      end_backward();
+      if constexpr (has_hooks) model.enqueue_forward(tokens.data() + off, targets.data() + off, b, T_, hooks());
+      else model.enqueue_forward(tokens.data() + off, targets.data() + off, b, T_);
+      frame.gradients(0, *this, [&] {
+        if constexpr (has_hooks) {
+          model.backward(hooks());
+        } else {
+          for (int u = 0; u < plan::units; ++u) this->grads_in_use(u);
+          model.backward();
+        }
+        // Read after backward is queued: on a device the host then waits while backward
+        // runs, not before it.
+        loss += model.loss();
+      });
     }
-    end_micro_batches();
+    frame.end();
     loss = this->average(loss / accum());
-    optimizer_step();
+    frame.update([](double sumsq) { return sumsq; });  // every parameter is here
     return loss;
   }
 
@@ -232,9 +236,6 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
   expert_trainer& experts() requires moe { return *experts_; }
 
  private:
-  // The step of a model that holds every parameter of the run: its own norm, then update().
-  double optimizer_step() { return update(this->optimizer().hp.max_norm > 0 ? grad_sum_of_squares() : 0.0); }
-
   // The model's hooks: the dense trainer's, then the experts'.
   void wire_hooks() {
     const UnitHooks& d = Dense::hooks();
