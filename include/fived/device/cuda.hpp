@@ -38,75 +38,79 @@ inline int device_count() noexcept {
   return n;
 }
 
+// A move-only owner of a CUDA handle (a stream, an event, pinned host memory), given back
+// once, by `Destroy`, when its owner goes: what Stream, Event and the pinned staging of
+// nn/cuda/ops.hpp hold, so each of them moves by default.
+template <class H, auto Destroy>
+class UniqueHandle {
+ public:
+  UniqueHandle() = default;
+  explicit UniqueHandle(H h) noexcept : h_(h) {}
+  UniqueHandle(UniqueHandle&& o) noexcept : h_(std::exchange(o.h_, H{})) {}
+  UniqueHandle& operator=(UniqueHandle&& o) noexcept {
+    if (this != &o) reset(std::exchange(o.h_, H{}));
+    return *this;
+  }
+  UniqueHandle(const UniqueHandle&) = delete;
+  UniqueHandle& operator=(const UniqueHandle&) = delete;
+  ~UniqueHandle() { reset(); }
+
+  H get() const noexcept { return h_; }
+  // Gives the handle held back (errors ignored: nothing to do about them here) and takes h.
+  void reset(H h = H{}) noexcept {
+    if (h_ != H{}) (void)Destroy(h_);
+    h_ = h;
+  }
+
+ private:
+  H h_{};
+};
+
 // Owning, move-only cudaStream_t (created non-blocking: no implicit
 // synchronisation with the legacy default stream).
 class Stream {
  public:
-  Stream() { FIVED_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  Stream() : Stream(cudaStreamNonBlocking) {}
   explicit Stream(unsigned flags, int priority = 0) {
-    FIVED_CUDA_CHECK(cudaStreamCreateWithPriority(&s_, flags, priority));
+    cudaStream_t s = nullptr;
+    FIVED_CUDA_CHECK(cudaStreamCreateWithPriority(&s, flags, priority));
+    s_.reset(s);
   }
-  Stream(Stream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
-  Stream& operator=(Stream&& o) noexcept {
-    if (this != &o) {
-      reset();
-      s_ = std::exchange(o.s_, nullptr);
-    }
-    return *this;
-  }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  ~Stream() { reset(); }
 
-  cudaStream_t get() const noexcept { return s_; }
-  operator cudaStream_t() const noexcept { return s_; }  // NOLINT(google-explicit-constructor)
-  void synchronize() const { FIVED_CUDA_CHECK(cudaStreamSynchronize(s_)); }
+  cudaStream_t get() const noexcept { return s_.get(); }
+  operator cudaStream_t() const noexcept { return s_.get(); }  // NOLINT(google-explicit-constructor)
+  void synchronize() const { FIVED_CUDA_CHECK(cudaStreamSynchronize(s_.get())); }
 
  private:
-  void reset() noexcept {
-    if (s_ != nullptr) (void)cudaStreamDestroy(s_);
-    s_ = nullptr;
-  }
-  cudaStream_t s_ = nullptr;
+  UniqueHandle<cudaStream_t, cudaStreamDestroy> s_;
 };
 
 // Owning, move-only cudaEvent_t. Timing is on by default (for benchmarks);
 // pass cudaEventDisableTiming for pure ordering events.
 class Event {
  public:
-  explicit Event(unsigned flags = cudaEventDefault) { FIVED_CUDA_CHECK(cudaEventCreateWithFlags(&e_, flags)); }
-  Event(Event&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
-  Event& operator=(Event&& o) noexcept {
-    if (this != &o) {
-      reset();
-      e_ = std::exchange(o.e_, nullptr);
-    }
-    return *this;
+  explicit Event(unsigned flags = cudaEventDefault) {
+    cudaEvent_t e = nullptr;
+    FIVED_CUDA_CHECK(cudaEventCreateWithFlags(&e, flags));
+    e_.reset(e);
   }
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-  ~Event() { reset(); }
 
-  cudaEvent_t get() const noexcept { return e_; }
-  operator cudaEvent_t() const noexcept { return e_; }  // NOLINT(google-explicit-constructor)
-  void record(cudaStream_t stream) { FIVED_CUDA_CHECK(cudaEventRecord(e_, stream)); }
-  void synchronize() const { FIVED_CUDA_CHECK(cudaEventSynchronize(e_)); }
+  cudaEvent_t get() const noexcept { return e_.get(); }
+  operator cudaEvent_t() const noexcept { return e_.get(); }  // NOLINT(google-explicit-constructor)
+  void record(cudaStream_t stream) { FIVED_CUDA_CHECK(cudaEventRecord(e_.get(), stream)); }
+  void synchronize() const { FIVED_CUDA_CHECK(cudaEventSynchronize(e_.get())); }
   // Makes `stream` wait for the work recorded in this event.
-  void wait_on(cudaStream_t stream) const { FIVED_CUDA_CHECK(cudaStreamWaitEvent(stream, e_, 0)); }
+  void wait_on(cudaStream_t stream) const { FIVED_CUDA_CHECK(cudaStreamWaitEvent(stream, e_.get(), 0)); }
   // Milliseconds between two recorded (timing) events; waits for `end`.
   static float elapsed_ms(const Event& start, const Event& end) {
     end.synchronize();
     float ms = 0;
-    FIVED_CUDA_CHECK(cudaEventElapsedTime(&ms, start.e_, end.e_));
+    FIVED_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), end.get()));
     return ms;
   }
 
  private:
-  void reset() noexcept {
-    if (e_ != nullptr) (void)cudaEventDestroy(e_);
-    e_ = nullptr;
-  }
-  cudaEvent_t e_ = nullptr;
+  UniqueHandle<cudaEvent_t, cudaEventDestroy> e_;
 };
 
 }  // namespace fived::cuda

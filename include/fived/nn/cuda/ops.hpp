@@ -51,44 +51,28 @@ namespace ops_detail {
 class PinnedStaging {
  public:
   PinnedStaging() : done_(cudaEventDisableTiming) {}
-  PinnedStaging(PinnedStaging&& o) noexcept
-      : p_(std::exchange(o.p_, nullptr)), cap_(std::exchange(o.cap_, 0)), done_(std::move(o.done_)) {}
-  PinnedStaging& operator=(PinnedStaging&& o) noexcept {
-    if (this != &o) {
-      release();
-      p_ = std::exchange(o.p_, nullptr);
-      cap_ = std::exchange(o.cap_, 0);
-      done_ = std::move(o.done_);
-    }
-    return *this;
-  }
-  PinnedStaging(const PinnedStaging&) = delete;
-  PinnedStaging& operator=(const PinnedStaging&) = delete;
-  ~PinnedStaging() { release(); }
 
   // Copies host[0, bytes) to device memory dst on `stream`, without waiting for the stream.
   void upload(void* dst, const void* host, std::size_t bytes, cudaStream_t stream) {
     if (bytes == 0) return;
     done_.synchronize();  // the previous copy out of the staging memory has finished
-    if (bytes > cap_) {
-      release();
-      FIVED_CUDA_CHECK(cudaMallocHost(&p_, bytes));
+    if (bytes > cap_ || p_.get() == nullptr) {
+      p_.reset();
+      cap_ = 0;
+      void* p = nullptr;
+      FIVED_CUDA_CHECK(cudaMallocHost(&p, bytes));
+      p_.reset(p);
       cap_ = bytes;
     }
-    std::memcpy(p_, host, bytes);
-    FIVED_CUDA_CHECK(cudaMemcpyAsync(dst, p_, bytes, cudaMemcpyHostToDevice, stream));
+    std::memcpy(p_.get(), host, bytes);
+    FIVED_CUDA_CHECK(cudaMemcpyAsync(dst, p_.get(), bytes, cudaMemcpyHostToDevice, stream));
     done_.record(stream);
   }
 
  private:
-  void release() noexcept {
-    if (p_ != nullptr) (void)cudaFreeHost(p_);
-    p_ = nullptr;
-    cap_ = 0;
-  }
-  void* p_ = nullptr;
-  std::size_t cap_ = 0;
-  cuda::Event done_;  // recorded after each copy; an unrecorded event counts as complete
+  cuda::UniqueHandle<void*, cudaFreeHost> p_;
+  std::size_t cap_ = 0;  // bytes p_ holds
+  cuda::Event done_;     // recorded after each copy; an unrecorded event counts as complete
 };
 
 }  // namespace ops_detail
