@@ -8,7 +8,7 @@
 // A configuration is read through `gpt_dims<Cfg>`, which checks it (static_assert with a
 // sentence) and derives the sizes the model needs (head size, padded vocabulary, ...).
 // Nothing in a configuration is a run-time value: every parameter offset follows from it
-// at compile time (nn/layout.hpp).
+// at compile time (nn/param_table.hpp).
 
 #include <type_traits>
 

@@ -2,14 +2,9 @@
 // A decoder-only transformer on a mesh, composed from a block type: embedding -> blocks ->
 // final norm -> head (tied to the embedding or its own) with the fused loss. One class for
 // every architecture, parallel layout and device; an architecture says what its block is
-// (nn/gpt.hpp: GPT-2's pre-norm block; examples/custom_model.cpp: parallel blocks).
+// (nn/gpt.hpp: GPT-2's pre-norm block; examples/custom_model.cpp: parallel blocks; an
+// architecture type names its config, block and name: docs/model.md, "Writing a model").
 //
-//   struct MyArch {
-//     using config = my_config;          // a gpt_config: widths, vocabulary, experts, recompute
-//     using block = MyBlock<my_config>;  // the block type (below, and docs/model.md)
-//     static constexpr const char* name = "MyModel";
-//     static constexpr plan::Transformer plan_shape();  // optional: for the planner
-//   };
 //   fived::Decoder<MyArch, Mesh<TP<2>>, float, Host, SequenceParallel> model(ctx, GptInit{.seed = 1});
 //
 // Decoder<Arch, M, T, Device, SP, Part>: the architecture, the mesh (its TP, CP and EP axes
@@ -40,8 +35,8 @@
 //
 // Device: Host (T = float, double or bf16) or Cuda (T = float or bf16; include
 // <fived/nn/cuda/ops.hpp> first, in a .cu file compiled by nvcc). On Cuda, forward() takes
-// host token ids and waits for the loss (enqueue_forward() does not); params(), grads(),
-// param(), grad() and logits() are spans over DEVICE memory; *_to_host() copy.
+// host token ids and waits for the loss (enqueue_forward() does not); logits() and the
+// buffers (nn/decoder_params.hpp) are spans over DEVICE memory; *_to_host() copy.
 
 #include <array>
 #include <cstddef>
@@ -73,9 +68,9 @@ class Decoder : public DecoderParams<Arch, M, T, Device, SP, Part> {
   // found unqualified; public as they are there.)
   using typename Params::dims, typename Params::specs, typename Params::expert_specs, typename Params::step_type,
       typename Params::ops_type, typename Params::recompute, typename Params::layout;
-  using Params::tp, Params::cp, Params::C, Params::V, Params::Vp, Params::max_seq, Params::blocks,
-      Params::first_layer, Params::has_embedding, Params::has_head, Params::has_experts, Params::has_router_bias,
-      Params::on_host, Params::local_length;
+  using Params::tp, Params::cp, Params::C, Params::V, Params::Vp, Params::blocks, Params::first_layer,
+      Params::has_embedding, Params::has_head, Params::has_experts, Params::has_router_bias, Params::on_host,
+      Params::local_length;
 
   template <class P>
   using part = Decoder<Arch, M, T, Device, SP, P>;  // the same model holding other layers
@@ -128,9 +123,8 @@ class Decoder : public DecoderParams<Arch, M, T, Device, SP, Part> {
                        int slot = 0) {
     DecoderBatch<DecoderFacts<Arch, M, T, Device, SP, Part>>::check(tokens, targets, B, T_);
     if (!this->params_written())
-      throw std::logic_error(std::string(Arch::name) +
-                             "::forward: the model was made with GptInit{.deferred = true}, so its parameters are "
-                             "written by its trainer: make the DataParallel (or Trainer) first");
+      throw std::logic_error(std::string(Arch::name) + "::forward: the model was made with GptInit{.deferred = "
+                             "true}, so its trainer writes its parameters: make the DataParallel first");
     const int Tl = local_length(T_);
     Slot& a = slot_at(slot);
     if (a.tape >= 0)

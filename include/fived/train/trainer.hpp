@@ -303,19 +303,12 @@ class Trainer {
           tp_rank_(mesh::tp_group::index(ctx.rank())),
           ep_rank_(mesh::expert_group::index(ctx.rank())) {
       [&]<std::size_t... c>(std::index_sequence<c...>) {
-        ((std::get<c>(models_) = std::make_unique<chunk<c>>(ctx, deferred_under_zero3(init))), ...);
+        ((std::get<c>(models_) = std::make_unique<chunk<c>>(ctx, init_under<Policy>(init))), ...);
         ((std::get<c>(trainers_) = std::make_unique<DataParallel<chunk<c>, Policy>>(*std::get<c>(models_), ctx, cfg.adamw, M)),
          ...);
         executor_.emplace(shape, R, programme(), ctx.template comm<Axis::pp>(), std::tie(*std::get<c>(models_)...),
                           std::tie(*std::get<c>(trainers_)...));
       }(chunks{});
-    }
-
-    // ZeRO-3 keeps a piece of each parameter: the parts leave theirs unwritten and each
-    // DataParallel initialises its owned pieces alone (nn/init.hpp, GptInit::deferred).
-    static init_type deferred_under_zero3(init_type init) {
-      if constexpr (Policy::stage == 3 && requires { init.deferred; }) init.deferred = true;
-      return init;
     }
 
     double step(std::span<const int> tokens, std::span<const int> targets, int B, int T) override {

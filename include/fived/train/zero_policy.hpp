@@ -58,4 +58,13 @@ concept HasExperts = requires(Model& m) {
   m.experts();
 };
 
+// How a model is made to be trained under Policy: under ZeRO-3, which keeps a piece of each
+// parameter, with its parameters left unwritten (GptInit::deferred, nn/init.hpp) for its
+// DataParallel to initialise its owned pieces alone.
+template <class Policy, class Init>
+Init init_under(Init init) {
+  if constexpr (Policy::stage == 3 && requires { init.deferred; }) init.deferred = true;
+  return init;
+}
+
 }  // namespace fived
