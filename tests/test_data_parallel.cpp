@@ -797,6 +797,19 @@ TEST_CASE("ZeRO-3 initialises only the owned pieces of a deferred model, with th
     CHECK(lazy[r].params == eager[r].params);
     CHECK(lazy1[r].losses.front() == eager[r].losses.front());
   }
+  // Deferred ranks with different seeds hold no whole weights to compare: the initial values
+  // of the first bucket are compared instead, and the difference is still refused.
+  std::vector<std::string> errors(4);
+  host::run(4, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    ModelT m(GptInit{.seed = 1u + static_cast<unsigned>(ctx.rank() == 3), .deferred = true});
+    try {
+      DataParallel<ModelT, ZeRO<3>, bucket_bytes> dp(m, ctx, hp);
+    } catch (const std::invalid_argument& e) {
+      errors[static_cast<std::size_t>(ctx.rank())] = e.what();
+    }
+  });
+  for (const std::string& e : errors) CHECK(e.find("hold different initial weights") != std::string::npos);
 }
 
 TEST_CASE("a global batch that does not divide over DP is an error") {

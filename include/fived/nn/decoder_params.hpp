@@ -87,7 +87,6 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
   std::vector<T> initial_params(FlatRange r) const { return initial<layout>(r, 0); }
   // The trainer has written them where this rank keeps them.
   void init_done() { init_written_ = true; }
-  const GptInit& init() const { return init_; }
 
   // ---- a mixture of experts ------------------------------------------------------------------
 
@@ -117,7 +116,6 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
     bool init_deferred() const { return m_.init_.deferred && !m_.experts_init_written_; }
     std::vector<T> initial_params(FlatRange r) const { return m_.template initial<layout>(r, m_.ep_rank_); }
     void init_done() { m_.experts_init_written_ = true; }
-    const GptInit& init() const { return m_.init_; }
 
    private:
     DecoderParams& m_;

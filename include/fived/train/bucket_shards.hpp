@@ -14,8 +14,6 @@
 // before the next write (commit_pages).
 
 #include <algorithm>
-#include <array>
-#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -136,34 +134,27 @@ class BucketShards {
     else return false;
   }
   // Its initial values, written where this rank keeps them and computed for those elements
-  // alone: under ZeRO-3 its owned pieces (never the whole buffer), else the whole buffer.
+  // alone, a bucket at a time (host staging of one bucket): under ZeRO-3 its owned pieces
+  // (never the whole buffer), else every bucket.
   void write_initial_params() {
     if constexpr (requires { model_.initial_params(FlatRange{}); }) {
-      ops_type& ops = model_.ops();
-      if constexpr (stage == 3) {
-        for (std::size_t i = 0; i < plan::count; ++i) {
-          const std::vector<T> v = model_.initial_params(owned(i));
-          ops.upload(param_piece(i).data(), v.data(), v.size());
-        }
-      } else {
-        const std::vector<T> v = model_.initial_params(FlatRange{0, layout::size});
-        ops.upload(model_.params().data(), v.data(), v.size());
+      for (std::size_t i = 0; i < plan::count; ++i) {
+        const FlatRange r = stage == 3 ? owned(i) : plan::bucket(i).range;
+        const std::vector<T> v = model_.initial_params(r);
+        model_.ops().upload(stage == 3 ? param_piece(i).data() : model_.params().data() + r.begin, v.data(), v.size());
       }
       model_.init_done();
     }
   }
 
-  // The ranks compare a hash of their first weights, or of what a deferred model's will be
-  // (its GptInit: under ZeRO-3 no rank holds them whole).
+  // The ranks compare a hash of their first weights; a deferred model's, of the initial
+  // values of its first bucket (under ZeRO-3 no rank holds the weights whole).
   void check_replicas_agree(bool deferred) {
     if constexpr (DP > 1 && requires { model_.params_to_host(); }) {
-      if constexpr (requires { model_.init().seed; }) {
-        if (deferred) {
-          const std::array<std::uint64_t, 2> init{model_.init().seed, std::bit_cast<std::uint64_t>(model_.init().std)};
-          return check_replicas_agree_over(comm_, std::span<const std::uint64_t>(init));
-        }
-      }
-      const std::vector<T> p = model_.params_to_host();
+      std::vector<T> p;
+      if constexpr (requires { model_.initial_params(FlatRange{}); })
+        if (deferred) p = model_.initial_params(plan::bucket(0).range);
+      if (!deferred) p = model_.params_to_host();
       check_replicas_agree_over(comm_, std::span<const T>(p));
     }
   }

@@ -96,22 +96,25 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
  public:
   // (The dense trainer's names this class reads, public as they are there.)
   using typename Dense::Memory, typename Dense::plan;
-  using Dense::stage, Dense::has_hooks, Dense::rank, Dense::accum;
-  static constexpr int dp = Dense::dp;
+  using Dense::dp, Dense::stage, Dense::has_hooks, Dense::rank, Dense::accum;
 
   // One replica: a mesh whose gradient group has one rank. accum: micro-batches per step.
   DataParallel(Model& model, const AdamWConfig& config, int accum = 1) requires(dp == 1)
       : Dense(model, config, accum) {
-    if constexpr (moe) experts_ = std::make_unique<expert_trainer>(model.experts(), config, accum);
-    if constexpr (moe) wire_hooks();
+    if constexpr (moe) {
+      experts_ = std::make_unique<expert_trainer>(model.experts(), config, accum);
+      wire_hooks();
+    }
   }
   // ctx: this rank's MeshContext; the gradient group's communicator is taken from it (and
   // the expert-data group's, for a model with a mixture of experts).
   template <Communicator Comm>
   DataParallel(Model& model, MeshContext<typename Model::mesh, Comm>& ctx, const AdamWConfig& config, int accum = 1)
       : Dense(model, ctx, config, accum) {
-    if constexpr (moe) experts_ = std::make_unique<expert_trainer>(model.experts(), ctx, config, accum);
-    if constexpr (moe) wire_hooks();
+    if constexpr (moe) {
+      experts_ = std::make_unique<expert_trainer>(model.experts(), ctx, config, accum);
+      wire_hooks();
+    }
   }
   // grad_comm: this rank's communicator of the mesh's gradient group, given directly.
   template <Communicator Comm>
