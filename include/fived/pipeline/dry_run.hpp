@@ -21,7 +21,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "fived/pipeline/table.hpp"
+#include "fived/pipeline/table_index.hpp"
 
 namespace fived::pipeline {
 
@@ -41,125 +41,6 @@ struct Cost {
     }
   }
 };
-
-// Where each (rank, chunk, micro-batch)'s actions sit in its rank's program:
-// the index of the first action of each kind, and which kinds come more than
-// once. A view of arrays that detail::Index below fills (from actions whose
-// micro-batch and chunk are in range).
-struct Positions {
-  static constexpr int kinds = static_cast<int>(Op::recv_grad);  // the ops after Op::none
-  Shape shape;
-  const int* first;               // [slot · kinds + op - 1]: 1 + index of the first such action; 0: none
-  const unsigned char* repeated;  // [slot]: bit op - 1 set when that op comes again
-
-  constexpr int slot(int rank, int chunk, int mb) const {
-    return (rank * shape.chunks + chunk) * shape.micro_batches + mb;
-  }
-  // Index of the first such action, or -1.
-  constexpr int at(Op op, int rank, int chunk, int mb) const {
-    return first[slot(rank, chunk, mb) * kinds + static_cast<int>(op) - 1] - 1;
-  }
-};
-
-namespace detail {
-
-// For every comm action (numbered as Programs numbers them), the comm action it
-// meets on the other rank: same micro-batch, the neighbouring stage, the
-// opposite direction (the first such; -1 where there is none, and for compute
-// actions). A view of arrays that Index fills.
-struct Partners {
-  const int* action;  // [action]: the partner's number
-  const int* rank;    // [action]: the partner's rank
-};
-
-// What the checks and the dry run look up, found in two passes over the table.
-// (These loops, and the others that visit every action, run inside the
-// compiler for each schedule type a program names: they call nothing and look
-// neighbours up in arrays, since a call there costs as much as many operators.)
-//
-// `first` and `repeated` must come zeroed; `partner` and `partner_rank` are written whole.
-constexpr void find_positions(const Programs& programs, int* first, unsigned char* repeated) {
-  const Shape& sh = programs.shape;
-  const int V = sh.chunks, M = sh.micro_batches;
-  for (int r = 0; r < sh.ranks; ++r) {
-    const Action* prog = programs.begin[r];
-    const int n = programs.offset[r + 1] - programs.offset[r];
-    for (int i = 0; i < n; ++i) {
-      const Action& a = prog[i];
-      if (a.op == Op::none || a.mb < 0 || a.mb >= M || a.chunk < 0 || a.chunk >= V) continue;
-      const int slot = (r * V + a.chunk) * M + a.mb, kind = static_cast<int>(a.op) - 1;
-      int& at = first[slot * Positions::kinds + kind];
-      if (at == 0) at = i + 1;
-      else repeated[slot] |= static_cast<unsigned char>(1 << kind);
-    }
-  }
-}
-
-constexpr void find_partners(const Programs& programs, const int* first, int* partner, int* partner_rank) {
-  const Shape& sh = programs.shape;
-  const int V = sh.chunks, M = sh.micro_batches;
-  const StageMap map(sh);
-  for (int r = 0; r < sh.ranks; ++r) {
-    const Action* prog = programs.begin[r];
-    const int base = programs.offset[r], n = programs.offset[r + 1] - base;
-    for (int i = 0; i < n; ++i) {
-      const Action& a = prog[i];
-      // The other end: the next stage for send_act and recv_grad, the previous for the other two;
-      // send_act <-> recv_act and send_grad <-> recv_grad are kinds 4 <-> 5 and 6 <-> 7.
-      const bool comm = a.op >= Op::send_act && a.op <= Op::recv_grad && a.mb >= 0 && a.mb < M && a.chunk >= 0 &&
-                        a.chunk < V;
-      const int other = !comm ? -1
-                        : a.op == Op::send_act || a.op == Op::recv_grad ? map.next[r * V + a.chunk]
-                                                                        : map.prev[r * V + a.chunk],
-                kind = static_cast<int>(a.op) - 1, other_kind = kind % 2 == 0 ? kind + 1 : kind - 1,
-                at = other < 0 ? -1 : first[(other * M + a.mb) * Positions::kinds + other_kind] - 1;
-      partner[base + i] = at < 0 ? -1 : programs.offset[other / V] + at, partner_rank[base + i] = other / V;
-    }
-  }
-}
-
-// Positions and Partners of a table, in arrays sized at run time (Scratch)...
-class Index {
- public:
-  constexpr explicit Index(const Programs& programs)
-      : shape_(programs.shape),
-        first_(slots(programs.shape) * Positions::kinds, 0),
-        repeated_(slots(programs.shape), 0),
-        partner_(programs.total()),
-        partner_rank_(programs.total()) {
-    find_positions(programs, first_.data(), repeated_.data());
-    find_partners(programs, first_.data(), partner_.data(), partner_rank_.data());
-  }
-  constexpr Positions positions() const { return {shape_, first_.data(), repeated_.data()}; }
-  constexpr Partners partners() const { return {partner_.data(), partner_rank_.data()}; }
-  static constexpr int slots(const Shape& sh) { return sh.ranks * sh.chunks * sh.micro_batches; }
-
- private:
-  Shape shape_;
-  Scratch<int> first_;
-  Scratch<unsigned char> repeated_;
-  Scratch<int> partner_, partner_rank_;
-};
-
-// ... and in arrays of fixed size, a constant of its own for a Table.
-template <class TableType>
-struct StaticIndex {
-  static constexpr int slots = TableType::ranks * TableType::chunks * TableType::micro_batches,
-                       actions = TableType::ranks * TableType::capacity;
-  int first[slots * Positions::kinds]{};
-  unsigned char repeated[slots]{};
-  int partner[actions]{}, partner_rank[actions]{};
-
-  constexpr explicit StaticIndex(const TableType& t) {
-    const Programs programs(t);
-    find_positions(programs, first, repeated);
-    find_partners(programs, first, partner, partner_rank);
-  }
-  constexpr Positions positions() const { return {TableType::shape, first, repeated}; }
-  constexpr Partners partners() const { return {partner, partner_rank}; }
-};
-
-}  // namespace detail
 
 // How a send completes. blocking: when the receiver has posted its receive
 // (NCCL's point-to-point, what the proofs assume). eager: at once, as if
@@ -181,104 +62,133 @@ namespace detail {
 // allow; every action also gets its time with eager sends, and with blocking
 // sends when those drive (an action reached under blocking sends has had all
 // it waits for under eager sends happen before it too, so one pass serves
-// both). Arrays hold one value per action, numbered as Programs numbers them.
-struct DryRun {
+// both). Its state: FixedRun<Table> (arrays of fixed size, for Proven<>) or
+// DryRun (sized at run time), with the same members:
+//   finished                            every rank reached the end of its program
+//   at[r]                               the action rank r runs next, or waits in (its program's size: finished)
+//   reached[r]                          every action before this one has started (compute) or is posted (comm)
+//   posted_blocking[k], posted_eager[k] when action k started or was posted (numbered as the index numbers them)
+//   makespan[Sends]                     the end of the last compute action
+//   clock_*[r], awaits[r], awaited_rank[r]  each rank's clocks, and the partner it waits for (-1: none)
+template <class TableType>
+struct FixedRun {
+  static constexpr int P = TableType::ranks, actions = P * TableType::capacity;
   bool finished = true;
-  Scratch<int> at;       // [rank]: the action it runs next, or waits in (the program's size: finished)
-  Scratch<int> reached;  // [rank]: every action before this one has started (compute) or is posted (comm)
-  Scratch<int> posted_blocking, posted_eager;  // [action]: when it started or was posted
-  int makespan[2] = {0, 0};                    // [Sends]: end of the last compute action
-
-  constexpr DryRun(int ranks, int actions)
-      : at(ranks, 0), reached(ranks, 0), posted_blocking(actions), posted_eager(actions) {}
-  constexpr const int* posted(Sends s) const { return (s == Sends::blocking ? posted_blocking : posted_eager).data(); }
-  // Whether the partner of action number k has been posted.
-  constexpr bool partner_posted(const Programs& programs, const Partners& partners, int k) const {
-    const int other = partners.action[k];
-    return other >= 0 && other - programs.offset[partners.rank[k]] < reached[partners.rank[k]];
-  }
+  int at[P]{}, reached[P]{}, clock_blocking[P]{}, clock_eager[P]{}, awaits[P]{}, awaited_rank[P]{};
+  int posted_blocking[actions]{}, posted_eager[actions]{};
+  int makespan[2]{};
 };
 
-constexpr DryRun dry_run(const Programs& programs, const Partners& partners, Cost cost, Sends drive) {
+struct DryRun {
+  bool finished = true;
+  Scratch<int> at, reached, clock_blocking, clock_eager, awaits, awaited_rank, posted_blocking, posted_eager;
+  int makespan[2]{};
+
+  constexpr DryRun(int ranks, int actions)
+      : at(ranks, 0),
+        reached(ranks, 0),
+        clock_blocking(ranks, 0),
+        clock_eager(ranks, 0),
+        awaits(ranks),
+        awaited_rank(ranks, 0),
+        posted_blocking(actions),
+        posted_eager(actions) {}
+};
+
+// Table t, its index ix (table_index.hpp), the state to run in.
+template <class Rows, class Ix, class State>
+constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, State& run) {
   static_assert(static_cast<int>(Sends::blocking) == 0 && static_cast<int>(Sends::eager) == 1);
-  const int P = programs.ranks();
+  const int P = t.shape.ranks;
   const bool sends_wait = drive == Sends::blocking;
-  DryRun run(P, programs.total());
-  Scratch<int> clock_b(P, 0), clock_e(P, 0);
   int cost_of[9] = {};
-  for (int op = 0; op < 9; ++op) cost_of[op] = cost.of(static_cast<Op>(op));
-  int* posted_b = run.posted_blocking.data();
-  int* posted_e = run.posted_eager.data();
-  int* at = run.at.data();
-  int* reached = run.reached.data();
-  const int* offset = programs.offset.data();
-  const int* partner = partners.action;
-  const int* partner_rank = partners.rank;
+  int r = 0, step = 0, i = 0, first = 0, n = 0, base = 0, end = 0, j = 0, k = 0, q = 0, op = 0, now_b = 0, now_e = 0,
+      met_b = 0, met_e = 0;
+  bool progressed = true, down = true, send = false;
+  for (op = 0; op < 9; ++op) cost_of[op] = cost.of(static_cast<Op>(op));
+  for (r = 0; r < P; ++r) run.awaits[r] = -1;
   // Sweeps down the ranks and back up, in turn: a chain of waits that runs either
   // way along the ranks then resolves in one sweep, so the sweeps are as many as the
   // chains' turns, not as their length times P.
   // A rank that waits skips the sweep until the partner it waits for is posted.
-  Scratch<int> awaiting(P, -1), awaiting_rank(P, 0);
-  int *awaits = awaiting.data(), *awaited_rank = awaiting_rank.data(), *now_blocking = clock_b.data(),
-      *now_eager = clock_e.data();
-  int& makespan_b = run.makespan[0];
-  int& makespan_e = run.makespan[1];
-  for (bool progressed = true, down = true; progressed; down = !down) {
+  for (; progressed; down = !down) {
     progressed = false;
-    for (int step = 0; step < P; ++step) {
-      const int r = down ? step : P - 1 - step;
-      if (awaits[r] >= 0 && awaits[r] - offset[awaited_rank[r]] >= reached[awaited_rank[r]]) continue;
-      const Action* prog = programs.begin[r];
-      const int base = offset[r], n = offset[r + 1] - base;
-      int now_b = now_blocking[r], now_e = now_eager[r], i = at[r];
+    for (step = 0; step < P; ++step) {
+      r = down ? step : P - 1 - step;
+      if (run.awaits[r] >= 0 && run.awaits[r] - ix.offset[run.awaited_rank[r]] >= run.reached[run.awaited_rank[r]])
+        continue;
+      base = ix.offset[r];
+      n = t.sizes[r];
+      now_b = run.clock_blocking[r];
+      now_e = run.clock_eager[r];
+      i = run.at[r];
       while (i < n) {
         // A run of compute actions, each starting as the one before it ends.
-        for (; i < n && prog[i].op < Op::send_act; ++i)
-          posted_b[base + i] = now_b, posted_e[base + i] = now_e, now_b += cost_of[static_cast<int>(prog[i].op)],
-                       now_e += cost_of[static_cast<int>(prog[i].op)],
-                       makespan_b = now_b > makespan_b ? now_b : makespan_b,
-                       makespan_e = now_e > makespan_e ? now_e : makespan_e, reached[r] = i + 1, progressed = true;
+        // (Clang limits the statements a constant runs: the loops over actions run one each.)
+        for (first = i; i < n && t.actions[r][i].op < Op::send_act; ++i)
+          run.posted_blocking[base + i] = now_b, run.posted_eager[base + i] = now_e,
+          op = cost_of[static_cast<int>(t.actions[r][i].op)], now_b += op, now_e += op;
+        if (i > first) {
+          run.reached[r] = i;
+          progressed = true;
+          if (now_b > run.makespan[0]) run.makespan[0] = now_b;
+          if (now_e > run.makespan[1]) run.makespan[1] = now_e;
+        }
         if (i == n) break;
         // A comm group: this action and those joined to it, all posted when the rank reaches it.
-        int end = i + 1;
-        while (end < n && prog[end].joins_previous && prog[end].op >= Op::send_act) ++end;
-        for (int j = base + (reached[r] < end ? i : end); j < base + end; ++j)
-          posted_b[j] = now_b, posted_e[j] = now_e, reached[r] = end, progressed = true;
+        for (end = i + 1; end < n && t.actions[r][end].joins_previous && t.actions[r][end].op >= Op::send_act;) ++end;
+        if (run.reached[r] < end) {
+          for (j = base + i; j < base + end; ++j) run.posted_blocking[j] = now_b, run.posted_eager[j] = now_e;
+          run.reached[r] = end;
+          progressed = true;
+        }
         // Complete when every partner has posted (with eager sends: every receive's partner);
         // a partner that does not exist is never posted.
-        int j = base + i, met_b = now_b, met_e = now_e;
-        for (; j < base + end; ++j) {
-          const int k = partner[j], q = partner_rank[j],
-                    send = prog[j - base].op == Op::send_act || prog[j - base].op == Op::send_grad,
-                    waits = !send || sends_wait;
-          if (waits && (k < 0 || k - offset[q] >= reached[q])) break;
-          met_b = waits && posted_b[k] > met_b ? posted_b[k] : met_b,
-          met_e = waits && !send && posted_e[k] > met_e ? posted_e[k] : met_e;
+        met_b = now_b;
+        met_e = now_e;
+        for (j = i; j < end; ++j) {
+          k = ix.partner[base + j] - 1, q = ix.partner_rank[base + j],
+          send = t.actions[r][j].op == Op::send_act || t.actions[r][j].op == Op::send_grad;
+          if (send && !sends_wait) continue;
+          if (k < 0 || k - ix.offset[q] >= run.reached[q]) break;
+          met_b = run.posted_blocking[k] > met_b ? run.posted_blocking[k] : met_b,
+          met_e = !send && run.posted_eager[k] > met_e ? run.posted_eager[k] : met_e;
         }
-        if (j < base + end) {
-          awaits[r] = partner[j] >= 0 ? partner[j] : 1 << 30, awaited_rank[r] = partner[j] >= 0 ? partner_rank[j] : r;
+        if (j < end) {
+          run.awaits[r] = k >= 0 ? k : 1 << 30;
+          run.awaited_rank[r] = k >= 0 ? q : r;
           break;
         }
-        now_b = met_b, now_e = met_e, i = end, awaits[r] = -1;
+        now_b = met_b;
+        now_e = met_e;
+        i = end;
+        run.awaits[r] = -1;
       }
-      now_blocking[r] = now_b, now_eager[r] = now_e, at[r] = i;
+      run.clock_blocking[r] = now_b;
+      run.clock_eager[r] = now_e;
+      run.at[r] = i;
     }
   }
-  for (int r = 0; r < P; ++r) run.finished = run.finished && at[r] == offset[r + 1] - offset[r];
-  return run;
+  for (r = 0; r < P; ++r) run.finished = run.finished && run.at[r] == t.sizes[r];
+}
+
+// Whether the partner of action number k has been posted in the run.
+template <class Ix, class State>
+constexpr bool partner_posted(const Ix& ix, const State& run, int k) {
+  return ix.partner[k] != 0 && ix.partner[k] - 1 - ix.offset[ix.partner_rank[k]] < run.reached[ix.partner_rank[k]];
 }
 
 // When comm action i of rank r completes in the run: when its partner met it
 // (blocking), or when it was posted (a send, eager) or its send was (a receive,
 // eager); -1: never.
-constexpr int completed(const Programs& programs, const Partners& partners, const DryRun& run, Sends sends, int r,
-                        int i) {
-  const int k = programs.offset[r] + i;
+template <class Rows, class Ix, class State>
+constexpr int completed(const Rows& t, const Ix& ix, const State& run, Sends sends, int r, int i) {
+  const int k = ix.offset[r] + i;
   if (i >= run.reached[r]) return -1;
-  const int* posted = run.posted(sends);
-  if (sends == Sends::eager && is_send(programs.begin[r][i].op)) return posted[k];
-  if (!run.partner_posted(programs, partners, k)) return -1;
-  const int theirs = posted[partners.action[k]];
+  const auto& posted = sends == Sends::blocking ? run.posted_blocking : run.posted_eager;
+  if (sends == Sends::eager && is_send(t.actions[r][i].op)) return posted[k];
+  if (!partner_posted(ix, run, k)) return -1;
+  const int theirs = posted[ix.partner[k] - 1];
   return theirs > posted[k] ? theirs : posted[k];
 }
 
@@ -287,21 +197,21 @@ constexpr int completed(const Programs& programs, const Partners& partners, cons
 // The dry run of all ranks with durations: when each action starts and ends.
 template <class S>
 constexpr Run execute(const S& s, Cost cost = {}, Sends sends = Sends::blocking) {
-  const detail::Programs programs(s);
-  const detail::Index index(programs);
-  const detail::Partners partners = index.partners();
-  const detail::DryRun run = detail::dry_run(programs, partners, cost, sends);
-  const int* posted = run.posted(sends);
+  const auto& t = detail::rows_of(s);
+  const detail::Index ix(t);
+  detail::DryRun run(t.shape.ranks, detail::total_actions(t));
+  detail::dry_run(t, ix, cost, sends, run);
+  const auto& posted = sends == Sends::blocking ? run.posted_blocking : run.posted_eager;
   Run out{run.finished, {}, {}, {}, run.makespan[static_cast<int>(sends)]};
-  for (int r = 0; r < programs.ranks(); ++r) {
+  for (int r = 0; r < t.shape.ranks; ++r) {
     out.stopped_at.push_back(run.at[r]);
-    auto& start = out.start.emplace_back(static_cast<std::size_t>(programs.size(r)), -1);
-    auto& end = out.end.emplace_back(static_cast<std::size_t>(programs.size(r)), -1);
+    auto& start = out.start.emplace_back(static_cast<std::size_t>(t.sizes[r]), -1);
+    auto& end = out.end.emplace_back(static_cast<std::size_t>(t.sizes[r]), -1);
     for (int i = 0; i < run.reached[r]; ++i) {
-      const Action& a = programs.begin[r][i];
-      start[static_cast<std::size_t>(i)] = posted[programs.offset[r] + i];
-      end[static_cast<std::size_t>(i)] = is_comm(a.op) ? detail::completed(programs, partners, run, sends, r, i)
-                                                       : start[static_cast<std::size_t>(i)] + cost.of(a.op);
+      const Op op = t.actions[r][i].op;
+      start[static_cast<std::size_t>(i)] = posted[ix.offset[r] + i];
+      end[static_cast<std::size_t>(i)] = is_comm(op) ? detail::completed(t, ix, run, sends, r, i)
+                                                     : start[static_cast<std::size_t>(i)] + cost.of(op);
     }
   }
   return out;
@@ -311,24 +221,27 @@ struct Place {
   int rank = -1, index = -1;
 };
 
+namespace detail {
+
 // After a deadlocked run: a rank that waits in a send to a peer which itself
 // waits in a send back to it, neither receive posted (the crossed-sends
 // deadlock of blocking point-to-point). Its place, or {-1, -1}.
-constexpr Place crossed_sends(const detail::Programs& programs, const detail::Partners& partners,
-                              const detail::DryRun& run) {
+template <class Rows, class Ix, class State>
+constexpr Place crossed_sends(const Rows& t, const Ix& ix, const State& run) {
   auto waiting_send_to = [&](int r, int q) {
-    const int i = run.at[r], n = programs.size(r);
-    const Action* prog = programs.begin[r];
-    if (i >= n || !is_comm(prog[i].op)) return -1;
-    for (int j = i; j < n && (j == i || (prog[j].joins_previous && is_comm(prog[j].op))); ++j)
-      if (is_send(prog[j].op) && prog[j].peer == q && !run.partner_posted(programs, partners, programs.offset[r] + j))
+    const int i = run.at[r], n = t.sizes[r];
+    if (i >= n || !is_comm(t.actions[r][i].op)) return -1;
+    for (int j = i; j < n && (j == i || (t.actions[r][j].joins_previous && is_comm(t.actions[r][j].op))); ++j)
+      if (is_send(t.actions[r][j].op) && t.actions[r][j].peer == q && !partner_posted(ix, run, ix.offset[r] + j))
         return j;
     return -1;
   };
-  for (int r = 0; r < programs.ranks(); ++r)
-    for (int q = 0; q < programs.ranks(); ++q)
+  for (int r = 0; r < t.shape.ranks; ++r)
+    for (int q = 0; q < t.shape.ranks; ++q)
       if (q != r && waiting_send_to(r, q) >= 0 && waiting_send_to(q, r) >= 0) return {r, waiting_send_to(r, q)};
   return {};
 }
+
+}  // namespace detail
 
 }  // namespace fived::pipeline

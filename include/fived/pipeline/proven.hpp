@@ -50,17 +50,12 @@ struct RunProof {
   int eager_makespan = 0, blocking_makespan = 0;
 };
 
+// The dry run under blocking sends, in a state of fixed size.
 template <class TableType>
-constexpr Verdict check_table(const TableType& t, const StaticIndex<TableType>& index) {
-  if (!shape_is_valid(t)) return {Property::shape};
-  return check_table(Programs(t), index.positions(), index.partners());
-}
-
-template <class TableType>
-constexpr RunProof check_run(const TableType& t, const StaticIndex<TableType>& index) {
-  const Programs programs(t);
-  const DryRun run = dry_run(programs, index.partners(), Cost{}, Sends::blocking);
-  return {check_run(programs, index.partners(), run), run.makespan[static_cast<int>(Sends::eager)],
+constexpr RunProof prove_run(const TableType& t, const FixedIndex<TableType>& index) {
+  FixedRun<TableType> run;
+  dry_run(t, index, Cost{}, Sends::blocking, run);
+  return {check_run(t, index, run), run.makespan[static_cast<int>(Sends::eager)],
           run.makespan[static_cast<int>(Sends::blocking)]};
 }
 
@@ -68,7 +63,7 @@ template <int P, class TableType>
 constexpr StaticFigures<P> static_figures(const TableType& t, const RunProof& run) {
   if (!run.verdict.ok()) return {};
   Figures f;
-  fill_figures(Programs(t), run.eager_makespan, run.blocking_makespan, Cost{}, f);
+  fill_figures(t, run.eager_makespan, run.blocking_makespan, Cost{}, f);
   StaticFigures<P> s{f.makespan, f.blocking_makespan, f.idle(), f.rank_time(), f.bubble(), f.blocking_bubble(), {}, {},
                      {},         {}};
   for (std::size_t r = 0; r < P; ++r)
@@ -99,10 +94,13 @@ struct Proven {
   // Three constants, each one constant expression (the compilers limit the work
   // of each): where every action is and whom it meets; the table's form, counts,
   // orders and pairing; then, when those hold, the dry run.
-  static constexpr detail::StaticIndex<table_type> index{S::table};
-  static constexpr Verdict table_verdict = detail::admissible<S>() ? detail::check_table(S::table, index) : Verdict{};
+  static constexpr detail::FixedPositions<table_type> positions{S::table};
+  static constexpr detail::FixedIndex<table_type> index{S::table, positions};
+  static constexpr Verdict table_verdict =
+      detail::admissible<S>() ? (shape.valid() ? detail::check_table(S::table, index) : Verdict{Property::shape})
+                              : Verdict{};
   static constexpr detail::RunProof run =
-      detail::admissible<S>() && table_verdict.ok() ? detail::check_run(S::table, index) : detail::RunProof{};
+      detail::admissible<S>() && table_verdict.ok() ? detail::prove_run(S::table, index) : detail::RunProof{};
   static constexpr Verdict verdict = table_verdict.ok() ? run.verdict : table_verdict;
 
   static_assert(verdict.failed != Property::shape, FIVED_PIPELINE_SAYS_SHAPE);

@@ -85,26 +85,32 @@ struct Figures {
 
 namespace detail {
 
-// The figures of a table whose dry run ended at these makespans: per rank, busy
+// The figures of table t whose dry run ended at these makespans: per rank, busy
 // time and peaks, in one pass over the actions.
-constexpr void fill_figures(const Programs& programs, int eager_makespan, int blocking_makespan, Cost cost,
-                            Figures& out) {
+template <class Rows>
+constexpr void fill_figures(const Rows& t, int eager_makespan, int blocking_makespan, Cost cost, Figures& out) {
   int cost_of[9] = {};
-  for (int op = 0; op < 9; ++op) cost_of[op] = cost.of(static_cast<Op>(op));
-  out.ranks = programs.ranks(), out.makespan = eager_makespan, out.blocking_makespan = blocking_makespan;
-  for (int r = 0; r < programs.ranks(); ++r) {
-    const Action* prog = programs.begin[r];
-    const int n = programs.size(r);
-    // Pairs held: from F to the end of B or I (activations), and to the end of B or W (pending).
-    // Pairs awaiting W: from the end of I to the end of W.
-    int busy = 0, held = 0, peak = 0, pending = 0, peak_pending = 0, deferred = 0, peak_deferred = 0;
-    for (int i = 0; i < n; ++i) {
-      const Op op = prog[i].op;
-      busy += cost_of[static_cast<int>(op)], held += op == Op::forward, pending += op == Op::forward,
-          peak = held > peak ? held : peak, peak_pending = pending > peak_pending ? pending : peak_pending,
-          held -= op == Op::backward || op == Op::input_grad, pending -= op == Op::backward || op == Op::weight_grad;
-      deferred += (op == Op::input_grad) - (op == Op::weight_grad);
-      peak_deferred = deferred > peak_deferred ? deferred : peak_deferred;
+  int r = 0, i = 0, n = 0, op = 0;
+  // Pairs held: from F to the end of B or I (activations), and to the end of B or W (pending).
+  // Pairs awaiting W: from the end of I to the end of W.
+  int busy = 0, held = 0, peak = 0, pending = 0, peak_pending = 0, deferred = 0, peak_deferred = 0;
+  for (op = 0; op < 9; ++op) cost_of[op] = cost.of(static_cast<Op>(op));
+  out.ranks = t.shape.ranks, out.makespan = eager_makespan, out.blocking_makespan = blocking_makespan;
+  for (r = 0; r < t.shape.ranks; ++r) {
+    busy = held = peak = pending = peak_pending = deferred = peak_deferred = 0;
+    for (i = 0, n = t.sizes[r]; i < n; ++i) {
+      op = static_cast<int>(t.actions[r][i].op);
+      if (op > 4) continue;  // messages take no time and hold nothing
+      busy += cost_of[op];
+      if (op == 1) {
+        ++held, ++pending;
+        if (held > peak) peak = held;
+        if (pending > peak_pending) peak_pending = pending;
+      }
+      if (op == 2 || op == 3) --held;
+      if (op == 2 || op == 4) --pending;
+      if (op == 3 && ++deferred > peak_deferred) peak_deferred = deferred;
+      if (op == 4) --deferred;
     }
     out.busy.push_back(busy), out.peak_activations.push_back(peak), out.peak_pending.push_back(peak_pending);
     out.peak_deferred.push_back(peak_deferred);
@@ -116,10 +122,11 @@ constexpr void fill_figures(const Programs& programs, int eager_makespan, int bl
 // For a verified schedule (the timing of one that deadlocks stops where it does).
 template <class S>
 constexpr Figures measure(const S& s, Cost cost = {}) {
-  const detail::Programs programs(s);
-  const detail::DryRun run = detail::dry_run(programs, detail::Index(programs).partners(), cost, Sends::blocking);
+  const auto& t = detail::rows_of(s);
+  detail::DryRun run(t.shape.ranks, detail::total_actions(t));
+  detail::dry_run(t, detail::Index(t), cost, Sends::blocking, run);
   Figures f;
-  detail::fill_figures(programs, run.makespan[static_cast<int>(Sends::eager)],
+  detail::fill_figures(t, run.makespan[static_cast<int>(Sends::eager)],
                        run.makespan[static_cast<int>(Sends::blocking)], cost, f);
   return f;
 }

@@ -141,30 +141,4 @@ struct Table {
   }
 };
 
-namespace detail {
-
-// Any table's programs (a Schedule's or a Table's) as the proofs read them: a
-// pointer and a length per rank, and one numbering of all actions, rank by rank,
-// for the arrays that hold a value per action.
-struct Programs {
-  Shape shape;
-  Scratch<const Action*> begin;  // [rank]
-  Scratch<int> offset;           // [rank]: the number of rank's first action; [P]: all actions
-
-  template <class S>
-  constexpr explicit Programs(const S& s) : shape(s.shape), begin(s.shape.ranks), offset(s.shape.ranks + 1) {
-    offset[0] = 0;
-    for (int r = 0; r < shape.ranks; ++r) {
-      const std::span<const Action> p = s.program(r);
-      begin[r] = p.data();
-      offset[r + 1] = offset[r] + static_cast<int>(p.size());
-    }
-  }
-  constexpr int ranks() const { return shape.ranks; }
-  constexpr int size(int r) const { return offset[r + 1] - offset[r]; }
-  constexpr int total() const { return offset[shape.ranks]; }
-};
-
-}  // namespace detail
-
 }  // namespace fived::pipeline

@@ -77,10 +77,11 @@ struct Verdict {
 
 namespace detail {
 
-// The checks, each pass linear in the table: one over the actions (their form,
-// their peers, where each is: Positions, and each message's number on its
-// channel), one over the (rank, chunk, micro-batch) slots (counts and orders),
-// one over the receives (pairing), then the dry run. A pass records each
+// The checks, each pass linear in the table and reading its index
+// (table_index.hpp: where each action is, whom it meets, each message's number
+// on its channel): one over the actions (their form, their peers), one over the
+// (rank, chunk, micro-batch) slots (counts and orders), one over the receives
+// (pairing), then the dry run. A pass records each
 // property's first failure in the order verify() promises (actions in program
 // order, slots in rank, chunk, micro-batch order); the earliest property wins.
 struct Findings {
@@ -93,42 +94,37 @@ struct Findings {
   }
 };
 
-// Pass 1, over the actions: well_formed and peers_are_neighbours; numbers each
-// send and receive by its order among those between the same two ranks.
-constexpr void check_actions(const Programs& programs, Scratch<int>& numbers, Findings& f) {
-  const Shape& sh = programs.shape;
-  const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches;
-  const StageMap map(sh);
-  Scratch<int> counters(2 * P);  // [sent to q | received from P + q], for one rank at a time
-  for (int r = 0; r < P; ++r) {
-    for (int q = 0; q < 2 * P; ++q) counters[q] = 0;
-    const Action* prog = programs.begin[r];
-    const int base = programs.offset[r], n = programs.offset[r + 1] - base;
-    for (int i = 0; i < n; ++i) {
-      const Action& a = prog[i];
-      // Activations go to the next stage and gradients come from it; the other two, the previous.
-      const bool comm = a.op >= Op::send_act && a.op <= Op::recv_grad,
-                 formed = a.op != Op::none && a.mb >= 0 && a.mb < M && a.chunk >= 0 && a.chunk < V &&
-                          (!comm || (a.peer >= 0 && a.peer < P && a.peer != r)) &&
-                          (!a.joins_previous ||
-                           (comm && i > 0 && prog[i - 1].op >= Op::send_act && prog[i - 1].op <= Op::recv_grad)),
-                 send = a.op == Op::send_act || a.op == Op::send_grad;
-      const int other = !formed || !comm                                 ? -1
-                        : a.op == Op::send_act || a.op == Op::recv_grad ? map.next[r * V + a.chunk]
-                                                                        : map.prev[r * V + a.chunk];
-      if (!formed) f.found(Property::well_formed, r, i, a.mb, a.chunk);
-      else if (comm && (numbers[base + i] = counters[(send ? 0 : P) + a.peer]++,
-                        other < 0 || other / V == r || other / V != a.peer))
-        f.found(Property::peers_are_neighbours, r, i, a.mb, a.chunk);
+// Pass 1, over the actions: well_formed and peers_are_neighbours.
+template <class Rows, class Ix>
+constexpr void check_actions(const Rows& t, const Ix& ix, Findings& f) {
+  const int P = t.shape.ranks, V = t.shape.chunks, M = t.shape.micro_batches;
+  int r = 0, i = 0, n = 0, op = 0, mb = 0, chunk = 0, peer = 0, other = 0;
+  bool comm = false;
+  for (r = 0; r < P; ++r)
+    for (i = 0, n = t.sizes[r]; i < n; ++i) {
+      op = static_cast<int>(t.actions[r][i].op);
+      mb = t.actions[r][i].mb;
+      chunk = t.actions[r][i].chunk;
+      peer = t.actions[r][i].peer;
+      comm = op >= 5 && op <= 8;
+      if (op == 0 || op > 8 || mb < 0 || mb >= M || chunk < 0 || chunk >= V ||
+          (comm && (peer < 0 || peer >= P || peer == r)) ||
+          (t.actions[r][i].joins_previous && (!comm || i == 0 || t.actions[r][i - 1].op < Op::send_act))) {
+        f.found(Property::well_formed, r, i, mb, chunk);
+      } else if (comm) {
+        // Activations go to the next stage and gradients come from it; the other two, the previous.
+        other = op == 5 || op == 8 ? ix.next[r * V + chunk] : ix.prev[r * V + chunk];
+        if (other < 0 || other / V == r || other / V != peer) f.found(Property::peers_are_neighbours, r, i, mb, chunk);
+      }
     }
-  }
 }
 
 // The second `op` of a stage's micro-batch, for the report (only when there is one).
-constexpr int repeat_of(const Programs& programs, const Positions& pos, Op op, int r, int c, int m) {
-  const Action* prog = programs.begin[r];
-  for (int i = pos.at(op, r, c, m) + 1; i < programs.size(r); ++i)
-    if (prog[i].op == op && prog[i].mb == m && prog[i].chunk == c) return i;
+template <class Rows, class Ix>
+constexpr int repeat_of(const Rows& t, const Ix& ix, Op op, int r, int c, int m) {
+  const int V = t.shape.chunks, M = t.shape.micro_batches;
+  for (int i = ix.first[((r * V + c) * M + m) * kinds + static_cast<int>(op) - 1]; i < t.sizes[r]; ++i)
+    if (t.actions[r][i].op == op && t.actions[r][i].mb == m && t.actions[r][i].chunk == c) return i;
   return -1;
 }
 
@@ -143,17 +139,18 @@ constexpr int F = 0, B = 1, I = 2, W = 3, SA = 4, RA = 5, SG = 6, RG = 7, count 
 // `input` and `grad`: what its F and its B or I wait for (-1: nothing there).
 struct Slot {
   int r, c, m;
-  const int* at;
+  int at[slot_kind::count];
   int many, back, input, grad;
   bool forward_message, backward_message, has_prev, has_next;
 };
 
-constexpr void report_slot(const Programs& programs, const Positions& pos, const Slot& s, Findings& f) {
+template <class Rows, class Ix>
+constexpr void report_slot(const Rows& t, const Ix& ix, const Slot& s, Findings& f) {
   using namespace slot_kind;
   const int* at = s.at;
   auto once = [&](int kind, bool needed) { return (at[kind] >= 0) == needed && !(s.many >> kind & 1); };
   auto where = [&](Property p, int position) { f.found(p, s.r, position, s.m, s.c); };
-  auto again = [&](int kind) { return repeat_of(programs, pos, static_cast<Op>(kind + 1), s.r, s.c, s.m); };
+  auto again = [&](int kind) { return repeat_of(t, ix, static_cast<Op>(kind + 1), s.r, s.c, s.m); };
   if (!once(F, true)) where(Property::one_forward_each, at[F] < 0 ? -1 : again(F));
   const bool one_b = once(B, true) && at[I] < 0 && at[W] < 0, split = at[B] < 0 && once(I, true) && once(W, true);
   if (!one_b && !split) {
@@ -180,75 +177,84 @@ constexpr void report_slot(const Programs& programs, const Positions& pos, const
   if (s.has_next && !(s.grad < s.back)) where(Property::backward_after_gradient, s.back);
 }
 
-constexpr void check_slots(const Programs& programs, const Positions& pos, Findings& f) {
-  using namespace slot_kind;
-  const Shape& sh = programs.shape;
-  const int V = sh.chunks, M = sh.micro_batches;
-  const StageMap map(sh);
-  const int* first = pos.first;  // 1 + index; 0: none
-  for (int r = 0; r < sh.ranks; ++r)
-    for (int c = 0; c < V; ++c) {
-      const int next = map.next[r * V + c], prev = map.prev[r * V + c];
-      const bool forward_message = next >= 0 && next / V != r, backward_message = prev >= 0 && prev / V != r;
-      for (int m = 0; m < M; ++m) {
-        const int slot = (r * V + c) * M + m, *f1 = first + slot * count,
-                  *their = next < 0 ? f1 : first + (next * M + m) * count;
-        const int at[count] = {f1[0] - 1, f1[1] - 1, f1[2] - 1, f1[3] - 1, f1[4] - 1, f1[5] - 1, f1[6] - 1, f1[7] - 1};
+// The slot's positions are read as 1 + index (0: none), which orders them as the
+// indices do with -1 for none.
+template <class Rows, class Ix>
+constexpr void check_slots(const Rows& t, const Ix& ix, Findings& f) {
+  const int P = t.shape.ranks, V = t.shape.chunks, M = t.shape.micro_batches;
+  int r = 0, c = 0, m = 0, slot = 0, next = 0, prev = 0, at = 0, theirs = 0, fF = 0, fB = 0, fI = 0, fW = 0, fSA = 0,
+      fRA = 0, fSG = 0, fRG = 0, back = 0, input = 0, grad = 0;
+  bool forward_message = false, backward_message = false;
+  for (r = 0; r < P; ++r)
+    for (c = 0; c < V; ++c) {
+      next = ix.next[r * V + c];
+      prev = ix.prev[r * V + c];
+      forward_message = next >= 0 && next / V != r;
+      backward_message = prev >= 0 && prev / V != r;
+      for (m = 0; m < M; ++m) {
+        slot = (r * V + c) * M + m;
+        at = slot * kinds;
+        fF = ix.first[at];
+        fB = ix.first[at + 1];
+        fI = ix.first[at + 2];
+        fW = ix.first[at + 3];
+        fSA = ix.first[at + 4];
+        fRA = ix.first[at + 5];
+        fSG = ix.first[at + 6];
+        fRG = ix.first[at + 7];
         // What makes the input gradient (B, or I); what F waits for (its activations received, or the
         // previous stage's F on this rank); what B or I waits for (the output gradient received, or the
         // next stage's B or I on this rank).
-        const int back = at[B] >= 0 ? at[B] : at[I],
-                  input = prev < 0 ? -1 : backward_message ? at[RA] : first[(prev * M + m) * count + F] - 1,
-                  grad = next < 0 ? -1 : forward_message ? at[RG] : (their[B] > 0 ? their[B] : their[I]) - 1;
-        const bool fine = pos.repeated[slot] == 0 && at[F] >= 0 &&
-                          ((at[B] >= 0 && at[I] < 0 && at[W] < 0) || (at[B] < 0 && at[I] >= 0 && at[W] >= 0)) &&
-                          back > at[F] && (at[W] < 0 || at[W] > at[I]) && (at[SA] >= 0) == forward_message &&
-                          (at[SG] >= 0) == backward_message && (at[RA] >= 0) == backward_message &&
-                          (at[RG] >= 0) == forward_message && (at[SA] < 0 || at[SA] > at[F]) &&
-                          (at[SG] < 0 || at[SG] > back) && (prev < 0 || input < at[F]) && (next < 0 || grad < back);
-        if (!fine)
-          report_slot(programs, pos,
-                      {r, c, m, at, pos.repeated[slot], back, input, grad, forward_message, backward_message,
-                       prev >= 0, next >= 0},
-                      f);
+        back = fB != 0 ? fB : fI;
+        input = prev < 0 ? 0 : backward_message ? fRA : ix.first[(prev * M + m) * kinds];
+        theirs = next < 0 ? 0 : (next * M + m) * kinds;
+        grad = next < 0 ? 0 : forward_message ? fRG : ix.first[theirs + 1] != 0 ? ix.first[theirs + 1] : ix.first[theirs + 2];
+        if (ix.repeated[slot] == 0 && fF != 0 && ((fB != 0 && fI == 0 && fW == 0) || (fB == 0 && fI != 0 && fW != 0)) &&
+            back > fF && (fW == 0 || fW > fI) && (fSA != 0) == forward_message && (fSG != 0) == backward_message &&
+            (fRA != 0) == backward_message && (fRG != 0) == forward_message && (fSA == 0 || fSA > fF) &&
+            (fSG == 0 || fSG > back) && (prev < 0 || input < fF) && (next < 0 || grad < back))
+          continue;
+        report_slot(t, ix,
+                    {r, c, m, {fF - 1, fB - 1, fI - 1, fW - 1, fSA - 1, fRA - 1, fSG - 1, fRG - 1}, ix.repeated[slot],
+                     back - 1, input - 1, grad - 1, forward_message, backward_message, prev >= 0, next >= 0},
+                    f);
       }
     }
 }
 
 // Pass 3, over the receives: NCCL matches the k-th send from a rank with the
 // k-th receive posted for it, so a message's two ends must have the same number.
-constexpr Verdict check_pairing(const Programs& programs, const Partners& partners, const Scratch<int>& numbers) {
-  for (int r = 0; r < programs.ranks(); ++r) {
-    const Action* prog = programs.begin[r];
-    const int base = programs.offset[r], n = programs.offset[r + 1] - base;
-    for (int i = 0; i < n; ++i)
-      if ((prog[i].op == Op::recv_act || prog[i].op == Op::recv_grad) &&
-          numbers[partners.action[base + i]] != numbers[base + i])
-        return {Property::sends_match_receives, r, i, prog[i].mb, prog[i].chunk};
-  }
+template <class Rows, class Ix>
+constexpr Verdict check_pairing(const Rows& t, const Ix& ix) {
+  int r = 0, i = 0, n = 0, k = 0;
+  for (r = 0; r < t.shape.ranks; ++r)
+    for (i = 0, n = t.sizes[r], k = ix.offset[r]; i < n; ++i, ++k)
+      if ((t.actions[r][i].op == Op::recv_act || t.actions[r][i].op == Op::recv_grad) && ix.partner[k] != 0 &&
+          ix.number[ix.partner[k] - 1] != ix.number[k])
+        return {Property::sends_match_receives, r, i, t.actions[r][i].mb, t.actions[r][i].chunk};
   return {};
 }
 
 // Passes 1 to 3: everything but the dry run.
-constexpr Verdict check_table(const Programs& programs, const Positions& pos, const Partners& partners) {
+template <class Rows, class Ix>
+constexpr Verdict check_table(const Rows& t, const Ix& ix) {
   Findings f;
-  Scratch<int> numbers(programs.total());
-  check_actions(programs, numbers, f);
-  check_slots(programs, pos, f);
+  check_actions(t, ix, f);
+  check_slots(t, ix, f);
   if (!f.first.ok()) return f.first;
-  return check_pairing(programs, partners, numbers);
+  return check_pairing(t, ix);
 }
 
 // The dry run under blocking sends: it must reach the end of every program.
-constexpr Verdict check_run(const Programs& programs, const Partners& partners, const DryRun& run) {
+template <class Rows, class Ix, class State>
+constexpr Verdict check_run(const Rows& t, const Ix& ix, const State& run) {
   if (run.finished) return {};
-  const Place crossed = crossed_sends(programs, partners, run);
+  const Place crossed = crossed_sends(t, ix, run);
   const Property p = crossed.rank >= 0 ? Property::no_crossed_sends : Property::progresses;
   int r = crossed.rank, i = crossed.index;
-  for (int q = 0; r < 0 && q < programs.ranks(); ++q)
-    if (run.at[q] < programs.size(q)) r = q, i = run.at[q];
-  const Action& a = programs.begin[r][i];
-  return {p, r, i, a.mb, a.chunk};
+  for (int q = 0; r < 0 && q < t.shape.ranks; ++q)
+    if (run.at[q] < t.sizes[q]) r = q, i = run.at[q];
+  return {p, r, i, t.actions[r][i].mb, t.actions[r][i].chunk};
 }
 
 template <class S>
@@ -265,11 +271,12 @@ constexpr bool shape_is_valid(const S& s) {
 template <class S>
 constexpr Verdict verify(const S& s) {
   if (!detail::shape_is_valid(s)) return {Property::shape};
-  const detail::Programs programs(s);
-  const detail::Index index(programs);
-  if (const Verdict v = detail::check_table(programs, index.positions(), index.partners()); !v.ok()) return v;
-  return detail::check_run(programs, index.partners(),
-                           detail::dry_run(programs, index.partners(), Cost{}, Sends::blocking));
+  const auto& t = detail::rows_of(s);
+  const detail::Index ix(t);
+  if (const Verdict v = detail::check_table(t, ix); !v.ok()) return v;
+  detail::DryRun run(t.shape.ranks, detail::total_actions(t));
+  detail::dry_run(t, ix, Cost{}, Sends::blocking, run);
+  return detail::check_run(t, ix, run);
 }
 
 }  // namespace fived::pipeline
