@@ -19,97 +19,161 @@
 // the result; generators only propose.
 //
 // Linear in the table, with small constants (it runs inside the compiler for
-// every schedule type a program names): arrays sized once, a counting sort.
+// every schedule type a program names): arrays sized once, a counting sort, and
+// the rules of table_index.hpp (arrays indexed as arrays, declarations before
+// the loops).
 
 #include <stdexcept>
 #include <utility>
 #include <vector>
 
 #include "fived/pipeline/dry_run.hpp"
+#include "fived/pipeline/stages.hpp"
 
 namespace fived::pipeline {
 
 namespace detail {
 
 // Each rank's order of compute actions: what a generator decides, in one block
-// of 3·M·V actions per rank (F, I and W of every micro-batch and chunk at most).
-class Orders {
- public:
+// of `capacity` = 3·M·V actions per rank (F, I and W of every micro-batch and
+// chunk at most): rank r's k-th is actions[r · capacity + k]. Once timed
+// (ideal_timeline below), start[] and end[] hold when each starts and ends. A
+// generator's result, sized at run time; TimedOrders below has the same members
+// in arrays of fixed size.
+struct Orders {
+  Shape shape;
+  int capacity;
+  Scratch<Action> actions;
+  Scratch<int> sizes, start, end;
+
   constexpr explicit Orders(Shape s)
-      : shape_(s), capacity_(3 * s.micro_batches * s.chunks), actions_(s.ranks * capacity_), sizes_(s.ranks, 0) {}
+      : shape(s),
+        capacity(3 * s.micro_batches * s.chunks),
+        actions(s.ranks * capacity),
+        sizes(s.ranks, 0),
+        start(s.ranks * capacity),
+        end(s.ranks * capacity) {}
 
   constexpr void add(int r, const Action& a) {
-    if (sizes_[r] == capacity_) throw std::logic_error("fived::pipeline: a generator's compute order is too long");
-    actions_[r * capacity_ + sizes_[r]++] = a;
+    if (sizes[r] == capacity) throw std::logic_error("fived::pipeline: a generator's compute order is too long");
+    actions[r * capacity + sizes[r]++] = a;
   }
-  constexpr const Shape& shape() const { return shape_; }
-  constexpr const Action* begin(int r) const { return actions_.data() + r * capacity_; }
-  constexpr int size(int r) const { return sizes_[r]; }
-  // One number per compute action of the whole table: rank r's k-th is first(r) + k.
-  constexpr int first(int r) const { return r * capacity_; }
-  constexpr int numbers() const { return shape_.ranks * capacity_; }
-
- private:
-  Shape shape_;
-  int capacity_;
-  Scratch<Action> actions_;
-  Scratch<int> sizes_;
 };
 
-// Start and end times of each compute action, the compute orders run as a
-// dataflow under `cost`. `orders`: Orders, or TimedOrders below; `start` and
-// `end` hold one value per compute action, numbered as `orders` numbers them.
-//
-// (This loop and the others below that visit every action run inside the
-// compiler for each schedule type a program names. There a function call, or
-// a statement, costs as much as many operators: Clang counts statements
-// against its limit. So they look neighbours up in arrays, join declarations,
-// and call nothing.)
-template <class O>
-constexpr void ideal_timeline(const O& orders, Cost cost, int* start, int* end) {
-  const Shape& sh = orders.shape();
-  const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches, slots = P * V * M;
-  const StageMap map(sh);
-  const int *next = map.next.data(), *prev = map.prev.data();
+// A generator's compute orders with their ideal timeline, in arrays of fixed
+// size: the first of the two constants a schedule type's table is made in (the
+// compilers limit each constant expression's work, so each half gets a budget).
+template <class TableType>
+struct TimedOrders {
+  static constexpr Shape shape = TableType::shape;
+  static constexpr int P = TableType::ranks, capacity = 3 * TableType::micro_batches * TableType::chunks;
+
+  Action actions[P * capacity]{};
+  int sizes[P]{};
+  int start[P * capacity]{}, end[P * capacity]{};
+
+  constexpr TimedOrders() = default;
+  constexpr explicit TimedOrders(const Orders& orders, Cost cost = {});
+};
+
+// The lowering's working arrays (W below), one value per (rank, chunk,
+// micro-batch) slot, per rank, per message end or per gap: of fixed size for a
+// table type (FixedLowering, a local of the constant that uses it), or sized
+// at run time (Lowering).
+template <class TableType>
+struct FixedLowering {
+  static constexpr int P = TableType::ranks, stages = P * TableType::chunks,
+                       slots = stages * TableType::micro_batches, capacity = TimedOrders<TableType>::capacity,
+                       ends = 2 * P * capacity, gaps = P * (capacity + 1);
+  int next[stages]{}, prev[stages]{};
+  int forward_end[slots]{}, input_grad_end[slots]{}, weight_input_end[slots]{}, forward_at[slots]{},
+      input_grad_at[slots]{};
+  int pc[P]{}, clock[P]{}, cursor[P * P]{}, first_gap[P + 1]{};
+  int end_rank[ends]{}, end_gap[ends]{}, end_sent[ends]{}, end_peer[ends]{}, end_op[ends]{}, end_mb[ends]{},
+      end_chunk[ends]{}, sorted[ends]{};
+  int bucket_start[gaps + 1]{}, fill[gaps]{};
+};
+
+struct Lowering {
+  Scratch<int> next, prev, forward_end, input_grad_end, weight_input_end, forward_at, input_grad_at, pc, clock, cursor,
+      first_gap, end_rank, end_gap, end_sent, end_peer, end_op, end_mb, end_chunk, sorted, bucket_start, fill;
+
+  constexpr explicit Lowering(const Shape& s)
+      : Lowering(s.stages(), s.stages() * s.micro_batches, s.ranks, 2 * s.ranks * 3 * s.micro_batches * s.chunks,
+                 s.ranks * (3 * s.micro_batches * s.chunks + 1)) {}
+
+ private:
+  constexpr Lowering(int stages, int slots, int P, int ends, int gaps)
+      : next(stages), prev(stages), forward_end(slots), input_grad_end(slots), weight_input_end(slots),
+        forward_at(slots), input_grad_at(slots), pc(P), clock(P), cursor(P * P), first_gap(P + 1), end_rank(ends),
+        end_gap(ends), end_sent(ends), end_peer(ends), end_op(ends), end_mb(ends), end_chunk(ends), sorted(ends),
+        bucket_start(gaps + 1), fill(gaps) {}
+};
+
+// Start and end times of each compute action of o (Orders or TimedOrders), its
+// orders run as a dataflow under `cost`, into o.start and o.end.
+template <class O, class W>
+constexpr void ideal_timeline(O& o, Cost cost, W& w) {
+  const Shape& sh = o.shape;
+  const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches, C = o.capacity;
   int cost_of[9] = {};
-  for (int op = 0; op < 9; ++op) cost_of[op] = cost.of(static_cast<Op>(op));
-  // Per (rank, chunk, micro-batch) slot: when its F, its B or I, and its I (for W) ended; -1: not yet.
-  Scratch<int> forward_ends(slots, -1), input_grad_ends(slots, -1), weight_input_ends(slots, -1);
-  int *forward_end = forward_ends.data(), *input_grad_end = input_grad_ends.data(),
-      *weight_input_end = weight_input_ends.data();
-  Scratch<int> pc(P, 0), clock(P, 0);
-  for (bool progressed = true, down = true; progressed; down = !down) {  // sweeps as in dry_run.hpp
+  int r = 0, step = 0, i = 0, n = 0, base = 0, now = 0, op = 0, mb = 0, rc = 0, k = 0, before = 0, grad = 0;
+  bool progressed = true, down = true;
+  for (op = 0; op < 9; ++op) cost_of[op] = cost.of(static_cast<Op>(op));
+  stage_neighbours(sh, w);
+  // Per slot: when its F, its B or I, and its I (for W) ended; -1: not yet.
+  for (k = 0; k < P * V * M; ++k) w.forward_end[k] = w.input_grad_end[k] = w.weight_input_end[k] = -1;
+  for (r = 0; r < P; ++r) w.pc[r] = w.clock[r] = 0;
+  for (; progressed; down = !down) {  // sweeps as in dry_run.hpp
     progressed = false;
-    for (int step = 0; step < P; ++step) {
-      const int r = down ? step : P - 1 - step;
-      const Action* order = orders.begin(r);
-      const int n = orders.size(r), base = orders.first(r);
-      int i = pc[r], now = clock[r];
+    for (step = 0; step < P; ++step) {
+      r = down ? step : P - 1 - step, base = r * C, n = o.sizes[r], i = w.pc[r], now = w.clock[r];
       for (; i < n; ++i) {
-        const Action& a = order[i];
-        // What `a` waits for: F for the previous stage's F, W for its I, B or I for its F and
+        // What action i waits for: F for the previous stage's F, W for its I, B or I for its F and
         // the next stage's B or I; the latest of their ends, or -1 while one has not run.
-        const int rc = r * V + a.chunk, k = rc * M + a.mb,
-                  before = a.op == Op::forward ? (prev[rc] < 0 ? 0 : forward_end[prev[rc] * M + a.mb])
-                           : a.op == Op::weight_grad ? weight_input_end[k]
-                                                     : forward_end[k],
-                  grad = a.op == Op::forward || a.op == Op::weight_grad || next[rc] < 0
-                             ? 0
-                             : input_grad_end[next[rc] * M + a.mb];
+        op = static_cast<int>(o.actions[base + i].op), mb = o.actions[base + i].mb,
+        rc = r * V + o.actions[base + i].chunk, k = rc * M + mb,
+        before = op == 1 ? (w.prev[rc] < 0 ? 0 : w.forward_end[w.prev[rc] * M + mb])
+                 : op == 4 ? w.weight_input_end[k]
+                           : w.forward_end[k],
+        grad = op == 1 || op == 4 || w.next[rc] < 0 ? 0 : w.input_grad_end[w.next[rc] * M + mb];
         if (before < 0 || grad < 0) break;
-        const int begin = now > before ? (now > grad ? now : grad) : (before > grad ? before : grad);
-        start[base + i] = begin, now = end[base + i] = begin + cost_of[static_cast<int>(a.op)], progressed = true;
-        if (a.op == Op::forward) forward_end[k] = now;
-        else if (a.op == Op::backward) input_grad_end[k] = now;
-        else if (a.op == Op::input_grad) input_grad_end[k] = weight_input_end[k] = now;
+        now = now > before ? (now > grad ? now : grad) : (before > grad ? before : grad), o.start[base + i] = now,
+        now += cost_of[op], o.end[base + i] = now, progressed = true;
+        if (op == 1) w.forward_end[k] = now;
+        else if (op == 2) w.input_grad_end[k] = now;
+        else if (op == 3) w.input_grad_end[k] = w.weight_input_end[k] = now;
       }
-      pc[r] = i, clock[r] = now;
+      w.pc[r] = i, w.clock[r] = now;
     }
   }
-  for (int r = 0; r < P; ++r)
-    if (pc[r] < orders.size(r)) throw std::logic_error("fived::pipeline: a generator's compute order waits for itself");
+  for (r = 0; r < P; ++r)
+    if (w.pc[r] < o.sizes[r]) throw std::logic_error("fived::pipeline: a generator's compute order waits for itself");
 }
 
+template <class TableType>
+constexpr TimedOrders<TableType>::TimedOrders(const Orders& orders, Cost cost) {
+  for (int r = 0, i = 0, n = 0; r < P; ++r)
+    for (i = 0, n = sizes[r] = orders.sizes[r]; i < n; ++i) actions[r * capacity + i] = orders.actions[r * capacity + i];
+  FixedLowering<TableType> w;
+  ideal_timeline(*this, cost, w);
+}
+
+// A Schedule as with_messages' output (a Table is one as it is): `actions`, and
+// resize_program(r, n) before rank r's n actions are written.
+struct ScheduleBuilder {
+  Schedule schedule;
+  std::vector<std::vector<Action>>& actions;
+
+  constexpr explicit ScheduleBuilder(const Shape& s) : schedule(s), actions(schedule.programs) {}
+  ScheduleBuilder(const ScheduleBuilder&) = delete;
+  constexpr void resize_program(int r, int n) { actions[static_cast<std::size_t>(r)].resize(static_cast<std::size_t>(n)); }
+};
+
+// The timed orders o lowered into `out` (a Table, or a ScheduleBuilder): each
+// rank's compute actions, with the comm actions of each gap as one group before
+// the compute action that closes the gap.
+//
 // The gaps (k on the sender, l on the receiver) where a message is posted: the
 // earliest moment after it exists (`sent`, by the sender's compute j) at which
 // both ranks sit between computes, before its consumer (the receiver's compute
@@ -117,195 +181,114 @@ constexpr void ideal_timeline(const O& orders, Cost cost, int* start, int* end) 
 // after the producer and just before the first compute that starts after the
 // message exists. Gap k of a rank is the time between its compute k-1 and
 // compute k: open from the end of k-1 (gap 0 from 0), closed at the start of k
-// (the last gap never closes). `first_l` is the receiver's first gap that
-// closes at or after `sent` (gaps close in time order).
-struct Meeting {
-  int sender_gap, receiver_gap;
-};
-
-constexpr Meeting meeting(const int* sender_start, const int* sender_end, int sender_computes, int j,
-                          const int* receiver_start, const int* receiver_end, int receiver_computes, int c,
-                          int first_l) {
+// (the last gap never closes).
+template <class O, class W, class Out>
+constexpr void with_messages(const O& o, W& w, Out& out) {
   constexpr int never = 1 << 30;
-  for (int k = j + 1, l = first_l; k <= sender_computes && l <= c;) {
-    const int sender_open = k == 0 ? 0 : sender_end[k - 1], receiver_open = l == 0 ? 0 : receiver_end[l - 1],
-              sender_close = k == sender_computes ? never : sender_start[k],
-              receiver_close = l == receiver_computes ? never : receiver_start[l];
-    if ((sender_open > receiver_open ? sender_open : receiver_open) <=
-        (sender_close < receiver_close ? sender_close : receiver_close))
-      return {k, l};
-    if (sender_close < receiver_close) ++k;
-    else ++l;
-  }
-  return {j + 1, first_l};
-}
-
-// Both ends of every message, each a comm action posted by `rank` just before
-// its compute action number `gap`.
-struct Ends {
-  int count = 0;
-  Scratch<int> rank, gap, sent, peer;  // [end]; sent: when the message exists
-  Scratch<int> op, mb, chunk;          // [end]: the comm action's (ints: an Action array costs its member defaults)
-
-  constexpr explicit Ends(int capacity)
-      : rank(capacity), gap(capacity), sent(capacity), peer(capacity), op(capacity), mb(capacity), chunk(capacity) {}
-};
-
-}  // namespace detail
-
-// The compute orders lowered into `out` (a Table, or a Schedule through
-// ScheduleBuilder): each rank's compute actions, with the comm actions of each
-// gap as one group before the compute action that closes the gap.
-// `start` and `end`: the orders' ideal timeline (detail::ideal_timeline).
-template <class O, class Out>
-constexpr void with_messages(const O& orders, const int* start, const int* end, Out& out) {
-  const Shape& sh = orders.shape();
-  const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches, slots = P * V * M;
-  const detail::StageMap map(sh);
-  const int *next = map.next.data(), *prev = map.prev.data();
-  // Index of each (rank, chunk, micro-batch)'s F and B-or-I in its rank's compute order.
-  detail::Scratch<int> forward_index(slots, -1), input_grad_index(slots, -1);
-  int *forward_at = forward_index.data(), *input_grad_at = input_grad_index.data();
-  int computes = 0;
-  for (int r = 0; r < P; ++r) {
-    const Action* order = orders.begin(r);
-    const int n = orders.size(r);
-    computes += n;
-    for (int j = 0; j < n; ++j) {
-      const Action& a = order[j];
-      if (a.op == Op::forward) forward_at[(r * V + a.chunk) * M + a.mb] = j;
-      else if (a.op == Op::backward || a.op == Op::input_grad) input_grad_at[(r * V + a.chunk) * M + a.mb] = j;
+  const Shape& sh = o.shape;
+  const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches, C = o.capacity;
+  int r = 0, q = 0, j = 0, n = 0, nq = 0, base = 0, qbase = 0, op = 0, mb = 0, rc = 0, to = 0, sent = 0, consumer = 0,
+      l = 0, k = 0, x = 0, e = 0, b = 0, i = 0, gap = 0, first = 0, sender_open = 0, receiver_open = 0,
+      sender_close = 0, receiver_close = 0, sender_gap = 0, receiver_gap = 0;
+  bool forward_message = false, backward_message = false;
+  stage_neighbours(sh, w);
+  // Index of each slot's F and B-or-I in its rank's compute order.
+  for (r = 0; r < P; ++r)
+    for (j = 0, n = o.sizes[r], base = r * C; j < n; ++j) {
+      op = static_cast<int>(o.actions[base + j].op),
+      k = (r * V + o.actions[base + j].chunk) * M + o.actions[base + j].mb;
+      if (op == 1) w.forward_at[k] = j;
+      else if (op == 2 || op == 3) w.input_grad_at[k] = j;
     }
-  }
-
-  // Both ends of every message. The receiver's first gap that closes after a message
-  // exists only moves on as the sender's messages to it do (they come to exist in
-  // order), so it is found by a cursor per (sender, receiver), not a search.
-  detail::Ends ends(2 * computes);
-  int *end_rank = ends.rank.data(), *end_gap = ends.gap.data(), *end_sent = ends.sent.data(),
-      *end_peer = ends.peer.data(), *end_op = ends.op.data(), *end_mb = ends.mb.data(), *end_chunk = ends.chunk.data();
-  detail::Scratch<int> cursors(P * P, 0), firsts(P), sizes(P);
-  int *cursor = cursors.data(), *first = firsts.data(), *size = sizes.data();
-  for (int r = 0; r < P; ++r) first[r] = orders.first(r), size[r] = orders.size(r);
-  int e = 0;
-  for (int r = 0; r < P; ++r) {
-    const Action* order = orders.begin(r);
-    const int n = size[r], base = first[r];
-    for (int j = 0; j < n; ++j) {
-      const Action& a = order[j];
-      const int rc = r * V + a.chunk;
-      const bool forward_message = a.op == Op::forward && next[rc] >= 0 && next[rc] / V != r,
-                 backward_message = (a.op == Op::backward || a.op == Op::input_grad) && prev[rc] >= 0 && prev[rc] / V != r;
+  // Both ends of every message, each a comm action posted by a rank just before its compute
+  // number `gap`. The receiver's first gap that closes after a message exists only moves on as the
+  // sender's messages to it do (they come to exist in order), so it is found by a cursor per
+  // (sender, receiver), not a search; the gaps where both ranks sit, by walking both ranks' gaps.
+  for (k = 0; k < P * P; ++k) w.cursor[k] = 0;
+  for (r = 0; r < P; ++r)
+    for (j = 0, n = o.sizes[r], base = r * C; j < n; ++j) {
+      op = static_cast<int>(o.actions[base + j].op), mb = o.actions[base + j].mb,
+      rc = r * V + o.actions[base + j].chunk,
+      forward_message = op == 1 && w.next[rc] >= 0 && w.next[rc] / V != r,
+      backward_message = (op == 2 || op == 3) && w.prev[rc] >= 0 && w.prev[rc] / V != r;
       if (!forward_message && !backward_message) continue;
-      const int to = forward_message ? next[rc] : prev[rc], q = to / V, sent = end[base + j],
-                consumer = (forward_message ? forward_at : input_grad_at)[to * M + a.mb], qbase = first[q];
-      int& l = cursor[r * P + q];
-      while (l < consumer && l < size[q] && start[qbase + l] < sent) ++l;
-      const detail::Meeting at = detail::meeting(start + base, end + base, n, j, start + qbase, end + qbase, size[q],
-                                                 consumer, l < consumer ? l : consumer);
-      end_rank[e] = r, end_gap[e] = at.sender_gap, end_sent[e] = sent, end_peer[e] = q,
-      end_op[e] = static_cast<int>(forward_message ? Op::send_act : Op::send_grad), end_mb[e] = a.mb,
-      end_chunk[e] = a.chunk, ++e;
-      end_rank[e] = q, end_gap[e] = at.receiver_gap, end_sent[e] = sent, end_peer[e] = r,
-      end_op[e] = static_cast<int>(forward_message ? Op::recv_act : Op::recv_grad), end_mb[e] = a.mb,
-      end_chunk[e] = to % V, ++e;
+      to = forward_message ? w.next[rc] : w.prev[rc], q = to / V, qbase = q * C, nq = o.sizes[q],
+      sent = o.end[base + j], consumer = forward_message ? w.forward_at[to * M + mb] : w.input_grad_at[to * M + mb];
+      for (l = w.cursor[r * P + q]; l < consumer && l < nq && o.start[qbase + l] < sent;) ++l;
+      w.cursor[r * P + q] = l, sender_gap = j + 1, receiver_gap = l < consumer ? l : consumer;
+      for (k = j + 1, x = receiver_gap; k <= n && x <= consumer;) {
+        sender_open = k == 0 ? 0 : o.end[base + k - 1], receiver_open = x == 0 ? 0 : o.end[qbase + x - 1],
+        sender_close = k == n ? never : o.start[base + k], receiver_close = x == nq ? never : o.start[qbase + x];
+        if ((sender_open > receiver_open ? sender_open : receiver_open) <=
+            (sender_close < receiver_close ? sender_close : receiver_close)) {
+          sender_gap = k, receiver_gap = x;
+          break;
+        }
+        if (sender_close < receiver_close) ++k;
+        else ++x;
+      }
+      w.end_rank[e] = r, w.end_gap[e] = sender_gap, w.end_sent[e] = sent, w.end_peer[e] = q,
+      w.end_op[e] = static_cast<int>(forward_message ? Op::send_act : Op::send_grad), w.end_mb[e] = mb,
+      w.end_chunk[e] = rc % V, ++e;
+      w.end_rank[e] = q, w.end_gap[e] = receiver_gap, w.end_sent[e] = sent, w.end_peer[e] = r,
+      w.end_op[e] = static_cast<int>(forward_message ? Op::recv_act : Op::recv_grad), w.end_mb[e] = mb,
+      w.end_chunk[e] = to % V, ++e;
     }
-  }
-  ends.count = e;
 
   // The ends sorted by (rank, gap, time, peer): a counting sort into one bucket
   // per gap (gap k of rank r is bucket first_gap[r] + k), then each small bucket by
   // time (in the order the messages came to exist; one sender's messages thus stay
   // in its order) and peer.
-  detail::Scratch<int> first_gap(P + 1);
-  first_gap[0] = 0;
-  for (int r = 0; r < P; ++r) first_gap[r + 1] = first_gap[r] + orders.size(r) + 1;
-  const int buckets = first_gap[P];
-  detail::Scratch<int> bucket_starts(buckets + 1, 0), sorted_ends(ends.count), fills(buckets);
-  int *bucket_start = bucket_starts.data(), *sorted = sorted_ends.data(), *fill = fills.data();
-  for (int e = 0; e < ends.count; ++e) ++bucket_start[first_gap[end_rank[e]] + end_gap[e] + 1];
-  for (int b = 0; b < buckets; ++b) fill[b] = bucket_start[b], bucket_start[b + 1] += bucket_start[b];
-  for (int e = 0; e < ends.count; ++e) sorted[fill[first_gap[end_rank[e]] + end_gap[e]]++] = e;
-  for (int b = 0; b < buckets; ++b)
-    for (int i = bucket_start[b] + 1; i < bucket_start[b + 1]; ++i)
-      for (int j = i, x = sorted[i];
-           j > bucket_start[b] && (end_sent[x] < end_sent[sorted[j - 1]] ||
-                                   (end_sent[x] == end_sent[sorted[j - 1]] && end_peer[x] < end_peer[sorted[j - 1]]));
+  w.first_gap[0] = 0;
+  for (r = 0; r < P; ++r) w.first_gap[r + 1] = w.first_gap[r] + o.sizes[r] + 1;
+  const int buckets = w.first_gap[P], count = e;
+  for (b = 0; b <= buckets; ++b) w.bucket_start[b] = 0;
+  for (e = 0; e < count; ++e) ++w.bucket_start[w.first_gap[w.end_rank[e]] + w.end_gap[e] + 1];
+  for (b = 0; b < buckets; ++b) w.fill[b] = w.bucket_start[b], w.bucket_start[b + 1] += w.bucket_start[b];
+  for (e = 0; e < count; ++e) w.sorted[w.fill[w.first_gap[w.end_rank[e]] + w.end_gap[e]]++] = e;
+  for (b = 0; b < buckets; ++b)
+    for (i = w.bucket_start[b] + 1; i < w.bucket_start[b + 1]; ++i)
+      for (j = i, x = w.sorted[i];
+           j > w.bucket_start[b] &&
+           (w.end_sent[x] < w.end_sent[w.sorted[j - 1]] ||
+            (w.end_sent[x] == w.end_sent[w.sorted[j - 1]] && w.end_peer[x] < w.end_peer[w.sorted[j - 1]]));
            --j)
-        sorted[j] = sorted[j - 1], sorted[j - 1] = x;
+        w.sorted[j] = w.sorted[j - 1], w.sorted[j - 1] = x;
 
-  for (int r = 0; r < P; ++r) {
-    const Action* order = orders.begin(r);
-    const int n = orders.size(r), first = first_gap[r];
-    Action* program = out.program_of_size(r, n + bucket_start[first_gap[r + 1]] - bucket_start[first]);
-    for (int k = 0, w = 0; k <= n; ++k) {
-      for (int i = bucket_start[first + k]; i < bucket_start[first + k + 1]; ++i)
-        program[w++] = {static_cast<Op>(end_op[sorted[i]]), i > bucket_start[first + k], end_mb[sorted[i]],
-                        end_chunk[sorted[i]], end_peer[sorted[i]]};
-      if (k < n) program[w++] = order[k];
+  for (r = 0; r < P; ++r) {
+    n = o.sizes[r], first = w.first_gap[r], base = r * C;
+    out.resize_program(r, n + w.bucket_start[w.first_gap[r + 1]] - w.bucket_start[first]);
+    for (gap = 0, k = 0; gap <= n; ++gap) {
+      for (i = w.bucket_start[first + gap]; i < w.bucket_start[first + gap + 1]; ++i)
+        x = w.sorted[i], out.actions[r][k++] = Action{static_cast<Op>(w.end_op[x]), i > w.bucket_start[first + gap],
+                                                      w.end_mb[x], w.end_chunk[x], w.end_peer[x]};
+      if (gap < n)
+        out.actions[r][k++] =
+            Action{o.actions[base + gap].op, false, o.actions[base + gap].mb, o.actions[base + gap].chunk, -1};
     }
   }
 }
-
-namespace detail {
-// A Schedule as with_messages' output.
-struct ScheduleBuilder {
-  Schedule schedule;
-  constexpr Action* program_of_size(int r, int n) {
-    auto& p = schedule.programs[static_cast<std::size_t>(r)];
-    p.resize(static_cast<std::size_t>(n));
-    return p.data();
-  }
-};
-}  // namespace detail
-
-constexpr Schedule with_messages(const detail::Orders& orders, Cost cost = {}) {
-  detail::Scratch<int> start(orders.numbers()), end(orders.numbers());
-  detail::ideal_timeline(orders, cost, start.data(), end.data());
-  detail::ScheduleBuilder out{Schedule(orders.shape())};
-  with_messages(orders, start.data(), end.data(), out);
-  return std::move(out.schedule);
-}
-
-namespace detail {
-
-// A generator's compute orders with their ideal timeline, in arrays of fixed
-// size: the first of the two constants a schedule type's table is made in (the
-// compilers limit each constant expression's work, so each half gets a budget).
-template <class TableType>
-struct TimedOrders {
-  static constexpr int P = TableType::ranks, capacity = 3 * TableType::micro_batches * TableType::chunks;
-
-  Action actions[P][capacity]{};
-  int sizes[P]{};
-  int start[P * capacity]{}, end[P * capacity]{};
-
-  constexpr TimedOrders() = default;
-  constexpr explicit TimedOrders(const Orders& orders, Cost cost = {}) {
-    for (int r = 0; r < P; ++r) {
-      const Action* from = orders.begin(r);
-      const int n = orders.size(r);
-      for (int i = 0; i < n; ++i) actions[r][i] = from[i];
-      sizes[r] = n;
-    }
-    ideal_timeline(*this, cost, start, end);
-  }
-
-  constexpr const Shape& shape() const { return TableType::shape; }
-  constexpr const Action* begin(int r) const { return actions[r]; }
-  constexpr int size(int r) const { return sizes[r]; }
-  constexpr int first(int r) const { return r * capacity; }
-  constexpr int numbers() const { return P * capacity; }
-};
 
 // The second constant: the table, the messages placed.
 template <class TableType>
 constexpr TableType lowered(const TimedOrders<TableType>& timed) {
   TableType t;
-  with_messages(timed, timed.start, timed.end, t);
+  FixedLowering<TableType> w;
+  with_messages(timed, w, t);
   return t;
 }
 
 }  // namespace detail
+
+// The compute orders with their messages placed, as a Schedule: the orders run
+// as a dataflow (the ideal timeline) under `cost`, then each message posted
+// where both of its ranks sit between computes.
+constexpr Schedule with_messages(detail::Orders orders, Cost cost = {}) {
+  detail::Lowering w(orders.shape);
+  detail::ideal_timeline(orders, cost, w);
+  detail::ScheduleBuilder out(orders.shape);
+  detail::with_messages(orders, w, out);
+  return std::move(out.schedule);
+}
 
 }  // namespace fived::pipeline

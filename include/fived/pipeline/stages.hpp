@@ -13,8 +13,6 @@
 //     and back up, so rank P-1 holds stages P-1 and P (no message between
 //     them) and rank 0 holds the first and the last stage.
 
-#include "fived/pipeline/scratch.hpp"
-
 namespace fived::pipeline {
 
 enum class StageOrder : unsigned char { looped, vee };
@@ -58,21 +56,19 @@ struct Shape {
 
 namespace detail {
 
-// Each (rank, chunk)'s neighbouring stages as arrays, numbered rank · V + chunk.
-// The proofs' inner loops look these up rather than call Shape's functions:
-// inside the compiler a function call costs as much as a dozen array reads.
-struct StageMap {
-  Scratch<int> next, prev;  // rank · V + chunk of the next / previous stage; -1: none
-
-  constexpr explicit StageMap(const Shape& sh) : next(sh.ranks * sh.chunks), prev(sh.ranks * sh.chunks) {
-    for (int r = 0; r < sh.ranks; ++r)
-      for (int c = 0; c < sh.chunks; ++c) {
-        const int i = r * sh.chunks + c, s = sh.stage(r, c);
-        next[i] = s + 1 < sh.stages() ? sh.rank_of(s + 1) * sh.chunks + sh.chunk_of(s + 1) : -1;
-        prev[i] = s > 0 ? sh.rank_of(s - 1) * sh.chunks + sh.chunk_of(s - 1) : -1;
-      }
-  }
-};
+// Each (rank, chunk)'s neighbouring stages, numbered rank · V + chunk, into the
+// arrays w.next and w.prev (-1: none). The proofs' inner loops look these up
+// rather than call Shape's functions: inside the compiler a function call costs
+// as much as a dozen array reads.
+template <class W>
+constexpr void stage_neighbours(const Shape& sh, W& w) {
+  for (int r = 0, c = 0, i = 0, s = 0; r < sh.ranks; ++r)
+    for (c = 0; c < sh.chunks; ++c) {
+      i = r * sh.chunks + c, s = sh.stage(r, c);
+      w.next[i] = s + 1 < sh.stages() ? sh.rank_of(s + 1) * sh.chunks + sh.chunk_of(s + 1) : -1;
+      w.prev[i] = s > 0 ? sh.rank_of(s - 1) * sh.chunks + sh.chunk_of(s - 1) : -1;
+    }
+}
 
 }  // namespace detail
 

@@ -107,11 +107,10 @@ struct Table {
     return {actions[rank], static_cast<std::size_t>(sizes[rank])};
   }
 
-  // Rank r's program as n actions to write (what the lowering writes into).
-  constexpr Action* program_of_size(int r, int n) {
+  // Rank r's program to be n actions long, before they are written (what the lowering writes into).
+  constexpr void resize_program(int r, int n) {
     if (n > capacity) throw std::invalid_argument("fived::pipeline::Table: a rank's program is longer than any valid one");
     sizes[r] = n;
-    return actions[r];
   }
 
   friend constexpr bool operator==(const Table& a, const Table& b) {

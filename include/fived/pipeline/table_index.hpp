@@ -64,13 +64,8 @@ template <class Rows, class Ix>
 constexpr void find_positions(const Rows& t, Ix& ix) {
   const Shape& sh = t.shape;
   const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches;
-  int r = 0, c = 0, i = 0, n = 0, op = 0, mb = 0, chunk = 0, at = 0, s = 0;
-  for (r = 0; r < P; ++r)
-    for (c = 0; c < V; ++c) {
-      s = sh.stage(r, c);
-      ix.next[r * V + c] = s + 1 < P * V ? sh.rank_of(s + 1) * V + sh.chunk_of(s + 1) : -1;
-      ix.prev[r * V + c] = s > 0 ? sh.rank_of(s - 1) * V + sh.chunk_of(s - 1) : -1;
-    }
+  int r = 0, i = 0, n = 0, op = 0, mb = 0, chunk = 0, at = 0;
+  stage_neighbours(sh, ix);
   ix.offset[0] = 0;
   for (r = 0; r < P; ++r) ix.offset[r + 1] = ix.offset[r] + t.sizes[r];
   for (r = 0; r < P; ++r)
