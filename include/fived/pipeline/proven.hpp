@@ -91,13 +91,14 @@ struct Proven {
   static constexpr Shape shape = table_type::shape;
   static constexpr int ranks = table_type::ranks, micro_batches = table_type::micro_batches, chunks = table_type::chunks;
 
-  // Three constants, each one constant expression (the compilers limit the work
-  // of each): where every action is and whom it meets; the table's form, counts,
-  // orders and pairing; then, when those hold, the dry run.
+  // Four constants, each one constant expression (the compilers limit the work
+  // of each): where every action is; whom each message meets (table_index.hpp);
+  // the table's form, counts, orders and pairing; then, when those hold, the dry run.
   static constexpr detail::FixedPositions<table_type> positions{S::table};
   static constexpr detail::FixedIndex<table_type> index{S::table, positions};
   static constexpr Verdict table_verdict =
-      detail::admissible<S>() ? (shape.valid() ? detail::check_table(S::table, index) : Verdict{Property::shape})
+      detail::admissible<S>() ? (detail::shape_is_valid(S::table) ? detail::check_table(S::table, index)
+                                                                     : Verdict{Property::shape})
                               : Verdict{};
   static constexpr detail::RunProof run =
       detail::admissible<S>() && table_verdict.ok() ? detail::prove_run(S::table, index) : detail::RunProof{};
