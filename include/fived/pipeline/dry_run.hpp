@@ -104,69 +104,52 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
   int cost_of[9] = {};
   int r = 0, step = 0, i = 0, first = 0, n = 0, base = 0, end = 0, j = 0, k = 0, q = 0, op = 0, now_b = 0, now_e = 0,
       met_b = 0, met_e = 0;
-  bool progressed = true, down = true, send = false;
+  bool progressed = true, down = true, send = false, waits = false;
   for (op = 0; op < 9; ++op) cost_of[op] = cost.of(static_cast<Op>(op));
   for (r = 0; r < P; ++r) run.awaits[r] = -1;
   // Sweeps down the ranks and back up, in turn: a chain of waits that runs either
   // way along the ranks then resolves in one sweep, so the sweeps are as many as the
   // chains' turns, not as their length times P.
   // A rank that waits skips the sweep until the partner it waits for is posted.
+  // (Clang limits the statements a constant runs, not the operations: the loops
+  // below run one statement per action, and a rank's turn a few.)
   for (; progressed; down = !down) {
     progressed = false;
     for (step = 0; step < P; ++step) {
       r = down ? step : P - 1 - step;
       if (run.awaits[r] >= 0 && run.awaits[r] - ix.offset[run.awaited_rank[r]] >= run.reached[run.awaited_rank[r]])
         continue;
-      base = ix.offset[r];
-      n = t.sizes[r];
-      now_b = run.clock_blocking[r];
-      now_e = run.clock_eager[r];
-      i = run.at[r];
+      base = ix.offset[r], n = t.sizes[r], now_b = run.clock_blocking[r], now_e = run.clock_eager[r], i = run.at[r];
       while (i < n) {
         // A run of compute actions, each starting as the one before it ends.
-        // (Clang limits the statements a constant runs: the loops over actions run one each.)
         for (first = i; i < n && t.actions[r][i].op < Op::send_act; ++i)
           run.posted_blocking[base + i] = now_b, run.posted_eager[base + i] = now_e,
           op = cost_of[static_cast<int>(t.actions[r][i].op)], now_b += op, now_e += op;
-        if (i > first) {
-          run.reached[r] = i;
-          progressed = true;
-          if (now_b > run.makespan[0]) run.makespan[0] = now_b;
-          if (now_e > run.makespan[1]) run.makespan[1] = now_e;
-        }
+        if (i > first)
+          run.reached[r] = i, progressed = true, run.makespan[0] = now_b > run.makespan[0] ? now_b : run.makespan[0],
+          run.makespan[1] = now_e > run.makespan[1] ? now_e : run.makespan[1];
         if (i == n) break;
         // A comm group: this action and those joined to it, all posted when the rank reaches it.
         for (end = i + 1; end < n && t.actions[r][end].joins_previous && t.actions[r][end].op >= Op::send_act;) ++end;
-        if (run.reached[r] < end) {
-          for (j = base + i; j < base + end; ++j) run.posted_blocking[j] = now_b, run.posted_eager[j] = now_e;
-          run.reached[r] = end;
-          progressed = true;
-        }
+        if (run.reached[r] < end)
+          for (j = base + i, run.reached[r] = end, progressed = true; j < base + end; ++j)
+            run.posted_blocking[j] = now_b, run.posted_eager[j] = now_e;
         // Complete when every partner has posted (with eager sends: every receive's partner);
         // a partner that does not exist is never posted.
-        met_b = now_b;
-        met_e = now_e;
-        for (j = i; j < end; ++j) {
-          k = ix.partner[base + j] - 1, q = ix.partner_rank[base + j],
-          send = t.actions[r][j].op == Op::send_act || t.actions[r][j].op == Op::send_grad;
-          if (send && !sends_wait) continue;
-          if (k < 0 || k - ix.offset[q] >= run.reached[q]) break;
-          met_b = run.posted_blocking[k] > met_b ? run.posted_blocking[k] : met_b,
-          met_e = !send && run.posted_eager[k] > met_e ? run.posted_eager[k] : met_e;
-        }
+        for (j = i, met_b = now_b, met_e = now_e;
+             j < end && (k = ix.partner[base + j] - 1, q = ix.partner_rank[base + j],
+                        send = t.actions[r][j].op == Op::send_act || t.actions[r][j].op == Op::send_grad,
+                        waits = !send || sends_wait, !waits || (k >= 0 && k - ix.offset[q] < run.reached[q]));
+             ++j)
+          met_b = waits && run.posted_blocking[k] > met_b ? run.posted_blocking[k] : met_b,
+          met_e = waits && !send && run.posted_eager[k] > met_e ? run.posted_eager[k] : met_e;
         if (j < end) {
-          run.awaits[r] = k >= 0 ? k : 1 << 30;
-          run.awaited_rank[r] = k >= 0 ? q : r;
+          run.awaits[r] = k >= 0 ? k : 1 << 30, run.awaited_rank[r] = k >= 0 ? q : r;
           break;
         }
-        now_b = met_b;
-        now_e = met_e;
-        i = end;
-        run.awaits[r] = -1;
+        now_b = met_b, now_e = met_e, i = end, run.awaits[r] = -1;
       }
-      run.clock_blocking[r] = now_b;
-      run.clock_eager[r] = now_e;
-      run.at[r] = i;
+      run.clock_blocking[r] = now_b, run.clock_eager[r] = now_e, run.at[r] = i;
     }
   }
   for (r = 0; r < P; ++r) run.finished = run.finished && run.at[r] == t.sizes[r];
