@@ -102,10 +102,10 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
   const int P = t.shape.ranks;
   const bool sends_wait = drive == Sends::blocking;
   int cost_of[9] = {};
-  int r = 0, step = 0, i = 0, first = 0, n = 0, base = 0, end = 0, j = 0, k = 0, q = 0, op = 0, now_b = 0, now_e = 0,
-      met_b = 0, met_e = 0;
+  int r = 0, step = 0, i = 0, first = 0, n = 0, base = 0, end = 0, j = 0, k = 0, q = 0, took = 0, now_b = 0,
+      now_e = 0, met_b = 0, met_e = 0;
   bool progressed = true, down = true, send = false, waits = false;
-  for (op = 0; op < 9; ++op) cost_of[op] = cost.of(static_cast<Op>(op));
+  for (k = 0; k < 9; ++k) cost_of[k] = cost.of(static_cast<Op>(k));
   for (r = 0; r < P; ++r) run.awaits[r] = -1;
   // Sweeps down the ranks and back up, in turn: a chain of waits that runs either
   // way along the ranks then resolves in one sweep, so the sweeps are as many as the
@@ -124,7 +124,7 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
         // A run of compute actions, each starting as the one before it ends.
         for (first = i; i < n && t.actions[r][i].op < Op::send_act; ++i)
           run.posted_blocking[base + i] = now_b, run.posted_eager[base + i] = now_e,
-          op = cost_of[static_cast<int>(t.actions[r][i].op)], now_b += op, now_e += op;
+          took = cost_of[static_cast<int>(t.actions[r][i].op)], now_b += took, now_e += took;
         if (i > first)
           run.reached[r] = i, progressed = true, run.makespan[0] = now_b > run.makespan[0] ? now_b : run.makespan[0],
           run.makespan[1] = now_e > run.makespan[1] ? now_e : run.makespan[1];
