@@ -6,7 +6,8 @@
 // where each operation is interpreted: a Table of P = 16, M = 128, V = 4 has
 // about 48,000 actions, and every statement per action costs tens of
 // milliseconds over the table. What is cheap there, measured on GCC 12 and
-// Clang 14 (bench/schedule_compile_cost.sh):
+// Clang 14 with loops of 500,000 turns (bench/schedule_compile_cost.sh measures
+// the whole proof):
 //   - arrays indexed as arrays (a member `a[k]` of an object): GCC builds new
 //     trees for each access through a pointer, 3 to 6 times the time and about
 //     100 bytes of compiler memory that live to the end of the file;
