@@ -182,7 +182,7 @@ template <class S>
 constexpr Run execute(const S& s, Cost cost = {}, Sends sends = Sends::blocking) {
   const auto& t = detail::rows_of(s);
   const detail::Index ix(t);
-  detail::DryRun run(t.shape.ranks, detail::total_actions(t));
+  detail::DryRun run(t.shape.ranks, ix.offset[t.shape.ranks]);
   detail::dry_run(t, ix, cost, sends, run);
   const auto& posted = sends == Sends::blocking ? run.posted_blocking : run.posted_eager;
   Run out{run.finished, {}, {}, {}, run.makespan[static_cast<int>(sends)]};

@@ -263,8 +263,7 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
         x = w.sorted[i], out.actions[r][k++] = Action{static_cast<Op>(w.end_op[x]), i > w.bucket_start[first + gap],
                                                       w.end_mb[x], w.end_chunk[x], w.end_peer[x]};
       if (gap < n)
-        out.actions[r][k++] =
-            Action{o.actions[base + gap].op, false, o.actions[base + gap].mb, o.actions[base + gap].chunk, -1};
+        out.actions[r][k++] = o.actions[base + gap];
     }
   }
 }

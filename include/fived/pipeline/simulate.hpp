@@ -123,8 +123,9 @@ constexpr void fill_figures(const Rows& t, int eager_makespan, int blocking_make
 template <class S>
 constexpr Figures measure(const S& s, Cost cost = {}) {
   const auto& t = detail::rows_of(s);
-  detail::DryRun run(t.shape.ranks, detail::total_actions(t));
-  detail::dry_run(t, detail::Index(t), cost, Sends::blocking, run);
+  const detail::Index ix(t);
+  detail::DryRun run(t.shape.ranks, ix.offset[t.shape.ranks]);
+  detail::dry_run(t, ix, cost, Sends::blocking, run);
   Figures f;
   detail::fill_figures(t, run.makespan[static_cast<int>(Sends::eager)],
                        run.makespan[static_cast<int>(Sends::blocking)], cost, f);

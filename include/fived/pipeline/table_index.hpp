@@ -146,15 +146,19 @@ struct Index {
   Scratch<int> partner, partner_rank, number;
 
   template <class Rows>
-  constexpr explicit Index(const Rows& t)
+  constexpr explicit Index(const Rows& t) : Index(t, total_actions(t)) {}
+
+ private:
+  template <class Rows>
+  constexpr Index(const Rows& t, int actions)
       : offset(t.shape.ranks + 1),
         next(t.shape.stages()),
         prev(t.shape.stages()),
         first(t.shape.stages() * t.shape.micro_batches * kinds, 0),
         repeated(t.shape.stages() * t.shape.micro_batches, 0),
-        partner(total_actions(t), 0),
-        partner_rank(total_actions(t), 0),
-        number(total_actions(t), 0) {
+        partner(actions, 0),
+        partner_rank(actions, 0),
+        number(actions, 0) {
     find_positions(t, *this);
     find_messages(t, *this);
   }

@@ -274,7 +274,7 @@ constexpr Verdict verify(const S& s) {
   const auto& t = detail::rows_of(s);
   const detail::Index ix(t);
   if (const Verdict v = detail::check_table(t, ix); !v.ok()) return v;
-  detail::DryRun run(t.shape.ranks, detail::total_actions(t));
+  detail::DryRun run(t.shape.ranks, ix.offset[t.shape.ranks]);
   detail::dry_run(t, ix, Cost{}, Sends::blocking, run);
   return detail::check_run(t, ix, run);
 }
