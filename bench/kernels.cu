@@ -1,10 +1,12 @@
 // CUDA kernels at GPT-2 124M shapes (B=8, T=1024, C=768, NH=12, V=50257 padded
 // to 50304), bf16 with fp32 accumulation: median time over --iters runs (CUDA
-// events around each run), achieved GB/s (memory-bound kernels: bytes that must
+// events around each run; before each, the L2 is flushed and the stream held by a short
+// spin kernel while the run is queued, so a run is timed from HBM and without the host's
+// launch latency, as a kernel runs inside a step; --plain times it without either), achieved GB/s (memory-bound kernels: bytes that must
 // move at least once) or TFLOP/s (GEMM, attention), and that as a fraction of
 // this device's measured ceilings: HBM bandwidth from a device-to-device copy
 // kernel, GEMM peak from a large cuBLASLt bf16 GEMM (8192^3).
-//   bench/kernels [--iters N]        (not run by CTest)
+//   bench/kernels [--iters N] [--plain]        (not run by CTest)
 
 #include <algorithm>
 #include <cstdint>
@@ -58,6 +60,40 @@ __global__ void tokens_kernel(int* t, std::size_t n, int V) {
 }
 
 int iters = 20;
+bool plain = false;  // --plain: no flush, no spin (how this benchmark timed before 2026-11-27)
+
+// Reads `n` float4 (more than the L2 holds), so the timed run that follows reads its
+// inputs from HBM; the write never happens (the sum is never that value) but keeps the reads.
+__global__ void flush_kernel(const float4* p, std::size_t n, float* sink) {
+  float s = 0.0f;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
+    s += p[i].x;
+  if (s == 1234.5678f) *sink = s;
+}
+
+// Holds the stream for `ns` nanoseconds, so the host has queued the timed run before the
+// start event is reached: the interval is the GPU's time, not the launch's.
+__global__ void spin_kernel(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); while (t - t0 < ns);
+}
+
+struct ColdCache {
+  Buffer<float4, Cuda> lines;
+  Buffer<float, Cuda> sink{1};
+  int blocks;
+  explicit ColdCache(const cudaDeviceProp& prop)
+      : lines(4 * static_cast<std::size_t>(prop.l2CacheSize) / sizeof(float4)), blocks(prop.multiProcessorCount * 4) {}
+  void before_run(cudaStream_t s) {
+    flush_kernel<<<blocks, 512, 0, s>>>(lines.data(), lines.size(), sink.data());
+    FIVED_CUDA_CHECK_LAUNCH("flush_kernel");
+    spin_kernel<<<1, 1, 0, s>>>(200'000);
+    FIVED_CUDA_CHECK_LAUNCH("spin_kernel");
+  }
+};
+ColdCache* cold = nullptr;
 
 // Median milliseconds of fn over `iters` runs (after 2 warm-up runs).
 double time_ms(cudaStream_t s, const std::function<void()>& fn) {
@@ -65,6 +101,7 @@ double time_ms(cudaStream_t s, const std::function<void()>& fn) {
   for (int i = 0; i < 2; ++i) fn();
   std::vector<float> ms;
   for (int i = 0; i < iters; ++i) {
+    if (!plain) cold->before_run(s);
     a.record(s);
     fn();
     b.record(s);
@@ -90,7 +127,10 @@ void row(const char* name, double ms, double bytes, double flops) {
 
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i)
-    if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) iters = std::max(1, std::atoi(argv[++i]));
+    if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc)
+      iters = std::max(1, std::atoi(argv[++i]));
+    else if (std::strcmp(argv[i], "--plain") == 0)
+      plain = true;
   if (fived::cuda::device_count() == 0) {
     std::puts("bench/kernels: no CUDA device");
     return 1;
@@ -104,14 +144,17 @@ int main(int argc, char** argv) {
   // between calls. Without it every timed call that takes scratch (column reductions,
   // embedding backward) also timed the driver mapping the memory again after each sync.
   ck::keep_scratch_pool();
+  ColdCache cold_cache(prop);
+  cold = &cold_cache;
 
   constexpr int B = 8, T = 1024, C = 768, NH = 12, V = 50257, Vp = 50304;
   constexpr std::size_t BT = static_cast<std::size_t>(B) * T;
   constexpr double e = sizeof(bf16);
   const std::size_t params = 124475904;  // GPT-2 124M with Vp (tied embeddings)
 
-  std::printf("fived kernel benchmark on %s (%d SMs), bf16, B=%d T=%d C=%d NH=%d Vp=%d, median of %d runs\n",
-              prop.name, prop.multiProcessorCount, B, T, C, NH, Vp, iters);
+  std::printf("fived kernel benchmark on %s (%d SMs), bf16, B=%d T=%d C=%d NH=%d Vp=%d, median of %d runs, %s\n",
+              prop.name, prop.multiProcessorCount, B, T, C, NH, Vp, iters,
+              plain ? "plain (L2 warm, launch latency included)" : "L2 flushed and launch queued before each run");
 
   {  // ceilings
     const std::size_t n4 = (std::size_t{1} << 30) / sizeof(float4);

@@ -192,8 +192,11 @@ TEST_CASE_TEMPLATE("bias_backward", T, ELEMENT_TYPES) {
 }
 
 TEST_CASE_TEMPLATE("layernorm and rmsnorm, forward and backward", T, ELEMENT_TYPES) {
-  const int N = 19;
-  for (const int C : {100, 128}) {  // 128: the weight gradients' 16-byte column reads in bf16 too
+  // 128: the weight gradients' 16-byte column reads in bf16 too; 768 over 4099 rows: the
+  // backward's single pass (rows in registers) with several rows a warp and a partial last
+  // block; 1500: rows too wide for registers (read again, weight gradients by column_reduce).
+  for (const auto [N, C] : {std::pair{19, 100}, std::pair{19, 128}, std::pair{4099, 768}, std::pair{37, 1500}}) {
+    CAPTURE(N);
     CAPTURE(C);
     const std::size_t n = static_cast<std::size_t>(N) * C;
     const auto x = rnd<T>(n, 8, -2.0f, 2.0f), w = rnd<T>(C, 9), bias = rnd<T>(C, 10), dout = rnd<T>(n, 11);
@@ -216,6 +219,13 @@ TEST_CASE_TEMPLATE("layernorm and rmsnorm, forward and backward", T, ELEMENT_TYP
       ck::layernorm_backward(stream(), d_dinp.data(), d_dweight.data(), d_dbias.data(), ddout.data(), dx.data(),
                              dw.data(), dmean.data(), drstd.data(), N, C);
       CHECK_CLOSE(dinp, down(d_dinp), tol);
+      CHECK_CLOSE(dweight, down(d_dweight), tol);
+      CHECK_CLOSE(dbias, down(d_dbias), tol);
+      // The weight gradients alone (dinp null) add the same sums again.
+      hk::layernorm_backward(static_cast<T*>(nullptr), dweight.data(), dbias.data(), dout.data(), x.data(), w.data(),
+                             mean.data(), rstd.data(), N, C);
+      ck::layernorm_backward(stream(), static_cast<T*>(nullptr), d_dweight.data(), d_dbias.data(), ddout.data(),
+                             dx.data(), dw.data(), dmean.data(), drstd.data(), N, C);
       CHECK_CLOSE(dweight, down(d_dweight), tol);
       CHECK_CLOSE(dbias, down(d_dbias), tol);
     }
@@ -319,41 +329,44 @@ TEST_CASE_TEMPLATE("regroup: split and join move the same elements as the host's
 }
 
 TEST_CASE_TEMPLATE("embedding forward and backward (repeated tokens)", T, ELEMENT_TYPES) {
-  const int B = 3, Tn = 7, C = 40, V = 11;
-  std::vector<int> tokens(B * Tn);
-  for (int i = 0; i < B * Tn; ++i) tokens[i] = (i * 7 + 3) % V % 5 + (i % 3 == 0 ? 6 : 0);  // repeats, ids < V
-  const auto wte = rnd<T>(static_cast<std::size_t>(V) * C, 20), wpe = rnd<T>(static_cast<std::size_t>(Tn) * C, 21);
-  const auto dout = rnd<T>(static_cast<std::size_t>(B) * Tn * C, 22);
-  auto dtok = up(tokens);
-  auto dwte_in = up(wte), dwpe_in = up(wpe), ddout = up(dout);
-  std::vector<T> out(dout.size());
-  Buffer<T, Cuda> d_out(dout.size());
-  hk::embedding_forward(out.data(), tokens.data(), wte.data(), 0, V, wpe.data(), B, Tn, C);
-  ck::embedding_forward(stream(), d_out.data(), dtok.data(), dwte_in.data(), 0, V, dwpe_in.data(), B, Tn, C);
-  CHECK_CLOSE(out, down(d_out), bound<T>(fp32_elem));
-  auto dwte = rnd<T>(wte.size(), 23), dwpe = rnd<T>(wpe.size(), 24);
-  auto d_dwte = up(dwte), d_dwpe = up(dwpe);
-  hk::embedding_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, Tn, C, 0, V);
-  ck::embedding_backward(stream(), d_dwte.data(), d_dwpe.data(), ddout.data(), dtok.data(), B, Tn, C, 0, V);
-  CHECK_CLOSE(dwte, down(d_dwte), bound<T>(fp32_elem));
-  CHECK_CLOSE(dwpe, down(d_dwpe), bound<T>(fp32_elem));
+  const int B = 3, Tn = 7, V = 11;
+  for (const int C : {40, 38}) {  // 40: 16-byte accesses (both types); 38: one element a thread
+    CAPTURE(C);
+    std::vector<int> tokens(B * Tn);
+    for (int i = 0; i < B * Tn; ++i) tokens[i] = (i * 7 + 3) % V % 5 + (i % 3 == 0 ? 6 : 0);  // repeats, ids < V
+    const auto wte = rnd<T>(static_cast<std::size_t>(V) * C, 20), wpe = rnd<T>(static_cast<std::size_t>(Tn) * C, 21);
+    const auto dout = rnd<T>(static_cast<std::size_t>(B) * Tn * C, 22);
+    auto dtok = up(tokens);
+    auto dwte_in = up(wte), dwpe_in = up(wpe), ddout = up(dout);
+    std::vector<T> out(dout.size());
+    Buffer<T, Cuda> d_out(dout.size());
+    hk::embedding_forward(out.data(), tokens.data(), wte.data(), 0, V, wpe.data(), B, Tn, C);
+    ck::embedding_forward(stream(), d_out.data(), dtok.data(), dwte_in.data(), 0, V, dwpe_in.data(), B, Tn, C);
+    CHECK_CLOSE(out, down(d_out), bound<T>(fp32_elem));
+    auto dwte = rnd<T>(wte.size(), 23), dwpe = rnd<T>(wpe.size(), 24);
+    auto d_dwte = up(dwte), d_dwpe = up(dwpe);
+    hk::embedding_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, Tn, C, 0, V);
+    ck::embedding_backward(stream(), d_dwte.data(), d_dwpe.data(), ddout.data(), dtok.data(), B, Tn, C, 0, V);
+    CHECK_CLOSE(dwte, down(d_dwte), bound<T>(fp32_elem));
+    CHECK_CLOSE(dwpe, down(d_dwpe), bound<T>(fp32_elem));
 
-  // A vocabulary shard, rows [3, V) of the table, without positions (vocab-parallel
-  // embedding on a rank that does not add them): out-of-range ids give 0 rows in the
-  // forward and add nothing to the shard's gradient.
-  const int vb = 3, vr = V - vb;
-  const std::vector<T> shard(wte.begin() + static_cast<std::ptrdiff_t>(vb) * C, wte.end());
-  auto dshard_in = up(shard);
-  hk::embedding_forward(out.data(), tokens.data(), shard.data(), vb, vr, static_cast<const T*>(nullptr), B, Tn, C);
-  ck::embedding_forward(stream(), d_out.data(), dtok.data(), dshard_in.data(), vb, vr, static_cast<const T*>(nullptr),
-                        B, Tn, C);
-  CHECK(down(d_out) == out);  // copies and zeros only: exact
-  auto dshard = rnd<T>(shard.size(), 26);
-  auto d_dshard = up(dshard);
-  hk::embedding_backward(dshard.data(), static_cast<T*>(nullptr), dout.data(), tokens.data(), B, Tn, C, vb, vr);
-  ck::embedding_backward(stream(), d_dshard.data(), static_cast<T*>(nullptr), ddout.data(), dtok.data(), B, Tn, C, vb,
-                         vr);
-  CHECK_CLOSE(dshard, down(d_dshard), bound<T>(fp32_elem));
+    // A vocabulary shard, rows [3, V) of the table, without positions (vocab-parallel
+    // embedding on a rank that does not add them): out-of-range ids give 0 rows in the
+    // forward and add nothing to the shard's gradient.
+    const int vb = 3, vr = V - vb;
+    const std::vector<T> shard(wte.begin() + static_cast<std::ptrdiff_t>(vb) * C, wte.end());
+    auto dshard_in = up(shard);
+    hk::embedding_forward(out.data(), tokens.data(), shard.data(), vb, vr, static_cast<const T*>(nullptr), B, Tn, C);
+    ck::embedding_forward(stream(), d_out.data(), dtok.data(), dshard_in.data(), vb, vr, static_cast<const T*>(nullptr),
+                          B, Tn, C);
+    CHECK(down(d_out) == out);  // copies and zeros only: exact
+    auto dshard = rnd<T>(shard.size(), 26);
+    auto d_dshard = up(dshard);
+    hk::embedding_backward(dshard.data(), static_cast<T*>(nullptr), dout.data(), tokens.data(), B, Tn, C, vb, vr);
+    ck::embedding_backward(stream(), d_dshard.data(), static_cast<T*>(nullptr), ddout.data(), dtok.data(), B, Tn, C, vb,
+                           vr);
+    CHECK_CLOSE(dshard, down(d_dshard), bound<T>(fp32_elem));
+  }
 }
 
 TEST_CASE_TEMPLATE("cross-entropy: vocab shards with padding, and the fused convenience", T, ELEMENT_TYPES) {

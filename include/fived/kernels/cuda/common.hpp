@@ -320,12 +320,14 @@ __global__ void column_partials_kernel(float2* partials, F f, int M, int N, int 
   for (int k = 0; k < W; ++k) acc[k] = make_float2(0.0f, 0.0f);
   if (col < N) {
     int r = r0 + ty;
-    for (; r + 8 < r1; r += 16) {  // two rows' loads in flight (four when W == 1)
-      float2 a[W], b[W];
-      column_values<W>(f, r, col, a);
-      column_values<W>(f, r + 8, col, b);
+    for (; r + 24 < r1; r += 32) {  // four rows' loads in flight
+      float2 a[4][W];
 #pragma unroll
-      for (int k = 0; k < W; ++k) acc[k].x += a[k].x + b[k].x, acc[k].y += a[k].y + b[k].y;
+      for (int u = 0; u < 4; ++u) column_values<W>(f, r + 8 * u, col, a[u]);
+#pragma unroll
+      for (int k = 0; k < W; ++k)
+        acc[k].x += (a[0][k].x + a[1][k].x) + (a[2][k].x + a[3][k].x),
+            acc[k].y += (a[0][k].y + a[1][k].y) + (a[2][k].y + a[3][k].y);
     }
     for (; r < r1; r += 8) {
       float2 a[W];
@@ -346,15 +348,15 @@ __global__ void column_partials_kernel(float2* partials, F f, int M, int N, int 
   }
 }
 
-// Blocks of 32 columns x 8 threads: thread y adds splits y, y + 8, ...; then the 8 in order.
+// Blocks of 32 columns x 32 threads: thread y adds splits y, y + 32, ...; then the 32 in order.
 template <class Out>
 __global__ void column_finish_kernel(const float2* partials, Out out, int N, int splits) {
-  __shared__ float2 tile[8][33];
+  __shared__ float2 tile[32][33];
   const int tx = static_cast<int>(threadIdx.x), ty = static_cast<int>(threadIdx.y);
   const int col = static_cast<int>(blockIdx.x) * 32 + tx;
   float2 s = make_float2(0.0f, 0.0f);
   if (col < N)
-    for (int k = ty; k < splits; k += 8) {
+    for (int k = ty; k < splits; k += 32) {
       const float2 v = partials[static_cast<std::size_t>(k) * N + col];
       s.x += v.x, s.y += v.y;
     }
@@ -362,9 +364,25 @@ __global__ void column_finish_kernel(const float2* partials, Out out, int N, int
   __syncthreads();
   if (ty == 0 && col < N) {
 #pragma unroll
-    for (int y = 1; y < 8; ++y) s.x += tile[y][tx].x, s.y += tile[y][tx].y;
+    for (int y = 1; y < 32; ++y) s.x += tile[y][tx].x, s.y += tile[y][tx].y;
     out(col, s);
   }
+}
+
+// out(col, the sum over s of partials[s * N + col]) for each of the N columns, in a fixed order.
+template <class Out>
+void finish_columns(cudaStream_t stream, const float2* partials, Out out, int N, int splits) {
+  column_finish_kernel<<<(N + 31) / 32, dim3(32, 32), 0, stream>>>(partials, out, N, splits);
+  FIVED_CUDA_CHECK_LAUNCH("column_finish_kernel");
+}
+
+// Blocks of `kernel` with `threads` threads (and `smem` bytes of dynamic shared memory) each
+// that one SM holds at once.
+template <class Kernel>
+int resident_blocks(Kernel kernel, int threads, int smem = 0) {
+  int n = 0;
+  FIVED_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, static_cast<std::size_t>(smem)));
+  return n > 0 ? n : 1;
 }
 
 // Wide > 1 with `wide` true: 16-byte reads (f has at<Wide>; the caller checked that N is a
@@ -383,8 +401,7 @@ void column_reduce(cudaStream_t stream, F f, Out out, int M, int N, bool wide = 
     Scratch<float2> partials(static_cast<std::size_t>(splits) * N, stream);
     column_partials_kernel<W><<<dim3(col_blocks, splits), dim3(32, 8), 0, stream>>>(partials.get(), f, M, N, rows);
     FIVED_CUDA_CHECK_LAUNCH("column_partials_kernel");
-    column_finish_kernel<<<(N + 31) / 32, dim3(32, 8), 0, stream>>>(partials.get(), out, N, splits);
-    FIVED_CUDA_CHECK_LAUNCH("column_finish_kernel");
+    finish_columns(stream, partials.get(), out, N, splits);
   };
   if constexpr (Wide > 1)
     if (wide) return launch(std::integral_constant<int, Wide>{});

@@ -12,13 +12,15 @@
 //
 // The backward is deterministic (no atomics): the (row of wte, position) pairs are
 // radix-sorted by row with CUB (stable, so positions stay in order; only the bits of
-// vocab_rows, out-of-range ids sorted last), and one block per distinct row sums its
+// vocab_rows, out-of-range ids sorted last), and one warp per distinct row sums its
 // positions' gradients in order, in float, then adds the sum to dwte once. dwpe[t] sums
-// over b in order. The forward moves 16 bytes a thread where C and the pointers allow.
+// over b in order. Both directions move 16 bytes a thread where C and the pointers allow.
 
 #include <cub/device/device_radix_sort.cuh>
 
 #include <cstddef>
+#include <initializer_list>
+#include <type_traits>
 
 #include <fived/kernels/cuda/common.hpp>
 
@@ -72,33 +74,62 @@ __global__ void embedding_keys_kernel(I* keys, I* positions, const I* tokens, I 
   }
 }
 
-// One block per sorted index; only the first index of each run of equal in-range tokens
-// works. Out-of-range ids still take part in the sort (they are another rank's rows).
-template <class E>
+inline constexpr int embedding_warps = 8;  // a block's warps: one sorted index each (wte), 256 threads
+
+// One warp per sorted index; only the first index of each run of equal in-range tokens
+// works: it sums its positions' gradients in order, W elements a lane (16-byte accesses when
+// W > 1), and adds the sum to its row. Out-of-range ids still take part in the sort (they
+// are another rank's rows).
+template <int W, class E>
 __global__ void embedding_backward_wte_kernel(E* dwte, const E* dout, const int* sorted_rows,
                                               const int* sorted_positions, int n, int C, int vocab_rows) {
-  const int i = static_cast<int>(blockIdx.x);
+  const int i = static_cast<int>(blockIdx.x) * embedding_warps + static_cast<int>(threadIdx.x) / 32;
+  if (i >= n) return;
   const int row = sorted_rows[i];
   if (row == vocab_rows || (i > 0 && sorted_rows[i - 1] == row)) return;
   int end = i + 1;
   while (end < n && sorted_rows[end] == row) ++end;
-  for (int c = static_cast<int>(threadIdx.x); c < C; c += static_cast<int>(blockDim.x)) {
-    float acc = 0.0f;
-    for (int j = i; j < end; ++j) acc += to_float(dout[static_cast<std::size_t>(sorted_positions[j]) * C + c]);
+  for (int c = static_cast<int>(threadIdx.x) % 32 * W; c < C; c += 32 * W) {
+    float acc[W] = {}, g[W];
+    for (int j = i; j < end; ++j) {
+      load_elems<W>(g, dout + static_cast<std::size_t>(sorted_positions[j]) * C + c);
+#pragma unroll
+      for (int k = 0; k < W; ++k) acc[k] += g[k];
+    }
     E* w = dwte + static_cast<std::size_t>(row) * C + c;
-    *w = from_float<E>(to_float(*w) + acc);
+    load_elems<W>(g, w);
+#pragma unroll
+    for (int k = 0; k < W; ++k) g[k] += acc[k];
+    store_elems<W>(w, g);
   }
 }
 
-template <class E>
+// dwpe[t, c .. c + W) += the sum over b in order; a thread's W elements (16 bytes when W > 1).
+template <int W, class E>
 __global__ void embedding_backward_wpe_kernel(E* dwpe, const E* dout, int B, int T, int C) {
-  const std::size_t n = static_cast<std::size_t>(T) * C;
+  const std::size_t n = static_cast<std::size_t>(T) * C / W;
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    float acc = 0.0f;
-    for (int b = 0; b < B; ++b) acc += to_float(dout[static_cast<std::size_t>(b) * n + i]);
-    dwpe[i] = from_float<E>(to_float(dwpe[i]) + acc);
+    float acc[W] = {}, g[W];
+    for (int b = 0; b < B; ++b) {
+      load_elems<W>(g, dout + (static_cast<std::size_t>(b) * n + i) * W);
+#pragma unroll
+      for (int k = 0; k < W; ++k) acc[k] += g[k];
+    }
+    load_elems<W>(g, dwpe + i * W);
+#pragma unroll
+    for (int k = 0; k < W; ++k) g[k] += acc[k];
+    store_elems<W>(dwpe + i * W, g);
   }
+}
+
+// f(std::integral_constant<int, W>): W = vec16<E> when C and the pointers allow 16-byte accesses, else 1.
+template <class E, class F>
+void with_embedding_width(int C, std::initializer_list<const void*> rows, F&& f) {
+  if (C % vec16<E> == 0 && aligned16(rows))
+    f(std::integral_constant<int, vec16<E>>{});
+  else
+    f(std::integral_constant<int, 1>{});
 }
 
 inline void check_embedding_sizes(const char* kernel, int B, int T, int C, int vocab_begin, int vocab_rows) {
@@ -146,14 +177,19 @@ void embedding_backward(cudaStream_t stream, E* dwte, E* dwpe, const E* dout, co
     Scratch<unsigned char> temp(temp_bytes, stream);
     FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.get(), temp_bytes, rows.get(), sorted_rows.get(),
                                                      positions.get(), sorted_positions.get(), n, 0, bits, stream));
-    const unsigned block = C >= 256 ? 256u : 32u * static_cast<unsigned>((C + 31) / 32);
-    detail::embedding_backward_wte_kernel<<<static_cast<unsigned>(n), block, 0, stream>>>(
-        dev(dwte), dev(dout), sorted_rows.get(), sorted_positions.get(), n, C, vocab_rows);
+    detail::with_embedding_width<E>(C, {dwte, dout}, [&](auto w) {
+      const unsigned blocks = static_cast<unsigned>((n + detail::embedding_warps - 1) / detail::embedding_warps);
+      detail::embedding_backward_wte_kernel<decltype(w)::value><<<blocks, 32 * detail::embedding_warps, 0, stream>>>(
+          dev(dwte), dev(dout), sorted_rows.get(), sorted_positions.get(), n, C, vocab_rows);
+    });
     FIVED_CUDA_CHECK_LAUNCH("embedding_backward_wte_kernel");
   }
   if (dwpe != nullptr) {
-    const std::size_t m = static_cast<std::size_t>(T) * C;
-    detail::embedding_backward_wpe_kernel<<<detail::grid_for(m, 256), 256, 0, stream>>>(dev(dwpe), dev(dout), B, T, C);
+    detail::with_embedding_width<E>(C, {dwpe, dout}, [&](auto w) {
+      constexpr int W = decltype(w)::value;
+      const std::size_t m = static_cast<std::size_t>(T) * C / W;
+      detail::embedding_backward_wpe_kernel<W><<<detail::grid_for(m, 256), 256, 0, stream>>>(dev(dwpe), dev(dout), B, T, C);
+    });
     FIVED_CUDA_CHECK_LAUNCH("embedding_backward_wpe_kernel");
   }
 }

@@ -93,45 +93,85 @@ __global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const
   }
 }
 
+// The rows [first, first + rows_per_block) of block b: dinp += each row's gradient (dinp may
+// be null) and, where the rows are held in registers (K > 0) and `partials` is given, the
+// block's column sums of (dout * xhat, dout) in partials[b * C ...], in the same pass: each
+// warp adds its rows in order into its own K * 32 * W float2 of shared memory (the dynamic
+// shared memory, norm_rows_per_block times that), lane-minor so that a warp's accesses meet no
+// bank conflict, then the warps' sums are added in order (deterministic, no atomics;
+// column_finish_kernel adds the blocks'). dout and inp are read once for all three gradients.
 // mean == nullptr: RMSNorm (no centring, no bias term).
 template <int W, int K, class T>
-__global__ void norm_backward_rows_kernel(T* dinp, const T* dout, const T* inp, const T* weight, const float* mean,
-                                          const float* rstd, int N, int C) {
-  const int row = static_cast<int>(blockIdx.x) * norm_rows_per_block + static_cast<int>(threadIdx.x) / 32;
-  if (row >= N) return;
-  const std::size_t off = static_cast<std::size_t>(row) * C;
-  const float m = mean != nullptr ? mean[row] : 0.0f;
-  const float r = rstd[row];
-  RowPieces<W, K> ds, xs;
-  float sd = 0.0f, sdx = 0.0f;
-  ds.each(C, [&](int c, int p) {
-    float(&d)[W] = ds.v[p];
-    float(&x)[W] = xs.v[p];
-    float w[W];
-    ds.fetch(d, dout + off, c, true);
-    xs.fetch(x, inp + off, c, true);
-    load_elems<W>(w, weight + c);
+__global__ void __launch_bounds__(32 * norm_rows_per_block, K > 0 ? 2 : 1)
+    norm_backward_kernel(T* dinp, float2* partials, const T* dout, const T* inp, const T* weight, const float* mean,
+                         const float* rstd, int N, int C, int rows_per_block) {
+  extern __shared__ float2 warp_sums[];
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int first = static_cast<int>(blockIdx.x) * rows_per_block;
+  const int last = min(N, first + rows_per_block);
+  const bool sums = K > 0 && partials != nullptr;
+  constexpr int slots = (K > 0 ? K : 1) * W * 32;  // a warp's: (piece p, element k, lane) at (p * W + k) * 32 + lane
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  float2* mine = warp_sums + warp * slots + lane;  // mine[(p * W + k) * 32]: this lane's alone
+  RowPieces<W, K> ds, xs, gs;
+  if (sums)
 #pragma unroll
-    for (int k = 0; k < W; ++k) {
-      const float dn = d[k] * w[k];
-      sd += dn;
-      sdx += dn * (x[k] - m) * r;
+    for (int i = 0; i < slots / 32; ++i) mine[i * 32] = make_float2(0.0f, 0.0f);
+  for (int row = first + warp; row < last; row += norm_rows_per_block) {
+    const std::size_t off = static_cast<std::size_t>(row) * C;
+    const float m = mean != nullptr ? mean[row] : 0.0f;
+    const float r = rstd[row];
+    float sd = 0.0f, sdx = 0.0f;
+    ds.each(C, [&](int c, int p) {
+      float(&d)[W] = ds.v[p];
+      float(&x)[W] = xs.v[p];
+      float w[W];
+      ds.fetch(d, dout + off, c, true);
+      xs.fetch(x, inp + off, c, true);
+      if constexpr (K > 0)  // in flight with the others
+        if (dinp != nullptr) gs.fetch(gs.v[p], dinp + off, c, true);
+      load_elems<W>(w, weight + c);
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        const float dn = d[k] * w[k];
+        sd += dn;
+        sdx += dn * (x[k] - m) * r;
+      }
+    });
+    const float dn_mean = mean != nullptr ? warp_sum(sd) / static_cast<float>(C) : 0.0f;
+    const float dnx_mean = warp_sum(sdx) / static_cast<float>(C);
+    ds.each(C, [&](int c, int p) {
+      float(&d)[W] = ds.v[p];
+      float(&x)[W] = xs.v[p];
+      float(&h)[W] = gs.v[p];  // dinp's piece: held since the first pass, or read now (K = 0)
+      float w[W];
+      ds.fetch(d, dout + off, c, false);
+      xs.fetch(x, inp + off, c, false);
+      if (dinp != nullptr) gs.fetch(h, dinp + off, c, false);
+      load_elems<W>(w, weight + c);
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        const float xh = (x[k] - m) * r;
+        if (sums) {
+          float2& a = mine[(p * W + k) * 32];
+          a = make_float2(a.x + d[k] * xh, a.y + d[k]);
+        }
+        if (dinp != nullptr) h[k] += r * (d[k] * w[k] - dn_mean - xh * dnx_mean);
+      }
+      if (dinp != nullptr) store_elems<W>(dinp + off + c, h);
+    });
+  }
+  if (!sums) return;  // the same for every thread of the block
+  __syncthreads();
+  for (int c = static_cast<int>(threadIdx.x); c < C; c += static_cast<int>(blockDim.x)) {
+    const int at = (c / (32 * W) * W + c % W) * 32 + c / W % 32;  // column c's slot
+    float2 s = warp_sums[at];
+    for (int w = 1; w < norm_rows_per_block; ++w) {
+      const float2 v = warp_sums[w * slots + at];
+      s.x += v.x, s.y += v.y;
     }
-  });
-  const float dn_mean = mean != nullptr ? warp_sum(sd) / static_cast<float>(C) : 0.0f;
-  const float dnx_mean = warp_sum(sdx) / static_cast<float>(C);
-  ds.each(C, [&](int c, int p) {
-    float(&d)[W] = ds.v[p];
-    float(&x)[W] = xs.v[p];
-    float w[W], g[W];
-    ds.fetch(d, dout + off, c, false);
-    xs.fetch(x, inp + off, c, false);
-    load_elems<W>(w, weight + c);
-    load_elems<W>(g, dinp + off + c);
-#pragma unroll
-    for (int k = 0; k < W; ++k) g[k] += r * (d[k] * w[k] - dn_mean - (x[k] - m) * r * dnx_mean);
-    store_elems<W>(dinp + off + c, g);
-  });
+    partials[static_cast<std::size_t>(blockIdx.x) * C + c] = s;
+  }
 }
 
 // (dout * xhat, dout) at (row, col).
@@ -212,6 +252,8 @@ void launch_by_width(int C, std::initializer_list<const void*> rows, Launch&& la
   for (const void* p : rows) wide = wide && reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
   auto with_pieces = [&](auto w) {
     const int pieces = (C + 32 * w - 1) / (32 * w);
+    if (pieces <= 2) return launch(w, std::integral_constant<int, 2>{});
+    if (pieces == 3) return launch(w, std::integral_constant<int, 3>{});  // GPT-2 124M's bf16 rows
     if (pieces <= 4) return launch(w, std::integral_constant<int, 4>{});
     if constexpr (MaxPieces >= 16)
       if (pieces <= 16) return launch(w, std::integral_constant<int, 16>{});
@@ -225,6 +267,46 @@ void launch_by_width(int C, std::initializer_list<const void*> rows, Launch&& la
 
 inline unsigned norm_blocks(int N) {
   return static_cast<unsigned>((N + norm_rows_per_block - 1) / norm_rows_per_block);
+}
+
+// Both backwards. Where the rows fit in registers, one pass gives dinp and each block's sums
+// for the weight (and bias) gradients, as many blocks as are resident at once (each warp then
+// adds several rows before the blocks' sums are written, so the partials stay small); else the
+// row kernel (one row a warp) and a column reduction that reads dout and inp again.
+template <class T>
+void norm_backward(cudaStream_t stream, T* dinp, T* dweight, T* dbias, const T* dout, const T* inp, const T* weight,
+                   const float* mean, const float* rstd, int N, int C) {
+  const bool param_grads = dweight != nullptr || dbias != nullptr;
+  const AddNormParamGrads<device_t<T>> add{dev(dweight), dev(dbias)};
+  launch_by_width<T, 4>(C, {dinp, dout, inp, weight}, [&](auto w, auto k) {
+    constexpr int W = decltype(w)::value, K = decltype(k)::value;
+    const auto kernel = norm_backward_kernel<W, K, device_t<T>>;
+    constexpr int threads = 32 * norm_rows_per_block;
+    if (K > 0 && param_grads) {
+      constexpr int smem = static_cast<int>(norm_rows_per_block * K * 32 * W * sizeof(float2));  // 64 KB at most
+      static const int per_sm = [&] {
+        FIVED_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        return resident_blocks(kernel, threads, smem);
+      }();
+      const int resident = per_sm * sm_count();
+      const int rows = (N + resident * norm_rows_per_block - 1) / (resident * norm_rows_per_block) * norm_rows_per_block;
+      const int blocks = (N + rows - 1) / rows;
+      Scratch<float2> partials(static_cast<std::size_t>(blocks) * C, stream);
+      kernel<<<blocks, threads, smem, stream>>>(dev(dinp), partials.get(), dev(dout), dev(inp), dev(weight), mean,
+                                                rstd, N, C, rows);
+      FIVED_CUDA_CHECK_LAUNCH("norm_backward_kernel");
+      finish_columns(stream, partials.get(), add, C, blocks);
+      return;
+    }
+    if (dinp != nullptr) {
+      kernel<<<norm_blocks(N), threads, 0, stream>>>(dev(dinp), nullptr, dev(dout), dev(inp), dev(weight), mean, rstd,
+                                                     N, C, norm_rows_per_block);
+      FIVED_CUDA_CHECK_LAUNCH("norm_backward_kernel");
+    }
+    if (param_grads)
+      column_reduce<vec16<T>>(stream, NormParamGrads<device_t<T>>{dev(dout), dev(inp), mean, rstd, C}, add, N, C,
+                              C % vec16<T> == 0 && aligned16({dout, inp}));
+  });
 }
 
 }  // namespace detail
@@ -250,18 +332,7 @@ void layernorm_backward(cudaStream_t stream, T* dinp, T* dweight, T* dbias, cons
   detail::check_norm_sizes("layernorm_backward", N, C);
   if (N == 0) return;
   detail::require(mean != nullptr && rstd != nullptr, "layernorm_backward", "mean and rstd from the forward are needed");
-  if (dinp != nullptr) {
-    detail::launch_by_width<T, 4>(C, {dinp, dout, inp, weight}, [&](auto w, auto k) {
-      detail::norm_backward_rows_kernel<decltype(w)::value, decltype(k)::value>
-          <<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(dev(dinp), dev(dout), dev(inp),
-                                                                                    dev(weight), mean, rstd, N, C);
-    });
-    FIVED_CUDA_CHECK_LAUNCH("norm_backward_rows_kernel");
-  }
-  if (dweight != nullptr || dbias != nullptr)
-    column_reduce<vec16<T>>(stream, detail::NormParamGrads<device_t<T>>{dev(dout), dev(inp), mean, rstd, C},
-                            detail::AddNormParamGrads<device_t<T>>{dev(dweight), dev(dbias)}, N, C,
-                            C % vec16<T> == 0 && detail::aligned16({dout, inp}));
+  detail::norm_backward(stream, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
 }
 
 template <class T>
@@ -284,18 +355,8 @@ void rmsnorm_backward(cudaStream_t stream, T* dinp, T* dweight, const T* dout, c
   detail::check_norm_sizes("rmsnorm_backward", N, C);
   if (N == 0) return;
   detail::require(rstd != nullptr, "rmsnorm_backward", "rstd from the forward is needed");
-  if (dinp != nullptr) {
-    detail::launch_by_width<T, 4>(C, {dinp, dout, inp, weight}, [&](auto w, auto k) {
-      detail::norm_backward_rows_kernel<decltype(w)::value, decltype(k)::value>
-          <<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(
-              dev(dinp), dev(dout), dev(inp), dev(weight), static_cast<const float*>(nullptr), rstd, N, C);
-    });
-    FIVED_CUDA_CHECK_LAUNCH("norm_backward_rows_kernel");
-  }
-  if (dweight != nullptr)
-    column_reduce<vec16<T>>(stream, detail::NormParamGrads<device_t<T>>{dev(dout), dev(inp), nullptr, rstd, C},
-                            detail::AddNormParamGrads<device_t<T>>{dev(dweight), nullptr}, N, C,
-                            C % vec16<T> == 0 && detail::aligned16({dout, inp}));
+  detail::norm_backward(stream, dinp, dweight, static_cast<T*>(nullptr), dout, inp, weight,
+                        static_cast<const float*>(nullptr), rstd, N, C);
 }
 
 }  // namespace fived::kernels::cuda
