@@ -3,6 +3,7 @@
 // fived/kernels/host/layernorm.hpp with a leading stream:
 //   layernorm_forward(s, out, mean, rstd, inp, weight, bias, N, C)     mean/rstd may be null (not stored)
 //   layernorm_backward(s, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C)   all three +=
+//       (dinp null: the weight gradients alone, and weight may be null; the same for rmsnorm)
 //   rmsnorm_forward(s, out, rstd, inp, weight, N, C)
 //   rmsnorm_backward(s, dinp, dweight, dout, inp, weight, rstd, N, C)                  both +=
 // One warp per row (two-pass mean / variance in float; 16-byte accesses where the rows
@@ -128,8 +129,8 @@ __global__ void __launch_bounds__(32 * norm_rows_per_block, K > 0 ? 2 : 1)
       float w[W];
       ds.fetch(d, dout + off, c, true);
       xs.fetch(x, inp + off, c, true);
-      if constexpr (K > 0)  // in flight with the others
-        if (dinp != nullptr) gs.fetch(gs.v[p], dinp + off, c, true);
+      if (dinp == nullptr) return;  // the weight gradients alone: no sums, and weight may be null
+      if constexpr (K > 0) gs.fetch(gs.v[p], dinp + off, c, true);  // in flight with the others
       load_elems<W>(w, weight + c);
 #pragma unroll
       for (int k = 0; k < W; ++k) {
@@ -138,8 +139,8 @@ __global__ void __launch_bounds__(32 * norm_rows_per_block, K > 0 ? 2 : 1)
         sdx += dn * (x[k] - m) * r;
       }
     });
-    const float dn_mean = mean != nullptr ? warp_sum(sd) / static_cast<float>(C) : 0.0f;
-    const float dnx_mean = warp_sum(sdx) / static_cast<float>(C);
+    const float dn_mean = mean != nullptr && dinp != nullptr ? warp_sum(sd) / static_cast<float>(C) : 0.0f;
+    const float dnx_mean = dinp != nullptr ? warp_sum(sdx) / static_cast<float>(C) : 0.0f;
     ds.each(C, [&](int c, int p) {
       float(&d)[W] = ds.v[p];
       float(&x)[W] = xs.v[p];
@@ -147,8 +148,7 @@ __global__ void __launch_bounds__(32 * norm_rows_per_block, K > 0 ? 2 : 1)
       float w[W];
       ds.fetch(d, dout + off, c, false);
       xs.fetch(x, inp + off, c, false);
-      if (dinp != nullptr) gs.fetch(h, dinp + off, c, false);
-      load_elems<W>(w, weight + c);
+      if (dinp != nullptr) gs.fetch(h, dinp + off, c, false), load_elems<W>(w, weight + c);
 #pragma unroll
       for (int k = 0; k < W; ++k) {
         const float xh = (x[k] - m) * r;
