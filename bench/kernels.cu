@@ -219,6 +219,14 @@ int main(int argc, char** argv) {
   }
   row("bias_backward [8192,3072]", time_ms(s, [&] { ck::bias_backward(s, dbias.data(), dh.data(), M, 4 * C); }),
       e * BT * 4 * C, 0);
+  // What a plain copy of the same bytes reaches: the small kernels' ceiling at their size (the
+  // launch and the first and last waves weigh more at 25 MB than at the 2 GB of the HBM row above).
+  row("copy [8192,768] bf16 (reference)", time_ms(s, [&] {
+        copy_kernel<<<prop.multiProcessorCount * 8, 512, 0, s>>>(reinterpret_cast<float4*>(y.data()),
+                                                                 reinterpret_cast<const float4*>(x.data()),
+                                                                 BT * C * sizeof(bf16) / sizeof(float4));
+        FIVED_CUDA_CHECK_LAUNCH("copy_kernel");
+      }), 2.0 * e * BT * C, 0);
   row("layernorm fwd", time_ms(s, [&] {
         ck::layernorm_forward(s, y.data(), mean.data(), rstd.data(), x.data(), lnw.data(), lnb.data(), M, C);
       }), 2.0 * e * BT * C, 0);

@@ -14,8 +14,10 @@
 #   or, to spend no device time on compiling (the GPU machine goes back after 30 s idle, so
 #   each call would build again): build here, then carry the programs:
 #   here:              bash scripts/gpu-checks.sh pack      # the built CUDA programs and their
-#                                                           # ctest files into .gpu/build
-#   on the GPU, with carry [".gpu"]:
+#                                                           # ctest files into .gpu/build, and
+#                                                           # .gpu/build.tgz (~24 MB; the programs
+#                                                           # are ~70 MB, over what the device takes)
+#   on the GPU, with carry [".gpu/build.tgz"] (unpack extracts it):
 #                      bash scripts/gpu-checks.sh unpack "$OUT" && bash scripts/gpu-checks.sh test "$OUT"
 #                      (unpack puts them where this machine's ctest files name them, and points
 #                      the loader at the GPU machine's NCCL and cuDNN; source nothing: the
@@ -65,11 +67,13 @@ pack() {
   for p in $(packed_programs); do cp "$build/$p" ".gpu/build/$p" || status=1; done
   cp "$build/tests/cuda/CTestTestfile.cmake" .gpu/build/tests/cuda/
   echo "$PWD/$build" >.gpu/build/origin  # where the ctest files expect the programs
-  du -sh .gpu
+  tar czf .gpu/build.tgz -C .gpu build
+  du -sh .gpu/build .gpu/build.tgz
 }
 
 unpack() {
   local origin
+  [ -d .gpu/build ] || tar xzf .gpu/build.tgz -C .gpu
   origin=$(cat .gpu/build/origin)
   mkdir -p "$(dirname "$origin")"
   [ -e "$origin" ] || ln -s "$PWD/.gpu/build" "$origin"
