@@ -2,10 +2,11 @@
 // to 50304), bf16 with fp32 accumulation: median time over --iters runs (CUDA
 // events around each run; before each, the L2 is flushed and the stream held by a short
 // spin kernel while the run is queued, so a run is timed from HBM and without the host's
-// launch latency, as a kernel runs inside a step; --plain times it without either), achieved GB/s (memory-bound kernels: bytes that must
-// move at least once) or TFLOP/s (GEMM, attention), and that as a fraction of
-// this device's measured ceilings: HBM bandwidth from a device-to-device copy
-// kernel, GEMM peak from a large cuBLASLt bf16 GEMM (8192^3).
+// launch latency, as a kernel runs inside a step; --plain times it without either),
+// achieved GB/s (memory-bound kernels: bytes that must move at least once) or TFLOP/s
+// (GEMM, attention), and that as a fraction of this device's measured ceilings: HBM
+// bandwidth from a device-to-device copy kernel, GEMM peak from a large cuBLASLt bf16
+// GEMM (8192^3).
 //   bench/kernels [--iters N] [--plain]        (not run by CTest)
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,7 +62,6 @@ __global__ void tokens_kernel(int* t, std::size_t n, int V) {
 }
 
 int iters = 20;
-bool plain = false;  // --plain: no flush, no spin (how this benchmark timed before 2026-11-27)
 
 // Reads `n` float4 (more than the L2 holds), so the timed run that follows reads its
 // inputs from HBM; the write never happens (the sum is never that value) but keeps the reads.
@@ -93,7 +94,7 @@ struct ColdCache {
     FIVED_CUDA_CHECK_LAUNCH("spin_kernel");
   }
 };
-ColdCache* cold = nullptr;
+ColdCache* cold = nullptr;  // null with --plain: no flush, no spin (the timing before 2026-11-27)
 
 // Median milliseconds of fn over `iters` runs (after 2 warm-up runs).
 double time_ms(cudaStream_t s, const std::function<void()>& fn) {
@@ -101,7 +102,7 @@ double time_ms(cudaStream_t s, const std::function<void()>& fn) {
   for (int i = 0; i < 2; ++i) fn();
   std::vector<float> ms;
   for (int i = 0; i < iters; ++i) {
-    if (!plain) cold->before_run(s);
+    if (cold != nullptr) cold->before_run(s);
     a.record(s);
     fn();
     b.record(s);
@@ -126,6 +127,7 @@ void row(const char* name, double ms, double bytes, double flops) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  bool plain = false;
   for (int i = 1; i < argc; ++i)
     if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc)
       iters = std::max(1, std::atoi(argv[++i]));
@@ -144,8 +146,8 @@ int main(int argc, char** argv) {
   // between calls. Without it every timed call that takes scratch (column reductions,
   // embedding backward) also timed the driver mapping the memory again after each sync.
   ck::keep_scratch_pool();
-  ColdCache cold_cache(prop);
-  cold = &cold_cache;
+  std::optional<ColdCache> cold_cache;
+  if (!plain) cold = &cold_cache.emplace(prop);
 
   constexpr int B = 8, T = 1024, C = 768, NH = 12, V = 50257, Vp = 50304;
   constexpr std::size_t BT = static_cast<std::size_t>(B) * T;

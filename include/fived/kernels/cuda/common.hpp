@@ -203,6 +203,14 @@ inline bool aligned16(std::initializer_list<const void*> ptrs) {
   return true;
 }
 
+// f(std::integral_constant<int, W>) with W = vec16<E> (16-byte accesses) when rows of C
+// elements starting at these pointers allow them, else W = 1.
+template <class E, class F>
+decltype(auto) with_width(int C, std::initializer_list<const void*> rows, F&& f) {
+  if (C % vec16<E> == 0 && aligned16(rows)) return f(std::integral_constant<int, vec16<E>>{});
+  return f(std::integral_constant<int, 1>{});
+}
+
 // Launches elementwise_kernel over n elements of E: 16 bytes a thread when `wide` (every
 // pointer f touches is 16-byte aligned, and a piece never straddles what f treats as a row).
 template <class E, class F>

@@ -19,8 +19,6 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include <cstddef>
-#include <initializer_list>
-#include <type_traits>
 
 #include <fived/kernels/cuda/common.hpp>
 
@@ -123,15 +121,6 @@ __global__ void embedding_backward_wpe_kernel(E* dwpe, const E* dout, int B, int
   }
 }
 
-// f(std::integral_constant<int, W>): W = vec16<E> when C and the pointers allow 16-byte accesses, else 1.
-template <class E, class F>
-void with_embedding_width(int C, std::initializer_list<const void*> rows, F&& f) {
-  if (C % vec16<E> == 0 && aligned16(rows))
-    f(std::integral_constant<int, vec16<E>>{});
-  else
-    f(std::integral_constant<int, 1>{});
-}
-
 inline void check_embedding_sizes(const char* kernel, int B, int T, int C, int vocab_begin, int vocab_rows) {
   require_non_negative(kernel, "B", B);
   require_non_negative(kernel, "T", T);
@@ -177,7 +166,7 @@ void embedding_backward(cudaStream_t stream, E* dwte, E* dwpe, const E* dout, co
     Scratch<unsigned char> temp(temp_bytes, stream);
     FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.get(), temp_bytes, rows.get(), sorted_rows.get(),
                                                      positions.get(), sorted_positions.get(), n, 0, bits, stream));
-    detail::with_embedding_width<E>(C, {dwte, dout}, [&](auto w) {
+    detail::with_width<E>(C, {dwte, dout}, [&](auto w) {
       const unsigned blocks = static_cast<unsigned>((n + detail::embedding_warps - 1) / detail::embedding_warps);
       detail::embedding_backward_wte_kernel<decltype(w)::value><<<blocks, 32 * detail::embedding_warps, 0, stream>>>(
           dev(dwte), dev(dout), sorted_rows.get(), sorted_positions.get(), n, C, vocab_rows);
@@ -185,7 +174,7 @@ void embedding_backward(cudaStream_t stream, E* dwte, E* dwpe, const E* dout, co
     FIVED_CUDA_CHECK_LAUNCH("embedding_backward_wte_kernel");
   }
   if (dwpe != nullptr) {
-    detail::with_embedding_width<E>(C, {dwpe, dout}, [&](auto w) {
+    detail::with_width<E>(C, {dwpe, dout}, [&](auto w) {
       constexpr int W = decltype(w)::value;
       const std::size_t m = static_cast<std::size_t>(T) * C / W;
       detail::embedding_backward_wpe_kernel<W><<<detail::grid_for(m, 256), 256, 0, stream>>>(dev(dwpe), dev(dout), B, T, C);

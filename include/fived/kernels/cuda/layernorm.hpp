@@ -242,15 +242,13 @@ inline void check_norm_sizes(const char* kernel, int N, int C) {
   require_positive(kernel, "C", C);
 }
 
-// Launches kernel<W, K> with W = vec16 (16-byte accesses) when C is a multiple of it and every
-// row pointer is 16-byte aligned, else W = 1; K = the pieces a lane holds: 4, or 16 when
-// MaxPieces allows, where the row fits (bf16 rows up to 1024 or 4096 wide), else 0 (read
+// Launches kernel<W, K> with W from with_width (16-byte accesses where the rows allow them);
+// K = the pieces a lane holds: 2, 3 or 4 (no registers held for pieces past the row), or 16
+// when MaxPieces allows, where the row fits (bf16 rows up to 1024 or 4096 wide), else 0 (read
 // again). The backward holds two rows, so 4 at most: 16 pieces of each would spill.
 template <class E, int MaxPieces = 16, class Launch>
 void launch_by_width(int C, std::initializer_list<const void*> rows, Launch&& launch) {
-  bool wide = C % vec16<E> == 0;
-  for (const void* p : rows) wide = wide && reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
-  auto with_pieces = [&](auto w) {
+  with_width<E>(C, rows, [&](auto w) {
     const int pieces = (C + 32 * w - 1) / (32 * w);
     if (pieces <= 2) return launch(w, std::integral_constant<int, 2>{});
     if (pieces == 3) return launch(w, std::integral_constant<int, 3>{});  // GPT-2 124M's bf16 rows
@@ -258,11 +256,7 @@ void launch_by_width(int C, std::initializer_list<const void*> rows, Launch&& la
     if constexpr (MaxPieces >= 16)
       if (pieces <= 16) return launch(w, std::integral_constant<int, 16>{});
     launch(w, std::integral_constant<int, 0>{});
-  };
-  if (wide)
-    with_pieces(std::integral_constant<int, vec16<E>>{});
-  else
-    with_pieces(std::integral_constant<int, 1>{});
+  });
 }
 
 inline unsigned norm_blocks(int N) {
@@ -284,10 +278,7 @@ void norm_backward(cudaStream_t stream, T* dinp, T* dweight, T* dbias, const T* 
     constexpr int threads = 32 * norm_rows_per_block;
     if (K > 0 && param_grads) {
       constexpr int smem = static_cast<int>(norm_rows_per_block * K * 32 * W * sizeof(float2));  // 64 KB at most
-      static const int per_sm = [&] {
-        FIVED_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        return resident_blocks(kernel, threads, smem);
-      }();
+      static const int per_sm = (allow_dynamic_smem(kernel, smem), resident_blocks(kernel, threads, smem));
       const int resident = per_sm * sm_count();
       const int rows = (N + resident * norm_rows_per_block - 1) / (resident * norm_rows_per_block) * norm_rows_per_block;
       const int blocks = (N + rows - 1) / rows;
