@@ -102,6 +102,7 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
   const int P = t.shape.ranks;
   const bool sends_wait = drive == Sends::blocking;
   int cost_of[9] = {};
+  Action a{};
   int r = 0, step = 0, i = 0, first = 0, n = 0, base = 0, end = 0, j = 0, k = 0, q = 0, took = 0, now_b = 0,
       now_e = 0, met_b = 0, met_e = 0;
   bool progressed = true, down = true, send = false, waits = false;
@@ -122,9 +123,9 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
       base = ix.offset[r], n = t.sizes[r], now_b = run.clock_blocking[r], now_e = run.clock_eager[r], i = run.at[r];
       while (i < n) {
         // A run of compute actions, each starting as the one before it ends.
-        for (first = i; i < n && t.actions[r][i].op < Op::send_act; ++i)
+        for (first = i; i < n && (a = t.actions[r][i]).op < Op::send_act; ++i)
           run.posted_blocking[base + i] = now_b, run.posted_eager[base + i] = now_e,
-          took = cost_of[static_cast<int>(t.actions[r][i].op)], now_b += took, now_e += took;
+          took = cost_of[static_cast<int>(a.op)], now_b += took, now_e += took;
         if (i > first)
           run.reached[r] = i, progressed = true, run.makespan[0] = now_b > run.makespan[0] ? now_b : run.makespan[0],
           run.makespan[1] = now_e > run.makespan[1] ? now_e : run.makespan[1];
@@ -137,8 +138,8 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
         // Complete when every partner has posted (with eager sends: every receive's partner);
         // a partner that does not exist is never posted.
         for (j = i, met_b = now_b, met_e = now_e;
-             j < end && (k = ix.partner[base + j] - 1, q = ix.partner_rank[base + j],
-                        send = t.actions[r][j].op == Op::send_act || t.actions[r][j].op == Op::send_grad,
+             j < end && (a = t.actions[r][j], k = partner(t.shape, ix, r, a, &q) - 1,
+                        send = a.op == Op::send_act || a.op == Op::send_grad,
                         waits = !send || sends_wait, !waits || (k >= 0 && k - ix.offset[q] < run.reached[q]));
              ++j)
           met_b = waits && run.posted_blocking[k] > met_b ? run.posted_blocking[k] : met_b,
@@ -155,10 +156,12 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
   for (r = 0; r < P; ++r) run.finished = run.finished && run.at[r] == t.sizes[r];
 }
 
-// Whether the partner of action number k has been posted in the run.
-template <class Ix, class State>
-constexpr bool partner_posted(const Ix& ix, const State& run, int k) {
-  return ix.partner[k] != 0 && ix.partner[k] - 1 - ix.offset[ix.partner_rank[k]] < run.reached[ix.partner_rank[k]];
+// Whether the partner of comm action i of rank r has been posted in the run.
+template <class Rows, class Ix, class State>
+constexpr bool partner_posted(const Rows& t, const Ix& ix, const State& run, int r, int i) {
+  int q = 0;
+  const int k = partner(t.shape, ix, r, t.actions[r][i], &q);
+  return k != 0 && k - 1 - ix.offset[q] < run.reached[q];
 }
 
 // When comm action i of rank r completes in the run: when its partner met it
@@ -170,8 +173,9 @@ constexpr int completed(const Rows& t, const Ix& ix, const State& run, Sends sen
   if (i >= run.reached[r]) return -1;
   const auto& posted = sends == Sends::blocking ? run.posted_blocking : run.posted_eager;
   if (sends == Sends::eager && is_send(t.actions[r][i].op)) return posted[k];
-  if (!partner_posted(ix, run, k)) return -1;
-  const int theirs = posted[ix.partner[k] - 1];
+  if (!partner_posted(t, ix, run, r, i)) return -1;
+  int q = 0;
+  const int theirs = posted[partner(t.shape, ix, r, t.actions[r][i], &q) - 1];
   return theirs > posted[k] ? theirs : posted[k];
 }
 
@@ -215,7 +219,7 @@ constexpr Place crossed_sends(const Rows& t, const Ix& ix, const State& run) {
     const int i = run.at[r], n = t.sizes[r];
     if (i >= n || !is_comm(t.actions[r][i].op)) return -1;
     for (int j = i; j < n && (j == i || (t.actions[r][j].joins_previous && is_comm(t.actions[r][j].op))); ++j)
-      if (is_send(t.actions[r][j].op) && t.actions[r][j].peer == q && !partner_posted(ix, run, ix.offset[r] + j))
+      if (is_send(t.actions[r][j].op) && t.actions[r][j].peer == q && !partner_posted(t, ix, run, r, j))
         return j;
     return -1;
   };

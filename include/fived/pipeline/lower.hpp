@@ -117,6 +117,7 @@ constexpr void ideal_timeline(O& o, Cost cost, W& w) {
   const Shape& sh = o.shape;
   const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches, C = o.capacity;
   int cost_of[9] = {};
+  Action a{};
   int r = 0, step = 0, i = 0, n = 0, base = 0, now = 0, op = 0, mb = 0, rc = 0, k = 0, before = 0, grad = 0;
   bool progressed = true, down = true;
   for (op = 0; op < 9; ++op) cost_of[op] = cost.of(static_cast<Op>(op));
@@ -131,8 +132,7 @@ constexpr void ideal_timeline(O& o, Cost cost, W& w) {
       for (; i < n; ++i) {
         // What action i waits for: F for the previous stage's F, W for its I, B or I for its F and
         // the next stage's B or I; the latest of their ends, or -1 while one has not run.
-        op = static_cast<int>(o.actions[base + i].op), mb = o.actions[base + i].mb,
-        rc = r * V + o.actions[base + i].chunk, k = rc * M + mb,
+        a = o.actions[base + i], op = static_cast<int>(a.op), mb = a.mb, rc = r * V + a.chunk, k = rc * M + mb,
         before = op == 1 ? (w.prev[rc] < 0 ? 0 : w.forward_end[w.prev[rc] * M + mb])
                  : op == 4 ? w.weight_input_end[k]
                            : w.forward_end[k],
@@ -187,6 +187,7 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
   constexpr int never = 1 << 30;
   const Shape& sh = o.shape;
   const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches, C = o.capacity;
+  Action a{};
   int r = 0, q = 0, j = 0, n = 0, nq = 0, base = 0, qbase = 0, op = 0, mb = 0, rc = 0, to = 0, sent = 0, consumer = 0,
       l = 0, k = 0, x = 0, e = 0, b = 0, i = 0, gap = 0, first = 0, sender_open = 0, receiver_open = 0,
       sender_close = 0, receiver_close = 0, sender_gap = 0, receiver_gap = 0;
@@ -195,8 +196,7 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
   // Index of each slot's F and B-or-I in its rank's compute order.
   for (r = 0; r < P; ++r)
     for (j = 0, n = o.sizes[r], base = r * C; j < n; ++j) {
-      op = static_cast<int>(o.actions[base + j].op),
-      k = (r * V + o.actions[base + j].chunk) * M + o.actions[base + j].mb;
+      a = o.actions[base + j], op = static_cast<int>(a.op), k = (r * V + a.chunk) * M + a.mb;
       if (op == 1) w.forward_at[k] = j;
       else if (op == 2 || op == 3) w.input_grad_at[k] = j;
     }
@@ -207,8 +207,7 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
   for (k = 0; k < P * P; ++k) w.cursor[k] = 0;
   for (r = 0; r < P; ++r)
     for (j = 0, n = o.sizes[r], base = r * C; j < n; ++j) {
-      op = static_cast<int>(o.actions[base + j].op), mb = o.actions[base + j].mb,
-      rc = r * V + o.actions[base + j].chunk,
+      a = o.actions[base + j], op = static_cast<int>(a.op), mb = a.mb, rc = r * V + a.chunk,
       forward_message = op == 1 && w.next[rc] >= 0 && w.next[rc] / V != r,
       backward_message = (op == 2 || op == 3) && w.prev[rc] >= 0 && w.prev[rc] / V != r;
       if (!forward_message && !backward_message) continue;

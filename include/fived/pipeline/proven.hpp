@@ -60,10 +60,10 @@ constexpr RunProof prove_run(const TableType& t, const FixedIndex<TableType>& in
 }
 
 template <int P, class TableType>
-constexpr StaticFigures<P> static_figures(const TableType& t, const RunProof& run) {
+constexpr StaticFigures<P> static_figures(const FixedIndex<TableType>& index, const RunProof& run) {
   if (!run.verdict.ok()) return {};
   Figures f;
-  fill_figures(t, run.eager_makespan, run.blocking_makespan, Cost{}, f);
+  fill_figures(index, P, run.eager_makespan, run.blocking_makespan, Cost{}, f);
   StaticFigures<P> s{f.makespan, f.blocking_makespan, f.idle(), f.rank_time(), f.bubble(), f.blocking_bubble(), {}, {},
                      {},         {}};
   for (std::size_t r = 0; r < P; ++r)
@@ -91,11 +91,11 @@ struct Proven {
   static constexpr Shape shape = table_type::shape;
   static constexpr int ranks = table_type::ranks, micro_batches = table_type::micro_batches, chunks = table_type::chunks;
 
-  // Four constants, each one constant expression (the compilers limit the work
-  // of each): where every action is; whom each message meets (table_index.hpp);
-  // the table's form, counts, orders and pairing; then, when those hold, the dry run.
-  static constexpr detail::FixedPositions<table_type> positions{S::table};
-  static constexpr detail::FixedIndex<table_type> index{S::table, positions};
+  // Three constants, each one constant expression (the compilers limit the work
+  // of each): the index, one walk over the actions (where each is, each message's
+  // number on its channel, the actions' form and peers: table_index.hpp); the
+  // counts, orders and pairing of the slots; then, when those hold, the dry run.
+  static constexpr detail::FixedIndex<table_type> index{S::table};
   static constexpr Verdict table_verdict =
       detail::admissible<S>() ? (detail::shape_is_valid(S::table) ? detail::check_table(S::table, index)
                                                                      : Verdict{Property::shape})
@@ -125,7 +125,7 @@ struct Proven {
   static constexpr bool value = verdict.ok() && detail::admissible<S>();
 
   // Bubble, makespan and peaks (simulate.hpp), timed by the proof's dry run; computed when first used.
-  static constexpr StaticFigures<table_type::ranks> figures = detail::static_figures<table_type::ranks>(S::table, run);
+  static constexpr StaticFigures<table_type::ranks> figures = detail::static_figures<table_type::ranks>(index, run);
 };
 
 template <class S>

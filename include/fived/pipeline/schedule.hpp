@@ -5,8 +5,10 @@
 //   stages.hpp      Shape: P ranks, M micro-batches, V chunks; looped or V-shaped stages
 //   table.hpp       Schedule (run-time sizes) and Table<P, M, V, Order> (compile time); step_end
 //   scratch.hpp     Scratch<T>: the proofs' working arrays, sized once (they run inside the compiler)
-//   table_index.hpp where each action is and whom each message meets; how the proofs are written for
-//                   the compilers' interpreters
+//   verdict.hpp     Verdict: the first property that fails, and where
+//   table_index.hpp one walk over a table: where each action is, each message's number, the actions'
+//                   own checks, each rank's counts and peaks; how the proofs are written for the
+//                   compilers' interpreters
 //   dry_run.hpp     all ranks run together under blocking point-to-point, with or without time
 //   verify.hpp      verify(): the properties, the first that fails and where
 //   simulate.hpp    measure(): makespan, bubble, peak activations
@@ -26,4 +28,5 @@
 #include "fived/pipeline/stages.hpp"
 #include "fived/pipeline/table.hpp"
 #include "fived/pipeline/table_index.hpp"
+#include "fived/pipeline/verdict.hpp"
 #include "fived/pipeline/verify.hpp"

@@ -85,35 +85,17 @@ struct Figures {
 
 namespace detail {
 
-// The figures of table t whose dry run ended at these makespans: per rank, busy
-// time and peaks, in one pass over the actions.
-template <class Rows>
-constexpr void fill_figures(const Rows& t, int eager_makespan, int blocking_makespan, Cost cost, Figures& out) {
-  int cost_of[9] = {};
-  int r = 0, i = 0, n = 0, op = 0;
-  // Pairs held: from F to the end of B or I (activations), and to the end of B or W (pending).
-  // Pairs awaiting W: from the end of I to the end of W.
-  int busy = 0, held = 0, peak = 0, pending = 0, peak_pending = 0, deferred = 0, peak_deferred = 0;
-  for (op = 0; op < 9; ++op) cost_of[op] = cost.of(static_cast<Op>(op));
-  out.ranks = t.shape.ranks, out.makespan = eager_makespan, out.blocking_makespan = blocking_makespan;
-  for (r = 0; r < t.shape.ranks; ++r) {
-    busy = held = peak = pending = peak_pending = deferred = peak_deferred = 0;
-    for (i = 0, n = t.sizes[r]; i < n; ++i) {
-      op = static_cast<int>(t.actions[r][i].op);
-      if (op > 4) continue;  // messages take no time and hold nothing
-      busy += cost_of[op];
-      if (op == 1) {
-        ++held, ++pending;
-        if (held > peak) peak = held;
-        if (pending > peak_pending) peak_pending = pending;
-      }
-      if (op == 2 || op == 3) --held;
-      if (op == 2 || op == 4) --pending;
-      if (op == 3 && ++deferred > peak_deferred) peak_deferred = deferred;
-      if (op == 4) --deferred;
-    }
-    out.busy.push_back(busy), out.peak_activations.push_back(peak), out.peak_pending.push_back(peak_pending);
-    out.peak_deferred.push_back(peak_deferred);
+// The figures of a table from its index (the per-rank counts and peaks of its one
+// walk, table_index.hpp) and the makespans of its dry run.
+template <class Ix>
+constexpr void fill_figures(const Ix& ix, int ranks, int eager_makespan, int blocking_makespan, Cost cost,
+                            Figures& out) {
+  out.ranks = ranks, out.makespan = eager_makespan, out.blocking_makespan = blocking_makespan;
+  for (int r = 0; r < ranks; ++r) {
+    out.busy.push_back(ix.computes[r * 4] * cost.forward + ix.computes[r * 4 + 1] * cost.backward +
+                       ix.computes[r * 4 + 2] * cost.input_grad + ix.computes[r * 4 + 3] * cost.weight_grad);
+    out.peak_activations.push_back(ix.peak_activations[r]), out.peak_pending.push_back(ix.peak_pending[r]);
+    out.peak_deferred.push_back(ix.peak_deferred[r]);
   }
 }
 
@@ -127,7 +109,7 @@ constexpr Figures measure(const S& s, Cost cost = {}) {
   detail::DryRun run(t.shape.ranks, ix.offset[t.shape.ranks]);
   detail::dry_run(t, ix, cost, Sends::blocking, run);
   Figures f;
-  detail::fill_figures(t, run.makespan[static_cast<int>(Sends::eager)],
+  detail::fill_figures(ix, t.shape.ranks, run.makespan[static_cast<int>(Sends::eager)],
                        run.makespan[static_cast<int>(Sends::blocking)], cost, f);
   return f;
 }

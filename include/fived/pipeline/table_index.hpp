@@ -1,6 +1,8 @@
 #pragma once
-// What the proofs look up in a table, found in two passes over it: where each
-// (rank, chunk, micro-batch)'s actions sit, and which action each message meets.
+// What the proofs look up in a table, found in one walk over it: where each
+// (rank, chunk, micro-batch)'s actions sit, each message's number on its
+// channel, what can be checked of each action alone, and each rank's compute
+// counts and peaks (the schedule's figures but its makespan).
 //
 // The proofs run inside the compiler for every schedule type a program names,
 // where each operation is interpreted: a Table of P = 16, M = 128, V = 4 has
@@ -17,10 +19,15 @@
 // So the passes take the table's own arrays (`t.actions[r][i]`, `t.sizes[r]`),
 // write into arrays that are members of a constant (FixedIndex, for Proven<>)
 // or sized at run time (Index, for a Schedule), and declare nothing in a loop.
+// And a walk over the actions costs even when it does little there (Clang: about
+// half a second over 48,000 actions), so the proof walks them twice in all:
+// here, and in the dry run (dry_run.hpp); verify.hpp's other checks go over the
+// (rank, chunk, micro-batch) slots instead, a third as many.
 
 #include <vector>
 
 #include "fived/pipeline/table.hpp"
+#include "fived/pipeline/verdict.hpp"
 
 namespace fived::pipeline::detail {
 
@@ -55,95 +62,105 @@ constexpr int total_actions(const Rows& t) {
 }
 
 // The index's arrays (Ix: FixedIndex or Index, the same members), filled from
-// table t in two passes; first, where each action is:
+// table t in one walk over its actions:
 //   offset[r]          the number of rank r's first action (actions are numbered rank by rank); offset[P]: all
 //   next[rc], prev[rc] the stage after and before (rank, chunk), each as rank · V + chunk; -1: none
 //   first[slot · kinds + op - 1]  1 + the index of the slot's first such action in its rank's program; 0: none
 //                      (slot: (rank · V + chunk) · M + micro-batch; must come zeroed)
 //   repeated[slot]     bit op - 1 set when that op comes again (must come zeroed)
+//   number[k]          1 + a send's or receive's place among those between the same two ranks in its
+//                      direction (NCCL matches the k-th send with the k-th receive); 0 for others (must
+//                      come zeroed). channel[2P] is the walk's count per direction and peer.
+//   findings           the first action that is not well formed, or names a peer that is not the
+//                      neighbouring stage's rank (verify.hpp's first two action properties)
+//   computes[r · 4 + op - 1]      rank r's count of F, B, I and W (its busy time, under any Cost)
+//   peak_activations[r], peak_pending[r], peak_deferred[r]  the most (micro-batch, chunk) pairs rank r
+//                      holds from F to the end of B or I, from F to the end of B or W, and from the end of
+//                      I to the end of W (simulate.hpp)
+// Whom a message meets is not stored: partner() below finds it from `first`.
 template <class Rows, class Ix>
-constexpr void find_positions(const Rows& t, Ix& ix) {
+constexpr void survey(const Rows& t, Ix& ix) {
   const Shape& sh = t.shape;
   const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches;
-  int r = 0, i = 0, n = 0, op = 0, mb = 0, chunk = 0, at = 0;
+  Action a{};
+  int r = 0, i = 0, n = 0, k = 0, op = 0, at = 0, other = 0, forwards = 0, backwards = 0, input_grads = 0,
+      weight_grads = 0, held = 0, pending = 0, deferred = 0, peak = 0, peak_pending = 0, peak_deferred = 0;
+  bool comm = false, formed = false, previous_comm = false;
   stage_neighbours(sh, ix);
   ix.offset[0] = 0;
   for (r = 0; r < P; ++r) ix.offset[r + 1] = ix.offset[r] + t.sizes[r];
-  for (r = 0; r < P; ++r)
-    for (i = 0, n = t.sizes[r]; i < n; ++i) {
-      op = static_cast<int>(t.actions[r][i].op);
-      mb = t.actions[r][i].mb;
-      chunk = t.actions[r][i].chunk;
-      if (op == 0 || op > kinds || mb < 0 || mb >= M || chunk < 0 || chunk >= V) continue;
-      at = ((r * V + chunk) * M + mb) * kinds + op - 1;
+  for (r = 0; r < P; ++r) {
+    for (k = 0; k < 2 * P; ++k) ix.channel[k] = 0;
+    forwards = backwards = input_grads = weight_grads = held = pending = deferred = peak = peak_pending =
+        peak_deferred = 0, previous_comm = false;
+    for (i = 0, n = t.sizes[r], k = ix.offset[r]; i < n; ++i, ++k) {
+      // The action read once, then its copy's fields (each read of the table's own is a lookup in a
+      // large constant); few statements per action (Clang counts them).
+      a = t.actions[r][i], op = static_cast<int>(a.op), comm = op >= 5 && op <= 8,
+      formed = op != 0 && op <= 8 && a.mb >= 0 && a.mb < M && a.chunk >= 0 && a.chunk < V &&
+               (!comm || (a.peer >= 0 && a.peer < P && a.peer != r)) && (!a.joins_previous || (comm && previous_comm)),
+      previous_comm = comm;
+      if (!formed) {
+        ix.findings.found(Property::well_formed, r, i, a.mb, a.chunk);
+        if (op == 0 || op > 8 || a.mb < 0 || a.mb >= M || a.chunk < 0 || a.chunk >= V) continue;  // no slot
+      }
+      at = ((r * V + a.chunk) * M + a.mb) * kinds + op - 1;
       if (ix.first[at] == 0) ix.first[at] = i + 1;
       else ix.repeated[at / kinds] |= static_cast<unsigned char>(1 << (op - 1));
+      if (comm) {
+        // Activations go to the next stage and gradients come from it; the other two, the previous.
+        other = op == 5 || op == 8 ? ix.next[r * V + a.chunk] : ix.prev[r * V + a.chunk];
+        if (formed && (other < 0 || other / V == r || other / V != a.peer))
+          ix.findings.found(Property::peers_are_neighbours, r, i, a.mb, a.chunk);
+        if (formed) ix.number[k] = ++ix.channel[(op == 5 || op == 7 ? 0 : P) + a.peer];
+      } else {
+        forwards += op == 1, backwards += op == 2, input_grads += op == 3, weight_grads += op == 4,
+            held += op == 1 ? 1 : op == 2 || op == 3 ? -1 : 0, pending += op == 1 ? 1 : op == 2 || op == 4 ? -1 : 0,
+            deferred += op == 3 ? 1 : op == 4 ? -1 : 0, peak = held > peak ? held : peak,
+            peak_pending = pending > peak_pending ? pending : peak_pending,
+            peak_deferred = deferred > peak_deferred ? deferred : peak_deferred;
+      }
     }
-}
-
-// Then, with the positions, whom each message meets:
-//   partner[k]         1 + the number of the comm action that action k meets (same micro-batch, the
-//                      neighbouring stage, the opposite direction; the first such); 0: none, and for
-//                      compute actions (must come zeroed)
-//   partner_rank[k]    its rank
-//   number[k]          1 + a send's or receive's place among those between the same two ranks in its
-//                      direction (NCCL matches the k-th send with the k-th receive); 0 for others (must
-//                      come zeroed)
-template <class Rows, class Ix>
-constexpr void find_messages(const Rows& t, Ix& ix) {
-  const int P = t.shape.ranks, V = t.shape.chunks, M = t.shape.micro_batches;
-  int r = 0, i = 0, n = 0, k = 0, op = 0, mb = 0, chunk = 0, peer = 0, at = 0, other = 0;
-  // Sends to q, then receives from q, rank r's; send_act <-> recv_act and send_grad <-> recv_grad are
-  // ops 5 <-> 6 and 7 <-> 8. Activations go to the next stage and gradients come from it; the other
-  // two, the previous.
-  Scratch<int> counter(2 * P);
-  for (r = 0; r < P; ++r) {
-    for (k = 0; k < 2 * P; ++k) counter[k] = 0;
-    for (i = 0, n = t.sizes[r], k = ix.offset[r]; i < n; ++i, ++k) {
-      op = static_cast<int>(t.actions[r][i].op);
-      if (op < 5 || op > 8) continue;
-      mb = t.actions[r][i].mb;
-      chunk = t.actions[r][i].chunk;
-      peer = t.actions[r][i].peer;
-      if (mb < 0 || mb >= M || chunk < 0 || chunk >= V) continue;
-      if (peer >= 0 && peer < P && peer != r) ix.number[k] = ++counter[(op == 5 || op == 7 ? 0 : P) + peer];
-      other = op == 5 || op == 8 ? ix.next[r * V + chunk] : ix.prev[r * V + chunk];
-      if (other < 0) continue;
-      at = ix.first[(other * M + mb) * kinds + (op % 2 == 1 ? op : op - 2)];  // the other kind, 0-based
-      ix.partner[k] = at == 0 ? 0 : ix.offset[other / V] + at;
-      ix.partner_rank[k] = other / V;
-    }
+    ix.computes[r * 4] = forwards, ix.computes[r * 4 + 1] = backwards, ix.computes[r * 4 + 2] = input_grads,
+    ix.computes[r * 4 + 3] = weight_grads, ix.peak_activations[r] = peak, ix.peak_pending[r] = peak_pending,
+    ix.peak_deferred[r] = peak_deferred;
   }
 }
 
-// The index of a Table, in arrays of fixed size: two constants of Proven<> (the
-// compilers limit the work of each), the positions, then the whole index.
+// 1 + the number of the action that comm action `a` of rank r meets: the first of the opposite
+// kind for the same micro-batch on the neighbouring stage (send_act <-> recv_act, send_grad <->
+// recv_grad: ops 5 <-> 6 and 7 <-> 8); 0: none. Its rank is *rank.
+template <class Ix>
+constexpr int partner(const Shape& sh, const Ix& ix, int r, const Action& a, int* rank) {
+  const int V = sh.chunks, op = static_cast<int>(a.op), rc = r * V + a.chunk,
+            other = op == 5 || op == 8 ? ix.next[rc] : ix.prev[rc];
+  if (other < 0) return 0;
+  *rank = other / V;
+  const int at = ix.first[(other * sh.micro_batches + a.mb) * kinds + (op % 2 == 1 ? op : op - 2)];
+  return at == 0 ? 0 : ix.offset[other / V] + at;
+}
+
+// The index of a Table, in arrays of fixed size: a constant of Proven<>.
 template <class TableType>
-struct FixedPositions {
+struct FixedIndex {
   static constexpr int P = TableType::ranks, stages = P * TableType::chunks,
-                       slots = stages * TableType::micro_batches;
+                       slots = stages * TableType::micro_batches, actions = P * TableType::capacity;
   int offset[P + 1]{}, next[stages]{}, prev[stages]{}, first[slots * kinds]{};
   unsigned char repeated[slots]{};
+  int number[actions]{}, channel[2 * P]{};
+  Findings findings;
+  int computes[4 * P]{}, peak_activations[P]{}, peak_pending[P]{}, peak_deferred[P]{};
 
-  constexpr explicit FixedPositions(const TableType& t) { find_positions(t, *this); }
-};
-
-template <class TableType>
-struct FixedIndex : FixedPositions<TableType> {
-  static constexpr int actions = TableType::ranks * TableType::capacity;
-  int partner[actions]{}, partner_rank[actions]{}, number[actions]{};
-
-  constexpr FixedIndex(const TableType& t, const FixedPositions<TableType>& positions)
-      : FixedPositions<TableType>(positions) {
-    find_messages(t, *this);
-  }
+  constexpr explicit FixedIndex(const TableType& t) { survey(t, *this); }
 };
 
 // The index of any table, in arrays sized at run time.
 struct Index {
   Scratch<int> offset, next, prev, first;
   Scratch<unsigned char> repeated;
-  Scratch<int> partner, partner_rank, number;
+  Scratch<int> number, channel;
+  Findings findings;
+  Scratch<int> computes, peak_activations, peak_pending, peak_deferred;
 
   template <class Rows>
   constexpr explicit Index(const Rows& t) : Index(t, total_actions(t)) {}
@@ -156,11 +173,13 @@ struct Index {
         prev(t.shape.stages()),
         first(t.shape.stages() * t.shape.micro_batches * kinds, 0),
         repeated(t.shape.stages() * t.shape.micro_batches, 0),
-        partner(actions, 0),
-        partner_rank(actions, 0),
-        number(actions, 0) {
-    find_positions(t, *this);
-    find_messages(t, *this);
+        number(actions, 0),
+        channel(2 * t.shape.ranks),
+        computes(4 * t.shape.ranks),
+        peak_activations(t.shape.ranks),
+        peak_pending(t.shape.ranks),
+        peak_deferred(t.shape.ranks) {
+    survey(t, *this);
   }
 };
 

@@ -21,103 +21,18 @@
 //   no_crossed_sends              the dry run (dry_run.hpp) does not stop in two sends that wait for each other
 //   progresses                    the dry run reaches the end of every program: no deadlock
 
-#include <string_view>
-
 #include "fived/pipeline/dry_run.hpp"
-#include "fived/pipeline/sentences.hpp"
+#include "fived/pipeline/verdict.hpp"
 
 namespace fived::pipeline {
-
-enum class Property : unsigned char {
-  none,  // nothing failed
-  shape,
-  well_formed,
-  one_forward_each,
-  one_backward_each,
-  forward_before_backward,
-  input_grad_before_weight_grad,
-  peers_are_neighbours,
-  one_send_each,
-  one_receive_each,
-  sends_after_compute,
-  forward_after_input,
-  backward_after_gradient,
-  sends_match_receives,
-  no_crossed_sends,
-  progresses,
-};
-
-constexpr std::string_view describe(Property p) {
-  switch (p) {
-    case Property::none: return "fived::pipeline: the schedule is proven";
-    case Property::shape: return FIVED_PIPELINE_SAYS_SHAPE;
-    case Property::well_formed: return FIVED_PIPELINE_SAYS_WELL_FORMED;
-    case Property::one_forward_each: return FIVED_PIPELINE_SAYS_ONE_FORWARD_EACH;
-    case Property::one_backward_each: return FIVED_PIPELINE_SAYS_ONE_BACKWARD_EACH;
-    case Property::forward_before_backward: return FIVED_PIPELINE_SAYS_FORWARD_BEFORE_BACKWARD;
-    case Property::input_grad_before_weight_grad: return FIVED_PIPELINE_SAYS_INPUT_GRAD_BEFORE_WEIGHT_GRAD;
-    case Property::peers_are_neighbours: return FIVED_PIPELINE_SAYS_PEERS_ARE_NEIGHBOURS;
-    case Property::one_send_each: return FIVED_PIPELINE_SAYS_ONE_SEND_EACH;
-    case Property::one_receive_each: return FIVED_PIPELINE_SAYS_ONE_RECEIVE_EACH;
-    case Property::sends_after_compute: return FIVED_PIPELINE_SAYS_SENDS_AFTER_COMPUTE;
-    case Property::forward_after_input: return FIVED_PIPELINE_SAYS_FORWARD_AFTER_INPUT;
-    case Property::backward_after_gradient: return FIVED_PIPELINE_SAYS_BACKWARD_AFTER_GRADIENT;
-    case Property::sends_match_receives: return FIVED_PIPELINE_SAYS_SENDS_MATCH_RECEIVES;
-    case Property::no_crossed_sends: return FIVED_PIPELINE_SAYS_NO_CROSSED_SENDS;
-    case Property::progresses: return FIVED_PIPELINE_SAYS_PROGRESSES;
-  }
-  return "?";
-}
-
-struct Verdict {
-  Property failed = Property::none;
-  int rank = -1, position = -1, mb = -1, chunk = -1;  // where it first fails
-  constexpr bool ok() const { return failed == Property::none; }
-};
 
 namespace detail {
 
 // The checks, each pass linear in the table and reading its index
-// (table_index.hpp: where each action is, whom it meets, each message's number
-// on its channel): one over the actions (their form, their peers), one over the
-// (rank, chunk, micro-batch) slots (counts and orders), one over the receives
-// (pairing), then the dry run. A pass records each
-// property's first failure in the order verify() promises (actions in program
-// order, slots in rank, chunk, micro-batch order); the earliest property wins.
-struct Findings {
-  Verdict first;  // the earliest property found failing so far, and where
-
-  // Whether a failure of `p` could still be the one reported.
-  constexpr bool open(Property p) const { return first.ok() || p < first.failed; }
-  constexpr void found(Property p, int rank, int position, int mb, int chunk) {
-    if (open(p)) first = {p, rank, position, mb, chunk};
-  }
-};
-
-// Pass 1, over the actions: well_formed and peers_are_neighbours.
-template <class Rows, class Ix>
-constexpr void check_actions(const Rows& t, const Ix& ix, Findings& f) {
-  const int P = t.shape.ranks, V = t.shape.chunks, M = t.shape.micro_batches;
-  int r = 0, i = 0, n = 0, op = 0, mb = 0, chunk = 0, peer = 0, other = 0;
-  bool comm = false;
-  for (r = 0; r < P; ++r)
-    for (i = 0, n = t.sizes[r]; i < n; ++i) {
-      op = static_cast<int>(t.actions[r][i].op);
-      mb = t.actions[r][i].mb;
-      chunk = t.actions[r][i].chunk;
-      peer = t.actions[r][i].peer;
-      comm = op >= 5 && op <= 8;
-      if (op == 0 || op > 8 || mb < 0 || mb >= M || chunk < 0 || chunk >= V ||
-          (comm && (peer < 0 || peer >= P || peer == r)) ||
-          (t.actions[r][i].joins_previous && (!comm || i == 0 || t.actions[r][i - 1].op < Op::send_act))) {
-        f.found(Property::well_formed, r, i, mb, chunk);
-      } else if (comm) {
-        // Activations go to the next stage and gradients come from it; the other two, the previous.
-        other = op == 5 || op == 8 ? ix.next[r * V + chunk] : ix.prev[r * V + chunk];
-        if (other < 0 || other / V == r || other / V != peer) f.found(Property::peers_are_neighbours, r, i, mb, chunk);
-      }
-    }
-}
+// (table_index.hpp: where each action is, each message's number on its
+// channel, and what the walk that found them checked of the actions' form and
+// peers): then one pass over the (rank, chunk, micro-batch) slots (counts,
+// orders, pairing), then the dry run.
 
 // The second `op` of a stage's micro-batch, for the report (only when there is one).
 template <class Rows, class Ix>
@@ -128,9 +43,10 @@ constexpr int repeat_of(const Rows& t, const Ix& ix, Op op, int r, int c, int m)
   return -1;
 }
 
-// Pass 2, over the slots: the counts and orders of each stage's actions. A slot
-// is checked first in one expression (the usual slot passes); one that fails
-// is looked at again, property by property, to say which and where.
+// The pass over the slots: the counts and orders of each stage's actions, and
+// the pairing of its receives. A slot is checked first in one expression (the
+// usual slot passes); one that fails is looked at again, property by property,
+// to say which and where.
 namespace slot_kind {
 constexpr int F = 0, B = 1, I = 2, W = 3, SA = 4, RA = 5, SG = 6, RG = 7, count = 8;  // op - 1
 }
@@ -178,71 +94,66 @@ constexpr void report_slot(const Rows& t, const Ix& ix, const Slot& s, Findings&
 }
 
 // The slot's positions are read as 1 + index (0: none), which orders them as the
-// indices do with -1 for none.
+// indices do with -1 for none. NCCL matches the k-th send from a rank with the
+// k-th receive posted for it, so a message's two ends must have the same number
+// on their channel (sends_match_receives); that is checked where a slot passes
+// all else, and the first receive in program order that fails is reported.
 template <class Rows, class Ix>
 constexpr void check_slots(const Rows& t, const Ix& ix, Findings& f) {
   const int P = t.shape.ranks, V = t.shape.chunks, M = t.shape.micro_batches;
   int r = 0, c = 0, m = 0, slot = 0, next = 0, prev = 0, at = 0, theirs = 0, fF = 0, fB = 0, fI = 0, fW = 0, fSA = 0,
-      fRA = 0, fSG = 0, fRG = 0, back = 0, input = 0, grad = 0;
-  bool forward_message = false, backward_message = false;
+      fRA = 0, fSG = 0, fRG = 0, back = 0, input = 0, grad = 0, sent_act = 0, sent_grad = 0, unpaired_rank = -1,
+      unpaired = 0;
+  bool forward_message = false, backward_message = false, act_paired = false, grad_paired = false;
   for (r = 0; r < P; ++r)
     for (c = 0; c < V; ++c) {
-      next = ix.next[r * V + c];
-      prev = ix.prev[r * V + c];
-      forward_message = next >= 0 && next / V != r;
+      next = ix.next[r * V + c], prev = ix.prev[r * V + c], forward_message = next >= 0 && next / V != r,
       backward_message = prev >= 0 && prev / V != r;
       for (m = 0; m < M; ++m) {
-        slot = (r * V + c) * M + m;
-        at = slot * kinds;
-        fF = ix.first[at];
-        fB = ix.first[at + 1];
-        fI = ix.first[at + 2];
-        fW = ix.first[at + 3];
-        fSA = ix.first[at + 4];
-        fRA = ix.first[at + 5];
-        fSG = ix.first[at + 6];
-        fRG = ix.first[at + 7];
         // What makes the input gradient (B, or I); what F waits for (its activations received, or the
         // previous stage's F on this rank); what B or I waits for (the output gradient received, or the
-        // next stage's B or I on this rank).
-        back = fB != 0 ? fB : fI;
-        input = prev < 0 ? 0 : backward_message ? fRA : ix.first[(prev * M + m) * kinds];
-        theirs = next < 0 ? 0 : (next * M + m) * kinds;
-        grad = next < 0 ? 0 : forward_message ? fRG : ix.first[theirs + 1] != 0 ? ix.first[theirs + 1] : ix.first[theirs + 2];
+        // next stage's B or I on this rank); the sends its receives meet. One statement: Clang counts them.
+        slot = (r * V + c) * M + m, at = slot * kinds, fF = ix.first[at], fB = ix.first[at + 1], fI = ix.first[at + 2],
+        fW = ix.first[at + 3], fSA = ix.first[at + 4], fRA = ix.first[at + 5], fSG = ix.first[at + 6],
+        fRG = ix.first[at + 7], back = fB != 0 ? fB : fI,
+        input = prev < 0 ? 0 : backward_message ? fRA : ix.first[(prev * M + m) * kinds],
+        theirs = next < 0 ? 0 : (next * M + m) * kinds,
+        grad = next < 0                ? 0
+               : forward_message       ? fRG
+               : ix.first[theirs + 1] != 0 ? ix.first[theirs + 1]
+                                       : ix.first[theirs + 2],
+        sent_act = fRA == 0 || prev < 0 ? 0 : ix.first[(prev * M + m) * kinds + 4],
+        sent_grad = fRG == 0 || next < 0 ? 0 : ix.first[theirs + 6],
+        act_paired = sent_act == 0 || ix.number[ix.offset[r] + fRA - 1] == ix.number[ix.offset[prev / V] + sent_act - 1],
+        grad_paired = sent_grad == 0 || ix.number[ix.offset[r] + fRG - 1] == ix.number[ix.offset[next / V] + sent_grad - 1];
         if (ix.repeated[slot] == 0 && fF != 0 && ((fB != 0 && fI == 0 && fW == 0) || (fB == 0 && fI != 0 && fW != 0)) &&
             back > fF && (fW == 0 || fW > fI) && (fSA != 0) == forward_message && (fSG != 0) == backward_message &&
             (fRA != 0) == backward_message && (fRG != 0) == forward_message && (fSA == 0 || fSA > fF) &&
-            (fSG == 0 || fSG > back) && (prev < 0 || input < fF) && (next < 0 || grad < back))
+            (fSG == 0 || fSG > back) && (prev < 0 || input < fF) && (next < 0 || grad < back)) {
+          if (!act_paired || !grad_paired)  // the earliest such receive: the first rank's, then its first
+            at = !act_paired && (grad_paired || fRA < fRG) ? fRA - 1 : fRG - 1,
+            unpaired = unpaired_rank < 0 || (unpaired_rank == r && at < unpaired) ? at : unpaired,
+            unpaired_rank = unpaired_rank < 0 ? r : unpaired_rank;
           continue;
+        }
         report_slot(t, ix,
                     {r, c, m, {fF - 1, fB - 1, fI - 1, fW - 1, fSA - 1, fRA - 1, fSG - 1, fRG - 1}, ix.repeated[slot],
                      back - 1, input - 1, grad - 1, forward_message, backward_message, prev >= 0, next >= 0},
                     f);
       }
     }
+  if (unpaired_rank >= 0)
+    f.found(Property::sends_match_receives, unpaired_rank, unpaired, t.actions[unpaired_rank][unpaired].mb,
+            t.actions[unpaired_rank][unpaired].chunk);
 }
 
-// Pass 3, over the receives: NCCL matches the k-th send from a rank with the
-// k-th receive posted for it, so a message's two ends must have the same number.
-template <class Rows, class Ix>
-constexpr Verdict check_pairing(const Rows& t, const Ix& ix) {
-  int r = 0, i = 0, n = 0, k = 0;
-  for (r = 0; r < t.shape.ranks; ++r)
-    for (i = 0, n = t.sizes[r], k = ix.offset[r]; i < n; ++i, ++k)
-      if ((t.actions[r][i].op == Op::recv_act || t.actions[r][i].op == Op::recv_grad) && ix.partner[k] != 0 &&
-          ix.number[ix.partner[k] - 1] != ix.number[k])
-        return {Property::sends_match_receives, r, i, t.actions[r][i].mb, t.actions[r][i].chunk};
-  return {};
-}
-
-// Passes 1 to 3: everything but the dry run.
+// Everything but the dry run: the index's findings (the actions' own form and
+// peers), then the slots.
 template <class Rows, class Ix>
 constexpr Verdict check_table(const Rows& t, const Ix& ix) {
-  Findings f;
-  check_actions(t, ix, f);
+  Findings f = ix.findings;
   check_slots(t, ix, f);
-  if (!f.first.ok()) return f.first;
-  return check_pairing(t, ix);
+  return f.first;
 }
 
 // The dry run under blocking sends: it must reach the end of every program.
