@@ -67,12 +67,15 @@ namespace detail {
 //   finished                            every rank reached the end of its program
 //   at[r]                               the action rank r runs next, or waits in (its program's size: finished)
 //   reached[r]                          every action before this one has started (compute) or is posted (comm)
-//   posted_blocking[k], posted_eager[k] when action k started or was posted (numbered as the index numbers them)
+//   posted_blocking[k], posted_eager[k] when action k started or was posted (numbered as the index numbers them);
+//                                       for compute actions only where times_computes (execute() reports them;
+//                                       the proofs and the figures read only the messages' times)
 //   makespan[Sends]                     the end of the last compute action
 //   clock_*[r], awaits[r], awaited_rank[r]  each rank's clocks, and the partner it waits for (-1: none)
 template <class TableType>
 struct FixedRun {
   static constexpr int P = TableType::ranks, actions = P * TableType::capacity;
+  static constexpr bool times_computes = false;
   bool finished = true;
   int at[P]{}, reached[P]{}, clock_blocking[P]{}, clock_eager[P]{}, awaits[P]{}, awaited_rank[P]{};
   int posted_blocking[actions]{}, posted_eager[actions]{};
@@ -80,6 +83,7 @@ struct FixedRun {
 };
 
 struct DryRun {
+  bool times_computes = false;
   bool finished = true;
   Scratch<int> at, reached, clock_blocking, clock_eager, awaits, awaited_rank, posted_blocking, posted_eager;
   int makespan[2]{};
@@ -100,7 +104,7 @@ template <class Rows, class Ix, class State>
 constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, State& run) {
   static_assert(static_cast<int>(Sends::blocking) == 0 && static_cast<int>(Sends::eager) == 1);
   const int P = t.shape.ranks;
-  const bool sends_wait = drive == Sends::blocking;
+  const bool sends_wait = drive == Sends::blocking, times_computes = run.times_computes;
   int cost_of[9] = {};
   Action a{};
   int r = 0, step = 0, i = 0, first = 0, n = 0, base = 0, end = 0, j = 0, k = 0, q = 0, took = 0, now_b = 0,
@@ -124,7 +128,7 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
       while (i < n) {
         // A run of compute actions, each starting as the one before it ends.
         for (first = i; i < n && (a = t.actions[r][i]).op < Op::send_act; ++i)
-          run.posted_blocking[base + i] = now_b, run.posted_eager[base + i] = now_e,
+          times_computes ? (run.posted_blocking[base + i] = now_b, run.posted_eager[base + i] = now_e) : 0,
           took = cost_of[static_cast<int>(a.op)], now_b += took, now_e += took;
         if (i > first)
           run.reached[r] = i, progressed = true, run.makespan[0] = now_b > run.makespan[0] ? now_b : run.makespan[0],
@@ -187,6 +191,7 @@ constexpr Run execute(const S& s, Cost cost = {}, Sends sends = Sends::blocking)
   const auto& t = detail::rows_of(s);
   const detail::Index ix(t);
   detail::DryRun run(t.shape.ranks, ix.offset[t.shape.ranks]);
+  run.times_computes = true;
   detail::dry_run(t, ix, cost, sends, run);
   const auto& posted = sends == Sends::blocking ? run.posted_blocking : run.posted_eager;
   Run out{run.finished, {}, {}, {}, run.makespan[static_cast<int>(sends)]};
