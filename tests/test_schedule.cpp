@@ -320,6 +320,22 @@ TEST_CASE("receives in another order than the sends are caught: NCCL would swap 
   CHECK(v.position == 0);
 }
 
+TEST_CASE("of receives out of order on two ranks, the first rank's first is reported") {
+  // GPipe, P = 3, M = 2. Rank 1 takes the gradients from rank 2 in the wrong order, late in its
+  // program; rank 2 takes the activations from rank 1 in the wrong order, at its very start.
+  Schedule s = gpipe(3, 2);
+  s.programs[1] = {recv_act(0, 0), F(0), recv_act(1, 0), send_act(0, 2).with_previous(), F(1), send_act(1, 2),
+                   recv_grad(1, 2).with_previous(), recv_grad(0, 2).with_previous(), B(0), send_grad(0, 0), B(1),
+                   send_grad(1, 0)};
+  s.programs[2] = {recv_act(1, 1), recv_act(0, 1).with_previous(), F(0), F(1), B(0), send_grad(0, 1), B(1),
+                   send_grad(1, 1)};
+  const Verdict v = verify(s);
+  CHECK(v.failed == Property::sends_match_receives);
+  CHECK(v.rank == 1);
+  CHECK(v.position == 6);  // recv_grad(1): rank 2's failures come later in rank order, though at position 0
+  CHECK(v.mb == 1);
+}
+
 TEST_CASE("crossed blocking sends deadlock; one group on one side resolves them") {
   // Megatron's classic: rank 0 sends activations 1 while rank 1 sends gradient 0; each
   // then waits in its send for the other's receive.

@@ -19,7 +19,7 @@
 // the result; generators only propose.
 //
 // Linear in the table, with small constants (it runs inside the compiler for
-// every schedule type a program names): arrays sized once, a counting sort, and
+// every schedule type a program names): arrays sized once, each gap's messages a list kept in order (a gap holds a few), and
 // the rules of table_index.hpp (arrays indexed as arrays, declarations before
 // the loops).
 
@@ -88,15 +88,14 @@ struct FixedLowering {
   int next[stages]{}, prev[stages]{};
   int forward_end[slots]{}, input_grad_end[slots]{}, weight_input_end[slots]{}, forward_at[slots]{},
       input_grad_at[slots]{};
-  int pc[P]{}, clock[P]{}, cursor[P * P]{}, first_gap[P + 1]{};
-  int end_rank[ends]{}, end_gap[ends]{}, end_sent[ends]{}, end_peer[ends]{}, end_op[ends]{}, end_mb[ends]{},
-      end_chunk[ends]{}, sorted[ends]{};
-  int bucket_start[gaps + 1]{}, fill[gaps]{};
+  int pc[P]{}, clock[P]{}, cursor[P * P]{}, first_gap[P + 1]{}, ends_on[P]{};
+  int end_sent[ends]{}, end_peer[ends]{}, end_op[ends]{}, end_mb[ends]{}, end_chunk[ends]{}, link[ends]{};
+  int head[gaps]{};
 };
 
 struct Lowering {
   Scratch<int> next, prev, forward_end, input_grad_end, weight_input_end, forward_at, input_grad_at, pc, clock, cursor,
-      first_gap, end_rank, end_gap, end_sent, end_peer, end_op, end_mb, end_chunk, sorted, bucket_start, fill;
+      first_gap, ends_on, end_sent, end_peer, end_op, end_mb, end_chunk, link, head;
 
   constexpr explicit Lowering(const Shape& s)
       : Lowering(s.stages(), s.stages() * s.micro_batches, s.ranks, 2 * s.ranks * 3 * s.micro_batches * s.chunks,
@@ -105,9 +104,8 @@ struct Lowering {
  private:
   constexpr Lowering(int stages, int slots, int P, int ends, int gaps)
       : next(stages), prev(stages), forward_end(slots), input_grad_end(slots), weight_input_end(slots),
-        forward_at(slots), input_grad_at(slots), pc(P), clock(P), cursor(P * P), first_gap(P + 1), end_rank(ends),
-        end_gap(ends), end_sent(ends), end_peer(ends), end_op(ends), end_mb(ends), end_chunk(ends), sorted(ends),
-        bucket_start(gaps + 1), fill(gaps) {}
+        forward_at(slots), input_grad_at(slots), pc(P), clock(P), cursor(P * P), first_gap(P + 1), ends_on(P),
+        end_sent(ends), end_peer(ends), end_op(ends), end_mb(ends), end_chunk(ends), link(ends), head(gaps) {}
 };
 
 // Start and end times of each compute action of o (Orders or TimedOrders), its
@@ -190,7 +188,8 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
   Action a{};
   int r = 0, q = 0, j = 0, n = 0, nq = 0, base = 0, qbase = 0, op = 0, mb = 0, rc = 0, to = 0, sent = 0, consumer = 0,
       l = 0, k = 0, x = 0, e = 0, b = 0, i = 0, gap = 0, first = 0, sender_open = 0, receiver_open = 0,
-      sender_close = 0, receiver_close = 0, sender_gap = 0, receiver_gap = 0;
+      sender_close = 0, receiver_close = 0, sender_gap = 0, receiver_gap = 0, side = 0, end_rank = 0, bucket = 0,
+      before = 0;
   bool forward_message = false, backward_message = false;
   stage_neighbours(sh, w);
   // Index of each slot's F and B-or-I in its rank's compute order.
@@ -204,7 +203,13 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
   // number `gap`. The receiver's first gap that closes after a message exists only moves on as the
   // sender's messages to it do (they come to exist in order), so it is found by a cursor per
   // (sender, receiver), not a search; the gaps where both ranks sit, by walking both ranks' gaps.
+  // Each gap's ends, as a list (head, link) in the order they are posted: sorted by time (in the
+  // order the messages came to exist; one sender's messages thus stay in its order), then peer.
+  // Gap k of rank r is gap first_gap[r] + k of all.
   for (k = 0; k < P * P; ++k) w.cursor[k] = 0;
+  w.first_gap[0] = 0;
+  for (r = 0; r < P; ++r) w.first_gap[r + 1] = w.first_gap[r] + o.sizes[r] + 1, w.ends_on[r] = 0;
+  for (b = 0; b < w.first_gap[P]; ++b) w.head[b] = -1;
   for (r = 0; r < P; ++r)
     for (j = 0, n = o.sizes[r], base = r * C; j < n; ++j) {
       a = o.actions[base + j], op = static_cast<int>(a.op), mb = a.mb, rc = r * V + a.chunk,
@@ -226,41 +231,29 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
         if (sender_close < receiver_close) ++k;
         else ++x;
       }
-      w.end_rank[e] = r, w.end_gap[e] = sender_gap, w.end_sent[e] = sent, w.end_peer[e] = q,
-      w.end_op[e] = static_cast<int>(forward_message ? Op::send_act : Op::send_grad), w.end_mb[e] = mb,
-      w.end_chunk[e] = rc % V, ++e;
-      w.end_rank[e] = q, w.end_gap[e] = receiver_gap, w.end_sent[e] = sent, w.end_peer[e] = r,
-      w.end_op[e] = static_cast<int>(forward_message ? Op::recv_act : Op::recv_grad), w.end_mb[e] = mb,
-      w.end_chunk[e] = to % V, ++e;
+      // The sender's end (side 0), then the receiver's, each into its gap's list after the ends
+      // with an earlier or equal (time, peer).
+      for (side = 0; side < 2; ++side, ++e) {
+        end_rank = side == 0 ? r : q, bucket = w.first_gap[end_rank] + (side == 0 ? sender_gap : receiver_gap),
+        w.end_sent[e] = sent, w.end_peer[e] = side == 0 ? q : r,
+        w.end_op[e] = static_cast<int>(forward_message ? (side == 0 ? Op::send_act : Op::recv_act)
+                                                       : (side == 0 ? Op::send_grad : Op::recv_grad)),
+        w.end_mb[e] = mb, w.end_chunk[e] = side == 0 ? rc % V : to % V, ++w.ends_on[end_rank];
+        for (before = -1, l = w.head[bucket];
+             l >= 0 && (w.end_sent[l] < sent || (w.end_sent[l] == sent && w.end_peer[l] <= w.end_peer[e]));)
+          before = l, l = w.link[l];
+        w.link[e] = l;
+        if (before < 0) w.head[bucket] = e;
+        else w.link[before] = e;
+      }
     }
-
-  // The ends sorted by (rank, gap, time, peer): a counting sort into one bucket
-  // per gap (gap k of rank r is bucket first_gap[r] + k), then each small bucket by
-  // time (in the order the messages came to exist; one sender's messages thus stay
-  // in its order) and peer.
-  w.first_gap[0] = 0;
-  for (r = 0; r < P; ++r) w.first_gap[r + 1] = w.first_gap[r] + o.sizes[r] + 1;
-  const int buckets = w.first_gap[P], count = e;
-  for (b = 0; b <= buckets; ++b) w.bucket_start[b] = 0;
-  for (e = 0; e < count; ++e) ++w.bucket_start[w.first_gap[w.end_rank[e]] + w.end_gap[e] + 1];
-  for (b = 0; b < buckets; ++b) w.fill[b] = w.bucket_start[b], w.bucket_start[b + 1] += w.bucket_start[b];
-  for (e = 0; e < count; ++e) w.sorted[w.fill[w.first_gap[w.end_rank[e]] + w.end_gap[e]]++] = e;
-  for (b = 0; b < buckets; ++b)
-    for (i = w.bucket_start[b] + 1; i < w.bucket_start[b + 1]; ++i)
-      for (j = i, x = w.sorted[i];
-           j > w.bucket_start[b] &&
-           (w.end_sent[x] < w.end_sent[w.sorted[j - 1]] ||
-            (w.end_sent[x] == w.end_sent[w.sorted[j - 1]] && w.end_peer[x] < w.end_peer[w.sorted[j - 1]]));
-           --j)
-        w.sorted[j] = w.sorted[j - 1], w.sorted[j - 1] = x;
 
   for (r = 0; r < P; ++r) {
     n = o.sizes[r], first = w.first_gap[r], base = r * C;
-    out.resize_program(r, n + w.bucket_start[w.first_gap[r + 1]] - w.bucket_start[first]);
+    out.resize_program(r, n + w.ends_on[r]);
     for (gap = 0, k = 0; gap <= n; ++gap) {
-      for (i = w.bucket_start[first + gap]; i < w.bucket_start[first + gap + 1]; ++i)
-        x = w.sorted[i], out.actions[r][k++] = Action{static_cast<Op>(w.end_op[x]), i > w.bucket_start[first + gap],
-                                                      w.end_mb[x], w.end_chunk[x], w.end_peer[x]};
+      for (x = w.head[first + gap], i = 0; x >= 0; x = w.link[x], i = 1)
+        out.actions[r][k++] = Action{static_cast<Op>(w.end_op[x]), i == 1, w.end_mb[x], w.end_chunk[x], w.end_peer[x]};
       if (gap < n)
         out.actions[r][k++] = o.actions[base + gap];
     }
