@@ -89,13 +89,13 @@ struct FixedLowering {
   int forward_end[slots]{}, input_grad_end[slots]{}, weight_input_end[slots]{}, forward_at[slots]{},
       input_grad_at[slots]{};
   int pc[P]{}, clock[P]{}, cursor[P * P]{}, first_gap[P + 1]{}, ends_on[P]{};
-  int end_sent[ends]{}, end_peer[ends]{}, end_op[ends]{}, end_mb[ends]{}, end_chunk[ends]{}, link[ends]{};
+  int end_sent[ends]{}, end_action[ends]{}, link[ends]{};
   int head[gaps]{};
 };
 
 struct Lowering {
   Scratch<int> next, prev, forward_end, input_grad_end, weight_input_end, forward_at, input_grad_at, pc, clock, cursor,
-      first_gap, ends_on, end_sent, end_peer, end_op, end_mb, end_chunk, link, head;
+      first_gap, ends_on, end_sent, end_action, link, head;
 
   constexpr explicit Lowering(const Shape& s)
       : Lowering(s.stages(), s.stages() * s.micro_batches, s.ranks, 2 * s.ranks * 3 * s.micro_batches * s.chunks,
@@ -105,7 +105,7 @@ struct Lowering {
   constexpr Lowering(int stages, int slots, int P, int ends, int gaps)
       : next(stages), prev(stages), forward_end(slots), input_grad_end(slots), weight_input_end(slots),
         forward_at(slots), input_grad_at(slots), pc(P), clock(P), cursor(P * P), first_gap(P + 1), ends_on(P),
-        end_sent(ends), end_peer(ends), end_op(ends), end_mb(ends), end_chunk(ends), link(ends), head(gaps) {}
+        end_sent(ends), end_action(ends), link(ends), head(gaps) {}
 };
 
 // Start and end times of each compute action of o (Orders or TimedOrders), its
@@ -189,8 +189,8 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
   int r = 0, q = 0, j = 0, n = 0, nq = 0, base = 0, qbase = 0, op = 0, mb = 0, rc = 0, to = 0, sent = 0, consumer = 0,
       l = 0, k = 0, x = 0, e = 0, b = 0, i = 0, gap = 0, first = 0, sender_open = 0, receiver_open = 0,
       sender_close = 0, receiver_close = 0, sender_gap = 0, receiver_gap = 0, side = 0, end_rank = 0, bucket = 0,
-      before = 0;
-  bool forward_message = false, backward_message = false;
+      before = 0, peer = 0;
+  bool forward_message = false;
   stage_neighbours(sh, w);
   // Index of each slot's F and B-or-I in its rank's compute order.
   for (r = 0; r < P; ++r)
@@ -213,10 +213,9 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
   for (r = 0; r < P; ++r)
     for (j = 0, n = o.sizes[r], base = r * C; j < n; ++j) {
       a = o.actions[base + j], op = static_cast<int>(a.op), mb = a.mb, rc = r * V + a.chunk,
-      forward_message = op == 1 && w.next[rc] >= 0 && w.next[rc] / V != r,
-      backward_message = (op == 2 || op == 3) && w.prev[rc] >= 0 && w.prev[rc] / V != r;
-      if (!forward_message && !backward_message) continue;
-      to = forward_message ? w.next[rc] : w.prev[rc], q = to / V, qbase = q * C, nq = o.sizes[q],
+      to = op == 1 ? w.next[rc] : op == 2 || op == 3 ? w.prev[rc] : -1, q = to / V;
+      if (to < 0 || q == r) continue;  // no message: the last (first) stage, W, or a neighbour on this rank
+      forward_message = op == 1, qbase = q * C, nq = o.sizes[q],
       sent = o.end[base + j], consumer = forward_message ? w.forward_at[to * M + mb] : w.input_grad_at[to * M + mb];
       for (l = w.cursor[r * P + q]; l < consumer && l < nq && o.start[qbase + l] < sent;) ++l;
       w.cursor[r * P + q] = l, sender_gap = j + 1, receiver_gap = l < consumer ? l : consumer;
@@ -235,12 +234,15 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
       // with an earlier or equal (time, peer).
       for (side = 0; side < 2; ++side, ++e) {
         end_rank = side == 0 ? r : q, bucket = w.first_gap[end_rank] + (side == 0 ? sender_gap : receiver_gap),
-        w.end_sent[e] = sent, w.end_peer[e] = side == 0 ? q : r,
-        w.end_op[e] = static_cast<int>(forward_message ? (side == 0 ? Op::send_act : Op::recv_act)
-                                                       : (side == 0 ? Op::send_grad : Op::recv_grad)),
-        w.end_mb[e] = mb, w.end_chunk[e] = side == 0 ? rc % V : to % V, ++w.ends_on[end_rank];
+        // The comm action in one int (one array access, the interpreters' costly operation):
+        // ((mb · V + chunk) · P + peer) · 9 + op.
+        peer = side == 0 ? q : r, w.end_sent[e] = sent,
+        w.end_action[e] = ((mb * V + (side == 0 ? rc % V : to % V)) * P + peer) * 9 +
+                          static_cast<int>(forward_message ? (side == 0 ? Op::send_act : Op::recv_act)
+                                                           : (side == 0 ? Op::send_grad : Op::recv_grad)),
+        ++w.ends_on[end_rank];
         for (before = -1, l = w.head[bucket];
-             l >= 0 && (w.end_sent[l] < sent || (w.end_sent[l] == sent && w.end_peer[l] <= w.end_peer[e]));)
+             l >= 0 && (w.end_sent[l] < sent || (w.end_sent[l] == sent && w.end_action[l] / 9 % P <= peer));)
           before = l, l = w.link[l];
         w.link[e] = l;
         if (before < 0) w.head[bucket] = e;
@@ -253,7 +255,8 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
     out.resize_program(r, n + w.ends_on[r]);
     for (gap = 0, k = 0; gap <= n; ++gap) {
       for (x = w.head[first + gap], i = 0; x >= 0; x = w.link[x], i = 1)
-        out.actions[r][k++] = Action{static_cast<Op>(w.end_op[x]), i == 1, w.end_mb[x], w.end_chunk[x], w.end_peer[x]};
+        b = w.end_action[x], out.actions[r][k++] = Action{static_cast<Op>(b % 9), i == 1, b / 9 / P / V, b / 9 / P % V,
+                                                          b / 9 % P};
       if (gap < n)
         out.actions[r][k++] = o.actions[base + gap];
     }
