@@ -103,12 +103,12 @@ struct DryRun {
 template <class Rows, class Ix, class State>
 constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, State& run) {
   static_assert(static_cast<int>(Sends::blocking) == 0 && static_cast<int>(Sends::eager) == 1);
-  const int P = t.shape.ranks;
+  const int P = t.shape.ranks, V = t.shape.chunks, M = t.shape.micro_batches;
   const bool sends_wait = drive == Sends::blocking, times_computes = run.times_computes;
   int cost_of[9] = {};
   Action a{};
   int r = 0, step = 0, i = 0, first = 0, n = 0, base = 0, end = 0, j = 0, k = 0, q = 0, took = 0, now_b = 0,
-      now_e = 0, met_b = 0, met_e = 0;
+      now_e = 0, met_b = 0, met_e = 0, op = 0, rc = 0, other = 0;
   bool progressed = true, down = true, send = false, waits = false;
   for (k = 0; k < 9; ++k) cost_of[k] = cost.of(static_cast<Op>(k));
   for (r = 0; r < P; ++r) run.awaits[r] = -1;
@@ -140,9 +140,14 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
           for (j = base + i, run.reached[r] = end, progressed = true; j < base + end; ++j)
             run.posted_blocking[j] = now_b, run.posted_eager[j] = now_e;
         // Complete when every partner has posted (with eager sends: every receive's partner);
-        // a partner that does not exist is never posted.
+        // a partner that does not exist is never posted. The partner (k, on rank q; -1: none) is
+        // found as partner() finds it, written out: a call would cost Clang several statements
+        // per message, and the dry run of a 57,000-action table would pass its limit.
         for (j = i, met_b = now_b, met_e = now_e;
-             j < end && (a = t.actions[r][j], k = partner(t.shape, ix, r, a, &q) - 1,
+             j < end && (a = t.actions[r][j], op = static_cast<int>(a.op), rc = r * V + a.chunk,
+                        other = op == 5 || op == 8 ? ix.next[rc] : ix.prev[rc], q = other < 0 ? r : other / V,
+                        k = other < 0 ? -1 : ix.first[(other * M + a.mb) * kinds + (op % 2 == 1 ? op : op - 2)] - 1,
+                        k = k < 0 ? -1 : ix.offset[q] + k,
                         send = a.op == Op::send_act || a.op == Op::send_grad,
                         waits = !send || sends_wait, !waits || (k >= 0 && k - ix.offset[q] < run.reached[q]));
              ++j)
