@@ -128,7 +128,7 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
       while (i < n) {
         // A run of compute actions, each starting as the one before it ends.
         for (first = i; i < n && (a = t.actions[r][i]).op < Op::send_act; ++i)
-          times_computes ? (run.posted_blocking[base + i] = now_b, run.posted_eager[base + i] = now_e) : 0,
+          (void)(times_computes && (run.posted_blocking[base + i] = now_b, run.posted_eager[base + i] = now_e, true)),
           took = cost_of[static_cast<int>(a.op)], now_b += took, now_e += took;
         if (i > first)
           run.reached[r] = i, progressed = true, run.makespan[0] = now_b > run.makespan[0] ? now_b : run.makespan[0],
