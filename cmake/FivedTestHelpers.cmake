@@ -256,6 +256,7 @@ function(fived_add_header_checks)
       list(APPEND langs CXX)
     endif()
     if(FIVED_HAS_CUDA)
+      # A header that needs MPI keeps its own unit too: the shared one links no MPI.
       if(needs OR header IN_LIST sensitive)
         list(APPEND langs CUDA)
       else()

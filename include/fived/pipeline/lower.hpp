@@ -19,9 +19,9 @@
 // the result; generators only propose.
 //
 // Linear in the table, with small constants (it runs inside the compiler for
-// every schedule type a program names): arrays sized once, each gap's messages a list kept in order (a gap holds a few), and
-// the rules of table_index.hpp (arrays indexed as arrays, declarations before
-// the loops).
+// every schedule type a program names): arrays sized once, each gap's messages a
+// list kept in order as they are placed (a gap holds a few), and the rules of
+// table_index.hpp (arrays indexed as arrays, declarations before the loops).
 
 #include <stdexcept>
 #include <utility>
@@ -189,7 +189,7 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
   int r = 0, q = 0, j = 0, n = 0, nq = 0, base = 0, qbase = 0, op = 0, mb = 0, rc = 0, to = 0, sent = 0, consumer = 0,
       l = 0, k = 0, x = 0, e = 0, b = 0, i = 0, gap = 0, first = 0, sender_open = 0, receiver_open = 0,
       sender_close = 0, receiver_close = 0, sender_gap = 0, receiver_gap = 0, side = 0, end_rank = 0, bucket = 0,
-      before = 0, peer = 0;
+      before = 0, peer = 0, packed = 0;
   bool forward_message = false;
   stage_neighbours(sh, w);
   // Index of each slot's F and B-or-I in its rank's compute order.
@@ -255,8 +255,8 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
     out.resize_program(r, n + w.ends_on[r]);
     for (gap = 0, k = 0; gap <= n; ++gap) {
       for (x = w.head[first + gap], i = 0; x >= 0; x = w.link[x], i = 1)
-        b = w.end_action[x], out.actions[r][k++] = Action{static_cast<Op>(b % 9), i == 1, b / 9 / P / V, b / 9 / P % V,
-                                                          b / 9 % P};
+        packed = w.end_action[x], out.actions[r][k++] = Action{static_cast<Op>(packed % 9), i == 1, packed / 9 / P / V,
+                                                               packed / 9 / P % V, packed / 9 % P};
       if (gap < n)
         out.actions[r][k++] = o.actions[base + gap];
     }

@@ -85,7 +85,7 @@ constexpr void survey(const Rows& t, Ix& ix) {
   Action a{};
   int r = 0, i = 0, n = 0, k = 0, op = 0, at = 0, other = 0, forwards = 0, backwards = 0, input_grads = 0,
       weight_grads = 0, held = 0, pending = 0, deferred = 0, peak = 0, peak_pending = 0, peak_deferred = 0;
-  bool comm = false, formed = false, previous_comm = false;
+  bool comm = false, placed = false, formed = false, previous_comm = false;
   stage_neighbours(sh, ix);
   ix.offset[0] = 0;
   for (r = 0; r < P; ++r) ix.offset[r + 1] = ix.offset[r] + t.sizes[r];
@@ -97,12 +97,13 @@ constexpr void survey(const Rows& t, Ix& ix) {
       // The action read once, then its copy's fields (each read of the table's own is a lookup in a
       // large constant); few statements per action (Clang counts them).
       a = t.actions[r][i], op = static_cast<int>(a.op), comm = op >= 5 && op <= 8,
-      formed = op != 0 && op <= 8 && a.mb >= 0 && a.mb < M && a.chunk >= 0 && a.chunk < V &&
-               (!comm || (a.peer >= 0 && a.peer < P && a.peer != r)) && (!a.joins_previous || (comm && previous_comm)),
+      placed = op != 0 && op <= 8 && a.mb >= 0 && a.mb < M && a.chunk >= 0 && a.chunk < V,  // it has a slot
+      formed = placed && (!comm || (a.peer >= 0 && a.peer < P && a.peer != r)) &&
+               (!a.joins_previous || (comm && previous_comm)),
       previous_comm = comm;
       if (!formed) {
         ix.findings.found(Property::well_formed, r, i, a.mb, a.chunk);
-        if (op == 0 || op > 8 || a.mb < 0 || a.mb >= M || a.chunk < 0 || a.chunk >= V) continue;  // no slot
+        if (!placed) continue;
       }
       at = ((r * V + a.chunk) * M + a.mb) * kinds + op - 1;
       if (ix.first[at] == 0) ix.first[at] = i + 1;
