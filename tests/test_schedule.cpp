@@ -203,6 +203,19 @@ TEST_CASE("Table and Schedule convert both ways") {
   CHECK_THROWS_AS((Table<4, 8>(s)), std::invalid_argument);  // another shape
 }
 
+// A schedule type's generator writes into the type's own fixed-size orders (lower.hpp's
+// TimedOrders), the run-time function into an Orders: both must give the same table.
+TEST_CASE("every schedule type's table is its generator's schedule") {
+  constexpr Cost zb{.forward = 3, .backward = 5, .input_grad = 3, .weight_grad = 2};
+  CHECK(Table<3, 2>(gpipe(3, 2)) == GPipe<3, 2>::table);
+  CHECK(Table<4, 9>(one_f_one_b(4, 9)) == OneFOneB<4, 9>::table);
+  CHECK(Table<4, 8, 3>(interleaved_1f1b(4, 8, 3)) == Interleaved1F1B<4, 8, 3>::table);
+  CHECK(Table<4, 6>(zb_h1(4, 6)) == ZBH1<4, 6>::table);
+  CHECK(Table<4, 6>(with_messages(zb_h1_order(4, 6), zb)) == ZBH1<4, 6, zb>::table);
+  CHECK((Table<3, 7, 2, StageOrder::vee>(zb_v(3, 7)) == ZBV<3, 7>::table));
+  CHECK((Table<3, 8, 2, StageOrder::vee>(with_messages(dualpipe_v_order(3, 8), zb)) == DualPipeV<3, 8, zb>::table));
+}
+
 TEST_CASE("generators reject bad arguments with the static_assert's sentence") {
   CHECK_THROWS_WITH_AS(one_f_one_b(4, 3), FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P, std::invalid_argument);
   CHECK_THROWS_WITH_AS(zb_h1(4, 3), FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P, std::invalid_argument);

@@ -3,7 +3,10 @@
 // order of compute actions on every rank, and the schedule of the same name is
 // that order with_messages() (lower.hpp), the sends and receives placed. Bad arguments throw
 // std::invalid_argument with the sentence the generator types (schedules.hpp)
-// static_assert.
+// static_assert. Each `*_order(o)` writes into o (its shape says P, M and V): an
+// Orders sized at run time, which `*_order(P, M[, V])` returns, or a schedule
+// type's TimedOrders of fixed size (lower.hpp), so that no copy is made inside the
+// compiler.
 //
 //   gpipe(P, M)             all forwards, then all backwards, both in micro-batch order
 //                           (GPipe as Megatron's and PyTorch's figures draw it)
@@ -44,8 +47,8 @@ constexpr void require(bool ok, const char* sentence) {
 
 // Megatron's 1F1B over a sequence of n virtual micro-batches on rank r:
 // `warmup` forwards, then one forward and one backward, then the remaining backwards.
-template <class Forward, class Backward>
-constexpr void one_forward_one_backward(Orders& o, int r, int n, int warmup, Forward fwd, Backward bwd) {
+template <class O, class Forward, class Backward>
+constexpr void one_forward_one_backward(O& o, int r, int n, int warmup, Forward fwd, Backward bwd) {
   warmup = warmup < n ? warmup : n;
   for (int k = 0; k < warmup; ++k) o.add(r, fwd(k));
   for (int k = 0; k < n - warmup; ++k) o.add(r, fwd(warmup + k)), o.add(r, bwd(k));
@@ -56,44 +59,60 @@ constexpr void one_forward_one_backward(Orders& o, int r, int n, int warmup, For
 
 // ---- the compute orders ------------------------------------------------------------------
 
-constexpr detail::Orders gpipe_order(int P, int M) {
+template <class O>
+constexpr void gpipe_order(O& o) {
+  const int P = o.shape.ranks, M = o.shape.micro_batches;
   detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
-  detail::Orders o({P, M, 1, StageOrder::looped});
   for (int r = 0; r < P; ++r) {
     for (int m = 0; m < M; ++m) o.add(r, forward(m));
     for (int m = 0; m < M; ++m) o.add(r, backward(m));
   }
+}
+constexpr detail::Orders gpipe_order(int P, int M) {
+  detail::Orders o({P, M, 1, StageOrder::looped});
+  gpipe_order(o);
   return o;
 }
 
-constexpr detail::Orders one_f_one_b_order(int P, int M) {
+template <class O>
+constexpr void one_f_one_b_order(O& o) {
+  const int P = o.shape.ranks, M = o.shape.micro_batches;
   detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   detail::require(M >= P, FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P);
-  detail::Orders o({P, M, 1, StageOrder::looped});
   for (int r = 0; r < P; ++r)
     detail::one_forward_one_backward(
         o, r, M, P - 1 - r, [](int k) { return forward(k); }, [](int k) { return backward(k); });
+}
+constexpr detail::Orders one_f_one_b_order(int P, int M) {
+  detail::Orders o({P, M, 1, StageOrder::looped});
+  one_f_one_b_order(o);
   return o;
 }
 
-constexpr detail::Orders interleaved_1f1b_order(int P, int M, int V) {
+template <class O>
+constexpr void interleaved_1f1b_order(O& o) {
+  const int P = o.shape.ranks, M = o.shape.micro_batches, V = o.shape.chunks;
   detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   detail::require(V >= 2, FIVED_PIPELINE_SAYS_INTERLEAVED_NEEDS_CHUNKS);
   detail::require(M % P == 0, FIVED_PIPELINE_SAYS_INTERLEAVED_NEEDS_ROUNDS);
   auto mb = [=](int k) { return k / (P * V) * P + k % P; };
   auto chunk = [=](int k) { return k % (P * V) / P; };
-  detail::Orders o({P, M, V, StageOrder::looped});
   for (int r = 0; r < P; ++r)
     detail::one_forward_one_backward(
         o, r, M * V, 2 * (P - 1 - r) + (V - 1) * P, [=](int k) { return forward(mb(k), chunk(k)); },
         [=](int k) { return backward(mb(k), V - 1 - chunk(k)); });
+}
+constexpr detail::Orders interleaved_1f1b_order(int P, int M, int V) {
+  detail::Orders o({P, M, V, StageOrder::looped});
+  interleaved_1f1b_order(o);
   return o;
 }
 
-constexpr detail::Orders zb_h1_order(int P, int M) {
+template <class O>
+constexpr void zb_h1_order(O& o) {
+  const int P = o.shape.ranks, M = o.shape.micro_batches;
   detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   detail::require(M >= P, FIVED_PIPELINE_SAYS_1F1B_NEEDS_M_GE_P);
-  detail::Orders o({P, M, 1, StageOrder::looped});
   for (int r = 0; r < P; ++r) {
     const int warmup = P - 1 - r;
     int w = 0;  // next micro-batch to run W on
@@ -105,13 +124,18 @@ constexpr detail::Orders zb_h1_order(int P, int M) {
     }
     while (w < M) o.add(r, weight_grad(w++));
   }
+}
+constexpr detail::Orders zb_h1_order(int P, int M) {
+  detail::Orders o({P, M, 1, StageOrder::looped});
+  zb_h1_order(o);
   return o;
 }
 
-constexpr detail::Orders zb_v_order(int P, int M) {
+template <class O>
+constexpr void zb_v_order(O& o) {
+  const int P = o.shape.ranks, M = o.shape.micro_batches;
   detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   detail::require(M >= 2 * P, FIVED_PIPELINE_SAYS_V_NEEDS_M_GE_2P);
-  detail::Orders o({P, M, 2, StageOrder::vee});
   for (int r = 0; r < P; ++r) {
     int f0 = 0, f1 = 0, i0 = 0, i1 = 0;  // next micro-batch of F and I on chunks 0 and 1
     auto F0 = [&] { o.add(r, forward(f0++, 0)); };
@@ -135,6 +159,10 @@ constexpr detail::Orders zb_v_order(int P, int M) {
     while (w1 < M) o.add(r, weight_grad(w1++, 1));
     while (w0 < M) o.add(r, weight_grad(w0++, 0));
   }
+}
+constexpr detail::Orders zb_v_order(int P, int M) {
+  detail::Orders o({P, M, 2, StageOrder::vee});
+  zb_v_order(o);
   return o;
 }
 
@@ -144,10 +172,11 @@ constexpr detail::Orders zb_v_order(int P, int M) {
 // model can overlap, one's communication under the other's compute), and the input and
 // weight gradients are split where that fills the bubble: the warm-up's chunk-1 backwards
 // and the second half of the cool-down, their W's run oldest first. Needs M >= 2P.
-constexpr detail::Orders dualpipe_v_order(int P, int M) {
+template <class O>
+constexpr void dualpipe_v_order(O& o) {
+  const int P = o.shape.ranks, M = o.shape.micro_batches;
   detail::require(P >= 1 && M >= 1, FIVED_PIPELINE_SAYS_AT_LEAST_ONE);
   detail::require(M >= 2 * P, FIVED_PIPELINE_SAYS_V_NEEDS_M_GE_2P);
-  detail::Orders o({P, M, 2, StageOrder::vee});
   detail::Scratch<int> weights(2 * M);  // W's of split backwards (micro-batch · 2 + chunk), in the order their I's ran
   for (int r = 0; r < P; ++r) {
     int f[2] = {0, 0}, b[2] = {0, 0};  // next micro-batch of F and of B (or I) on chunks 0 and 1
@@ -175,8 +204,30 @@ constexpr detail::Orders dualpipe_v_order(int P, int M) {
     for (int k = 0; k < down; ++k) W(), B(0, true);  // 7: W's into the bubble
     for (int k = 0; k <= r; ++k) W();                // 8: the rest
   }
+}
+constexpr detail::Orders dualpipe_v_order(int P, int M) {
+  detail::Orders o({P, M, 2, StageOrder::vee});
+  dualpipe_v_order(o);
   return o;
 }
+
+// The generators by name, for the schedule types (schedules.hpp), whose tables are made from
+// a fixed-size TimedOrders (lower.hpp) the generator writes into directly.
+enum class Generator : unsigned char { gpipe, one_f_one_b, interleaved_1f1b, zb_h1, zb_v, dualpipe_v };
+
+namespace detail {
+template <class O>
+constexpr void generate(Generator g, O& o) {
+  switch (g) {
+    case Generator::gpipe: return gpipe_order(o);
+    case Generator::one_f_one_b: return one_f_one_b_order(o);
+    case Generator::interleaved_1f1b: return interleaved_1f1b_order(o);
+    case Generator::zb_h1: return zb_h1_order(o);
+    case Generator::zb_v: return zb_v_order(o);
+    case Generator::dualpipe_v: return dualpipe_v_order(o);
+  }
+}
+}  // namespace detail
 
 // ---- the schedules: the orders with their messages ------------------------------------------
 

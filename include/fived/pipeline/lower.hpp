@@ -63,6 +63,9 @@ struct Orders {
 // A generator's compute orders with their ideal timeline, in arrays of fixed
 // size: the first of the two constants a schedule type's table is made in (the
 // compilers limit each constant expression's work, so each half gets a budget).
+// The generator writes into it (`add`, as into Orders), not into an Orders copied
+// here: inside the compiler the copy and the run-time sized arrays cost more
+// than the generator.
 template <class TableType>
 struct TimedOrders {
   static constexpr Shape shape = TableType::shape;
@@ -73,7 +76,11 @@ struct TimedOrders {
   int start[P * capacity]{}, end[P * capacity]{};
 
   constexpr TimedOrders() = default;
-  constexpr explicit TimedOrders(const Orders& orders, Cost cost = {});
+  // The orders `generate(*this)` writes (a generator, generators.hpp), timed under `cost`.
+  template <class Generate>
+  constexpr TimedOrders(Generate generate, Cost cost);
+
+  constexpr void add(int r, const Action& a) { actions[r * capacity + sizes[r]++] = a; }
 };
 
 // The lowering's working arrays (W below), one value per (rank, chunk,
@@ -150,9 +157,9 @@ constexpr void ideal_timeline(O& o, Cost cost, W& w) {
 }
 
 template <class TableType>
-constexpr TimedOrders<TableType>::TimedOrders(const Orders& orders, Cost cost) {
-  for (int r = 0, i = 0, n = 0; r < P; ++r)
-    for (i = 0, n = sizes[r] = orders.sizes[r]; i < n; ++i) actions[r * capacity + i] = orders.actions[r * capacity + i];
+template <class Generate>
+constexpr TimedOrders<TableType>::TimedOrders(Generate generate, Cost cost) {
+  generate(*this);
   FixedLowering<TableType> w;
   ideal_timeline(*this, cost, w);
 }
