@@ -109,7 +109,7 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
   Action a{};
   int r = 0, step = 0, i = 0, first = 0, n = 0, base = 0, end = 0, j = 0, k = 0, q = 0, took = 0, now_b = 0,
       now_e = 0, met_b = 0, met_e = 0, op = 0, rc = 0, other = 0;
-  bool progressed = true, down = true, send = false, waits = false;
+  bool progressed = true, down = true, send = false, waits = false, posting = false;
   for (k = 0; k < 9; ++k) cost_of[k] = cost.of(static_cast<Op>(k));
   for (r = 0; r < P; ++r) run.awaits[r] = -1;
   // Sweeps down the ranks and back up, in turn: a chain of waits that runs either
@@ -130,15 +130,16 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
         for (first = i; i < n && (a = t.actions[r][i]).op < Op::send_act; ++i)
           (void)(times_computes && (run.posted_blocking[base + i] = now_b, run.posted_eager[base + i] = now_e, true)),
           took = cost_of[static_cast<int>(a.op)], now_b += took, now_e += took;
-        if (i > first)
-          run.reached[r] = i, progressed = true, run.makespan[0] = now_b > run.makespan[0] ? now_b : run.makespan[0],
-          run.makespan[1] = now_e > run.makespan[1] ? now_e : run.makespan[1];
+        (void)(i > first && (run.reached[r] = i, progressed = true,
+                             run.makespan[0] = now_b > run.makespan[0] ? now_b : run.makespan[0],
+                             run.makespan[1] = now_e > run.makespan[1] ? now_e : run.makespan[1], true));
         if (i == n) break;
-        // A comm group: this action and those joined to it, all posted when the rank reaches it.
-        for (end = i + 1; end < n && t.actions[r][end].joins_previous && t.actions[r][end].op >= Op::send_act;) ++end;
-        if (run.reached[r] < end)
-          for (j = base + i, run.reached[r] = end, progressed = true; j < base + end; ++j)
-            run.posted_blocking[j] = now_b, run.posted_eager[j] = now_e;
+        // A comm group: this action and those joined to it, all posted when the rank first reaches it
+        // (it has reached i, or all of the group).
+        for (end = i, posting = run.reached[r] <= i;
+             end < n && (end == i || (t.actions[r][end].joins_previous && t.actions[r][end].op >= Op::send_act)); ++end)
+          (void)(posting && (run.posted_blocking[base + end] = now_b, run.posted_eager[base + end] = now_e, true));
+        (void)(posting && (run.reached[r] = end, progressed = true));
         // Complete when every partner has posted (with eager sends: every receive's partner);
         // a partner that does not exist is never posted. The partner (k, on rank q; -1: none) is
         // found as partner() finds it, written out: a call would cost Clang several statements

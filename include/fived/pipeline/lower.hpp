@@ -197,15 +197,13 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
       l = 0, k = 0, x = 0, e = 0, b = 0, i = 0, gap = 0, first = 0, sender_open = 0, receiver_open = 0,
       sender_close = 0, receiver_close = 0, sender_gap = 0, receiver_gap = 0, side = 0, end_rank = 0, bucket = 0,
       before = 0, peer = 0, packed = 0;
-  bool forward_message = false;
+  bool forward_message = false, found = false;
   stage_neighbours(sh, w);
   // Index of each slot's F and B-or-I in its rank's compute order.
   for (r = 0; r < P; ++r)
-    for (j = 0, n = o.sizes[r], base = r * C; j < n; ++j) {
-      a = o.actions[base + j], op = static_cast<int>(a.op), k = (r * V + a.chunk) * M + a.mb;
-      if (op == 1) w.forward_at[k] = j;
-      else if (op == 2 || op == 3) w.input_grad_at[k] = j;
-    }
+    for (j = 0, n = o.sizes[r], base = r * C; j < n; ++j)
+      if (a = o.actions[base + j], op = static_cast<int>(a.op), op <= 3)
+        (op == 1 ? w.forward_at : w.input_grad_at)[(r * V + a.chunk) * M + a.mb] = j;
   // Both ends of every message, each a comm action posted by a rank just before its compute
   // number `gap`. The receiver's first gap that closes after a message exists only moves on as the
   // sender's messages to it do (they come to exist in order), so it is found by a cursor per
@@ -218,55 +216,51 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
   for (r = 0; r < P; ++r) w.first_gap[r + 1] = w.first_gap[r] + o.sizes[r] + 1, w.ends_on[r] = 0;
   for (b = 0; b < w.first_gap[P]; ++b) w.head[b] = -1;
   for (r = 0; r < P; ++r)
-    for (j = 0, n = o.sizes[r], base = r * C; j < n; ++j) {
-      a = o.actions[base + j], op = static_cast<int>(a.op), mb = a.mb, rc = r * V + a.chunk,
-      to = op == 1 ? w.next[rc] : op == 2 || op == 3 ? w.prev[rc] : -1, q = to / V;
-      if (to < 0 || q == r) continue;  // no message: the last (first) stage, W, or a neighbour on this rank
-      forward_message = op == 1, qbase = q * C, nq = o.sizes[q],
-      sent = o.end[base + j], consumer = forward_message ? w.forward_at[to * M + mb] : w.input_grad_at[to * M + mb];
-      for (l = w.cursor[r * P + q]; l < consumer && l < nq && o.start[qbase + l] < sent;) ++l;
-      w.cursor[r * P + q] = l, sender_gap = j + 1, receiver_gap = l < consumer ? l : consumer;
-      for (k = j + 1, x = receiver_gap; k <= n && x <= consumer;) {
-        sender_open = k == 0 ? 0 : o.end[base + k - 1], receiver_open = x == 0 ? 0 : o.end[qbase + x - 1],
-        sender_close = k == n ? never : o.start[base + k], receiver_close = x == nq ? never : o.start[qbase + x];
-        if ((sender_open > receiver_open ? sender_open : receiver_open) <=
-            (sender_close < receiver_close ? sender_close : receiver_close)) {
-          sender_gap = k, receiver_gap = x;
-          break;
+    for (j = 0, n = o.sizes[r], base = r * C; j < n; ++j)
+      // Skipped where there is no message: the last (first) stage, W, or a neighbour on this rank.
+      if (a = o.actions[base + j], op = static_cast<int>(a.op), mb = a.mb, rc = r * V + a.chunk,
+          to = op == 1 ? w.next[rc] : op == 2 || op == 3 ? w.prev[rc] : -1, q = to / V, to >= 0 && q != r) {
+        forward_message = op == 1, qbase = q * C, nq = o.sizes[q],
+        sent = o.end[base + j], consumer = forward_message ? w.forward_at[to * M + mb] : w.input_grad_at[to * M + mb];
+        for (l = w.cursor[r * P + q]; l < consumer && l < nq && o.start[qbase + l] < sent;) ++l;
+        // Gaps k (sender) and x (receiver) from there on, the one that closes first moved on, until
+        // both are open at once (the loop's condition fails there: Clang counts statements, not
+        // expressions, so the test is in the condition and the body is one statement).
+        for (w.cursor[r * P + q] = l, receiver_gap = l < consumer ? l : consumer, k = j + 1, x = receiver_gap;
+             k <= n && x <= consumer &&
+             (sender_open = k == 0 ? 0 : o.end[base + k - 1], receiver_open = x == 0 ? 0 : o.end[qbase + x - 1],
+              sender_close = k == n ? never : o.start[base + k], receiver_close = x == nq ? never : o.start[qbase + x],
+              (sender_open > receiver_open ? sender_open : receiver_open) >
+                  (sender_close < receiver_close ? sender_close : receiver_close));)
+          sender_close < receiver_close ? ++k : ++x;
+        found = k <= n && x <= consumer, sender_gap = found ? k : j + 1, receiver_gap = found ? x : receiver_gap;
+        // The sender's end (side 0), then the receiver's, each into its gap's list after the ends
+        // with an earlier or equal (time, peer).
+        for (side = 0; side < 2; ++side, ++e) {
+          end_rank = side == 0 ? r : q, bucket = w.first_gap[end_rank] + (side == 0 ? sender_gap : receiver_gap),
+          // The comm action in one int (one array access, the interpreters' costly operation):
+          // ((mb · V + chunk) · P + peer) · 9 + op.
+          peer = side == 0 ? q : r, w.end_sent[e] = sent,
+          w.end_action[e] = ((mb * V + (side == 0 ? rc % V : to % V)) * P + peer) * 9 +
+                            static_cast<int>(forward_message ? (side == 0 ? Op::send_act : Op::recv_act)
+                                                             : (side == 0 ? Op::send_grad : Op::recv_grad)),
+          ++w.ends_on[end_rank];
+          for (before = -1, l = w.head[bucket];
+               l >= 0 && (w.end_sent[l] < sent || (w.end_sent[l] == sent && w.end_action[l] / 9 % P <= peer));)
+            before = l, l = w.link[l];
+          w.link[e] = l, (before < 0 ? w.head[bucket] : w.link[before]) = e;
         }
-        if (sender_close < receiver_close) ++k;
-        else ++x;
       }
-      // The sender's end (side 0), then the receiver's, each into its gap's list after the ends
-      // with an earlier or equal (time, peer).
-      for (side = 0; side < 2; ++side, ++e) {
-        end_rank = side == 0 ? r : q, bucket = w.first_gap[end_rank] + (side == 0 ? sender_gap : receiver_gap),
-        // The comm action in one int (one array access, the interpreters' costly operation):
-        // ((mb · V + chunk) · P + peer) · 9 + op.
-        peer = side == 0 ? q : r, w.end_sent[e] = sent,
-        w.end_action[e] = ((mb * V + (side == 0 ? rc % V : to % V)) * P + peer) * 9 +
-                          static_cast<int>(forward_message ? (side == 0 ? Op::send_act : Op::recv_act)
-                                                           : (side == 0 ? Op::send_grad : Op::recv_grad)),
-        ++w.ends_on[end_rank];
-        for (before = -1, l = w.head[bucket];
-             l >= 0 && (w.end_sent[l] < sent || (w.end_sent[l] == sent && w.end_action[l] / 9 % P <= peer));)
-          before = l, l = w.link[l];
-        w.link[e] = l;
-        if (before < 0) w.head[bucket] = e;
-        else w.link[before] = e;
-      }
-    }
 
   for (r = 0; r < P; ++r) {
     n = o.sizes[r], first = w.first_gap[r], base = r * C;
     out.resize_program(r, n + w.ends_on[r]);
-    for (gap = 0, k = 0; gap <= n; ++gap) {
+    // Each gap's comm actions, then (in the loop's increment: one statement per action) the
+    // compute action that closes the gap.
+    for (gap = 0, k = 0; gap <= n; (void)(gap < n && (out.actions[r][k++] = o.actions[base + gap], true)), ++gap)
       for (x = w.head[first + gap], i = 0; x >= 0; x = w.link[x], i = 1)
         packed = w.end_action[x], out.actions[r][k++] = Action{static_cast<Op>(packed % 9), i == 1, packed / 9 / P / V,
                                                                packed / 9 / P % V, packed / 9 % P};
-      if (gap < n)
-        out.actions[r][k++] = o.actions[base + gap];
-    }
   }
 }
 

@@ -105,22 +105,24 @@ constexpr void survey(const Rows& t, Ix& ix) {
         ix.findings.found(Property::well_formed, r, i, a.mb, a.chunk);
         if (!placed) continue;
       }
-      at = ((r * V + a.chunk) * M + a.mb) * kinds + op - 1;
-      if (ix.first[at] == 0) ix.first[at] = i + 1;
-      else ix.repeated[at / kinds] |= static_cast<unsigned char>(1 << (op - 1));
-      if (comm) {
+      // The rest in two statements (Clang counts statements, not expressions: a table of 100,000
+      // actions must fit in its 1,048,576 steps with the other walks): where the action sits, and
+      // its message's number and neighbour, or the compute counts.
+      at = ((r * V + a.chunk) * M + a.mb) * kinds + op - 1,
+      ix.first[at] == 0 ? (void)(ix.first[at] = i + 1)
+                        : (void)(ix.repeated[at / kinds] |= static_cast<unsigned char>(1 << (op - 1)));
+      if (comm)
         // Activations go to the next stage and gradients come from it; the other two, the previous.
-        other = op == 5 || op == 8 ? ix.next[r * V + a.chunk] : ix.prev[r * V + a.chunk];
-        if (formed && (other < 0 || other / V == r || other / V != a.peer))
-          ix.findings.found(Property::peers_are_neighbours, r, i, a.mb, a.chunk);
-        if (formed) ix.number[k] = ++ix.channel[(op == 5 || op == 7 ? 0 : P) + a.peer];
-      } else {
+        other = op == 5 || op == 8 ? ix.next[r * V + a.chunk] : ix.prev[r * V + a.chunk],
+        (void)(formed && (other < 0 || other / V == r || other / V != a.peer) &&
+               (ix.findings.found(Property::peers_are_neighbours, r, i, a.mb, a.chunk), true)),
+        (void)(formed && (ix.number[k] = ++ix.channel[(op == 5 || op == 7 ? 0 : P) + a.peer]));
+      else
         forwards += op == 1, backwards += op == 2, input_grads += op == 3, weight_grads += op == 4,
             held += op == 1 ? 1 : op == 2 || op == 3 ? -1 : 0, pending += op == 1 ? 1 : op == 2 || op == 4 ? -1 : 0,
             deferred += op == 3 ? 1 : op == 4 ? -1 : 0, peak = held > peak ? held : peak,
             peak_pending = pending > peak_pending ? pending : peak_pending,
             peak_deferred = deferred > peak_deferred ? deferred : peak_deferred;
-      }
     }
     ix.computes[r * 4] = forwards, ix.computes[r * 4 + 1] = backwards, ix.computes[r * 4 + 2] = input_grads,
     ix.computes[r * 4 + 3] = weight_grads, ix.peak_activations[r] = peak, ix.peak_pending[r] = peak_pending,
