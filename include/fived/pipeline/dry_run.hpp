@@ -134,11 +134,13 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
                              run.makespan[0] = now_b > run.makespan[0] ? now_b : run.makespan[0],
                              run.makespan[1] = now_e > run.makespan[1] ? now_e : run.makespan[1], true));
         if (i == n) break;
-        // A comm group: this action and those joined to it, all posted when the rank first reaches it
-        // (it has reached i, or all of the group).
-        for (end = i, posting = run.reached[r] <= i;
-             end < n && (end == i || (t.actions[r][end].joins_previous && t.actions[r][end].op >= Op::send_act)); ++end)
-          (void)(posting && (run.posted_blocking[base + end] = now_b, run.posted_eager[base + end] = now_e, true));
+        // A comm group: this action and those joined to it, all posted when the rank first reaches it.
+        // On a later turn it is posted, and the rank has reached its end: nothing is read again.
+        for (end = run.reached[r] > i ? run.reached[r] : i, posting = end == i;
+             posting && end < n &&
+             (end == i || (t.actions[r][end].joins_previous && t.actions[r][end].op >= Op::send_act));
+             ++end)
+          run.posted_blocking[base + end] = now_b, run.posted_eager[base + end] = now_e;
         (void)(posting && (run.reached[r] = end, progressed = true));
         // Complete when every partner has posted (with eager sends: every receive's partner);
         // a partner that does not exist is never posted. The partner (k, on rank q; -1: none) is
