@@ -80,7 +80,10 @@ struct TimedOrders {
   template <class Generate>
   constexpr TimedOrders(Generate generate, Cost cost);
 
-  constexpr void add(int r, const Action& a) { actions[r * capacity + sizes[r]++] = a; }
+  constexpr void add(int r, const Action& a) {
+    sizes[r] == capacity ? throw std::logic_error("fived::pipeline: a generator's compute order is too long")
+                         : (void)(actions[r * capacity + sizes[r]++] = a);
+  }
 };
 
 // The lowering's working arrays (W below), one value per (rank, chunk,
