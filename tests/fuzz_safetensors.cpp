@@ -201,7 +201,7 @@ int main(int argc, char** argv) {
     std::ofstream f(dir / "rank-00000.safetensors", std::ios::binary);
     f.write(reinterpret_cast<const char*>(seeds[0].data()), static_cast<std::streamsize>(seeds[0].size()));
   }
-  checkpoint::Manifest valid{7, 7, 1, "Mesh<>", "a model", {}};
+  checkpoint::Manifest valid{7, 7, 1, "Mesh<>", "a model", {}, {}};
   valid.files.push_back({"rank-00000.safetensors", seeds[0].size(), checkpoint::file_hash(dir / "rank-00000.safetensors")});
   checkpoint::write_manifest(dir, valid);
   std::string text;

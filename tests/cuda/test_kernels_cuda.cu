@@ -195,7 +195,7 @@ TEST_CASE_TEMPLATE("layernorm and rmsnorm, forward and backward", T, ELEMENT_TYP
   // 128: the weight gradients' 16-byte column reads in bf16 too; 768 over 4099 rows: the
   // backward's single pass (rows in registers) with several rows a warp and a partial last
   // block; 1500: rows too wide for registers (read again, weight gradients by column_reduce).
-  for (const auto [N, C] : {std::pair{19, 100}, std::pair{19, 128}, std::pair{4099, 768}, std::pair{37, 1500}}) {
+  for (const auto& [N, C] : {std::pair{19, 100}, std::pair{19, 128}, std::pair{4099, 768}, std::pair{37, 1500}}) {
     CAPTURE(N);
     CAPTURE(C);
     const std::size_t n = static_cast<std::size_t>(N) * C;
