@@ -68,11 +68,6 @@ constexpr void gpipe_order(O& o) {
     for (int m = 0; m < M; ++m) o.add(r, backward(m));
   }
 }
-constexpr detail::Orders gpipe_order(int P, int M) {
-  detail::Orders o({P, M, 1, StageOrder::looped});
-  gpipe_order(o);
-  return o;
-}
 
 template <class O>
 constexpr void one_f_one_b_order(O& o) {
@@ -82,11 +77,6 @@ constexpr void one_f_one_b_order(O& o) {
   for (int r = 0; r < P; ++r)
     detail::one_forward_one_backward(
         o, r, M, P - 1 - r, [](int k) { return forward(k); }, [](int k) { return backward(k); });
-}
-constexpr detail::Orders one_f_one_b_order(int P, int M) {
-  detail::Orders o({P, M, 1, StageOrder::looped});
-  one_f_one_b_order(o);
-  return o;
 }
 
 template <class O>
@@ -101,11 +91,6 @@ constexpr void interleaved_1f1b_order(O& o) {
     detail::one_forward_one_backward(
         o, r, M * V, 2 * (P - 1 - r) + (V - 1) * P, [=](int k) { return forward(mb(k), chunk(k)); },
         [=](int k) { return backward(mb(k), V - 1 - chunk(k)); });
-}
-constexpr detail::Orders interleaved_1f1b_order(int P, int M, int V) {
-  detail::Orders o({P, M, V, StageOrder::looped});
-  interleaved_1f1b_order(o);
-  return o;
 }
 
 template <class O>
@@ -124,11 +109,6 @@ constexpr void zb_h1_order(O& o) {
     }
     while (w < M) o.add(r, weight_grad(w++));
   }
-}
-constexpr detail::Orders zb_h1_order(int P, int M) {
-  detail::Orders o({P, M, 1, StageOrder::looped});
-  zb_h1_order(o);
-  return o;
 }
 
 template <class O>
@@ -159,11 +139,6 @@ constexpr void zb_v_order(O& o) {
     while (w1 < M) o.add(r, weight_grad(w1++, 1));
     while (w0 < M) o.add(r, weight_grad(w0++, 0));
   }
-}
-constexpr detail::Orders zb_v_order(int P, int M) {
-  detail::Orders o({P, M, 2, StageOrder::vee});
-  zb_v_order(o);
-  return o;
 }
 
 // DualPipeV: DeepSeek-V3's DualPipe cut in half (deepseek-ai/DualPipe, dualpipev.py), in
@@ -205,14 +180,9 @@ constexpr void dualpipe_v_order(O& o) {
     for (int k = 0; k <= r; ++k) W();                // 8: the rest
   }
 }
-constexpr detail::Orders dualpipe_v_order(int P, int M) {
-  detail::Orders o({P, M, 2, StageOrder::vee});
-  dualpipe_v_order(o);
-  return o;
-}
 
-// The generators by name, for the schedule types (schedules.hpp), whose tables are made from
-// a fixed-size TimedOrders (lower.hpp) the generator writes into directly.
+// The generators by name: the schedule types (schedules.hpp) have a generator write into
+// their fixed-size TimedOrders (lower.hpp), the functions below into an Orders.
 enum class Generator : unsigned char { gpipe, one_f_one_b, interleaved_1f1b, zb_h1, zb_v, dualpipe_v };
 
 namespace detail {
@@ -227,7 +197,34 @@ constexpr void generate(Generator g, O& o) {
     case Generator::dualpipe_v: return dualpipe_v_order(o);
   }
 }
+
+// A generator's orders for shape s, in arrays sized at run time.
+constexpr Orders ordered(Generator g, const Shape& s) {
+  Orders o(s);
+  generate(g, o);
+  return o;
+}
 }  // namespace detail
+
+// The compute orders of (P, M[, V]), sized at run time.
+constexpr detail::Orders gpipe_order(int P, int M) {
+  return detail::ordered(Generator::gpipe, {P, M, 1, StageOrder::looped});
+}
+constexpr detail::Orders one_f_one_b_order(int P, int M) {
+  return detail::ordered(Generator::one_f_one_b, {P, M, 1, StageOrder::looped});
+}
+constexpr detail::Orders interleaved_1f1b_order(int P, int M, int V) {
+  return detail::ordered(Generator::interleaved_1f1b, {P, M, V, StageOrder::looped});
+}
+constexpr detail::Orders zb_h1_order(int P, int M) {
+  return detail::ordered(Generator::zb_h1, {P, M, 1, StageOrder::looped});
+}
+constexpr detail::Orders zb_v_order(int P, int M) {
+  return detail::ordered(Generator::zb_v, {P, M, 2, StageOrder::vee});
+}
+constexpr detail::Orders dualpipe_v_order(int P, int M) {
+  return detail::ordered(Generator::dualpipe_v, {P, M, 2, StageOrder::vee});
+}
 
 // ---- the schedules: the orders with their messages ------------------------------------------
 

@@ -40,6 +40,8 @@ namespace detail {
 // (ideal_timeline below), start[] and end[] hold when each starts and ends. A
 // generator's result, sized at run time; TimedOrders below has the same members
 // in arrays of fixed size.
+inline constexpr char order_too_long[] = "fived::pipeline: a generator's compute order is too long";
+
 struct Orders {
   Shape shape;
   int capacity;
@@ -55,7 +57,7 @@ struct Orders {
         end(s.ranks * capacity) {}
 
   constexpr void add(int r, const Action& a) {
-    if (sizes[r] == capacity) throw std::logic_error("fived::pipeline: a generator's compute order is too long");
+    if (sizes[r] == capacity) throw std::logic_error(order_too_long);
     actions[r * capacity + sizes[r]++] = a;
   }
 };
@@ -81,8 +83,7 @@ struct TimedOrders {
   constexpr TimedOrders(Generate generate, Cost cost);
 
   constexpr void add(int r, const Action& a) {
-    sizes[r] == capacity ? throw std::logic_error("fived::pipeline: a generator's compute order is too long")
-                         : (void)(actions[r * capacity + sizes[r]++] = a);
+    sizes[r] == capacity ? throw std::logic_error(order_too_long) : (void)(actions[r * capacity + sizes[r]++] = a);
   }
 };
 
