@@ -375,6 +375,36 @@ TEST_CASE("a deadlock without crossed sends: both ranks wait to receive") {
   CHECK(verify(s).position == 0);
 }
 
+TEST_CASE("a table packs every action of its shape in an int, and keeps the first it cannot as given") {
+  constexpr Shape shape{3, 2, 2};
+  constexpr Packing packing(shape);
+  int packed = 0;
+  for (int op = 1; op <= 8; ++op)
+    for (int mb = 0; mb < 2; ++mb)
+      for (int chunk = 0; chunk < 2; ++chunk)
+        for (int peer = -1; peer < 3; ++peer)
+          for (const bool joins : {false, true}) {
+            const Action a{static_cast<Op>(op), joins, mb, chunk, is_comm(static_cast<Op>(op)) ? peer : -1};
+            CHECK(packing.holds(a));
+            CHECK(packing.unpack(packing.pack(a)) == a);
+            ++packed;
+          }
+  CHECK(packed == 8 * 2 * 2 * 4 * 2);
+  CHECK_FALSE(packing.holds(forward(2)));          // M = 2
+  CHECK_FALSE(packing.holds(forward(0, 2)));       // V = 2
+  CHECK_FALSE(packing.holds(send_act(0, 3)));      // P = 3
+  CHECK(packing.unpack(packing.pack(forward(1, 1))).peer == -1);  // a compute action keeps no peer
+  CHECK(packing.holds(Action{Op::forward, false, 1, 0, 7}));
+
+  // Out of range: stored as an empty slot, reported where it was with what it said.
+  using namespace notation;
+  constexpr Table<2, 1> t{{F(0), send_act(0, 1), recv_grad(0, 1), B(0)}, {recv_act(0, 0), F(3, 1), B(0), F(5)}};
+  static_assert(t.action(1, 1) == F(3, 1) && t.action(1, 3) == Action{});
+  constexpr Verdict v = verify(t);
+  static_assert(v.failed == Property::well_formed && v.rank == 1 && v.position == 1 && v.mb == 3 && v.chunk == 1);
+  CHECK(t.schedule().programs[1][1] == F(3, 1));
+}
+
 TEST_CASE("malformed actions and shapes") {
   Schedule s = one_f_one_b_2_2();
   s.programs[0][0].mb = 2;  // M = 2

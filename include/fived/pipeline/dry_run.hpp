@@ -103,12 +103,11 @@ struct DryRun {
 template <class Rows, class Ix, class State>
 constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, State& run) {
   static_assert(static_cast<int>(Sends::blocking) == 0 && static_cast<int>(Sends::eager) == 1);
-  const int P = t.shape.ranks, V = t.shape.chunks, M = t.shape.micro_batches;
+  const int P = t.shape.ranks, V = t.shape.chunks, M = t.shape.micro_batches, peers = P + 1;
   const bool sends_wait = drive == Sends::blocking, times_computes = run.times_computes;
   int cost_of[9] = {};
-  Action a{};
   int r = 0, step = 0, i = 0, first = 0, n = 0, base = 0, end = 0, j = 0, k = 0, q = 0, took = 0, now_b = 0,
-      now_e = 0, met_b = 0, met_e = 0, op = 0, rc = 0, other = 0;
+      now_e = 0, met_b = 0, met_e = 0, p = 0, op = 0, stage_mb = 0, rc = 0, other = 0;
   bool progressed = true, down = true, send = false, waits = false, posting = false;
   for (k = 0; k < 9; ++k) cost_of[k] = cost.of(static_cast<Op>(k));
   for (r = 0; r < P; ++r) run.awaits[r] = -1;
@@ -127,9 +126,9 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
       base = ix.offset[r], n = t.sizes[r], now_b = run.clock_blocking[r], now_e = run.clock_eager[r], i = run.at[r];
       while (i < n) {
         // A run of compute actions, each starting as the one before it ends.
-        for (first = i; i < n && (a = t.actions[r][i]).op < Op::send_act; ++i)
+        for (first = i; i < n && (op = t.actions[r][i] % 9) < 5; ++i)
           (void)(times_computes && (run.posted_blocking[base + i] = now_b, run.posted_eager[base + i] = now_e, true)),
-          took = cost_of[static_cast<int>(a.op)], now_b += took, now_e += took;
+          took = cost_of[op], now_b += took, now_e += took;
         (void)(i > first && (run.reached[r] = i, progressed = true,
                              run.makespan[0] = now_b > run.makespan[0] ? now_b : run.makespan[0],
                              run.makespan[1] = now_e > run.makespan[1] ? now_e : run.makespan[1], true));
@@ -138,7 +137,7 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
         // On a later turn it is posted, and the rank has reached its end: nothing is read again.
         for (end = run.reached[r] > i ? run.reached[r] : i, posting = end == i;
              posting && end < n &&
-             (end == i || (t.actions[r][end].joins_previous && t.actions[r][end].op >= Op::send_act));
+             (end == i || (p = t.actions[r][end], p / 9 % 2 == 1 && p % 9 >= 5));
              ++end)
           run.posted_blocking[base + end] = now_b, run.posted_eager[base + end] = now_e;
         (void)(posting && (run.reached[r] = end, progressed = true));
@@ -147,11 +146,11 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
         // found as partner() finds it, written out: a call would cost Clang several statements
         // per message, and the dry run of a 57,000-action table would pass its limit.
         for (j = i, met_b = now_b, met_e = now_e;
-             j < end && (a = t.actions[r][j], op = static_cast<int>(a.op), rc = r * V + a.chunk,
+             j < end && (p = t.actions[r][j], op = p % 9, stage_mb = p / 18 / peers, rc = r * V + stage_mb / M,
                         other = op == 5 || op == 8 ? ix.next[rc] : ix.prev[rc], q = other < 0 ? r : other / V,
-                        k = other < 0 ? -1 : ix.first[(other * M + a.mb) * kinds + (op % 2 == 1 ? op : op - 2)] - 1,
-                        k = k < 0 ? -1 : ix.offset[q] + k,
-                        send = a.op == Op::send_act || a.op == Op::send_grad,
+                        k = other < 0 ? -1
+                                      : ix.first[(other * M + stage_mb % M) * kinds + (op % 2 == 1 ? op : op - 2)] - 1,
+                        k = k < 0 ? -1 : ix.offset[q] + k, send = op == 5 || op == 7,
                         waits = !send || sends_wait, !waits || (k >= 0 && k - ix.offset[q] < run.reached[q]));
              ++j)
           met_b = waits && run.posted_blocking[k] > met_b ? run.posted_blocking[k] : met_b,
@@ -184,7 +183,7 @@ constexpr int completed(const Rows& t, const Ix& ix, const State& run, Sends sen
   const int k = ix.offset[r] + i;
   if (i >= run.reached[r]) return -1;
   const auto& posted = sends == Sends::blocking ? run.posted_blocking : run.posted_eager;
-  if (sends == Sends::eager && is_send(t.actions[r][i].op)) return posted[k];
+  if (sends == Sends::eager && is_send(t.action(r, i).op)) return posted[k];
   if (!partner_posted(t, ix, run, r, i)) return -1;
   int q = 0;
   const int theirs = posted[partner(t.shape, ix, r, t.actions[r][i], &q) - 1];
@@ -208,7 +207,7 @@ constexpr Run execute(const S& s, Cost cost = {}, Sends sends = Sends::blocking)
     auto& start = out.start.emplace_back(static_cast<std::size_t>(t.sizes[r]), -1);
     auto& end = out.end.emplace_back(static_cast<std::size_t>(t.sizes[r]), -1);
     for (int i = 0; i < run.reached[r]; ++i) {
-      const Op op = t.actions[r][i].op;
+      const Op op = t.action(r, i).op;
       start[static_cast<std::size_t>(i)] = posted[ix.offset[r] + i];
       end[static_cast<std::size_t>(i)] = is_comm(op) ? detail::completed(t, ix, run, sends, r, i)
                                                      : start[static_cast<std::size_t>(i)] + cost.of(op);
@@ -230,10 +229,9 @@ template <class Rows, class Ix, class State>
 constexpr Place crossed_sends(const Rows& t, const Ix& ix, const State& run) {
   auto waiting_send_to = [&](int r, int q) {
     const int i = run.at[r], n = t.sizes[r];
-    if (i >= n || !is_comm(t.actions[r][i].op)) return -1;
-    for (int j = i; j < n && (j == i || (t.actions[r][j].joins_previous && is_comm(t.actions[r][j].op))); ++j)
-      if (is_send(t.actions[r][j].op) && t.actions[r][j].peer == q && !partner_posted(t, ix, run, r, j))
-        return j;
+    if (i >= n || !is_comm(t.action(r, i).op)) return -1;
+    for (int j = i; j < n && (j == i || (t.action(r, j).joins_previous && is_comm(t.action(r, j).op))); ++j)
+      if (is_send(t.action(r, j).op) && t.action(r, j).peer == q && !partner_posted(t, ix, run, r, j)) return j;
     return -1;
   };
   for (int r = 0; r < t.shape.ranks; ++r)

@@ -36,7 +36,8 @@ namespace detail {
 
 // Each rank's order of compute actions: what a generator decides, in one block
 // of `capacity` = 3·M·V actions per rank (F, I and W of every micro-batch and
-// chunk at most): rank r's k-th is actions[r · capacity + k]. Once timed
+// chunk at most): rank r's k-th is actions[r · capacity + k], packed as a table
+// packs it (table.hpp; `add` takes an Action). Once timed
 // (ideal_timeline below), start[] and end[] hold when each starts and ends. A
 // generator's result, sized at run time; TimedOrders below has the same members
 // in arrays of fixed size.
@@ -44,12 +45,13 @@ inline constexpr char order_too_long[] = "fived::pipeline: a generator's compute
 
 struct Orders {
   Shape shape;
+  Packing packing;
   int capacity;
-  Scratch<Action> actions;
-  Scratch<int> sizes, start, end;
+  Scratch<int> actions, sizes, start, end;
 
   constexpr explicit Orders(Shape s)
       : shape(s),
+        packing(s),
         capacity(3 * s.micro_batches * s.chunks),
         actions(s.ranks * capacity),
         sizes(s.ranks, 0),
@@ -58,7 +60,7 @@ struct Orders {
 
   constexpr void add(int r, const Action& a) {
     if (sizes[r] == capacity) throw std::logic_error(order_too_long);
-    actions[r * capacity + sizes[r]++] = a;
+    actions[r * capacity + sizes[r]++] = packing.pack(a);
   }
 };
 
@@ -71,9 +73,10 @@ struct Orders {
 template <class TableType>
 struct TimedOrders {
   static constexpr Shape shape = TableType::shape;
+  static constexpr Packing packing = TableType::packing;
   static constexpr int P = TableType::ranks, capacity = 3 * TableType::micro_batches * TableType::chunks;
 
-  Action actions[P * capacity]{};
+  int actions[P * capacity]{};
   int sizes[P]{};
   int start[P * capacity]{}, end[P * capacity]{};
 
@@ -83,7 +86,8 @@ struct TimedOrders {
   constexpr TimedOrders(Generate generate, Cost cost);
 
   constexpr void add(int r, const Action& a) {
-    sizes[r] == capacity ? throw std::logic_error(order_too_long) : (void)(actions[r * capacity + sizes[r]++] = a);
+    sizes[r] == capacity ? throw std::logic_error(order_too_long)
+                         : (void)(actions[r * capacity + sizes[r]++] = packing.pack(a));
   }
 };
 
@@ -124,10 +128,9 @@ struct Lowering {
 template <class O, class W>
 constexpr void ideal_timeline(O& o, Cost cost, W& w) {
   const Shape& sh = o.shape;
-  const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches, C = o.capacity;
+  const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches, C = o.capacity, peers = P + 1;
   int cost_of[9] = {};
-  Action a{};
-  int r = 0, step = 0, i = 0, n = 0, base = 0, now = 0, op = 0, mb = 0, rc = 0, k = 0, before = 0, grad = 0;
+  int r = 0, step = 0, i = 0, n = 0, base = 0, now = 0, p = 0, op = 0, mb = 0, rc = 0, k = 0, before = 0, grad = 0;
   bool progressed = true, down = true;
   for (op = 0; op < 9; ++op) cost_of[op] = cost.of(static_cast<Op>(op));
   stage_neighbours(sh, w);
@@ -141,7 +144,7 @@ constexpr void ideal_timeline(O& o, Cost cost, W& w) {
       for (; i < n; ++i) {
         // What action i waits for: F for the previous stage's F, W for its I, B or I for its F and
         // the next stage's B or I; the latest of their ends, or -1 while one has not run.
-        a = o.actions[base + i], op = static_cast<int>(a.op), mb = a.mb, rc = r * V + a.chunk, k = rc * M + mb,
+        p = o.actions[base + i], op = p % 9, k = r * V * M + p / 18 / peers, rc = k / M, mb = k % M,
         before = op == 1 ? (w.prev[rc] < 0 ? 0 : w.forward_end[w.prev[rc] * M + mb])
                  : op == 4 ? w.weight_input_end[k]
                            : w.forward_end[k],
@@ -168,15 +171,21 @@ constexpr TimedOrders<TableType>::TimedOrders(Generate generate, Cost cost) {
   ideal_timeline(*this, cost, w);
 }
 
-// A Schedule as with_messages' output (a Table is one as it is): `actions`, and
-// resize_program(r, n) before rank r's n actions are written.
+// A Schedule as with_messages' output (a Table is one as it is): `actions` (packed),
+// and resize_program(r, n) before rank r's n actions are written.
 struct ScheduleBuilder {
-  Schedule schedule;
-  std::vector<std::vector<Action>>& actions;
+  Shape shape;
+  std::vector<std::vector<int>> actions;
 
-  constexpr explicit ScheduleBuilder(const Shape& s) : schedule(s), actions(schedule.programs) {}
-  ScheduleBuilder(const ScheduleBuilder&) = delete;
+  constexpr explicit ScheduleBuilder(const Shape& s) : shape(s), actions(static_cast<std::size_t>(s.ranks)) {}
   constexpr void resize_program(int r, int n) { actions[static_cast<std::size_t>(r)].resize(static_cast<std::size_t>(n)); }
+  constexpr Schedule schedule() const {
+    Schedule s(shape);
+    const Packing packing(shape);
+    for (std::size_t r = 0; r < actions.size(); ++r)
+      for (const int p : actions[r]) s.programs[r].push_back(packing.unpack(p));
+    return s;
+  }
 };
 
 // The timed orders o lowered into `out` (a Table, or a ScheduleBuilder): each
@@ -195,19 +204,17 @@ template <class O, class W, class Out>
 constexpr void with_messages(const O& o, W& w, Out& out) {
   constexpr int never = 1 << 30;
   const Shape& sh = o.shape;
-  const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches, C = o.capacity;
-  Action a{};
-  int r = 0, q = 0, j = 0, n = 0, nq = 0, base = 0, qbase = 0, op = 0, mb = 0, rc = 0, to = 0, sent = 0, consumer = 0,
-      l = 0, k = 0, x = 0, e = 0, b = 0, i = 0, gap = 0, first = 0, sender_open = 0, receiver_open = 0,
+  const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches, C = o.capacity, peers = P + 1;
+  int r = 0, q = 0, j = 0, n = 0, nq = 0, base = 0, qbase = 0, p = 0, op = 0, mb = 0, slot = 0, rc = 0, to = 0,
+      sent = 0, consumer = 0, l = 0, k = 0, x = 0, e = 0, b = 0, gap = 0, first = 0, sender_open = 0, receiver_open = 0,
       sender_close = 0, receiver_close = 0, sender_gap = 0, receiver_gap = 0, side = 0, end_rank = 0, bucket = 0,
-      before = 0, peer = 0, packed = 0;
+      before = 0, peer = 0, joins = 0;
   bool forward_message = false, found = false;
   stage_neighbours(sh, w);
   // Index of each slot's F and B-or-I in its rank's compute order.
   for (r = 0; r < P; ++r)
     for (j = 0, n = o.sizes[r], base = r * C; j < n; ++j)
-      if (a = o.actions[base + j], op = static_cast<int>(a.op), op <= 3)
-        (op == 1 ? w.forward_at : w.input_grad_at)[(r * V + a.chunk) * M + a.mb] = j;
+      if (p = o.actions[base + j], op = p % 9, op <= 3) (op == 1 ? w.forward_at : w.input_grad_at)[r * V * M + p / 18 / peers] = j;
   // Both ends of every message, each a comm action posted by a rank just before its compute
   // number `gap`. The receiver's first gap that closes after a message exists only moves on as the
   // sender's messages to it do (they come to exist in order), so it is found by a cursor per
@@ -222,7 +229,7 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
   for (r = 0; r < P; ++r)
     for (j = 0, n = o.sizes[r], base = r * C; j < n; ++j)
       // Skipped where there is no message: the last (first) stage, W, or a neighbour on this rank.
-      if (a = o.actions[base + j], op = static_cast<int>(a.op), mb = a.mb, rc = r * V + a.chunk,
+      if (p = o.actions[base + j], op = p % 9, slot = r * V * M + p / 18 / peers, rc = slot / M, mb = slot % M,
           to = op == 1 ? w.next[rc] : op == 2 || op == 3 ? w.prev[rc] : -1, q = to / V, to >= 0 && q != r) {
         forward_message = op == 1, qbase = q * C, nq = o.sizes[q],
         sent = o.end[base + j], consumer = forward_message ? w.forward_at[to * M + mb] : w.input_grad_at[to * M + mb];
@@ -242,15 +249,14 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
         // with an earlier or equal (time, peer).
         for (side = 0; side < 2; ++side, ++e) {
           end_rank = side == 0 ? r : q, bucket = w.first_gap[end_rank] + (side == 0 ? sender_gap : receiver_gap),
-          // The comm action in one int (one array access, the interpreters' costly operation):
-          // ((mb · V + chunk) · P + peer) · 9 + op.
+          // The comm action packed as the table keeps it (table.hpp), not yet joined to the one before.
           peer = side == 0 ? q : r, w.end_sent[e] = sent,
-          w.end_action[e] = ((mb * V + (side == 0 ? rc % V : to % V)) * P + peer) * 9 +
+          w.end_action[e] = (((side == 0 ? rc % V : to % V) * M + mb) * peers + peer + 1) * 18 +
                             static_cast<int>(forward_message ? (side == 0 ? Op::send_act : Op::recv_act)
                                                              : (side == 0 ? Op::send_grad : Op::recv_grad)),
           ++w.ends_on[end_rank];
           for (before = -1, l = w.head[bucket];
-               l >= 0 && (w.end_sent[l] < sent || (w.end_sent[l] == sent && w.end_action[l] / 9 % P <= peer));)
+               l >= 0 && (w.end_sent[l] < sent || (w.end_sent[l] == sent && w.end_action[l] / 18 % peers <= peer + 1));)
             before = l, l = w.link[l];
           w.link[e] = l, (before < 0 ? w.head[bucket] : w.link[before]) = e;
         }
@@ -259,12 +265,11 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
   for (r = 0; r < P; ++r) {
     n = o.sizes[r], first = w.first_gap[r], base = r * C;
     out.resize_program(r, n + w.ends_on[r]);
-    // Each gap's comm actions, then (in the loop's increment: one statement per action) the
-    // compute action that closes the gap.
+    // Each gap's comm actions, each after the first joined to the one before (+ 9: the joins
+    // bit), then (in the loop's increment: one statement per action) the compute action that
+    // closes the gap.
     for (gap = 0, k = 0; gap <= n; (void)(gap < n && (out.actions[r][k++] = o.actions[base + gap], true)), ++gap)
-      for (x = w.head[first + gap], i = 0; x >= 0; x = w.link[x], i = 1)
-        packed = w.end_action[x], out.actions[r][k++] = Action{static_cast<Op>(packed % 9), i == 1, packed / 9 / P / V,
-                                                               packed / 9 / P % V, packed / 9 % P};
+      for (x = w.head[first + gap], joins = 0; x >= 0; x = w.link[x], joins = 9) out.actions[r][k++] = w.end_action[x] + joins;
   }
 }
 
@@ -287,7 +292,7 @@ constexpr Schedule with_messages(detail::Orders orders, Cost cost = {}) {
   detail::ideal_timeline(orders, cost, w);
   detail::ScheduleBuilder out(orders.shape);
   detail::with_messages(orders, w, out);
-  return std::move(out.schedule);
+  return out.schedule();
 }
 
 }  // namespace fived::pipeline

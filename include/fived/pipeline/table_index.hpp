@@ -16,7 +16,7 @@
 //   - variables declared once, before the loops: Clang makes a new object for a
 //     declaration in a loop body on each turn, and keeps it until the function
 //     returns (a microsecond and more, and memory, per declaration and turn).
-// So the passes take the table's own arrays (`t.actions[r][i]`, `t.sizes[r]`),
+// So the passes take the table's own arrays (`t.actions[r][i]`, packed ints: table.hpp; `t.sizes[r]`),
 // write into arrays that are members of a constant (FixedIndex, for Proven<>)
 // or sized at run time (Index, for a Schedule), and declare nothing in a loop.
 // And a walk over the actions costs even when it does little there (Clang: about
@@ -34,17 +34,47 @@ namespace fived::pipeline::detail {
 // The action kinds a slot may hold: the ops after Op::none.
 inline constexpr int kinds = static_cast<int>(Op::recv_grad);
 
-// What the proofs read of a table: `shape`, `actions[r][i]` and `sizes[r]`. A
-// Table has them; a Schedule is read through ScheduleRows.
+// What the proofs read of a table: `shape`, `packing`, `actions[r][i]` (packed,
+// table.hpp), `sizes[r]` and `unpacked`. A Table has them; a Schedule is read
+// through ScheduleRows, which packs it.
 struct ScheduleRows {
   Shape shape;
-  const std::vector<std::vector<Action>>& actions;
-  Scratch<int> sizes;
+  Packing packing;
+  Scratch<int> sizes, offset, packed;
+  Unpacked unpacked;
+
+  // actions[r]: rank r's packed actions.
+  struct Programs {
+    const int* packed;
+    const int* offset;
+    constexpr const int* operator[](int r) const { return packed + offset[r]; }
+  } actions;
 
   constexpr explicit ScheduleRows(const Schedule& s)
-      : shape(s.shape), actions(s.programs), sizes(static_cast<int>(s.programs.size())) {
-    for (int r = 0; r < static_cast<int>(s.programs.size()); ++r)
-      sizes[r] = static_cast<int>(s.programs[static_cast<std::size_t>(r)].size());
+      : shape(s.shape), packing(s.shape), sizes(ranks_of(s)), offset(ranks_of(s) + 1), packed(length(s)),
+        actions{packed.data(), offset.data()} {
+    offset[0] = 0;
+    for (int r = 0; r < ranks_of(s); ++r) {
+      const auto& p = s.programs[static_cast<std::size_t>(r)];
+      sizes[r] = static_cast<int>(p.size()), offset[r + 1] = offset[r] + sizes[r];
+      for (int i = 0; i < sizes[r]; ++i)
+        if (packed[offset[r] + i] = packing.pack(p[static_cast<std::size_t>(i)]);
+            !packing.holds(p[static_cast<std::size_t>(i)]) && unpacked.rank < 0)
+          unpacked = {r, i, p[static_cast<std::size_t>(i)]};
+    }
+  }
+  ScheduleRows(const ScheduleRows&) = delete;
+
+  constexpr Action action(int r, int i) const {
+    return r == unpacked.rank && i == unpacked.index ? unpacked.action : packing.unpack(actions[r][i]);
+  }
+
+ private:
+  static constexpr int ranks_of(const Schedule& s) { return static_cast<int>(s.programs.size()); }
+  static constexpr int length(const Schedule& s) {
+    int n = 0;
+    for (const auto& p : s.programs) n += static_cast<int>(p.size());
+    return n;
   }
 };
 
@@ -81,11 +111,11 @@ constexpr int total_actions(const Rows& t) {
 template <class Rows, class Ix>
 constexpr void survey(const Rows& t, Ix& ix) {
   const Shape& sh = t.shape;
-  const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches;
-  Action a{};
-  int r = 0, i = 0, n = 0, k = 0, op = 0, at = 0, other = 0, forwards = 0, backwards = 0, input_grads = 0,
-      weight_grads = 0, held = 0, pending = 0, deferred = 0, peak = 0, peak_pending = 0, peak_deferred = 0;
-  bool comm = false, placed = false, formed = false, previous_comm = false;
+  const int P = sh.ranks, V = sh.chunks, M = sh.micro_batches, peers = P + 1;
+  int r = 0, i = 0, n = 0, k = 0, p = 0, fields = 0, op = 0, peer = 0, rank_slots = 0, slot = 0, rc = 0, at = 0,
+      other = 0, forwards = 0, backwards = 0, input_grads = 0, weight_grads = 0, held = 0, pending = 0, deferred = 0,
+      peak = 0, peak_pending = 0, peak_deferred = 0;
+  bool comm = false, formed = false, previous_comm = false;
   stage_neighbours(sh, ix);
   ix.offset[0] = 0;
   for (r = 0; r < P; ++r) ix.offset[r + 1] = ix.offset[r] + t.sizes[r];
@@ -93,30 +123,30 @@ constexpr void survey(const Rows& t, Ix& ix) {
     for (k = 0; k < 2 * P; ++k) ix.channel[k] = 0;
     forwards = backwards = input_grads = weight_grads = held = pending = deferred = peak = peak_pending =
         peak_deferred = 0, previous_comm = false;
-    for (i = 0, n = t.sizes[r], k = ix.offset[r]; i < n; ++i, ++k) {
-      // The action read once, then its copy's fields (each read of the table's own is a lookup in a
-      // large constant); few statements per action (Clang counts them).
-      a = t.actions[r][i], op = static_cast<int>(a.op), comm = op >= 5 && op <= 8,
-      placed = op != 0 && op <= 8 && a.mb >= 0 && a.mb < M && a.chunk >= 0 && a.chunk < V,  // it has a slot
-      formed = placed && (!comm || (a.peer >= 0 && a.peer < P && a.peer != r)) &&
-               (!a.joins_previous || (comm && previous_comm)),
+    for (i = 0, n = t.sizes[r], k = ix.offset[r], rank_slots = r * V * M; i < n; ++i, ++k) {
+      // The packed action read once, then its fields (table.hpp's Packing; the peer only of a comm
+      // action); few statements per action (Clang counts them). An empty slot (or an action that
+      // did not pack) has no place.
+      p = t.actions[r][i], op = p % 9, fields = p / 18, slot = rank_slots + fields / peers, comm = op >= 5,
+      formed = op != 0 && (comm ? (peer = fields % peers - 1) >= 0 && peer != r && (p / 9 % 2 == 0 || previous_comm)
+                                : p / 9 % 2 == 0),
       previous_comm = comm;
       if (!formed) {
-        ix.findings.found(Property::well_formed, r, i, a.mb, a.chunk);
-        if (!placed) continue;
+        ix.findings.found(Property::well_formed, r, i, t.action(r, i).mb, t.action(r, i).chunk);
+        if (op == 0) continue;
       }
       // The rest in two statements (Clang counts statements, not expressions: a table of 100,000
       // actions must fit in its 1,048,576 steps with the other walks): where the action sits, and
       // its message's number and neighbour, or the compute counts.
-      at = ((r * V + a.chunk) * M + a.mb) * kinds + op - 1,
+      at = slot * kinds + op - 1,
       ix.first[at] == 0 ? (void)(ix.first[at] = i + 1)
-                        : (void)(ix.repeated[at / kinds] |= static_cast<unsigned char>(1 << (op - 1)));
+                        : (void)(ix.repeated[slot] |= static_cast<unsigned char>(1 << (op - 1)));
       if (comm)
         // Activations go to the next stage and gradients come from it; the other two, the previous.
-        other = op == 5 || op == 8 ? ix.next[r * V + a.chunk] : ix.prev[r * V + a.chunk],
-        (void)(formed && (other < 0 || other / V == r || other / V != a.peer) &&
-               (ix.findings.found(Property::peers_are_neighbours, r, i, a.mb, a.chunk), true)),
-        (void)(formed && (ix.number[k] = ++ix.channel[(op == 5 || op == 7 ? 0 : P) + a.peer]));
+        rc = slot / M, other = op == 5 || op == 8 ? ix.next[rc] : ix.prev[rc],
+        (void)(formed && (other < 0 || other / V == r || other / V != peer) &&
+               (ix.findings.found(Property::peers_are_neighbours, r, i, slot % M, rc % V), true)),
+        (void)(formed && (ix.number[k] = ++ix.channel[(op == 5 || op == 7 ? 0 : P) + peer]));
       else
         forwards += op == 1, backwards += op == 2, input_grads += op == 3, weight_grads += op == 4,
             held += op == 1 ? 1 : op == 2 || op == 3 ? -1 : 0, pending += op == 1 ? 1 : op == 2 || op == 4 ? -1 : 0,
@@ -130,16 +160,16 @@ constexpr void survey(const Rows& t, Ix& ix) {
   }
 }
 
-// 1 + the number of the action that comm action `a` of rank r meets: the first of the opposite
-// kind for the same micro-batch on the neighbouring stage (send_act <-> recv_act, send_grad <->
-// recv_grad: ops 5 <-> 6 and 7 <-> 8); 0: none. Its rank is *rank.
+// 1 + the number of the action that comm action p (packed) of rank r meets: the first of the
+// opposite kind for the same micro-batch on the neighbouring stage (send_act <-> recv_act,
+// send_grad <-> recv_grad: ops 5 <-> 6 and 7 <-> 8); 0: none. Its rank is *rank.
 template <class Ix>
-constexpr int partner(const Shape& sh, const Ix& ix, int r, const Action& a, int* rank) {
-  const int V = sh.chunks, op = static_cast<int>(a.op), rc = r * V + a.chunk,
-            other = op == 5 || op == 8 ? ix.next[rc] : ix.prev[rc];
+constexpr int partner(const Shape& sh, const Ix& ix, int r, int p, int* rank) {
+  const int V = sh.chunks, M = sh.micro_batches, op = p % 9, stage_mb = p / 18 / (sh.ranks + 1),
+            rc = r * V + stage_mb / M, other = op == 5 || op == 8 ? ix.next[rc] : ix.prev[rc];
   if (other < 0) return 0;
   *rank = other / V;
-  const int at = ix.first[(other * sh.micro_batches + a.mb) * kinds + (op % 2 == 1 ? op : op - 2)];
+  const int at = ix.first[(other * M + stage_mb % M) * kinds + (op % 2 == 1 ? op : op - 2)];
   return at == 0 ? 0 : ix.offset[other / V] + at;
 }
 

@@ -39,7 +39,7 @@ template <class Rows, class Ix>
 constexpr int repeat_of(const Rows& t, const Ix& ix, Op op, int r, int c, int m) {
   const int V = t.shape.chunks, M = t.shape.micro_batches;
   for (int i = ix.first[((r * V + c) * M + m) * kinds + static_cast<int>(op) - 1]; i < t.sizes[r]; ++i)
-    if (t.actions[r][i].op == op && t.actions[r][i].mb == m && t.actions[r][i].chunk == c) return i;
+    if (const Action a = t.action(r, i); a.op == op && a.mb == m && a.chunk == c) return i;
   return -1;
 }
 
@@ -143,8 +143,8 @@ constexpr void check_slots(const Rows& t, const Ix& ix, Findings& f) {
       }
     }
   if (unpaired_rank >= 0)
-    f.found(Property::sends_match_receives, unpaired_rank, unpaired, t.actions[unpaired_rank][unpaired].mb,
-            t.actions[unpaired_rank][unpaired].chunk);
+    f.found(Property::sends_match_receives, unpaired_rank, unpaired, t.action(unpaired_rank, unpaired).mb,
+            t.action(unpaired_rank, unpaired).chunk);
 }
 
 // Everything but the dry run: the index's findings (the actions' own form and
@@ -165,7 +165,7 @@ constexpr Verdict check_run(const Rows& t, const Ix& ix, const State& run) {
   int r = crossed.rank, i = crossed.index;
   for (int q = 0; r < 0 && q < t.shape.ranks; ++q)
     if (run.at[q] < t.sizes[q]) r = q, i = run.at[q];
-  return {p, r, i, t.actions[r][i].mb, t.actions[r][i].chunk};
+  return {p, r, i, t.action(r, i).mb, t.action(r, i).chunk};
 }
 
 template <class S>
