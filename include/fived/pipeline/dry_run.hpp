@@ -103,11 +103,11 @@ struct DryRun {
 template <class Rows, class Ix, class State>
 constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, State& run) {
   static_assert(static_cast<int>(Sends::blocking) == 0 && static_cast<int>(Sends::eager) == 1);
-  const int P = t.shape.ranks, V = t.shape.chunks, M = t.shape.micro_batches, peers = P + 1;
+  const int P = t.shape.ranks, rank_keys = kinds * t.shape.chunks * t.shape.micro_batches;
   const bool sends_wait = drive == Sends::blocking, times_computes = run.times_computes;
   int cost_of[9] = {};
   int r = 0, step = 0, i = 0, first = 0, n = 0, base = 0, end = 0, j = 0, k = 0, q = 0, took = 0, now_b = 0,
-      now_e = 0, met_b = 0, met_e = 0, p = 0, op = 0, stage_mb = 0, rc = 0, other = 0;
+      now_e = 0, met_b = 0, met_e = 0, op = 0, key = 0;
   bool progressed = true, down = true, send = false, waits = false, posting = false;
   for (k = 0; k < 9; ++k) cost_of[k] = cost.of(static_cast<Op>(k));
   for (r = 0; r < P; ++r) run.awaits[r] = -1;
@@ -137,7 +137,7 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
         // On a later turn it is posted, and the rank has reached its end: nothing is read again.
         for (end = run.reached[r] > i ? run.reached[r] : i, posting = end == i;
              posting && end < n &&
-             (end == i || (p = t.actions[r][end], p / 9 % 2 == 1 && p % 9 >= 5));
+             (end == i || t.actions[r][end] % 18 >= 14);  // joined (+ 9) and comm (op 5 to 8)
              ++end)
           run.posted_blocking[base + end] = now_b, run.posted_eager[base + end] = now_e;
         (void)(posting && (run.reached[r] = end, progressed = true));
@@ -146,12 +146,10 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
         // found as partner() finds it, written out: a call would cost Clang several statements
         // per message, and the dry run of a 57,000-action table would pass its limit.
         for (j = i, met_b = now_b, met_e = now_e;
-             j < end && (p = t.actions[r][j], op = p % 9, stage_mb = p / 18 / peers, rc = r * V + stage_mb / M,
-                        other = op == 5 || op == 8 ? ix.next[rc] : ix.prev[rc], q = other < 0 ? r : other / V,
-                        k = other < 0 ? -1
-                                      : ix.first[(other * M + stage_mb % M) * kinds + (op % 2 == 1 ? op : op - 2)] - 1,
-                        k = k < 0 ? -1 : ix.offset[q] + k, send = op == 5 || op == 7,
-                        waits = !send || sends_wait, !waits || (k >= 0 && k - ix.offset[q] < run.reached[q]));
+             j < end && (key = ix.meets[base + j], q = key < 0 ? r : key / rank_keys,
+                        k = key < 0 ? -1 : ix.first[key] - 1, k = k < 0 ? -1 : ix.offset[q] + k,
+                        send = (op = t.actions[r][j] % 9) == 5 || op == 7, waits = !send || sends_wait,
+                        !waits || (k >= 0 && k - ix.offset[q] < run.reached[q]));
              ++j)
           met_b = waits && run.posted_blocking[k] > met_b ? run.posted_blocking[k] : met_b,
           met_e = waits && !send && run.posted_eager[k] > met_e ? run.posted_eager[k] : met_e;
@@ -171,7 +169,7 @@ constexpr void dry_run(const Rows& t, const Ix& ix, Cost cost, Sends drive, Stat
 template <class Rows, class Ix, class State>
 constexpr bool partner_posted(const Rows& t, const Ix& ix, const State& run, int r, int i) {
   int q = 0;
-  const int k = partner(t.shape, ix, r, t.actions[r][i], &q);
+  const int k = partner(t.shape, ix, ix.offset[r] + i, &q);
   return k != 0 && k - 1 - ix.offset[q] < run.reached[q];
 }
 
@@ -186,7 +184,7 @@ constexpr int completed(const Rows& t, const Ix& ix, const State& run, Sends sen
   if (sends == Sends::eager && is_send(t.action(r, i).op)) return posted[k];
   if (!partner_posted(t, ix, run, r, i)) return -1;
   int q = 0;
-  const int theirs = posted[partner(t.shape, ix, r, t.actions[r][i], &q) - 1];
+  const int theirs = posted[partner(t.shape, ix, ix.offset[r] + i, &q) - 1];
   return theirs > posted[k] ? theirs : posted[k];
 }
 

@@ -98,6 +98,9 @@ constexpr int total_actions(const Rows& t) {
 //   first[slot · kinds + op - 1]  1 + the index of the slot's first such action in its rank's program; 0: none
 //                      (slot: (rank · V + chunk) · M + micro-batch; must come zeroed)
 //   repeated[slot]     bit op - 1 set when that op comes again (must come zeroed)
+//   meets[k]           for comm action k: where the action it meets is recorded in `first`, the slot · kinds
+//                      + op - 1 of the opposite kind for its micro-batch on the neighbouring stage; -1: no such
+//                      stage (the dry run reads it for every message: so it is found here, once)
 //   number[k]          1 + a send's or receive's place among those between the same two ranks in its
 //                      direction (NCCL matches the k-th send with the k-th receive); 0 for others (must
 //                      come zeroed). channel[2P] is the walk's count per direction and peer.
@@ -107,7 +110,7 @@ constexpr int total_actions(const Rows& t) {
 //   peak_activations[r], peak_pending[r], peak_deferred[r]  the most (micro-batch, chunk) pairs rank r
 //                      holds from F to the end of B or I, from F to the end of B or W, and from the end of
 //                      I to the end of W (simulate.hpp)
-// Whom a message meets is not stored: partner() below finds it from `first`.
+// Whom a message meets is found through meets and first: partner() below.
 template <class Rows, class Ix>
 constexpr void survey(const Rows& t, Ix& ix) {
   const Shape& sh = t.shape;
@@ -144,6 +147,7 @@ constexpr void survey(const Rows& t, Ix& ix) {
       if (comm)
         // Activations go to the next stage and gradients come from it; the other two, the previous.
         rc = slot / M, other = op == 5 || op == 8 ? ix.next[rc] : ix.prev[rc],
+        ix.meets[k] = other < 0 ? -1 : (other * M + slot % M) * kinds + (op % 2 == 1 ? op : op - 2),
         (void)(formed && (other < 0 || other / V == r || other / V != peer) &&
                (ix.findings.found(Property::peers_are_neighbours, r, i, slot % M, rc % V), true)),
         (void)(formed && (ix.number[k] = ++ix.channel[(op == 5 || op == 7 ? 0 : P) + peer]));
@@ -160,17 +164,15 @@ constexpr void survey(const Rows& t, Ix& ix) {
   }
 }
 
-// 1 + the number of the action that comm action p (packed) of rank r meets: the first of the
-// opposite kind for the same micro-batch on the neighbouring stage (send_act <-> recv_act,
-// send_grad <-> recv_grad: ops 5 <-> 6 and 7 <-> 8); 0: none. Its rank is *rank.
+// 1 + the number of the action that comm action number k meets: the first of the opposite
+// kind for the same micro-batch on the neighbouring stage (send_act <-> recv_act, send_grad
+// <-> recv_grad: ops 5 <-> 6 and 7 <-> 8); 0: none. Its rank is *rank.
 template <class Ix>
-constexpr int partner(const Shape& sh, const Ix& ix, int r, int p, int* rank) {
-  const int V = sh.chunks, M = sh.micro_batches, op = p % 9, stage_mb = p / 18 / (sh.ranks + 1),
-            rc = r * V + stage_mb / M, other = op == 5 || op == 8 ? ix.next[rc] : ix.prev[rc];
-  if (other < 0) return 0;
-  *rank = other / V;
-  const int at = ix.first[(other * M + stage_mb % M) * kinds + (op % 2 == 1 ? op : op - 2)];
-  return at == 0 ? 0 : ix.offset[other / V] + at;
+constexpr int partner(const Shape& sh, const Ix& ix, int k, int* rank) {
+  const int key = ix.meets[k];
+  if (key < 0) return 0;
+  *rank = key / (kinds * sh.chunks * sh.micro_batches);
+  return ix.first[key] == 0 ? 0 : ix.offset[*rank] + ix.first[key];
 }
 
 // The index of a Table, in arrays of fixed size: a constant of Proven<>.
@@ -180,7 +182,7 @@ struct FixedIndex {
                        slots = stages * TableType::micro_batches, actions = P * TableType::capacity;
   int offset[P + 1]{}, next[stages]{}, prev[stages]{}, first[slots * kinds]{};
   unsigned char repeated[slots]{};
-  int number[actions]{}, channel[2 * P]{};
+  int meets[actions]{}, number[actions]{}, channel[2 * P]{};
   Findings findings;
   int computes[4 * P]{}, peak_activations[P]{}, peak_pending[P]{}, peak_deferred[P]{};
 
@@ -191,7 +193,7 @@ struct FixedIndex {
 struct Index {
   Scratch<int> offset, next, prev, first;
   Scratch<unsigned char> repeated;
-  Scratch<int> number, channel;
+  Scratch<int> meets, number, channel;
   Findings findings;
   Scratch<int> computes, peak_activations, peak_pending, peak_deferred;
 
@@ -206,6 +208,7 @@ struct Index {
         prev(t.shape.stages()),
         first(t.shape.stages() * t.shape.micro_batches * kinds, 0),
         repeated(t.shape.stages() * t.shape.micro_batches, 0),
+        meets(actions),
         number(actions, 0),
         channel(2 * t.shape.ranks),
         computes(4 * t.shape.ranks),
