@@ -24,7 +24,6 @@
 // table_index.hpp (arrays indexed as arrays, declarations before the loops).
 
 #include <stdexcept>
-#include <utility>
 #include <vector>
 
 #include "fived/pipeline/dry_run.hpp"
@@ -214,7 +213,8 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
   // Index of each slot's F and B-or-I in its rank's compute order.
   for (r = 0; r < P; ++r)
     for (j = 0, n = o.sizes[r], base = r * C; j < n; ++j)
-      if (p = o.actions[base + j], op = p % 9, op <= 3) (op == 1 ? w.forward_at : w.input_grad_at)[r * V * M + p / 18 / peers] = j;
+      if (p = o.actions[base + j], op = p % 9, op <= 3)
+        (op == 1 ? w.forward_at : w.input_grad_at)[r * V * M + p / 18 / peers] = j;
   // Both ends of every message, each a comm action posted by a rank just before its compute
   // number `gap`. The receiver's first gap that closes after a message exists only moves on as the
   // sender's messages to it do (they come to exist in order), so it is found by a cursor per
@@ -269,7 +269,8 @@ constexpr void with_messages(const O& o, W& w, Out& out) {
     // bit), then (in the loop's increment: one statement per action) the compute action that
     // closes the gap.
     for (gap = 0, k = 0; gap <= n; (void)(gap < n && (out.actions[r][k++] = o.actions[base + gap], true)), ++gap)
-      for (x = w.head[first + gap], joins = 0; x >= 0; x = w.link[x], joins = 9) out.actions[r][k++] = w.end_action[x] + joins;
+      for (x = w.head[first + gap], joins = 0; x >= 0; x = w.link[x], joins = 9)
+        out.actions[r][k++] = w.end_action[x] + joins;
   }
 }
 

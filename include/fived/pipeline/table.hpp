@@ -83,7 +83,8 @@ struct Packing {
     const int op = static_cast<int>(a.op), comm = op >= 5;
     return op <= 8 && a.mb >= 0 && a.mb < micro_batches && a.chunk >= 0 && a.chunk < chunks &&
                    (!comm || (a.peer >= -1 && a.peer < ranks))
-               ? (((a.chunk * micro_batches + a.mb) * (ranks + 1) + (comm ? a.peer + 1 : 0)) * 2 + a.joins_previous) * 9 +
+               ? (((a.chunk * micro_batches + a.mb) * (ranks + 1) + (comm ? a.peer + 1 : 0)) * 2 + a.joins_previous) *
+                         9 +
                      op
                : 0;
   }
@@ -94,10 +95,22 @@ struct Packing {
   }
 };
 
-// The first action of a table that has no packed form, and where it was given.
+// The first action of a table that has no packed form, and where it was given: what a
+// table (and ScheduleRows, a Schedule read by the proofs) packs its actions through.
 struct Unpacked {
   int rank = -1, index = -1;  // -1: every action packed
   Action action{};
+
+  // Action a, given at rank r's place i, packed; kept as given if it is the first without a packed form.
+  constexpr int pack(const Packing& packing, int r, int i, const Action& a) {
+    const int p = packing.pack(a);
+    if (p == 0 && rank < 0 && !packing.holds(a)) rank = r, index = i, action = a;
+    return p;
+  }
+  // The action at rank r's place i, packed as p.
+  constexpr Action unpack(const Packing& packing, int r, int i, int p) const {
+    return r == rank && i == index ? action : packing.unpack(p);
+  }
 };
 
 struct Schedule {
@@ -118,14 +131,14 @@ struct Table {
                 "fived::pipeline::Table: a schedule needs at least one rank, one micro-batch and one chunk per rank");
   static_assert(Order == StageOrder::looped || V == 2,
                 "fived::pipeline::Table: a V-shaped (vee) table has exactly two chunks per rank, down the ranks and back");
-  static_assert(Packing(Shape{P, M, V, Order}).fits(),
-                "fived::pipeline::Table: 18 x M x V x (P + 1) must fit in an int (a table packs each action in one)");
 
   static constexpr Shape shape{P, M, V, Order};
   static constexpr int ranks = P, micro_batches = M, chunks = V;
   static constexpr StageOrder order = Order;
   static constexpr int capacity = max_actions_per_rank(M, V);
   static constexpr Packing packing{shape};
+  static_assert(packing.fits(),
+                "fived::pipeline::Table: 18 x M x V x (P + 1) must fit in an int (a table packs each action in one)");
 
   // Plain arrays: the proofs index them inside the compiler, where std::array's
   // operator[] is a function call each time. actions[r][i]: rank r's action i, packed.
@@ -157,9 +170,7 @@ struct Table {
   }
 
   // Rank r's action i, and its whole program.
-  constexpr Action action(int r, int i) const {
-    return r == unpacked.rank && i == unpacked.index ? unpacked.action : packing.unpack(actions[r][i]);
-  }
+  constexpr Action action(int r, int i) const { return unpacked.unpack(packing, r, i, actions[r][i]); }
   constexpr std::vector<Action> program(int rank) const {
     std::vector<Action> p(static_cast<std::size_t>(sizes[rank]));
     for (int i = 0; i < sizes[rank]; ++i) p[static_cast<std::size_t>(i)] = action(rank, i);
@@ -191,10 +202,7 @@ struct Table {
   constexpr void copy_in(int r, const Action* first, std::size_t n) {
     if (n > static_cast<std::size_t>(capacity))
       throw std::invalid_argument("fived::pipeline::Table: a rank's program is longer than any valid one");
-    for (std::size_t i = 0; i < n; ++i) {
-      actions[r][i] = packing.pack(first[i]);
-      if (!packing.holds(first[i]) && unpacked.rank < 0) unpacked = {r, static_cast<int>(i), first[i]};
-    }
+    for (std::size_t i = 0; i < n; ++i) actions[r][i] = unpacked.pack(packing, r, static_cast<int>(i), first[i]);
     sizes[r] = static_cast<int>(n);
   }
 };

@@ -58,16 +58,12 @@ struct ScheduleRows {
       const auto& p = s.programs[static_cast<std::size_t>(r)];
       sizes[r] = static_cast<int>(p.size()), offset[r + 1] = offset[r] + sizes[r];
       for (int i = 0; i < sizes[r]; ++i)
-        if (packed[offset[r] + i] = packing.pack(p[static_cast<std::size_t>(i)]);
-            !packing.holds(p[static_cast<std::size_t>(i)]) && unpacked.rank < 0)
-          unpacked = {r, i, p[static_cast<std::size_t>(i)]};
+        packed[offset[r] + i] = unpacked.pack(packing, r, i, p[static_cast<std::size_t>(i)]);
     }
   }
   ScheduleRows(const ScheduleRows&) = delete;
 
-  constexpr Action action(int r, int i) const {
-    return r == unpacked.rank && i == unpacked.index ? unpacked.action : packing.unpack(actions[r][i]);
-  }
+  constexpr Action action(int r, int i) const { return unpacked.unpack(packing, r, i, actions[r][i]); }
 
  private:
   static constexpr int ranks_of(const Schedule& s) { return static_cast<int>(s.programs.size()); }
