@@ -92,9 +92,20 @@ inline constexpr int vec16 = static_cast<int>(16 / sizeof(E));
 template <class E>
 __device__ __forceinline__ void load_vec16(float (&out)[vec16<E>], const E* p) {
   const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const E* e = reinterpret_cast<const E*>(&raw);
+  if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+    // A bf16 is the top half of its float: the low one of a pair shifted up, the high one
+    // masked (two instructions a pair; element by element the compiler spends three).
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-  for (int k = 0; k < vec16<E>; ++k) out[k] = to_float(e[k]);
+    for (int k = 0; k < 4; ++k) {
+      out[2 * k] = __uint_as_float(words[k] << 16);
+      out[2 * k + 1] = __uint_as_float(words[k] & 0xffff0000u);
+    }
+  } else {
+    const E* e = reinterpret_cast<const E*>(&raw);
+#pragma unroll
+    for (int k = 0; k < vec16<E>; ++k) out[k] = to_float(e[k]);
+  }
 }
 template <class E>
 __device__ __forceinline__ void store_vec16(E* p, const float (&in)[vec16<E>]) {
@@ -121,17 +132,38 @@ __device__ __forceinline__ void store_elems(E* p, const float (&in)[W]) {
     store_vec16(p, in);
 }
 
-// GELU, tanh approximation (GPT-2), and its derivative.
-__device__ __forceinline__ float gelu_f(float x) {
-  constexpr float k = 0.7978845608028654f;  // sqrt(2 / pi)
-  return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+inline constexpr float log2e_f = 1.4426950408889634f;
+
+// 2^x in one instruction (PTX ex2.approx.ftz.f32): relative error about 2^-22, and a result
+// below 2^-126 is 0. exp2f spends three more instructions on subnormal results, which no
+// kernel here needs (such a term is lost in any sum it joins, and a gradient that small is 0
+// in bf16's and float's normal range alike); the memory-bound kernels that take exponentials
+// were issue-bound with them.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
+
+// 1 / (1 + e^-x) from exp2_approx and a fast reciprocal (within 2 ulp): 0 where e^-x overflows.
+__device__ __forceinline__ float sigmoid_f(float x) { return __fdividef(1.0f, 1.0f + exp2_approx(-log2e_f * x)); }
+
+// GELU, tanh approximation (GPT-2), and its derivative, through 0.5 (1 + tanh u) = sigmoid(2u):
+// one exponential and one reciprocal (tanhf is about twenty instructions), and no cancellation
+// where tanh u nears -1. u = sqrt(2/pi) (x + 0.044715 x^3).
+__device__ __forceinline__ float gelu_f(float x) {
+  constexpr float k2 = 2.0f * 0.7978845608028654f;
+  return x * sigmoid_f(k2 * x * fmaf(0.044715f * x, x, 1.0f));
+}
+// The derivative s + x s (1 - s) 2u' with s = 1 / (1 + e), e = e^-2u, and s (1 - s) as e s^2:
+// 1 - s would cancel where s nears 1 (3x the tanh form's error); e is clamped at 2^126, where
+// the gradient is 0 to float precision, so that e s^2 stays finite.
 __device__ __forceinline__ float gelu_grad_f(float x) {
-  constexpr float k = 0.7978845608028654f;
-  const float u = k * (x + 0.044715f * x * x * x);
-  const float th = tanhf(u);
-  const float sech2 = 1.0f - th * th;
-  return 0.5f * (1.0f + th) + 0.5f * x * sech2 * k * (1.0f + 3.0f * 0.044715f * x * x);
+  constexpr float k2 = 2.0f * 0.7978845608028654f;
+  const float x2 = x * x;
+  const float e = exp2_approx(fminf(-log2e_f * k2 * x * fmaf(0.044715f, x2, 1.0f), 126.0f));
+  const float s = __fdividef(1.0f, 1.0f + e);
+  return fmaf(x * (e * s * s), k2 * fmaf(3.0f * 0.044715f, x2, 1.0f), s);
 }
 
 namespace detail {

@@ -83,7 +83,8 @@ __global__ void crossentropy_backward_kernel(float* losses, T* dlogits, const T*
 // max and sum of exp per thread (one rescale per 16 bytes), the second (from L2 where the row
 // is still there) writes the gradient. Keeping the row in registers between the passes was
 // slower on an H200 (0.89 ms against 0.67 for GPT-2's 8192 x 50304: one block per SM).
-// Each exp is one FFMA and one exp2; padding columns (>= V) count as -inf. The max stays in
+// Each exp is one FFMA and one exp2_approx (ncu had this kernel issue-bound, and exp2f spends
+// three more instructions on subnormals); padding columns (>= V) count as -inf. The max stays in
 // natural units: it is a statistic, equal to the host's bit for bit. Vp % vec16<T> == 0
 // (rows stay 16-byte aligned).
 template <class T, int Threads>
@@ -91,7 +92,6 @@ __global__ void __launch_bounds__(Threads)
     crossentropy_rows_kernel(float* losses, T* dlogits, float* max_out, float* sumexp_out, float* target_out,
                              const T* logits, const int* targets, int Vp, int V, float dloss) {
   constexpr int W = vec16<T>;
-  constexpr float log2e = 1.4426950408889634f;
   __shared__ float scratch[32];
   const int row = static_cast<int>(blockIdx.x);
   const std::size_t base = static_cast<std::size_t>(row) * Vp;
@@ -111,15 +111,15 @@ __global__ void __launch_bounds__(Threads)
 #pragma unroll
     for (int k = 1; k < W; ++k) vm = fmaxf(vm, x[k]);
     if (vm == -INFINITY) continue;  // padding only
-    const float nm = fmaxf(m, vm), nm2 = nm * log2e;
+    const float nm = fmaxf(m, vm), nm2 = nm * log2e_f;
     float add = 0.0f;
 #pragma unroll
-    for (int k = 0; k < W; ++k) add += exp2f(fmaf(x[k], log2e, -nm2));
-    s = s * exp2f((m - nm) * log2e) + add;
+    for (int k = 0; k < W; ++k) add += exp2_approx(fmaf(x[k], log2e_f, -nm2));
+    s = s * exp2_approx((m - nm) * log2e_f) + add;
     m = nm;
   }
   const float gm = block_max(m, scratch);
-  const float gs = block_sum(m == -INFINITY ? 0.0f : s * exp2f((m - gm) * log2e), scratch);  // synchronises
+  const float gs = block_sum(m == -INFINITY ? 0.0f : s * exp2_approx((m - gm) * log2e_f), scratch);  // synchronises
   if (threadIdx.x == 0) {
     if (losses != nullptr) losses[row] = tgt_ok ? logf(gs) + gm - tl : NAN;
     if (max_out != nullptr) max_out[row] = gm;
@@ -127,12 +127,12 @@ __global__ void __launch_bounds__(Threads)
     if (target_out != nullptr) target_out[row] = tl;
   }
   if (dlogits == nullptr) return;
-  const float scale = dloss / gs, gm2 = gm * log2e;
+  const float scale = dloss / gs, gm2 = gm * log2e_f;
   for (int i = static_cast<int>(threadIdx.x); i < nvec; i += Threads) {
     float x[W];
     load_vec16(x, logits + base + static_cast<std::size_t>(i) * W);
 #pragma unroll
-    for (int k = 0; k < W; ++k) x[k] = scale * exp2f(fmaf(x[k], log2e, -gm2));
+    for (int k = 0; k < W; ++k) x[k] = scale * exp2_approx(fmaf(x[k], log2e_f, -gm2));
     if ((i + 1) * W > V) {  // padding columns get 0
 #pragma unroll
       for (int k = 0; k < W; ++k) x[k] = i * W + k < V ? x[k] : 0.0f;

@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(threads) forward_kernel(Operands a, Out* o, st
   const bf16x* k = a.k + a.row(b, 0) * a.ldkv + kvh;
   const bf16x* v = a.v + a.row(b, 0) * a.ldkv + kvh;
   const int q0 = qt * tile, last = a.causal ? qt : (T - 1) / tile;
-  const float sl2 = a.scale * log2e;  // scores in log2 units
+  const float sl2 = a.scale * log2e_f;  // scores in log2 units
 
   auto stage = [&](int s) { return sKV + s * 2 * tile * stride<D>; };
   auto load_kv = [&](int kt) {
@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(threads) forward_kernel(Operands a, Out* o, st
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
       const float m_new = fmaxf(m[r], mx[r]);  // finite: every row sees key 0 in tile 0
-      corr[r] = exp2f(m[r] - m_new);
+      corr[r] = exp2_approx(m[r] - m_new);
       m[r] = m_new;
       l[r] *= corr[r];
     }
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(threads) forward_kernel(Operands a, Out* o, st
     for (int n = 0; n < tile / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[n][e] = exp2f(s[n][e] - m[e / 2]);
+        s[n][e] = exp2_approx(s[n][e] - m[e / 2]);
         l[e / 2] += s[n][e];  // this thread's part of the row sum: the quad adds at the end
       }
 #pragma unroll
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(threads) forward_kernel(Operands a, Out* o, st
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     const int t = q0 + warp * 16 + g + 8 * r;
-    float lse_new = (m[r] + log2f(l[r])) / log2e;
+    float lse_new = (m[r] + log2f(l[r])) / log2e_f;
     mul[r] = 1.0f / l[r];
     if constexpr (std::is_same_v<Out, float>) {
       if (!first && t < T) {
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(threads, D > 64 ? 1 : 3) backward_kv_kernel(Op
   const int g = lane / 4, c = lane % 4;
   const std::size_t kvh = static_cast<std::size_t>(j) * D;
   const int k0 = kt * tile;
-  const float sl2 = a.scale * log2e;
+  const float sl2 = a.scale * log2e_f;
   // The steps: every query head of the group, the query tiles of BQ that see these keys.
   const int first = a.causal ? k0 / BQ : 0, per_head = (T + BQ - 1) / BQ - first, steps = group * per_head;
   auto load_step = [&](int i) {
@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(threads, D > 64 ? 1 : 3) backward_kv_kernel(Op
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = k0 + warp * 16 + g + 8 * (e / 2), qi = 8 * n + 2 * c + e % 2;
-        const float p = sees(a, t0 + qi, key) ? exp2f(s[n][e] * sl2 - sL[qi] * log2e) : 0.0f;
+        const float p = sees(a, t0 + qi, key) ? exp2_approx(s[n][e] * sl2 - sL[qi] * log2e_f) : 0.0f;
         s[n][e] = p;
         dp[n][e] = p * (dp[n][e] - sD[qi]);
       }
@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(threads) backward_q_kernel(Operands a, Gradien
   const bf16x* k = a.k + a.row(b, 0) * a.ldkv + kvh;
   const bf16x* v = a.v + a.row(b, 0) * a.ldkv + kvh;
   const int q0 = qt * tile;
-  const float sl2 = a.scale * log2e;
+  const float sl2 = a.scale * log2e_f;
   const int keys = a.causal ? min(q0 + tile, T) : T, steps = (keys + BK - 1) / BK;  // the key steps these queries see
   auto load_step = [&](int i) {
     bf16x* st = stages + (i % 2) * stage_elems;
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(threads) backward_q_kernel(Operands a, Gradien
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int t = q0 + warp * 16 + g + 8 * r;
-    rl[r] = t < T ? gr.lse[row + t] * log2e : 0.0f;
+    rl[r] = t < T ? gr.lse[row + t] * log2e_f : 0.0f;
     rd[r] = t < T ? gr.Dd[row + t] : 0.0f;
   }
   float dq[D / 8][4] = {};
@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(threads) backward_q_kernel(Operands a, Gradien
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int query = q0 + warp * 16 + g + 8 * (e / 2), key = i * BK + 8 * n + 2 * c + e % 2;
-        const float p = sees(a, query, key) ? exp2f(s[n][e] * sl2 - rl[e / 2]) : 0.0f;
+        const float p = sees(a, query, key) ? exp2_approx(s[n][e] * sl2 - rl[e / 2]) : 0.0f;
         dp[n][e] = p * (dp[n][e] - rd[e / 2]);
       }
     regs_times_tile<D, BK>(dq, dp, sK);  // dQ += dS K

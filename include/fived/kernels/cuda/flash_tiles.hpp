@@ -184,8 +184,6 @@ __device__ __forceinline__ void regs_times_tile(float (&acc)[D / 8][4], const fl
   }
 }
 
-inline constexpr float log2e = 1.4426950408889634f;
-
 // One attention problem (see the top of the file). Row t of sequence b: q + (b T + t) ldq +
 // h D for query head h, k (v) + (b T + t) ldkv + j D for key/value head j.
 struct Operands {

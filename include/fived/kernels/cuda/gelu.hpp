@@ -2,7 +2,8 @@
 // GELU (tanh approximation, as GPT-2), contract of fived/kernels/host/gelu.hpp:
 //   gelu_forward(s, out, inp, n)
 //   gelu_backward(s, dinp, inp, dout, n)    dinp = dout * gelu'(inp); dinp may alias dout
-// Elementwise (16-byte accesses where aligned), float math (tanhf).
+// Elementwise (16-byte accesses where aligned), float math (gelu_f, gelu_grad_f: one fast
+// exponential and reciprocal an element).
 
 #include <cstddef>
 

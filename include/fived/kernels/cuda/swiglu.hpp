@@ -18,7 +18,7 @@ __global__ void swiglu_forward_kernel(T* h, const T* gu, std::size_t n, std::siz
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
     const std::size_t r = i / F, j = i % F;
     const float g = to_float(gu[r * 2 * F + j]), u = to_float(gu[r * 2 * F + F + j]);
-    h[i] = from_float<T>(g / (1.0f + expf(-g)) * u);
+    h[i] = from_float<T>(g * sigmoid_f(g) * u);
   }
 }
 
@@ -28,7 +28,7 @@ __global__ void swiglu_backward_kernel(T* dgu, const T* dh, const T* gu, std::si
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
     const std::size_t r = i / F, j = i % F;
     const float g = to_float(gu[r * 2 * F + j]), u = to_float(gu[r * 2 * F + F + j]);
-    const float d = to_float(dh[i]), s = 1.0f / (1.0f + expf(-g));
+    const float d = to_float(dh[i]), s = sigmoid_f(g);
     dgu[r * 2 * F + j] = from_float<T>(d * u * s * (1.0f + g * (1.0f - s)));
     dgu[r * 2 * F + F + j] = from_float<T>(d * g * s);
   }
