@@ -344,8 +344,8 @@ class Restored {
         throw io::SafetensorsError(source + ": entry '" + e.name + "' does not fit the tensor's piece of " +
                                    std::to_string(piece) + " elements");
       has_master_ = has_master_ || kind == "master";
-      const int piece_of_rank = spec.tp.dim < 0 ? 0 : tp_rank / spec.tp.replicas(tp), ep_of = spec.experts > 0 ? ep_rank : 0;
-      runs_[{kind, tensor, piece_of_rank, ep_of}].push_back({first, count, file, n});
+      const int piece_of_rank = spec.tp.dim < 0 ? 0 : tp_rank / spec.tp.replicas(tp);
+      runs_[RunKey{kind, tensor, piece_of_rank, spec.experts > 0 ? ep_rank : 0}].push_back({first, count, file, n});
     }
   }
 

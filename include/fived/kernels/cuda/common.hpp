@@ -94,7 +94,7 @@ __device__ __forceinline__ void load_vec16(float (&out)[vec16<E>], const E* p) {
   const uint4 raw = *reinterpret_cast<const uint4*>(p);
   if constexpr (std::is_same_v<E, __nv_bfloat16>) {
     // A bf16 is the top half of its float: the low one of a pair shifted up, the high one
-    // masked (two instructions a pair; element by element the compiler spends three).
+    // masked (two instructions a pair, where converting element by element took three).
     const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -134,11 +134,11 @@ __device__ __forceinline__ void store_elems(E* p, const float (&in)[W]) {
 
 inline constexpr float log2e_f = 1.4426950408889634f;
 
-// 2^x in one instruction (PTX ex2.approx.ftz.f32): relative error about 2^-22, and a result
-// below 2^-126 is 0. exp2f spends three more instructions on subnormal results, which no
-// kernel here needs (such a term is lost in any sum it joins, and a gradient that small is 0
-// in bf16's and float's normal range alike); the memory-bound kernels that take exponentials
-// were issue-bound with them.
+// 2^x in one instruction (PTX ex2.approx.ftz.f32, MUFU.EX2), and a result below 2^-126 is 0.
+// exp2f is that instruction too where its result is normal (so equally accurate there), with
+// three more around it for subnormal results, which no kernel here needs: such a term is lost
+// in any sum it joins, and a probability or gradient that small is as good as 0. ncu had the
+// cross-entropy issue-bound with them.
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
