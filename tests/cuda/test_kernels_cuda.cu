@@ -339,7 +339,9 @@ TEST_CASE_TEMPLATE("regroup: split and join move the same elements as the host's
 
 TEST_CASE_TEMPLATE("embedding forward and backward (repeated tokens)", T, ELEMENT_TYPES) {
   const int B = 3, Tn = 7, V = 11;
-  for (const int C : {40, 38}) {  // 40: 16-byte accesses (both types); 38: one element a thread
+  // 40: 16-byte accesses (both types); 38: one element a thread; 520: three 16-byte pieces a
+  // lane of bf16 (the last held by one lane), of float in two chunks of three
+  for (const int C : {40, 38, 520}) {
     CAPTURE(C);
     std::vector<int> tokens(B * Tn);
     for (int i = 0; i < B * Tn; ++i) tokens[i] = (i * 7 + 3) % V % 5 + (i % 3 == 0 ? 6 : 0);  // repeats, ids < V
