@@ -116,6 +116,18 @@ __device__ __forceinline__ void store_vec16(E* p, const float (&in)[vec16<E>]) {
   *reinterpret_cast<uint4*>(p) = raw;
 }
 
+// W elements as they are in memory, read or written in one access (16 bytes when W == vec16<E>):
+// what a kernel holds in registers between loading and converting (half the registers of
+// the floats for bf16). Convert with load_elems(out, piece.e).
+template <class E, int W>
+struct alignas(W * sizeof(E)) Piece {
+  E e[W];
+};
+template <class E, int W>
+__device__ __forceinline__ Piece<E, W> load_piece(const E* p) {
+  return *reinterpret_cast<const Piece<E, W>*>(p);
+}
+
 // W elements from p: one 16-byte access when W == vec16<E>, one element when W == 1.
 template <int W, class E>
 __device__ __forceinline__ void load_elems(float (&out)[W], const E* p) {

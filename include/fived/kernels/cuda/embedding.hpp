@@ -93,17 +93,14 @@ __global__ void __launch_bounds__(32 * embedding_warps, 4)  // 4 blocks an SM: 6
   const int row = sorted_rows[i], prev = i > 0 ? sorted_rows[i - 1] : -1, first = sorted_positions[i];
   if (row == vocab_rows || prev == row) return;
   E* w = dwte + static_cast<std::size_t>(row) * C;
-  struct alignas(W * sizeof(E)) Piece {  // W elements as they are in memory: one access
-    E e[W];
-  };
   for (int c0 = 0; c0 < C; c0 += 32 * W * K) {  // K pieces a lane in flight at once
     float acc[K][W];
-    Piece held[K];  // the table's pieces, kept unconverted until the end (fewer registers)
+    Piece<E, W> held[K];  // the table's pieces, kept unconverted until the end (fewer registers)
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int c = c0 + (k * 32 + lane) * W;
       if (c >= C) continue;
-      held[k] = *reinterpret_cast<const Piece*>(w + c);
+      held[k] = load_piece<E, W>(w + c);
       load_elems<W>(acc[k], dout + static_cast<std::size_t>(first) * C + c);
     }
     for (int j = i + 1; j < n && sorted_rows[j] == row; ++j) {  // the run's further positions, in order

@@ -29,10 +29,12 @@ inline constexpr int norm_rows_per_block = 8;  // one warp per row, 256 threads
 // The row kernels walk a row W elements at a time: W = vec16<T> (16-byte accesses) where C
 // and the pointers allow it, else 1. A lane holds its pieces of the row (pieces lane, lane +
 // 32, ...) in registers when they fit in K (K > 0: the row is read from memory once, every
-// load in flight at once); K = 0 reads the row again for each pass (any C).
-template <int W, int K>
+// load in flight at once); K = 0 reads the row again for each pass (any C). The pieces are
+// held as loaded and converted at each pass: bf16 takes half the registers of float, so an
+// SM holds more rows at once (these kernels wait on their loads, not on their arithmetic).
+template <class E, int W, int K>
 struct RowPieces {
-  float v[K > 0 ? K : 1][W];
+  Piece<E, W> held[K > 0 ? K : 1];
   // f(c, k) for each of this lane's pieces: c its first column, k where it is held (v[k]; a
   // constant once the loop is unrolled, so v stays in registers).
   template <class F>
@@ -46,42 +48,56 @@ struct RowPieces {
       for (int c = lane * W; c < C; c += 32 * W) f(c, 0);
     }
   }
-  // The piece at column c of row x: from the registers, or read (K = 0, or `first`).
-  template <class E>
-  __device__ __forceinline__ void fetch(float (&p)[W], const E* x, int c, bool first) {
-    if (K == 0 || first) load_elems<W>(p, x + c);
+  // Piece k of the row (at column c of row x) as floats: read (K = 0, or `first`), else
+  // converted from what the first read held.
+  __device__ __forceinline__ void fetch(float (&p)[W], const E* x, int c, int k, bool first) {
+    if constexpr (K == 0) {
+      load_elems<W>(p, x + c);
+    } else {
+      if (first) held[k] = load_piece<E, W>(x + c);
+      load_elems<W>(p, held[k].e);
+    }
   }
 };
 
+// The blocks an SM must hold at once (the registers' bound, __launch_bounds__), where the
+// pieces are held (K > 0); chosen with ptxas -v for sm_90. Forward, bf16 with K <= 3: 8 blocks
+// (32 registers, from 47; LayerNorm spills 4 bytes), so GPT-2's 8,192 rows are one wave on
+// 132 SMs (64 warps each), not 1.6; float rows spill there, so no bound. Backward, K <= 3: 3
+// (80 registers, from 122 for bf16, no spill); K = 4 spills at 3, so 2.
+template <class T>
+constexpr int forward_blocks_per_sm(int K) { return sizeof(T) == 2 && K > 0 && K <= 3 ? 8 : 1; }
+constexpr int backward_blocks_per_sm(int K) { return K > 0 && K <= 3 ? 3 : K > 0 ? 2 : 1; }
+
 template <int W, int K, class T>
-__global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const T* inp, const T* weight,
+__global__ void __launch_bounds__(32 * norm_rows_per_block, forward_blocks_per_sm<T>(K))
+    layernorm_forward_kernel(T* out, float* mean, float* rstd, const T* inp, const T* weight,
                                          const T* bias, int N, int C) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int row = static_cast<int>(blockIdx.x) * norm_rows_per_block + static_cast<int>(threadIdx.x) / 32;
   if (row >= N) return;
   const T* x = inp + static_cast<std::size_t>(row) * C;
   T* y = out + static_cast<std::size_t>(row) * C;
-  RowPieces<W, K> xs;
+  RowPieces<T, W, K> xs;
   float s = 0.0f;
   xs.each(C, [&](int c, int p) {
-    float(&v)[W] = xs.v[p];
-    xs.fetch(v, x, c, true);
+    float v[W];
+    xs.fetch(v, x, c, p, true);
 #pragma unroll
     for (int k = 0; k < W; ++k) s += v[k];
   });
   const float m = warp_sum(s) / static_cast<float>(C);
   float var = 0.0f;
   xs.each(C, [&](int c, int p) {
-    float(&v)[W] = xs.v[p];
-    xs.fetch(v, x, c, false);
+    float v[W];
+    xs.fetch(v, x, c, p, false);
 #pragma unroll
     for (int k = 0; k < W; ++k) var += (v[k] - m) * (v[k] - m);
   });
   const float r = 1.0f / sqrtf(warp_sum(var) / static_cast<float>(C) + layernorm_eps);
   xs.each(C, [&](int c, int p) {
-    float(&v)[W] = xs.v[p];
-    float w[W], b[W];
-    xs.fetch(v, x, c, false);
+    float v[W], w[W], b[W];
+    xs.fetch(v, x, c, p, false);
     load_elems<W>(w, weight + c);
     if (bias != nullptr) load_elems<W>(b, bias + c);
 #pragma unroll
@@ -103,7 +119,7 @@ __global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const
 // column_finish_kernel adds the blocks'). dout and inp are read once for all three gradients.
 // mean == nullptr: RMSNorm (no centring, no bias term).
 template <int W, int K, class T>
-__global__ void __launch_bounds__(32 * norm_rows_per_block, K > 0 ? 2 : 1)
+__global__ void __launch_bounds__(32 * norm_rows_per_block, backward_blocks_per_sm(K))
     norm_backward_kernel(T* dinp, float2* partials, const T* dout, const T* inp, const T* weight, const float* mean,
                          const float* rstd, int N, int C, int rows_per_block) {
   extern __shared__ float2 warp_sums[];
@@ -114,7 +130,7 @@ __global__ void __launch_bounds__(32 * norm_rows_per_block, K > 0 ? 2 : 1)
   constexpr int slots = (K > 0 ? K : 1) * W * 32;  // a warp's: (piece p, element k, lane) at (p * W + k) * 32 + lane
   const int lane = static_cast<int>(threadIdx.x) % 32;
   float2* mine = warp_sums + warp * slots + lane;  // mine[(p * W + k) * 32]: this lane's alone
-  RowPieces<W, K> ds, xs, gs;
+  RowPieces<T, W, K> ds, xs, gs;
   if (sums)
 #pragma unroll
     for (int i = 0; i < slots / 32; ++i) mine[i * 32] = make_float2(0.0f, 0.0f);
@@ -124,13 +140,11 @@ __global__ void __launch_bounds__(32 * norm_rows_per_block, K > 0 ? 2 : 1)
     const float r = rstd[row];
     float sd = 0.0f, sdx = 0.0f;
     ds.each(C, [&](int c, int p) {
-      float(&d)[W] = ds.v[p];
-      float(&x)[W] = xs.v[p];
-      float w[W];
-      ds.fetch(d, dout + off, c, true);
-      xs.fetch(x, inp + off, c, true);
+      float d[W], x[W], w[W];
+      ds.fetch(d, dout + off, c, p, true);
+      xs.fetch(x, inp + off, c, p, true);
       if (dinp == nullptr) return;  // the weight gradients alone: no sums, and weight may be null
-      if constexpr (K > 0) gs.fetch(gs.v[p], dinp + off, c, true);  // in flight with the others
+      if constexpr (K > 0) gs.held[p] = load_piece<T, W>(dinp + off + c);  // in flight with the others
       load_elems<W>(w, weight + c);
 #pragma unroll
       for (int k = 0; k < W; ++k) {
@@ -142,13 +156,10 @@ __global__ void __launch_bounds__(32 * norm_rows_per_block, K > 0 ? 2 : 1)
     const float dn_mean = mean != nullptr && dinp != nullptr ? warp_sum(sd) / static_cast<float>(C) : 0.0f;
     const float dnx_mean = dinp != nullptr ? warp_sum(sdx) / static_cast<float>(C) : 0.0f;
     ds.each(C, [&](int c, int p) {
-      float(&d)[W] = ds.v[p];
-      float(&x)[W] = xs.v[p];
-      float(&h)[W] = gs.v[p];  // dinp's piece: held since the first pass, or read now (K = 0)
-      float w[W];
-      ds.fetch(d, dout + off, c, false);
-      xs.fetch(x, inp + off, c, false);
-      if (dinp != nullptr) gs.fetch(h, dinp + off, c, false), load_elems<W>(w, weight + c);
+      float d[W], x[W], h[W], w[W];  // h: dinp's piece, held since the first pass or read now (K = 0)
+      ds.fetch(d, dout + off, c, p, false);
+      xs.fetch(x, inp + off, c, p, false);
+      if (dinp != nullptr) gs.fetch(h, dinp + off, c, p, false), load_elems<W>(w, weight + c);
 #pragma unroll
       for (int k = 0; k < W; ++k) {
         const float xh = (x[k] - m) * r;
@@ -210,25 +221,25 @@ struct AddNormParamGrads {
 };
 
 template <int W, int K, class T>
-__global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* inp, const T* weight, int N, int C) {
+__global__ void __launch_bounds__(32 * norm_rows_per_block, forward_blocks_per_sm<T>(K))
+    rmsnorm_forward_kernel(T* out, float* rstd, const T* inp, const T* weight, int N, int C) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int row = static_cast<int>(blockIdx.x) * norm_rows_per_block + static_cast<int>(threadIdx.x) / 32;
   if (row >= N) return;
   const T* x = inp + static_cast<std::size_t>(row) * C;
   T* y = out + static_cast<std::size_t>(row) * C;
-  RowPieces<W, K> xs;
+  RowPieces<T, W, K> xs;
   float ss = 0.0f;
   xs.each(C, [&](int c, int p) {
-    float(&v)[W] = xs.v[p];
-    xs.fetch(v, x, c, true);
+    float v[W];
+    xs.fetch(v, x, c, p, true);
 #pragma unroll
     for (int k = 0; k < W; ++k) ss += v[k] * v[k];
   });
   const float r = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(C) + layernorm_eps);
   xs.each(C, [&](int c, int p) {
-    float(&v)[W] = xs.v[p];
-    float w[W];
-    xs.fetch(v, x, c, false);
+    float v[W], w[W];
+    xs.fetch(v, x, c, p, false);
     load_elems<W>(w, weight + c);
 #pragma unroll
     for (int k = 0; k < W; ++k) v[k] = v[k] * r * w[k];
