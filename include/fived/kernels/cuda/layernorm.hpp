@@ -35,8 +35,8 @@ inline constexpr int norm_rows_per_block = 8;  // one warp per row, 256 threads
 template <class E, int W, int K>
 struct RowPieces {
   Piece<E, W> held[K > 0 ? K : 1];
-  // f(c, k) for each of this lane's pieces: c its first column, k where it is held (v[k]; a
-  // constant once the loop is unrolled, so v stays in registers).
+  // f(c, k) for each of this lane's pieces: c its first column, k where it is held (held[k]; a
+  // constant once the loop is unrolled, so held stays in registers).
   template <class F>
   __device__ __forceinline__ void each(int C, F&& f) {
     const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -63,7 +63,7 @@ struct RowPieces {
 // The blocks an SM must hold at once (the registers' bound, __launch_bounds__), where the
 // pieces are held (K > 0); chosen with ptxas -v for sm_90. Forward, bf16 with K <= 3: 8 blocks
 // (32 registers, from 47; LayerNorm spills 4 bytes), so GPT-2's 8,192 rows are one wave on
-// 132 SMs (64 warps each), not 1.6; float rows spill there, so no bound. Backward, K <= 3: 3
+// 132 SMs (64 warps each), not 1.55 waves; float rows spill there, so no bound. Backward, K <= 3: 3
 // (80 registers, from 122 for bf16, no spill); K = 4 spills at 3, so 2.
 template <class T>
 constexpr int forward_blocks_per_sm(int K) { return sizeof(T) == 2 && K > 0 && K <= 3 ? 8 : 1; }
@@ -71,8 +71,8 @@ constexpr int backward_blocks_per_sm(int K) { return K > 0 && K <= 3 ? 3 : K > 0
 
 template <int W, int K, class T>
 __global__ void __launch_bounds__(32 * norm_rows_per_block, forward_blocks_per_sm<T>(K))
-    layernorm_forward_kernel(T* out, float* mean, float* rstd, const T* inp, const T* weight,
-                                         const T* bias, int N, int C) {
+    layernorm_forward_kernel(T* out, float* mean, float* rstd, const T* inp, const T* weight, const T* bias, int N,
+                             int C) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int row = static_cast<int>(blockIdx.x) * norm_rows_per_block + static_cast<int>(threadIdx.x) / 32;
   if (row >= N) return;
