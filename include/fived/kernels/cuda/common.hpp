@@ -89,23 +89,39 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // from float: the widest load a thread issues. p must be 16-byte aligned.
 template <class E>
 inline constexpr int vec16 = static_cast<int>(16 / sizeof(E));
-template <class E>
-__device__ __forceinline__ void load_vec16(float (&out)[vec16<E>], const E* p) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+
+// W elements as they are in memory, read in one access (16 bytes when W == vec16<E>): what a
+// kernel holds in registers between loading and converting (half the registers of the
+// floats for bf16). p must be aligned to the piece's size.
+template <class E, int W>
+struct alignas(W * sizeof(E)) Piece {
+  E e[W];
+};
+template <class E, int W>
+__device__ __forceinline__ Piece<E, W> load_piece(const E* p) {
+  return *reinterpret_cast<const Piece<E, W>*>(p);
+}
+// A piece's elements as floats.
+template <class E, int W>
+__device__ __forceinline__ void to_floats(float (&out)[W], const Piece<E, W>& piece) {
+  if constexpr (std::is_same_v<E, __nv_bfloat16> && W % 2 == 0) {
     // A bf16 is the top half of its float: the low one of a pair shifted up, the high one
     // masked (two instructions a pair, where converting element by element took three).
-    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+    const auto* words = reinterpret_cast<const unsigned*>(piece.e);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < W / 2; ++k) {
       out[2 * k] = __uint_as_float(words[k] << 16);
       out[2 * k + 1] = __uint_as_float(words[k] & 0xffff0000u);
     }
   } else {
-    const E* e = reinterpret_cast<const E*>(&raw);
 #pragma unroll
-    for (int k = 0; k < vec16<E>; ++k) out[k] = to_float(e[k]);
+    for (int k = 0; k < W; ++k) out[k] = to_float(piece.e[k]);
   }
+}
+
+template <class E>
+__device__ __forceinline__ void load_vec16(float (&out)[vec16<E>], const E* p) {
+  to_floats(out, load_piece<E, vec16<E>>(p));
 }
 template <class E>
 __device__ __forceinline__ void store_vec16(E* p, const float (&in)[vec16<E>]) {
@@ -116,25 +132,10 @@ __device__ __forceinline__ void store_vec16(E* p, const float (&in)[vec16<E>]) {
   *reinterpret_cast<uint4*>(p) = raw;
 }
 
-// W elements as they are in memory, read or written in one access (16 bytes when W == vec16<E>):
-// what a kernel holds in registers between loading and converting (half the registers of
-// the floats for bf16). Convert with load_elems(out, piece.e).
-template <class E, int W>
-struct alignas(W * sizeof(E)) Piece {
-  E e[W];
-};
-template <class E, int W>
-__device__ __forceinline__ Piece<E, W> load_piece(const E* p) {
-  return *reinterpret_cast<const Piece<E, W>*>(p);
-}
-
 // W elements from p: one 16-byte access when W == vec16<E>, one element when W == 1.
 template <int W, class E>
 __device__ __forceinline__ void load_elems(float (&out)[W], const E* p) {
-  if constexpr (W == 1)
-    out[0] = to_float(*p);
-  else
-    load_vec16(out, p);
+  to_floats(out, load_piece<E, W>(p));
 }
 template <int W, class E>
 __device__ __forceinline__ void store_elems(E* p, const float (&in)[W]) {

@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(32 * embedding_warps, 4)  // 4 blocks an SM: 6
       const int c = c0 + (k * 32 + lane) * W;
       if (c >= C) continue;
       float g[W];
-      load_elems<W>(g, held[k].e);
+      to_floats(g, held[k]);
 #pragma unroll
       for (int e = 0; e < W; ++e) g[e] += acc[k][e];
       store_elems<W>(w + c, g);
@@ -205,8 +205,9 @@ void embedding_backward(cudaStream_t stream, E* dwte, E* dwpe, const E* dout, co
         if (pieces <= 1) return launch(std::integral_constant<int, 1>{});
         if (pieces == 2) return launch(std::integral_constant<int, 2>{});
         return launch(std::integral_constant<int, 3>{});
+      } else {
+        launch(std::integral_constant<int, 4>{});  // one element a piece: chunks of 4
       }
-      launch(std::integral_constant<int, 4>{});  // one element a piece: chunks of 4
     });
     FIVED_CUDA_CHECK_LAUNCH("embedding_backward_wte_kernel");
   }

@@ -55,7 +55,7 @@ struct RowPieces {
       load_elems<W>(p, x + c);
     } else {
       if (first) held[k] = load_piece<E, W>(x + c);
-      load_elems<W>(p, held[k].e);
+      to_floats(p, held[k]);
     }
   }
 };

@@ -32,6 +32,8 @@ __global__ void router_scores_kernel(float* scores, const T* logits, int N, int 
   const T* l = logits + static_cast<std::size_t>(row) * E;
   float* s = scores + static_cast<std::size_t>(row) * E;
   if (sigmoid) {
+    // expf and an exact division, not sigmoid_f: the scores choose the experts, and a near tie
+    // must fall the same way as on the host (the kernel is small; speed is not at stake)
     for (int e = lane; e < E; e += 32) s[e] = 1.0f / (1.0f + expf(-to_float(l[e])));
     return;
   }
