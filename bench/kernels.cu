@@ -21,6 +21,8 @@
 
 #include <fived/device/cuda.hpp>
 #include <fived/kernels/cuda.hpp>
+#include <fived/nn/gpt.hpp>
+#include <fived/optim/adamw.hpp>
 
 namespace {
 
@@ -286,6 +288,24 @@ int main(int argc, char** argv) {
           ck::adamw_update(s, p.data(), master.data(), g.data(), m.data(), v.data(), params, 6e-4f, 0.9f, 0.95f, 1e-8f,
                            0.1f, 1);
         }), (2 + 4 + 4 + 4 + 2 + 4 + 4 + 4) * static_cast<double>(params), 0);
+    // As a training step runs it over GPT-2's 148 tensors (weight decay on the 2-D ones, the
+    // clip factor applied): the launch per tensor it used to make, then the one launch over
+    // chunks (optim/adamw.hpp) it makes now.
+    using Layout = fived::GPT<fived::gpt_config>::layout;
+    static_assert(Layout::size == 124475904, "the bench's GPT-2 has 124,475,904 parameters");
+    const std::vector<fived::AdamWChunk> chunks = fived::adamw_chunks(Layout::tensors, {0, Layout::size});
+    Buffer<fived::AdamWChunk, Cuda> dchunks(std::span<const fived::AdamWChunk>(chunks), s);
+    const double adamw_bytes = (2 + 4 + 4 + 4 + 2 + 4 + 4 + 4) * static_cast<double>(params);
+    row("adamw GPT-2, a launch per tensor", time_ms(s, [&] {
+          for (const auto& t : Layout::tensors)
+            ck::adamw_update(s, p.data() + t.offset, master.data() + t.offset, g.data() + t.offset,
+                             m.data() + t.offset, v.data() + t.offset, t.size(), 6e-4, 0.9, 0.95, 1e-8,
+                             t.decays() ? 0.1 : 0.0, 1, 0.5);
+        }), adamw_bytes, 0);
+    row("adamw GPT-2, one launch (chunks)", time_ms(s, [&] {
+          ck::adamw_update_chunks(s, p.data(), master.data(), g.data(), m.data(), v.data(), dchunks.data(),
+                                  chunks.size(), 6e-4, 0.9, 0.95, 1e-8, 0.1, 1, 0.5);
+        }), adamw_bytes, 0);
     row("grad sum_of_squares 124M", time_ms(s, [&] { ck::sum_of_squares(s, total.data(), g.data(), params); }),
         e * params, 0);
     row("grad scale 124M", time_ms(s, [&] { ck::scale(s, g.data(), params, 0.999f); }), 2.0 * e * params, 0);

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "fived/kernels/host.hpp"
+#include "fived/optim/adamw.hpp"
 #include "support/compare.hpp"
 
 namespace {
@@ -716,6 +717,60 @@ TEST_CASE("adamw: two steps against a hand-computed update; fp32 master with bf1
                   std::invalid_argument);
   CHECK_THROWS_AS(k::adamw_update(pf.data(), nullptr, gf1.data(), mf.data(), vf.data(), n, lr, b1, b2, eps, wd, 0),
                   std::invalid_argument);
+}
+
+// A layout's tensors as adamw_chunks reads them.
+struct ChunkTensor {
+  std::size_t offset, size;
+  bool decay;
+  std::size_t end() const { return offset + size; }
+  bool decays() const { return decay; }
+};
+
+TEST_CASE("adamw_chunks: a range cut at its tensors' edges and every max_elements, with each tensor's decay") {
+  constexpr std::size_t M = fived::AdamWChunk::max_elements;
+  const std::vector<ChunkTensor> tensors = {{0, 10, false}, {10, 2 * M + 5, true}, {2 * M + 15, 3, false}};
+  // The range starts inside the first tensor and ends inside the second: offsets from its start.
+  const auto c = fived::adamw_chunks(tensors, fived::FlatRange{4, 10 + M + 7});
+  REQUIRE(c.size() == 3);
+  CHECK((c[0].begin == 0 && c[0].end == 6 && !c[0].decays));
+  CHECK((c[1].begin == 6 && c[1].end == 6 + M && c[1].decays));
+  CHECK((c[2].begin == 6 + M && c[2].end == 6 + M + 7 && c[2].decays));
+  const auto all = fived::adamw_chunks(tensors, fived::FlatRange{0, 2 * M + 18});
+  REQUIRE(all.size() == 5);  // 1 + 3 (M, M, 5) + 1
+  std::size_t covered = 0;
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    CHECK(all[i].begin == covered);  // in order, nothing left out, nothing longer than M
+    CHECK(all[i].end - all[i].begin <= M);
+    covered = all[i].end;
+  }
+  CHECK(covered == 2 * M + 18);
+  CHECK(fived::adamw_chunks(tensors, fived::FlatRange{7, 7}).empty());
+}
+
+TEST_CASE("adamw_update_chunks: each chunk with its tensor's decay, the gradients scaled as read, equal to a call per "
+          "tensor on scaled gradients") {
+  // Three tensors, decay on the middle one, cut in chunks; the clip factor 0.37 given to the
+  // update equals scaling the gradients first (float and double: the same products).
+  const std::vector<ChunkTensor> tensors = {{0, 5, false}, {5, 9, true}, {14, 4, false}};
+  const std::size_t n = 18;
+  const double f = 0.37, lr = 0.01, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
+  const auto chunks = fived::adamw_chunks(tensors, fived::FlatRange{0, n});
+  auto run = [&]<class T>(T) {
+    const auto w0 = to<T>(random_vec(n, 140)), g = to<T>(random_vec(n, 141));
+    std::vector<T> p1 = w0, m1(n), v1(n), p2 = w0, m2(n), v2(n), gs = g;
+    k::scale(gs.data(), n, f);
+    for (int step = 1; step <= 2; ++step) {
+      k::adamw_update_chunks(p1.data(), static_cast<T*>(nullptr), g.data(), m1.data(), v1.data(), chunks.data(),
+                             chunks.size(), lr, b1, b2, eps, wd, step, f);
+      for (const ChunkTensor& t : tensors)
+        k::adamw_update(p2.data() + t.offset, static_cast<T*>(nullptr), gs.data() + t.offset, m2.data() + t.offset,
+                        v2.data() + t.offset, t.size, lr, b1, b2, eps, t.decay ? wd : 0.0, step);
+    }
+    for (std::size_t i = 0; i < n; ++i) CHECK((p1[i] == p2[i] && m1[i] == m2[i] && v1[i] == v2[i]));
+  };
+  run(float{});
+  run(double{});
 }
 
 // ---------------------------------------------------------------- norm

@@ -76,8 +76,8 @@ constexpr float lr = 1e-2f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-2f, wd = 0.1f;
 
 void host_step(GPT<tiny, Mesh<>, float, Host>& m) {
   std::vector<float> mm(m.params().size()), vv(m.params().size());
-  m.ops().adamw_update(m.params().data(), static_cast<float*>(nullptr), m.grads().data(), mm.data(), vv.data(),
-                       m.params().size(), lr, beta1, beta2, eps, wd, 1);
+  fived::kernels::host::adamw_update(m.params().data(), static_cast<float*>(nullptr), m.grads().data(), mm.data(),
+                                     vv.data(), m.params().size(), lr, beta1, beta2, eps, wd, 1);
 }
 
 // On CUDA; bf16 with fp32 master weights (initialised from the bf16 parameters).
@@ -95,7 +95,8 @@ void cuda_step(GPT<Cfg, Mesh<>, TT, Cuda>& m) {
     master = Buffer<float, Cuda>(std::span<const float>(f), ops.stream());
     mp = master.data();
   }
-  ops.adamw_update(m.params().data(), mp, m.grads().data(), mm.data(), vv.data(), n, lr, beta1, beta2, eps, wd, 1);
+  fived::kernels::cuda::adamw_update(ops.stream(), m.params().data(), mp, m.grads().data(), mm.data(), vv.data(), n, lr,
+                                     beta1, beta2, eps, wd, 1);
   ops.synchronize();
 }
 

@@ -31,6 +31,7 @@
 #include <fived/kernels/cuda.hpp>
 #include <fived/kernels/host.hpp>
 #include <fived/nn/cuda/ops.hpp>
+#include <fived/optim/adamw.hpp>
 #include <fived/place/redistribute.hpp>
 
 #include "gpu_support.hpp"
@@ -497,6 +498,46 @@ TEST_CASE_TEMPLATE("AdamW with fp32 master weights", T, ELEMENT_TYPES) {
                                      0.9f, 0.95f, 1e-8f, 0.1f, 1),
                     std::invalid_argument);
   }
+}
+
+TEST_CASE_TEMPLATE("AdamW over chunks: a block per chunk, each with its decay, the gradients scaled as read", T,
+                   ELEMENT_TYPES) {
+  // Three tensors (decay on the middle one), the long one cut into two chunks and a piece.
+  struct Tensor {
+    std::size_t offset, size;
+    bool decay;
+    std::size_t end() const { return offset + size; }
+    bool decays() const { return decay; }
+  };
+  constexpr std::size_t M = fived::AdamWChunk::max_elements;
+  const std::vector<Tensor> tensors = {{0, 300, false}, {300, 2 * M + 77, true}, {2 * M + 377, 5, false}};
+  const std::size_t n = 2 * M + 382;
+  const auto chunks = fived::adamw_chunks(tensors, fived::FlatRange{0, n});
+  REQUIRE(chunks.size() == 5);
+  const auto master0 = rnd<float>(n, 32), m0 = rnd<float>(n, 33, -0.1f, 0.1f), v0 = rnd<float>(n, 34, 0.01f, 0.2f);
+  const auto grad = rnd<T>(n, 35);
+  std::vector<T> param(n);
+  for (std::size_t i = 0; i < n; ++i) param[i] = T(master0[i]);
+  auto dparam = up(param), dgrad = up(grad);
+  auto dmaster = up(master0), dm = up(m0), dv = up(v0);
+  auto dchunks = up(chunks);
+  auto master = master0, m = m0, v = v0;
+  const double f = 0.37;  // a clip factor
+  hk::adamw_update_chunks(param.data(), master.data(), grad.data(), m.data(), v.data(), chunks.data(), chunks.size(),
+                          1e-3, 0.9, 0.95, 1e-8, 0.1, 4, f);
+  ck::adamw_update_chunks(stream(), dparam.data(), dmaster.data(), dgrad.data(), dm.data(), dv.data(), dchunks.data(),
+                          chunks.size(), 1e-3, 0.9, 0.95, 1e-8, 0.1, 4, f);
+  CHECK_CLOSE(master, down(dmaster), fp32_elem);
+  CHECK_CLOSE(m, down(dm), fp32_elem);
+  CHECK_CLOSE(v, down(dv), fp32_elem);
+  CHECK_CLOSE(param, down(dparam), bound<T>(fp32_elem));
+  // The decay reached the middle tensor only: without it the first tensor's masters are the same.
+  auto m_no = m0, v_no = v0, master_no = master0;
+  auto p_no = param;
+  for (std::size_t i = 0; i < n; ++i) p_no[i] = T(master0[i]);
+  hk::adamw_update(p_no.data(), master_no.data(), grad.data(), m_no.data(), v_no.data(), 300, 1e-3, 0.9, 0.95, 1e-8, 0.0,
+                   4, f);
+  for (std::size_t i = 0; i < 300; ++i) CHECK(master_no[i] == master[i]);
 }
 
 TEST_CASE_TEMPLATE("gradient norm: sum of squares, scale, clip", T, ELEMENT_TYPES) {

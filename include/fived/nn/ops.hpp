@@ -24,7 +24,8 @@
 //     embedding_forward and embedding_backward (over a range of the vocabulary: a TP rank's
 //     shard), logits_max,
 //     crossentropy_partials, crossentropy_backward, crossentropy_fused (the three in one, for
-//     an unsplit vocabulary), adamw_update, gelu_forward, scale,
+//     an unsplit vocabulary), adamw_update_chunks (a range's tensors in chunks, each with its
+//     weight decay, the gradients scaled as read: kernels/host/adamw.hpp), gelu_forward, scale,
 //     to_fp32 (fp32 master weights from the parameters), from_acc (stat_t -> T), and ring
 //     attention's pieces attention_block_forward, attention_row_dot, attention_block_backward;
 //     a mixture of experts' router_scores, router_topk, dispatch_plan (counts to host memory),

@@ -65,9 +65,10 @@
   X(crossentropy_fused, (stat_t* losses, T* dlogits, stat_t* max, stat_t* sumexp, stat_t* target_logit,          \
       const T* logits, const int* targets, int N, int Vp, int V, double dloss),                                  \
     (losses, dlogits, max, sumexp, target_logit, logits, targets, N, Vp, V, dloss))                              \
-  X(adamw_update, (T* param, adamw_state_t<T>* master, const T* grad, adamw_state_t<T>* m, adamw_state_t<T>* v,  \
-      std::size_t n, double lr, double beta1, double beta2, double eps, double weight_decay, int step),          \
-    (param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step))                                   \
+  X(adamw_update_chunks, (T* param, adamw_state_t<T>* master, const T* grad, adamw_state_t<T>* m,              \
+      adamw_state_t<T>* v, const AdamWChunk* chunks, std::size_t count, double lr, double beta1, double beta2,   \
+      double eps, double weight_decay, int step, double grad_scale),                                             \
+    (param, master, grad, m, v, chunks, count, lr, beta1, beta2, eps, weight_decay, step, grad_scale))           \
   X(scale, (T* g, std::size_t n, double factor), (g, n, factor))                                                 \
   X(to_fp32, (float* dst, const T* src, std::size_t n), (dst, src, n))                                           \
   X(from_acc, (T* dst, const stat_t* src, std::size_t n), (dst, src, n))                                         \

@@ -2,7 +2,7 @@
 // AdamW over ranges of a flat parameter buffer, on any device.
 //
 //   fived::AdamW<Model::layout, T, Device> opt({.lr = 2e-3f, .beta2 = 0.95f, .weight_decay = 0.1f, .max_norm = 1.0f}, owned);
-//   opt.begin_step();                                                         // one step...
+//   opt.begin_step(clip);                                                     // one step...
 //   for (FlatRange r : opt.owned()) opt.update(model.ops(), params, grads, r);  // ...over each owned range
 //
 // The training step that clips the global norm and calls this (the one optimizer step of
@@ -25,8 +25,11 @@
 // copied from the parameters on the first step, and writes T(master) back.
 //
 // Device: the state lives in Buffer<state_type, Device> (device memory on Cuda, allocated once
-// here) and the update is the fused adamw_update kernel of the Ops passed to update(), queued
-// on its stream; spans and ranges are device memory then (exp_avg() and friends too).
+// here) and the update of an owned range is one adamw_update_chunks of the Ops passed to
+// update(), queued on its stream: the range cut once into chunks, each inside one tensor and
+// with its weight decay (adamw_chunks, below), the gradients multiplied by the step's clip
+// factor as they are read (no pass of their own). Spans and ranges are device memory then
+// (exp_avg() and friends too).
 
 #include <algorithm>
 #include <cstddef>
@@ -53,6 +56,23 @@ struct AdamWConfig {
   double max_norm = 0.0;      // global gradient-norm clipping; 0 = off
 };
 
+// The chunks of `range` (kernels/host/adamw.hpp: AdamWChunk), for tensors with offset, end()
+// and decays() (nn/param_table.hpp), in order, offsets from range.begin: each inside one
+// tensor, with its decay, at most AdamWChunk::max_elements long; elements of no tensor are
+// left out. A device then updates a range of many tensors in one launch, a block per chunk,
+// where a launch per tensor cost a GPT-2 step 148 launches, most of them for biases and
+// norm weights of a few hundred elements.
+template <class Tensors>
+std::vector<AdamWChunk> adamw_chunks(const Tensors& tensors, FlatRange range) {
+  std::vector<AdamWChunk> chunks;
+  for (const auto& t : tensors) {
+    const std::size_t b = std::max<std::size_t>(t.offset, range.begin), e = std::min<std::size_t>(t.end(), range.end);
+    for (std::size_t c = b; c < e; c += AdamWChunk::max_elements)
+      chunks.push_back({c - range.begin, std::min(e, c + AdamWChunk::max_elements) - range.begin, t.decays()});
+  }
+  return chunks;
+}
+
 template <class Layout, class T = float, class Device = Host>
 class AdamW {
  public:
@@ -78,10 +98,15 @@ class AdamW {
                                     std::to_string(Layout::size) + " elements");
       start_.push_back(n);
       n += r.size();
+      const std::vector<AdamWChunk> c = adamw_chunks(Layout::tensors, r);
+      chunk_start_.push_back(host_chunks_.size());
+      host_chunks_.insert(host_chunks_.end(), c.begin(), c.end());
     }
+    chunk_start_.push_back(host_chunks_.size());
     m_ = Buffer<state_type, Device>(n);  // zeroed
     v_ = Buffer<state_type, Device>(n);
     if constexpr (has_master) master_ = Buffer<state_type, Device>(n);
+    chunks_ = Buffer<AdamWChunk, Device>(host_chunks_.size());
     master_ready_.assign(owned_.size(), false);
   }
 
@@ -122,39 +147,40 @@ class AdamW {
 
   // ---- steps -----------------------------------------------------------------------------
 
-  // Counts one step; update() then applies it range by range.
-  void begin_step() { ++step_; }
+  // Counts one step; update() then applies it range by range, every gradient multiplied by
+  // grad_scale as it is read (the clip factor: clip_factor() of the global norm).
+  void begin_step(double grad_scale = 1.0) {
+    ++step_;
+    grad_scale_ = grad_scale;
+  }
 
-  // The current step (begin_step) over r, which must lie inside one owned range, with the
-  // kernels of `ops` (an Ops<T, Device>). The first update of an owned range must cover it
-  // whole, since its fp32 masters (if any) start from the parameters. params[i - base] and
-  // grads[i - base] are element i of the flat buffer.
+  // The current step (begin_step) over r, one of owned(), with the kernels of `ops` (an
+  // Ops<T, Device>): one adamw_update_chunks. params[i - base] and grads[i - base] are element
+  // i of the flat buffer. The first update of a range starts its fp32 masters (if any) from
+  // the parameters.
   template <class Ops>
   void update(Ops& ops, std::span<T> params, std::span<const T> grads, FlatRange r, std::size_t base = 0) {
     static_assert(std::is_same_v<typename Ops::device, Device>, "fived::AdamW::update: the Ops' device is not the optimizer's");
     if (step_ == 0) throw std::logic_error("fived::AdamW::update: call begin_step() first");
-    const std::size_t k = range_holding(r);
+    const std::size_t k = owned_index(r);
     if (r.begin < base) throw std::invalid_argument("fived::AdamW::update: the range starts before base");
     const FlatRange shifted{r.begin - base, r.end - base};
     check_span("update", "params", params.size(), shifted);
     check_span("update", "grads", grads.size(), shifted);
+    if (!chunks_ready_) {  // the chunks of every owned range, cut in the constructor
+      ops.upload(chunks_.data(), host_chunks_.data(), host_chunks_.size());
+      chunks_ready_ = true;
+    }
+    state_type* master = nullptr;
     if constexpr (has_master) {
-      if (!master_ready_[k]) {  // the masters start from the parameters
-        if (r != owned_[k])
-          throw std::invalid_argument("fived::AdamW::update: the first update of an owned range must cover it whole");
-        ops.to_fp32(master_.data() + start_[k], params.data() + shifted.begin, r.size());
-      }
+      master = master_.data() + start_[k];
+      if (!master_ready_[k]) ops.to_fp32(master, params.data() + shifted.begin, r.size());
     }
     master_ready_[k] = true;
-    for (const auto& t : Layout::tensors) {
-      const std::size_t b = std::max(t.offset, r.begin), e = std::min(t.end(), r.end);
-      if (b >= e) continue;
-      const std::size_t o = start_[k] + (b - owned_[k].begin);
-      state_type* master = nullptr;
-      if constexpr (has_master) master = master_.data() + o;
-      ops.adamw_update(params.data() + (b - base), master, grads.data() + (b - base), m_.data() + o, v_.data() + o,
-                       e - b, hp.lr, hp.beta1, hp.beta2, hp.eps, t.decays() ? hp.weight_decay : 0.0, step_);
-    }
+    ops.adamw_update_chunks(params.data() + shifted.begin, master, grads.data() + shifted.begin, m_.data() + start_[k],
+                            v_.data() + start_[k], chunks_.data() + chunk_start_[k],
+                            chunk_start_[k + 1] - chunk_start_[k], hp.lr, hp.beta1, hp.beta2, hp.eps,
+                            hp.weight_decay, step_, grad_scale_);
   }
 
  private:
@@ -169,16 +195,31 @@ class AdamW {
   std::size_t range_holding(FlatRange r) const {
     for (std::size_t k = 0; k < owned_.size(); ++k)
       if (owned_[k].contains(r) && !owned_[k].empty()) return k;
-    throw std::invalid_argument("fived::AdamW::update: range [" + std::to_string(r.begin) + ", " +
-                                std::to_string(r.end) + ") is not inside any of the optimizer's " +
-                                std::to_string(owned_.size()) + " owned ranges");
+    throw std::invalid_argument("fived::AdamW: range [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
+                                ") is not inside any of the optimizer's " + std::to_string(owned_.size()) +
+                                " owned ranges");
+  }
+  // The owned range that is r.
+  std::size_t owned_index(FlatRange r) const {
+    const std::size_t k = range_holding(r);
+    if (owned_[k] != r)
+      throw std::invalid_argument("fived::AdamW::update: range [" + std::to_string(r.begin) + ", " +
+                                  std::to_string(r.end) + ") is part of owned range [" +
+                                  std::to_string(owned_[k].begin) + ", " + std::to_string(owned_[k].end) +
+                                  "); update takes an owned range whole");
+    return k;
   }
 
   std::vector<FlatRange> owned_;
   std::vector<std::size_t> start_;  // where owned_[k]'s state starts in m_, v_, master_
+  std::vector<AdamWChunk> host_chunks_;    // every owned range's chunks, in order...
+  std::vector<std::size_t> chunk_start_;   // ...owned_[k]'s from chunk_start_[k] to chunk_start_[k + 1]
   std::vector<bool> master_ready_;
+  bool chunks_ready_ = false;  // uploaded into chunks_
   int step_ = 0;
+  double grad_scale_ = 1.0;
   Buffer<state_type, Device> m_, v_, master_;
+  Buffer<AdamWChunk, Device> chunks_;
 };
 
 // The optimizer for a model type: AdamW over its layout, element type and device.

@@ -106,19 +106,15 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
     if constexpr (stage >= 1) s = comm_.all_reduce_host(s);  // NoZeRO: every replica has the same sum
     return s;
   }
-  // Clips to the global norm sqrt(total_sum_of_squares) (when max_norm is set), one AdamW
-  // step on what this rank owns, then (NoZeRO aside) the new parameters to every replica:
-  // all-gathered now under ZeRO-1/2, at their next use under ZeRO-3. Returns the clip factor.
+  // Clips to the global norm sqrt(total_sum_of_squares) (when max_norm is set) and takes one
+  // AdamW step on what this rank owns, in one pass (the gradients in the buffer stay as
+  // reduced), then (NoZeRO aside) the new parameters to every replica: all-gathered now
+  // under ZeRO-1/2, at their next use under ZeRO-3. Returns the clip factor.
   double update(double total_sum_of_squares) {
     ops_type& ops = model_.ops();
-    double f = 1.0;
     last_norm_ = std::sqrt(total_sum_of_squares);
-    if (opt_.hp.max_norm > 0) {
-      f = last_clip_ = opt_.clip_factor(total_sum_of_squares);
-      if (f < 1.0)
-        for (std::size_t i = 0; i < plan::count; ++i) ops.scale(owned_grads(i).data(), owned(i).size(), f);
-    }
-    opt_.begin_step();
+    const double f = last_clip_ = opt_.clip_factor(total_sum_of_squares);
+    opt_.begin_step(f);  // AdamW multiplies each gradient by f as it reads it
     for (std::size_t i = 0; i < plan::count; ++i)
       if (!owned(i).empty()) opt_.update(ops, owned_params(i), owned_grads(i), owned(i), owned(i).begin);
     if constexpr (stage == 1 || stage == 2) {

@@ -1,55 +1,102 @@
 #pragma once
 // AdamW with fp32 master weights, contract of fived/kernels/host/adamw.hpp:
-//   adamw_update(s, param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step)
+//   adamw_update(s, param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step[, grad_scale])
+//   adamw_update_chunks(s, param, master, grad, m, v, chunks, count, lr, beta1, beta2, eps, weight_decay, step,
+//                       grad_scale)   chunks in device memory: one launch, a block per chunk
 // Decoupled weight decay (master -= lr*wd*master), then the Adam step with
-// bias correction (step counts from 1); param = T(master). With master ==
-// nullptr the update is done on param itself (float only). Elementwise.
+// bias correction (step counts from 1) on grad * grad_scale; param = T(master). With
+// master == nullptr the update is done on param itself (float only). Elementwise.
 
 #include <cmath>
 #include <cstddef>
 #include <string>
 
 #include <fived/kernels/cuda/common.hpp>
+#include <fived/kernels/host/adamw.hpp>  // AdamWChunk
 
 namespace fived::kernels::cuda {
 
 namespace detail {
 
+// A step's scalars, in double on the host and rounded once to float (the state's precision),
+// as the host reference does.
+struct AdamWScalars {
+  float lr, beta1, beta2, one_beta1, one_beta2, eps, weight_decay, bc1, bc2, grad_scale;
+};
+
+inline AdamWScalars adamw_scalars(double lr, double beta1, double beta2, double eps, double weight_decay, int step,
+                                  double grad_scale) {
+  auto f = [](double x) { return static_cast<float>(x); };
+  return {f(lr),  f(beta1),        f(beta2),  f(1 - beta1), f(1 - beta2), f(eps), f(weight_decay),
+          f(1 - std::pow(beta1, step)), f(1 - std::pow(beta2, step)), f(grad_scale)};
+}
+
 template <class T>
-__global__ void adamw_kernel(T* param, float* master, const T* grad, float* m, float* v, std::size_t n, float lr,
-                             float beta1, float beta2, float one_beta1, float one_beta2, float eps, float weight_decay,
-                             float bc1, float bc2) {
+__device__ __forceinline__ void adamw_element(std::size_t i, T* param, float* master, const T* grad, float* m,
+                                              float* v, const AdamWScalars& s, float weight_decay) {
+  const float g = to_float(grad[i]) * s.grad_scale;
+  float w = master != nullptr ? master[i] : to_float(param[i]);
+  w -= s.lr * weight_decay * w;
+  const float mi = s.beta1 * m[i] + s.one_beta1 * g;
+  const float vi = s.beta2 * v[i] + s.one_beta2 * g * g;
+  m[i] = mi;
+  v[i] = vi;
+  w -= s.lr * (mi / s.bc1) / (sqrtf(vi / s.bc2) + s.eps);
+  if (master != nullptr) master[i] = w;
+  param[i] = from_float<T>(w);
+}
+
+template <class T>
+__global__ void adamw_kernel(T* param, float* master, const T* grad, float* m, float* v, std::size_t n,
+                             AdamWScalars s) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const float g = to_float(grad[i]);
-    float w = master != nullptr ? master[i] : to_float(param[i]);
-    w -= lr * weight_decay * w;
-    const float mi = beta1 * m[i] + one_beta1 * g;
-    const float vi = beta2 * v[i] + one_beta2 * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    w -= lr * (mi / bc1) / (sqrtf(vi / bc2) + eps);
-    if (master != nullptr) master[i] = w;
-    param[i] = from_float<T>(w);
-  }
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
+    adamw_element(i, param, master, grad, m, v, s, s.weight_decay);
+}
+
+// Block b updates chunk b, with its tensor's decay or none: a whole range of many tensors in
+// one launch, where a launch per tensor spent more time starting than updating the small ones.
+template <class T>
+__global__ void adamw_chunks_kernel(T* param, float* master, const T* grad, float* m, float* v,
+                                    const AdamWChunk* chunks, AdamWScalars s) {
+  const AdamWChunk c = chunks[blockIdx.x];
+  const float weight_decay = c.decays ? s.weight_decay : 0.0f;
+  for (std::size_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x)
+    adamw_element(i, param, master, grad, m, v, s, weight_decay);
+}
+
+template <class T>
+void check_adamw(const char* fn, const float* master, int step) {
+  static_assert(is_element_v<T>, "adamw_update: element type must be float or fived::bf16");
+  require(step >= 1, fn, "step counts from 1 (got " + std::to_string(step) + ")");
+  if constexpr (!std::is_same_v<T, float>)
+    require(master != nullptr, fn, "bf16 parameters need fp32 master weights (master is null)");
 }
 
 }  // namespace detail
 
 template <class T>
 void adamw_update(cudaStream_t stream, T* param, float* master, const T* grad, float* m, float* v, std::size_t n,
-                  double lr, double beta1, double beta2, double eps, double weight_decay, int step) {
-  static_assert(is_element_v<T>, "adamw_update: element type must be float or fived::bf16");
-  detail::require(step >= 1, "adamw_update", "step counts from 1 (got " + std::to_string(step) + ")");
-  if constexpr (!std::is_same_v<T, float>)
-    detail::require(master != nullptr, "adamw_update", "bf16 parameters need fp32 master weights (master is null)");
+                  double lr, double beta1, double beta2, double eps, double weight_decay, int step,
+                  double grad_scale = 1.0) {
+  detail::check_adamw<T>("adamw_update", master, step);
   if (n == 0) return;
-  // In double, rounded once to float (the state's precision), as the host reference.
-  auto f = [](double x) { return static_cast<float>(x); };
   detail::adamw_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(
-      dev(param), master, dev(grad), m, v, n, f(lr), f(beta1), f(beta2), f(1 - beta1), f(1 - beta2), f(eps),
-      f(weight_decay), f(1 - std::pow(beta1, step)), f(1 - std::pow(beta2, step)));
+      dev(param), master, dev(grad), m, v, n, detail::adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale));
   FIVED_CUDA_CHECK_LAUNCH("adamw_kernel");
+}
+
+template <class T>
+void adamw_update_chunks(cudaStream_t stream, T* param, float* master, const T* grad, float* m, float* v,
+                         const AdamWChunk* chunks, std::size_t count, double lr, double beta1, double beta2, double eps,
+                         double weight_decay, int step, double grad_scale) {
+  detail::check_adamw<T>("adamw_update_chunks", master, step);
+  if (count == 0) return;
+  detail::require(count <= 0x7fffffffu, "adamw_update_chunks", "more chunks than a grid has blocks");
+  detail::adamw_chunks_kernel<<<static_cast<unsigned>(count), 256, 0, stream>>>(
+      dev(param), master, dev(grad), m, v, chunks,
+      detail::adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale));
+  FIVED_CUDA_CHECK_LAUNCH("adamw_chunks_kernel");
 }
 
 }  // namespace fived::kernels::cuda

@@ -13,10 +13,18 @@
 // double; the bias corrections are computed in double and rounded once to S.
 // Weight decay is applied to whatever tensor it is given: the caller passes
 // weight_decay = 0 for biases, LayerNorm parameters and embeddings if it wants the
-// GPT-2 convention.
+// GPT-2 convention. grad_scale multiplies each gradient as it is read (the clip factor of
+// the global norm, rounded once to S): the same numbers as scaling the gradients first, for
+// float and double, without another pass over them.
+//
+//   adamw_update_chunks(param, master, grad, m, v, chunks, count, ..., weight_decay, step, grad_scale)
+//     the same over the chunks of a range (AdamWChunk, below: elements [begin, end) of every
+//     array, weight decay or none), which a device runs as one launch: an optimizer's whole
+//     range in one call, each tensor with its own decay.
 
 #include <cmath>
 #include <cstddef>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -27,13 +35,22 @@ namespace fived {
 // The precision of AdamW's state (moments, masters) for parameters of type T.
 template <class T>
 using adamw_state_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// A piece of the range adamw_update_chunks updates: elements [begin, end) of each of its
+// arrays, with the weight decay or without. At most max_elements long, since a device gives
+// each chunk one block (AdamW cuts its ranges so: optim/adamw.hpp, adamw_chunks).
+struct AdamWChunk {
+  static constexpr std::size_t max_elements = std::size_t{1} << 15;  // 128 elements a thread of 256
+  std::size_t begin = 0, end = 0;
+  bool decays = false;
+};
 }  // namespace fived
 
 namespace fived::kernels::host {
 
 template <class T, class S>
 void adamw_update(T* param, std::type_identity_t<S>* master, const T* grad, S* m, S* v, std::size_t n, double lr,
-                  double beta1, double beta2, double eps, double weight_decay, int step) {
+                  double beta1, double beta2, double eps, double weight_decay, int step, double grad_scale = 1.0) {
   static_assert(std::is_same_v<S, adamw_state_t<T>>,
                 "fived::kernels::host::adamw_update: the state must be adamw_state_t<T> (double for double parameters, "
                 "float otherwise)");
@@ -47,8 +64,9 @@ void adamw_update(T* param, std::type_identity_t<S>* master, const T* grad, S* m
   const S wd = static_cast<S>(weight_decay), l = static_cast<S>(lr);
   const S one_b1 = static_cast<S>(1 - beta1), one_b2 = static_cast<S>(1 - beta2);
   const S bc1 = static_cast<S>(1 - std::pow(beta1, step)), bc2 = static_cast<S>(1 - std::pow(beta2, step));
+  const S scale = static_cast<S>(grad_scale);
   for (std::size_t i = 0; i < n; ++i) {
-    const S g = static_cast<S>(grad[i]);
+    const S g = static_cast<S>(grad[i]) * scale;
     m[i] = b1 * m[i] + one_b1 * g;
     v[i] = b2 * v[i] + one_b2 * g * g;
     S w = master != nullptr ? master[i] : static_cast<S>(param[i]);
@@ -57,6 +75,15 @@ void adamw_update(T* param, std::type_identity_t<S>* master, const T* grad, S* m
     if (master != nullptr) master[i] = w;
     param[i] = static_cast<T>(w);
   }
+}
+
+template <class T, class S>
+void adamw_update_chunks(T* param, std::type_identity_t<S>* master, const T* grad, S* m, S* v,
+                         const AdamWChunk* chunks, std::size_t count, double lr, double beta1, double beta2, double eps,
+                         double weight_decay, int step, double grad_scale) {
+  for (const AdamWChunk& c : std::span<const AdamWChunk>(chunks, count))
+    adamw_update(param + c.begin, master != nullptr ? master + c.begin : nullptr, grad + c.begin, m + c.begin,
+                 v + c.begin, c.end - c.begin, lr, beta1, beta2, eps, c.decays ? weight_decay : 0.0, step, grad_scale);
 }
 
 }  // namespace fived::kernels::host
