@@ -209,6 +209,14 @@ int main(int argc, char** argv) {
   row("matmul fc dW += dout^T*inp", time_ms(s, [&] {
         ck::matmul(lt, dw.data(), dh.data(), x.data(), nullptr, 4 * C, C, M, true, false, true);
       }), 0, 2.0 * M * 4 * C * C);
+  // c_proj's dx, the gradient at the hidden units [8192,3072]: plainly (then "gelu bwd" below
+  // takes it through the GELU), and with GELU's backward in the GEMM as the MLP runs it now.
+  row("matmul proj dinp [..,768]x[768,3072]", time_ms(s, [&] {
+        ck::matmul(lt, dh.data(), y.data(), w.data(), nullptr, M, 4 * C, C, false, true);
+      }), 0, 2.0 * M * 4 * C * C);
+  row("matmul proj dinp + GELU bwd (DGELU)", time_ms(s, [&] {
+        ck::matmul_dgelu(lt, dh.data(), y.data(), w.data(), hpre.data(), M, 4 * C, C, false, true);
+      }), 0, 2.0 * M * 4 * C * C);
   {
     Buffer<bf16, Cuda> logits(BT * Vp);
     fill(logits, 6, 1.0f, s);

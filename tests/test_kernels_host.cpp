@@ -235,6 +235,30 @@ TEST_CASE("matmul with the gelu epilogue: backward through gelu_backward(pre_act
   }
 }
 
+TEST_CASE("matmul_dgelu: the gradient at a GELU's input from the GEMM after it, against finite differences") {
+  // loss(pre) = <dout, gelu(pre) op(w)>, pre [M, F], op(w) [F, C]: d loss / d pre is
+  // gelu'(pre) * dout op(w)^T = matmul_dgelu(dout, w, pre) with w's transpose flipped.
+  const int M = 5, F = 7, C = 6;
+  for (const bool stored_transposed : {false, true}) {  // w stored [F, C] (Conv1D) or [C, F] (torch.nn.Linear)
+    CAPTURE(stored_transposed);
+    Vec pre = random_vec(static_cast<std::size_t>(M) * F, 25, 2.0), w = random_vec(static_cast<std::size_t>(F) * C, 26);
+    const Vec dout = random_vec(static_cast<std::size_t>(M) * C, 27);
+    auto loss = [&] {
+      Vec h(pre.size()), y(static_cast<std::size_t>(M) * C);
+      k::gelu_forward(h.data(), pre.data(), h.size());
+      k::matmul(y.data(), h.data(), w.data(), static_cast<const double*>(nullptr), M, C, F, false, stored_transposed);
+      return dot(dout, y);
+    };
+    Vec dpre(pre.size());
+    k::matmul_dgelu(dpre.data(), dout.data(), w.data(), pre.data(), M, F, C, false, !stored_transposed);
+    CHECK(fd_error(pre, dpre, loss) < fd_bound);
+  }
+  Vec o(4);
+  CHECK_THROWS_AS(k::matmul_dgelu(o.data(), o.data(), o.data(), static_cast<const double*>(nullptr), 2, 2, 1, false,
+                                  false),
+                  std::invalid_argument);
+}
+
 // ---------------------------------------------------------------- gelu, residual
 
 TEST_CASE("gelu forward against the tanh formula, backward against finite differences; dinp may alias dout") {

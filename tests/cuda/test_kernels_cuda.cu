@@ -179,6 +179,37 @@ TEST_CASE_TEMPLATE("matmul: transposes, bias, accumulate, GELU epilogue", T, ELE
                   std::invalid_argument);
 }
 
+TEST_CASE_TEMPLATE("matmul_dgelu: GELU's backward in the GEMM (cuBLASLt's DGELU epilogue) against the host", T,
+                   ELEMENT_TYPES) {
+  // dh[M,F] = gelu'(pre) * dy[M,C] op(w), as the MLP's c_proj backward; F = 72 takes the
+  // epilogue, 50 (the aux leading dimension not a multiple of 8) the product and then
+  // gelu_backward. The host rounds the product to T before the GELU's backward, the
+  // epilogue does not: bf16 within its rounding.
+  ck::CublasLt lt(stream());
+  const double tol = bound<T>(fp32_sum);
+  for (const int F : {72, 50}) {
+    const int M = 37, C = 45;
+    const auto dy = rnd<T>(static_cast<std::size_t>(M) * C, 8), w = rnd<T>(static_cast<std::size_t>(F) * C, 9);
+    const auto pre = rnd<T>(static_cast<std::size_t>(M) * F, 10, -3.0f, 3.0f);
+    auto ddy = up(dy), dw = up(w), dpre = up(pre);
+    for (const bool tb : {true, false}) {
+      CAPTURE(F);
+      CAPTURE(tb);
+      std::vector<T> ref(static_cast<std::size_t>(M) * F);
+      hk::matmul_dgelu(ref.data(), dy.data(), w.data(), pre.data(), M, F, C, false, tb);
+      Buffer<T, Cuda> dh(ref.size());
+      ck::matmul_dgelu(lt, dh.data(), ddy.data(), dw.data(), dpre.data(), M, F, C, false, tb);
+      CHECK_CLOSE(ref, down(dh), tol);
+    }
+  }
+  Buffer<T, Cuda> o(4);
+  ck::matmul_dgelu(lt, o.data(), o.data(), o.data(), o.data(), 2, 2, 0, false, false);  // K = 0: a zero gradient
+  for (const T& x : down(o)) CHECK(static_cast<float>(x) == 0.0f);
+  CHECK_THROWS_AS(ck::matmul_dgelu(lt, o.data(), o.data(), o.data(), static_cast<const T*>(nullptr), 2, 2, 1, false,
+                                   false),
+                  std::invalid_argument);
+}
+
 TEST_CASE_TEMPLATE("bias_backward", T, ELEMENT_TYPES) {
   const int M = 300;
   for (const int N : {77, 96}) {  // 96: 16-byte column reads (and a partial block of columns)

@@ -53,11 +53,15 @@ void linear_weight_grad(S& s, T* dw, T* db, const T* dy, const T* x, int rows, i
 }
 
 namespace detail_linear {
-// dx[N, in] = dy[N, out] W^T; then the weight half, with dy and a recomputed x held.
+// dx[N, in] = dy[N, out] W^T; then the weight half, with dy and a recomputed x held. With
+// gelu_pre (x = GELU(gelu_pre)), dx is carried through that GELU: the gradient at gelu_pre,
+// the GELU's backward fused into this GEMM.
 template <class W, class S, class T>
-void backward(S& s, T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, int in, int out) {
+void backward(S& s, T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, int in, int out,
+              const T* gelu_pre = nullptr) {
   const int N = s.rows();
-  s.ops.matmul(dx, dy, w, static_cast<const T*>(nullptr), N, in, out, false, !W::transposed);
+  if (gelu_pre != nullptr) s.ops.matmul_dgelu(dx, dy, w, gelu_pre, N, in, out, false, !W::transposed);
+  else s.ops.matmul(dx, dy, w, static_cast<const T*>(nullptr), N, in, out, false, !W::transposed);
   linear_weight_grad<W>(s, dw, db, s.hold(dy, static_cast<std::size_t>(N) * static_cast<std::size_t>(out)),
                         s.hold_saved(x, static_cast<std::size_t>(N) * static_cast<std::size_t>(in)), N, in, out);
 }
@@ -93,8 +97,10 @@ struct RowParallel {
     s.reduce_rows(p, y, out);
   }
   // dx[N, in] ("=") from dy (the stream's rows); dW, db "+=". gather: [N, out] when SP.
-  static void backward(S& s, T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, int in, int out, T* gather) {
-    detail_linear::backward<W>(s, dx, dw, db, s.gather_rows(dy, gather, out), x, w, in, out);
+  // gelu_pre: x is GELU(gelu_pre) (an MLP's hidden units), and dx the gradient at gelu_pre.
+  static void backward(S& s, T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, int in, int out, T* gather,
+                       const T* gelu_pre = nullptr) {
+    detail_linear::backward<W>(s, dx, dw, db, s.gather_rows(dy, gather, out), x, w, in, out, gelu_pre);
   }
 };
 

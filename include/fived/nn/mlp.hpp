@@ -1,7 +1,7 @@
 #pragma once
 // Megatron's tensor-parallel MLP: c_fc ColumnParallel (C -> F, the hidden units split over
-// TP) with GELU fused into its GEMM, c_proj RowParallel (F -> C) back to the stream. Per
-// step on the TP group: without SP one all-reduce forward and one backward; with SP an
+// TP) with GELU fused into its GEMM, c_proj RowParallel (F -> C) back to the stream, GELU's
+// backward fused into c_proj's dx GEMM. Per step on the TP group: without SP one all-reduce forward and one backward; with SP an
 // all-gather and a reduce-scatter each way.
 
 #include <array>
@@ -50,8 +50,8 @@ struct MLP {
                        T* full) {
     const int Fl = F / S::tp;
     const T* x_full = S::sp ? a.x_full.data() : x;
-    RowParallel<S>::backward(s, dh, g.proj_w, g.proj_b, dy, a.h.data(), p.proj_w, Fl, C, full);
-    s.ops.gelu_backward(dh, a.pre.data(), dh, static_cast<std::size_t>(s.rows()) * static_cast<std::size_t>(Fl));
+    // dh, the gradient at the GELU's input: its backward is in c_proj's dx GEMM
+    RowParallel<S>::backward(s, dh, g.proj_w, g.proj_b, dy, a.h.data(), p.proj_w, Fl, C, full, a.pre.data());
     ColumnParallel<S>::backward(s, dx, g.fc_w, g.fc_b, dh, x_full, p.fc_w, C, Fl, full);
   }
 };

@@ -255,10 +255,10 @@ struct MoE {
         return;
       }
       const T* w1 = p.fc_w + j * std::size_t(C) * Fl;
-      ops.matmul(dh, dyj, p.proj_w + j * std::size_t(Fl) * C, none, n, Fl, C, false, true);
+      // dh: the gradient at the GELU's input (its backward in the GEMM)
+      ops.matmul_dgelu(dh, dyj, p.proj_w + j * std::size_t(Fl) * C, a.pre.data() + off * Fl, n, Fl, C, false, true);
       linear_weight_grad<Conv1D>(s, g.proj_w + j * std::size_t(Fl) * C, g.proj_b + j * std::size_t(C),
                                  s.hold(dyj, rows * C), hj, n, Fl, C);
-      ops.gelu_backward(dh, a.pre.data() + off * Fl, dh, rows * Fl);
       linear_weight_grad<Conv1D>(s, g.fc_w + j * std::size_t(C) * Fl, g.fc_b + j * std::size_t(Fl),
                                  s.hold(dh, rows * Fl), xj, n, C, Fl);
       ops.matmul(dyj, dh, w1, none, n, C, Fl, false, true);  // dx of the rows

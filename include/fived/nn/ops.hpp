@@ -17,7 +17,8 @@
 //   using device = ...;  using value_type = T;  using stat_t = ...;
 //   template <class U> using buffer = Buffer<U, Device>;
 //   kernels (contract of /kernels, without the stream / handle argument):
-//     matmul, bias_backward, layernorm_forward, layernorm_backward, rmsnorm_forward,
+//     matmul, matmul_dgelu (a GELU's backward fused into the GEMM before it), bias_backward,
+//     layernorm_forward, layernorm_backward, rmsnorm_forward,
 //     rmsnorm_backward, gelu_backward, swiglu_forward, swiglu_backward, rotary_forward and
 //     rotary_backward (rotary positions, in place, kernels/host/rotary.hpp),
 //     residual_forward, attention_forward, attention_backward (grouped key/value heads),
@@ -115,6 +116,11 @@ struct Ops<T, Host> {
   void matmul(T* out, const T* a, const T* b, const T* bias, int M, int N, int K, bool trans_a, bool trans_b,
               bool accumulate = false, Epilogue ep = Epilogue::none, T* pre_act = nullptr) {
     kernels::host::matmul(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act);
+  }
+  // out = gelu'(pre_act) * op(a) op(b): the gradient at a GELU's input from the GEMM that
+  // gives its output's (kernels/host/gemm.hpp).
+  void matmul_dgelu(T* out, const T* a, const T* b, const T* pre_act, int M, int N, int K, bool trans_a, bool trans_b) {
+    kernels::host::matmul_dgelu(out, a, b, pre_act, M, N, K, trans_a, trans_b);
   }
   void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH, int NKV) {
     kernels::host::attention_forward(out, lse, qkv, B, T_, C, NH, NKV);

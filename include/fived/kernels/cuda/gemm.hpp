@@ -6,15 +6,18 @@
 //     out[M,N] (= or +=) op(a)[M,K] * op(b)[K,N] (+ bias[N] on every row)
 //     op(a): a is [M,K], or [K,M] stored when trans_a; op(b): b is [K,N], or [N,K] when trans_b.
 //     Epilogue::gelu: pre_act[M,N] = product + bias (required), out = gelu(pre_act).
+//   matmul_dgelu(lt, out, a, b, pre_act, M, N, K, trans_a, trans_b);
+//     out[M,N] = gelu'(pre_act) * op(a) op(b): a GELU's backward in the GEMM that gives its
+//     output's gradient (cuBLASLt's DGELU epilogue, pre_act as its aux input).
 //   bias_backward(stream or lt, dbias, dout, M, N);   // dbias[N] += column sums of dout[M,N]
 //
 // Row-major X is column-major X^T, so out^T = op(b)^T op(a)^T is computed with
 // cuBLASLt's A = b and B = a (no copies). Element types float and bf16, fp32
 // compute (CUBLAS_COMPUTE_32F; TF32 only when lt.allow_tf32 is set). Bias and
-// GELU go through cuBLASLt epilogues (BIAS, GELU_AUX, GELU_AUX_BIAS; the GELU
+// GELU go through cuBLASLt epilogues (BIAS, GELU_AUX, GELU_AUX_BIAS, DGELU; the GELU
 // epilogue needs pre_act, as on the host); when cuBLASLt has no algorithm for an epilogue (alignment,
 // leading dimension of the aux matrix) the product is computed alone and a
-// separate kernel applies bias and GELU: same result, one more pass.
+// separate kernel applies bias and GELU (or GELU's backward): same result, one more pass.
 // Algorithms chosen by the heuristic are cached per shape in the CublasLt object.
 
 #include <cublasLt.h>
@@ -30,6 +33,7 @@
 #include <utility>
 
 #include <fived/kernels/cuda/common.hpp>
+#include <fived/kernels/cuda/gelu.hpp>
 #include <fived/kernels/host/gemm.hpp>
 
 namespace fived::kernels::cuda {
@@ -195,35 +199,125 @@ struct ReadMatrix {
 
 }  // namespace detail
 
-template <class T>
-void matmul(CublasLt& lt, T* out, const T* a, const T* b, const std::type_identity_t<T>* bias, int M, int N, int K,
-            bool trans_a, bool trans_b, bool accumulate = false, Epilogue ep = Epilogue::none,
-            std::type_identity_t<T>* pre_act = nullptr) {
-  static_assert(is_element_v<T>, "matmul: element type must be float or fived::bf16");
-  detail::require_non_negative("matmul", "M", M);
-  detail::require_non_negative("matmul", "N", N);
-  detail::require_non_negative("matmul", "K", K);
-  detail::require(!(accumulate && ep == Epilogue::gelu), "matmul",
-                  "the GELU epilogue cannot be combined with accumulate (+=)");
-  detail::require(!(ep == Epilogue::gelu && pre_act == nullptr && M > 0 && N > 0), "matmul",
-                  "the GELU epilogue needs pre_act[M,N] to store the pre-activation");
-  if (M == 0 || N == 0) return;
-  if (K == 0) {  // empty product: out = (out if accumulate, else 0) + bias, then GELU
-    if (!accumulate) FIVED_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(T) * M * N, lt.stream()));
-    if (bias != nullptr || ep == Epilogue::gelu) {
-      detail::bias_gelu_kernel<<<detail::grid_for(static_cast<std::size_t>(M) * N, 256), 256, 0, lt.stream()>>>(
-          dev(out), dev(bias), dev(pre_act), M, N, ep == Epilogue::gelu);
-      FIVED_CUDA_CHECK_LAUNCH("bias_gelu_kernel");
-    }
-    return;
-  }
+namespace detail {
 
+// One cuBLASLt matmul out = op(a) op(b) with epilogue e (its bias, its aux matrix aux[M,N]
+// where it has one), the algorithm cached per shape: false when cuBLASLt has none for this
+// epilogue (a plain product always has one, or this throws).
+template <class T>
+bool lt_matmul(CublasLt& lt, T* out, const T* a, const T* b, const std::type_identity_t<T>* bias,
+               const std::type_identity_t<T>* aux, int M, int N, int K, bool trans_a, bool trans_b, bool accumulate,
+               cublasLtEpilogue_t e) {
   constexpr cudaDataType_t dtype = std::is_same_v<T, float> ? CUDA_R_32F : CUDA_R_16BF;
   const cublasComputeType_t compute =
       (std::is_same_v<T, float> && lt.allow_tf32) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   const cublasOperation_t op_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's A is our b
   const cublasOperation_t op_b = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's B is our a
+  // Column-major shapes: D is [N, M] (ld N); A = b is [N,K] or stored [K,N]; B = a is [K,M] or stored [M,K].
+  const Layout la = op_a == CUBLAS_OP_N ? make_layout(dtype, N, K, N) : make_layout(dtype, K, N, K);
+  const Layout lb = op_b == CUBLAS_OP_N ? make_layout(dtype, K, M, K) : make_layout(dtype, M, K, M);
+  const Layout lc = make_layout(dtype, N, M, N);
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+
+  cublasLtMatmulDesc_t raw = nullptr;
+  FIVED_CUBLAS_CHECK(cublasLtMatmulDescCreate(&raw, compute, CUDA_R_32F));
+  const MatmulDesc desc(raw);
+  FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof(e)));
+  const bool has_bias = e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_BIAS ||
+                        e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+  const bool has_aux = e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ||
+                       e == CUBLASLT_EPILOGUE_DGELU;
+  if (has_bias) {
+    const void* bp = bias;
+    FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
+  }
+  if (has_aux) {
+    // One attribute for both directions: GELU_AUX writes the matrix, DGELU reads it.
+    void* ap = const_cast<T*>(aux);
+    const std::int64_t ld = N;
+    FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &ap, sizeof(ap)));
+    FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
+  }
+
+  const std::uint32_t al_a = alignment_of(b), al_b = alignment_of(a);
+  const std::uint32_t al_c = alignment_of(out);
+  const CublasLt::AlgoKey key{static_cast<int>(dtype), static_cast<int>(compute), static_cast<int>(e), M, N, K,
+                              trans_a ? 1 : 0, trans_b ? 1 : 0, static_cast<int>(al_a), static_cast<int>(al_b),
+                              static_cast<int>(al_c), has_bias ? static_cast<int>(alignment_of(bias)) : 0,
+                              has_aux ? static_cast<int>(alignment_of(aux)) : 0};
+  auto& cache = lt.algo_cache();
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    CublasLt::AlgoEntry entry;
+    // An aux matrix whose leading dimension is not a multiple of 8 is not supported by the epilogues.
+    if (!has_aux || N % 8 == 0) {
+      cublasLtMatmulPreference_t praw = nullptr;
+      FIVED_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&praw));
+      const Preference pref(praw);
+      const std::size_t ws = lt.workspace_bytes();
+      FIVED_CUBLAS_CHECK(
+          cublasLtMatmulPreferenceSetAttribute(praw, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+      FIVED_CUBLAS_CHECK(
+          cublasLtMatmulPreferenceSetAttribute(praw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)));
+      FIVED_CUBLAS_CHECK(
+          cublasLtMatmulPreferenceSetAttribute(praw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)));
+      FIVED_CUBLAS_CHECK(
+          cublasLtMatmulPreferenceSetAttribute(praw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
+      FIVED_CUBLAS_CHECK(
+          cublasLtMatmulPreferenceSetAttribute(praw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt.handle(), raw, la.get(), lb.get(), lc.get(), lc.get(),
+                                                               praw, 1, &result, &found);
+      if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
+        entry.ok = true;
+        entry.algo = result.algo;
+      } else if (e == CUBLASLT_EPILOGUE_DEFAULT) {
+        FIVED_CUBLAS_CHECK(st);  // a plain GEMM must have an algorithm
+        bad_argument("matmul", "cuBLASLt found no algorithm for M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                                   " K=" + std::to_string(K));
+      }
+    }
+    it = cache.emplace(key, entry).first;
+  }
+  if (!it->second.ok) return false;
+  FIVED_CUBLAS_CHECK(cublasLtMatmul(lt.handle(), raw, &alpha, b, la.get(), a, lb.get(), &beta, out, lc.get(), out,
+                                    lc.get(), &it->second.algo, lt.workspace(), lt.workspace_bytes(), lt.stream()));
+  return true;
+}
+
+inline void check_sizes(const char* fn, int M, int N, int K) {
+  require_non_negative(fn, "M", M);
+  require_non_negative(fn, "N", N);
+  require_non_negative(fn, "K", K);
+}
+
+}  // namespace detail
+
+template <class T>
+void matmul(CublasLt& lt, T* out, const T* a, const T* b, const std::type_identity_t<T>* bias, int M, int N, int K,
+            bool trans_a, bool trans_b, bool accumulate = false, Epilogue ep = Epilogue::none,
+            std::type_identity_t<T>* pre_act = nullptr) {
+  static_assert(is_element_v<T>, "matmul: element type must be float or fived::bf16");
+  detail::check_sizes("matmul", M, N, K);
+  detail::require(!(accumulate && ep == Epilogue::gelu), "matmul",
+                  "the GELU epilogue cannot be combined with accumulate (+=)");
+  detail::require(!(ep == Epilogue::gelu && pre_act == nullptr && M > 0 && N > 0), "matmul",
+                  "the GELU epilogue needs pre_act[M,N] to store the pre-activation");
+  if (M == 0 || N == 0) return;
   const bool gelu = ep == Epilogue::gelu;
+  const std::size_t n = static_cast<std::size_t>(M) * N;
+  if (K == 0) {  // empty product: out = (out if accumulate, else 0) + bias, then GELU
+    if (!accumulate) FIVED_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(T) * n, lt.stream()));
+    if (bias != nullptr || gelu) {
+      detail::bias_gelu_kernel<<<detail::grid_for(n, 256), 256, 0, lt.stream()>>>(dev(out), dev(bias), dev(pre_act),
+                                                                                   M, N, gelu);
+      FIVED_CUDA_CHECK_LAUNCH("bias_gelu_kernel");
+    }
+    return;
+  }
 
   cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
   if (gelu) {
@@ -234,89 +328,34 @@ void matmul(CublasLt& lt, T* out, const T* a, const T* b, const std::type_identi
   } else if (bias != nullptr) {
     epi = CUBLASLT_EPILOGUE_BIAS;
   }
-
-  // Column-major shapes: D is [N, M] (ld N); A = b is [N,K] or stored [K,N]; B = a is [K,M] or stored [M,K].
-  const detail::Layout la = op_a == CUBLAS_OP_N ? detail::make_layout(dtype, N, K, N) : detail::make_layout(dtype, K, N, K);
-  const detail::Layout lb = op_b == CUBLAS_OP_N ? detail::make_layout(dtype, K, M, K) : detail::make_layout(dtype, M, K, M);
-  const detail::Layout lc = detail::make_layout(dtype, N, M, N);
-
-  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-  auto run = [&](cublasLtEpilogue_t e) -> bool {  // false: no algorithm for this epilogue
-    cublasLtMatmulDesc_t raw = nullptr;
-    FIVED_CUBLAS_CHECK(cublasLtMatmulDescCreate(&raw, compute, CUDA_R_32F));
-    const detail::MatmulDesc desc(raw);
-    FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
-    FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-    FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof(e)));
-    const bool has_bias = e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_BIAS ||
-                          e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
-    const bool has_aux = e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
-    if (has_bias) {
-      const void* bp = bias;
-      FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
-    }
-    if (has_aux) {
-      void* ap = pre_act;
-      const std::int64_t ld = N;
-      FIVED_CUBLAS_CHECK(
-          cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &ap, sizeof(ap)));
-      FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
-    }
-
-    const std::uint32_t al_a = detail::alignment_of(b), al_b = detail::alignment_of(a);
-    const std::uint32_t al_c = detail::alignment_of(out);
-    const CublasLt::AlgoKey key{static_cast<int>(dtype), static_cast<int>(compute), static_cast<int>(e), M, N, K,
-                                trans_a ? 1 : 0, trans_b ? 1 : 0, static_cast<int>(al_a), static_cast<int>(al_b),
-                                static_cast<int>(al_c), has_bias ? static_cast<int>(detail::alignment_of(bias)) : 0,
-                                has_aux ? static_cast<int>(detail::alignment_of(pre_act)) : 0};
-    auto& cache = lt.algo_cache();
-    auto it = cache.find(key);
-    if (it == cache.end()) {
-      CublasLt::AlgoEntry entry;
-      // An aux matrix whose leading dimension is not a multiple of 8 is not supported by the epilogues.
-      if (!has_aux || N % 8 == 0) {
-        cublasLtMatmulPreference_t praw = nullptr;
-        FIVED_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&praw));
-        const detail::Preference pref(praw);
-        const std::size_t ws = lt.workspace_bytes();
-        FIVED_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(praw, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                                                sizeof(ws)));
-        FIVED_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(praw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                                &al_a, sizeof(al_a)));
-        FIVED_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(praw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                                &al_b, sizeof(al_b)));
-        FIVED_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(praw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                                                &al_c, sizeof(al_c)));
-        FIVED_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(praw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                                &al_c, sizeof(al_c)));
-        cublasLtMatmulHeuristicResult_t result{};
-        int found = 0;
-        const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(lt.handle(), raw, la.get(), lb.get(), lc.get(),
-                                                                lc.get(), praw, 1, &result, &found);
-        if (s == CUBLAS_STATUS_SUCCESS && found > 0) {
-          entry.ok = true;
-          entry.algo = result.algo;
-        } else if (e == CUBLASLT_EPILOGUE_DEFAULT) {
-          FIVED_CUBLAS_CHECK(s);  // a plain GEMM must have an algorithm
-          detail::bad_argument("matmul", "cuBLASLt found no algorithm for M=" + std::to_string(M) + " N=" +
-                                             std::to_string(N) + " K=" + std::to_string(K));
-        }
-      }
-      it = cache.emplace(key, entry).first;
-    }
-    if (!it->second.ok) return false;
-    FIVED_CUBLAS_CHECK(cublasLtMatmul(lt.handle(), raw, &alpha, b, la.get(), a, lb.get(), &beta, out, lc.get(), out,
-                                      lc.get(), &it->second.algo, lt.workspace(), lt.workspace_bytes(), lt.stream()));
-    return true;
-  };
-
-  if (run(epi)) return;
+  if (detail::lt_matmul(lt, out, a, b, bias, pre_act, M, N, K, trans_a, trans_b, accumulate, epi)) return;
   // Fallback: the plain product, then bias and GELU in one elementwise pass.
-  run(CUBLASLT_EPILOGUE_DEFAULT);
-  const std::size_t n = static_cast<std::size_t>(M) * N;
+  detail::lt_matmul(lt, out, a, b, nullptr, nullptr, M, N, K, trans_a, trans_b, accumulate, CUBLASLT_EPILOGUE_DEFAULT);
   detail::bias_gelu_kernel<<<detail::grid_for(n, 256), 256, 0, lt.stream()>>>(dev(out), dev(bias), dev(pre_act), M,
                                                                                N, gelu);
   FIVED_CUDA_CHECK_LAUNCH("bias_gelu_kernel");
+}
+
+// out[M,N] = gelu'(pre_act) * op(a) op(b), the GELU's backward fused into the GEMM by
+// cuBLASLt's DGELU epilogue (pre_act, the GELU's input the forward stored, read as its aux
+// matrix): the product is never written and read back. Without an algorithm for it, the
+// product and then gelu_backward, as the host does.
+template <class T>
+void matmul_dgelu(CublasLt& lt, T* out, const T* a, const T* b, const std::type_identity_t<T>* pre_act, int M, int N,
+                  int K, bool trans_a, bool trans_b) {
+  static_assert(is_element_v<T>, "matmul_dgelu: element type must be float or fived::bf16");
+  detail::check_sizes("matmul_dgelu", M, N, K);
+  detail::require(!(pre_act == nullptr && M > 0 && N > 0), "matmul_dgelu", "needs pre_act[M,N], the GELU's input");
+  if (M == 0 || N == 0) return;
+  const std::size_t n = static_cast<std::size_t>(M) * N;
+  if (K == 0) {  // an empty product: a zero gradient
+    FIVED_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(T) * n, lt.stream()));
+    return;
+  }
+  if (detail::lt_matmul(lt, out, a, b, nullptr, pre_act, M, N, K, trans_a, trans_b, false, CUBLASLT_EPILOGUE_DGELU))
+    return;
+  detail::lt_matmul(lt, out, a, b, nullptr, nullptr, M, N, K, trans_a, trans_b, false, CUBLASLT_EPILOGUE_DEFAULT);
+  gelu_backward(lt.stream(), out, pre_act, out, n);
 }
 
 // dbias[N] += column sums of dout[M, N] (deterministic two-pass reduction, float accumulation).

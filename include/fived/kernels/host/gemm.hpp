@@ -24,6 +24,12 @@
 //
 // bias and pre_act are std::type_identity_t<T> (not deduced, same type), so a plain
 // `nullptr` can be passed for them: T is deduced from out, a and b.
+//
+//   matmul_dgelu(out, a, b, pre_act, M, N, K, trans_a, trans_b)
+//     out[M,N] = gelu'(pre_act) * op(a) op(b): the product that is the gradient at a GELU's
+//     output, carried through the GELU to its input. Here the product rounded to T, then
+//     gelu_backward, as the two calls it stands for; a device fuses the GELU's backward into
+//     the GEMM (kernels/cuda/gemm.hpp).
 
 #include <algorithm>
 #include <cmath>
@@ -150,6 +156,15 @@ void matmul(T* out, const T* a, const T* b, const std::type_identity_t<T>* bias,
       }
     }
   }
+}
+
+template <class T>
+void matmul_dgelu(T* out, const T* a, const T* b, const std::type_identity_t<T>* pre_act, int M, int N, int K,
+                  bool trans_a, bool trans_b) {
+  if (pre_act == nullptr && M > 0 && N > 0)
+    throw std::invalid_argument("fived::kernels::host::matmul_dgelu: needs pre_act[M,N], the GELU's input");
+  matmul(out, a, b, static_cast<const T*>(nullptr), M, N, K, trans_a, trans_b);
+  gelu_backward(out, pre_act, out, static_cast<std::size_t>(M) * static_cast<std::size_t>(N));
 }
 
 // dbias[N] += column sums of dout[M,N] (accumulated in acc_t<T>, rounded once).

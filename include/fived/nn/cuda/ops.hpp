@@ -110,6 +110,11 @@ struct Ops<T, Cuda> {
               bool accumulate = false, Epilogue ep = Epilogue::none, T* pre_act = nullptr) {
     kernels::cuda::matmul(lt_, out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act);
   }
+  // out = gelu'(pre_act) * op(a) op(b): the gradient at a GELU's input from the GEMM that
+  // gives its output's (kernels/host/gemm.hpp).
+  void matmul_dgelu(T* out, const T* a, const T* b, const T* pre_act, int M, int N, int K, bool trans_a, bool trans_b) {
+    kernels::cuda::matmul_dgelu(lt_, out, a, b, pre_act, M, N, K, trans_a, trans_b);
+  }
   // bf16 attention runs through cuDNN's fused kernel where fived was built with it
   // (FIVED_WITH_CUDNN) and it takes the shape; fived's own kernel otherwise, or when
   // use_cudnn_attention is false.
