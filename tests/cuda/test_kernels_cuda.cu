@@ -501,32 +501,53 @@ TEST_CASE_TEMPLATE("cross-entropy fused with its statistics", T, ELEMENT_TYPES) 
   }
 }
 
+// One AdamW state of n elements from seed: fp32 masters and moments, T gradients, T(master)
+// parameters, the initial values kept, a host copy to update and a device one.
+template <class T>
+struct AdamWCase {
+  std::size_t n;
+  std::vector<float> master0, m0, v0;
+  std::vector<T> grad, param0;
+  std::vector<float> master = master0, m = m0, v = v0;  // the host's, updated by the test
+  std::vector<T> param = param0;
+  Buffer<T, Cuda> dparam = up(param0), dgrad = up(grad);
+  Buffer<float, Cuda> dmaster = up(master0), dm = up(m0), dv = up(v0);
+
+  AdamWCase(std::size_t n_, unsigned seed)
+      : n(n_), master0(rnd<float>(n, seed)), m0(rnd<float>(n, seed + 1, -0.1f, 0.1f)),
+        v0(rnd<float>(n, seed + 2, 0.01f, 0.2f)), grad(rnd<T>(n, seed + 3)), param0(parameters(master0)) {}
+  static std::vector<T> parameters(const std::vector<float>& master) {
+    std::vector<T> p(master.size());
+    for (std::size_t i = 0; i < p.size(); ++i) p[i] = T(master[i]);
+    return p;
+  }
+  // The device's state against the host's.
+  void check() const {
+    CHECK_CLOSE(master, down(dmaster), fp32_elem);
+    CHECK_CLOSE(m, down(dm), fp32_elem);
+    CHECK_CLOSE(v, down(dv), fp32_elem);
+    CHECK_CLOSE(param, down(dparam), bound<T>(fp32_elem));
+  }
+};
+
 TEST_CASE_TEMPLATE("AdamW with fp32 master weights", T, ELEMENT_TYPES) {
-  const std::size_t n = 2049;
-  const auto master0 = rnd<float>(n, 26), m0 = rnd<float>(n, 27, -0.1f, 0.1f), v0 = rnd<float>(n, 28, 0.01f, 0.2f);
-  const auto grad = rnd<T>(n, 29);
-  std::vector<T> param(n);
-  for (std::size_t i = 0; i < n; ++i) param[i] = T(master0[i]);
-  auto dparam = up(param), dgrad = up(grad);
-  auto dmaster = up(master0), dm = up(m0), dv = up(v0);
-  auto master = master0, m = m0, v = v0;
-  hk::adamw_update(param.data(), master.data(), grad.data(), m.data(), v.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3);
-  ck::adamw_update(stream(), dparam.data(), dmaster.data(), dgrad.data(), dm.data(), dv.data(), n, 1e-3f, 0.9f, 0.95f,
+  AdamWCase<T> c(2049, 26);
+  const std::size_t n = c.n;
+  hk::adamw_update(c.param.data(), c.master.data(), c.grad.data(), c.m.data(), c.v.data(), n, 1e-3f, 0.9f, 0.95f,
                    1e-8f, 0.1f, 3);
-  CHECK_CLOSE(master, down(dmaster), fp32_elem);
-  CHECK_CLOSE(m, down(dm), fp32_elem);
-  CHECK_CLOSE(v, down(dv), fp32_elem);
-  CHECK_CLOSE(param, down(dparam), bound<T>(fp32_elem));
+  ck::adamw_update(stream(), c.dparam.data(), c.dmaster.data(), c.dgrad.data(), c.dm.data(), c.dv.data(), n, 1e-3f,
+                   0.9f, 0.95f, 1e-8f, 0.1f, 3);
+  c.check();
   if constexpr (std::is_same_v<T, float>) {  // no master: the update on param itself
-    auto p2 = master0, m2 = m0, v2 = v0;
+    auto p2 = c.master0, m2 = c.m0, v2 = c.v0;
     auto dp2 = up(p2), dm2 = up(m2), dv2 = up(v2);
-    hk::adamw_update(p2.data(), nullptr, grad.data(), m2.data(), v2.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1);
-    ck::adamw_update(stream(), dp2.data(), nullptr, dgrad.data(), dm2.data(), dv2.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f,
-                     0.1f, 1);
+    hk::adamw_update(p2.data(), nullptr, c.grad.data(), m2.data(), v2.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1);
+    ck::adamw_update(stream(), dp2.data(), nullptr, c.dgrad.data(), dm2.data(), dv2.data(), n, 1e-3f, 0.9f, 0.95f,
+                     1e-8f, 0.1f, 1);
     CHECK_CLOSE(p2, down(dp2), fp32_elem);
   } else {
-    CHECK_THROWS_AS(ck::adamw_update(stream(), dparam.data(), nullptr, dgrad.data(), dm.data(), dv.data(), n, 1e-3f,
-                                     0.9f, 0.95f, 1e-8f, 0.1f, 1),
+    CHECK_THROWS_AS(ck::adamw_update(stream(), c.dparam.data(), nullptr, c.dgrad.data(), c.dm.data(), c.dv.data(), n,
+                                     1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1),
                     std::invalid_argument);
   }
 }
@@ -542,33 +563,22 @@ TEST_CASE_TEMPLATE("AdamW over chunks: a block per chunk, each with its decay, t
   };
   constexpr std::size_t M = fived::AdamWChunk::max_elements;
   const std::vector<Tensor> tensors = {{0, 300, false}, {300, 2 * M + 77, true}, {2 * M + 377, 5, false}};
-  const std::size_t n = 2 * M + 382;
-  const auto chunks = fived::adamw_chunks(tensors, fived::FlatRange{0, n});
+  AdamWCase<T> c(2 * M + 382, 32);
+  const auto chunks = fived::adamw_chunks(tensors, fived::FlatRange{0, c.n});
   REQUIRE(chunks.size() == 5);
-  const auto master0 = rnd<float>(n, 32), m0 = rnd<float>(n, 33, -0.1f, 0.1f), v0 = rnd<float>(n, 34, 0.01f, 0.2f);
-  const auto grad = rnd<T>(n, 35);
-  std::vector<T> param(n);
-  for (std::size_t i = 0; i < n; ++i) param[i] = T(master0[i]);
-  auto dparam = up(param), dgrad = up(grad);
-  auto dmaster = up(master0), dm = up(m0), dv = up(v0);
   auto dchunks = up(chunks);
-  auto master = master0, m = m0, v = v0;
   const double f = 0.37;  // a clip factor
-  hk::adamw_update_chunks(param.data(), master.data(), grad.data(), m.data(), v.data(), chunks.data(), chunks.size(),
-                          1e-3, 0.9, 0.95, 1e-8, 0.1, 4, f);
-  ck::adamw_update_chunks(stream(), dparam.data(), dmaster.data(), dgrad.data(), dm.data(), dv.data(), dchunks.data(),
+  hk::adamw_update_chunks(c.param.data(), c.master.data(), c.grad.data(), c.m.data(), c.v.data(), chunks.data(),
                           chunks.size(), 1e-3, 0.9, 0.95, 1e-8, 0.1, 4, f);
-  CHECK_CLOSE(master, down(dmaster), fp32_elem);
-  CHECK_CLOSE(m, down(dm), fp32_elem);
-  CHECK_CLOSE(v, down(dv), fp32_elem);
-  CHECK_CLOSE(param, down(dparam), bound<T>(fp32_elem));
+  ck::adamw_update_chunks(stream(), c.dparam.data(), c.dmaster.data(), c.dgrad.data(), c.dm.data(), c.dv.data(),
+                          dchunks.data(), chunks.size(), 1e-3, 0.9, 0.95, 1e-8, 0.1, 4, f);
+  c.check();
   // The decay reached the middle tensor only: without it the first tensor's masters are the same.
-  auto m_no = m0, v_no = v0, master_no = master0;
-  auto p_no = param;
-  for (std::size_t i = 0; i < n; ++i) p_no[i] = T(master0[i]);
-  hk::adamw_update(p_no.data(), master_no.data(), grad.data(), m_no.data(), v_no.data(), 300, 1e-3, 0.9, 0.95, 1e-8, 0.0,
-                   4, f);
-  for (std::size_t i = 0; i < 300; ++i) CHECK(master_no[i] == master[i]);
+  auto m_no = c.m0, v_no = c.v0, master_no = c.master0;
+  auto p_no = c.param0;
+  hk::adamw_update(p_no.data(), master_no.data(), c.grad.data(), m_no.data(), v_no.data(), 300, 1e-3, 0.9, 0.95, 1e-8,
+                   0.0, 4, f);
+  for (std::size_t i = 0; i < 300; ++i) CHECK(master_no[i] == c.master[i]);
 }
 
 TEST_CASE_TEMPLATE("gradient norm: sum of squares, scale, clip", T, ELEMENT_TYPES) {
