@@ -1,8 +1,8 @@
 #pragma once
 // Megatron's tensor-parallel MLP: c_fc ColumnParallel (C -> F, the hidden units split over
 // TP) with GELU fused into its GEMM, c_proj RowParallel (F -> C) back to the stream, GELU's
-// backward fused into c_proj's dx GEMM. Per step on the TP group: without SP one all-reduce forward and one backward; with SP an
-// all-gather and a reduce-scatter each way.
+// backward fused into c_proj's dx GEMM. Per step on the TP group: without SP one all-reduce
+// forward and one backward; with SP an all-gather and a reduce-scatter each way.
 
 #include <array>
 #include <cstdint>

@@ -137,9 +137,10 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
   }
 
   // The gradient after the step's reduction and before its update (between end_micro_batches
-  // and update): the whole layout's, averaged over the group and scaled as the optimizer will
-  // see it, in host memory, the same on every rank of the group. Under ZeRO each rank holds
-  // only its pieces reduced, so this all-gathers them (a collective over the group).
+  // and update): the whole layout's, averaged over the group and scaled as reduce_bucket
+  // scales it (1/accum, the model's grad_scale), before the clip factor (AdamW applies that
+  // as it reads them), in host memory, the same on every rank of the group. Under ZeRO each
+  // rank holds only its pieces reduced, so this all-gathers them (a collective over the group).
   std::vector<T> reduced_grads() {
     if constexpr (stage == 0) return model_.ops().to_host(std::span<const T>(model_.grads()));
     else return gathered([this](std::size_t i) { return std::span<const T>(owned_grads(i)); });

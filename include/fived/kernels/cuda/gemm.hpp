@@ -197,10 +197,6 @@ struct ReadMatrix {
   }
 };
 
-}  // namespace detail
-
-namespace detail {
-
 // One cuBLASLt matmul out = op(a) op(b) with epilogue e (its bias, its aux matrix aux[M,N]
 // where it has one), the algorithm cached per shape: false when cuBLASLt has none for this
 // epilogue (a plain product always has one, or this throws).
