@@ -57,8 +57,9 @@ __global__ void adamw_kernel(T* param, float* master, const T* grad, float* m, f
 // Block b updates chunk b, with its tensor's decay or none: a whole range of many tensors in
 // one launch, where a launch per tensor spent more time starting than updating the small ones.
 template <class T>
-__global__ void adamw_chunks_kernel(T* param, float* master, const T* grad, float* m, float* v,
-                                    const AdamWChunk* chunks, AdamWScalars s) {
+__global__ void adamw_chunks_kernel(T* __restrict__ param, float* __restrict__ master, const T* __restrict__ grad,
+                                    float* __restrict__ m, float* __restrict__ v, const AdamWChunk* chunks,
+                                    AdamWScalars s) {
   const AdamWChunk c = chunks[blockIdx.x];
   const float weight_decay = c.decays ? s.weight_decay : 0.0f;
   for (std::size_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x)
