@@ -113,8 +113,10 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   // [m*B, (m+1)*B) for micro-batch m, the same on every rank (each data-parallel rank takes
   // its rows of every micro-batch). Returns the mean loss, on every rank.
   double step(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
-    const double loss = reduce(tokens, targets, B, seq);
-    update();
+    run(tokens, targets, B, seq);
+    const double sumsq = sum_of_squares();  // the host's wait (the norm's kernels queued behind the step's)
+    const double loss = mean_loss();        // ready by then
+    frame_.update(sumsq);
     return loss;
   }
 
@@ -122,6 +124,20 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   // reduced as each chunk's policy says (read them now: DataParallel::reduced_grads). Returns
   // the mean loss, on every rank.
   double reduce(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
+    run(tokens, targets, B, seq);
+    return mean_loss();
+  }
+
+  // After reduce(): the clip over every parameter of the pipeline (each chunk's part of the
+  // norm, summed over PP) and each chunk's AdamW step.
+  void update() { frame_.update(sum_of_squares()); }
+
+  // Activation slots chunk c holds: the most micro-batches it keeps in flight.
+  int slots(int chunk) const { return book_->slots(chunk); }
+
+ private:
+  // reduce() but the loss: every action of the table, then the tied tensors' gradients summed.
+  void run(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
     const std::size_t want = static_cast<std::size_t>(M_) * static_cast<std::size_t>(B) * static_cast<std::size_t>(seq);
     if (tokens.size() != want || targets.size() != want)
       throw std::invalid_argument("pipeline::Executor::step: tokens and targets must hold micro-batches * B * T = " +
@@ -150,25 +166,22 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     // neighbour needs it inside NCCL (a p2p connection is set up at first use, by both hosts)
     // would hang the pipeline.
     frame_.end();
+    sum_tied_grads();
+  }
+  // The step's mean loss, on every rank: the last stage's loss sum, over PP and DP.
+  double mean_loss() {
     double loss = 0;
     for_each_chunk([&]<int c>(auto& model, auto&) {
       if constexpr (std::remove_reference_t<decltype(model)>::has_head)
         loss = model.ops().loss_sum() / (static_cast<double>(b_) * model.local_length(T_));
     });
-    sum_tied_grads();
-    return dp0.average(all_reduce_pp(loss) / M_);
+    return std::get<0>(trainers_).average(all_reduce_pp(loss) / M_);
+  }
+  // The squared gradient norm of every parameter of the pipeline.
+  double sum_of_squares() {
+    return frame_.sum_of_squares([&](double sumsq) { return all_reduce_pp(sumsq); });
   }
 
-  // After reduce(): the clip over every parameter of the pipeline (each chunk's part of the
-  // norm, summed over PP) and each chunk's AdamW step.
-  void update() {
-    frame_.update([&](double sumsq) { return all_reduce_pp(sumsq); });
-  }
-
-  // Activation slots chunk c holds: the most micro-batches it keeps in flight.
-  int slots(int chunk) const { return book_->slots(chunk); }
-
- private:
   // ---- compute -----------------------------------------------------------------------------
 
   void compute(const Action& s) {

@@ -9,13 +9,15 @@
 //   ...the schedule's forwards, and each backward that writes chunk c's gradients:
 //   frame.gradients(c, trainer_c, [&] { model.backward(trainer_c.hooks(), slot); });
 //   frame.end();                                        // each trainer's end_micro_batches
-//   frame.update(sum_over_ranks);                       // the clip over every parameter, each AdamW step
+//   double sumsq = frame.sum_of_squares(sum_over_ranks); // the squared global gradient norm
+//   ...read the loss (on a device the norm waited for the step's work already)
+//   frame.update(sumsq);                                // the clip over every parameter, each AdamW step
 //
 // gradients() brackets the backward with the trainer's begin_backward and end_backward and
 // tells it whether this is the step's last for it (its M-th), where NoZeRO and ZeRO-1 reduce.
-// update() sums the trainers' parts of the squared gradient norm, hands the sum to
-// sum_over_ranks (the other pipeline stages' parts: an all-reduce over PP; the sum itself
-// without a pipeline) and gives every trainer the total: one clip over every parameter.
+// sum_of_squares() sums the trainers' parts of the squared gradient norm and hands the sum
+// to sum_over_ranks (the other pipeline stages' parts: an all-reduce over PP; the sum itself
+// without a pipeline); update() gives every trainer the total: one clip over every parameter.
 
 #include <array>
 #include <cstddef>
@@ -42,12 +44,18 @@ class StepFrame {
   void end() {
     each([](auto& dp) { dp.end_micro_batches(); });
   }
+  // The squared global gradient norm: the trainers' parts (on a device the host waits for
+  // them, the step's one wait: read the loss after this, not before, and the norm's kernels
+  // are queued behind the backward instead of after an idle wait), summed by sum_over_ranks.
   template <class SumOverRanks>
-  void update(SumOverRanks&& sum_over_ranks) {
+  double sum_of_squares(SumOverRanks&& sum_over_ranks) {
     double sumsq = 0;
     each([&](auto& dp) { sumsq += dp.grad_sum_of_squares(); });
-    sumsq = sum_over_ranks(sumsq);
-    each([&](auto& dp) { dp.update(sumsq); });
+    return sum_over_ranks(sumsq);
+  }
+  // Every trainer's clip to the global norm (sqrt of sum_of_squares()) and AdamW step.
+  void update(double total_sum_of_squares) {
+    each([&](auto& dp) { dp.update(total_sum_of_squares); });
   }
 
  private:

@@ -165,12 +165,13 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
     // schedule, forward and backward of each micro-batch in turn.
     pipeline::StepFrame<DataParallel> frame(accum(), std::tie(*this));
     frame.begin();
-    double loss = 0;
+    model.ops().begin_loss_sum();
     for (int k = 0; k < accum(); ++k) {
       const std::size_t off = (static_cast<std::size_t>(k) * static_cast<std::size_t>(B) + mine.begin) *
                               static_cast<std::size_t>(T_);
       if constexpr (has_hooks) model.enqueue_forward(tokens.data() + off, targets.data() + off, b, T_, hooks());
       else model.enqueue_forward(tokens.data() + off, targets.data() + off, b, T_);
+      model.add_to_loss_sum(0);  // on a device: added there, read once below
       frame.gradients(0, *this, [&] {
         if constexpr (has_hooks) {
           model.backward(hooks());
@@ -178,14 +179,15 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
           for (int u = 0; u < plan::units; ++u) this->grads_in_use(u);
           model.backward();
         }
-        // Read after backward is queued: on a device the host then waits while backward
-        // runs, not before it.
-        loss += model.loss();
       });
     }
     frame.end();
-    loss = this->average(loss / accum());
-    frame.update([](double sumsq) { return sumsq; });  // every parameter is here
+    // The host's one wait for the device (the norm's kernels queued behind the backward);
+    // the loss sum is ready by then.
+    const double sumsq = frame.sum_of_squares([](double s) { return s; });  // every parameter is here
+    const double rows = static_cast<double>(accum()) * b * Model::local_length(T_);
+    const double loss = this->average(model.ops().loss_sum() / rows);
+    frame.update(sumsq);
     return loss;
   }
 
