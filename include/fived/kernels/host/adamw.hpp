@@ -40,9 +40,9 @@ using adamw_state_t = std::conditional_t<std::is_same_v<T, double>, double, floa
 // arrays, with the weight decay or without. At most max_elements long, since a device gives
 // each chunk one block (AdamW cuts its ranges so: optim/adamw.hpp, adamw_chunks). Short, so
 // that a block ends soon: a launch lasts at least as long as its slowest block, and a step
-// makes one launch per owned range (a bucket). At 32Ki elements (128 a thread) a block took
-// ~0.28 ms on an H200, and a GPT-2 step's dozen launches of a few hundred blocks each cost
-// 4 ms more than the launch per tensor before them (bench/results/train-step-h200.txt).
+// makes one launch per owned range (a bucket). At 32Ki elements (128 a thread) GPT-2's 68
+// bucket launches on one GPU, ~56 blocks each, took ~60 us apiece on an H200: the step was
+// 4 ms slower than with the launch per tensor before them (bench/results/train-step-h200.txt).
 struct AdamWChunk {
   static constexpr std::size_t max_elements = std::size_t{1} << 11;  // 8 elements a thread of 256
   std::size_t begin = 0, end = 0;
