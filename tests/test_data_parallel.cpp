@@ -297,6 +297,28 @@ TEST_CASE("data parallel equals the serial run: DP 2 and 4, no ZeRO and ZeRO-1/2
                                       << worst.tensor_max << ", element " << worst.element);
 }
 
+// The step adds its micro-batches' losses up in the model's Ops and reads the sum once, after
+// the gradient norm: the mean over every row of the global batch, which (rows being equal in
+// number) is the mean of the micro-batches' own losses, as the model's forward reports them.
+TEST_CASE("a step's loss is the mean of its micro-batches' forward losses, before the update: accumulation 1 and 3") {
+  for (int accum : {1, 3}) {
+    Model m(init), probe(init);
+    DataParallel<Model> dp(m, hp, accum);
+    std::vector<int> tok, tgt;
+    global_batch(0, accum, tok, tgt);
+    double expected = 0;
+    for (int k = 0; k < accum; ++k) {
+      const std::size_t off = static_cast<std::size_t>(k) * B * T;
+      expected += probe.forward(tok.data() + off, tgt.data() + off, B, T);
+    }
+    expected /= accum;
+    const double loss = dp.step(tok, tgt, B, T);
+    if (accum == 1) CHECK(loss == expected);  // the same sum over the same rows, divided once
+    else CHECK(loss == doctest::Approx(expected).epsilon(1e-14));
+    CHECK(m.params()[0] != probe.params()[0]);  // and the step did update
+  }
+}
+
 TEST_CASE("DP x TP equals the serial run: Mesh<DP<2>, TP<2>>, no ZeRO and ZeRO-1/2/3, SP on and off") {
   for (int accum : {1, 3}) {
     CAPTURE(accum);
