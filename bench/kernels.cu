@@ -319,21 +319,16 @@ int main(int argc, char** argv) {
     // over that bucket's chunks. A launch lasts as long as its slowest block, so this row is
     // the one that shows chunks too long (32Ki elements cost a GPT-2 step 4 ms on an H200).
     using Plan = fived::BucketPlan<Layout, 1, sizeof(bf16), std::size_t{4} << 20>;
-    std::vector<fived::AdamWChunk> bucket_chunks;
-    std::vector<std::size_t> bucket_start;  // bucket i's chunks from bucket_start[i] to [i + 1]
-    for (std::size_t i = 0; i < Plan::count; ++i) {
-      bucket_start.push_back(bucket_chunks.size());
-      const std::vector<fived::AdamWChunk> c = fived::adamw_chunks(Layout::tensors, Plan::bucket(i).range);
-      bucket_chunks.insert(bucket_chunks.end(), c.begin(), c.end());
-    }
-    bucket_start.push_back(bucket_chunks.size());
-    Buffer<fived::AdamWChunk, Cuda> dbucket_chunks(std::span<const fived::AdamWChunk>(bucket_chunks), s);
+    std::vector<Buffer<fived::AdamWChunk, Cuda>> bucket_chunks;  // bucket i's, as AdamW cuts them
+    for (std::size_t i = 0; i < Plan::count; ++i)
+      bucket_chunks.emplace_back(std::span<const fived::AdamWChunk>(
+                                     fived::adamw_chunks(Layout::tensors, Plan::bucket(i).range)), s);
     row("adamw GPT-2, a launch per bucket", time_ms(s, [&] {
           for (std::size_t i = 0; i < Plan::count; ++i) {
             const std::size_t o = Plan::bucket(i).range.begin;
             ck::adamw_update_chunks(s, p.data() + o, master.data() + o, g.data() + o, m.data() + o, v.data() + o,
-                                    dbucket_chunks.data() + bucket_start[i], bucket_start[i + 1] - bucket_start[i],
-                                    6e-4, 0.9, 0.95, 1e-8, 0.1, 1, 0.5);
+                                    bucket_chunks[i].data(), bucket_chunks[i].size(), 6e-4, 0.9, 0.95, 1e-8, 0.1, 1,
+                                    0.5);
           }
         }), adamw_bytes, 0);
     row("grad sum_of_squares 124M", time_ms(s, [&] { ck::sum_of_squares(s, total.data(), g.data(), params); }),
