@@ -305,6 +305,9 @@ int main(int argc, char** argv) {
     const std::vector<fived::AdamWChunk> chunks = fived::adamw_chunks(Layout::tensors, {0, Layout::size});
     Buffer<fived::AdamWChunk, Cuda> dchunks(std::span<const fived::AdamWChunk>(chunks), s);
     const double adamw_bytes = (2 + 4 + 4 + 4 + 2 + 4 + 4 + 4) * static_cast<double>(params);
+    // The clip as a step gives it: a squared norm of 4 in device memory, max_norm 1 (factor ~0.5).
+    Buffer<double, Cuda> norm_total(std::span<const double>(std::vector<double>{4.0}), s);
+    const fived::GradClip clip{norm_total.data(), 1.0};
     row("adamw GPT-2, a launch per tensor", time_ms(s, [&] {
           for (const auto& t : Layout::tensors)
             ck::adamw_update(s, p.data() + t.offset, master.data() + t.offset, g.data() + t.offset,
@@ -313,7 +316,7 @@ int main(int argc, char** argv) {
         }), adamw_bytes, 0);
     row("adamw GPT-2, one launch (chunks)", time_ms(s, [&] {
           ck::adamw_update_chunks(s, p.data(), master.data(), g.data(), m.data(), v.data(), dchunks.data(),
-                                  chunks.size(), 6e-4, 0.9, 0.95, 1e-8, 0.1, 1, 0.5);
+                                  chunks.size(), 6e-4, 0.9, 0.95, 1e-8, 0.1, 1, clip);
         }), adamw_bytes, 0);
     // As a step makes them: a launch per bucket (DataParallel's default 4 MiB of bf16), each
     // over that bucket's chunks. A launch lasts as long as its slowest block, so this row is
@@ -328,11 +331,28 @@ int main(int argc, char** argv) {
             const std::size_t o = Plan::bucket(i).range.begin;
             ck::adamw_update_chunks(s, p.data() + o, master.data() + o, g.data() + o, m.data() + o, v.data() + o,
                                     bucket_chunks[i].data(), bucket_chunks[i].size(), 6e-4, 0.9, 0.95, 1e-8, 0.1, 1,
-                                    0.5);
+                                    clip);
           }
         }), adamw_bytes, 0);
     row("grad sum_of_squares 124M", time_ms(s, [&] { ck::sum_of_squares(s, total.data(), g.data(), params); }),
         e * params, 0);
+    // The norm as a step takes it now: the gradient in SquaresChunk pieces, one launch and
+    // the sum in order (train/bucket_trainer.hpp); before, two launches for each bucket.
+    std::vector<fived::SquaresChunk> norm_chunks;
+    for (std::size_t b = 0; b < params; b += fived::SquaresChunk::max_elements)
+      norm_chunks.push_back({b, std::min<std::size_t>(params, b + fived::SquaresChunk::max_elements)});
+    Buffer<fived::SquaresChunk, Cuda> dnorm_chunks(std::span<const fived::SquaresChunk>(norm_chunks), s);
+    Buffer<double, Cuda> norm_partials(norm_chunks.size()), norm_out(1);
+    Buffer<float, Cuda> partials(ck::sum_of_squares_partials);  // what Ops kept for the pair per bucket
+    row("grad norm GPT-2, chunks (as a step)", time_ms(s, [&] {
+          ck::sum_of_squares_chunks(s, norm_out.data(), norm_partials.data(), g.data(), dnorm_chunks.data(),
+                                    norm_chunks.size());
+        }), e * params, 0);
+    row("grad norm GPT-2, a pair per bucket (before)", time_ms(s, [&] {
+          for (std::size_t i = 0; i < Plan::count; ++i)
+            ck::sum_of_squares(s, total.data(), g.data() + Plan::bucket(i).range.begin, Plan::bucket(i).range.size(),
+                               partials.data());
+        }), e * params, 0);
     row("grad scale 124M", time_ms(s, [&] { ck::scale(s, g.data(), params, 0.999f); }), 2.0 * e * params, 0);
   }
   FIVED_CUDA_CHECK(cudaStreamSynchronize(s));

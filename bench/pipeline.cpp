@@ -107,8 +107,16 @@ struct NoTrainer {
   void begin_backward(bool) {}
   void end_backward() {}
   void end_micro_batches() {}
-  double grad_sum_of_squares() { return 0; }
-  void update(double) {}
+  struct NoOps {
+    void zero(double*, std::size_t) {}
+  };
+  struct NoModel {
+    NoOps none;
+    NoOps& ops() { return none; }
+  } nothing;
+  NoModel& model() { return nothing; }
+  void add_grad_sum_of_squares(double*) {}
+  void update(const double*) {}
   double average(double v) { return v; }
 };
 

@@ -772,32 +772,68 @@ TEST_CASE("adamw_chunks: a range cut at its tensors' edges and every max_element
   CHECK(fived::adamw_chunks(tensors, fived::FlatRange{7, 7}).empty());
 }
 
-TEST_CASE("adamw_update_chunks: each chunk with its tensor's decay, the gradients scaled as read, equal to a call per "
-          "tensor on scaled gradients") {
-  // Three tensors, decay on the middle one, cut in chunks; the clip factor 0.37 given to the
-  // update equals scaling the gradients first (float and double: the same products).
+TEST_CASE("adamw_update_chunks: each chunk with its tensor's decay, the gradients clipped as read, equal to a call "
+          "per tensor on clipped gradients") {
+  // Three tensors, decay on the middle one, cut in chunks; the clip the update computes from
+  // the squared norm it is given (16: norm 4, max_norm 1.5, factor 1.5 / (4 + 1e-6)) equals
+  // scaling the gradients first by that factor (float and double: the same products). No
+  // norm, or max_norm 0: no clip.
   const std::vector<ChunkTensor> tensors = {{0, 5, false}, {5, 9, true}, {14, 4, false}};
   const std::size_t n = 18;
-  const double f = 0.37, lr = 0.01, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
+  const double total = 16.0, lr = 0.01, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
   const auto chunks = fived::adamw_chunks(tensors, fived::FlatRange{0, n});
-  auto run = [&]<class T>(T) {
+  auto run = [&]<class T>(T, fived::GradClip clip, double f) {
     const auto w0 = to<T>(random_vec(n, 140)), g = to<T>(random_vec(n, 141));
     std::vector<T> p1 = w0, m1(n), v1(n), p2 = w0, m2(n), v2(n), gs = g;
     k::scale(gs.data(), n, f);
     for (int step = 1; step <= 2; ++step) {
       k::adamw_update_chunks(p1.data(), static_cast<T*>(nullptr), g.data(), m1.data(), v1.data(), chunks.data(),
-                             chunks.size(), lr, b1, b2, eps, wd, step, f);
+                             chunks.size(), lr, b1, b2, eps, wd, step, clip);
       for (const ChunkTensor& t : tensors)
         k::adamw_update(p2.data() + t.offset, static_cast<T*>(nullptr), gs.data() + t.offset, m2.data() + t.offset,
                         v2.data() + t.offset, t.size, lr, b1, b2, eps, t.decay ? wd : 0.0, step);
     }
     for (std::size_t i = 0; i < n; ++i) CHECK((p1[i] == p2[i] && m1[i] == m2[i] && v1[i] == v2[i]));
   };
-  run(float{});
-  run(double{});
+  const double f = 1.5 / (4.0 + 1e-6);
+  REQUIRE(k::clip_factor(total, 1.5) == f);
+  run(float{}, {&total, 1.5}, f);
+  run(double{}, {&total, 1.5}, f);
+  run(double{}, {&total, 0.0}, 1.0);    // clipping off
+  run(double{}, {nullptr, 1.5}, 1.0);   // no norm given
+  run(double{}, {&total, 100.0}, 1.0);  // under the limit
 }
 
 // ---------------------------------------------------------------- norm
+
+TEST_CASE("sum_of_squares_chunks: the chunks' sums in order, written (not added); add_scalar adds one double") {
+  // Chunks of one array, out of order and with a gap: each partial is its chunk's sum, the
+  // total their sum in chunk order, and what *out held before is gone.
+  std::vector<double> g(40);
+  for (std::size_t i = 0; i < g.size(); ++i) g[i] = 0.5 * static_cast<double>(i) - 3.0;
+  const std::vector<fived::SquaresChunk> chunks = {{20, 37}, {0, 7}, {7, 8}, {38, 40}};
+  std::vector<double> partials(chunks.size(), -1.0);
+  double out = 1e9;
+  k::sum_of_squares_chunks(&out, partials.data(), g.data(), chunks.data(), chunks.size());
+  double want = 0;
+  for (std::size_t c = 0; c < chunks.size(); ++c) {
+    CAPTURE(c);
+    CHECK(partials[c] == k::sum_of_squares(g.data() + chunks[c].begin, chunks[c].end - chunks[c].begin));
+    want += partials[c];
+  }
+  CHECK(out == want);  // written: the 1e9 it held is gone
+  const std::vector<bf16> gb = {bf16(3.0f), bf16(-4.0f), bf16(12.0f)};
+  const fived::SquaresChunk whole{0, 3};
+  double p = 0;
+  k::sum_of_squares_chunks(&out, &p, gb.data(), &whole, 1);
+  CHECK(out == 169.0);
+  k::sum_of_squares_chunks(&out, &p, gb.data(), &whole, 0);
+  CHECK(out == 0.0);  // no chunks: zero
+  double into = 2.5;
+  const double x = 0.25;
+  k::add_scalar(&into, &x);
+  CHECK(into == 2.75);
+}
 
 TEST_CASE("sum_of_squares, scale, clip_factor closed forms") {
   const std::vector<double> g = {3.0, -4.0, 12.0};

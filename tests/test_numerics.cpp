@@ -283,7 +283,7 @@ void train(Model& m, Dp& dp, Run& r) {
     }
     dp.end_micro_batches();
     r.grads.push_back(m.gather_grads());
-    dp.update(dp.grad_sum_of_squares());
+    dp.update();
     r.clip.push_back(dp.last_clip());
     r.params.push_back(m.gather_params());
   }

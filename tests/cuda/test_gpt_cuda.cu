@@ -31,6 +31,7 @@
 
 #include <fived/nn/cuda/ops.hpp>  // first: GPT<Cfg, Mesh<>, T, Cuda> needs Ops<T, Cuda>
 #include <fived/nn/gpt.hpp>
+#include <fived/train/data_parallel.hpp>
 
 #include "gpu_support.hpp"
 #include "../support/compare.hpp"
@@ -248,6 +249,71 @@ TEST_CASE("save on CUDA, load on the host (and back): exact, float and bf16, tie
   roundtrip.operator()<tiny, float>("float");
   roundtrip.operator()<tiny, bf16>("bf16");
   roundtrip.operator()<tiny_untied, float>("untied_float");
+}
+
+// The step's tail, from the reduced gradients to the new weights (the norm, its sums, the
+// clip and AdamW), queued with no host wait and no allocation: it captures into a CUDA graph
+// in global mode (where a synchronising call fails the capture), the graph holds no memory
+// node, and the captured step gives the plain step's weights bit for bit. bf16: the masters
+// too. Both trainers take a first plain step, which uploads AdamW's chunks and starts the masters.
+TEST_CASE_TEMPLATE("a step's norm, clip and AdamW wait for nothing and allocate nothing: they capture as a CUDA graph",
+                   TT, float, bf16) {
+  using Model = GPT<tiny, Mesh<>, TT, Cuda>;
+  const fived::AdamWConfig hp{.lr = 1e-2, .beta2 = 0.95, .weight_decay = 0.1, .max_norm = 0.05};  // clips
+  Model a(init), b(init);
+  fived::DataParallel<Model> plain(a, hp), captured(b, hp);
+  std::vector<int> tok, tgt;
+  batch(tok, tgt);
+  CHECK(plain.step(tok, tgt, B, T) == captured.step(tok, tgt, B, T));
+  batch(tok, tgt, 1);
+  auto backward = [&](Model& m, fived::DataParallel<Model>& dp) {
+    dp.begin_step();
+    m.forward(tok.data(), tgt.data(), B, T, dp.hooks());
+    dp.begin_backward(true);
+    m.backward(dp.hooks());
+    dp.end_backward();
+    dp.end_micro_batches();
+  };
+  backward(a, plain);
+  backward(b, captured);
+  b.ops().synchronize();
+  plain.update();
+
+  cudaStream_t s = b.ops().stream();
+  cudaGraph_t graph = nullptr;
+  FIVED_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  captured.update();
+  FIVED_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  std::size_t n = 0;
+  FIVED_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &n));
+  std::vector<cudaGraphNode_t> nodes(n);
+  FIVED_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &n));
+  int kernels = 0, memory = 0, host = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType t{};
+    FIVED_CUDA_CHECK(cudaGraphNodeGetType(node, &t));
+    kernels += t == cudaGraphNodeTypeKernel;
+    memory += t == cudaGraphNodeTypeMemAlloc || t == cudaGraphNodeTypeMemFree;
+    host += t == cudaGraphNodeTypeHost;
+  }
+  CAPTURE(n);
+  CHECK(kernels >= 4);  // the norm's two, its part added to the total, AdamW's (one a bucket)
+  CHECK(memory == 0);
+  CHECK(host == 0);
+  cudaGraphExec_t exec = nullptr;
+  FIVED_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  FIVED_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  FIVED_CUDA_CHECK(cudaStreamSynchronize(s));
+  FIVED_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  FIVED_CUDA_CHECK(cudaGraphDestroy(graph));
+
+  CHECK(plain.last_clip() < 1.0);  // clipped: the factor came from the device's norm
+  CHECK(plain.last_clip() == captured.last_clip());
+  CHECK(plain.grad_norm() == captured.grad_norm());
+  const std::vector<TT> pa = a.params_to_host(), pb = b.params_to_host();
+  CHECK(std::memcmp(pa.data(), pb.data(), pa.size() * sizeof(TT)) == 0);
+  CHECK(plain.optimizer().step_count() == 2);
+  CHECK(captured.optimizer().step_count() == 2);
 }
 
 int main(int argc, char** argv) {

@@ -567,11 +567,16 @@ TEST_CASE_TEMPLATE("AdamW over chunks: a block per chunk, each with its decay, t
   const auto chunks = fived::adamw_chunks(tensors, fived::FlatRange{0, c.n});
   REQUIRE(chunks.size() == 5);
   auto dchunks = up(chunks);
-  const double f = 0.37;  // a clip factor
+  // The clip factor, computed by the kernel from the squared norm in device memory.
+  const double total = 7.3, max_norm = 1.0;
+  const double f = hk::clip_factor(total, max_norm);
+  REQUIRE(f < 0.5);
+  auto dtotal = up(std::vector<double>{total});
   hk::adamw_update_chunks(c.param.data(), c.master.data(), c.grad.data(), c.m.data(), c.v.data(), chunks.data(),
-                          chunks.size(), 1e-3, 0.9, 0.95, 1e-8, 0.1, 4, f);
+                          chunks.size(), 1e-3, 0.9, 0.95, 1e-8, 0.1, 4, fived::GradClip{&total, max_norm});
   ck::adamw_update_chunks(stream(), c.dparam.data(), c.dmaster.data(), c.dgrad.data(), c.dm.data(), c.dv.data(),
-                          dchunks.data(), chunks.size(), 1e-3, 0.9, 0.95, 1e-8, 0.1, 4, f);
+                          dchunks.data(), chunks.size(), 1e-3, 0.9, 0.95, 1e-8, 0.1, 4,
+                          fived::GradClip{dtotal.data(), max_norm});
   c.check();
   // The decay reached the middle tensor only: without it the first tensor's masters are the same.
   auto m_no = c.m0, v_no = c.v0, master_no = c.master0;
@@ -602,6 +607,43 @@ TEST_CASE_TEMPLATE("gradient norm: sum of squares, scale, clip", T, ELEMENT_TYPE
   hk::scale(h2.data(), h2.size(), f);
   ck::clip_scale(stream(), d2.data(), g2.size(), total.data(), max_norm);  // factor computed on the device
   CHECK_CLOSE(h2, down(d2), bound<T>(fp32_elem));
+}
+
+TEST_CASE_TEMPLATE("gradient norm over chunks: a block per chunk, the sum in order, written to a double", T,
+                   ELEMENT_TYPES) {
+  // Chunks as a trainer cuts them: whole ones of max_elements, pieces that start unaligned
+  // (16-byte loads only where a chunk starts aligned), one element, out of order.
+  constexpr std::size_t M = fived::SquaresChunk::max_elements;
+  const std::size_t n = 3 * M + 1001;
+  const auto g = rnd<T>(n, 33);
+  auto dg = up(g);
+  const std::vector<fived::SquaresChunk> chunks = {{0, M}, {M, 2 * M}, {2 * M + 3, 3 * M}, {3 * M + 1, 3 * M + 2},
+                                                   {3 * M + 5, n}, {2 * M, 2 * M + 3}};
+  auto dchunks = up(chunks);
+  Buffer<double, Cuda> partials(chunks.size());
+  auto out = up(std::vector<double>{1e9});  // written, not added to
+  ck::sum_of_squares_chunks(stream(), out.data(), partials.data(), dg.data(), dchunks.data(), chunks.size());
+  std::vector<double> want(chunks.size());
+  double ref = 0;
+  for (std::size_t i = 0; i < chunks.size(); ++i)
+    ref += want[i] = hk::sum_of_squares(g.data() + chunks[i].begin, chunks[i].end - chunks[i].begin);
+  const std::vector<double> got = down(partials);
+  for (std::size_t i = 0; i < chunks.size(); ++i) {
+    CAPTURE(i);
+    CHECK(std::fabs(got[i] - want[i]) <= 1e-5 * want[i] + 1e-30);  // a block's float sum
+  }
+  const double total = down(out)[0];
+  CHECK(std::fabs(total - ref) <= 1e-5 * ref);
+  // The same chunks give the same bits (a fixed order, no atomics).
+  ck::sum_of_squares_chunks(stream(), out.data(), partials.data(), dg.data(), dchunks.data(), chunks.size());
+  CHECK(down(out)[0] == total);
+  // add_scalar: one double into another, on the stream.
+  auto into = up(std::vector<double>{0.5});
+  ck::add_scalar(stream(), into.data(), out.data());
+  CHECK(down(into)[0] == 0.5 + total);
+  // No chunks: zero.
+  ck::sum_of_squares_chunks(stream(), out.data(), partials.data(), dg.data(), dchunks.data(), 0);
+  CHECK(down(out)[0] == 0.0);
 }
 
 TEST_CASE_TEMPLATE("attention forward and backward (flash-style) against the reference", T, ELEMENT_TYPES) {

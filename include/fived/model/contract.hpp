@@ -49,7 +49,7 @@ concept ModelType = requires(int T) {
 
 template <class M>
 concept ModelPart = ModelType<M> && requires(M& m, const M& cm, const int* ids, const UnitHooks& h, FlatRange r,
-                                             double s, int k) {
+                                             std::span<double> s, int k) {
   { m.ops() } -> std::same_as<typename M::ops_type&>;
   { m.params() } -> std::convertible_to<std::span<typename M::value_type>>;
   { m.grads() } -> std::convertible_to<std::span<typename M::value_type>>;
@@ -59,7 +59,7 @@ concept ModelPart = ModelType<M> && requires(M& m, const M& cm, const int* ids, 
   m.backward(h, k);
   { cm.loss(k) } -> std::convertible_to<double>;
   { cm.norm_parts(r) } -> std::convertible_to<std::vector<FlatRange>>;
-  { m.sum_over_tp(s) } -> std::convertible_to<double>;
+  m.sum_over_tp(s);
   { m.params_to_host() } -> std::convertible_to<std::vector<typename M::value_type>>;
   { m.gather_params() } -> std::convertible_to<std::vector<typename M::value_type>>;
   { M::local_length(k) } -> std::convertible_to<int>;

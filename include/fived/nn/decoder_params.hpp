@@ -74,9 +74,10 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
   std::vector<T> gather_grads() { return gather(grads_); }
 
   // The clip norm, every parameter counted once over TP: the parts of r (flat offsets)
-  // this rank counts, and a sum over the TP group (nothing to sum at TP 1).
+  // this rank counts, and a sum over the TP group of values in device memory, in the order
+  // of the model's kernels (nothing to sum at TP 1).
   std::vector<FlatRange> norm_parts(FlatRange r) const { return layout::norm_parts(r, tp_rank()); }
-  double sum_over_tp(double s) { return comm_.all_reduce_host(s); }
+  void sum_over_tp(std::span<double> s) { comm_.all_reduce(s); }
 
   // ---- initial values, when GptInit::deferred leaves them to the trainer ----------------------
 
@@ -112,7 +113,7 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
     void zero_grad() { m_.ops_.zero(m_.expert_grads_); }
     std::vector<T> params_to_host() const { return m_.ops_.to_host(std::span<const T>(m_.expert_params_.span())); }
     std::vector<FlatRange> norm_parts(FlatRange r) const { return layout::norm_parts(r, m_.tp_rank()); }
-    double sum_over_tp(double s) { return m_.ep_comm_.all_reduce_host(m_.comm_.all_reduce_host(s)); }
+    void sum_over_tp(std::span<double> s) { m_.comm_.all_reduce(s), m_.ep_comm_.all_reduce(s); }
     bool init_deferred() const { return m_.init_.deferred && !m_.experts_init_written_; }
     std::vector<T> initial_params(FlatRange r) const { return m_.template initial<layout>(r, m_.ep_rank_); }
     void init_done() { m_.experts_init_written_ = true; }

@@ -26,16 +26,16 @@
 //     shard), logits_max,
 //     crossentropy_partials, crossentropy_backward, crossentropy_fused (the three in one, for
 //     an unsplit vocabulary), adamw_update_chunks (a range's tensors in chunks, each with its
-//     weight decay, the gradients scaled as read: kernels/host/adamw.hpp), gelu_forward, scale,
+//     weight decay, the gradients clipped as read, the factor computed there from the norm in
+//     device memory: kernels/host/adamw.hpp), sum_of_squares_chunks (a gradient's squared norm
+//     over chunks into a double of device memory) and add_scalar (one double added to
+//     another: the norm's parts), gelu_forward, scale,
 //     to_fp32 (fp32 master weights from the parameters), from_acc (stat_t -> T), and ring
 //     attention's pieces attention_block_forward, attention_row_dot, attention_block_backward;
 //     a mixture of experts' router_scores, router_topk, dispatch_plan (counts to host memory),
 //     gather_rows, moe_combine(_backward), moe_dispatch_backward, router_backward,
 //     router_score_sums
 //   regroup(U* out, const U* in, outer, n, block, Blocks::split | join)   any U; for redistribute
-//   the global gradient norm, a sum of squares over many pieces read back once:
-//     begin_sum_of_squares(); add_sum_of_squares(g, n) ...; double sum_of_squares()
-//     (accumulated on the device, in float on Cuda; the last call waits for the device)
 //   buffer<U> make_buffer(size_t n)                       n zeroed elements, ready for use
 //   buffer<U> make_buffer(size_t n, releasable_pages)     the same, its pages given back a range
 //       at a time: release_pages(std::span<U>) (reads as zeros on the host; unmapped on CUDA
@@ -140,11 +140,6 @@ struct Ops<T, Host> {
     kernels::host::dispatch_plan(token_of, pos, host_counts, expert, N, k, E, capacity);
   }
 
-  // The sum of squares of every piece added since begin_sum_of_squares(), in double.
-  void begin_sum_of_squares() { sumsq_ = 0; }
-  void add_sum_of_squares(const T* g, std::size_t n) { sumsq_ += kernels::host::sum_of_squares(g, n); }
-  double sum_of_squares() const { return sumsq_; }
-
   // The loss of every row added since begin_loss_sum(), in double.
   void begin_loss_sum() { loss_sum_ = 0; }
   void add_loss_sum(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N) {
@@ -212,7 +207,6 @@ struct Ops<T, Host> {
   void synchronize() {}
 
  private:
-  double sumsq_ = 0;
   double loss_sum_ = 0;
 };
 

@@ -9,7 +9,7 @@
 // T and stat_t are the Ops' element and statistics types. What a device runs its own way is
 // written in its Ops: matmul (cuBLASLt on Cuda), whole-sequence attention (cuDNN where fived
 // was built with it), the MoE dispatch plan (its scratch and the counts read back), regroup,
-// and the sums read back once (sum_of_squares, loss_sum).
+// and the loss sum read back once (loss_sum).
 //
 // (A macro, because a kernel's name must be spelled in each device's namespace: the list is
 // the one place that names a kernel's parameters above the kernels.)
@@ -67,8 +67,12 @@
     (losses, dlogits, max, sumexp, target_logit, logits, targets, N, Vp, V, dloss))                              \
   X(adamw_update_chunks, (T* param, adamw_state_t<T>* master, const T* grad, adamw_state_t<T>* m,              \
       adamw_state_t<T>* v, const AdamWChunk* chunks, std::size_t count, double lr, double beta1, double beta2,   \
-      double eps, double weight_decay, int step, double grad_scale),                                             \
-    (param, master, grad, m, v, chunks, count, lr, beta1, beta2, eps, weight_decay, step, grad_scale))           \
+      double eps, double weight_decay, int step, GradClip clip),                                                 \
+    (param, master, grad, m, v, chunks, count, lr, beta1, beta2, eps, weight_decay, step, clip))                 \
+  X(sum_of_squares_chunks, (double* out, double* partials, const T* base, const SquaresChunk* chunks,           \
+      std::size_t count),                                                                                        \
+    (out, partials, base, chunks, count))                                                                        \
+  X(add_scalar, (double* into, const double* x), (into, x))                                                      \
   X(scale, (T* g, std::size_t n, double factor), (g, n, factor))                                                 \
   X(to_fp32, (float* dst, const T* src, std::size_t n), (dst, src, n))                                           \
   X(from_acc, (T* dst, const stat_t* src, std::size_t n), (dst, src, n))                                         \

@@ -2,7 +2,7 @@
 // AdamW over ranges of a flat parameter buffer, on any device.
 //
 //   fived::AdamW<Model::layout, T, Device> opt({.lr = 2e-3f, .beta2 = 0.95f, .weight_decay = 0.1f, .max_norm = 1.0f}, owned);
-//   opt.begin_step(clip);                                                     // one step...
+//   opt.begin_step(total_sum_of_squares);                                     // one step...
 //   for (FlatRange r : opt.owned()) opt.update(model.ops(), params, grads, r);  // ...over each owned range
 //
 // The training step that clips the global norm and calls this (the one optimizer step of
@@ -28,8 +28,10 @@
 // here) and the update of an owned range is one adamw_update_chunks of the Ops passed to
 // update(), queued on its stream: the range cut once into chunks, each inside one tensor and
 // with its weight decay (adamw_chunks, below), the gradients multiplied by the step's clip
-// factor as they are read (no pass of their own). Spans and ranges are device memory then
-// (exp_avg() and friends too).
+// factor as they are read (no pass of their own), the factor computed by the kernel from the
+// squared global norm in device memory (kernels/host/adamw.hpp: GradClip): the host never
+// reads the norm before the update. Spans and ranges are device memory then (exp_avg() and
+// friends too).
 
 #include <algorithm>
 #include <cstddef>
@@ -147,11 +149,12 @@ class AdamW {
 
   // ---- steps -----------------------------------------------------------------------------
 
-  // Counts one step; update() then applies it range by range, every gradient multiplied by
-  // grad_scale as it is read (the clip factor: clip_factor() of the global norm).
-  void begin_step(double grad_scale = 1.0) {
+  // Counts one step; update() then applies it range by range, every gradient multiplied as
+  // it is read by clip_factor(*total_sum_of_squares), the squared global norm: one double in
+  // the device's memory, read by the kernels (null: no clip).
+  void begin_step(const double* total_sum_of_squares = nullptr) {
     ++step_;
-    grad_scale_ = grad_scale;
+    clip_ = {total_sum_of_squares, hp.max_norm};
   }
 
   // The current step (begin_step) over r, one of owned(), with the kernels of `ops` (an
@@ -180,7 +183,7 @@ class AdamW {
     ops.adamw_update_chunks(params.data() + shifted.begin, master, grads.data() + shifted.begin, m_.data() + start_[k],
                             v_.data() + start_[k], chunks_.data() + chunk_start_[k],
                             chunk_start_[k + 1] - chunk_start_[k], hp.lr, hp.beta1, hp.beta2, hp.eps,
-                            hp.weight_decay, step_, grad_scale_);
+                            hp.weight_decay, step_, clip_);
   }
 
  private:
@@ -217,7 +220,7 @@ class AdamW {
   std::vector<bool> master_ready_;
   bool chunks_ready_ = false;  // uploaded into chunks_
   int step_ = 0;
-  double grad_scale_ = 1.0;
+  GradClip clip_;
   Buffer<state_type, Device> m_, v_, master_;
   Buffer<AdamWChunk, Device> chunks_;
 };

@@ -78,7 +78,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   Executor(Shape shape, int rank, std::vector<Action> program, C& pp, std::tuple<Models&...> chunks,
            std::tuple<Trainers&...> trainers)
       : shape_(shape), rank_(rank), program_(std::move(program)), M_(shape.micro_batches), pp_(pp), chunks_(chunks),
-        trainers_(trainers), frame_(shape.micro_batches, trainers) {
+        trainers_(trainers), norm_total_(1), frame_(shape.micro_batches, trainers, norm_total_.span()) {
     if (!shape_.valid() || shape_.chunks != V || rank < 0 || rank >= shape_.ranks)
       throw std::invalid_argument("pipeline::Executor: rank " + std::to_string(rank) + " with " + std::to_string(V) +
                                   " model chunks does not fit the schedule's shape (" + std::to_string(shape_.ranks) +
@@ -114,10 +114,8 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   // its rows of every micro-batch). Returns the mean loss, on every rank.
   double step(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
     run(tokens, targets, B, seq);
-    const double sumsq = sum_of_squares();  // the host's wait (the norm's kernels queued behind the step's)
-    const double loss = mean_loss();        // ready by then
-    frame_.update(sumsq);
-    return loss;
+    update();
+    return mean_loss();  // the host's one wait, with the whole step queued
   }
 
   // The step without its update: forwards and backwards as the table says, the gradients
@@ -130,7 +128,10 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
 
   // After reduce(): the clip over every parameter of the pipeline (each chunk's part of the
   // norm, summed over PP) and each chunk's AdamW step.
-  void update() { frame_.update(sum_of_squares()); }
+  void update() {
+    frame_.sum_of_squares([&](std::span<double> total) { sum_over_pp_in_device(total); });
+    frame_.update();
+  }
 
   // Activation slots chunk c holds: the most micro-batches it keeps in flight.
   int slots(int chunk) const { return book_->slots(chunk); }
@@ -176,10 +177,6 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
         loss = model.ops().loss_sum() / (static_cast<double>(b_) * model.local_length(T_));
     });
     return std::get<0>(trainers_).average(all_reduce_pp(loss) / M_);
-  }
-  // The squared gradient norm of every parameter of the pipeline.
-  double sum_of_squares() {
-    return frame_.sum_of_squares([&](double sumsq) { return all_reduce_pp(sumsq); });
   }
 
   // ---- compute -----------------------------------------------------------------------------
@@ -284,6 +281,10 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     if constexpr (requires { pp_.all_reduce_host(v, op); }) pp_.all_reduce_host(v, op);
     else pp_.all_reduce(std::span<const double>(v), v, op);
   }
+  // Values in the chunks' device memory (the gradient norm), summed in the order of their kernels.
+  void sum_over_pp_in_device(std::span<double> v) {
+    if (pp_.size() > 1) pp_.all_reduce(std::span<const double>(v), v, ReduceOp::sum);
+  }
   double all_reduce_pp(double v) {
     if (pp_.size() == 1) return v;  // no pipeline (Accumulate<M>): nothing to reduce
     if constexpr (requires { pp_.all_reduce_host(std::span<double>(&v, 1), ReduceOp::sum); })
@@ -376,7 +377,8 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   C& pp_;
   std::tuple<Models&...> chunks_;
   std::tuple<Trainers&...> trainers_;
-  StepFrame<Trainers...> frame_;  // begin, each backward's bracket, end, the clip and the updates
+  Buffer<double, Device> norm_total_;  // the step's squared gradient norm, summed over PP (device memory)
+  StepFrame<Trainers...> frame_;        // begin, each backward's bracket, end, the clip and the updates
   std::optional<SlotBook> book_;  // which slot each micro-batch holds (made once the program is checked)
   std::vector<Buffer<T, Device>> grad_in_, grad_out_;
   std::size_t boundary_capacity_ = 0;

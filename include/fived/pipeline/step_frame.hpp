@@ -4,23 +4,27 @@
 // Accumulate<M>, run in place). Over the trainers of a rank's chunks, each a DataParallel
 // (train/data_parallel.hpp, the step in pieces):
 //
-//   StepFrame frame(M, std::tie(trainer0, trainer1));   // M micro-batches a step
+//   StepFrame frame(M, std::tie(trainer0, trainer1), total);  // M micro-batches a step
 //   frame.begin();                                      // each trainer's begin_step
 //   ...the schedule's forwards, and each backward that writes chunk c's gradients:
 //   frame.gradients(c, trainer_c, [&] { model.backward(trainer_c.hooks(), slot); });
 //   frame.end();                                        // each trainer's end_micro_batches
-//   double sumsq = frame.sum_of_squares(sum_over_ranks); // the squared global gradient norm
-//   ...read the loss (on a device the norm waited for the step's work already)
-//   frame.update(sumsq);                                // the clip over every parameter, each AdamW step
+//   frame.sum_of_squares(sum_over_ranks);               // the squared global gradient norm, into total
+//   frame.update();                                     // the clip over every parameter, each AdamW step
+//   ...then read the loss: the host's one wait, after all of the step is queued
 //
 // gradients() brackets the backward with the trainer's begin_backward and end_backward and
 // tells it whether this is the step's last for it (its M-th), where NoZeRO and ZeRO-1 reduce.
-// sum_of_squares() sums the trainers' parts of the squared gradient norm and hands the sum
-// to sum_over_ranks (the other pipeline stages' parts: an all-reduce over PP; the sum itself
-// without a pipeline); update() gives every trainer the total: one clip over every parameter.
+// sum_of_squares() adds the trainers' parts of the squared gradient norm into `total` (one
+// double in the device's memory, which the caller keeps) and hands it to sum_over_ranks (the
+// other pipeline stages' parts: an all-reduce over PP on the device; nothing without a
+// pipeline); update() gives every trainer that total: one clip over every parameter, its
+// factor computed by the AdamW kernels where they run. On a device the host waits for none
+// of it: the norm, its collectives and the updates are queued behind the backward.
 
 #include <array>
 #include <cstddef>
+#include <span>
 #include <tuple>
 
 namespace fived::pipeline {
@@ -28,7 +32,8 @@ namespace fived::pipeline {
 template <class... Trainers>
 class StepFrame {
  public:
-  StepFrame(int micro_batches, std::tuple<Trainers&...> trainers) : M_(micro_batches), trainers_(trainers) {}
+  StepFrame(int micro_batches, std::tuple<Trainers&...> trainers, std::span<double> total)
+      : M_(micro_batches), trainers_(trainers), total_(total) {}
 
   void begin() {
     backwards_.fill(0);
@@ -44,18 +49,16 @@ class StepFrame {
   void end() {
     each([](auto& dp) { dp.end_micro_batches(); });
   }
-  // The squared global gradient norm: the trainers' parts (on a device the host waits for
-  // them, the step's one wait: read the loss after this, not before, and the norm's kernels
-  // are queued behind the backward instead of after an idle wait), summed by sum_over_ranks.
+  // The squared global gradient norm into total: the trainers' parts, then sum_over_ranks(total).
   template <class SumOverRanks>
-  double sum_of_squares(SumOverRanks&& sum_over_ranks) {
-    double sumsq = 0;
-    each([&](auto& dp) { sumsq += dp.grad_sum_of_squares(); });
-    return sum_over_ranks(sumsq);
+  void sum_of_squares(SumOverRanks&& sum_over_ranks) {
+    std::get<0>(trainers_).model().ops().zero(total_.data(), total_.size());
+    each([&](auto& dp) { dp.add_grad_sum_of_squares(total_.data()); });
+    sum_over_ranks(total_);
   }
-  // Every trainer's clip to the global norm (sqrt of sum_of_squares()) and AdamW step.
-  void update(double total_sum_of_squares) {
-    each([&](auto& dp) { dp.update(total_sum_of_squares); });
+  // Every trainer's clip to the global norm (sqrt of the total) and AdamW step.
+  void update() {
+    each([&](auto& dp) { dp.update(total_.data()); });
   }
 
  private:
@@ -66,6 +69,7 @@ class StepFrame {
 
   int M_;
   std::tuple<Trainers&...> trainers_;
+  std::span<double> total_;  // one double of device memory
   std::array<int, sizeof...(Trainers)> backwards_{};  // per chunk: backwards that wrote gradients this step
 };
 

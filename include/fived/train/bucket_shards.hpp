@@ -206,6 +206,11 @@ class BucketShards {
     if constexpr (stage >= 2) return piece_of(grad_pieces_, i).first(owned(i).size());
     else return model_.grads().subspan(owned(i).begin, owned(i).size());
   }
+  // Where every owned_grads(i) lies: the model's gradient buffer, or (ZeRO-2/3) this rank's pieces.
+  std::span<T> owned_grad_store() {
+    if constexpr (stage >= 2) return grad_pieces_.span();
+    else return model_.grads();
+  }
   static constexpr bool overlaps(FlatRange a, FlatRange b) { return a.begin < b.end && b.begin < a.end; }
   std::span<T> owned_params(std::size_t i) {
     if constexpr (stage == 3) return param_piece(i).first(owned(i).size());

@@ -7,7 +7,7 @@
 // second one for a mixture of experts' experts, and the step loop over them.
 //
 // Buffers: a model, or a view of its experts (Model::Experts), with ops(), params(), grads(),
-// zero_grad(), norm_parts(r), sum_over_tp(s), params_to_host(), a layout
+// zero_grad(), norm_parts(r), sum_over_tp(std::span<double>), params_to_host(), a layout
 // (nn/param_table.hpp) and a gradient group (grad_group, or the mesh's DP x CP).
 
 #include <algorithm>
@@ -19,6 +19,8 @@
 #include <vector>
 
 #include "fived/comm/types.hpp"
+#include "fived/device/buffer.hpp"
+#include "fived/kernels/host/norm.hpp"
 #include "fived/mesh/context.hpp"
 #include "fived/model/unit_hooks.hpp"
 #include "fived/optim/adamw.hpp"
@@ -62,8 +64,10 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
   //   begin_step();
   //   per micro-batch: model.forward(..., hooks()); ... begin_backward(last); model.backward(hooks()); end_backward();
   //   end_micro_batches();
-  //   update(total sum of squares of the gradient: grad_sum_of_squares() summed over whatever
-  //          else holds parameters, e.g. the other pipeline stages)
+  //   add_grad_sum_of_squares(total);   // total: one double of device memory, zeroed; then
+  //                                     // whatever else holds parameters adds theirs (other
+  //                                     // pipeline stages: an all-reduce over PP)
+  //   update(total);
 
   // Zeroes the gradients (or, under ZeRO-2/3, the gradient pieces).
   void begin_step() {
@@ -96,25 +100,31 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
     if constexpr (stage == 3)
       for (int u = 0; u < plan::units; ++u) release_params(u);
   }
-  // This replica's part of the squared global gradient norm, every parameter counted once
-  // over TP and the DP group (a collective over them; on a device the host reads it).
-  double grad_sum_of_squares() {
+  // Adds this replica's part of the squared global gradient norm to *total (one double of
+  // device memory), every parameter counted once over TP and the DP group: its owned
+  // gradients' squares in one sum over fixed chunks (norm_chunks_, cut once), summed over TP
+  // (the model's sum_over_tp) and, under ZeRO, the group, all in device memory in the
+  // order of the model's kernels. The host waits for nothing.
+  void add_grad_sum_of_squares(double* total) {
     ops_type& ops = model_.ops();
-    ops.begin_sum_of_squares();
-    for (std::size_t i = 0; i < plan::count; ++i) add_sum_of_squares(ops, i);
-    double s = model_.sum_over_tp(ops.sum_of_squares());
-    if constexpr (stage >= 1) s = comm_.all_reduce_host(s);  // NoZeRO: every replica has the same sum
-    return s;
+    ops.sum_of_squares_chunks(norm_.data(), norm_partials_.data(), this->owned_grad_store().data(),
+                              norm_chunks_.data(), norm_chunks_.size());
+    model_.sum_over_tp(norm_.span());
+    if constexpr (stage >= 1) {  // NoZeRO: every replica has the same sum
+      queue_.submit([this](ops_type&) { comm_.all_reduce(norm_.span()); }, false);  // the group's side
+      queue_.drain();
+    }
+    ops.add_scalar(total, norm_.data());
   }
-  // Clips to the global norm sqrt(total_sum_of_squares) (when max_norm is set) and takes one
-  // AdamW step on what this rank owns, in one pass (the gradients in the buffer stay as
-  // reduced), then (NoZeRO aside) the new parameters to every replica: all-gathered now
-  // under ZeRO-1/2, at their next use under ZeRO-3. Returns the clip factor.
-  double update(double total_sum_of_squares) {
+  // Clips to the global norm sqrt(*total_sum_of_squares) (when max_norm is set: the factor is
+  // computed by AdamW's kernels from the total in device memory) and takes one AdamW step on
+  // what this rank owns, in one pass (the gradients in the buffer stay as reduced), then
+  // (NoZeRO aside) the new parameters to every replica: all-gathered now under ZeRO-1/2, at
+  // their next use under ZeRO-3. The total must stay there until grad_norm() is read.
+  void update(const double* total_sum_of_squares) {
     ops_type& ops = model_.ops();
-    last_norm_ = std::sqrt(total_sum_of_squares);
-    const double f = last_clip_ = opt_.clip_factor(total_sum_of_squares);
-    opt_.begin_step(f);  // AdamW multiplies each gradient by f as it reads it
+    last_total_ = total_sum_of_squares;
+    opt_.begin_step(total_sum_of_squares);  // AdamW multiplies each gradient by the clip factor as it reads it
     for (std::size_t i = 0; i < plan::count; ++i)
       if (!owned(i).empty()) opt_.update(ops, owned_params(i), owned_grads(i), owned(i), owned(i).begin);
     if constexpr (stage == 1 || stage == 2) {
@@ -123,7 +133,6 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
       }, false);
       queue_.drain();  // the next forward reads them
     }
-    return f;
   }
 
   // ---- whole buffers, in host memory (checks, tests, a tied tensor's gradient) -------------
@@ -201,16 +210,21 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
   double average(double v) { return comm_.all_reduce_host(v, ReduceOp::avg); }
 
   int optimizer_steps() const { return opt_.step_count(); }
-  // The clip factor of the last step (1: not clipped).
-  double last_clip() const { return last_clip_; }
-  // The global gradient norm of the last update, before clipping (every axis counted).
-  double grad_norm() const { return last_norm_; }
+  // The clip factor of the last step (1: not clipped). Reads the norm back (waits for the device).
+  double last_clip() const { return last_total_ != nullptr ? opt_.clip_factor(last_sum_of_squares()) : 1.0; }
+  // The global gradient norm of the last update, before clipping (every axis counted). Reads
+  // it back (waits for the device): for progress lines, after the step.
+  double grad_norm() const { return last_total_ != nullptr ? std::sqrt(last_sum_of_squares()) : 0.0; }
   optimizer_type& optimizer() { return opt_; }
   const optimizer_type& optimizer() const { return opt_; }
 
  private:
   BucketTrainer(Model& model, MeshComm<group> comm, int rank, const AdamWConfig& config, int accum)
       : Shards(model, std::move(comm), rank, accum), opt_(config, owned_ranges(rank)) {
+    const std::vector<SquaresChunk> chunks = cut_norm_chunks();
+    norm_chunks_ = Buffer<SquaresChunk, typename Model::device>(chunks.size());
+    norm_partials_ = Buffer<double, typename Model::device>(chunks.size());
+    model_.ops().upload(norm_chunks_.data(), chunks.data(), chunks.size());
     hooks_.before_forward = [this](int u) {
       hook_check_.saw(u, UnitHookCheck::before_forward);
       use_params(u, u + 1);
@@ -234,20 +248,33 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
     hooks_.before_weight_grad = [this](int u) { grads_in_use(u); };
   }
 
-  // Adds the squares of what this rank owns of bucket i, counting only the parts the model
-  // says this rank counts (a tensor replicated over TP on TP rank 0 only).
-  void add_sum_of_squares(ops_type& ops, std::size_t i) {
-    const FlatRange o = owned(i);
-    std::span<const T> g = owned_grads(i);
-    for (const FlatRange& p : model_.norm_parts(o)) ops.add_sum_of_squares(g.data() + (p.begin - o.begin), p.size());
+  // The chunks of the gradient norm, offsets in owned_grad_store(): what this rank owns of
+  // every bucket, only the parts the model says this rank counts (a tensor replicated over TP
+  // on TP rank 0 only), cut to SquaresChunk::max_elements.
+  std::vector<SquaresChunk> cut_norm_chunks() {
+    std::vector<SquaresChunk> chunks;
+    const T* store = this->owned_grad_store().data();
+    for (std::size_t i = 0; i < plan::count; ++i) {
+      const FlatRange o = owned(i);
+      const std::size_t at = static_cast<std::size_t>(owned_grads(i).data() - store);  // flat offset o.begin
+      for (const FlatRange& p : model_.norm_parts(o))
+        for (std::size_t c = p.begin; c < p.end; c += SquaresChunk::max_elements)
+          chunks.push_back({at + (c - o.begin), at + (std::min(p.end, c + SquaresChunk::max_elements) - o.begin)});
+    }
+    return chunks;
+  }
+  double last_sum_of_squares() const {
+    return model_.ops().to_host(std::span<const double>(last_total_, 1))[0];
   }
 
   bool overlap_ = true;
-  double last_clip_ = 1.0;
-  double last_norm_ = 0;
+  const double* last_total_ = nullptr;  // the last update's squared norm (device memory)
   optimizer_type opt_;
   UnitHooks hooks_;
   UnitHookCheck hook_check_{stage == 3 ? plan::units : 0};  // ZeRO-3: the first micro-batch's hooks
+  Buffer<SquaresChunk, typename Model::device> norm_chunks_;  // cut_norm_chunks(), in device memory
+  Buffer<double, typename Model::device> norm_partials_;      // a sum per chunk
+  Buffer<double, typename Model::device> norm_{1};            // this pair's part of the squared norm
 };
 
 }  // namespace fived

@@ -123,13 +123,14 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
       : Dense(model, grad_comm, config, accum) {}
 
   // After a forward and backward run by the caller (NoZeRO): the gradients reduced over the
-  // group, clipped to the global norm and one AdamW step. Returns the clip factor.
+  // group, clipped to the global norm and one AdamW step. Returns the clip factor (read back).
   double apply_gradients() {
     static_assert(stage == 0, "fived::DataParallel::apply_gradients: under ZeRO use step(), which reduces each "
                               "micro-batch as backward finishes it");
     if constexpr (moe) experts_->reduce_all();
     Dense::reduce_all();
-    return update(grad_sum_of_squares());  // every parameter is here
+    update();
+    return this->last_clip();
   }
 
   // Rows of each micro-batch that data rank r reads: [r*B/D, (r+1)*B/D), D the mesh's DP
@@ -163,7 +164,7 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
     Model& model = this->model();
     // The frame every schedule's step runs (pipeline/step_frame.hpp): this is the one-stage
     // schedule, forward and backward of each micro-batch in turn.
-    pipeline::StepFrame<DataParallel> frame(accum(), std::tie(*this));
+    pipeline::StepFrame<DataParallel> frame(accum(), std::tie(*this), norm_total_.span());
     frame.begin();
     model.ops().begin_loss_sum();
     for (int k = 0; k < accum(); ++k) {
@@ -182,13 +183,11 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
       });
     }
     frame.end();
-    // The host's one wait for the device (the norm's kernels queued behind the backward);
-    // the loss sum is ready by then.
-    const double sumsq = frame.sum_of_squares([](double s) { return s; });  // every parameter is here
+    frame.sum_of_squares([](std::span<double>) {});  // every parameter is here
+    frame.update();
+    // The host's one wait for the device, with the whole step queued.
     const double rows = static_cast<double>(accum()) * b * Model::local_length(T_);
-    const double loss = this->average(model.ops().loss_sum() / rows);
-    frame.update(sumsq);
-    return loss;
+    return this->average(model.ops().loss_sum() / rows);
   }
 
   // ---- the step in pieces (train/bucket_trainer.hpp), over the experts' buffers too ----------
@@ -213,19 +212,24 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
     if constexpr (moe) experts_->end_micro_batches();
     Dense::end_micro_batches();
   }
-  double grad_sum_of_squares() {
-    double s = Dense::grad_sum_of_squares();
-    if constexpr (moe) s += experts_->grad_sum_of_squares();
-    return s;
+  void add_grad_sum_of_squares(double* total) {
+    Dense::add_grad_sum_of_squares(total);
+    if constexpr (moe) experts_->add_grad_sum_of_squares(total);
   }
   // With experts, their step too, and the balance of their loads (Model::balance_experts).
-  double update(double total_sum_of_squares) {
-    const double f = Dense::update(total_sum_of_squares);
+  void update(const double* total_sum_of_squares) {
+    Dense::update(total_sum_of_squares);
     if constexpr (moe) {
       experts_->update(total_sum_of_squares);
       this->model().balance_experts(this->grad_comm());
     }
-    return f;
+  }
+  // After end_micro_batches: the clip over this trainer's parameters, which are all there are
+  // (no pipeline), and the AdamW step; queued, as step() queues them.
+  void update() {
+    pipeline::StepFrame<DataParallel> frame(accum(), std::tie(*this), norm_total_.span());
+    frame.sum_of_squares([](std::span<double>) {});
+    frame.update();
   }
   // With a mixture of experts, the expert buffers' state is included.
   Memory memory() const {
@@ -258,6 +262,7 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
 
   UnitHooks hooks_;                          // with experts: both trainers' (wire_hooks)
   std::unique_ptr<expert_trainer> experts_;  // a mixture of experts' (built after the dense one)
+  Buffer<double, typename Model::device> norm_total_{1};  // the step's squared gradient norm (device memory)
 };
 
 }  // namespace fived

@@ -2,7 +2,8 @@
 // AdamW with fp32 master weights, contract of fived/kernels/host/adamw.hpp:
 //   adamw_update(s, param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step[, grad_scale])
 //   adamw_update_chunks(s, param, master, grad, m, v, chunks, count, lr, beta1, beta2, eps, weight_decay, step,
-//                       grad_scale)   chunks in device memory: one launch, a block per chunk
+//                       clip)   chunks in device memory: one launch, a block per chunk; the clip
+//                       factor computed by each thread from the squared norm in device memory
 // Decoupled weight decay (master -= lr*wd*master), then the Adam step with
 // bias correction (step counts from 1) on grad * grad_scale; param = T(master). With
 // master == nullptr the update is done on param itself (float only). Elementwise.
@@ -54,12 +55,21 @@ __global__ void adamw_kernel(T* param, float* master, const T* grad, float* m, f
     adamw_element(i, param, master, grad, m, v, s, s.weight_decay);
 }
 
+// kernels/host/adamw.hpp's grad_scale of a GradClip: computed in double from the norm the
+// step left in device memory and rounded once to float, as adamw_scalars rounds a host one.
+__device__ __forceinline__ float clip_scale_of(const GradClip& clip) {
+  if (clip.sum_of_squares == nullptr || clip.max_norm <= 0) return 1.0f;
+  const double f = clip.max_norm / (sqrt(*clip.sum_of_squares) + 1e-6);
+  return static_cast<float>(f < 1.0 ? f : 1.0);
+}
+
 // Block b updates chunk b, with its tensor's decay or none: a whole range of many tensors in
 // one launch, where a launch per tensor spent more time starting than updating the small ones.
 template <class T>
 __global__ void adamw_chunks_kernel(T* __restrict__ param, float* __restrict__ master, const T* __restrict__ grad,
                                     float* __restrict__ m, float* __restrict__ v, const AdamWChunk* chunks,
-                                    AdamWScalars s) {
+                                    AdamWScalars s, GradClip clip) {
+  s.grad_scale = clip_scale_of(clip);
   const AdamWChunk c = chunks[blockIdx.x];
   const float weight_decay = c.decays ? s.weight_decay : 0.0f;
   for (std::size_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x)
@@ -90,13 +100,13 @@ void adamw_update(cudaStream_t stream, T* param, float* master, const T* grad, f
 template <class T>
 void adamw_update_chunks(cudaStream_t stream, T* param, float* master, const T* grad, float* m, float* v,
                          const AdamWChunk* chunks, std::size_t count, double lr, double beta1, double beta2, double eps,
-                         double weight_decay, int step, double grad_scale) {
+                         double weight_decay, int step, GradClip clip) {
   detail::check_adamw<T>("adamw_update_chunks", master, step);
   if (count == 0) return;
   detail::require(count <= 0x7fffffffu, "adamw_update_chunks", "more chunks than a grid has blocks");
   detail::adamw_chunks_kernel<<<static_cast<unsigned>(count), 256, 0, stream>>>(
-      dev(param), master, dev(grad), m, v, chunks,
-      detail::adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale));
+      dev(param), master, dev(grad), m, v, chunks, detail::adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, 1.0),
+      clip);
   FIVED_CUDA_CHECK_LAUNCH("adamw_chunks_kernel");
 }
 

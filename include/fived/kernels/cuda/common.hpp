@@ -74,6 +74,19 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   v = lane < warps ? scratch[lane] : 0.0f;
   return warp_sum(v);
 }
+// The sum of every thread's double over a block of Threads threads (a power of two), as a
+// fixed-order tree: the same bits run to run. `part` is __shared__ double[Threads]; thread 0
+// gets the result.
+template <int Threads>
+__device__ __forceinline__ double block_sum_in_order(double v, double* part) {
+  part[threadIdx.x] = v;
+  __syncthreads();
+  for (int half = Threads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) part[threadIdx.x] += part[threadIdx.x + half];
+    __syncthreads();
+  }
+  return part[0];
+}
 __device__ __forceinline__ float block_max(float v, float* scratch) {
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
   const int warps = static_cast<int>(blockDim.x) / 32;

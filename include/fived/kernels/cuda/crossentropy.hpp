@@ -153,13 +153,8 @@ __global__ void add_loss_sum_kernel(double* sum, const float* max, const float* 
   double s = 0;
   for (int i = static_cast<int>(threadIdx.x); i < N; i += Threads)
     s += log(static_cast<double>(sumexp[i])) + static_cast<double>(max[i]) - static_cast<double>(target_logit[i]);
-  part[threadIdx.x] = s;
-  __syncthreads();
-  for (int half = Threads / 2; half > 0; half /= 2) {
-    if (static_cast<int>(threadIdx.x) < half) part[threadIdx.x] += part[threadIdx.x + half];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) *sum += part[0];
+  s = block_sum_in_order<Threads>(s, part);
+  if (threadIdx.x == 0) *sum += s;
 }
 
 inline void check_ce_sizes(const char* kernel, int N, int Vs, int offset, int V) {

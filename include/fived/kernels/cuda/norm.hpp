@@ -4,6 +4,9 @@
 //   scale(s, g, n, factor)                     g *= factor
 //   clip_factor(total_sum_of_squares, max_norm) = min(1, max_norm / (sqrt(total) + 1e-6))   (host)
 //   clip_scale(s, g, n, total_sum_of_squares_on_device, max_norm)   the same without a host round trip
+//   sum_of_squares_chunks(s, out, partials, base, chunks, count)   *out = the chunks' sum (double,
+//       device memory, written): a block per chunk, then one block adds the partials in order
+//   add_scalar(s, into, x)   *into += *x (doubles in device memory)
 // The caller sums over tensors (calls accumulate in stream order) and mesh axes.
 // sum_of_squares is deterministic: a fixed number of blocks (independent of
 // the GPU) write partial sums, one block adds them in order and adds the total
@@ -14,6 +17,7 @@
 #include <cstdint>
 
 #include <fived/kernels/cuda/common.hpp>
+#include <fived/kernels/host/norm.hpp>  // SquaresChunk
 
 namespace fived::kernels::cuda {
 
@@ -21,37 +25,44 @@ namespace detail {
 
 inline constexpr unsigned sumsq_blocks = 512, sumsq_threads = 256;
 
-// 16-byte accesses over the aligned part (a thread's stride is the grid; four loads issued
-// before they are added), one element at a time over the rest.
+// This thread's part of the sum of squares of g[0, n): elements first, first + step, ...,
+// 16-byte pieces over the aligned part (four loads in flight), one element at a time over
+// the rest. A grid-wide sum passes the grid as step; a block's, the block.
 template <class T>
-__global__ void sum_of_squares_partials_kernel(float* partials, const T* g, std::size_t n) {
+__device__ __forceinline__ float strided_squares(const T* g, std::size_t n, std::size_t first, std::size_t step) {
   constexpr int W = vec16<T>;
-  __shared__ float scratch[32];
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  const std::size_t first = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
   const std::size_t nv = reinterpret_cast<std::uintptr_t>(g) % 16 == 0 ? n / W : 0;
   float s = 0.0f;
   std::size_t i = first;
-  for (; i + 3 * stride < nv; i += 4 * stride) {  // four 16-byte loads in flight a thread
+  for (; i + 3 * step < nv; i += 4 * step) {
     float x[4][W];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) load_vec16(x[u], g + (i + u * stride) * W);
+    for (int u = 0; u < 4; ++u) load_vec16(x[u], g + (i + u * step) * W);
 #pragma unroll
     for (int u = 0; u < 4; ++u)
 #pragma unroll
       for (int k = 0; k < W; ++k) s += x[u][k] * x[u][k];
   }
-  for (; i < nv; i += stride) {
+  for (; i < nv; i += step) {
     float x[W];
     load_vec16(x, g + i * W);
 #pragma unroll
     for (int k = 0; k < W; ++k) s += x[k] * x[k];
   }
-  for (std::size_t i = nv * W + first; i < n; i += stride) {
-    const float x = to_float(g[i]);
+  for (std::size_t j = nv * W + first; j < n; j += step) {
+    const float x = to_float(g[j]);
     s += x * x;
   }
-  s = block_sum(s, scratch);
+  return s;
+}
+
+// Block b's part of the whole array (a thread's stride is the grid) into partials[b].
+template <class T>
+__global__ void sum_of_squares_partials_kernel(float* partials, const T* g, std::size_t n) {
+  __shared__ float scratch[32];
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  const std::size_t first = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  const float s = block_sum(strided_squares(g, n, first, stride), scratch);
   if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 
@@ -62,6 +73,31 @@ __global__ void sum_partials_kernel(float* out_accumulate, const float* partials
   for (unsigned i = threadIdx.x; i < count; i += blockDim.x) s += partials[i];
   s = block_sum(s, scratch);
   if (threadIdx.x == 0) *out_accumulate += s;
+}
+
+// Block b: the sum of squares of chunk b, in float, into partials[b].
+template <class T>
+__global__ void sum_of_squares_chunks_kernel(double* partials, const T* __restrict__ base,
+                                             const SquaresChunk* __restrict__ chunks) {
+  __shared__ float scratch[32];
+  const SquaresChunk c = chunks[blockIdx.x];
+  const float s = block_sum(strided_squares(base + c.begin, c.end - c.begin, threadIdx.x, blockDim.x), scratch);
+  if (threadIdx.x == 0) partials[blockIdx.x] = static_cast<double>(s);
+}
+
+// One block: *out = the partials' sum, each thread's in double, then a fixed-order tree.
+template <int Threads>
+__global__ void sum_chunk_partials_kernel(double* out, const double* partials, std::size_t count) {
+  __shared__ double part[Threads];
+  double s = 0;
+  for (std::size_t i = threadIdx.x; i < count; i += Threads) s += partials[i];
+  s = block_sum_in_order<Threads>(s, part);
+  if (threadIdx.x == 0) *out = s;
+}
+
+template <int Dummy = 0>
+__global__ void add_scalar_kernel(double* into, const double* x) {
+  *into += *x;
 }
 
 // x * factor, or, with total_sumsq, x * the clip factor computed from it on the device.
@@ -76,8 +112,9 @@ struct ScaleBy {
 
 }  // namespace detail
 
-// `partials`: sum_of_squares_partials floats of device memory the caller keeps (Ops does, so a
-// step allocates nothing); null: stream-ordered scratch for the call.
+// `partials`: sum_of_squares_partials floats of device memory the caller keeps (then the call
+// allocates nothing); null: stream-ordered scratch for the call. (A trainer's norm is
+// sum_of_squares_chunks, below: this is one array's, for benchmarks and checks.)
 inline constexpr std::size_t sum_of_squares_partials = detail::sumsq_blocks;
 
 template <class T>
@@ -114,6 +151,27 @@ void clip_scale(cudaStream_t stream, T* g, std::size_t n, const float* total_sum
   detail::launch_elementwise<T>(stream, "clip_scale", n,
                                 detail::MapUnary<device_t<T>, detail::ScaleBy>{dev(g), dev(g), {1.0f, total_sum_of_squares, max_norm}},
                                 detail::aligned16({g}));
+}
+
+// `partials`: count doubles of device memory the caller keeps; `chunks` in device memory.
+template <class T>
+void sum_of_squares_chunks(cudaStream_t stream, double* out, double* partials, const T* base,
+                           const SquaresChunk* chunks, std::size_t count) {
+  static_assert(is_element_v<T>, "sum_of_squares_chunks: element type must be float or fived::bf16");
+  detail::require(count <= 0x7fffffffu, "sum_of_squares_chunks", "more chunks than a grid has blocks");
+  if (count == 0) {
+    FIVED_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), stream));
+    return;
+  }
+  detail::sum_of_squares_chunks_kernel<<<static_cast<unsigned>(count), 256, 0, stream>>>(partials, dev(base), chunks);
+  FIVED_CUDA_CHECK_LAUNCH("sum_of_squares_chunks_kernel");
+  detail::sum_chunk_partials_kernel<1024><<<1, 1024, 0, stream>>>(out, partials, count);
+  FIVED_CUDA_CHECK_LAUNCH("sum_chunk_partials_kernel");
+}
+
+inline void add_scalar(cudaStream_t stream, double* into, const double* x) {
+  detail::add_scalar_kernel<<<1, 1, 0, stream>>>(into, x);
+  FIVED_CUDA_CHECK_LAUNCH("add_scalar_kernel");
 }
 
 }  // namespace fived::kernels::cuda

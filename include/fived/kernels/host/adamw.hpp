@@ -17,10 +17,13 @@
 // the global norm, rounded once to S): the same numbers as scaling the gradients first, for
 // float and double, without another pass over them.
 //
-//   adamw_update_chunks(param, master, grad, m, v, chunks, count, ..., weight_decay, step, grad_scale)
+//   adamw_update_chunks(param, master, grad, m, v, chunks, count, ..., weight_decay, step, clip)
 //     the same over the chunks of a range (AdamWChunk, below: elements [begin, end) of every
 //     array, weight decay or none), which a device runs as one launch: an optimizer's whole
-//     range in one call, each tensor with its own decay.
+//     range in one call, each tensor with its own decay. grad_scale is the clip factor of
+//     `clip` (GradClip, below), computed where the kernel runs from the global norm the
+//     step's earlier kernels left in the device's memory: the host never reads the norm
+//     before the update.
 
 #include <cmath>
 #include <cstddef>
@@ -30,6 +33,7 @@
 #include <type_traits>
 
 #include "fived/device/bf16.hpp"
+#include "fived/kernels/host/norm.hpp"
 
 namespace fived {
 // The precision of AdamW's state (moments, masters) for parameters of type T.
@@ -47,6 +51,15 @@ struct AdamWChunk {
   static constexpr std::size_t max_elements = std::size_t{1} << 11;  // 8 elements a thread of 256
   std::size_t begin = 0, end = 0;
   bool decays = false;
+};
+
+// A step's clip to the global gradient norm, as adamw_update_chunks reads it: each gradient
+// times min(1, max_norm / (sqrt(*sum_of_squares) + 1e-6)) (kernels/host/norm.hpp,
+// clip_factor), the squared norm one double in the device's memory. No clip where
+// sum_of_squares is null or max_norm is 0.
+struct GradClip {
+  const double* sum_of_squares = nullptr;
+  double max_norm = 0;
 };
 }  // namespace fived
 
@@ -84,7 +97,9 @@ void adamw_update(T* param, std::type_identity_t<S>* master, const T* grad, S* m
 template <class T, class S>
 void adamw_update_chunks(T* param, std::type_identity_t<S>* master, const T* grad, S* m, S* v,
                          const AdamWChunk* chunks, std::size_t count, double lr, double beta1, double beta2, double eps,
-                         double weight_decay, int step, double grad_scale) {
+                         double weight_decay, int step, GradClip clip) {
+  const double grad_scale =
+      clip.sum_of_squares != nullptr && clip.max_norm > 0 ? clip_factor(*clip.sum_of_squares, clip.max_norm) : 1.0;
   for (const AdamWChunk& c : std::span<const AdamWChunk>(chunks, count))
     adamw_update(param + c.begin, master != nullptr ? master + c.begin : nullptr, grad + c.begin, m + c.begin,
                  v + c.begin, c.end - c.begin, lr, beta1, beta2, eps, c.decays ? weight_decay : 0.0, step, grad_scale);

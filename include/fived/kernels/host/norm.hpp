@@ -5,11 +5,29 @@
 //   factor = clip_factor(total, max_norm) = min(1, max_norm / (sqrt(total) + 1e-6))
 // and scales every gradient by it. The sum is returned in double whatever T is, so
 // summing many tensors (and ranks) loses nothing to float accumulation.
+//
+//   sum_of_squares_chunks(out, partials, base, chunks, count)
+//     *out = the sum of squares of the chunks of one array (SquaresChunk, below: elements
+//     [begin, end) of base), written, not added: partials[i] = chunk i's sum, then their sum
+//     in chunk order. A device runs it as two launches, a block per chunk and one block for
+//     the sum in order, whatever the number of tensors: the norm of a trainer's gradient in
+//     a fixed number of launches, where a call per tensor cost a GPT-2 step two per bucket.
+//   add_scalar(into, x)   *into += *x, one double (the parts of a norm, on the device)
 
 #include <cmath>
 #include <cstddef>
 
 #include "fived/device/bf16.hpp"
+
+namespace fived {
+// A piece of the array sum_of_squares_chunks reads: elements [begin, end), at most
+// max_elements (a device gives each chunk one block: 16Ki elements are eight 16-byte bf16
+// loads a thread of 256).
+struct SquaresChunk {
+  static constexpr std::size_t max_elements = std::size_t{1} << 14;
+  std::size_t begin = 0, end = 0;
+};
+}  // namespace fived
 
 namespace fived::kernels::host {
 
@@ -36,5 +54,17 @@ inline double clip_factor(double total_sum_of_squares, double max_norm) {
   const double f = max_norm / (std::sqrt(total_sum_of_squares) + 1e-6);
   return f < 1.0 ? f : 1.0;
 }
+
+template <class T>
+void sum_of_squares_chunks(double* out, double* partials, const T* base, const SquaresChunk* chunks, std::size_t count) {
+  double s = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    partials[i] = sum_of_squares(base + chunks[i].begin, chunks[i].end - chunks[i].begin);
+    s += partials[i];
+  }
+  *out = s;
+}
+
+inline void add_scalar(double* into, const double* x) { *into += *x; }
 
 }  // namespace fived::kernels::host

@@ -16,7 +16,7 @@
 //
 // Synchronisation: the kernels are asynchronous. Token ids go through pinned staging
 // memory (the host pointer can be reused as soon as forward returns, and the upload does
-// not wait for queued work); mean_loss, sum_of_squares(), to_host, read_to_host,
+// not wait for queued work); mean_loss, loss_sum(), to_host, read_to_host,
 // write_from_host and dispatch_plan (the MoE counts) wait for the stream.
 
 #if !defined(__CUDACC__)
@@ -89,7 +89,7 @@ struct Ops<T, Cuda> {
   using buffer = Buffer<U, Cuda>;
   using Epilogue = kernels::cuda::Epilogue;
 
-  Ops() : lt_(stream_.get()), sumsq_(1), sumsq_partials_(kernels::cuda::sum_of_squares_partials), loss_sum_(1) {
+  Ops() : lt_(stream_.get()), loss_sum_(1) {
     kernels::cuda::keep_scratch_pool();
   }
   Ops(Ops&&) noexcept = default;  // the stream handle moves with its CublasLt
@@ -142,18 +142,6 @@ struct Ops<T, Cuda> {
     if constexpr (std::is_same_v<T, bf16>) return cudnn_takes(C, NH, NKV);
 #endif
     return false;
-  }
-  // The global gradient norm: pieces accumulate in float on the device, into a one-element
-  // buffer this Ops owns; sum_of_squares() reads it back (waits for the stream, once).
-  void begin_sum_of_squares() { sumsq_.zero(stream()); }
-  void add_sum_of_squares(const T* g, std::size_t n) {
-    kernels::cuda::sum_of_squares(stream(), sumsq_.data(), g, n, sumsq_partials_.data());
-  }
-  double sum_of_squares() const {
-    float h = 0.0f;
-    copy_to_host(&h, sumsq_.data(), 1);
-    synchronize();
-    return static_cast<double>(h);
   }
   // The loss of every row added since begin_loss_sum(), accumulated in double on the device;
   // loss_sum() reads it back (waits for the stream, once).
@@ -286,8 +274,6 @@ struct Ops<T, Cuda> {
 
   cuda::Stream stream_;
   kernels::cuda::CublasLt lt_;
-  Buffer<float, Cuda> sumsq_;  // sum_of_squares' device-side accumulator
-  Buffer<float, Cuda> sumsq_partials_;  // and its blocks' partial sums
   Buffer<double, Cuda> loss_sum_;  // loss_sum's
   ops_detail::PinnedStaging staging_[2];
   int next_staging_ = 0;
