@@ -10,6 +10,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -300,6 +301,58 @@ TEST_CASE("data parallel equals the serial run: DP 2 and 4, no ZeRO and ZeRO-1/2
 // The step adds its micro-batches' losses up in the model's Ops and reads the sum once, after
 // the gradient norm: the mean over every row of the global batch, which (rows being equal in
 // number) is the mean of the micro-batches' own losses, as the model's forward reports them.
+// Three tensors, decay on the middle one, in 18 elements.
+struct PieceTensor {
+  std::size_t offset, size;
+  bool decay;
+  std::size_t end() const { return offset + size; }
+  bool decays() const { return decay; }
+};
+struct PieceLayout {
+  static constexpr std::size_t size = 18;
+  static constexpr std::array<PieceTensor, 3> tensors{{{0, 5, false}, {5, 9, true}, {14, 4, false}}};
+};
+
+TEST_CASE("AdamW over owned ranges packed elsewhere (ZeRO's pieces) equals AdamW over the flat buffers, in one update") {
+  // Two owned ranges that cut the middle tensor, their parameters and gradients packed in
+  // buffers of pieces at other offsets, with padding between: two clipped steps give the
+  // same parameters and moments, bit for bit, as one optimizer over the whole flat buffers.
+  const AdamWConfig hp{.lr = 0.01, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .max_norm = 1.0};
+  Ops<double, Host> ops;
+  std::mt19937 rng(3);
+  std::normal_distribution<double> nd;
+  std::vector<double> p(PieceLayout::size), g(PieceLayout::size);
+  for (double& x : p) x = nd(rng);
+  for (double& x : g) x = nd(rng);
+  const std::vector<OwnedRange> owned = {{{0, 7}, 3, 0}, {{7, 18}, 12, 9}};
+  std::vector<double> pp(23, -7.0), gp(20, -7.0);  // pieces, padding around them
+  for (const OwnedRange& o : owned)
+    for (std::size_t i = o.range.begin; i < o.range.end; ++i)
+      pp[o.param_at + i - o.range.begin] = p[i], gp[o.grad_at + i - o.range.begin] = g[i];
+  const std::vector<double> p0 = p;
+  AdamW<PieceLayout, double> whole(hp), pieces(hp, owned);
+  const double total = 6.25;  // the clip factor 1 / (2.5 + 1e-6), from the "device"
+  for (int step = 1; step <= 2; ++step) {
+    whole.begin_step(&total);
+    whole.update(ops, std::span<double>(p), std::span<const double>(g));
+    pieces.begin_step(&total);
+    pieces.update(ops, std::span<double>(pp), std::span<const double>(gp));
+  }
+  for (const OwnedRange& o : owned)
+    for (std::size_t i = o.range.begin; i < o.range.end; ++i) {
+      CAPTURE(i);
+      CHECK(pp[o.param_at + i - o.range.begin] == p[i]);
+      CHECK(pieces.exp_avg()[i] == whole.exp_avg()[i]);  // the state of ranges in order
+      CHECK(pieces.exp_avg_sq()[i] == whole.exp_avg_sq()[i]);
+    }
+  CHECK(pp[0] == -7.0);  // the padding untouched
+  CHECK(pp[10] == -7.0);
+  for (std::size_t i = 0; i < p.size(); ++i) CHECK(p[i] != p0[i]);  // every element stepped
+  // Arrays too short for where the ranges lie are refused.
+  pieces.begin_step(&total);
+  CHECK_THROWS_AS(pieces.update(ops, std::span<double>(p), std::span<const double>(gp)), std::invalid_argument);
+}
+
 TEST_CASE("a step's loss is the mean of its micro-batches' forward losses, before the update: accumulation 1 and 3") {
   for (int accum : {1, 3}) {
     Model m(init), probe(init);

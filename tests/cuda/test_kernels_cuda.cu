@@ -586,6 +586,32 @@ TEST_CASE_TEMPLATE("AdamW over chunks: a block per chunk, each with its decay, t
   for (std::size_t i = 0; i < 300; ++i) CHECK(master_no[i] == c.master[i]);
 }
 
+TEST_CASE_TEMPLATE("AdamW over chunks whose parameters and gradients lie elsewhere (a ZeRO rank's packed pieces)", T,
+                   ELEMENT_TYPES) {
+  // The state (masters, moments) at the chunks' offsets; the parameters P and the gradients G
+  // elements further on in their arrays, padding before them: the host's and the device's
+  // updates agree, and the padding stays.
+  AdamWCase<T> c(3000, 41);
+  constexpr std::ptrdiff_t P = 37, G = 5;
+  std::vector<T> param(c.n + P, T(9.0f)), grad(c.n + G, T(0.0f));
+  std::copy(c.param0.begin(), c.param0.end(), param.begin() + P);
+  std::copy(c.grad.begin(), c.grad.end(), grad.begin() + G);
+  const std::vector<fived::AdamWChunk> chunks = {{0, 1000, true, P, G}, {1000, 2048, false, P, G}, {2048, 3000, true, P, G}};
+  auto dparam = up(param), dgrad = up(grad);
+  auto dchunks = up(chunks);
+  hk::adamw_update_chunks(param.data(), c.master.data(), grad.data(), c.m.data(), c.v.data(), chunks.data(),
+                          chunks.size(), 1e-3, 0.9, 0.95, 1e-8, 0.1, 2, fived::GradClip{});
+  ck::adamw_update_chunks(stream(), dparam.data(), c.dmaster.data(), dgrad.data(), c.dm.data(), c.dv.data(),
+                          dchunks.data(), chunks.size(), 1e-3, 0.9, 0.95, 1e-8, 0.1, 2, fived::GradClip{});
+  CHECK_CLOSE(c.master, down(c.dmaster), fp32_elem);
+  CHECK_CLOSE(c.m, down(c.dm), fp32_elem);
+  CHECK_CLOSE(c.v, down(c.dv), fp32_elem);
+  const std::vector<T> got = down(dparam);
+  CHECK_CLOSE(param, got, bound<T>(fp32_elem));
+  for (std::ptrdiff_t i = 0; i < P; ++i) CHECK(float(got[static_cast<std::size_t>(i)]) == 9.0f);
+  CHECK(float(param[P]) != float(c.param0[0]));  // it moved
+}
+
 TEST_CASE_TEMPLATE("gradient norm: sum of squares, scale, clip", T, ELEMENT_TYPES) {
   const std::size_t n = 300001;
   const auto g1 = rnd<T>(n, 30), g2 = rnd<T>(777, 31);

@@ -2,8 +2,8 @@
 // AdamW over ranges of a flat parameter buffer, on any device.
 //
 //   fived::AdamW<Model::layout, T, Device> opt({.lr = 2e-3f, .beta2 = 0.95f, .weight_decay = 0.1f, .max_norm = 1.0f}, owned);
-//   opt.begin_step(total_sum_of_squares);                                     // one step...
-//   for (FlatRange r : opt.owned()) opt.update(model.ops(), params, grads, r);  // ...over each owned range
+//   opt.begin_step(total_sum_of_squares);            // one step...
+//   opt.update(model.ops(), params, grads);          // ...over every owned range, one launch
 //
 // The training step that clips the global norm and calls this (the one optimizer step of
 // every path, serial included) is DataParallel's (train/data_parallel.hpp); this class is
@@ -13,9 +13,10 @@
 //
 // Sharded use (ZeRO): an optimizer made for some ranges of the flat buffer (a rank's pieces
 // of every bucket, train/bucket_plan.hpp) holds moments (and master weights) for those
-// ranges only, one after the other. `params` and `grads` are indexed by the flat buffer's
-// offsets minus `base` (update's last argument, 0 by default): a ZeRO-3 rank passes its
-// piece of a bucket with base = the piece's first offset.
+// ranges only, one after the other. Each owned range says where update()'s `params` and
+// `grads` hold it (OwnedRange: by default at its flat offsets, for the whole flat buffers):
+// a ZeRO-2 rank's gradients, a ZeRO-3 rank's parameters too, are its pieces of the buckets,
+// packed in a buffer of their own.
 //
 // Precision: the state (moments, masters) is state_type = adamw_state_t<T>: double for a
 // double model (exact to a double's precision, the reference every other run is checked
@@ -25,9 +26,11 @@
 // copied from the parameters on the first step, and writes T(master) back.
 //
 // Device: the state lives in Buffer<state_type, Device> (device memory on Cuda, allocated once
-// here) and the update of an owned range is one adamw_update_chunks of the Ops passed to
-// update(), queued on its stream: the range cut once into chunks, each inside one tensor and
-// with its weight decay (adamw_chunks, below), the gradients multiplied by the step's clip
+// here) and the update of every owned range is one adamw_update_chunks of the Ops passed to
+// update(), queued on its stream: the ranges cut once into chunks, each inside one tensor and
+// with its weight decay (adamw_chunks, below), each chunk saying where its parameters,
+// gradients and state are, so that one launch updates them all (a launch per bucket cost a
+// GPT-2 step 68 of them on one GPU), the gradients multiplied by the step's clip
 // factor as they are read (no pass of their own), the factor computed by the kernel from the
 // squared global norm in device memory (kernels/host/adamw.hpp: GradClip): the host never
 // reads the norm before the update. Spans and ranges are device memory then (exp_avg() and
@@ -89,27 +92,33 @@ class AdamW {
 
   // Moments (and master weights) for `owned`, a range of the flat buffer; by default all of it.
   explicit AdamW(const AdamWConfig& config = {}, FlatRange owned = {0, Layout::size})
-      : AdamW(config, std::vector<FlatRange>{owned}) {}
-  // ... or for several ranges, stored one after the other.
-  AdamW(const AdamWConfig& config, std::vector<FlatRange> owned) : hp(config), owned_(std::move(owned)) {
+      : AdamW(config, std::vector<OwnedRange>{{owned}}) {}
+  // ... or for several ranges, stored one after the other, each where update() finds it.
+  AdamW(const AdamWConfig& config, std::vector<OwnedRange> owned) : hp(config), places_(std::move(owned)) {
     std::size_t n = 0;
-    for (const FlatRange& r : owned_) {
+    for (const OwnedRange& o : places_) {
+      const FlatRange r = o.range;
       if (r.end > Layout::size || r.begin > r.end)
         throw std::invalid_argument("fived::AdamW: owned range [" + std::to_string(r.begin) + ", " +
                                     std::to_string(r.end) + ") is not inside the layout's " +
                                     std::to_string(Layout::size) + " elements");
+      owned_.push_back(r);
       start_.push_back(n);
+      // Chunk offsets are state offsets; the parameters and gradients lie param/grad away.
+      for (AdamWChunk c : adamw_chunks(Layout::tensors, r)) {
+        c.begin += n, c.end += n;
+        c.param = static_cast<std::ptrdiff_t>(o.param_at) - static_cast<std::ptrdiff_t>(n);
+        c.grad = static_cast<std::ptrdiff_t>(o.grad_at) - static_cast<std::ptrdiff_t>(n);
+        host_chunks_.push_back(c);
+      }
       n += r.size();
-      const std::vector<AdamWChunk> c = adamw_chunks(Layout::tensors, r);
-      chunk_start_.push_back(host_chunks_.size());
-      host_chunks_.insert(host_chunks_.end(), c.begin(), c.end());
+      param_extent_ = std::max(param_extent_, o.param_at + r.size());
+      grad_extent_ = std::max(grad_extent_, o.grad_at + r.size());
     }
-    chunk_start_.push_back(host_chunks_.size());
     m_ = Buffer<state_type, Device>(n);  // zeroed
     v_ = Buffer<state_type, Device>(n);
     if constexpr (has_master) master_ = Buffer<state_type, Device>(n);
     chunks_ = Buffer<AdamWChunk, Device>(host_chunks_.size());
-    master_ready_.assign(owned_.size(), false);
   }
 
   std::span<const FlatRange> owned() const { return owned_; }
@@ -138,7 +147,7 @@ class AdamW {
     ops.upload(m_.data(), m.data(), m.size());
     ops.upload(v_.data(), v.data(), v.size());
     if constexpr (has_master) ops.upload(master_.data(), master.data(), master.size());
-    master_ready_.assign(owned_.size(), has_master);
+    master_ready_ = has_master;
     step_ = step;
   }
 
@@ -149,7 +158,7 @@ class AdamW {
 
   // ---- steps -----------------------------------------------------------------------------
 
-  // Counts one step; update() then applies it range by range, every gradient multiplied as
+  // Counts one step; update() then applies it to every owned range, each gradient multiplied as
   // it is read by clip_factor(*total_sum_of_squares), the squared global norm: one double in
   // the device's memory, read by the kernels (null: no clip).
   void begin_step(const double* total_sum_of_squares = nullptr) {
@@ -157,41 +166,35 @@ class AdamW {
     clip_ = {total_sum_of_squares, hp.max_norm};
   }
 
-  // The current step (begin_step) over r, one of owned(), with the kernels of `ops` (an
-  // Ops<T, Device>): one adamw_update_chunks. params[i - base] and grads[i - base] are element
-  // i of the flat buffer. The first update of a range starts its fp32 masters (if any) from
-  // the parameters.
+  // The current step (begin_step) over every owned range, with the kernels of `ops` (an
+  // Ops<T, Device>): one adamw_update_chunks. `params` and `grads` hold the owned ranges
+  // where the constructor was told (OwnedRange). The first update starts the fp32 masters
+  // (if any) from the parameters.
   template <class Ops>
-  void update(Ops& ops, std::span<T> params, std::span<const T> grads, FlatRange r, std::size_t base = 0) {
+  void update(Ops& ops, std::span<T> params, std::span<const T> grads) {
     static_assert(std::is_same_v<typename Ops::device, Device>, "fived::AdamW::update: the Ops' device is not the optimizer's");
     if (step_ == 0) throw std::logic_error("fived::AdamW::update: call begin_step() first");
-    const std::size_t k = owned_index(r);
-    if (r.begin < base) throw std::invalid_argument("fived::AdamW::update: the range starts before base");
-    const FlatRange shifted{r.begin - base, r.end - base};
-    check_span("update", "params", params.size(), shifted);
-    check_span("update", "grads", grads.size(), shifted);
+    check_span("params", params.size(), param_extent_);
+    check_span("grads", grads.size(), grad_extent_);
     if (!chunks_ready_) {  // the chunks of every owned range, cut in the constructor
       ops.upload(chunks_.data(), host_chunks_.data(), host_chunks_.size());
       chunks_ready_ = true;
     }
-    state_type* master = nullptr;
     if constexpr (has_master) {
-      master = master_.data() + start_[k];
-      if (!master_ready_[k]) ops.to_fp32(master, params.data() + shifted.begin, r.size());
+      if (!master_ready_)
+        for (std::size_t k = 0; k < places_.size(); ++k)
+          ops.to_fp32(master_.data() + start_[k], params.data() + places_[k].param_at, owned_[k].size());
     }
-    master_ready_[k] = true;
-    ops.adamw_update_chunks(params.data() + shifted.begin, master, grads.data() + shifted.begin, m_.data() + start_[k],
-                            v_.data() + start_[k], chunks_.data() + chunk_start_[k],
-                            chunk_start_[k + 1] - chunk_start_[k], hp.lr, hp.beta1, hp.beta2, hp.eps,
-                            hp.weight_decay, step_, clip_);
+    master_ready_ = true;
+    ops.adamw_update_chunks(params.data(), has_master ? master_.data() : nullptr, grads.data(), m_.data(), v_.data(), chunks_.data(),
+                            host_chunks_.size(), hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step_, clip_);
   }
 
  private:
-  static void check_span(const char* fn, const char* what, std::size_t n, FlatRange r) {
-    if (r.begin > r.end || r.end > n)
-      throw std::invalid_argument(std::string("fived::AdamW::") + fn + ": range [" + std::to_string(r.begin) + ", " +
-                                  std::to_string(r.end) + ") is outside " + what + " (" + std::to_string(n) +
-                                  " elements)");
+  static void check_span(const char* what, std::size_t n, std::size_t needed) {
+    if (n < needed)
+      throw std::invalid_argument(std::string("fived::AdamW::update: ") + what + " holds " + std::to_string(n) +
+                                  " elements, but the owned ranges reach element " + std::to_string(needed));
   }
 
   // The owned range that holds r.
@@ -202,22 +205,13 @@ class AdamW {
                                 ") is not inside any of the optimizer's " + std::to_string(owned_.size()) +
                                 " owned ranges");
   }
-  // The owned range that is r.
-  std::size_t owned_index(FlatRange r) const {
-    const std::size_t k = range_holding(r);
-    if (owned_[k] != r)
-      throw std::invalid_argument("fived::AdamW::update: range [" + std::to_string(r.begin) + ", " +
-                                  std::to_string(r.end) + ") is part of owned range [" +
-                                  std::to_string(owned_[k].begin) + ", " + std::to_string(owned_[k].end) +
-                                  "); update takes an owned range whole");
-    return k;
-  }
 
-  std::vector<FlatRange> owned_;
+  std::vector<OwnedRange> places_;
+  std::vector<FlatRange> owned_;    // places_' ranges
   std::vector<std::size_t> start_;  // where owned_[k]'s state starts in m_, v_, master_
-  std::vector<AdamWChunk> host_chunks_;    // every owned range's chunks, in order...
-  std::vector<std::size_t> chunk_start_;   // ...owned_[k]'s from chunk_start_[k] to chunk_start_[k + 1]
-  std::vector<bool> master_ready_;
+  std::vector<AdamWChunk> host_chunks_;  // every owned range's chunks, in order, state offsets
+  std::size_t param_extent_ = 0, grad_extent_ = 0;  // the elements update()'s params and grads must hold
+  bool master_ready_ = false;
   bool chunks_ready_ = false;  // uploaded into chunks_
   int step_ = 0;
   GradClip clip_;

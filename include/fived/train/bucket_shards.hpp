@@ -26,6 +26,7 @@
 #include "fived/device/bf16.hpp"
 #include "fived/mesh/mesh_comm.hpp"
 #include "fived/model/unit_hooks.hpp"
+#include "fived/optim/flat_range.hpp"
 #include "fived/train/bucket_plan.hpp"
 #include "fived/train/bucket_staging.hpp"
 #include "fived/train/comm_queue.hpp"
@@ -175,10 +176,16 @@ class BucketShards {
 
   // What rank r's optimizer owns of bucket i.
   static FlatRange owned_by(std::size_t i, int r) { return stage == 0 ? plan::bucket(i).range : plan::owned(i, r); }
-  static std::vector<FlatRange> owned_ranges(int r) {
-    std::vector<FlatRange> v;
+  // What this rank's optimizer owns, and where: its parameters in owned_param_store(), its
+  // gradients in owned_grad_store() (AdamW updates them all in one launch).
+  std::vector<OwnedRange> owned_places() {
+    std::vector<OwnedRange> v;
+    const T* params = owned_param_store().data();
+    const T* grads = owned_grad_store().data();
     for (std::size_t i = 0; i < plan::count; ++i)
-      if (!owned_by(i, r).empty()) v.push_back(owned_by(i, r));
+      if (!owned(i).empty())
+        v.push_back({owned(i), static_cast<std::size_t>(owned_params(i).data() - params),
+                     static_cast<std::size_t>(owned_grads(i).data() - grads)});
     return v;
   }
   // This rank's stored piece of bucket i in a sharded buffer (its owned elements first).
@@ -210,6 +217,11 @@ class BucketShards {
   std::span<T> owned_grad_store() {
     if constexpr (stage >= 2) return grad_pieces_.span();
     else return model_.grads();
+  }
+  // Where every owned_params(i) lies: the model's parameter buffer, or (ZeRO-3) this rank's pieces.
+  std::span<T> owned_param_store() {
+    if constexpr (stage == 3) return param_pieces_.span();
+    else return model_.params();
   }
   static constexpr bool overlaps(FlatRange a, FlatRange b) { return a.begin < b.end && b.begin < a.end; }
   std::span<T> owned_params(std::size_t i) {

@@ -35,7 +35,7 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
   using typename Shards::group;
   using Shards::DP, Shards::model_, Shards::comm_, Shards::rank_, Shards::queue_, Shards::staging_,
       Shards::grad_pieces_, Shards::reduced_, Shards::reducing_, Shards::in_backward_, Shards::async_,
-      Shards::held_, Shards::peak_, Shards::owned_ranges, Shards::owned_grads, Shards::owned_params,
+      Shards::held_, Shards::peak_, Shards::owned_places, Shards::owned_grads, Shards::owned_params,
       Shards::gathered, Shards::gather_bucket, Shards::overlaps, Shards::reduce_unit, Shards::grads_in_use,
       Shards::use_params, Shards::done_with_params, Shards::release_params;
 
@@ -125,8 +125,7 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
     ops_type& ops = model_.ops();
     last_total_ = total_sum_of_squares;
     opt_.begin_step(total_sum_of_squares);  // AdamW multiplies each gradient by the clip factor as it reads it
-    for (std::size_t i = 0; i < plan::count; ++i)
-      if (!owned(i).empty()) opt_.update(ops, owned_params(i), owned_grads(i), owned(i), owned(i).begin);
+    opt_.update(ops, this->owned_param_store(), this->owned_grad_store());  // every owned piece, one launch
     if constexpr (stage == 1 || stage == 2) {
       queue_.submit([this](ops_type& side) {
         for (std::size_t i = 0; i < plan::count; ++i) gather_bucket(side, i, owned_params(i), model_.params());
@@ -220,7 +219,7 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
 
  private:
   BucketTrainer(Model& model, MeshComm<group> comm, int rank, const AdamWConfig& config, int accum)
-      : Shards(model, std::move(comm), rank, accum), opt_(config, owned_ranges(rank)) {
+      : Shards(model, std::move(comm), rank, accum), opt_(config, owned_places()) {
     const std::vector<SquaresChunk> chunks = cut_norm_chunks();
     norm_chunks_ = Buffer<SquaresChunk, typename Model::device>(chunks.size());
     norm_partials_ = Buffer<double, typename Model::device>(chunks.size());

@@ -73,7 +73,7 @@ __global__ void adamw_chunks_kernel(T* __restrict__ param, float* __restrict__ m
   const AdamWChunk c = chunks[blockIdx.x];
   const float weight_decay = c.decays ? s.weight_decay : 0.0f;
   for (std::size_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x)
-    adamw_element(i, param, master, grad, m, v, s, weight_decay);
+    adamw_element(i, param + c.param, master, grad + c.grad, m, v, s, weight_decay);
 }
 
 template <class T>

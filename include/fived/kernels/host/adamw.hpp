@@ -40,17 +40,21 @@ namespace fived {
 template <class T>
 using adamw_state_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-// A piece of the range adamw_update_chunks updates: elements [begin, end) of each of its
-// arrays, with the weight decay or without. At most max_elements long, since a device gives
-// each chunk one block (AdamW cuts its ranges so: optim/adamw.hpp, adamw_chunks). Short, so
-// that a block ends soon: a launch lasts at least as long as its slowest block, and a step
-// makes one launch per owned range (a bucket). At 32Ki elements (128 a thread) GPT-2's 68
-// bucket launches on one GPU, ~56 blocks each, took ~60 us apiece on an H200: the step was
-// 4 ms slower than with the launch per tensor before them (bench/results/train-step-h200.txt).
+// A piece of what adamw_update_chunks updates: elements [begin, end) of the state (m, v,
+// master), with the weight decay or without, whose parameters and gradients are `param` and
+// `grad` elements further on in theirs (0 where the three arrays line up: adamw_chunks; an
+// optimizer owning pieces of many buckets finds a ZeRO rank's gradients, and under ZeRO-3
+// its parameters, in buffers of pieces, and updates all of them in one launch). At most
+// max_elements long, since a device gives each chunk one block (AdamW cuts its ranges so:
+// optim/adamw.hpp, adamw_chunks). Short, so that a block ends soon: a launch lasts at least
+// as long as its slowest block. At 32Ki elements (128 a thread) GPT-2's 68 bucket launches
+// on one GPU, ~56 blocks each, took ~60 us apiece on an H200: the step was 4 ms slower than
+// with the launch per tensor before them (bench/results/train-step-h200.txt).
 struct AdamWChunk {
   static constexpr std::size_t max_elements = std::size_t{1} << 11;  // 8 elements a thread of 256
   std::size_t begin = 0, end = 0;
   bool decays = false;
+  std::ptrdiff_t param = 0, grad = 0;
 };
 
 // A step's clip to the global gradient norm, as adamw_update_chunks reads it: each gradient
@@ -101,8 +105,9 @@ void adamw_update_chunks(T* param, std::type_identity_t<S>* master, const T* gra
   const double grad_scale =
       clip.sum_of_squares != nullptr && clip.max_norm > 0 ? clip_factor(*clip.sum_of_squares, clip.max_norm) : 1.0;
   for (const AdamWChunk& c : std::span<const AdamWChunk>(chunks, count))
-    adamw_update(param + c.begin, master != nullptr ? master + c.begin : nullptr, grad + c.begin, m + c.begin,
-                 v + c.begin, c.end - c.begin, lr, beta1, beta2, eps, c.decays ? weight_decay : 0.0, step, grad_scale);
+    adamw_update(param + c.param + c.begin, master != nullptr ? master + c.begin : nullptr, grad + c.grad + c.begin,
+                 m + c.begin, v + c.begin, c.end - c.begin, lr, beta1, beta2, eps, c.decays ? weight_decay : 0.0, step,
+                 grad_scale);
 }
 
 }  // namespace fived::kernels::host
