@@ -2,8 +2,6 @@
 // Global gradient norm and clipping, contract of fived/kernels/host/norm.hpp:
 //   sum_of_squares(s, out_accumulate, g, n[, partials])   *out_accumulate += sum g^2 (float, device memory)
 //   scale(s, g, n, factor)                     g *= factor
-//   clip_factor(total_sum_of_squares, max_norm) = min(1, max_norm / (sqrt(total) + 1e-6))   (host)
-//   clip_scale(s, g, n, total_sum_of_squares_on_device, max_norm)   the same without a host round trip
 //   sum_of_squares_chunks(s, out, partials, base, chunks, count)   *out = the chunks' sum (double,
 //       device memory, written): a block per chunk, then one block adds the partials in order
 //   add_scalar(s, into, x)   *into += *x (doubles in device memory)
@@ -100,14 +98,9 @@ __global__ void add_scalar_kernel(double* into, const double* x) {
   *into += *x;
 }
 
-// x * factor, or, with total_sumsq, x * the clip factor computed from it on the device.
 struct ScaleBy {
   float factor;
-  const float* total_sumsq;
-  float max_norm;
-  __device__ float operator()(float x) const {
-    return x * (total_sumsq != nullptr ? fminf(1.0f, max_norm / (sqrtf(*total_sumsq) + 1e-6f)) : factor);
-  }
+  __device__ float operator()(float x) const { return x * factor; }
 };
 
 }  // namespace detail
@@ -134,22 +127,7 @@ void scale(cudaStream_t stream, T* g, std::size_t n, double factor) {  // rounde
   static_assert(is_element_v<T>, "scale: element type must be float or fived::bf16");
   if (n == 0) return;
   detail::launch_elementwise<T>(stream, "scale", n,
-                                detail::MapUnary<device_t<T>, detail::ScaleBy>{dev(g), dev(g), {static_cast<float>(factor), nullptr, 0.0f}},
-                                detail::aligned16({g}));
-}
-
-inline double clip_factor(double total_sum_of_squares, double max_norm) {
-  const double f = max_norm / (std::sqrt(total_sum_of_squares) + 1e-6);
-  return f < 1.0 ? f : 1.0;
-}
-
-// g *= clip_factor(*total_sum_of_squares, max_norm), the factor computed on the device.
-template <class T>
-void clip_scale(cudaStream_t stream, T* g, std::size_t n, const float* total_sum_of_squares, float max_norm) {
-  static_assert(is_element_v<T>, "clip_scale: element type must be float or fived::bf16");
-  if (n == 0) return;
-  detail::launch_elementwise<T>(stream, "clip_scale", n,
-                                detail::MapUnary<device_t<T>, detail::ScaleBy>{dev(g), dev(g), {1.0f, total_sum_of_squares, max_norm}},
+                                detail::MapUnary<device_t<T>, detail::ScaleBy>{dev(g), dev(g), {static_cast<float>(factor)}},
                                 detail::aligned16({g}));
 }
 
