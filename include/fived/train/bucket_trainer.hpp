@@ -252,13 +252,11 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
   // on TP rank 0 only), cut to SquaresChunk::max_elements.
   std::vector<SquaresChunk> cut_norm_chunks() {
     std::vector<SquaresChunk> chunks;
-    const T* store = this->owned_grad_store().data();
-    for (std::size_t i = 0; i < plan::count; ++i) {
-      const FlatRange o = owned(i);
-      const std::size_t at = static_cast<std::size_t>(owned_grads(i).data() - store);  // flat offset o.begin
-      for (const FlatRange& p : model_.norm_parts(o))
+    for (const OwnedRange& o : owned_places()) {  // o.range's first gradient at o.grad_at
+      const auto at = [&](std::size_t flat) { return o.grad_at + (flat - o.range.begin); };
+      for (const FlatRange& p : model_.norm_parts(o.range))
         for (std::size_t c = p.begin; c < p.end; c += SquaresChunk::max_elements)
-          chunks.push_back({at + (c - o.begin), at + (std::min(p.end, c + SquaresChunk::max_elements) - o.begin)});
+          chunks.push_back({at(c), at(std::min(p.end, c + SquaresChunk::max_elements))});
     }
     return chunks;
   }
