@@ -243,10 +243,32 @@ int main(int argc, char** argv) {
   row("layernorm fwd", time_ms(s, [&] {
         ck::layernorm_forward(s, y.data(), mean.data(), rstd.data(), x.data(), lnw.data(), lnb.data(), M, C);
       }), 2.0 * e * BT * C, 0);
+  {
+    // The residual add a block makes before ln_2, fused into it (as a step runs it), against the
+    // two kernels it replaced: both read a and b and write res and out (4 x [8192,768]).
+    Buffer<bf16, Cuda> res(BT * C);
+    row("residual + layernorm fwd, fused", time_ms(s, [&] {
+          ck::residual_layernorm_forward(s, res.data(), y.data(), mean.data(), rstd.data(), x.data(), dx.data(),
+                                         lnw.data(), lnb.data(), M, C);
+        }), 4.0 * e * BT * C, 0);
+    row("residual, then layernorm fwd (before)", time_ms(s, [&] {
+          ck::residual_forward(s, res.data(), x.data(), dx.data(), BT * C);
+          ck::layernorm_forward(s, y.data(), mean.data(), rstd.data(), res.data(), lnw.data(), lnb.data(), M, C);
+        }), 4.0 * e * BT * C, 0);
+  }
+  // One pass for dinp and the weight gradients, as a step runs it; then the split backward's
+  // two calls (dinp now, the weight half later), which read dout and inp twice: what a step
+  // ran before.
   row("layernorm bwd", time_ms(s, [&] {
         ck::layernorm_backward(s, dx.data(), dlnw.data(), dlnb.data(), y.data(), x.data(), lnw.data(), mean.data(),
                                rstd.data(), M, C);
       }), 4.0 * e * BT * C, 0);  // read dout, inp, dinp; write dinp
+  row("layernorm bwd, dinp then dw/db (split)", time_ms(s, [&] {
+        ck::layernorm_backward(s, dx.data(), static_cast<bf16*>(nullptr), static_cast<bf16*>(nullptr), y.data(),
+                               x.data(), lnw.data(), mean.data(), rstd.data(), M, C);
+        ck::layernorm_backward(s, static_cast<bf16*>(nullptr), dlnw.data(), dlnb.data(), y.data(), x.data(),
+                               static_cast<const bf16*>(nullptr), mean.data(), rstd.data(), M, C);
+      }), 4.0 * e * BT * C, 0);  // the same bytes as above: its rate against the one pass's
   row("gelu fwd [8192,3072]", time_ms(s, [&] { ck::gelu_forward(s, h.data(), hpre.data(), BT * 4 * C); }),
       2.0 * e * BT * 4 * C, 0);
   row("gelu bwd [8192,3072]", time_ms(s, [&] { ck::gelu_backward(s, dh.data(), hpre.data(), dh.data(), BT * 4 * C); }),

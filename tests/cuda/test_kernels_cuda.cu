@@ -282,6 +282,61 @@ TEST_CASE_TEMPLATE("layernorm and rmsnorm, forward and backward", T, ELEMENT_TYP
   }
 }
 
+// The residual add fused into the norm after it: the same bits as residual_forward then the
+// norm (the sum rounded to T once, the norm reading the rounded sum), in place (res = a) too.
+TEST_CASE_TEMPLATE("residual add fused into layernorm and rmsnorm forward", T, ELEMENT_TYPES) {
+  for (const auto& [N, C] : {std::pair{19, 100}, std::pair{4099, 768}, std::pair{37, 1500}}) {
+    CAPTURE(N);
+    CAPTURE(C);
+    const std::size_t n = static_cast<std::size_t>(N) * C;
+    const auto a = rnd<T>(n, 40, -2.0f, 2.0f), b = rnd<T>(n, 41, -2.0f, 2.0f), w = rnd<T>(C, 42), bias = rnd<T>(C, 43);
+    const auto da = up(a), db = up(b), dw = up(w), dbias = up(bias);
+    Buffer<T, Cuda> res(n), out(n), res2(n), out2(n);
+    Buffer<float, Cuda> mean(N), rstd(N), mean2(N), rstd2(N);
+    {  // layernorm
+      std::vector<T> hres(n), hout(n);
+      std::vector<float> hmean(N), hrstd(N);
+      hk::residual_layernorm_forward(hres.data(), hout.data(), hmean.data(), hrstd.data(), a.data(), b.data(), w.data(),
+                                     bias.data(), N, C);
+      ck::residual_layernorm_forward(stream(), res.data(), out.data(), mean.data(), rstd.data(), da.data(), db.data(),
+                                     dw.data(), dbias.data(), N, C);
+      CHECK_CLOSE(hres, down(res), bound<T>(fp32_elem));
+      CHECK_CLOSE(hout, down(out), bound<T>(fp32_elem));
+      CHECK_CLOSE(hmean, down(mean), fp32_elem);
+      ck::residual_forward(stream(), res2.data(), da.data(), db.data(), n);
+      ck::layernorm_forward(stream(), out2.data(), mean2.data(), rstd2.data(), res2.data(), dw.data(), dbias.data(), N, C);
+      CHECK(down(res) == down(res2));
+      CHECK(down(out) == down(out2));
+      CHECK(down(mean) == down(mean2));
+      CHECK(down(rstd) == down(rstd2));
+      auto inplace = up(a);  // res = a
+      ck::residual_layernorm_forward(stream(), inplace.data(), out2.data(), mean2.data(), rstd2.data(), inplace.data(),
+                                     db.data(), dw.data(), dbias.data(), N, C);
+      CHECK(down(inplace) == down(res));
+      CHECK(down(out2) == down(out));
+    }
+    {  // rmsnorm
+      std::vector<T> hres(n), hout(n);
+      std::vector<float> hrstd(N);
+      hk::residual_rmsnorm_forward(hres.data(), hout.data(), hrstd.data(), a.data(), b.data(), w.data(), N, C);
+      ck::residual_rmsnorm_forward(stream(), res.data(), out.data(), rstd.data(), da.data(), db.data(), dw.data(), N, C);
+      CHECK_CLOSE(hres, down(res), bound<T>(fp32_elem));
+      CHECK_CLOSE(hout, down(out), bound<T>(fp32_elem));
+      CHECK_CLOSE(hrstd, down(rstd), fp32_elem);
+      ck::residual_forward(stream(), res2.data(), da.data(), db.data(), n);
+      ck::rmsnorm_forward(stream(), out2.data(), rstd2.data(), res2.data(), dw.data(), N, C);
+      CHECK(down(res) == down(res2));
+      CHECK(down(out) == down(out2));
+      CHECK(down(rstd) == down(rstd2));
+      auto inplace = up(b);  // res = b
+      ck::residual_rmsnorm_forward(stream(), inplace.data(), out2.data(), rstd2.data(), da.data(), inplace.data(),
+                                   dw.data(), N, C);
+      CHECK(down(inplace) == down(res));
+      CHECK(down(out2) == down(out));
+    }
+  }
+}
+
 TEST_CASE_TEMPLATE("swiglu and rotary positions with grouped query heads, forward and backward", T, ELEMENT_TYPES) {
   {  // swiglu
     const int N = 17, F = 40;

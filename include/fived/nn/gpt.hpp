@@ -111,8 +111,7 @@ struct PreNormBlock {
       const std::size_t n = static_cast<std::size_t>(s.local_rows()) * C;
       Norm::forward(s, a.ln_1, x, p.ln_1_w, p.ln_1_b, C);
       Attn::forward(s, a.attn, a.core(w), w.ring, k.out, a.ln_1.out.data(), p.attn, C, k.partial);
-      s.ops.residual_forward(a.res2.data(), x, k.out, n);
-      Norm::forward(s, a.ln_2, a.res2.data(), p.ln_2_w, p.ln_2_b, C);
+      Norm::forward_residual(s, a.ln_2, a.res2.data(), x, k.out, {p.ln_2_w, p.ln_2_b}, C);
       if (dims::is_moe(layer)) Moe::forward(s, a.moe, w.moe, k.out, a.ln_2.out.data(), p.moe, p.router_bias, C, F, k.partial);
       else Mlp::forward(s, a.mlp, k.out, a.ln_2.out.data(), p.mlp, C, F, k.partial);
       s.ops.residual_forward(out, a.res2.data(), k.out, n);

@@ -46,10 +46,21 @@ struct LayerNorm {
     s.ops.layernorm_forward(a.out.data(), a.mean.data(), a.rstd.data(), x, w, b, s.local_rows(), C);
   }
   static void forward(S& s, Saved& a, const T* x, Params p, int C) { forward(s, a, x, p.w, p.b, C); }
-  // dx, dw, db "+=" from dy (the stream's rows); x is the forward's input. dx now, dw and db
-  // as the weight half (Step::weight_grad).
+  // The residual add before the norm, fused into it: res = x + y, then forward(res). res is
+  // the input backward takes.
+  static void forward_residual(S& s, Saved& a, T* res, const T* x, const T* y, Params p, int C) {
+    s.ops.residual_layernorm_forward(res, a.out.data(), a.mean.data(), a.rstd.data(), x, y, p.w, p.b, s.local_rows(),
+                                     C);
+  }
+  // dx, dw, db "+=" from dy (the stream's rows); x is the forward's input. All three in one
+  // pass over dy and x, or, when the backward is split, dx now and dw, db as the weight half
+  // (Step::weight_grad): then dy and x are read twice.
   static void backward(S& s, T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, const Saved& a, int C) {
     const int n = s.local_rows();
+    if (!s.defers_weight_grads()) {
+      s.ops.layernorm_backward(dx, dw, db, dy, x, w, a.mean.data(), a.rstd.data(), n, C);
+      return;
+    }
     const std::size_t rows = static_cast<std::size_t>(n), elems = rows * static_cast<std::size_t>(C);
     s.ops.layernorm_backward(dx, static_cast<T*>(nullptr), static_cast<T*>(nullptr), dy, x, w, a.mean.data(),
                              a.rstd.data(), n, C);

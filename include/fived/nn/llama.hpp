@@ -183,8 +183,7 @@ struct LlamaBlock {
       Norm::forward(s, a.ln_1, x, p.ln_1, C);
       Attn::forward(s, a.attn, a.core(w), w.ring, k.out, a.ln_1.out.data(), p.attn, C, KVC, w.inv_freq.data(),
                     k.partial);
-      s.ops.residual_forward(a.res2.data(), x, k.out, n);
-      Norm::forward(s, a.ln_2, a.res2.data(), p.ln_2, C);
+      Norm::forward_residual(s, a.ln_2, a.res2.data(), x, k.out, p.ln_2, C);
       if (dims::is_moe(layer))
         Moe::forward(s, a.moe, w.moe, k.out, a.ln_2.out.data(), p.moe, p.router_bias, C, F, k.partial);
       else

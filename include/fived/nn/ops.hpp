@@ -18,8 +18,9 @@
 //   template <class U> using buffer = Buffer<U, Device>;
 //   kernels (contract of /kernels, without the stream / handle argument):
 //     matmul, matmul_dgelu (a GELU's backward fused into the GEMM before it), bias_backward,
-//     layernorm_forward, layernorm_backward, rmsnorm_forward,
-//     rmsnorm_backward, gelu_backward, swiglu_forward, swiglu_backward, rotary_forward and
+//     layernorm_forward, layernorm_backward, rmsnorm_forward, rmsnorm_backward,
+//     residual_layernorm_forward and residual_rmsnorm_forward (the residual add before a norm,
+//     fused into it), gelu_backward, swiglu_forward, swiglu_backward, rotary_forward and
 //     rotary_backward (rotary positions, in place, kernels/host/rotary.hpp),
 //     residual_forward, attention_forward, attention_backward (grouped key/value heads),
 //     embedding_forward and embedding_backward (over a range of the vocabulary: a TP rank's

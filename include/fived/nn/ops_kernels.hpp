@@ -27,6 +27,12 @@
     (dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C))                                                 \
   X(rmsnorm_forward, (T* out, stat_t* rstd, const T* inp, const T* weight, int N, int C),                        \
     (out, rstd, inp, weight, N, C))                                                                              \
+  X(residual_layernorm_forward, (T* res, T* out, stat_t* mean, stat_t* rstd, const T* a, const T* b,             \
+      const T* weight, const T* bias, int N, int C),                                                             \
+    (res, out, mean, rstd, a, b, weight, bias, N, C))                                                            \
+  X(residual_rmsnorm_forward, (T* res, T* out, stat_t* rstd, const T* a, const T* b, const T* weight, int N,     \
+      int C),                                                                                                    \
+    (res, out, rstd, a, b, weight, N, C))                                                                        \
   X(rmsnorm_backward, (T* dinp, T* dweight, const T* dout, const T* inp, const T* weight, const stat_t* rstd,    \
       int N, int C),                                                                                             \
     (dinp, dweight, dout, inp, weight, rstd, N, C))                                                              \

@@ -41,10 +41,20 @@ struct RMSNorm {
   static void forward(S& s, Saved& a, const T* x, Params p, int C) {
     s.ops.rmsnorm_forward(a.out.data(), a.rstd.data(), x, p.w, s.local_rows(), C);
   }
-  // dx, dw "+=" from dy (the stream's rows); x is the forward's input. dx now, dw as the
-  // weight half (Step::weight_grad).
+  // The residual add before the norm, fused into it: res = x + y, then forward(res). res is
+  // the input backward takes.
+  static void forward_residual(S& s, Saved& a, T* res, const T* x, const T* y, Params p, int C) {
+    s.ops.residual_rmsnorm_forward(res, a.out.data(), a.rstd.data(), x, y, p.w, s.local_rows(), C);
+  }
+  // dx, dw "+=" from dy (the stream's rows); x is the forward's input. Both in one pass over
+  // dy and x, or, when the backward is split, dx now and dw as the weight half
+  // (Step::weight_grad).
   static void backward(S& s, T* dx, Params g, const T* dy, const T* x, Params p, const Saved& a, int C) {
     const int n = s.local_rows();
+    if (!s.defers_weight_grads()) {
+      s.ops.rmsnorm_backward(dx, g.w, dy, x, p.w, a.rstd.data(), n, C);
+      return;
+    }
     const std::size_t rows = static_cast<std::size_t>(n), elems = rows * static_cast<std::size_t>(C);
     s.ops.rmsnorm_backward(dx, static_cast<T*>(nullptr), dy, x, p.w, a.rstd.data(), n, C);
     const T *d = s.hold(dy, elems), *xs = s.hold_saved(x, elems);

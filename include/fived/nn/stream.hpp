@@ -93,6 +93,9 @@ struct Step {
     if (tape != nullptr) tape->add(f);
     else f(ops);
   }
+  // Whether weight gradients wait for backward_weight. When they do not, a layer whose two
+  // halves read the same tensors (a norm's) runs them as one pass.
+  bool defers_weight_grads() const { return tape != nullptr; }
   // What a deferred weight gradient reads of n elements at p that backward overwrites (a
   // layer's output gradient in a shared buffer): p itself, or a snapshot when the backward is split.
   template <class U>

@@ -2,9 +2,12 @@
 // LayerNorm and RMSNorm forward/backward (eps = 1e-5), contract of
 // fived/kernels/host/layernorm.hpp with a leading stream:
 //   layernorm_forward(s, out, mean, rstd, inp, weight, bias, N, C)     mean/rstd may be null (not stored)
+//   residual_layernorm_forward(s, res, out, mean, rstd, a, b, weight, bias, N, C)
+//       res = a + b (residual_forward's rounding), then layernorm_forward of res: one pass
 //   layernorm_backward(s, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C)   all three +=
 //       (dinp null: the weight gradients alone, and weight may be null; the same for rmsnorm)
 //   rmsnorm_forward(s, out, rstd, inp, weight, N, C)
+//   residual_rmsnorm_forward(s, res, out, rstd, a, b, weight, N, C)
 //   rmsnorm_backward(s, dinp, dweight, dout, inp, weight, rstd, N, C)                  both +=
 // One warp per row (two-pass mean / variance in float; 16-byte accesses where the rows
 // allow), the row held in registers between the passes where it fits; the weight and bias
@@ -60,6 +63,34 @@ struct RowPieces {
   }
 };
 
+// The rows a forward norm reads: inp's, or (Residual) inp + add, rounded to E as
+// residual_forward rounds it and written to sum as it is first read. The passes after the
+// first read the pieces held, or (K = 0) sum's row again: the lane's own writes.
+template <class E, bool Residual>
+struct NormInput {
+  const E* inp;
+  const E* add = nullptr;  // Residual only
+  E* sum = nullptr;        // Residual only; may alias inp or add (each lane reads its pieces before writing them)
+  template <int W, int K>
+  __device__ __forceinline__ void first(RowPieces<E, W, K>& xs, float (&v)[W], std::size_t row, int c, int k) const {
+    if constexpr (!Residual) {
+      xs.fetch(v, inp + row, c, k, true);
+    } else {
+      float y[W];
+      load_elems<W>(v, inp + row + c);
+      load_elems<W>(y, add + row + c);
+      Piece<E, W> piece;
+#pragma unroll
+      for (int i = 0; i < W; ++i) piece.e[i] = from_float<E>(v[i] + y[i]);
+      *reinterpret_cast<Piece<E, W>*>(sum + row + c) = piece;
+      if constexpr (K > 0) xs.held[k] = piece;
+      to_floats(v, piece);
+    }
+  }
+  // Where the passes after the first read the row when it is not held.
+  __device__ __forceinline__ const E* again(std::size_t row) const { return (Residual ? sum : inp) + row; }
+};
+
 // The blocks an SM must hold at once (the registers' bound, __launch_bounds__), where the
 // pieces are held (K > 0); chosen with ptxas -v for sm_90. Forward, bf16 with K <= 3: 8 blocks
 // (32 registers, from 47; LayerNorm spills 4 bytes), so GPT-2's 8,192 rows are one wave on
@@ -69,20 +100,21 @@ template <class T>
 constexpr int forward_blocks_per_sm(int K) { return sizeof(T) == 2 && K > 0 && K <= 3 ? 8 : 1; }
 constexpr int backward_blocks_per_sm(int K) { return K > 0 && K <= 3 ? 3 : K > 0 ? 2 : 1; }
 
-template <int W, int K, class T>
+template <int W, int K, bool Residual, class T>
 __global__ void __launch_bounds__(32 * norm_rows_per_block, forward_blocks_per_sm<T>(K))
-    layernorm_forward_kernel(T* out, float* mean, float* rstd, const T* inp, const T* weight, const T* bias, int N,
-                             int C) {
+    layernorm_forward_kernel(T* out, float* mean, float* rstd, NormInput<T, Residual> in, const T* weight,
+                             const T* bias, int N, int C) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int row = static_cast<int>(blockIdx.x) * norm_rows_per_block + static_cast<int>(threadIdx.x) / 32;
   if (row >= N) return;
-  const T* x = inp + static_cast<std::size_t>(row) * C;
-  T* y = out + static_cast<std::size_t>(row) * C;
+  const std::size_t off = static_cast<std::size_t>(row) * C;
+  const T* x = in.again(off);
+  T* y = out + off;
   RowPieces<T, W, K> xs;
   float s = 0.0f;
   xs.each(C, [&](int c, int p) {
     float v[W];
-    xs.fetch(v, x, c, p, true);
+    in.first(xs, v, off, c, p);
 #pragma unroll
     for (int k = 0; k < W; ++k) s += v[k];
   });
@@ -220,19 +252,20 @@ struct AddNormParamGrads {
   }
 };
 
-template <int W, int K, class T>
+template <int W, int K, bool Residual, class T>
 __global__ void __launch_bounds__(32 * norm_rows_per_block, forward_blocks_per_sm<T>(K))
-    rmsnorm_forward_kernel(T* out, float* rstd, const T* inp, const T* weight, int N, int C) {
+    rmsnorm_forward_kernel(T* out, float* rstd, NormInput<T, Residual> in, const T* weight, int N, int C) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int row = static_cast<int>(blockIdx.x) * norm_rows_per_block + static_cast<int>(threadIdx.x) / 32;
   if (row >= N) return;
-  const T* x = inp + static_cast<std::size_t>(row) * C;
-  T* y = out + static_cast<std::size_t>(row) * C;
+  const std::size_t off = static_cast<std::size_t>(row) * C;
+  const T* x = in.again(off);
+  T* y = out + off;
   RowPieces<T, W, K> xs;
   float ss = 0.0f;
   xs.each(C, [&](int c, int p) {
     float v[W];
-    xs.fetch(v, x, c, p, true);
+    in.first(xs, v, off, c, p);
 #pragma unroll
     for (int k = 0; k < W; ++k) ss += v[k] * v[k];
   });
@@ -313,18 +346,51 @@ void norm_backward(cudaStream_t stream, T* dinp, T* dweight, T* dbias, const T* 
 
 }  // namespace detail
 
+namespace detail {
+
+// Both norms' forwards, with or without the residual add before them (res, a, b).
+template <bool Residual, class T>
+void layernorm_forward_launch(cudaStream_t stream, T* out, float* mean, float* rstd, NormInput<device_t<T>, Residual> in,
+                              const T* weight, const T* bias, int N, int C) {
+  launch_by_width<T>(C, {out, in.inp, in.add, in.sum, weight, bias}, [&](auto w, auto k) {
+    layernorm_forward_kernel<decltype(w)::value, decltype(k)::value, Residual>
+        <<<norm_blocks(N), 32 * norm_rows_per_block, 0, stream>>>(dev(out), mean, rstd, in, dev(weight), dev(bias), N,
+                                                                  C);
+  });
+  FIVED_CUDA_CHECK_LAUNCH("layernorm_forward_kernel");
+}
+template <bool Residual, class T>
+void rmsnorm_forward_launch(cudaStream_t stream, T* out, float* rstd, NormInput<device_t<T>, Residual> in,
+                            const T* weight, int N, int C) {
+  launch_by_width<T>(C, {out, in.inp, in.add, in.sum, weight}, [&](auto w, auto k) {
+    rmsnorm_forward_kernel<decltype(w)::value, decltype(k)::value, Residual>
+        <<<norm_blocks(N), 32 * norm_rows_per_block, 0, stream>>>(dev(out), rstd, in, dev(weight), N, C);
+  });
+  FIVED_CUDA_CHECK_LAUNCH("rmsnorm_forward_kernel");
+}
+
+}  // namespace detail
+
 template <class T>
 void layernorm_forward(cudaStream_t stream, T* out, float* mean, float* rstd, const T* inp, const T* weight,
                        const std::type_identity_t<T>* bias, int N, int C) {
   static_assert(is_element_v<T>, "layernorm_forward: element type must be float or fived::bf16");
   detail::check_norm_sizes("layernorm_forward", N, C);
   if (N == 0) return;
-  detail::launch_by_width<T>(C, {out, inp, weight, bias}, [&](auto w, auto k) {
-    detail::layernorm_forward_kernel<decltype(w)::value, decltype(k)::value>
-        <<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(dev(out), mean, rstd, dev(inp),
-                                                                                  dev(weight), dev(bias), N, C);
-  });
-  FIVED_CUDA_CHECK_LAUNCH("layernorm_forward_kernel");
+  detail::layernorm_forward_launch<false>(stream, out, mean, rstd, detail::NormInput<device_t<T>, false>{dev(inp)},
+                                          weight, bias, N, C);
+}
+
+// The residual add before a LayerNorm, fused into it: res = a + b, then out = LayerNorm(res).
+template <class T>
+void residual_layernorm_forward(cudaStream_t stream, T* res, T* out, float* mean, float* rstd, const T* a,
+                                const std::type_identity_t<T>* b, const T* weight, const T* bias, int N, int C) {
+  static_assert(is_element_v<T>, "residual_layernorm_forward: element type must be float or fived::bf16");
+  detail::check_norm_sizes("residual_layernorm_forward", N, C);
+  if (N == 0) return;
+  detail::layernorm_forward_launch<true>(stream, out, mean, rstd,
+                                         detail::NormInput<device_t<T>, true>{dev(a), dev(b), dev(res)}, weight, bias,
+                                         N, C);
 }
 
 template <class T>
@@ -342,12 +408,18 @@ void rmsnorm_forward(cudaStream_t stream, T* out, float* rstd, const T* inp, con
   static_assert(is_element_v<T>, "rmsnorm_forward: element type must be float or fived::bf16");
   detail::check_norm_sizes("rmsnorm_forward", N, C);
   if (N == 0) return;
-  detail::launch_by_width<T>(C, {out, inp, weight}, [&](auto w, auto k) {
-    detail::rmsnorm_forward_kernel<decltype(w)::value, decltype(k)::value>
-        <<<detail::norm_blocks(N), 32 * detail::norm_rows_per_block, 0, stream>>>(dev(out), rstd, dev(inp), dev(weight),
-                                                                                  N, C);
-  });
-  FIVED_CUDA_CHECK_LAUNCH("rmsnorm_forward_kernel");
+  detail::rmsnorm_forward_launch<false>(stream, out, rstd, detail::NormInput<device_t<T>, false>{dev(inp)}, weight, N, C);
+}
+
+// The residual add before an RMSNorm, fused into it: res = a + b, then out = RMSNorm(res).
+template <class T>
+void residual_rmsnorm_forward(cudaStream_t stream, T* res, T* out, float* rstd, const T* a,
+                              const std::type_identity_t<T>* b, const T* weight, int N, int C) {
+  static_assert(is_element_v<T>, "residual_rmsnorm_forward: element type must be float or fived::bf16");
+  detail::check_norm_sizes("residual_rmsnorm_forward", N, C);
+  if (N == 0) return;
+  detail::rmsnorm_forward_launch<true>(stream, out, rstd, detail::NormInput<device_t<T>, true>{dev(a), dev(b), dev(res)},
+                                       weight, N, C);
 }
 
 template <class T>

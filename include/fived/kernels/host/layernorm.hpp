@@ -4,9 +4,10 @@
 //   layernorm: out = (x - mean) * rstd * weight + bias,   rstd = 1/sqrt(var + eps)
 //   rmsnorm:   out = x * rstd * weight,                   rstd = 1/sqrt(mean(x^2) + eps)
 //
-// with eps = 1e-5 and the biased variance (as GPT-2 / PyTorch). The forward saves
-// the per-row statistics (mean, rstd; acc_t<T>, [N]) so the backward does not
-// recompute them. The backward is the standard closed form (llm.c):
+// alone or fused with the residual add before it (residual_layernorm_forward,
+// residual_rmsnorm_forward: res = a + b, then the norm of res), with eps = 1e-5 and the
+// biased variance (as GPT-2 / PyTorch). The forward saves the per-row statistics (mean,
+// rstd; acc_t<T>, [N]) so the backward does not recompute them. The backward is the standard closed form (llm.c):
 //   dnorm = dout * weight,  xhat = (x - mean) * rstd
 //   dinp += rstd * (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat))
 //   dweight += sum_rows dout * xhat,  dbias += sum_rows dout
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "fived/device/bf16.hpp"
+#include "fived/kernels/host/residual.hpp"
 
 namespace fived::kernels::host {
 
@@ -61,6 +63,16 @@ void layernorm_forward(T* out, acc_t<T>* mean, acc_t<T>* rstd, const T* inp, con
     mean[i] = m;
     rstd[i] = r;
   }
+}
+
+// The residual add before a norm, fused into it (one pass on a GPU): res = a + b, rounded
+// to T as residual_forward rounds it, then the norm of res. res may alias a or b.
+template <class T>
+void residual_layernorm_forward(T* res, T* out, acc_t<T>* mean, acc_t<T>* rstd, const T* a, const T* b,
+                                const T* weight, const T* bias, int N, int C) {
+  detail_norm::check_sizes("residual_layernorm_forward", N, C);
+  residual_forward(res, a, b, static_cast<std::size_t>(N) * static_cast<std::size_t>(C));
+  layernorm_forward(out, mean, rstd, res, weight, bias, N, C);
 }
 
 template <class T>
@@ -120,6 +132,13 @@ void rmsnorm_forward(T* out, acc_t<T>* rstd, const T* inp, const T* weight, int 
     for (std::size_t c = 0; c < sC; ++c) o[c] = static_cast<T>(static_cast<A>(x[c]) * r * static_cast<A>(weight[c]));
     rstd[i] = r;
   }
+}
+
+template <class T>
+void residual_rmsnorm_forward(T* res, T* out, acc_t<T>* rstd, const T* a, const T* b, const T* weight, int N, int C) {
+  detail_norm::check_sizes("residual_rmsnorm_forward", N, C);
+  residual_forward(res, a, b, static_cast<std::size_t>(N) * static_cast<std::size_t>(C));
+  rmsnorm_forward(out, rstd, res, weight, N, C);
 }
 
 template <class T>
