@@ -210,6 +210,25 @@ int main(int argc, char** argv) {
   row("matmul fc dW += dout^T*inp", time_ms(s, [&] {
         ck::matmul(lt, dw.data(), dh.data(), x.data(), nullptr, 4 * C, C, M, true, false, true);
       }), 0, 2.0 * M * 4 * C * C);
+  // A linear layer's weight half as a step runs it: dW and the bias gradient, summed by the
+  // GEMM's epilogue where cuBLASLt has it (the row says which ran), against the GEMM and then
+  // bias_backward's pass over dy. fc (Conv1D [768,3072]) and attn's c_proj ([768,768]).
+  for (const int out : {4 * C, C}) {
+    bf16* dy = out == C ? dx.data() : dh.data();
+    bool fused = false;
+    const double with_epilogue = time_ms(s, [&] {
+      fused = ck::matmul_weight_grad(lt, dw.data(), dbias.data(), dy, x.data(), M, C, out, false);
+    });
+    const double apart = time_ms(s, [&] {
+      ck::matmul(lt, dw.data(), x.data(), dy, nullptr, C, out, M, true, false, true);
+      ck::bias_backward(s, dbias.data(), dy, M, out);
+    });
+    const double flops = 2.0 * M * static_cast<double>(out) * C;
+    row(out == C ? (fused ? "dW+db [768,768], db in epilogue" : "dW+db [768,768], no epilogue algo")
+                 : (fused ? "dW+db [768,3072], db in epilogue" : "dW+db [768,3072], no epilogue algo"),
+        with_epilogue, 0, flops);
+    row(out == C ? "dW [768,768], then bias_backward" : "dW [768,3072], then bias_backward", apart, 0, flops);
+  }
   // c_proj's dx, the gradient at the hidden units [8192,3072]: plainly (then "gelu bwd" below
   // takes it through the GELU), and with GELU's backward in the GEMM as the MLP runs it now.
   row("matmul proj dinp [..,768]x[768,3072]", time_ms(s, [&] {

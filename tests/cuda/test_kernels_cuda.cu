@@ -210,6 +210,42 @@ TEST_CASE_TEMPLATE("matmul_dgelu: GELU's backward in the GEMM (cuBLASLt's DGELU 
                   std::invalid_argument);
 }
 
+TEST_CASE_TEMPLATE("matmul_weight_grad: a linear layer's dW and db (the bias summed in the GEMM) against the host", T,
+                   ELEMENT_TYPES) {
+  // Both weight layouts (GPT-2's Conv1D: dy is cuBLASLt's A, BGRADA; torch.nn.Linear's: its B,
+  // BGRADB), "+=" onto non-zero gradients, twice (a second micro-batch adds again); out = 77
+  // leaves rows unaligned (cuBLASLt may have no epilogue algorithm: the plain GEMM and
+  // bias_backward). Whether the epilogue ran is printed for the record.
+  ck::CublasLt lt(stream());
+  const double tol = bound<T>(fp32_sum);
+  const int rows = 300, in = 48;
+  for (const int out : {64, 77})
+    for (const bool transposed : {false, true})
+      for (const bool with_bias : {true, false}) {
+        CAPTURE(out);
+        CAPTURE(transposed);
+        CAPTURE(with_bias);
+        const auto dy = rnd<T>(static_cast<std::size_t>(rows) * out, 50), x = rnd<T>(static_cast<std::size_t>(rows) * in, 51);
+        auto dw = rnd<T>(static_cast<std::size_t>(in) * out, 52), db = rnd<T>(static_cast<std::size_t>(out), 53);
+        auto d_dw = up(dw), d_db = up(db);
+        const auto d_dy = up(dy), d_x = up(x);
+        bool fused = false;
+        for (int pass = 0; pass < 2; ++pass) {
+          hk::matmul_weight_grad(dw.data(), with_bias ? db.data() : nullptr, dy.data(), x.data(), rows, in, out,
+                                 transposed);
+          fused = ck::matmul_weight_grad(lt, d_dw.data(), with_bias ? d_db.data() : nullptr, d_dy.data(), d_x.data(),
+                                         rows, in, out, transposed);
+        }
+        CHECK_CLOSE(dw, down(d_dw), tol);
+        CHECK_CLOSE(db, down(d_db), tol);  // unchanged without a bias
+        if (with_bias)
+          MESSAGE("out=" << out << (transposed ? " torch Linear" : " Conv1D")
+                         << (fused ? ": bias gradient in the GEMM's epilogue" : ": plain GEMM, then bias_backward"));
+        else
+          CHECK_FALSE(fused);
+      }
+}
+
 TEST_CASE_TEMPLATE("bias_backward", T, ELEMENT_TYPES) {
   const int M = 300;
   for (const int N : {77, 96}) {  // 96: 16-byte column reads (and a partial block of columns)

@@ -44,12 +44,7 @@ void apply(S& s, T* y, const T* x, const T* w, const T* b, int in, int out, Epi.
 // a weight of its own (the experts' slices, the router, the head) as for these below.
 template <class W, class S, class T>
 void linear_weight_grad(S& s, T* dw, T* db, const T* dy, const T* x, int rows, int in, int out) {
-  s.weight_grad([=](auto& ops) {
-    const T* none = nullptr;
-    if constexpr (W::transposed) ops.matmul(dw, dy, x, none, out, in, rows, true, false, true);
-    else ops.matmul(dw, x, dy, none, in, out, rows, true, false, true);
-    if (db != nullptr) ops.bias_backward(db, dy, rows, out);
-  });
+  s.weight_grad([=](auto& ops) { ops.matmul_weight_grad(dw, db, dy, x, rows, in, out, W::transposed); });
 }
 
 namespace detail_linear {

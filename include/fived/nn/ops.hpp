@@ -17,7 +17,8 @@
 //   using device = ...;  using value_type = T;  using stat_t = ...;
 //   template <class U> using buffer = Buffer<U, Device>;
 //   kernels (contract of /kernels, without the stream / handle argument):
-//     matmul, matmul_dgelu (a GELU's backward fused into the GEMM before it), bias_backward,
+//     matmul, matmul_dgelu (a GELU's backward fused into the GEMM before it),
+//     matmul_weight_grad (a linear layer's dW and db, the bias summed in the GEMM),
 //     layernorm_forward, layernorm_backward, rmsnorm_forward, rmsnorm_backward,
 //     residual_layernorm_forward and residual_rmsnorm_forward (the residual add before a norm,
 //     fused into it), gelu_backward, swiglu_forward, swiglu_backward, rotary_forward and
@@ -122,6 +123,10 @@ struct Ops<T, Host> {
   // gives its output's (kernels/host/gemm.hpp).
   void matmul_dgelu(T* out, const T* a, const T* b, const T* pre_act, int M, int N, int K, bool trans_a, bool trans_b) {
     kernels::host::matmul_dgelu(out, a, b, pre_act, M, N, K, trans_a, trans_b);
+  }
+  // A linear layer's weight half: dW += x^T dy (transposed: dy^T x), db += dy's row sums.
+  void matmul_weight_grad(T* dw, T* db, const T* dy, const T* x, int rows, int in, int out, bool transposed) {
+    kernels::host::matmul_weight_grad(dw, db, dy, x, rows, in, out, transposed);
   }
   void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH, int NKV) {
     kernels::host::attention_forward(out, lse, qkv, B, T_, C, NH, NKV);

@@ -18,7 +18,6 @@
 #define FIVED_OPS_ARGS(...) __VA_ARGS__
 
 #define FIVED_OPS_KERNELS(X)                                                                                     \
-  X(bias_backward, (T* dbias, const T* dout, int M, int N), (dbias, dout, M, N))                                 \
   X(layernorm_forward, (T* out, stat_t* mean, stat_t* rstd, const T* inp, const T* weight, const T* bias, int N, \
       int C),                                                                                                    \
     (out, mean, rstd, inp, weight, bias, N, C))                                                                  \

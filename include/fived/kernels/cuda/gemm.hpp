@@ -10,6 +10,8 @@
 //     out[M,N] = gelu'(pre_act) * op(a) op(b): a GELU's backward in the GEMM that gives its
 //     output's gradient (cuBLASLt's DGELU epilogue, pre_act as its aux input).
 //   bias_backward(stream or lt, dbias, dout, M, N);   // dbias[N] += column sums of dout[M,N]
+//   matmul_weight_grad(lt, dw, db, dy, x, rows, in, out, transposed);
+//     a linear layer's dW and db "+=", db summed by the GEMM's BGRADA/BGRADB epilogue.
 //
 // Row-major X is column-major X^T, so out^T = op(b)^T op(a)^T is computed with
 // cuBLASLt's A = b and B = a (no copies). Element types float and bf16, fp32
@@ -198,12 +200,13 @@ struct ReadMatrix {
 };
 
 // One cuBLASLt matmul out = op(a) op(b) with epilogue e (its bias, its aux matrix aux[M,N]
-// where it has one), the algorithm cached per shape: false when cuBLASLt has none for this
-// epilogue (a plain product always has one, or this throws).
+// where it has one, or for BGRADA / BGRADB the float vector bias_grad it writes: the sums over
+// K of our b (cuBLASLt's A, [N]) or of our a (its B, [M])), the algorithm cached per shape:
+// false when cuBLASLt has none for this epilogue (a plain product always has one, or this throws).
 template <class T>
 bool lt_matmul(CublasLt& lt, T* out, const T* a, const T* b, const std::type_identity_t<T>* bias,
                const std::type_identity_t<T>* aux, int M, int N, int K, bool trans_a, bool trans_b, bool accumulate,
-               cublasLtEpilogue_t e) {
+               cublasLtEpilogue_t e, float* bias_grad = nullptr) {
   constexpr cudaDataType_t dtype = std::is_same_v<T, float> ? CUDA_R_32F : CUDA_R_16BF;
   const cublasComputeType_t compute =
       (std::is_same_v<T, float> && lt.allow_tf32) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
@@ -225,9 +228,16 @@ bool lt_matmul(CublasLt& lt, T* out, const T* a, const T* b, const std::type_ide
                         e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
   const bool has_aux = e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ||
                        e == CUBLASLT_EPILOGUE_DGELU;
+  const bool grads_bias = e == CUBLASLT_EPILOGUE_BGRADA || e == CUBLASLT_EPILOGUE_BGRADB;
   if (has_bias) {
     const void* bp = bias;
     FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
+  }
+  if (grads_bias) {  // in float, whatever T: the caller adds it to the gradient it accumulates
+    void* bp = bias_grad;
+    const cudaDataType_t bt = CUDA_R_32F;
+    FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
+    FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
   }
   if (has_aux) {
     // One attribute for both directions: GELU_AUX writes the matrix, DGELU reads it.
@@ -241,7 +251,9 @@ bool lt_matmul(CublasLt& lt, T* out, const T* a, const T* b, const std::type_ide
   const std::uint32_t al_c = alignment_of(out);
   const CublasLt::AlgoKey key{static_cast<int>(dtype), static_cast<int>(compute), static_cast<int>(e), M, N, K,
                               trans_a ? 1 : 0, trans_b ? 1 : 0, static_cast<int>(al_a), static_cast<int>(al_b),
-                              static_cast<int>(al_c), has_bias ? static_cast<int>(alignment_of(bias)) : 0,
+                              static_cast<int>(al_c),
+                              has_bias ? static_cast<int>(alignment_of(bias))
+                                       : grads_bias ? static_cast<int>(alignment_of(bias_grad)) : 0,
                               has_aux ? static_cast<int>(alignment_of(aux)) : 0};
   auto& cache = lt.algo_cache();
   auto it = cache.find(key);
@@ -354,6 +366,15 @@ void matmul_dgelu(CublasLt& lt, T* out, const T* a, const T* b, const std::type_
   gelu_backward(lt.stream(), out, pre_act, out, n);
 }
 
+namespace detail {
+// dbias[n] += sums[n], the float sums an epilogue wrote.
+template <class T>
+__global__ void add_sums_kernel(T* dbias, const float* sums, int n) {
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < n) dbias[i] = from_float<T>(to_float(dbias[i]) + sums[i]);
+}
+}  // namespace detail
+
 // dbias[N] += column sums of dout[M, N] (deterministic two-pass reduction, float accumulation).
 template <class T>
 void bias_backward(cudaStream_t stream, T* dbias, const T* dout, int M, int N) {
@@ -368,6 +389,36 @@ void bias_backward(cudaStream_t stream, T* dbias, const T* dout, int M, int N) {
 template <class T>
 void bias_backward(CublasLt& lt, T* dbias, const T* dout, int M, int N) {
   bias_backward(lt.stream(), dbias, dout, M, N);
+}
+
+// A linear layer's weight half, the contract of kernels/host/gemm.hpp: dW += x^T dy (W [in,
+// out]) or dy^T x (transposed: W [out, in]), db += the sum of dy's rows. The GEMM reads every
+// row of dy, so cuBLASLt's bias-gradient epilogue sums them there (BGRADA where dy is its A,
+// GPT-2's Conv1D; BGRADB where it is its B, torch.nn.Linear's) into a float scratch that is
+// then added to db: db's own pass over dy (bias_backward) is gone. Where cuBLASLt has no
+// algorithm for that epilogue, the plain GEMM and bias_backward. Returns whether it fused.
+template <class T>
+bool matmul_weight_grad(CublasLt& lt, T* dw, T* db, const T* dy, const T* x, int rows, int in, int out,
+                        bool transposed) {
+  static_assert(is_element_v<T>, "matmul_weight_grad: element type must be float or fived::bf16");
+  detail::check_sizes("matmul_weight_grad", in, out, rows);
+  const T* none = nullptr;
+  if (db != nullptr && rows > 0 && in > 0 && out > 0) {
+    Scratch<float> sums(static_cast<std::size_t>(out), lt.stream());
+    const bool fused = transposed ? detail::lt_matmul(lt, dw, dy, x, none, none, out, in, rows, true, false, true,
+                                                      CUBLASLT_EPILOGUE_BGRADB, sums.get())
+                                  : detail::lt_matmul(lt, dw, x, dy, none, none, in, out, rows, true, false, true,
+                                                      CUBLASLT_EPILOGUE_BGRADA, sums.get());
+    if (fused) {
+      detail::add_sums_kernel<<<(out + 255) / 256, 256, 0, lt.stream()>>>(dev(db), sums.get(), out);
+      FIVED_CUDA_CHECK_LAUNCH("add_sums_kernel");
+      return true;
+    }
+  }
+  if (transposed) matmul(lt, dw, dy, x, none, out, in, rows, true, false, true);
+  else matmul(lt, dw, x, dy, none, in, out, rows, true, false, true);
+  if (db != nullptr) bias_backward(lt, db, dy, rows, out);
+  return false;
 }
 
 }  // namespace fived::kernels::cuda

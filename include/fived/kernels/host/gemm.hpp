@@ -30,6 +30,12 @@
 //     output, carried through the GELU to its input. Here the product rounded to T, then
 //     gelu_backward, as the two calls it stands for; a device fuses the GELU's backward into
 //     the GEMM (kernels/cuda/gemm.hpp).
+//
+//   matmul_weight_grad(dw, db, dy, x, rows, in, out, transposed)
+//     A linear layer's weight half over `rows` rows of y = x W + b, all "+=": dW += x^T dy
+//     into W [in, out] (transposed: dW += dy^T x into W [out, in], torch.nn.Linear's), and
+//     db += the sum of dy's rows (a null db: no bias). Here the GEMM, then bias_backward; a
+//     device sums dy for the bias inside the GEMM that reads it anyway (kernels/cuda/gemm.hpp).
 
 #include <algorithm>
 #include <cmath>
@@ -181,6 +187,14 @@ void bias_backward(T* dbias, const T* dout, int M, int N) {
     for (std::size_t j = 0; j < sN; ++j) sum[j] += static_cast<A>(row[j]);
   }
   for (std::size_t j = 0; j < sN; ++j) dbias[j] = static_cast<T>(static_cast<A>(dbias[j]) + sum[j]);
+}
+
+template <class T>
+void matmul_weight_grad(T* dw, T* db, const T* dy, const T* x, int rows, int in, int out, bool transposed) {
+  const T* none = nullptr;
+  if (transposed) matmul(dw, dy, x, none, out, in, rows, true, false, true);
+  else matmul(dw, x, dy, none, in, out, rows, true, false, true);
+  if (db != nullptr) bias_backward(db, dy, rows, out);
 }
 
 }  // namespace fived::kernels::host

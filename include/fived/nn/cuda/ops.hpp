@@ -115,6 +115,9 @@ struct Ops<T, Cuda> {
   void matmul_dgelu(T* out, const T* a, const T* b, const T* pre_act, int M, int N, int K, bool trans_a, bool trans_b) {
     kernels::cuda::matmul_dgelu(lt_, out, a, b, pre_act, M, N, K, trans_a, trans_b);
   }
+  void matmul_weight_grad(T* dw, T* db, const T* dy, const T* x, int rows, int in, int out, bool transposed) {
+    kernels::cuda::matmul_weight_grad(lt_, dw, db, dy, x, rows, in, out, transposed);
+  }
   // bf16 attention runs through cuDNN's fused kernel where fived was built with it
   // (FIVED_WITH_CUDNN) and it takes the shape; fived's own kernel otherwise, or when
   // use_cudnn_attention is false.
