@@ -177,6 +177,13 @@ __global__ void bias_gelu_kernel(T* out, const T* bias, T* pre_act, int M, int N
   }
 }
 
+// dbias[n] += sums[n], the float sums a bias-gradient epilogue wrote.
+template <class T>
+__global__ void add_sums_kernel(T* dbias, const float* sums, int n) {
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < n) dbias[i] = from_float<T>(to_float(dbias[i]) + sums[i]);
+}
+
 // dbias[c] += s.x
 template <class T>
 struct AddColumnSum {
@@ -365,15 +372,6 @@ void matmul_dgelu(CublasLt& lt, T* out, const T* a, const T* b, const std::type_
   detail::lt_matmul(lt, out, a, b, nullptr, nullptr, M, N, K, trans_a, trans_b, false, CUBLASLT_EPILOGUE_DEFAULT);
   gelu_backward(lt.stream(), out, pre_act, out, n);
 }
-
-namespace detail {
-// dbias[n] += sums[n], the float sums an epilogue wrote.
-template <class T>
-__global__ void add_sums_kernel(T* dbias, const float* sums, int n) {
-  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
-  if (i < n) dbias[i] = from_float<T>(to_float(dbias[i]) + sums[i]);
-}
-}  // namespace detail
 
 // dbias[N] += column sums of dout[M, N] (deterministic two-pass reduction, float accumulation).
 template <class T>

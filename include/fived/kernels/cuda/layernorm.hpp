@@ -344,11 +344,7 @@ void norm_backward(cudaStream_t stream, T* dinp, T* dweight, T* dbias, const T* 
   });
 }
 
-}  // namespace detail
-
-namespace detail {
-
-// Both norms' forwards, with or without the residual add before them (res, a, b).
+// The norms' forward launches, with or without the residual add before them (NormInput).
 template <bool Residual, class T>
 void layernorm_forward_launch(cudaStream_t stream, T* out, float* mean, float* rstd, NormInput<device_t<T>, Residual> in,
                               const T* weight, const T* bias, int N, int C) {
