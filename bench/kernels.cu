@@ -248,6 +248,16 @@ int main(int argc, char** argv) {
           ck::crossentropy_forward_backward(s, losses.data(), logits.data(), logits.data(), tokens.data(), M, Vp, V,
                                             1.0f / M);
         }), 2.0 * e * BT * Vp, 0);
+    // The kernel that reads each row twice (what ran before the row was staged in shared
+    // memory; still what rows too wide for two blocks an SM run), timed the same way.
+    const bool staged = ck::detail::staged_row_bytes<__nv_bfloat16>(static_cast<int>(Vp)) > 0;
+    row(staged ? "crossentropy, row read twice (before)" : "crossentropy, row read twice (no stage)", time_ms(s, [&] {
+          ck::detail::crossentropy_rows_kernel<__nv_bfloat16, ck::detail::ce_block>
+              <<<static_cast<unsigned>(M), ck::detail::ce_block, 0, s>>>(
+                  losses.data(), ck::dev(logits.data()), nullptr, nullptr, nullptr, ck::dev(logits.data()),
+                  tokens.data(), static_cast<int>(Vp), V, 1.0f / M);
+          FIVED_CUDA_CHECK_LAUNCH("crossentropy_rows_kernel");
+        }), 2.0 * e * BT * Vp, 0);
   }
   row("bias_backward [8192,3072]", time_ms(s, [&] { ck::bias_backward(s, dbias.data(), dh.data(), M, 4 * C); }),
       e * BT * 4 * C, 0);

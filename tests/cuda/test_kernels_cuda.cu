@@ -568,13 +568,21 @@ TEST_CASE_TEMPLATE("cross-entropy: vocab shards with padding, and the fused conv
 
 // The one-kernel loss of an unsplit vocabulary: its statistics (max exact, the target's logit
 // exact, sum of exp), losses and in-place gradient against the host's three steps; rows of
-// 16-byte multiples (the vectorised kernel) and not (Vp 1004: the three kernels).
+// 16-byte multiples and not (Vp 1004: the three kernels). Of the 16-byte rows, those that leave
+// room for two blocks an SM are staged in shared memory (1040, and GPT-2's 50,304 in bf16: a
+// thread's pieces in two cp.async groups), wider ones (131,072; 50,304 in float) read twice.
 TEST_CASE_TEMPLATE("cross-entropy fused with its statistics", T, ELEMENT_TYPES) {
-  for (const int Vp : {1040, 1004}) {
+  for (const int Vp : {1040, 1004, 50304, 131072}) {
     CAPTURE(Vp);
-    const int N = 7, V = 1000;
+    const int N = 7, V = Vp == 1004 ? 1000 : Vp - 40;
+    if (Vp % 8 == 0 && ck::detail::device_is_sm80_or_later()) {
+      const bool staged = ck::detail::staged_row_bytes<ck::device_t<T>>(Vp) > 0;
+      MESSAGE("Vp " << Vp << (staged ? ": the row staged in shared memory" : ": the row read twice"));
+      if (Vp == 1040 || (Vp == 50304 && sizeof(T) == 2)) CHECK(staged);
+      if (Vp == 131072) CHECK_FALSE(staged);
+    }
     const auto logits = rnd<T>(static_cast<std::size_t>(N) * Vp, 36, -6.0f, 6.0f);
-    const std::vector<int> targets = {0, 999, 512, 7, 8, 640, 100};
+    const std::vector<int> targets = {0, V - 1, V / 2, 7, 8, V * 5 / 8, 100};
     std::vector<float> loss(N), mx(N), se(N), tl(N);
     std::vector<T> dlog(logits.size());
     hk::crossentropy_fused(loss.data(), dlog.data(), mx.data(), se.data(), tl.data(), logits.data(), targets.data(), N,

@@ -136,13 +136,18 @@ template <class E>
 __device__ __forceinline__ void load_vec16(float (&out)[vec16<E>], const E* p) {
   to_floats(out, load_piece<E, vec16<E>>(p));
 }
+// Sixteen bytes of E from floats, as they go to memory.
 template <class E>
-__device__ __forceinline__ void store_vec16(E* p, const float (&in)[vec16<E>]) {
+__device__ __forceinline__ uint4 pack_vec16(const float (&in)[vec16<E>]) {
   uint4 raw;
   E* e = reinterpret_cast<E*>(&raw);
 #pragma unroll
   for (int k = 0; k < vec16<E>; ++k) e[k] = from_float<E>(in[k]);
-  *reinterpret_cast<uint4*>(p) = raw;
+  return raw;
+}
+template <class E>
+__device__ __forceinline__ void store_vec16(E* p, const float (&in)[vec16<E>]) {
+  *reinterpret_cast<uint4*>(p) = pack_vec16<E>(in);
 }
 
 // W elements from p: one 16-byte access when W == vec16<E>, one element when W == 1.

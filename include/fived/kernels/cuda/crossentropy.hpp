@@ -14,7 +14,8 @@
 // dlogits may alias logits (each element is read, then overwritten, by one
 // thread). losses or dlogits may be null (that output is skipped). One block per row, float accumulation.
 // The single-shard calls are one fused kernel (online max / sum-of-exp in one read, then
-// the gradient), not three launches. A target outside [0, V) cannot throw from
+// the gradient), not three launches; where the row fits, it is staged in shared memory and
+// read from HBM once. A target outside [0, V) cannot throw from
 // the device: its loss is NaN (and its row gets no one-hot term).
 
 #include <cmath>
@@ -22,6 +23,7 @@
 #include <cstdint>
 
 #include <fived/kernels/cuda/common.hpp>
+#include <fived/kernels/cuda/flash_tiles.hpp>  // cp.async (flash::cp_async16)
 
 namespace fived::kernels::cuda {
 
@@ -79,14 +81,64 @@ __global__ void crossentropy_backward_kernel(float* losses, T* dlogits, const T*
   }
 }
 
+// The two passes of the single-shard kernels below over one 16-byte piece x of a row (piece i,
+// columns i * W ...; padding columns, >= V, count as -inf and get a zero gradient).
+// fold: the thread's running max m and sum of exp(x - m) s take the piece in (one rescale per
+// piece). Each exp is one FFMA and one exp2_approx (ncu had these kernels issue-bound, and
+// exp2f spends three more instructions on subnormals); the max stays in natural units: it is
+// a statistic, equal to the host's bit for bit.
+template <int W>
+__device__ __forceinline__ void ce_fold(float (&x)[W], int i, int V, float& m, float& s) {
+  if ((i + 1) * W > V) {  // the piece holding column V: padding past it
+#pragma unroll
+    for (int k = 0; k < W; ++k) x[k] = i * W + k < V ? x[k] : -INFINITY;
+  }
+  float vm = x[0];
+#pragma unroll
+  for (int k = 1; k < W; ++k) vm = fmaxf(vm, x[k]);
+  if (vm == -INFINITY) return;  // padding only
+  const float nm = fmaxf(m, vm), nm2 = nm * log2e_f;
+  float add = 0.0f;
+#pragma unroll
+  for (int k = 0; k < W; ++k) add += exp2_approx(fmaf(x[k], log2e_f, -nm2));
+  s = s * exp2_approx((m - nm) * log2e_f) + add;
+  m = nm;
+}
+// The gradient of the piece, in place: dloss * (softmax - onehot(tgt)); scale = dloss / sum,
+// gm2 = the row's max * log2(e).
+template <int W>
+__device__ __forceinline__ void ce_grad(float (&x)[W], int i, int V, int tgt, bool tgt_ok, float scale, float gm2,
+                                        float dloss) {
+#pragma unroll
+  for (int k = 0; k < W; ++k) x[k] = scale * exp2_approx(fmaf(x[k], log2e_f, -gm2));
+  if ((i + 1) * W > V) {  // padding columns get 0
+#pragma unroll
+    for (int k = 0; k < W; ++k) x[k] = i * W + k < V ? x[k] : 0.0f;
+  }
+  if (tgt_ok && static_cast<unsigned>(tgt - i * W) < static_cast<unsigned>(W)) {  // the piece holding the target
+#pragma unroll
+    for (int k = 0; k < W; ++k) x[k] -= i * W + k == tgt ? dloss : 0.0f;
+  }
+}
+// The row's statistics from each thread's (m, s): the block's max and sum, written by thread 0
+// (where the outputs are not null) with the loss. Synchronises the block.
+__device__ __forceinline__ void ce_row_stats(float& gm, float& gs, float m, float s, float* scratch, int row,
+                                             float* losses, float* max_out, float* sumexp_out, float* target_out,
+                                             bool tgt_ok, float tl) {
+  gm = block_max(m, scratch);
+  gs = block_sum(m == -INFINITY ? 0.0f : s * exp2_approx((m - gm) * log2e_f), scratch);
+  if (threadIdx.x == 0) {
+    if (losses != nullptr) losses[row] = tgt_ok ? logf(gs) + gm - tl : NAN;
+    if (max_out != nullptr) max_out[row] = gm;
+    if (sumexp_out != nullptr) sumexp_out[row] = gs;
+    if (target_out != nullptr) target_out[row] = tl;
+  }
+}
+
 // The single-shard loss, one block per row, 16-byte accesses: the first pass keeps a running
-// max and sum of exp per thread (one rescale per 16 bytes), the second (from L2 where the row
-// is still there) writes the gradient. Keeping the row in registers between the passes was
-// slower on an H200 (0.89 ms against 0.67 for GPT-2's 8192 x 50304: one block per SM).
-// Each exp is one FFMA and one exp2_approx (ncu had this kernel issue-bound, and exp2f spends
-// three more instructions on subnormals); padding columns (>= V) count as -inf. The max stays in
-// natural units: it is a statistic, equal to the host's bit for bit. Vp % vec16<T> == 0
-// (rows stay 16-byte aligned).
+// max and sum of exp per thread, the second reads the row again and writes the gradient.
+// Keeping the row in registers between the passes was slower on an H200 (0.89 ms against 0.67
+// for GPT-2's 8192 x 50304: one block per SM). Vp % vec16<T> == 0 (rows stay 16-byte aligned).
 template <class T, int Threads>
 __global__ void __launch_bounds__(Threads)
     crossentropy_rows_kernel(float* losses, T* dlogits, float* max_out, float* sumexp_out, float* target_out,
@@ -103,46 +155,91 @@ __global__ void __launch_bounds__(Threads)
   for (int i = static_cast<int>(threadIdx.x); i < nvec; i += Threads) {
     float x[W];
     load_vec16(x, logits + base + static_cast<std::size_t>(i) * W);
-    if ((i + 1) * W > V) {  // the piece holding column V: padding past it
-#pragma unroll
-      for (int k = 0; k < W; ++k) x[k] = i * W + k < V ? x[k] : -INFINITY;
-    }
-    float vm = x[0];
-#pragma unroll
-    for (int k = 1; k < W; ++k) vm = fmaxf(vm, x[k]);
-    if (vm == -INFINITY) continue;  // padding only
-    const float nm = fmaxf(m, vm), nm2 = nm * log2e_f;
-    float add = 0.0f;
-#pragma unroll
-    for (int k = 0; k < W; ++k) add += exp2_approx(fmaf(x[k], log2e_f, -nm2));
-    s = s * exp2_approx((m - nm) * log2e_f) + add;
-    m = nm;
+    ce_fold(x, i, V, m, s);
   }
-  const float gm = block_max(m, scratch);
-  const float gs = block_sum(m == -INFINITY ? 0.0f : s * exp2_approx((m - gm) * log2e_f), scratch);  // synchronises
-  if (threadIdx.x == 0) {
-    if (losses != nullptr) losses[row] = tgt_ok ? logf(gs) + gm - tl : NAN;
-    if (max_out != nullptr) max_out[row] = gm;
-    if (sumexp_out != nullptr) sumexp_out[row] = gs;
-    if (target_out != nullptr) target_out[row] = tl;
-  }
+  float gm, gs;
+  ce_row_stats(gm, gs, m, s, scratch, row, losses, max_out, sumexp_out, target_out, tgt_ok, tl);
   if (dlogits == nullptr) return;
   const float scale = dloss / gs, gm2 = gm * log2e_f;
   for (int i = static_cast<int>(threadIdx.x); i < nvec; i += Threads) {
     float x[W];
     load_vec16(x, logits + base + static_cast<std::size_t>(i) * W);
-#pragma unroll
-    for (int k = 0; k < W; ++k) x[k] = scale * exp2_approx(fmaf(x[k], log2e_f, -gm2));
-    if ((i + 1) * W > V) {  // padding columns get 0
-#pragma unroll
-      for (int k = 0; k < W; ++k) x[k] = i * W + k < V ? x[k] : 0.0f;
-    }
-    if (tgt_ok && static_cast<unsigned>(tgt - i * W) < static_cast<unsigned>(W)) {  // the piece holding the target
-#pragma unroll
-      for (int k = 0; k < W; ++k) x[k] -= i * W + k == tgt ? dloss : 0.0f;
-    }
+    ce_grad(x, i, V, tgt, tgt_ok, scale, gm2, dloss);
     store_vec16(dlogits + base + static_cast<std::size_t>(i) * W, x);
   }
+}
+
+// The same loss with the row staged in shared memory, so HBM is read once: the kernel above
+// reads each row twice, and GPT-2's rows in flight (8 KiB short of 100 KiB each, four blocks an
+// SM) outgrow the L2, so its second pass reads HBM again (ncu: DRAM 74% busy, the kernel at 70%
+// of HBM counting one read and one write). Here each thread copies its own pieces in with
+// cp.async (sm_80 and later), in two groups so the first half's max and sum start while the
+// second half lands, and both passes read them there; a thread touches only the pieces it
+// copied, so the reductions' are the only barriers. Two blocks an SM (one loads while the other
+// computes); dlogits is written with streaming stores (nothing reads it again here). Where a
+// row does not leave room for two blocks an SM, crossentropy_fused runs the kernel above.
+template <class T, int Threads>
+__global__ void __launch_bounds__(Threads, 2)
+    crossentropy_staged_kernel(float* losses, T* dlogits, float* max_out, float* sumexp_out, float* target_out,
+                               const T* logits, const int* targets, int Vp, int V, float dloss) {
+  constexpr int W = vec16<T>;
+  extern __shared__ uint4 staged[];  // the row: Vp / W pieces of 16 bytes
+  __shared__ float scratch[32];
+  const int row = static_cast<int>(blockIdx.x);
+  const std::size_t base = static_cast<std::size_t>(row) * Vp;
+  const int tgt = targets[row];
+  const bool tgt_ok = tgt >= 0 && tgt < V;
+  const float tl = tgt_ok ? to_float(logits[base + tgt]) : 0.0f;  // read before any thread writes dlogits
+  const int nvec = Vp / W, t = static_cast<int>(threadIdx.x);
+  const int mine = t < nvec ? (nvec - 1 - t) / Threads + 1 : 0, half = (mine + 1) / 2;  // this thread's pieces
+  const uint4* src = reinterpret_cast<const uint4*>(logits + base);
+  for (int k = 0; k < half; ++k) flash::cp_async16(staged + t + k * Threads, src + t + k * Threads, true);
+  flash::cp_async_commit();
+  for (int k = half; k < mine; ++k) flash::cp_async16(staged + t + k * Threads, src + t + k * Threads, true);
+  flash::cp_async_commit();
+  float m = -INFINITY, s = 0.0f;
+  const auto fold = [&](int first, int last) {
+    for (int k = first; k < last; ++k) {
+      float x[W];
+      to_floats(x, reinterpret_cast<const Piece<T, W>*>(staged)[t + k * Threads]);
+      ce_fold(x, t + k * Threads, V, m, s);
+    }
+  };
+  flash::cp_async_wait<1>();
+  fold(0, half);
+  flash::cp_async_wait<0>();
+  fold(half, mine);
+  float gm, gs;
+  ce_row_stats(gm, gs, m, s, scratch, row, losses, max_out, sumexp_out, target_out, tgt_ok, tl);
+  if (dlogits == nullptr) return;
+  const float scale = dloss / gs, gm2 = gm * log2e_f;
+  uint4* dst = reinterpret_cast<uint4*>(dlogits + base);
+  for (int k = 0; k < mine; ++k) {
+    const int i = t + k * Threads;
+    float x[W];
+    to_floats(x, reinterpret_cast<const Piece<T, W>*>(staged)[i]);
+    ce_grad(x, i, V, tgt, tgt_ok, scale, gm2, dloss);
+    __stcs(dst + i, pack_vec16<T>(x));
+  }
+}
+
+// The bytes of dynamic shared memory crossentropy_staged_kernel takes for rows of Vp, or 0
+// where it does not run: before sm_80 (no cp.async), or where two blocks do not fit an SM.
+template <class T>
+int staged_row_bytes(int Vp) {
+  const long bytes = static_cast<long>(Vp) * static_cast<long>(sizeof(T));
+  int device = 0, optin = 0;
+  FIVED_CUDA_CHECK(cudaGetDevice(&device));
+  static thread_local long asked = -1;  // the last row size and device asked about, and the answer
+  static thread_local int asked_device = -1, answer = 0;
+  if (bytes == asked && device == asked_device) return answer;
+  asked = bytes, asked_device = device, answer = 0;
+  FIVED_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (!device_is_sm80_or_later() || bytes > optin) return answer;
+  const auto kernel = crossentropy_staged_kernel<T, ce_block>;
+  allow_dynamic_smem(kernel, static_cast<std::size_t>(bytes));
+  if (resident_blocks(kernel, ce_block, static_cast<int>(bytes)) >= 2) answer = static_cast<int>(bytes);
+  return answer;
 }
 
 // One block: each thread sums its rows in double, then a fixed-order tree (no atomics, so the
@@ -220,7 +317,14 @@ void crossentropy_fused(cudaStream_t stream, float* losses, T* dlogits, float* m
   const bool aligned = Vp % vec16<T> == 0 && reinterpret_cast<std::uintptr_t>(logits) % 16 == 0 &&
                        reinterpret_cast<std::uintptr_t>(dlogits) % 16 == 0;
   if (aligned) {
-    detail::crossentropy_rows_kernel<device_t<T>, detail::ce_block><<<static_cast<unsigned>(N), detail::ce_block, 0, stream>>>(
+    using E = device_t<T>;
+    if (const int staged = detail::staged_row_bytes<E>(Vp); staged > 0) {
+      detail::crossentropy_staged_kernel<E, detail::ce_block><<<static_cast<unsigned>(N), detail::ce_block, staged, stream>>>(
+          losses, dev(dlogits), max, sumexp, target_logit, dev(logits), targets, Vp, V, static_cast<float>(dloss));
+      FIVED_CUDA_CHECK_LAUNCH("crossentropy_staged_kernel");
+      return;
+    }
+    detail::crossentropy_rows_kernel<E, detail::ce_block><<<static_cast<unsigned>(N), detail::ce_block, 0, stream>>>(
         losses, dev(dlogits), max, sumexp, target_logit, dev(logits), targets, Vp, V, static_cast<float>(dloss));
     FIVED_CUDA_CHECK_LAUNCH("crossentropy_rows_kernel");
     return;
