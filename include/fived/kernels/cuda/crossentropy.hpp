@@ -23,7 +23,7 @@
 #include <cstdint>
 
 #include <fived/kernels/cuda/common.hpp>
-#include <fived/kernels/cuda/flash_tiles.hpp>  // cp.async (flash::cp_async16)
+#include <fived/kernels/cuda/flash_tiles.hpp>  // cp.async (flash::cp_async16, FIVED_FLASH_ARCH)
 
 namespace fived::kernels::cuda {
 
@@ -169,6 +169,17 @@ __global__ void __launch_bounds__(Threads)
   }
 }
 
+// A 16-byte piece from global to shared memory: cp.async from sm_80 on (the copy in flight
+// until the thread waits for its group), else through a register (done when the call returns,
+// so the waits below have nothing to wait for): the kernel is correct whatever it was built for.
+__device__ __forceinline__ void stage16(uint4* dst, const uint4* src) {
+#if FIVED_FLASH_ARCH
+  flash::cp_async16(dst, src, true);
+#else
+  *dst = *src;
+#endif
+}
+
 // The same loss with the row staged in shared memory, so HBM is read once: the kernel above
 // reads each row twice, and GPT-2's rows in flight (8 KiB short of 100 KiB each, four blocks an
 // SM) outgrow the L2, so its second pass reads HBM again (ncu: DRAM 74% busy, the kernel at 70%
@@ -193,9 +204,9 @@ __global__ void __launch_bounds__(Threads, 2)
   const int nvec = Vp / W, t = static_cast<int>(threadIdx.x);
   const int mine = t < nvec ? (nvec - 1 - t) / Threads + 1 : 0, half = (mine + 1) / 2;  // this thread's pieces
   const uint4* src = reinterpret_cast<const uint4*>(logits + base);
-  for (int k = 0; k < half; ++k) flash::cp_async16(staged + t + k * Threads, src + t + k * Threads, true);
+  for (int k = 0; k < half; ++k) stage16(staged + t + k * Threads, src + t + k * Threads);
   flash::cp_async_commit();
-  for (int k = half; k < mine; ++k) flash::cp_async16(staged + t + k * Threads, src + t + k * Threads, true);
+  for (int k = half; k < mine; ++k) stage16(staged + t + k * Threads, src + t + k * Threads);
   flash::cp_async_commit();
   float m = -INFINITY, s = 0.0f;
   const auto fold = [&](int first, int last) {
