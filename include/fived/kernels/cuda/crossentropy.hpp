@@ -120,18 +120,30 @@ __device__ __forceinline__ void ce_grad(float (&x)[W], int i, int V, int tgt, bo
     for (int k = 0; k < W; ++k) x[k] -= i * W + k == tgt ? dloss : 0.0f;
   }
 }
+// The block's row of the single-shard kernels: where it starts, its target and the target's
+// logit, read before any thread writes dlogits (which may alias the logits).
+struct CeRow {
+  int row;
+  std::size_t base;
+  int tgt;
+  bool tgt_ok;
+  float tl;
+  template <class T>
+  __device__ __forceinline__ CeRow(const T* logits, const int* targets, int Vp, int V)
+      : row(static_cast<int>(blockIdx.x)), base(static_cast<std::size_t>(row) * Vp), tgt(targets[row]),
+        tgt_ok(tgt >= 0 && tgt < V), tl(tgt_ok ? to_float(logits[base + tgt]) : 0.0f) {}
+};
 // The row's statistics from each thread's (m, s): the block's max and sum, written by thread 0
 // (where the outputs are not null) with the loss. Synchronises the block.
-__device__ __forceinline__ void ce_row_stats(float& gm, float& gs, float m, float s, float* scratch, int row,
-                                             float* losses, float* max_out, float* sumexp_out, float* target_out,
-                                             bool tgt_ok, float tl) {
+__device__ __forceinline__ void ce_row_stats(float& gm, float& gs, float m, float s, float* scratch, const CeRow& r,
+                                             float* losses, float* max_out, float* sumexp_out, float* target_out) {
   gm = block_max(m, scratch);
   gs = block_sum(m == -INFINITY ? 0.0f : s * exp2_approx((m - gm) * log2e_f), scratch);
   if (threadIdx.x == 0) {
-    if (losses != nullptr) losses[row] = tgt_ok ? logf(gs) + gm - tl : NAN;
-    if (max_out != nullptr) max_out[row] = gm;
-    if (sumexp_out != nullptr) sumexp_out[row] = gs;
-    if (target_out != nullptr) target_out[row] = tl;
+    if (losses != nullptr) losses[r.row] = r.tgt_ok ? logf(gs) + gm - r.tl : NAN;
+    if (max_out != nullptr) max_out[r.row] = gm;
+    if (sumexp_out != nullptr) sumexp_out[r.row] = gs;
+    if (target_out != nullptr) target_out[r.row] = r.tl;
   }
 }
 
@@ -145,27 +157,23 @@ __global__ void __launch_bounds__(Threads)
                              const T* logits, const int* targets, int Vp, int V, float dloss) {
   constexpr int W = vec16<T>;
   __shared__ float scratch[32];
-  const int row = static_cast<int>(blockIdx.x);
-  const std::size_t base = static_cast<std::size_t>(row) * Vp;
-  const int tgt = targets[row];
-  const bool tgt_ok = tgt >= 0 && tgt < V;
-  const float tl = tgt_ok ? to_float(logits[base + tgt]) : 0.0f;  // read before any thread writes dlogits
+  const CeRow r(logits, targets, Vp, V);
   const int nvec = Vp / W;
   float m = -INFINITY, s = 0.0f;  // running max and sum of exp(x - m) over this thread's columns
   for (int i = static_cast<int>(threadIdx.x); i < nvec; i += Threads) {
     float x[W];
-    load_vec16(x, logits + base + static_cast<std::size_t>(i) * W);
+    load_vec16(x, logits + r.base + static_cast<std::size_t>(i) * W);
     ce_fold(x, i, V, m, s);
   }
   float gm, gs;
-  ce_row_stats(gm, gs, m, s, scratch, row, losses, max_out, sumexp_out, target_out, tgt_ok, tl);
+  ce_row_stats(gm, gs, m, s, scratch, r, losses, max_out, sumexp_out, target_out);
   if (dlogits == nullptr) return;
   const float scale = dloss / gs, gm2 = gm * log2e_f;
   for (int i = static_cast<int>(threadIdx.x); i < nvec; i += Threads) {
     float x[W];
-    load_vec16(x, logits + base + static_cast<std::size_t>(i) * W);
-    ce_grad(x, i, V, tgt, tgt_ok, scale, gm2, dloss);
-    store_vec16(dlogits + base + static_cast<std::size_t>(i) * W, x);
+    load_vec16(x, logits + r.base + static_cast<std::size_t>(i) * W);
+    ce_grad(x, i, V, r.tgt, r.tgt_ok, scale, gm2, dloss);
+    store_vec16(dlogits + r.base + static_cast<std::size_t>(i) * W, x);
   }
 }
 
@@ -196,14 +204,10 @@ __global__ void __launch_bounds__(Threads, 2)
   constexpr int W = vec16<T>;
   extern __shared__ uint4 staged[];  // the row: Vp / W pieces of 16 bytes
   __shared__ float scratch[32];
-  const int row = static_cast<int>(blockIdx.x);
-  const std::size_t base = static_cast<std::size_t>(row) * Vp;
-  const int tgt = targets[row];
-  const bool tgt_ok = tgt >= 0 && tgt < V;
-  const float tl = tgt_ok ? to_float(logits[base + tgt]) : 0.0f;  // read before any thread writes dlogits
+  const CeRow r(logits, targets, Vp, V);
   const int nvec = Vp / W, t = static_cast<int>(threadIdx.x);
   const int mine = t < nvec ? (nvec - 1 - t) / Threads + 1 : 0, half = (mine + 1) / 2;  // this thread's pieces
-  const uint4* src = reinterpret_cast<const uint4*>(logits + base);
+  const uint4* src = reinterpret_cast<const uint4*>(logits + r.base);
   for (int k = 0; k < half; ++k) stage16(staged + t + k * Threads, src + t + k * Threads);
   flash::cp_async_commit();
   for (int k = half; k < mine; ++k) stage16(staged + t + k * Threads, src + t + k * Threads);
@@ -221,15 +225,15 @@ __global__ void __launch_bounds__(Threads, 2)
   flash::cp_async_wait<0>();
   fold(half, mine);
   float gm, gs;
-  ce_row_stats(gm, gs, m, s, scratch, row, losses, max_out, sumexp_out, target_out, tgt_ok, tl);
+  ce_row_stats(gm, gs, m, s, scratch, r, losses, max_out, sumexp_out, target_out);
   if (dlogits == nullptr) return;
   const float scale = dloss / gs, gm2 = gm * log2e_f;
-  uint4* dst = reinterpret_cast<uint4*>(dlogits + base);
+  uint4* dst = reinterpret_cast<uint4*>(dlogits + r.base);
   for (int k = 0; k < mine; ++k) {
     const int i = t + k * Threads;
     float x[W];
     to_floats(x, reinterpret_cast<const Piece<T, W>*>(staged)[i]);
-    ce_grad(x, i, V, tgt, tgt_ok, scale, gm2, dloss);
+    ce_grad(x, i, V, r.tgt, r.tgt_ok, scale, gm2, dloss);
     __stcs(dst + i, pack_vec16<T>(x));
   }
 }
