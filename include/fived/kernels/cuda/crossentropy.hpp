@@ -333,15 +333,12 @@ void crossentropy_fused(cudaStream_t stream, float* losses, T* dlogits, float* m
                        reinterpret_cast<std::uintptr_t>(dlogits) % 16 == 0;
   if (aligned) {
     using E = device_t<T>;
-    if (const int staged = detail::staged_row_bytes<E>(Vp); staged > 0) {
-      detail::crossentropy_staged_kernel<E, detail::ce_block><<<static_cast<unsigned>(N), detail::ce_block, staged, stream>>>(
-          losses, dev(dlogits), max, sumexp, target_logit, dev(logits), targets, Vp, V, static_cast<float>(dloss));
-      FIVED_CUDA_CHECK_LAUNCH("crossentropy_staged_kernel");
-      return;
-    }
-    detail::crossentropy_rows_kernel<E, detail::ce_block><<<static_cast<unsigned>(N), detail::ce_block, 0, stream>>>(
+    const int staged = detail::staged_row_bytes<E>(Vp);  // 0: the row is read twice
+    const auto kernel = staged > 0 ? detail::crossentropy_staged_kernel<E, detail::ce_block>
+                                   : detail::crossentropy_rows_kernel<E, detail::ce_block>;
+    kernel<<<static_cast<unsigned>(N), detail::ce_block, staged, stream>>>(
         losses, dev(dlogits), max, sumexp, target_logit, dev(logits), targets, Vp, V, static_cast<float>(dloss));
-    FIVED_CUDA_CHECK_LAUNCH("crossentropy_rows_kernel");
+    FIVED_CUDA_CHECK_LAUNCH(staged > 0 ? "crossentropy_staged_kernel" : "crossentropy_rows_kernel");
     return;
   }
   // Rows that are not 16-byte multiples: the statistics, then the gradient, one element at a time.

@@ -7,7 +7,8 @@
 // alone or fused with the residual add before it (residual_layernorm_forward,
 // residual_rmsnorm_forward: res = a + b, then the norm of res), with eps = 1e-5 and the
 // biased variance (as GPT-2 / PyTorch). The forward saves the per-row statistics (mean,
-// rstd; acc_t<T>, [N]) so the backward does not recompute them. The backward is the standard closed form (llm.c):
+// rstd; acc_t<T>, [N]) so the backward does not recompute them. The backward is the
+// standard closed form (llm.c):
 //   dnorm = dout * weight,  xhat = (x - mean) * rstd
 //   dinp += rstd * (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat))
 //   dweight += sum_rows dout * xhat,  dbias += sum_rows dout
