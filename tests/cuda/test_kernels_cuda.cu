@@ -503,6 +503,63 @@ TEST_CASE_TEMPLATE("embedding forward and backward (repeated tokens)", T, ELEMEN
   }
 }
 
+// Real text repeats a few tokens hundreds of times in a batch. A row's positions up to
+// embedding_short_run are summed by one warp; a longer run by a block, in parts: here runs of
+// 1, 2, 8 (the longest a warp takes), 9 (the shortest a block takes), 32, 33, 520 and ~1,090
+// (more than the block's 512 threads look at in one go, and parts longer than a warp's 32
+// positions), scattered over the batch, against the host, and twice from the same start to the
+// same bits (the sum's order does not depend on which block takes a run). Then a vocabulary
+// shard that leaves out the longest run, and a batch too small for any long run.
+TEST_CASE_TEMPLATE("embedding backward: runs of a frequent token, a block each", T, ELEMENT_TYPES) {
+  const int B = 4, Tn = 512, n = B * Tn, V = 1200;
+  std::vector<int> tokens(n), others;
+  for (int i = 0; i < n; ++i)  // id 0 at 8 positions in 15
+    if (i % 15 < 8)
+      tokens[i] = 0;
+    else
+      others.push_back(i);
+  std::vector<int> ids;  // what the other positions get: runs of given lengths, then distinct ids
+  const int runs[][2] = {{1, 520}, {2, 9}, {3, 33}, {4, 32}, {5, 8}, {6, 1}, {7, 2}};
+  for (const auto& r : runs) ids.insert(ids.end(), static_cast<std::size_t>(r[1]), r[0]);
+  for (int id = 8; ids.size() < others.size(); ++id) ids.push_back(id);
+  REQUIRE(ids.back() < V);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937(7));
+  for (std::size_t k = 0; k < others.size(); ++k) tokens[others[k]] = ids[k];
+  CHECK(std::count(tokens.begin(), tokens.end(), 0) > 1024);
+  auto dtok = up(tokens);
+  for (const int C : {40, 38, 520}) {
+    CAPTURE(C);
+    const auto dout = rnd<T>(static_cast<std::size_t>(n) * C, 30);
+    const auto dwte = rnd<T>(static_cast<std::size_t>(V) * C, 31), dwpe = rnd<T>(static_cast<std::size_t>(Tn) * C, 32);
+    auto ddout = up(dout);
+    auto backward = [&](int vb, const std::vector<T>& table) {
+      std::vector<T> ref(table.begin() + static_cast<std::ptrdiff_t>(vb) * C, table.end()), ref_pe = dwpe;
+      hk::embedding_backward(ref.data(), ref_pe.data(), dout.data(), tokens.data(), B, Tn, C, vb, V - vb);
+      std::vector<T> start(table.begin() + static_cast<std::ptrdiff_t>(vb) * C, table.end());
+      auto d1 = up(start), d2 = up(start), d_pe = up(dwpe);
+      ck::embedding_backward(stream(), d1.data(), d_pe.data(), ddout.data(), dtok.data(), B, Tn, C, vb, V - vb);
+      ck::embedding_backward(stream(), d2.data(), static_cast<T*>(nullptr), ddout.data(), dtok.data(), B, Tn, C, vb,
+                             V - vb);
+      const std::vector<T> got = down(d1);
+      CHECK_CLOSE(ref, got, bound<T>(fp32_sum));
+      CHECK_CLOSE(ref_pe, down(d_pe), bound<T>(fp32_sum));
+      CHECK(std::memcmp(got.data(), down(d2).data(), got.size() * sizeof(T)) == 0);
+    };
+    backward(0, dwte);
+    backward(1, dwte);  // rows [1, V): id 0's run is another rank's
+  }
+  // Five positions, one id: a run a warp takes, where the batch is too small for a long one.
+  const std::vector<int> same(5, 3);
+  const auto dout = rnd<T>(5 * 16, 33), table = rnd<T>(static_cast<std::size_t>(V) * 16, 34);
+  std::vector<T> ref = table;
+  hk::embedding_backward(ref.data(), static_cast<T*>(nullptr), dout.data(), same.data(), 1, 5, 16, 0, V);
+  auto d_same = up(same);
+  auto d_dout = up(dout), d_table = up(table);
+  ck::embedding_backward(stream(), d_table.data(), static_cast<T*>(nullptr), d_dout.data(), d_same.data(), 1, 5, 16, 0,
+                         V);
+  CHECK_CLOSE(ref, down(d_table), bound<T>(fp32_elem));
+}
+
 TEST_CASE_TEMPLATE("cross-entropy: vocab shards with padding, and the fused convenience", T, ELEMENT_TYPES) {
   const int N = 5, Vp = 68, V = 60, shards = 2, Vs = Vp / shards;  // shard 1 holds the padding columns
   const float dloss = 1.0f / N;

@@ -10,14 +10,17 @@
 // range (another rank's, or a negative one) contributes 0 to out and nothing to dwte.
 // With only one of the two terms present the forward copies it exactly, as the host does.
 //
-// The backward is deterministic (no atomics): the (row of wte, position) pairs are
-// radix-sorted by row with CUB (stable, so positions stay in order; only the bits of
-// vocab_rows, out-of-range ids sorted last), and one warp per distinct row sums its
-// positions' gradients in order, in float, then adds the sum to dwte once. dwpe[t] sums
-// over b in order. Both directions move 16 bytes a thread where C and the pointers allow.
+// The backward is deterministic (no atomics on the gradients): the (row of wte, position)
+// pairs are radix-sorted by row with CUB (stable, so positions stay in order; only the bits of
+// vocab_rows, out-of-range ids sorted last). A row's positions (a run of the sorted pairs)
+// are summed in float and the sum added to dwte once: by one warp, in order, for a run of up
+// to 8; by a block for a longer one, in a fixed order of parts, whichever block takes it.
+// dwpe[t] sums over b in order. Both directions move 16 bytes a thread where C and the
+// pointers allow.
 
 #include <cub/device/device_radix_sort.cuh>
 
+#include <algorithm>
 #include <cstddef>
 #include <type_traits>
 
@@ -62,10 +65,12 @@ struct EmbedRows {
 
 // The sort's keys and values: key = the row of wte a token adds to, or vocab_rows for an id
 // outside the range (sorted last, skipped), so the sort needs only the bits of vocab_rows;
-// value = the token's position. (A template, as every kernel in these headers: one
-// definition however many TUs include it.)
+// value = the token's position. It also empties the list of long runs (long_runs[0], the
+// count), before the kernels that fill and read it.
 template <class I>
-__global__ void embedding_keys_kernel(I* keys, I* positions, const I* tokens, I n, I vocab_begin, I vocab_rows) {
+__global__ void embedding_keys_kernel(I* keys, I* positions, I* long_runs, const I* tokens, I n, I vocab_begin,
+                                      I vocab_rows) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) long_runs[0] = 0;
   for (I i = static_cast<I>(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += static_cast<I>(gridDim.x * blockDim.x)) {
     const I tok = tokens[i];
     keys[i] = embedding_in_range(tok, vocab_begin, vocab_rows) ? tok - vocab_begin : vocab_rows;
@@ -73,48 +78,98 @@ __global__ void embedding_keys_kernel(I* keys, I* positions, const I* tokens, I 
   }
 }
 
-inline constexpr int embedding_warps = 8;  // a block's warps: one sorted index each (wte), 256 threads
+inline constexpr int embedding_warps = 8;  // the short runs' block: one sorted index a warp, 256 threads
+// A run of equal rows up to this long is summed by the warp at its first sorted index. A longer
+// one, a frequent token of real text (" the" or "," is 3-4% of the positions: hundreds in a
+// batch), goes to a block of its own whose warps sum consecutive parts of it: one warp
+// walking hundreds of positions, a dependent load after another, would outlast the rest of
+// the kernel many times over.
+inline constexpr int embedding_short_run = 8;
+inline constexpr int embedding_long_warps = 16;  // a long run's block: 512 threads
 
-// One warp per sorted index; only the first index of each run of equal in-range tokens
-// works: it sums its positions' gradients in order, W elements a lane (16-byte accesses when
-// W > 1), and adds the sum to its row. Out-of-range ids still take part in the sort (they
-// are another rank's rows). The work is a short chain of dependent loads (the sorted row
-// and position, then the gradient and the table's row), so each step's loads are issued
-// together: the row, its neighbour and the first position at once, then K pieces a lane of
-// both dout and the table row (ncu had the kernel at 12% of DRAM when each piece waited for
-// the last).
-template <int W, int K, class E>
-__global__ void __launch_bounds__(32 * embedding_warps, 4)  // 4 blocks an SM: 64 registers at most
-    embedding_backward_wte_kernel(E* dwte, const E* dout, const int* sorted_rows, const int* sorted_positions, int n,
-                                  int C, int vocab_rows) {
-  const int i = static_cast<int>(blockIdx.x) * embedding_warps + static_cast<int>(threadIdx.x) / 32;
-  if (i >= n) return;
+// acc[k] += dout's rows at `count` positions, in order (lane t holds the t-th in `pos`), at
+// this lane's K pieces of W columns from c0. The positions come by shuffle, not from memory,
+// and every load is issued unconditionally (a piece past the row, or a row past the count,
+// loads a valid piece that is not added), so Unroll rows' loads are in flight together:
+// where a branch guarded each load, they went out one after another.
+template <int Unroll, int W, int K, class E>
+__device__ __forceinline__ void add_dout_rows(float (&acc)[K][W], const E* dout, int pos, int count, int c0, int C) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int row = sorted_rows[i], prev = i > 0 ? sorted_rows[i - 1] : -1, first = sorted_positions[i];
-  if (row == vocab_rows || prev == row) return;
-  E* w = dwte + static_cast<std::size_t>(row) * C;
-  for (int c0 = 0; c0 < C; c0 += 32 * W * K) {  // K pieces a lane in flight at once
-    float acc[K][W];
-    Piece<E, W> held[K];  // the table's pieces, kept unconverted until the end (fewer registers)
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int c = c0 + (k * 32 + lane) * W;
-      if (c >= C) continue;
-      held[k] = load_piece<E, W>(w + c);
-      load_elems<W>(acc[k], dout + static_cast<std::size_t>(first) * C + c);
-    }
-    for (int j = i + 1; j < n && sorted_rows[j] == row; ++j) {  // the run's further positions, in order
-      const std::size_t at = static_cast<std::size_t>(sorted_positions[j]) * C;
+  if constexpr (Unroll == 1) {  // a row at a time: its pieces' loads guarded, not redirected (fewer registers)
+    for (int t = 0; t < count; ++t) {
+      const E* r = dout + static_cast<std::size_t>(__shfl_sync(0xffffffffu, pos, t)) * C;
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         const int c = c0 + (k * 32 + lane) * W;
         if (c >= C) continue;
         float d[W];
-        load_elems<W>(d, dout + at + c);
+        load_elems<W>(d, r + c);
 #pragma unroll
         for (int e = 0; e < W; ++e) acc[k][e] += d[e];
       }
     }
+  } else {
+    for (int t0 = 0; t0 < count; t0 += Unroll) {
+      Piece<E, W> got[Unroll][K];
+#pragma unroll
+      for (int u = 0; u < Unroll; ++u) {
+        const E* r = dout + static_cast<std::size_t>(__shfl_sync(0xffffffffu, pos, min(t0 + u, count - 1))) * C;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const int c = c0 + (k * 32 + lane) * W;
+          got[u][k] = load_piece<E, W>(r + (c < C ? c : 0));
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < Unroll; ++u) {
+        if (t0 + u >= count) break;  // the same for the whole warp
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          if (c0 + (k * 32 + lane) * W >= C) continue;
+          float d[W];
+          to_floats(d, got[u][k]);
+#pragma unroll
+          for (int e = 0; e < W; ++e) acc[k][e] += d[e];
+        }
+      }
+    }
+  }
+}
+
+// One warp per sorted index; only the first index of each run of equal in-range rows works.
+// Its lanes look at the 32 indices after it at once (sorted: the run's come first), so the
+// warp knows the run's length and, with one more load, its positions. A run of up to
+// embedding_short_run positions is summed here in order, in float, W elements a lane (16-byte
+// accesses when W > 1), and added to its row of dwte; a longer one is listed in long_runs
+// (after the count in long_runs[0]) for embedding_backward_long_runs_kernel. Out-of-range ids
+// take part in the sort (they are another rank's rows) and are skipped.
+template <int W, int K, class E>
+__global__ void __launch_bounds__(32 * embedding_warps, 4)  // 4 blocks an SM: 64 registers at most
+    embedding_backward_wte_kernel(E* dwte, const E* dout, const int* sorted_rows, const int* sorted_positions, int n,
+                                  int C, int vocab_rows, int* long_runs) {
+  const int i = static_cast<int>(blockIdx.x) * embedding_warps + static_cast<int>(threadIdx.x) / 32;
+  if (i >= n) return;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  // Loaded together: the row, its neighbours, and the positions (used only if the run is short).
+  const int next = i + 1 + lane;
+  const int row = sorted_rows[i], prev = i > 0 ? sorted_rows[i - 1] : -1, after = next < n ? sorted_rows[next] : -1;
+  const int pos = i + lane < n ? sorted_positions[i + lane] : 0;
+  if (row == vocab_rows || prev == row) return;
+  const int len = 1 + __popc(__ballot_sync(0xffffffffu, after == row));
+  if (len > embedding_short_run) {
+    if (lane == 0) long_runs[1 + atomicAdd(long_runs, 1)] = i;  // the list's order does not matter
+    return;
+  }
+  E* w = dwte + static_cast<std::size_t>(row) * C;
+  for (int c0 = 0; c0 < C; c0 += 32 * W * K) {  // K pieces a lane in flight at once
+    float acc[K][W] = {};
+    Piece<E, W> held[K];  // the table's pieces, kept unconverted until the end (fewer registers)
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int c = c0 + (k * 32 + lane) * W;
+      if (c < C) held[k] = load_piece<E, W>(w + c);
+    }
+    add_dout_rows<(W > 1 && K >= 3 ? 1 : 2), W, K>(acc, dout, pos, len, c0, C);  // 2 rows at once spill at K = 3
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int c = c0 + (k * 32 + lane) * W;
@@ -125,6 +180,52 @@ __global__ void __launch_bounds__(32 * embedding_warps, 4)  // 4 blocks an SM: 6
       for (int e = 0; e < W; ++e) g[e] += acc[k][e];
       store_elems<W>(w + c, g);
     }
+  }
+}
+
+// The long runs (long_runs[1 ..], long_runs[0] of them), a block per run and 32 * W columns
+// (blockIdx.y: one piece a lane). The block finds the run's end 512 indices at a time; warp w
+// sums the w-th of embedding_long_warps consecutive parts of the run in order, in float, four
+// rows in flight; the parts are added in order through shared memory (deterministic: the sum
+// does not depend on the block that takes the run) and the total onto the row of dwte.
+template <int W, class E>
+__global__ void __launch_bounds__(32 * embedding_long_warps, 2)
+    embedding_backward_long_runs_kernel(E* dwte, const E* dout, const int* sorted_rows, const int* sorted_positions,
+                                        int n, int C, const int* long_runs) {
+  constexpr int cols = 32 * W;
+  __shared__ float parts[embedding_long_warps][cols];  // element e of lane l's piece at e * 32 + l
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int c0 = static_cast<int>(blockIdx.y) * cols;
+  const int runs = long_runs[0];
+  for (int r = static_cast<int>(blockIdx.x); r < runs; r += static_cast<int>(gridDim.x)) {
+    const int first = long_runs[1 + r];
+    const int row = sorted_rows[first];
+    int len = 0;
+    for (;;) {
+      const int j = first + len + static_cast<int>(threadIdx.x);
+      const int same = __syncthreads_count(j < n && sorted_rows[j] == row);
+      len += same;
+      if (same < static_cast<int>(blockDim.x)) break;
+    }
+    const int begin = first + static_cast<int>(static_cast<long long>(len) * warp / embedding_long_warps);
+    const int end = first + static_cast<int>(static_cast<long long>(len) * (warp + 1) / embedding_long_warps);
+    float acc[1][W] = {};
+    for (int b = begin; b < end; b += 32) {
+      const int count = min(32, end - b);
+      add_dout_rows<4, W, 1>(acc, dout, lane < count ? sorted_positions[b + lane] : 0, count, c0, C);
+    }
+#pragma unroll
+    for (int e = 0; e < W; ++e) parts[warp][e * 32 + lane] = acc[0][e];
+    __syncthreads();
+    E* w = dwte + static_cast<std::size_t>(row) * C + c0;
+    for (int c = static_cast<int>(threadIdx.x); c < cols && c0 + c < C; c += static_cast<int>(blockDim.x)) {
+      const int at = c % W * 32 + c / W;  // column c0 + c's slot
+      float s = parts[0][at];
+#pragma unroll
+      for (int p = 1; p < embedding_long_warps; ++p) s += parts[p][at];
+      w[c] = from_float<E>(to_float(w[c]) + s);
+    }
+    __syncthreads();  // the parts are read before the next run writes them
   }
 }
 
@@ -179,10 +280,14 @@ void embedding_backward(cudaStream_t stream, E* dwte, E* dwpe, const E* dout, co
   if (B == 0 || T == 0) return;
   const int n = B * T;
   if (dwte != nullptr && vocab_rows > 0) {
+    // long_runs: the count, then the first sorted index of each run longer than
+    // embedding_short_run (so at most n / (embedding_short_run + 1) of them).
+    const int max_long_runs = n / (detail::embedding_short_run + 1);
     Scratch<int> rows(static_cast<std::size_t>(n), stream), sorted_rows(static_cast<std::size_t>(n), stream),
-        positions(static_cast<std::size_t>(n), stream), sorted_positions(static_cast<std::size_t>(n), stream);
+        positions(static_cast<std::size_t>(n), stream), sorted_positions(static_cast<std::size_t>(n), stream),
+        long_runs(static_cast<std::size_t>(1 + max_long_runs), stream);
     detail::embedding_keys_kernel<<<detail::grid_for(static_cast<std::size_t>(n), 256), 256, 0, stream>>>(
-        rows.get(), positions.get(), tokens, n, vocab_begin, vocab_rows);
+        rows.get(), positions.get(), long_runs.get(), tokens, n, vocab_begin, vocab_rows);
     FIVED_CUDA_CHECK_LAUNCH("embedding_keys_kernel");
     int bits = 1;  // keys are 0 .. vocab_rows
     while (bits < 31 && (vocab_rows >> bits) != 0) ++bits;
@@ -196,9 +301,10 @@ void embedding_backward(cudaStream_t stream, E* dwte, E* dwpe, const E* dout, co
       constexpr int W = decltype(w)::value;
       const unsigned blocks = static_cast<unsigned>((n + detail::embedding_warps - 1) / detail::embedding_warps);
       auto launch = [&](auto k) {
-        detail::embedding_backward_wte_kernel<W, decltype(k)::value>
-            <<<blocks, 32 * detail::embedding_warps, 0, stream>>>(dev(dwte), dev(dout), sorted_rows.get(),
-                                                                 sorted_positions.get(), n, C, vocab_rows);
+        constexpr int K = decltype(k)::value;
+        detail::embedding_backward_wte_kernel<W, K><<<blocks, 32 * detail::embedding_warps, 0, stream>>>(
+            dev(dwte), dev(dout), sorted_rows.get(), sorted_positions.get(), n, C, vocab_rows, long_runs.get());
+        FIVED_CUDA_CHECK_LAUNCH("embedding_backward_wte_kernel");
       };
       const int pieces = (C + 32 * W - 1) / (32 * W);  // a lane's pieces of a row: 3 for GPT-2 124M's bf16
       if constexpr (W > 1) {  // wider rows in chunks of 3 pieces a lane (4 spill at 4 blocks an SM)
@@ -209,7 +315,17 @@ void embedding_backward(cudaStream_t stream, E* dwte, E* dwpe, const E* dout, co
         launch(std::integral_constant<int, 4>{});  // one element a piece: chunks of 4
       }
     });
-    FIVED_CUDA_CHECK_LAUNCH("embedding_backward_wte_kernel");
+    if (max_long_runs > 0)
+      detail::with_width<E>(C, {dwte, dout}, [&](auto w) {
+        constexpr int W = decltype(w)::value;
+        // A run at a time a block: for each piece of the row, as many blocks as there can be
+        // runs, up to one an SM (the rest wait for a block that has finished one).
+        const dim3 grid(static_cast<unsigned>(std::min(max_long_runs, detail::sm_count())),
+                        static_cast<unsigned>((C + 32 * W - 1) / (32 * W)));
+        detail::embedding_backward_long_runs_kernel<W><<<grid, 32 * detail::embedding_long_warps, 0, stream>>>(
+            dev(dwte), dev(dout), sorted_rows.get(), sorted_positions.get(), n, C, long_runs.get());
+      });
+    FIVED_CUDA_CHECK_LAUNCH("embedding_backward_long_runs_kernel");
   }
   if (dwpe != nullptr) {
     detail::with_width<E>(C, {dwpe, dout}, [&](auto w) {
