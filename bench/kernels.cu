@@ -322,6 +322,36 @@ int main(int argc, char** argv) {
         ck::layernorm_backward(s, static_cast<bf16*>(nullptr), dlnw.data(), dlnb.data(), y.data(), x.data(),
                                static_cast<const bf16*>(nullptr), mean.data(), rstd.data(), M, C);
       }), 4.0 * e * BT * C, 0);  // the same bytes as above: its rate against the one pass's
+  {
+    // The row kernels again over 8x the rows (100 MB a tensor), where the launch and the first
+    // and last waves weigh little: what they stream when their size does not hold them back.
+    constexpr std::size_t R = 8 * BT;
+    const int MR = static_cast<int>(R);
+    Buffer<bf16, Cuda> a(R * C), b(R * C), o(R * C), g(R * C);
+    Buffer<float, Cuda> rm(R), rr(R);
+    for (auto* t : {&a, &b, &g}) fill(*t, 8, 1.0f, s);
+    std::printf("# at 8x the rows, [65536,768]:\n");
+    row("copy (reference)", time_ms(s, [&] {
+          copy_kernel<<<prop.multiProcessorCount * 8, 512, 0, s>>>(reinterpret_cast<float4*>(o.data()),
+                                                                   reinterpret_cast<const float4*>(a.data()),
+                                                                   R * C * sizeof(bf16) / sizeof(float4));
+          FIVED_CUDA_CHECK_LAUNCH("copy_kernel");
+        }), 2.0 * e * R * C, 0);
+    row("layernorm fwd", time_ms(s, [&] {
+          ck::layernorm_forward(s, o.data(), rm.data(), rr.data(), a.data(), lnw.data(), lnb.data(), MR, C);
+        }), 2.0 * e * R * C, 0);
+    row("residual + layernorm fwd, fused", time_ms(s, [&] {
+          ck::residual_layernorm_forward(s, b.data(), o.data(), rm.data(), rr.data(), a.data(), g.data(), lnw.data(),
+                                         lnb.data(), MR, C);
+        }), 4.0 * e * R * C, 0);
+    row("layernorm bwd", time_ms(s, [&] {
+          ck::layernorm_backward(s, g.data(), dlnw.data(), dlnb.data(), o.data(), a.data(), lnw.data(), rm.data(),
+                                 rr.data(), MR, C);
+        }), 4.0 * e * R * C, 0);
+    row("residual", time_ms(s, [&] { ck::residual_forward(s, o.data(), a.data(), g.data(), R * C); }),
+        3.0 * e * R * C, 0);
+    std::printf("# back at [8192,768] and the step's other shapes:\n");
+  }
   row("gelu fwd [8192,3072]", time_ms(s, [&] { ck::gelu_forward(s, h.data(), hpre.data(), BT * 4 * C); }),
       2.0 * e * BT * 4 * C, 0);
   row("gelu bwd [8192,3072]", time_ms(s, [&] { ck::gelu_backward(s, dh.data(), hpre.data(), dh.data(), BT * 4 * C); }),
