@@ -504,18 +504,22 @@ TEST_CASE_TEMPLATE("embedding forward and backward (repeated tokens)", T, ELEMEN
 }
 
 // Real text repeats a few tokens hundreds of times in a batch. A row's positions up to
-// embedding_short_run are summed by one warp; a longer run by a block, in parts: here runs of
-// 1, 2, 8 (the longest a warp takes), 9 (the shortest a block takes), 32, 33, 520 and ~1,090
-// (more than the block's 512 threads look at in one go, and parts longer than a warp's 32
-// positions), scattered over the batch, against the host, and twice from the same start to the
-// same bits (the sum's order does not depend on which block takes a run). Then a vocabulary
-// shard that leaves out the longest run, and a batch too small for any long run.
+// embedding_short_run are summed by one warp; a longer run by a block, in parts. Two batches:
+// - text-like: runs of 1, 2, 8 (the longest a warp takes), 9 (the shortest a block takes), 32,
+//   33, 520 and ~1,640 (more than the block's 512 threads look at in one go, and parts longer
+//   than a warp's 32 positions), and distinct ids;
+// - many runs: 340 ids of 9 positions each, more long runs than the blocks launched for them
+//   (two an SM: a block takes several in turn), and the highest id's run of 12 last among the
+//   sorted rows.
+// Each against the host, row by row (a normwise error would let a short row's slip hide under
+// the long rows' large sums in bf16), and twice from the same start to the same bits. Then a
+// vocabulary shard that leaves out id 0, and a batch too small for any long run.
 TEST_CASE_TEMPLATE("embedding backward: runs of a frequent token, a block each", T, ELEMENT_TYPES) {
-  const int B = 4, Tn = 512, n = B * Tn, V = 1200;
-  std::vector<int> tokens(n), others;
+  const int B = 6, Tn = 512, n = B * Tn, V = 1200;
+  std::vector<int> text(n), others;
   for (int i = 0; i < n; ++i)  // id 0 at 8 positions in 15
     if (i % 15 < 8)
-      tokens[i] = 0;
+      text[i] = 0;
     else
       others.push_back(i);
   std::vector<int> ids;  // what the other positions get: runs of given lengths, then distinct ids
@@ -524,29 +528,50 @@ TEST_CASE_TEMPLATE("embedding backward: runs of a frequent token, a block each",
   for (int id = 8; ids.size() < others.size(); ++id) ids.push_back(id);
   REQUIRE(ids.back() < V);
   std::shuffle(ids.begin(), ids.end(), std::mt19937(7));
-  for (std::size_t k = 0; k < others.size(); ++k) tokens[others[k]] = ids[k];
-  CHECK(std::count(tokens.begin(), tokens.end(), 0) > 1024);
-  auto dtok = up(tokens);
-  for (const int C : {40, 38, 520}) {
-    CAPTURE(C);
-    const auto dout = rnd<T>(static_cast<std::size_t>(n) * C, 30);
-    const auto dwte = rnd<T>(static_cast<std::size_t>(V) * C, 31), dwpe = rnd<T>(static_cast<std::size_t>(Tn) * C, 32);
-    auto ddout = up(dout);
-    auto backward = [&](int vb, const std::vector<T>& table) {
-      std::vector<T> ref(table.begin() + static_cast<std::ptrdiff_t>(vb) * C, table.end()), ref_pe = dwpe;
-      hk::embedding_backward(ref.data(), ref_pe.data(), dout.data(), tokens.data(), B, Tn, C, vb, V - vb);
-      std::vector<T> start(table.begin() + static_cast<std::ptrdiff_t>(vb) * C, table.end());
-      auto d1 = up(start), d2 = up(start), d_pe = up(dwpe);
-      ck::embedding_backward(stream(), d1.data(), d_pe.data(), ddout.data(), dtok.data(), B, Tn, C, vb, V - vb);
-      ck::embedding_backward(stream(), d2.data(), static_cast<T*>(nullptr), ddout.data(), dtok.data(), B, Tn, C, vb,
-                             V - vb);
-      const std::vector<T> got = down(d1);
-      CHECK_CLOSE(ref, got, bound<T>(fp32_sum));
-      CHECK_CLOSE(ref_pe, down(d_pe), bound<T>(fp32_sum));
-      CHECK(std::memcmp(got.data(), down(d2).data(), got.size() * sizeof(T)) == 0);
-    };
-    backward(0, dwte);
-    backward(1, dwte);  // rows [1, V): id 0's run is another rank's
+  for (std::size_t k = 0; k < others.size(); ++k) text[others[k]] = ids[k];
+  CHECK(std::count(text.begin(), text.end(), 0) > 1536);
+  std::vector<int> many;
+  for (int id = 1; id <= 340; ++id) many.insert(many.end(), 9, id);
+  many.insert(many.end(), static_cast<std::size_t>(n) - many.size(), V - 1);
+  REQUIRE(many.size() == static_cast<std::size_t>(n));
+  std::shuffle(many.begin(), many.end(), std::mt19937(8));
+
+  // The worst relative error of a row of the table (each row's own scale).
+  auto row_error = [](const std::vector<T>& ref, const std::vector<T>& got, int C) {
+    double worst = 0;
+    const std::size_t w = static_cast<std::size_t>(C);
+    for (std::size_t at = 0; at < ref.size(); at += w)
+      worst = std::max(worst, fived::test::max_rel_error(got, ref, at, w));
+    return worst;
+  };
+  for (const std::vector<int>* tokens : {&text, &many}) {
+    CAPTURE(tokens == &text ? "text-like" : "many runs");
+    auto dtok = up(*tokens);
+    for (const int C : {40, 38, 520}) {
+      CAPTURE(C);
+      const auto dout = rnd<T>(static_cast<std::size_t>(n) * C, 30);
+      const auto dwte = rnd<T>(static_cast<std::size_t>(V) * C, 31);
+      const auto dwpe = rnd<T>(static_cast<std::size_t>(Tn) * C, 32);
+      auto ddout = up(dout);
+      auto backward = [&](int vb) {
+        CAPTURE(vb);
+        std::vector<T> ref(dwte.begin() + static_cast<std::ptrdiff_t>(vb) * C, dwte.end()), ref_pe = dwpe;
+        hk::embedding_backward(ref.data(), ref_pe.data(), dout.data(), tokens->data(), B, Tn, C, vb, V - vb);
+        const std::vector<T> start(dwte.begin() + static_cast<std::ptrdiff_t>(vb) * C, dwte.end());
+        auto d1 = up(start), d2 = up(start), d_pe = up(dwpe);
+        ck::embedding_backward(stream(), d1.data(), d_pe.data(), ddout.data(), dtok.data(), B, Tn, C, vb, V - vb);
+        ck::embedding_backward(stream(), d2.data(), static_cast<T*>(nullptr), ddout.data(), dtok.data(), B, Tn, C, vb,
+                               V - vb);
+        const std::vector<T> got = down(d1);
+        const double e = row_error(ref, got, C);
+        INFO("worst row's relative error " << e);
+        CHECK(e <= bound<T>(fp32_sum));
+        CHECK_CLOSE(ref_pe, down(d_pe), bound<T>(fp32_sum));
+        CHECK(std::memcmp(got.data(), down(d2).data(), got.size() * sizeof(T)) == 0);
+      };
+      backward(0);
+      backward(1);  // rows [1, V): id 0 is another rank's
+    }
   }
   // Five positions, one id: a run a warp takes, where the batch is too small for a long one.
   const std::vector<int> same(5, 3);

@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(32 * embedding_long_warps, 2)
     embedding_backward_long_runs_kernel(E* dwte, const E* dout, const int* sorted_rows, const int* sorted_positions,
                                         int n, int C, const int* long_runs) {
   constexpr int cols = 32 * W;
-  __shared__ float parts[embedding_long_warps][cols];  // element e of lane l's piece at e * 32 + l
+  __shared__ float parts[embedding_long_warps][cols];  // a warp's sums, by column (c0 + its index)
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int c0 = static_cast<int>(blockIdx.y) * cols;
   const int runs = long_runs[0];
@@ -215,14 +215,13 @@ __global__ void __launch_bounds__(32 * embedding_long_warps, 2)
       add_dout_rows<4, W, 1>(acc, dout, lane < count ? sorted_positions[b + lane] : 0, count, c0, C);
     }
 #pragma unroll
-    for (int e = 0; e < W; ++e) parts[warp][e * 32 + lane] = acc[0][e];
+    for (int e = 0; e < W; ++e) parts[warp][lane * W + e] = acc[0][e];
     __syncthreads();
     E* w = dwte + static_cast<std::size_t>(row) * C + c0;
     for (int c = static_cast<int>(threadIdx.x); c < cols && c0 + c < C; c += static_cast<int>(blockDim.x)) {
-      const int at = c % W * 32 + c / W;  // column c0 + c's slot
-      float s = parts[0][at];
+      float s = parts[0][c];
 #pragma unroll
-      for (int p = 1; p < embedding_long_warps; ++p) s += parts[p][at];
+      for (int p = 1; p < embedding_long_warps; ++p) s += parts[p][c];
       w[c] = from_float<E>(to_float(w[c]) + s);
     }
     __syncthreads();  // the parts are read before the next run writes them
@@ -254,7 +253,9 @@ inline void check_embedding_sizes(const char* kernel, int B, int T, int C, int v
   require_positive(kernel, "C", C);
   require_non_negative(kernel, "vocab_begin", vocab_begin);
   require_non_negative(kernel, "vocab_rows", vocab_rows);
-  require(static_cast<long long>(B) * T <= 0x7fffffffLL, kernel, "B*T must fit in an int");
+  // Index arithmetic is in int, with a grid stride or a block's 512 threads past the last
+  // index: 2^30 positions leave room for both.
+  require(static_cast<long long>(B) * T <= (1LL << 30), kernel, "B*T must be at most 2^30");
 }
 
 }  // namespace detail
@@ -319,13 +320,13 @@ void embedding_backward(cudaStream_t stream, E* dwte, E* dwpe, const E* dout, co
       detail::with_width<E>(C, {dwte, dout}, [&](auto w) {
         constexpr int W = decltype(w)::value;
         // A run at a time a block: for each piece of the row, as many blocks as there can be
-        // runs, up to one an SM (the rest wait for a block that has finished one).
-        const dim3 grid(static_cast<unsigned>(std::min(max_long_runs, detail::sm_count())),
+        // runs, up to the two an SM holds (the rest wait for a block that has finished one).
+        const dim3 grid(static_cast<unsigned>(std::min(max_long_runs, 2 * detail::sm_count())),
                         static_cast<unsigned>((C + 32 * W - 1) / (32 * W)));
         detail::embedding_backward_long_runs_kernel<W><<<grid, 32 * detail::embedding_long_warps, 0, stream>>>(
             dev(dwte), dev(dout), sorted_rows.get(), sorted_positions.get(), n, C, long_runs.get());
+        FIVED_CUDA_CHECK_LAUNCH("embedding_backward_long_runs_kernel");
       });
-    FIVED_CUDA_CHECK_LAUNCH("embedding_backward_long_runs_kernel");
   }
   if (dwpe != nullptr) {
     detail::with_width<E>(C, {dwpe, dout}, [&](auto w) {
