@@ -9,6 +9,9 @@
 #                      bash scripts/gpu-checks.sh build "$OUT"   # configure for sm_90, build everything
 #                      bash scripts/gpu-checks.sh test "$OUT"    # ctest -L cuda
 #                      bash scripts/gpu-checks.sh bench "$OUT"   # every GPU benchmark, one table file each
+#                      bash scripts/gpu-checks.sh memcheck "$OUT" ["case*,other*"]
+#                                          # compute-sanitizer memcheck on test_kernels_cuda's
+#                                          # cases (doctest -tc patterns; default every case)
 #                      (or "all", when the three fit one command)
 #
 #   or, to spend no device time on compiling (the GPU machine goes back after 30 s idle, so
@@ -28,10 +31,10 @@
 # that of the last failure. Build folder: build-gpu (BUILD_DIR to change).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-stage=${1:?usage: gpu-checks.sh prepare | build OUT | test OUT | bench OUT | all OUT}
+stage=${1:?usage: gpu-checks.sh prepare | build OUT | test OUT | bench OUT | memcheck OUT [cases] | all OUT}
 out=${2:-gpu-out}
 # After unpack, test and bench run the carried programs (.gpu/env names them).
-[[ $stage == test || $stage == bench ]] && [ -f .gpu/env ] && source .gpu/env
+[[ $stage == test || $stage == bench || $stage == memcheck ]] && [ -f .gpu/env ] && source .gpu/env
 build=${BUILD_DIR:-${FIVED_GPU_BUILD:-build-gpu}}
 status=0
 cuda_targets="train_moe_cuda test_cuda_pages test_nccl_comm nccl_ranks_check test_nccl_mesh_context test_kernels_cuda test_gpt_cuda test_llama_cuda
@@ -133,6 +136,13 @@ test_cuda() {
   run "$out/ctest-cuda.log" ctest --test-dir "$build/tests/cuda" -L cuda --output-on-failure --timeout 300
 }
 
+memcheck() {  # compute-sanitizer's memcheck on the kernel tests (cases: doctest -tc patterns)
+  mkdir -p "$out"
+  local cases=${1:-}
+  run "$out/memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 1 "$build/tests/cuda/test_kernels_cuda" \
+    ${cases:+"-tc=$cases"}
+}
+
 bench() {
   mkdir -p "$out"
   local b=$build/bench
@@ -163,7 +173,8 @@ case $stage in
   build) build ;;
   test) test_cuda ;;
   bench) bench ;;
+  memcheck) memcheck "${3:-}" ;;
   all) build; test_cuda; bench ;;
-  *) echo "gpu-checks.sh: unknown stage '$stage' (prepare, build, test, bench, all)" >&2; exit 2 ;;
+  *) echo "gpu-checks.sh: unknown stage '$stage' (prepare, build, test, bench, memcheck, all)" >&2; exit 2 ;;
 esac
 exit $status
