@@ -4,12 +4,13 @@
 // counterpart of bench/train_step_pytorch.py (same shape, same steps):
 //
 //   bench/train_step [--batch 8] [--seq 1024] [--steps 20] [--warmup 5] [--peak-tflops 989.4]
+//                    [--ids uniform|text]   (text: ids drawn as in text, a few of them frequent)
 //
 // Every step runs on the model's stream; its time is measured with CUDA events around the
 // step (so host launch gaps count, as in PyTorch's synchronised wall clock), and the median
 // over --steps timed steps (after --warmup) is reported with tokens/s and MFU. The step
-// waits for the device twice, where the host reads a value: the loss, and the gradient
-// norm for the clip (PyTorch's clip_grad_norm_ keeps the norm on the device).
+// waits for the device once, with the whole step queued, where the host reads the loss (the
+// gradient norm and the clip factor stay on the device, as PyTorch's clip_grad_norm_ keeps them).
 //
 //   FLOPs per token = 6 * P + 12 * L * C * T
 //     P = parameters in the buffer (124,475,904: wte with the vocabulary padded to 50304,
@@ -22,6 +23,7 @@
 // prints "no CUDA device" and exits 1.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <span>
@@ -44,12 +46,13 @@ using Model = fived::GPT<gpt2_124m, fived::Mesh<>, fived::bf16, fived::Cuda>;
 struct Options {
   int batch = 8, seq = 1024, steps = 20, warmup = 5;
   double peak_tflops = 989.4;  // H100 SXM5, bf16 dense
+  bool text_ids = false;       // --ids text: ids drawn as in text (Zipf), not uniformly
 };
 
 [[noreturn]] void usage(const std::string& msg) {
   std::fprintf(stderr,
                "%s\nusage: train_step [--batch B (8)] [--seq T (1024, <= 1024)] [--steps N (20)] [--warmup W (5)] "
-               "[--peak-tflops P (989.4: H100 SXM bf16 dense)]\n",
+               "[--peak-tflops P (989.4: H100 SXM bf16 dense)] [--ids uniform|text (uniform)]\n",
                msg.c_str());
   std::exit(2);
 }
@@ -62,6 +65,11 @@ Options parse(int argc, char** argv) {
     else if (a == "--steps") o.steps = std::stoi(value());
     else if (a == "--warmup") o.warmup = std::stoi(value());
     else if (a == "--peak-tflops") o.peak_tflops = std::stod(value());
+    else if (a == "--ids") {
+      const std::string v(value());
+      if (v != "uniform" && v != "text") usage("--ids takes uniform or text");
+      o.text_ids = v == "text";
+    }
     else if (a == "-h" || a == "--help") usage("One GPT-2 124M training step (bf16, AdamW) on one GPU.");
     else return false;
     return true;
@@ -94,15 +102,18 @@ int main(int argc, char** argv) {
         model, fived::AdamWConfig{.lr = 6e-4f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f,
                                   .max_norm = 1.0f});
 
-    // a fixed random batch of real token ids (LCG; the values do not matter for speed)
+    // A fixed random batch of real token ids (LCG). Their values matter for speed only through
+    // how often each repeats (the embedding's backward sums each id's rows): uniform, or as in
+    // text with --ids text (Zipf, P(id k) ~ 1/(k + 1): the most frequent id ~6% of the batch).
     std::vector<int> tok(static_cast<std::size_t>(B) * T), tgt(tok.size());
     unsigned long long s = 0x2545f4914f6cdd1dull;
-    for (std::size_t i = 0; i < tok.size(); ++i) {
+    auto draw = [&] {
       s = s * 6364136223846793005ull + 1442695040888963407ull;
-      tok[i] = static_cast<int>((s >> 33) % Model::V);
-      s = s * 6364136223846793005ull + 1442695040888963407ull;
-      tgt[i] = static_cast<int>((s >> 33) % Model::V);
-    }
+      if (!opt.text_ids) return static_cast<int>((s >> 33) % Model::V);
+      const double u = static_cast<double>(s >> 11) / 9007199254740992.0;  // [0, 1)
+      return std::min(Model::V - 1, static_cast<int>(std::pow(Model::V + 1.0, u)) - 1);
+    };
+    for (std::size_t i = 0; i < tok.size(); ++i) tok[i] = draw(), tgt[i] = draw();
 
     double loss = 0;
     auto step = [&] { loss = trainer.step(tok, tgt, B, T); };  // forward, backward, clip, AdamW
@@ -127,7 +138,8 @@ int main(int argc, char** argv) {
     const double tflops = flops_per_token * tok_s / 1e12;
     const double mfu = 100.0 * tflops / opt.peak_tflops;
 
-    std::printf("device: %s (sm_%d%d)  fived bench/train_step\n", prop.name, prop.major, prop.minor);
+    std::printf("device: %s (sm_%d%d)  fived bench/train_step%s\n", prop.name, prop.major, prop.minor,
+                opt.text_ids ? "  text-like ids (Zipf)" : "");
     std::printf("GPT-2 124M (%.1fM params in the buffer), B=%d T=%d, bf16 params/activations, fp32 master + AdamW, "
                 "clip 1.0\n",
                 static_cast<double>(n) / 1e6, B, T);

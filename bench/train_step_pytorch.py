@@ -77,6 +77,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--ids", choices=["uniform", "text"], default="uniform",
+                    help="token ids drawn uniformly, or as in text (Zipf, as bench/train_step --ids text)")
     ap.add_argument("--peak", type=float, default=H100_BF16_DENSE_TFLOPS, help="bf16 dense peak TFLOP/s for MFU")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -90,8 +92,14 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     step_model = torch.compile(model) if args.compile else model
-    idx = torch.randint(0, Vreal, (args.batch, args.seq), device=dev)
-    tgt = torch.randint(0, Vreal, (args.batch, args.seq), device=dev)
+    if args.ids == "text":  # P(id k) ~ 1/(k + 1), by the inverse of its continuous CDF
+        def draw():
+            u = torch.rand(args.batch, args.seq, dtype=torch.float64, device=dev)
+            return ((Vreal + 1.0) ** u).long().sub(1).clamp(max=Vreal - 1)
+        idx, tgt = draw(), draw()
+    else:
+        idx = torch.randint(0, Vreal, (args.batch, args.seq), device=dev)
+        tgt = torch.randint(0, Vreal, (args.batch, args.seq), device=dev)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -115,7 +123,8 @@ def main():
     tokens = args.batch * args.seq
     flops_per_token = 6 * n_params + 12 * L * args.seq * d
     tflops = flops_per_token * tokens / dt / 1e12
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  compile={args.compile}")
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  compile={args.compile}"
+          + ("  text-like ids (Zipf)" if args.ids == "text" else ""))
     print(f"GPT-2 124M ({n_params/1e6:.1f}M params), B={args.batch} T={args.seq}, bf16 autocast, fused AdamW")
     print(f"median step {dt*1e3:.1f} ms over {args.steps} steps, loss {loss.item():.3f}")
     print(f"tokens/s {tokens/dt:,.0f}   {tflops:.1f} TFLOP/s   MFU {100*tflops/args.peak:.1f}% "
