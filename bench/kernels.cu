@@ -61,6 +61,14 @@ __global__ void copy_kernel(float4* dst, const float4* src, std::size_t n) {
     dst[i] = src[i];
 }
 
+// A plain copy of `bytes` (a multiple of 16, both pointers 16-byte aligned): the HBM ceiling,
+// and the reference a memory-bound kernel's rate is read against at its own size.
+void copy_bytes(cudaStream_t s, const cudaDeviceProp& prop, void* dst, const void* src, std::size_t bytes) {
+  copy_kernel<<<prop.multiProcessorCount * 8, 512, 0, s>>>(static_cast<float4*>(dst), static_cast<const float4*>(src),
+                                                           bytes / sizeof(float4));
+  FIVED_CUDA_CHECK_LAUNCH("copy_kernel");
+}
+
 __global__ void tokens_kernel(int* t, std::size_t n, int V) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
@@ -188,10 +196,7 @@ int main(int argc, char** argv) {
   {  // ceilings
     const std::size_t n4 = (std::size_t{1} << 30) / sizeof(float4);
     Buffer<float4, Cuda> src(n4), dst(n4);
-    const double ms = time_ms(s, [&] {
-      copy_kernel<<<prop.multiProcessorCount * 8, 512, 0, s>>>(dst.data(), src.data(), n4);
-      FIVED_CUDA_CHECK_LAUNCH("copy_kernel");
-    });
+    const double ms = time_ms(s, [&] { copy_bytes(s, prop, dst.data(), src.data(), n4 * sizeof(float4)); });
     hbm_gbs = 2.0 * n4 * sizeof(float4) / (ms * 1e-3) / 1e9;
     const int n = 8192;
     Buffer<bf16, Cuda> a(static_cast<std::size_t>(n) * n), b(a.size()), c(a.size());
@@ -287,12 +292,8 @@ int main(int argc, char** argv) {
       e * BT * 4 * C, 0);
   // What a plain copy of the same bytes reaches: the small kernels' ceiling at their size (the
   // launch and the first and last waves weigh more at 25 MB than at the 2 GB of the HBM row above).
-  row("copy [8192,768] bf16 (reference)", time_ms(s, [&] {
-        copy_kernel<<<prop.multiProcessorCount * 8, 512, 0, s>>>(reinterpret_cast<float4*>(y.data()),
-                                                                 reinterpret_cast<const float4*>(x.data()),
-                                                                 BT * C * sizeof(bf16) / sizeof(float4));
-        FIVED_CUDA_CHECK_LAUNCH("copy_kernel");
-      }), 2.0 * e * BT * C, 0);
+  row("copy [8192,768] bf16 (reference)",
+      time_ms(s, [&] { copy_bytes(s, prop, y.data(), x.data(), BT * C * sizeof(bf16)); }), 2.0 * e * BT * C, 0);
   row("layernorm fwd", time_ms(s, [&] {
         ck::layernorm_forward(s, y.data(), mean.data(), rstd.data(), x.data(), lnw.data(), lnb.data(), M, C);
       }), 2.0 * e * BT * C, 0);
@@ -331,12 +332,8 @@ int main(int argc, char** argv) {
     Buffer<float, Cuda> rm(R), rr(R);
     for (auto* t : {&a, &b, &g}) fill(*t, 8, 1.0f, s);
     std::printf("# at 8x the rows, [65536,768]:\n");
-    row("copy (reference)", time_ms(s, [&] {
-          copy_kernel<<<prop.multiProcessorCount * 8, 512, 0, s>>>(reinterpret_cast<float4*>(o.data()),
-                                                                   reinterpret_cast<const float4*>(a.data()),
-                                                                   R * C * sizeof(bf16) / sizeof(float4));
-          FIVED_CUDA_CHECK_LAUNCH("copy_kernel");
-        }), 2.0 * e * R * C, 0);
+    row("copy (reference)", time_ms(s, [&] { copy_bytes(s, prop, o.data(), a.data(), R * C * sizeof(bf16)); }),
+        2.0 * e * R * C, 0);
     row("layernorm fwd", time_ms(s, [&] {
           ck::layernorm_forward(s, o.data(), rm.data(), rr.data(), a.data(), lnw.data(), lnb.data(), MR, C);
         }), 2.0 * e * R * C, 0);
