@@ -183,8 +183,9 @@ __global__ void __launch_bounds__(32 * embedding_warps, 4)  // 4 blocks an SM: 6
   }
 }
 
-// The long runs (long_runs[1 ..], long_runs[0] of them), a block per run and 32 * W columns
-// (blockIdx.y: one piece a lane). The block finds the run's end 512 indices at a time; warp w
+// The long runs (long_runs[1 ..], long_runs[0] of them), a run at a time a block (runs
+// blockIdx.x, + gridDim.x, ...), over 32 * W columns (blockIdx.y: one piece a lane). The
+// block finds the run's end 512 indices at a time; warp w
 // sums the w-th of embedding_long_warps consecutive parts of the run in order, in float, four
 // rows in flight; the parts are added in order through shared memory (deterministic: the sum
 // does not depend on the block that takes the run) and the total onto the row of dwte.
