@@ -10,7 +10,6 @@
 //   bench/kernels [--iters N] [--plain]        (not run by CTest)
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +26,8 @@
 #include <fived/nn/gpt.hpp>
 #include <fived/optim/adamw.hpp>
 #include <fived/train/bucket_plan.hpp>
+
+#include "text_ids.hpp"
 
 namespace {
 
@@ -75,9 +76,8 @@ __global__ void tokens_kernel(int* t, std::size_t n, int V) {
     t[i] = static_cast<int>((i * 2654435761ull) % static_cast<unsigned long long>(V));
 }
 
-// Token ids drawn as in text, from a Zipf distribution: P(id k) ~ 1 / (k + 1), by the
-// inverse of its continuous CDF (k = (V + 1)^u - 1). The most frequent id comes ~6% of the
-// time; GPT-2's tokenizer on English gives ",", " the", "." 3-4% each.
+// n ids drawn as text repeats them (bench/text_ids.hpp), with how many are distinct and how
+// often the most frequent comes.
 struct TextLikeIds {
   std::vector<int> ids;
   int distinct = 0, most = 0;
@@ -88,7 +88,7 @@ TextLikeIds text_like_ids(std::size_t n, int V) {
   std::uniform_real_distribution<double> u(0.0, 1.0);
   std::vector<int> count(static_cast<std::size_t>(V));
   for (std::size_t i = 0; i < n; ++i) {
-    const int id = std::min(V - 1, static_cast<int>(std::pow(V + 1.0, u(gen))) - 1);
+    const int id = bench::text_like_id(u(gen), V);
     t.ids.push_back(id);
     t.distinct += count[static_cast<std::size_t>(id)]++ == 0;
   }

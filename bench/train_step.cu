@@ -23,7 +23,6 @@
 // prints "no CUDA device" and exits 1.
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <span>
@@ -37,6 +36,7 @@
 #include <fived/train/data_parallel.hpp>
 
 #include "cli.hpp"
+#include "text_ids.hpp"
 
 namespace {
 
@@ -103,15 +103,14 @@ int main(int argc, char** argv) {
                                   .max_norm = 1.0f});
 
     // A fixed random batch of real token ids (LCG). Their values matter for speed only through
-    // how often each repeats (the embedding's backward sums each id's rows): uniform, or as in
-    // text with --ids text (Zipf, P(id k) ~ 1/(k + 1): the most frequent id ~6% of the batch).
+    // how often each repeats: uniform, or as text repeats them with --ids text (text_ids.hpp).
     std::vector<int> tok(static_cast<std::size_t>(B) * T), tgt(tok.size());
     unsigned long long s = 0x2545f4914f6cdd1dull;
     auto draw = [&] {
       s = s * 6364136223846793005ull + 1442695040888963407ull;
       if (!opt.text_ids) return static_cast<int>((s >> 33) % Model::V);
       const double u = static_cast<double>(s >> 11) / 9007199254740992.0;  // [0, 1)
-      return std::min(Model::V - 1, static_cast<int>(std::pow(Model::V + 1.0, u)) - 1);
+      return bench::text_like_id(u, Model::V);
     };
     for (std::size_t i = 0; i < tok.size(); ++i) tok[i] = draw(), tgt[i] = draw();
 
