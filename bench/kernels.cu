@@ -418,6 +418,9 @@ int main(int argc, char** argv) {
     // The clip as a step gives it: a squared norm of 4 in device memory, max_norm 1 (factor ~0.5).
     Buffer<double, Cuda> norm_total(std::span<const double>(std::vector<double>{4.0}), s);
     const fived::GradClip clip{norm_total.data(), 1.0};
+    // Step 1's learning rate and bias corrections, in device memory as AdamW uploads them.
+    const Buffer<fived::AdamWStep, Cuda> step1(
+        std::span<const fived::AdamWStep>(std::vector<fived::AdamWStep>{fived::AdamWStep::at(1, 6e-4, 0.9, 0.95)}), s);
     row("adamw GPT-2, a launch per tensor", time_ms(s, [&] {
           for (const auto& t : Layout::tensors)
             ck::adamw_update(s, p.data() + t.offset, master.data() + t.offset, g.data() + t.offset,
@@ -426,7 +429,7 @@ int main(int argc, char** argv) {
         }), adamw_bytes, 0);
     row("adamw GPT-2, one launch (chunks)", time_ms(s, [&] {
           ck::adamw_update_chunks(s, p.data(), master.data(), g.data(), m.data(), v.data(), dchunks.data(),
-                                  chunks.size(), 6e-4, 0.9, 0.95, 1e-8, 0.1, 1, clip);
+                                  chunks.size(), step1.data(), 0.9, 0.95, 1e-8, 0.1, clip);
         }), adamw_bytes, 0);
     // As a step makes them: a launch per bucket (DataParallel's default 4 MiB of bf16), each
     // over that bucket's chunks. A launch lasts as long as its slowest block, so this row is
@@ -440,8 +443,8 @@ int main(int argc, char** argv) {
           for (std::size_t i = 0; i < Plan::count; ++i) {
             const std::size_t o = Plan::bucket(i).range.begin;
             ck::adamw_update_chunks(s, p.data() + o, master.data() + o, g.data() + o, m.data() + o, v.data() + o,
-                                    bucket_chunks[i].data(), bucket_chunks[i].size(), 6e-4, 0.9, 0.95, 1e-8, 0.1, 1,
-                                    clip);
+                                    bucket_chunks[i].data(), bucket_chunks[i].size(), step1.data(), 0.9, 0.95, 1e-8,
+                                    0.1, clip);
           }
         }), adamw_bytes, 0);
     row("grad sum_of_squares 124M", time_ms(s, [&] { ck::sum_of_squares(s, total.data(), g.data(), params); }),

@@ -787,8 +787,9 @@ TEST_CASE("adamw_update_chunks: each chunk with its tensor's decay, the gradient
     std::vector<T> p1 = w0, m1(n), v1(n), p2 = w0, m2(n), v2(n), gs = g;
     k::scale(gs.data(), n, f);
     for (int step = 1; step <= 2; ++step) {
+      const fived::AdamWStep at = fived::AdamWStep::at(step, lr, b1, b2);
       k::adamw_update_chunks(p1.data(), static_cast<T*>(nullptr), g.data(), m1.data(), v1.data(), chunks.data(),
-                             chunks.size(), lr, b1, b2, eps, wd, step, clip);
+                             chunks.size(), &at, b1, b2, eps, wd, clip);
       for (const ChunkTensor& t : tensors)
         k::adamw_update(p2.data() + t.offset, static_cast<T*>(nullptr), gs.data() + t.offset, m2.data() + t.offset,
                         v2.data() + t.offset, t.size, lr, b1, b2, eps, t.decay ? wd : 0.0, step);

@@ -753,10 +753,13 @@ TEST_CASE_TEMPLATE("AdamW over chunks: a block per chunk, each with its decay, t
   const double f = hk::clip_factor(total, max_norm);
   REQUIRE(f < 0.5);
   auto dtotal = up(std::vector<double>{total});
+  // Step 4's learning rate and bias corrections, in device memory for the device's kernel.
+  const fived::AdamWStep at = fived::AdamWStep::at(4, 1e-3, 0.9, 0.95);
+  auto dat = up(std::vector<fived::AdamWStep>{at});
   hk::adamw_update_chunks(c.param.data(), c.master.data(), c.grad.data(), c.m.data(), c.v.data(), chunks.data(),
-                          chunks.size(), 1e-3, 0.9, 0.95, 1e-8, 0.1, 4, fived::GradClip{&total, max_norm});
+                          chunks.size(), &at, 0.9, 0.95, 1e-8, 0.1, fived::GradClip{&total, max_norm});
   ck::adamw_update_chunks(stream(), c.dparam.data(), c.dmaster.data(), c.dgrad.data(), c.dm.data(), c.dv.data(),
-                          dchunks.data(), chunks.size(), 1e-3, 0.9, 0.95, 1e-8, 0.1, 4,
+                          dchunks.data(), chunks.size(), dat.data(), 0.9, 0.95, 1e-8, 0.1,
                           fived::GradClip{dtotal.data(), max_norm});
   c.check();
   // The decay reached the middle tensor only: without it the first tensor's masters are the same.
@@ -780,10 +783,12 @@ TEST_CASE_TEMPLATE("AdamW over chunks whose parameters and gradients lie elsewhe
   const std::vector<fived::AdamWChunk> chunks = {{0, 1000, true, P, G}, {1000, 2048, false, P, G}, {2048, 3000, true, P, G}};
   auto dparam = up(param), dgrad = up(grad);
   auto dchunks = up(chunks);
+  const fived::AdamWStep at = fived::AdamWStep::at(2, 1e-3, 0.9, 0.95);
+  auto dat = up(std::vector<fived::AdamWStep>{at});
   hk::adamw_update_chunks(param.data(), c.master.data(), grad.data(), c.m.data(), c.v.data(), chunks.data(),
-                          chunks.size(), 1e-3, 0.9, 0.95, 1e-8, 0.1, 2, fived::GradClip{});
+                          chunks.size(), &at, 0.9, 0.95, 1e-8, 0.1, fived::GradClip{});
   ck::adamw_update_chunks(stream(), dparam.data(), c.dmaster.data(), dgrad.data(), c.dm.data(), c.dv.data(),
-                          dchunks.data(), chunks.size(), 1e-3, 0.9, 0.95, 1e-8, 0.1, 2, fived::GradClip{});
+                          dchunks.data(), chunks.size(), dat.data(), 0.9, 0.95, 1e-8, 0.1, fived::GradClip{});
   CHECK_CLOSE(c.master, down(c.dmaster), fp32_elem);
   CHECK_CLOSE(c.m, down(c.dm), fp32_elem);
   CHECK_CLOSE(c.v, down(c.dv), fp32_elem);

@@ -71,9 +71,9 @@
       const T* logits, const int* targets, int N, int Vp, int V, double dloss),                                  \
     (losses, dlogits, max, sumexp, target_logit, logits, targets, N, Vp, V, dloss))                              \
   X(adamw_update_chunks, (T* param, adamw_state_t<T>* master, const T* grad, adamw_state_t<T>* m,              \
-      adamw_state_t<T>* v, const AdamWChunk* chunks, std::size_t count, double lr, double beta1, double beta2,   \
-      double eps, double weight_decay, int step, GradClip clip),                                                 \
-    (param, master, grad, m, v, chunks, count, lr, beta1, beta2, eps, weight_decay, step, clip))                 \
+      adamw_state_t<T>* v, const AdamWChunk* chunks, std::size_t count, const AdamWStep* step, double beta1,     \
+      double beta2, double eps, double weight_decay, GradClip clip),                                             \
+    (param, master, grad, m, v, chunks, count, step, beta1, beta2, eps, weight_decay, clip))                     \
   X(sum_of_squares_chunks, (double* out, double* partials, const T* base, const SquaresChunk* chunks,           \
       std::size_t count),                                                                                        \
     (out, partials, base, chunks, count))                                                                        \

@@ -33,7 +33,9 @@
 // GPT-2 step 68 of them on one GPU), the gradients multiplied by the step's clip
 // factor as they are read (no pass of their own), the factor computed by the kernel from the
 // squared global norm in device memory (kernels/host/adamw.hpp: GradClip): the host never
-// reads the norm before the update. Spans and ranges are device memory then (exp_avg() and
+// reads the norm before the update. The step's learning rate and bias corrections go to the
+// device's memory too (AdamWStep, uploaded by update()), so that the launch is the same at
+// every step and a step captured as a graph replays it (nn/step_graph.hpp). Spans and ranges are device memory then (exp_avg() and
 // friends too).
 
 #include <algorithm>
@@ -186,8 +188,11 @@ class AdamW {
           ops.to_fp32(master_.data() + start_[k], params.data() + places_[k].param_at, owned_[k].size());
     }
     master_ready_ = true;
-    ops.adamw_update_chunks(params.data(), has_master ? master_.data() : nullptr, grads.data(), m_.data(), v_.data(), chunks_.data(),
-                            host_chunks_.size(), hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step_, clip_);
+    const AdamWStep now = AdamWStep::at(step_, hp.lr, hp.beta1, hp.beta2);
+    ops.upload(step_values_.data(), &now, 1);
+    ops.adamw_update_chunks(params.data(), has_master ? master_.data() : nullptr, grads.data(), m_.data(), v_.data(),
+                            chunks_.data(), host_chunks_.size(), step_values_.data(), hp.beta1, hp.beta2, hp.eps,
+                            hp.weight_decay, clip_);
   }
 
  private:
@@ -217,6 +222,7 @@ class AdamW {
   GradClip clip_;
   Buffer<state_type, Device> m_, v_, master_;
   Buffer<AdamWChunk, Device> chunks_;
+  Buffer<AdamWStep, Device> step_values_{1};  // this step's learning rate and bias corrections, uploaded each update
 };
 
 // The optimizer for a model type: AdamW over its layout, element type and device.

@@ -1,9 +1,11 @@
 #pragma once
 // AdamW with fp32 master weights, contract of fived/kernels/host/adamw.hpp:
 //   adamw_update(s, param, master, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step[, grad_scale])
-//   adamw_update_chunks(s, param, master, grad, m, v, chunks, count, lr, beta1, beta2, eps, weight_decay, step,
-//                       clip)   chunks in device memory: one launch, a block per chunk; the clip
-//                       factor computed by each thread from the squared norm in device memory
+//   adamw_update_chunks(s, param, master, grad, m, v, chunks, count, step, beta1, beta2, eps, weight_decay,
+//                       clip)   chunks and step (AdamWStep: the learning rate and bias corrections)
+//                       in device memory: one launch, a block per chunk, its arguments the same
+//                       at every step; the clip factor computed by each thread from the squared
+//                       norm in device memory
 // Decoupled weight decay (master -= lr*wd*master), then the Adam step with
 // bias correction (step counts from 1) on grad * grad_scale; param = T(master). With
 // master == nullptr the update is done on param itself (float only). Elementwise.
@@ -25,11 +27,14 @@ struct AdamWScalars {
   float lr, beta1, beta2, one_beta1, one_beta2, eps, weight_decay, bc1, bc2, grad_scale;
 };
 
-inline AdamWScalars adamw_scalars(double lr, double beta1, double beta2, double eps, double weight_decay, int step,
-                                  double grad_scale) {
+// (Host and device: adamw_chunks_kernel takes the step's part from device memory.)
+__host__ __device__ inline AdamWScalars adamw_scalars(const AdamWStep& step, double beta1, double beta2, double eps,
+                                                      double weight_decay, double grad_scale) {
   auto f = [](double x) { return static_cast<float>(x); };
-  return {f(lr),  f(beta1),        f(beta2),  f(1 - beta1), f(1 - beta2), f(eps), f(weight_decay),
-          f(1 - std::pow(beta1, step)), f(1 - std::pow(beta2, step)), f(grad_scale)};
+  return {f(step.lr),    f(beta1),  f(beta2),
+          f(1 - beta1),  f(1 - beta2), f(eps),
+          f(weight_decay), f(step.bias_correction1), f(step.bias_correction2),
+          f(grad_scale)};
 }
 
 template <class T>
@@ -68,18 +73,19 @@ __device__ __forceinline__ float clip_scale_of(const GradClip& clip) {
 template <class T>
 __global__ void adamw_chunks_kernel(T* __restrict__ param, float* __restrict__ master, const T* __restrict__ grad,
                                     float* __restrict__ m, float* __restrict__ v, const AdamWChunk* chunks,
-                                    AdamWScalars s, GradClip clip) {
+                                    const AdamWStep* step, double beta1, double beta2, double eps,
+                                    double weight_decay, GradClip clip) {
+  AdamWScalars s = adamw_scalars(*step, beta1, beta2, eps, weight_decay, 1.0);
   s.grad_scale = clip_scale_of(clip);
   const AdamWChunk c = chunks[blockIdx.x];
-  const float weight_decay = c.decays ? s.weight_decay : 0.0f;
+  const float decay = c.decays ? s.weight_decay : 0.0f;
   for (std::size_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x)
-    adamw_element(i, param + c.param, master, grad + c.grad, m, v, s, weight_decay);
+    adamw_element(i, param + c.param, master, grad + c.grad, m, v, s, decay);
 }
 
 template <class T>
-void check_adamw(const char* fn, const float* master, int step) {
+void check_adamw(const char* fn, const float* master) {
   static_assert(is_element_v<T>, "adamw_update: element type must be float or fived::bf16");
-  require(step >= 1, fn, "step counts from 1 (got " + std::to_string(step) + ")");
   if constexpr (!std::is_same_v<T, float>)
     require(master != nullptr, fn, "bf16 parameters need fp32 master weights (master is null)");
 }
@@ -90,23 +96,24 @@ template <class T>
 void adamw_update(cudaStream_t stream, T* param, float* master, const T* grad, float* m, float* v, std::size_t n,
                   double lr, double beta1, double beta2, double eps, double weight_decay, int step,
                   double grad_scale = 1.0) {
-  detail::check_adamw<T>("adamw_update", master, step);
+  detail::check_adamw<T>("adamw_update", master);
+  const AdamWStep at = AdamWStep::at(step, lr, beta1, beta2);  // throws for step < 1
   if (n == 0) return;
   detail::adamw_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(
-      dev(param), master, dev(grad), m, v, n, detail::adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale));
+      dev(param), master, dev(grad), m, v, n, detail::adamw_scalars(at, beta1, beta2, eps, weight_decay, grad_scale));
   FIVED_CUDA_CHECK_LAUNCH("adamw_kernel");
 }
 
 template <class T>
 void adamw_update_chunks(cudaStream_t stream, T* param, float* master, const T* grad, float* m, float* v,
-                         const AdamWChunk* chunks, std::size_t count, double lr, double beta1, double beta2, double eps,
-                         double weight_decay, int step, GradClip clip) {
-  detail::check_adamw<T>("adamw_update_chunks", master, step);
+                         const AdamWChunk* chunks, std::size_t count, const AdamWStep* step, double beta1,
+                         double beta2, double eps, double weight_decay, GradClip clip) {
+  detail::check_adamw<T>("adamw_update_chunks", master);
   if (count == 0) return;
   detail::require(count <= 0x7fffffffu, "adamw_update_chunks", "more chunks than a grid has blocks");
+  detail::require(step != nullptr, "adamw_update_chunks", "the step's learning rate and bias corrections are null");
   detail::adamw_chunks_kernel<<<static_cast<unsigned>(count), 256, 0, stream>>>(
-      dev(param), master, dev(grad), m, v, chunks, detail::adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, 1.0),
-      clip);
+      dev(param), master, dev(grad), m, v, chunks, step, beta1, beta2, eps, weight_decay, clip);
   FIVED_CUDA_CHECK_LAUNCH("adamw_chunks_kernel");
 }
 

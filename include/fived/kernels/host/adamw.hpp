@@ -17,13 +17,15 @@
 // the global norm, rounded once to S): the same numbers as scaling the gradients first, for
 // float and double, without another pass over them.
 //
-//   adamw_update_chunks(param, master, grad, m, v, chunks, count, ..., weight_decay, step, clip)
+//   adamw_update_chunks(param, master, grad, m, v, chunks, count, step, beta1, ..., clip)
 //     the same over the chunks of a range (AdamWChunk, below: elements [begin, end) of every
 //     array, weight decay or none), which a device runs as one launch: an optimizer's whole
-//     range in one call, each tensor with its own decay. grad_scale is the clip factor of
-//     `clip` (GradClip, below), computed where the kernel runs from the global norm the
-//     step's earlier kernels left in the device's memory: the host never reads the norm
-//     before the update.
+//     range in one call, each tensor with its own decay. What changes from step to step, the
+//     learning rate and the bias corrections, is read from the device's memory (AdamWStep,
+//     below), so that the launch is the same at every step (a step captured as a graph
+//     replays it: nn/step_graph.hpp). grad_scale is the clip factor of `clip` (GradClip,
+//     below), computed where the kernel runs from the global norm the step's earlier kernels
+//     left in the device's memory: the host never reads the norm before the update.
 
 #include <cmath>
 #include <cstddef>
@@ -65,26 +67,38 @@ struct GradClip {
   const double* sum_of_squares = nullptr;
   double max_norm = 0;
 };
+
+// What one AdamW step changes, as adamw_update_chunks reads it from the device's memory: the
+// learning rate and the bias corrections 1 - beta^step, in double (each kernel rounds them
+// once to the state's precision).
+struct AdamWStep {
+  double lr = 0, bias_correction1 = 1, bias_correction2 = 1;
+
+  // Step `step` (counting from 1) at learning rate lr.
+  static AdamWStep at(int step, double lr, double beta1, double beta2) {
+    if (step < 1) throw std::invalid_argument("fived::AdamWStep: step counts from 1 (got " + std::to_string(step) + ")");
+    return {lr, 1 - std::pow(beta1, step), 1 - std::pow(beta2, step)};
+  }
+};
 }  // namespace fived
 
 namespace fived::kernels::host {
 
+// One step over n values, what changes per step given as an AdamWStep.
 template <class T, class S>
-void adamw_update(T* param, std::type_identity_t<S>* master, const T* grad, S* m, S* v, std::size_t n, double lr,
-                  double beta1, double beta2, double eps, double weight_decay, int step, double grad_scale = 1.0) {
+void adamw_update(T* param, std::type_identity_t<S>* master, const T* grad, S* m, S* v, std::size_t n,
+                  const AdamWStep& step, double beta1, double beta2, double eps, double weight_decay,
+                  double grad_scale = 1.0) {
   static_assert(std::is_same_v<S, adamw_state_t<T>>,
                 "fived::kernels::host::adamw_update: the state must be adamw_state_t<T> (double for double parameters, "
                 "float otherwise)");
-  if (step < 1)
-    throw std::invalid_argument("fived::kernels::host::adamw_update: step counts from 1 (got " + std::to_string(step) +
-                                ")");
   if (master == nullptr && !(std::is_same_v<T, float> || std::is_same_v<T, double>))
     throw std::invalid_argument(
         "fived::kernels::host::adamw_update: a bf16 parameter needs fp32 master weights (master is nullptr)");
   const S b1 = static_cast<S>(beta1), b2 = static_cast<S>(beta2), e = static_cast<S>(eps);
-  const S wd = static_cast<S>(weight_decay), l = static_cast<S>(lr);
+  const S wd = static_cast<S>(weight_decay), l = static_cast<S>(step.lr);
   const S one_b1 = static_cast<S>(1 - beta1), one_b2 = static_cast<S>(1 - beta2);
-  const S bc1 = static_cast<S>(1 - std::pow(beta1, step)), bc2 = static_cast<S>(1 - std::pow(beta2, step));
+  const S bc1 = static_cast<S>(step.bias_correction1), bc2 = static_cast<S>(step.bias_correction2);
   const S scale = static_cast<S>(grad_scale);
   for (std::size_t i = 0; i < n; ++i) {
     const S g = static_cast<S>(grad[i]) * scale;
@@ -98,15 +112,23 @@ void adamw_update(T* param, std::type_identity_t<S>* master, const T* grad, S* m
   }
 }
 
+// ... step `step` (from 1) at learning rate lr.
+template <class T, class S>
+void adamw_update(T* param, std::type_identity_t<S>* master, const T* grad, S* m, S* v, std::size_t n, double lr,
+                  double beta1, double beta2, double eps, double weight_decay, int step, double grad_scale = 1.0) {
+  adamw_update(param, master, grad, m, v, n, AdamWStep::at(step, lr, beta1, beta2), beta1, beta2, eps, weight_decay,
+               grad_scale);
+}
+
 template <class T, class S>
 void adamw_update_chunks(T* param, std::type_identity_t<S>* master, const T* grad, S* m, S* v,
-                         const AdamWChunk* chunks, std::size_t count, double lr, double beta1, double beta2, double eps,
-                         double weight_decay, int step, GradClip clip) {
+                         const AdamWChunk* chunks, std::size_t count, const AdamWStep* step, double beta1, double beta2,
+                         double eps, double weight_decay, GradClip clip) {
   const double grad_scale =
       clip.sum_of_squares != nullptr && clip.max_norm > 0 ? clip_factor(*clip.sum_of_squares, clip.max_norm) : 1.0;
   for (const AdamWChunk& c : std::span<const AdamWChunk>(chunks, count))
     adamw_update(param + c.param + c.begin, master != nullptr ? master + c.begin : nullptr, grad + c.grad + c.begin,
-                 m + c.begin, v + c.begin, c.end - c.begin, lr, beta1, beta2, eps, c.decays ? weight_decay : 0.0, step,
+                 m + c.begin, v + c.begin, c.end - c.begin, *step, beta1, beta2, eps, c.decays ? weight_decay : 0.0,
                  grad_scale);
 }
 
