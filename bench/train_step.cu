@@ -5,6 +5,7 @@
 //
 //   bench/train_step [--batch 8] [--seq 1024] [--steps 20] [--warmup 5] [--peak-tflops 989.4]
 //                    [--ids uniform|text]   (text: ids drawn as in text, a few of them frequent)
+//                    [--graph]   (from the third step, each step replays the second as a CUDA graph)
 //
 // Every step runs on the model's stream; its time is measured with CUDA events around the
 // step (so host launch gaps count, as in PyTorch's synchronised wall clock), and the median
@@ -47,12 +48,13 @@ struct Options {
   int batch = 8, seq = 1024, steps = 20, warmup = 5;
   double peak_tflops = 989.4;  // H100 SXM5, bf16 dense
   bool text_ids = false;       // --ids text: ids drawn as in text (Zipf), not uniformly
+  bool graph = false;          // --graph: DataParallel::set_step_graph (nn/step_graph.hpp)
 };
 
 [[noreturn]] void usage(const std::string& msg) {
   std::fprintf(stderr,
                "%s\nusage: train_step [--batch B (8)] [--seq T (1024, <= 1024)] [--steps N (20)] [--warmup W (5)] "
-               "[--peak-tflops P (989.4: H100 SXM bf16 dense)] [--ids uniform|text (uniform)]\n",
+               "[--peak-tflops P (989.4: H100 SXM bf16 dense)] [--ids uniform|text (uniform)] [--graph]\n",
                msg.c_str());
   std::exit(2);
 }
@@ -70,6 +72,7 @@ Options parse(int argc, char** argv) {
       if (v != "uniform" && v != "text") usage("--ids takes uniform or text");
       o.text_ids = v == "text";
     }
+    else if (a == "--graph") o.graph = true;
     else if (a == "-h" || a == "--help") usage("One GPT-2 124M training step (bf16, AdamW) on one GPU.");
     else return false;
     return true;
@@ -101,6 +104,7 @@ int main(int argc, char** argv) {
     fived::DataParallel<Model> trainer(
         model, fived::AdamWConfig{.lr = 6e-4f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f,
                                   .max_norm = 1.0f});
+    trainer.set_step_graph(opt.graph);
 
     // A fixed random batch of real token ids (LCG). Their values matter for speed only through
     // how often each repeats: uniform, or as text repeats them with --ids text (text_ids.hpp).
@@ -137,8 +141,8 @@ int main(int argc, char** argv) {
     const double tflops = flops_per_token * tok_s / 1e12;
     const double mfu = 100.0 * tflops / opt.peak_tflops;
 
-    std::printf("device: %s (sm_%d%d)  fived bench/train_step%s\n", prop.name, prop.major, prop.minor,
-                opt.text_ids ? "  text-like ids (Zipf)" : "");
+    std::printf("device: %s (sm_%d%d)  fived bench/train_step%s%s\n", prop.name, prop.major, prop.minor,
+                opt.text_ids ? "  text-like ids (Zipf)" : "", opt.graph ? "  step graph (CUDA graph replay)" : "");
     std::printf("GPT-2 124M (%.1fM params in the buffer), B=%d T=%d, bf16 params/activations, fp32 master + AdamW, "
                 "clip 1.0\n",
                 static_cast<double>(n) / 1e6, B, T);

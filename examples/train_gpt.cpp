@@ -2,7 +2,7 @@
 //
 //   train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] [--seq T]
 //             [--lr LR] [--seed S] [--log-every N] [--save out.safetensors] [--checkpoints DIR [--save-every N]
-//             [--keep-last N] [--resume | --resume-from STEP]] [--host] [--serial] [--list-meshes]
+//             [--keep-last N] [--resume | --resume-from STEP]] [--host] [--serial] [--step-graph] [--list-meshes]
 //
 // A thin program over fived::Trainer (train/trainer.hpp): one model (2 layers, d_model 64, 4
 // heads, byte vocabulary: GPT-2's blocks, or with --model llama Llama 3's, 2 key/value heads,
@@ -43,6 +43,9 @@
 // and --save are checked for writing before the first step. What killed saves left in DIR
 // (temporary files, steps without a manifest) is removed at the start and after each save;
 // --keep-last N keeps only the newest N complete steps once the newest verifies.
+//
+// --step-graph (--mesh serial): from the third step on, each step replays the second as a
+// graph (a CUDA graph on the GPU: nn/step_graph.hpp); the losses are the same.
 
 #include <algorithm>
 #include <cerrno>
@@ -125,13 +128,14 @@ struct Options {
   double lr = 4e-3;
   unsigned seed = 1337;
   bool host = false;  // stay on the host even when a GPU is there (CUDA build)
+  bool step_graph = false;  // TrainerConfig::step_graph (a mesh of one rank)
 };
 
 [[noreturn]] void usage(const std::string& msg) {
   std::fprintf(stderr,
                "%s\nusage: train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] "
                "[--seq T (<= %d)] [--lr LR] [--seed S] [--log-every N] [--save out.safetensors] [--checkpoints DIR "
-               "[--save-every N] [--keep-last N] [--resume | --resume-from STEP]] [--host] [--serial] [--list-meshes]\n",
+               "[--save-every N] [--keep-last N] [--resume | --resume-from STEP]] [--host] [--serial] [--step-graph] [--list-meshes]\n",
                msg.c_str(), demo_config::max_seq);
   std::exit(2);
 }
@@ -260,6 +264,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--model") o.model = value();
     else if (a == "--serial") o.mesh = "serial";
     else if (a == "--host") o.host = true;
+    else if (a == "--step-graph") o.step_graph = true;
     else if (a == "--list-meshes") {
       for (const MeshChoice& m : meshes) std::printf("%-18s %2d ranks\n", m.name, m.ranks);
       std::exit(0);
@@ -479,7 +484,8 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
   }
   const TrainerConfig hp{
       .adamw = {.lr = 0, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f, .max_norm = 1.0f},
-      .lr = WarmupCosine{.peak = opt.lr, .warmup = std::max(1, opt.steps / 20), .total = opt.steps, .floor = 0.1}};
+      .lr = WarmupCosine{.peak = opt.lr, .warmup = std::max(1, opt.steps / 20), .total = opt.steps, .floor = 0.1},
+      .step_graph = opt.step_graph};
   T trainer(ctx, hp, GptInit{opt.seed, 0.02});
   Serial eval;  // rank 0's serial copy of the trained weights, on the host
   auto held_out = [&] {  // a collective: every rank gathers, rank 0 evaluates

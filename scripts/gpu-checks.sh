@@ -153,12 +153,15 @@ bench() {
   # The same step on ids drawn as in text (a few ids frequent: the embedding's backward sums their rows).
   run "$out/bench-train-step.txt" "$b/train_step" --ids text
   run "$out/bench-train-step.txt" python3 bench/train_step_pytorch.py --compile --ids text
+  # The step replayed as a CUDA graph (nn/step_graph.hpp), uniform ids.
+  run "$out/bench-train-step.txt" "$b/train_step" --graph
   # The line issue 26 asks for: the three median step times and fived's MFU, from this run.
   awk '/fived bench\/train_step/ {m = "fived"} /compile=False/ {m = "eager"} /compile=True/ {m = "compile"}
-       /text-like ids/ {m = m "_text"}
+       /text-like ids/ {m = m "_text"} /step graph/ {m = m "_graph"}
        /^median step/ {ms[m] = $3} m == "fived" && / fived +[0-9]+ +[0-9]+ / {mfu = $NF}
        END {printf "fived_ms=%s eager_ms=%s compile_ms=%s mfu=%s\n", ms["fived"], ms["eager"], ms["compile"], mfu
-            printf "text-like ids: fived_ms=%s compile_ms=%s\n", ms["fived_text"], ms["compile_text"]}' \
+            printf "text-like ids: fived_ms=%s compile_ms=%s\n", ms["fived_text"], ms["compile_text"]
+            printf "step graph: fived_ms=%s\n", ms["fived_graph"]}' \
     "$out/bench-train-step.txt" >>"$out/bench-train-step.txt"
   run "$out/bench-overlap.txt" bash scripts/launch-local.sh 2 "$b/overlap"
   run "$out/bench-ring-attention.txt" bash scripts/launch-local.sh 2 "$b/ring_attention"

@@ -170,13 +170,13 @@ class Decoder : public DecoderParams<Arch, M, T, Device, SP, Part> {
       detail::call(hooks.after_forward, specs::final_unit);
       if (targets == nullptr) return;
       HeadL::loss(s, a.head, a.targets.data(), V, Vp);
-      a.loss_pending = a.has_dlogits = true;
-      if constexpr (on_host) loss(slot);
+      a.loss_pending = a.has_dlogits = true;  // loss() reads it (a step reads add_to_loss_sum's sum instead)
     }
   }
 
   // The mean loss of the slot's last forward with targets (the same on every TP rank), in
-  // stat_t precision summed in double. On Cuda the first call after a forward waits.
+  // stat_t precision summed in double. The first call after a forward computes it (on Cuda,
+  // waits for it).
   double loss(int slot = 0) const {
     const Slot& a = slots_.at(static_cast<std::size_t>(slot));
     if (a.loss_pending) {

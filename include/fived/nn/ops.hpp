@@ -59,6 +59,9 @@
 //   void read_to_host(const buffer<U>& b, F f) f(std::span<const U>) reads b in host memory
 //   std::vector<U> to_host(std::span<const U> device_span)
 //   void synchronize()                         waits for the device's queued work
+//   bool use_step_graph; begin_graph_step(shape), launch_graph_step(), abandon_graph_step()
+//       a step captured once as a graph and replayed after (nn/step_graph.hpp: GraphStep);
+//       on the host the captured calls are kept and run in order at launch
 //
 // Scalars that cross this interface (the loss gradient 1/N, scale factors, AdamW's
 // hyperparameters) are double, and each kernel rounds them once to the precision it
@@ -70,6 +73,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstring>
+#include <functional>
 #include <span>
 #include <type_traits>
 #include <vector>
@@ -79,6 +84,7 @@
 #include "fived/device/host_pages.hpp"
 #include "fived/kernels/host.hpp"
 #include "fived/nn/ops_kernels.hpp"
+#include "fived/nn/step_graph.hpp"
 
 namespace fived {
 
@@ -109,62 +115,80 @@ struct Ops<T, Host> {
 
   // ---- kernels ------------------------------------------------------------------------------
 
-  // Every kernel the devices forward alike (nn/ops_kernels.hpp), then the rest.
+  // Every kernel the devices forward alike (nn/ops_kernels.hpp), then the rest. Each is
+  // queued (below): run now, or kept by a step captured as a graph.
 #define FIVED_HOST_KERNEL(name, parameters, arguments) \
-  void name parameters { kernels::host::name arguments; }
+  void name parameters { queue(#name, [=] { kernels::host::name arguments; }, [&] { return call_hash arguments; }); }
   FIVED_OPS_KERNELS(FIVED_HOST_KERNEL)
 #undef FIVED_HOST_KERNEL
 
   void matmul(T* out, const T* a, const T* b, const T* bias, int M, int N, int K, bool trans_a, bool trans_b,
               bool accumulate = false, Epilogue ep = Epilogue::none, T* pre_act = nullptr) {
-    kernels::host::matmul(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act);
+    queue("matmul", [=] { kernels::host::matmul(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act); },
+          [&] { return call_hash(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act); });
   }
   // out = gelu'(pre_act) * op(a) op(b): the gradient at a GELU's input from the GEMM that
   // gives its output's (kernels/host/gemm.hpp).
   void matmul_dgelu(T* out, const T* a, const T* b, const T* pre_act, int M, int N, int K, bool trans_a, bool trans_b) {
-    kernels::host::matmul_dgelu(out, a, b, pre_act, M, N, K, trans_a, trans_b);
+    queue("matmul_dgelu", [=] { kernels::host::matmul_dgelu(out, a, b, pre_act, M, N, K, trans_a, trans_b); },
+          [&] { return call_hash(out, a, b, pre_act, M, N, K, trans_a, trans_b); });
   }
   // A linear layer's weight half: dW += x^T dy (transposed: dy^T x), db += dy's row sums.
   void matmul_weight_grad(T* dw, T* db, const T* dy, const T* x, int rows, int in, int out, bool transposed) {
-    kernels::host::matmul_weight_grad(dw, db, dy, x, rows, in, out, transposed);
+    queue("matmul_weight_grad", [=] { kernels::host::matmul_weight_grad(dw, db, dy, x, rows, in, out, transposed); },
+          [&] { return call_hash(dw, db, dy, x, rows, in, out, transposed); });
   }
   void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH, int NKV) {
-    kernels::host::attention_forward(out, lse, qkv, B, T_, C, NH, NKV);
+    queue("attention_forward", [=] { kernels::host::attention_forward(out, lse, qkv, B, T_, C, NH, NKV); },
+          [&] { return call_hash(out, lse, qkv, B, T_, C, NH, NKV); });
   }
   void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const stat_t* lse, int B, int T_, int C,
                           int NH, int NKV) {
-    kernels::host::attention_backward(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV);
+    queue("attention_backward",
+          [=] { kernels::host::attention_backward(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV); },
+          [&] { return call_hash(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV); });
   }
   template <class U>
   void regroup(U* out, const U* in, std::int64_t outer, int n, std::int64_t block, kernels::host::Blocks how) {
-    kernels::host::regroup(out, in, outer, n, block, how);
+    queue("regroup", [=] { kernels::host::regroup(out, in, outer, n, block, how); },
+          [&] { return call_hash(out, in, outer, n, block, how); });
   }
 
   // A mixture of experts' plan (kernels/host/moe.hpp) writes the per-expert counts to host
   // memory (on CUDA it waits for them: the all-to-all's sizes are host values).
   void dispatch_plan(int* token_of, int* pos, int* host_counts, const int* expert, int N, int k, int E, int capacity) {
+    graph_.no_wait("dispatch_plan");
     kernels::host::dispatch_plan(token_of, pos, host_counts, expert, N, k, E, capacity);
   }
 
   // The loss of every row added since begin_loss_sum(), in double.
-  void begin_loss_sum() { loss_sum_ = 0; }
-  void add_loss_sum(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N) {
-    loss_sum_ += kernels::host::loss_sum(max, sumexp, target, N);
+  void begin_loss_sum() {
+    queue("begin_loss_sum", [this] { loss_sum_ = 0; }, [] { return call_hash(); });
   }
-  double loss_sum() const { return loss_sum_; }
+  void add_loss_sum(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N) {
+    queue("add_loss_sum", [=, this] { loss_sum_ += kernels::host::loss_sum(max, sumexp, target, N); },
+          [&] { return call_hash(max, sumexp, target, N); });
+  }
+  double loss_sum() const {
+    graph_.no_wait("loss_sum");
+    return loss_sum_;
+  }
 
   // ---- memory and staging ----------------------------------------------------------------------
 
   template <class U>
   Buffer<U, Host> make_buffer(std::size_t n) {
+    graph_.no_wait("make_buffer");
     return Buffer<U, Host>(n);
   }
   template <class U>
   Buffer<U, Host> make_buffer(std::size_t n, ReleasablePages) {
+    graph_.no_wait("make_buffer");
     return Buffer<U, Host>(n);
   }
   template <class U>
   void release_pages(std::span<U> range) {
+    graph_.no_wait("release_pages");
     fived::release_pages(range);
   }
   template <class U>
@@ -172,48 +196,99 @@ struct Ops<T, Host> {
   void trim_pages() {}                // released pages went back to the system at once
   template <class U>
   void zero(Buffer<U, Host>& b) {
-    b.zero();
+    zero(b.data(), b.size());
   }
   template <class U>
   void zero(U* p, std::size_t n) {
-    std::fill_n(p, n, U{});
+    queue("zero", [=] { std::fill_n(p, n, U{}); }, [&] { return call_hash(p, n); });
   }
   template <class U>
   void copy(U* dst, const U* src, std::size_t n) {
-    std::copy_n(src, n, dst);
+    queue("copy", [=] { std::copy_n(src, n, dst); }, [&] { return call_hash(dst, src, n); });
   }
   template <class U>
   void copy_rows(U* dst, std::size_t dst_ld, const U* src, std::size_t src_ld, std::size_t width, std::size_t rows) {
-    for (std::size_t r = 0; r < rows; ++r) std::copy_n(src + r * src_ld, width, dst + r * dst_ld);
+    queue("copy_rows",
+          [=] {
+            for (std::size_t r = 0; r < rows; ++r) std::copy_n(src + r * src_ld, width, dst + r * dst_ld);
+          },
+          [&] { return call_hash(dst, dst_ld, src, src_ld, width, rows); });
   }
-  void upload_ids(Buffer<int, Host>& dst, const int* host, std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) dst[i] = host[i];
-  }
-  // n values from host memory into the device's memory (complete on return).
+  void upload_ids(Buffer<int, Host>& dst, const int* host, std::size_t n) { upload(dst.data(), host, n); }
+  // n values from host memory into the device's memory (complete on return; in a graph step,
+  // when the graph runs, from the step's own copy of them).
   template <class U>
   void upload(U* dst, const U* host, std::size_t n) {
-    std::copy_n(host, n, dst);
+    if (n == 0) return;
+    const std::size_t bytes = n * sizeof(U);
+    if (graph_.mode() == StepMode::plain) {
+      graph_.plain_upload(bytes);
+      return void(std::copy_n(host, n, dst));
+    }
+    const void* from = graph_.upload("upload", call_hash(dst, bytes), host, bytes);
+    if (graph_.mode() == StepMode::capturing) recorded_.emplace_back([=] { std::memcpy(dst, from, bytes); });
   }
   // Mean cross-entropy from the loss statistics, summed in double.
   double mean_loss(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N) const {
+    graph_.no_wait("mean_loss");
     return kernels::host::mean_loss(max, sumexp, target, N);
   }
   template <class U, class F>
   void write_from_host(Buffer<U, Host>& b, F&& f) {
+    graph_.no_wait("write_from_host");
     f(b.span());
   }
   template <class U, class F>
   void read_to_host(const Buffer<U, Host>& b, F&& f) const {
+    graph_.no_wait("read_to_host");
     f(b.span());
   }
   template <class U>
   std::vector<std::remove_const_t<U>> to_host(std::span<U> s) const {
+    graph_.no_wait("to_host");
     return {s.begin(), s.end()};
   }
-  void synchronize() {}
+  void synchronize() { graph_.no_wait("synchronize"); }
+
+  // ---- a step as a graph (nn/step_graph.hpp) ----------------------------------------------------
+
+  // The host has no queue: a captured step's calls are kept, in order, and run at its launch.
+  bool use_step_graph = false;
+  void begin_graph_step(std::uint64_t shape) {
+    if (!use_step_graph) return graph_.forget();
+    if (graph_.begin(shape) == StepMode::capturing) recorded_.clear();
+  }
+  void launch_graph_step() {
+    const StepMode mode = graph_.mode();
+    graph_.end();
+    if (mode == StepMode::plain) return;
+    try {
+      for (const auto& f : recorded_) f();
+    } catch (...) {
+      abandon_graph_step();
+      throw;
+    }
+  }
+  void abandon_graph_step() noexcept {
+    graph_.forget();
+    recorded_.clear();
+  }
+  StepMode step_mode() const { return graph_.mode(); }
+  bool step_graph_captured() const { return graph_.captured(); }  // a graph to replay is kept
 
  private:
+  // A call that changes the device's memory: run now in a plain step; kept (capturing) or
+  // checked against the kept one (replaying) in a graph step. `args` hashes its arguments.
+  template <class Run, class Args>
+  void queue(const char* what, Run&& run, Args&& args) {
+    if (graph_.mode() == StepMode::plain) return run();
+    graph_.call(what, args());
+    if (graph_.mode() == StepMode::capturing) recorded_.emplace_back(std::forward<Run>(run));
+  }
+
   double loss_sum_ = 0;
+  StepGraph<std::vector<std::byte>> graph_;
+  std::vector<std::function<void()>> recorded_;  // the captured step's calls
 };
 
 }  // namespace fived

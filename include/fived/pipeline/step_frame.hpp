@@ -13,6 +13,10 @@
 //   frame.update();                                     // the clip over every parameter, each AdamW step
 //   ...then read the loss: the host's one wait, after all of the step is queued
 //
+// A step replayed as a graph (nn/step_graph.hpp: GraphStep) is known by graph_shape(): the
+// batch's sizes and every trainer's hyperparameters but the learning rate, which AdamW
+// uploads at every step. When one of them changes, the graph is captured again.
+//
 // gradients() brackets the backward with the trainer's begin_backward and end_backward and
 // tells it whether this is the step's last for it (its M-th), where NoZeRO and ZeRO-1 reduce.
 // sum_of_squares() adds the trainers' parts of the squared gradient norm into `total` (one
@@ -24,8 +28,11 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <tuple>
+
+#include "fived/nn/step_graph.hpp"
 
 namespace fived::pipeline {
 
@@ -59,6 +66,16 @@ class StepFrame {
   // Every trainer's clip to the global norm (sqrt of the total) and AdamW step.
   void update() {
     each([&](auto& dp) { dp.update(total_.data()); });
+  }
+  // What a step of `ids` token ids in micro-batches of [B, T] is known by as a graph.
+  std::uint64_t graph_shape(std::size_t ids, int B, int T) {
+    std::uint64_t h = call_hash(ids, B, T, M_);
+    each([&](auto& dp) {
+      auto hp = dp.optimizer().hp;
+      hp.lr = 0;
+      h = call_hash(h, hp);
+    });
+    return h;
   }
 
  private:

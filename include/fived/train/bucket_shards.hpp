@@ -110,7 +110,7 @@ class BucketShards {
   // micro-batches per step. Writes a deferred model's initial values (GptInit::deferred), checks
   // that the replicas start equal, then cuts the shards.
   BucketShards(Model& model, MeshComm<group> comm, int rank, int accum)
-      : model_(model), comm_(std::move(comm)), rank_(rank), accum_(accum), queue_(model.ops()) {
+      : model_(model), comm_(std::move(comm)), rank_(rank), accum_(accum), queue_(model.ops(), group::size > 1) {
     if (accum < 1)
       throw std::invalid_argument("fived::DataParallel: accum (micro-batches per step) must be at least 1, got " +
                                   std::to_string(accum));

@@ -22,6 +22,10 @@
 //         wait for a ticket's event: the host never blocks, which is what lets backward's
 //         kernels queue up behind the reductions instead of waiting for them.
 // The results are the same either way; only when the work runs differs.
+//
+// Without a side (CommQueue(compute, false): a group of one rank, with nothing to overlap),
+// every task runs at once on the compute side's own Ops, in order with the model's work: a
+// step captured as a graph (nn/step_graph.hpp) then records it there.
 
 #include <cstdint>
 #include <utility>
@@ -41,16 +45,17 @@ class CommQueue<T, Host> {
  public:
   using ops_type = Ops<T, Host>;
 
-  explicit CommQueue(ops_type& /*compute*/) {}
+  explicit CommQueue(ops_type& compute, bool side = true) : compute_(compute), side_(side) {}
 
-  ops_type& ops() { return ops_; }
+  ops_type& ops() { return side_ ? ops_ : compute_; }
   StreamHandle stream() const { return nullptr; }  // no streams on the host
 
-  // Runs task(ops()) on the communication thread (async) or now; returns its ticket (0: done).
+  // Runs task(ops()) on the communication thread (async, with a side) or now; returns its
+  // ticket (0: done).
   template <class F>
   std::uint64_t submit(F&& task, bool async) {
-    if (!async) {
-      task(ops_);
+    if (!async || !side_) {
+      task(ops());
       return 0;
     }
     return worker_.submit([this, task = std::forward<F>(task)]() mutable { task(ops_); });
@@ -61,6 +66,8 @@ class CommQueue<T, Host> {
   void drain() { worker_.drain(); }
 
  private:
+  ops_type& compute_;
+  bool side_;
   ops_type ops_;   // kernels of the communication thread (stateless but for the norm sum, unused here)
   Worker worker_;  // last: it stops first
 };

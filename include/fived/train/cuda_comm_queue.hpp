@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -25,23 +26,32 @@ class CommQueue<T, Cuda> {
  public:
   using ops_type = Ops<T, Cuda>;
 
-  explicit CommQueue(ops_type& compute) : compute_(compute.stream()), start_(cudaEventDisableTiming) {
+  // side: a stream of its own; without (a group of one rank), tasks go on the compute side.
+  explicit CommQueue(ops_type& compute, bool side = true) : compute_ops_(compute), compute_(compute.stream()) {
+    if (!side) return;
+    side_.emplace();
+    start_.emplace(cudaEventDisableTiming);
     tickets_.reserve(ring);
     for (int i = 0; i < ring; ++i) tickets_.emplace_back(cudaEventDisableTiming);
   }
 
-  ops_type& ops() { return side_; }
-  StreamHandle stream() const { return side_.stream(); }
+  ops_type& ops() { return side_ ? *side_ : compute_ops_; }
+  StreamHandle stream() const { return side_ ? side_->stream() : compute_; }
 
   // Issues task(ops()) on the side stream after everything the compute stream has queued so
   // far. Always enqueued (async or not: on a device the host never does the work itself).
+  // Without a side, on the compute stream, in order.
   template <class F>
   std::uint64_t submit(F&& task, bool /*async*/) {
-    start_.record(compute_);
-    start_.wait_on(side_.stream());
-    std::forward<F>(task)(side_);
+    if (!side_) {
+      std::forward<F>(task)(compute_ops_);
+      return 0;
+    }
+    start_->record(compute_);
+    start_->wait_on(side_->stream());
+    std::forward<F>(task)(*side_);
     ++submitted_;
-    tickets_[submitted_ % ring].record(side_.stream());
+    tickets_[submitted_ % ring].record(side_->stream());
     return submitted_;
   }
   // The compute stream waits for the ticket's task. Tickets share `ring` events: a ticket
@@ -54,9 +64,10 @@ class CommQueue<T, Cuda> {
 
  private:
   static constexpr int ring = 64;
+  ops_type& compute_ops_;
   cudaStream_t compute_;
-  ops_type side_;  // its own stream and cuBLASLt handle
-  cuda::Event start_;
+  std::optional<ops_type> side_;  // its own stream and cuBLASLt handle
+  std::optional<cuda::Event> start_;
   std::vector<cuda::Event> tickets_;
   std::uint64_t submitted_ = 0;
 };

@@ -165,6 +165,7 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
     // The frame every schedule's step runs (pipeline/step_frame.hpp): this is the one-stage
     // schedule, forward and backward of each micro-batch in turn.
     pipeline::StepFrame<DataParallel> frame(accum(), std::tie(*this), norm_total_.span());
+    GraphStep graph(model.ops(), frame.graph_shape(tokens.size(), B, T_));  // plain unless set_step_graph(true)
     frame.begin();
     model.ops().begin_loss_sum();
     for (int k = 0; k < accum(); ++k) {
@@ -185,9 +186,22 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
     frame.end();
     frame.sum_of_squares([](std::span<double>) {});  // every parameter is here
     frame.update();
+    graph.launch();
     // The host's one wait for the device, with the whole step queued.
     const double rows = static_cast<double>(accum()) * b * Model::local_length(T_);
     return this->average(model.ops().loss_sum() / rows);
+  }
+
+  // Each step() after the second of its shape replays the device work of the second, captured
+  // as a graph (nn/step_graph.hpp; a CUDA graph on CUDA, recorded calls on the host), the
+  // host code of the step still run: on a mesh of one rank, without experts (a step that
+  // waits for their counts is no graph). A step that changes in any other way than through
+  // its uploads (token ids, the learning rate) is refused.
+  void set_step_graph(bool on) {
+    static_assert(Model::mesh::size == 1 && !moe,
+                  "fived::DataParallel::set_step_graph: a step is captured as a graph on a mesh of one rank without "
+                  "experts only (a collective's or an expert count's wait cannot be replayed)");
+    this->model().ops().use_step_graph = on;
   }
 
   // ---- the step in pieces (train/bucket_trainer.hpp), over the experts' buffers too ----------

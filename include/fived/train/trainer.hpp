@@ -67,6 +67,11 @@ using Accumulate = pipeline::OneFOneB<1, M>;
 struct TrainerConfig {
   AdamWConfig adamw;  // its lr is replaced every step by lr(step)
   LrSchedule lr = WarmupCosine{};  // any callable double(int step): train/lr_schedule.hpp
+  // From the third step on, replay the second as a graph (a CUDA graph on CUDA: the device
+  // starts each kernel without waiting for the host to launch it; nn/step_graph.hpp). On a
+  // mesh of one rank without experts; the batch's shape and the hyperparameters but the
+  // learning rate fixed (a change captures again).
+  bool step_graph = false;
 };
 
 template <class Model, class Policy = NoZeRO, class Schedule = Accumulate<1>, template <class> class Cost = FlopCost>
@@ -309,6 +314,15 @@ class Trainer {
         executor_.emplace(shape, R, programme(), ctx.template comm<Axis::pp>(), std::tie(*std::get<c>(models_)...),
                           std::tie(*std::get<c>(trainers_)...));
       }(chunks{});
+      if (cfg.step_graph) {
+        if constexpr (mesh::size == 1 && V == 1 && !HasExperts<Model>)
+          std::get<0>(trainers_)->set_step_graph(true);
+        else
+          throw std::invalid_argument("fived::Trainer: TrainerConfig::step_graph replays a step as a graph on a mesh of "
+                                      "one rank without experts; this mesh has " + std::to_string(mesh::size) +
+                                      " ranks" + (HasExperts<Model> ? " and experts" : "") +
+                                      ": set step_graph = false");
+      }
     }
 
     double step(std::span<const int> tokens, std::span<const int> targets, int B, int T) override {

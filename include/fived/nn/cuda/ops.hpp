@@ -41,6 +41,7 @@
 #include <fived/kernels/cuda.hpp>
 #include <fived/nn/ops.hpp>
 #include <fived/nn/ops_kernels.hpp>
+#include <fived/nn/step_graph.hpp>
 
 namespace fived {
 
@@ -75,6 +76,21 @@ class PinnedStaging {
   cuda::Event done_;     // recorded after each copy; an unrecorded event counts as complete
 };
 
+// Pinned host memory of a fixed size: what a step captured as a CUDA graph copies its uploads
+// from (nn/step_graph.hpp).
+class PinnedBytes {
+ public:
+  explicit PinnedBytes(std::size_t bytes) {
+    void* p = nullptr;
+    FIVED_CUDA_CHECK(cudaMallocHost(&p, bytes));
+    p_.reset(p);
+  }
+  void* data() const noexcept { return p_.get(); }
+
+ private:
+  cuda::UniqueHandle<void*, cudaFreeHost> p_;
+};
+
 }  // namespace ops_detail
 
 template <class T>
@@ -101,42 +117,58 @@ struct Ops<T, Cuda> {
   // ---- kernels ------------------------------------------------------------------------------
 
   // Every kernel the devices forward alike (nn/ops_kernels.hpp), on this stream; then the rest.
-#define FIVED_CUDA_KERNEL(name, parameters, arguments) \
-  void name parameters { kernels::cuda::name(stream(), FIVED_OPS_ARGS arguments); }
+  // Each is queued (below): launched, captured, or left to the graph that replays it.
+#define FIVED_CUDA_KERNEL(name, parameters, arguments)                                                  \
+  void name parameters {                                                                               \
+    queue(#name, [&] { kernels::cuda::name(stream(), FIVED_OPS_ARGS arguments); },                     \
+          [&] { return call_hash arguments; });                                                        \
+  }
   FIVED_OPS_KERNELS(FIVED_CUDA_KERNEL)
 #undef FIVED_CUDA_KERNEL
 
   void matmul(T* out, const T* a, const T* b, const T* bias, int M, int N, int K, bool trans_a, bool trans_b,
               bool accumulate = false, Epilogue ep = Epilogue::none, T* pre_act = nullptr) {
-    kernels::cuda::matmul(lt_, out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act);
+    queue("matmul",
+          [&] { kernels::cuda::matmul(lt_, out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act); },
+          [&] { return call_hash(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act); });
   }
   // out = gelu'(pre_act) * op(a) op(b): the gradient at a GELU's input from the GEMM that
   // gives its output's (kernels/host/gemm.hpp).
   void matmul_dgelu(T* out, const T* a, const T* b, const T* pre_act, int M, int N, int K, bool trans_a, bool trans_b) {
-    kernels::cuda::matmul_dgelu(lt_, out, a, b, pre_act, M, N, K, trans_a, trans_b);
+    queue("matmul_dgelu", [&] { kernels::cuda::matmul_dgelu(lt_, out, a, b, pre_act, M, N, K, trans_a, trans_b); },
+          [&] { return call_hash(out, a, b, pre_act, M, N, K, trans_a, trans_b); });
   }
   void matmul_weight_grad(T* dw, T* db, const T* dy, const T* x, int rows, int in, int out, bool transposed) {
-    kernels::cuda::matmul_weight_grad(lt_, dw, db, dy, x, rows, in, out, transposed);
+    queue("matmul_weight_grad", [&] { kernels::cuda::matmul_weight_grad(lt_, dw, db, dy, x, rows, in, out, transposed); },
+          [&] { return call_hash(dw, db, dy, x, rows, in, out, transposed); });
   }
   // bf16 attention runs through cuDNN's fused kernel where fived was built with it
   // (FIVED_WITH_CUDNN) and it takes the shape; fived's own kernel otherwise, or when
   // use_cudnn_attention is false.
   void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH, int NKV) {
+    queue("attention_forward",
+          [&] {
 #if defined(FIVED_WITH_CUDNN)
-    if constexpr (std::is_same_v<T, bf16>) {
-      if (cudnn_takes(C, NH, NKV)) return cudnn_.forward(out, lse, qkv, B, T_, C, NH, NKV);
-    }
+            if constexpr (std::is_same_v<T, bf16>) {
+              if (cudnn_takes(C, NH, NKV)) return cudnn_.forward(out, lse, qkv, B, T_, C, NH, NKV);
+            }
 #endif
-    kernels::cuda::attention_forward(stream(), out, lse, qkv, B, T_, C, NH, NKV);
+            kernels::cuda::attention_forward(stream(), out, lse, qkv, B, T_, C, NH, NKV);
+          },
+          [&] { return call_hash(out, lse, qkv, B, T_, C, NH, NKV, attention_through_cudnn(C, NH, NKV)); });
   }
   void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const stat_t* lse, int B, int T_, int C,
                           int NH, int NKV) {
+    queue("attention_backward",
+          [&] {
 #if defined(FIVED_WITH_CUDNN)
-    if constexpr (std::is_same_v<T, bf16>) {
-      if (cudnn_takes(C, NH, NKV)) return cudnn_.backward(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV);
-    }
+            if constexpr (std::is_same_v<T, bf16>) {
+              if (cudnn_takes(C, NH, NKV)) return cudnn_.backward(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV);
+            }
 #endif
-    kernels::cuda::attention_backward(stream(), dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV);
+            kernels::cuda::attention_backward(stream(), dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV);
+          },
+          [&] { return call_hash(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV, attention_through_cudnn(C, NH, NKV)); });
   }
   bool use_cudnn_attention = true;
   // Whether attention_forward/backward run cuDNN's kernel for this shape.
@@ -148,11 +180,13 @@ struct Ops<T, Cuda> {
   }
   // The loss of every row added since begin_loss_sum(), accumulated in double on the device;
   // loss_sum() reads it back (waits for the stream, once).
-  void begin_loss_sum() { loss_sum_.zero(stream()); }
+  void begin_loss_sum() { zero(loss_sum_.data(), 1); }
   void add_loss_sum(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N) {
-    kernels::cuda::add_loss_sum(stream(), loss_sum_.data(), max, sumexp, target, N);
+    queue("add_loss_sum", [&] { kernels::cuda::add_loss_sum(stream(), loss_sum_.data(), max, sumexp, target, N); },
+          [&] { return call_hash(max, sumexp, target, N); });
   }
   double loss_sum() const {
+    graph_.no_wait("loss_sum");
     double h = 0;
     copy_to_host(&h, loss_sum_.data(), 1);
     synchronize();
@@ -160,13 +194,15 @@ struct Ops<T, Cuda> {
   }
   template <class U>
   void regroup(U* out, const U* in, std::int64_t outer, int n, std::int64_t block, kernels::cuda::Blocks how) {
-    kernels::cuda::regroup(stream(), out, in, outer, n, block, how);
+    queue("regroup", [&] { kernels::cuda::regroup(stream(), out, in, outer, n, block, how); },
+          [&] { return call_hash(out, in, outer, n, block, how); });
   }
 
   // Mixture of experts (kernels/cuda/moe.hpp). dispatch_plan writes the kept per-expert counts
   // to host memory and waits for the stream (the all-to-all's sizes are host values); its
   // sort and count buffers are kept here and grow only with N*k or E.
   void dispatch_plan(int* token_of, int* pos, int* host_counts, const int* expert, int N, int k, int E, int capacity) {
+    graph_.no_wait("dispatch_plan");
     kernels::cuda::dispatch_plan(stream(), dispatch_, token_of, pos, host_counts, expert, N, k, E, capacity);
   }
 
@@ -175,47 +211,65 @@ struct Ops<T, Cuda> {
   // Zero-filled (complete on return: see Buffer<T, Cuda>).
   template <class U>
   Buffer<U, Cuda> make_buffer(std::size_t n) {
+    graph_.no_wait("make_buffer");
     return Buffer<U, Cuda>(n);
   }
   template <class U>
   Buffer<U, Cuda> make_buffer(std::size_t n, ReleasablePages) {
+    graph_.no_wait("make_buffer");
     return Buffer<U, Cuda>(n, releasable_pages);
   }
   // After the work queued so far on this stream (device/cuda_pages.hpp).
   template <class U>
   void release_pages(std::span<U> range) {
+    graph_.no_wait("release_pages");
     cuda::release_pages(range, stream());
   }
   template <class U>
   void commit_pages(std::span<U> range) {
+    graph_.no_wait("commit_pages");
     cuda::commit_pages(range, stream());
   }
   // The released pages' memory back to the driver (waits for the device).
-  void trim_pages() { cuda::trim_pages(); }
+  void trim_pages() {
+    graph_.no_wait("trim_pages");
+    cuda::trim_pages();
+  }
   template <class U>
   void zero(Buffer<U, Cuda>& b) {
-    b.zero(stream());
+    zero(b.data(), b.size());
   }
   template <class U>
   void zero(U* p, std::size_t n) {
-    if (n != 0) FIVED_CUDA_CHECK(cudaMemsetAsync(p, 0, n * sizeof(U), stream()));
+    if (n != 0)
+      queue("zero", [&] { FIVED_CUDA_CHECK(cudaMemsetAsync(p, 0, n * sizeof(U), stream())); },
+            [&] { return call_hash(p, n); });
   }
   template <class U>
   void copy(U* dst, const U* src, std::size_t n) {
     if (n != 0 && dst != src)
-      FIVED_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(U), cudaMemcpyDeviceToDevice, stream()));
+      queue("copy",
+            [&] { FIVED_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(U), cudaMemcpyDeviceToDevice, stream())); },
+            [&] { return call_hash(dst, src, n); });
   }
   template <class U>
   void copy_rows(U* dst, std::size_t dst_ld, const U* src, std::size_t src_ld, std::size_t width, std::size_t rows) {
     if (width != 0 && rows != 0)
-      FIVED_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_ld * sizeof(U), src, src_ld * sizeof(U), width * sizeof(U), rows,
-                                         cudaMemcpyDeviceToDevice, stream()));
+      queue("copy_rows",
+            [&] {
+              FIVED_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_ld * sizeof(U), src, src_ld * sizeof(U), width * sizeof(U),
+                                                 rows, cudaMemcpyDeviceToDevice, stream()));
+            },
+            [&] { return call_hash(dst, dst_ld, src, src_ld, width, rows); });
   }
 
   void upload_ids(Buffer<int, Cuda>& dst, const int* host, std::size_t n) {
     if (n > dst.size())
       throw std::invalid_argument("fived::Ops<T, Cuda>::upload_ids: " + std::to_string(n) +
                                   " ids for a buffer of " + std::to_string(dst.size()));
+    if (n == 0) return;
+    if (graph_.mode() != StepMode::plain) return upload(dst.data(), host, n);
+    graph_.plain_upload(n * sizeof(int));
     // Two staging areas, used in turn (tokens and targets of one forward): an upload waits
     // only for the copy two uploads back, never for the kernels queued since.
     ops_detail::PinnedStaging& s = staging_[next_staging_];
@@ -226,14 +280,24 @@ struct Ops<T, Cuda> {
   // reused on return. Through pinned staging memory of its own (not the ids' two): the copy
   // does not wait for the queued work, and a pinned `host` (which cudaMemcpyAsync would read
   // later, asynchronously) is safe too. An upload waits only for the previous upload's copy.
+  // In a graph step, through the step's own pinned copy of the values (nn/step_graph.hpp).
   template <class U>
   void upload(U* dst, const U* host, std::size_t n) {
     static_assert(std::is_trivially_copyable_v<U>, "fived::Ops<T, Cuda>::upload copies bytes");
-    upload_staging_.upload(dst, host, n * sizeof(U), stream());
+    if (n == 0) return;
+    const std::size_t bytes = n * sizeof(U);
+    if (graph_.mode() == StepMode::plain) {
+      graph_.plain_upload(bytes);
+      return upload_staging_.upload(dst, host, bytes, stream());
+    }
+    const void* from = graph_.upload("upload", call_hash(dst, bytes), host, bytes);
+    if (graph_.mode() == StepMode::capturing)
+      FIVED_CUDA_CHECK(cudaMemcpyAsync(dst, from, bytes, cudaMemcpyHostToDevice, stream()));
   }
   // Mean cross-entropy from the [N] statistics: downloads them (waits for the stream) and
   // sums in double on the host, as Ops<T, Host> does.
   double mean_loss(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N) const {
+    graph_.no_wait("mean_loss");
     const std::size_t n = static_cast<std::size_t>(N);
     std::vector<float> mx(n), se(n), tg(n);
     copy_to_host(mx.data(), max, n);
@@ -248,6 +312,7 @@ struct Ops<T, Cuda> {
   // f(std::span<U>) fills a zeroed host copy; the copy is then uploaded (complete on return).
   template <class U, class F>
   void write_from_host(Buffer<U, Cuda>& b, F&& f) {
+    graph_.no_wait("write_from_host");
     std::vector<U> h(b.size());
     f(std::span<U>(h));
     b.upload(std::span<const U>(h), stream());
@@ -255,6 +320,7 @@ struct Ops<T, Cuda> {
   // Downloads b (after the queued work), then f(std::span<const U>) reads the host copy.
   template <class U, class F>
   void read_to_host(const Buffer<U, Cuda>& b, F&& f) const {
+    graph_.no_wait("read_to_host");
     std::vector<U> h(b.size());
     b.download(std::span<U>(h), stream());
     f(std::span<const U>(h));
@@ -262,14 +328,90 @@ struct Ops<T, Cuda> {
   // A host copy of device memory (after the queued work).
   template <class U>
   std::vector<std::remove_const_t<U>> to_host(std::span<U> device_span) const {
+    graph_.no_wait("to_host");
     std::vector<std::remove_const_t<U>> h(device_span.size());
     copy_to_host(h.data(), device_span.data(), h.size());
     FIVED_CUDA_CHECK(cudaStreamSynchronize(stream()));
     return h;
   }
-  void synchronize() const { stream_.synchronize(); }
+  void synchronize() const {
+    graph_.no_wait("synchronize");
+    stream_.synchronize();
+  }
+
+  // ---- a step as a CUDA graph (nn/step_graph.hpp) -----------------------------------------------
+
+  bool use_step_graph = false;
+  // Capturing: the stream captures the step into a graph. Replaying: no call queues anything,
+  // and the stream captures all the same, so that work queued around the Ops (which would
+  // run ahead of the graph) is caught at launch.
+  void begin_graph_step(std::uint64_t shape) {
+    if (!use_step_graph) {
+      graph_.forget();
+      return exec_.reset();
+    }
+    const StepMode mode = graph_.begin(shape);
+    if (mode == StepMode::plain) return exec_.reset();
+    if (mode == StepMode::replaying) launched_.synchronize();  // the last replay has read its uploads
+    FIVED_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeGlobal));
+  }
+  // The step's work, queued: the captured graph, instantiated the first time, launched.
+  void launch_graph_step() {
+    const StepMode mode = graph_.mode();
+    if (mode == StepMode::plain) return graph_.end();
+    cudaGraph_t g = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(stream(), &g);
+    cuda::UniqueHandle<cudaGraph_t, cudaGraphDestroy> graph(g);
+    try {
+      FIVED_CUDA_CHECK(ended);
+      std::size_t nodes = 0;
+      FIVED_CUDA_CHECK(cudaGraphGetNodes(g, nullptr, &nodes));
+      if (mode == StepMode::replaying && nodes != 0)
+        throw std::logic_error("fived::GraphStep: " + std::to_string(nodes) +
+                               " operations were queued on the model's stream around its Ops during a replayed step; "
+                               "they would run ahead of the graph. Queue them through the Ops, or turn the step graph "
+                               "off");
+      graph_.end();  // every captured call made again
+      if (mode == StepMode::capturing) {
+        cudaGraphExec_t exec = nullptr;
+        FIVED_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+        exec_.reset(exec);
+      }
+      FIVED_CUDA_CHECK(cudaGraphLaunch(exec_.get(), stream()));
+      launched_.record(stream());
+    } catch (...) {
+      abandon_graph_step();
+      throw;
+    }
+  }
+  // Back to plain steps, a capture in progress ended and dropped.
+  void abandon_graph_step() noexcept {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream(), &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+      cudaGraph_t g = nullptr;
+      (void)cudaStreamEndCapture(stream(), &g);
+      if (g != nullptr) (void)cudaGraphDestroy(g);
+      (void)cudaGetLastError();  // an invalidated capture leaves its error behind
+    }
+    graph_.forget();
+    exec_.reset();
+  }
+  StepMode step_mode() const { return graph_.mode(); }
+  bool step_graph_captured() const { return graph_.captured(); }  // a graph to replay is kept
 
  private:
+  // A call that queues device work: launched now in a plain step, and while capturing (the
+  // stream records it); left to the graph while replaying, once checked against the captured
+  // call. `args` hashes its arguments.
+  template <class Run, class Args>
+  void queue(const char* what, Run&& run, Args&& args) {
+    if (graph_.mode() != StepMode::plain) {
+      graph_.call(what, args());
+      if (graph_.mode() == StepMode::replaying) return;
+    }
+    run();
+  }
+
   template <class U>
   void copy_to_host(U* host, const U* device, std::size_t n) const {
     if (n != 0) FIVED_CUDA_CHECK(cudaMemcpyAsync(host, device, n * sizeof(U), cudaMemcpyDeviceToHost, stream()));
@@ -281,6 +423,9 @@ struct Ops<T, Cuda> {
   ops_detail::PinnedStaging staging_[2];
   int next_staging_ = 0;
   ops_detail::PinnedStaging upload_staging_;  // upload's
+  StepGraph<ops_detail::PinnedBytes> graph_;
+  cuda::UniqueHandle<cudaGraphExec_t, cudaGraphExecDestroy> exec_;  // the captured step
+  cuda::Event launched_{cudaEventDisableTiming};  // recorded after each launch of exec_
   kernels::cuda::DispatchScratch dispatch_;  // dispatch_plan's sort and count buffers
 #if defined(FIVED_WITH_CUDNN)
   bool cudnn_takes(int C, int NH, int NKV) const {

@@ -1,0 +1,191 @@
+// A step captured once as a graph and replayed (nn/step_graph.hpp), on the host backend,
+// whose Ops keep a captured step's calls and run them at launch as a CUDA graph would:
+// - the Ops' bookkeeping: plain, captured, replayed; uploads reach the device at launch, from
+//   the step's own copy; a changed call, a wait or an allocation inside a graph step refused,
+//   and the Ops back to plain steps after;
+// - DataParallel and the Trainer (GPT and Llama, float and double, accumulation 2, a new
+//   batch and learning rate every step) give the plain steps' losses and weights bit for bit,
+//   and capture again when the batch's shape or a hyperparameter changes;
+// - the Trainer refuses the graph on a mesh of more than one rank.
+
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "fived/comm/host.hpp"
+#include "fived/nn/gpt.hpp"
+#include "fived/nn/llama.hpp"
+#include "fived/train/trainer.hpp"
+#include "support/batches.hpp"
+
+using namespace fived;
+
+namespace {
+
+struct small_gpt : gpt_config {
+  static constexpr int layers = 2, d_model = 32, heads = 4, vocab = 53, max_seq = 16, vocab_multiple = 16;
+};
+struct small_llama : llama_config {
+  static constexpr int layers = 2, d_model = 32, heads = 4, kv_heads = 2, ffn = 48, vocab = 61, max_seq = 16;
+  static constexpr int vocab_multiple = 16;
+};
+
+constexpr int B = 2, T = 8, accum = 2, steps = 6;
+const AdamWConfig adamw{.lr = 0, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-6, .weight_decay = 0.1, .max_norm = 0.5};
+const WarmupCosine schedule{.peak = 3e-3, .warmup = 2, .total = steps, .floor = 0.1};
+
+template <class T_>
+bool same_bits(const std::vector<T_>& a, const std::vector<T_>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T_)) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("a graph step: plain, then captured, then replayed; uploads land at launch; a changed call is refused") {
+  Ops<float, Host> ops;
+  ops.use_step_graph = true;
+  Buffer<float, Host> a(4), b(4);
+  const float one[4] = {1, 2, 3, 4};
+  auto step = [&](const float* values, std::size_t copied, StepMode expect) {
+    GraphStep graph(ops, 7);
+    CHECK(ops.step_mode() == expect);
+    ops.upload(a.data(), values, 4);
+    ops.copy(b.data(), a.data(), copied);
+    if (expect != StepMode::plain) CHECK(b[0] != values[0]);  // queued, not run: the graph runs at launch
+    graph.launch();
+    CHECK(ops.step_mode() == StepMode::plain);
+  };
+  step(one, 4, StepMode::plain);  // the first step of its shape warms it
+  CHECK(b[3] == 4.0f);
+  const float two[4] = {5, 6, 7, 8}, three[4] = {9, 10, 11, 12};
+  step(two, 4, StepMode::capturing);
+  CHECK(b[3] == 8.0f);
+  step(three, 4, StepMode::replaying);  // the new values, from the graph's own copy of them
+  CHECK(b[0] == 9.0f);
+  CHECK(b[3] == 12.0f);
+
+  SUBCASE("a call with other arguments than the captured one is refused, and the next step is plain") {
+    GraphStep graph(ops, 7);
+    ops.upload(a.data(), one, 4);
+    try {
+      ops.copy(b.data(), a.data(), 3);
+      FAIL("the changed copy was taken");
+    } catch (const std::logic_error& e) {
+      CHECK(std::string(e.what()).find("call 1 of the step (copy) has arguments other than the captured step's") !=
+            std::string::npos);
+    }
+    CHECK(ops.step_mode() == StepMode::plain);
+    CHECK(b[0] == 9.0f);  // nothing of the refused step ran
+  }
+  SUBCASE("a step that stops short of the captured one is refused at launch") {
+    GraphStep graph(ops, 7);
+    ops.upload(a.data(), one, 4);
+    CHECK_THROWS_WITH_AS(graph.launch(), doctest::Contains("comes before the rest of the captured step's work"),
+                         std::logic_error);
+    CHECK(b[0] == 9.0f);
+  }
+  SUBCASE("a wait or an allocation inside a graph step is refused") {
+    GraphStep graph(ops, 7);
+    CHECK_THROWS_WITH_AS((void)ops.to_host(a.span()), doctest::Contains("to_host inside a step captured as a graph"),
+                         std::logic_error);
+    CHECK_THROWS_AS((void)ops.loss_sum(), std::logic_error);
+    CHECK_THROWS_AS((void)ops.make_buffer<float>(3), std::logic_error);
+  }
+  SUBCASE("a new shape starts over with a plain step") {
+    GraphStep graph(ops, 8);
+    CHECK(ops.step_mode() == StepMode::plain);
+    graph.launch();
+  }
+  SUBCASE("turned off, steps are plain") {
+    ops.use_step_graph = false;
+    step(two, 4, StepMode::plain);
+    CHECK(b[0] == 5.0f);
+  }
+}
+
+TEST_CASE("an upload more than the plain step before the capture made is refused") {
+  Ops<double, Host> ops;
+  ops.use_step_graph = true;
+  Buffer<double, Host> a(8);
+  const std::vector<double> v(8, 1.0);
+  {
+    GraphStep g(ops, 1);
+    ops.upload(a.data(), v.data(), 4);
+    g.launch();
+  }
+  GraphStep g(ops, 1);
+  CHECK(ops.step_mode() == StepMode::capturing);
+  ops.upload(a.data(), v.data(), 4);
+  CHECK_THROWS_WITH_AS(ops.upload(a.data() + 4, v.data(), 4),
+                       doctest::Contains("uploads more than the plain step before the capture did"), std::logic_error);
+}
+
+TEST_CASE_TEMPLATE("DataParallel: steps replayed as a graph equal plain steps bit for bit (GPT, Llama; float, double)",
+                   Model, GPT<small_gpt, Mesh<>, float>, GPT<small_gpt, Mesh<>, double>, Llama<small_llama, Mesh<>, float>) {
+  constexpr int vocab = Model::config::vocab;
+  Model plain_model(typename Model::init_type{3, 0.05}), graph_model(typename Model::init_type{3, 0.05});
+  DataParallel<Model> plain(plain_model, adamw, accum), graphed(graph_model, adamw, accum);
+  graphed.set_step_graph(true);
+  std::vector<int> tok, tgt;
+  auto both = [&](int s, int b) {
+    test::global_batch(s, accum, b, T, vocab, tok, tgt);
+    plain.optimizer().hp.lr = graphed.optimizer().hp.lr = schedule(s);
+    const double lp = plain.step(tok, tgt, b, T), lg = graphed.step(tok, tgt, b, T);
+    CHECK(lp == lg);
+  };
+  for (int s = 1; s <= steps; ++s) {
+    CAPTURE(s);
+    both(s, B);
+    CHECK(graph_model.ops().step_graph_captured() == (s >= 2));
+  }
+  CHECK(same_bits(plain_model.params_to_host(), graph_model.params_to_host()));
+  CHECK(plain.optimizer().step_count() == graphed.optimizer().step_count());
+  // A new batch size: plain, then captured again; a new beta2 likewise.
+  both(steps + 1, 2 * B);
+  CHECK_FALSE(graph_model.ops().step_graph_captured());
+  both(steps + 2, 2 * B);
+  both(steps + 3, 2 * B);
+  CHECK(graph_model.ops().step_graph_captured());
+  plain.optimizer().hp.beta2 = graphed.optimizer().hp.beta2 = 0.99;
+  both(steps + 4, 2 * B);
+  CHECK_FALSE(graph_model.ops().step_graph_captured());
+  both(steps + 5, 2 * B);
+  both(steps + 6, 2 * B);
+  CHECK(same_bits(plain_model.params_to_host(), graph_model.params_to_host()));
+}
+
+TEST_CASE("the Trainer: steps replayed as a graph equal plain ones bit for bit; refused on a mesh of two ranks") {
+  using Model = GPT<small_gpt, Mesh<>, float>;
+  const TrainerConfig plain_cfg{.adamw = adamw, .lr = schedule};
+  TrainerConfig graph_cfg = plain_cfg;
+  graph_cfg.step_graph = true;
+  std::vector<double> losses[2];
+  std::vector<float> weights[2];
+  host::run(1, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<Mesh<>>(world);
+    Trainer<Model, NoZeRO, Accumulate<accum>> plain(ctx, plain_cfg, GptInit{4, 0.05}),
+        graphed(ctx, graph_cfg, GptInit{4, 0.05});
+    std::vector<int> tok, tgt;
+    for (int s = 1; s <= steps; ++s) {
+      test::global_batch(s, accum, B, T, small_gpt::vocab, tok, tgt);
+      losses[0].push_back(plain.step(s, tok, tgt, B, T));
+      losses[1].push_back(graphed.step(s, tok, tgt, B, T));
+    }
+    weights[0] = plain.serial_params();
+    weights[1] = graphed.serial_params();
+  });
+  CHECK(losses[0] == losses[1]);
+  CHECK(same_bits(weights[0], weights[1]));
+
+  using DP2 = Mesh<DP<2>>;
+  host::run(2, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<DP2>(world);
+    CHECK_THROWS_WITH_AS((Trainer<GPT<small_gpt, DP2, float>>(ctx, graph_cfg, GptInit{4, 0.05})),
+                         doctest::Contains("on a mesh of one rank without experts; this mesh has 2 ranks"),
+                         std::invalid_argument);
+  });
+}
