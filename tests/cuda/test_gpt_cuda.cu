@@ -252,7 +252,7 @@ TEST_CASE("save on CUDA, load on the host (and back): exact, float and bf16, tie
 }
 
 // A whole step replayed as a CUDA graph (nn/step_graph.hpp): the first step of a shape runs
-// plain, the second is captured (in global mode, where a synchronising call fails the
+// plain, the second is captured (in thread-local mode, where a synchronising call fails the
 // capture) and launched, every later one replays it, its uploads (token ids, AdamW's learning
 // rate and bias corrections) refilled from the host and nothing queued around the graph.
 // Against plain steps over the same batches (a new one each step, two micro-batches) and a

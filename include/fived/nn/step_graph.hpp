@@ -184,19 +184,24 @@ class StepGraph {
 };
 
 // One step's use of its Ops' graph (above): begins it, launches it, and gives it up when
-// the step throws before launch().
+// the step throws before launch(). Nothing for Ops without graph steps (a stand-in model's).
 template <class Ops>
 class GraphStep {
+  static constexpr bool graphs = requires(Ops& o) { o.begin_graph_step(std::uint64_t{}); };
+
  public:
-  GraphStep(Ops& ops, std::uint64_t shape) : ops_(ops) { ops_.begin_graph_step(shape); }
+  GraphStep(Ops& ops, std::uint64_t shape) : ops_(ops) {
+    if constexpr (graphs) ops_.begin_graph_step(shape);
+  }
   GraphStep(const GraphStep&) = delete;
   GraphStep& operator=(const GraphStep&) = delete;
   ~GraphStep() {
-    if (!launched_) ops_.abandon_graph_step();
+    if constexpr (graphs)
+      if (!launched_) ops_.abandon_graph_step();
   }
   void launch() {
     launched_ = true;  // a launch that throws has given the graph up itself
-    ops_.launch_graph_step();
+    if constexpr (graphs) ops_.launch_graph_step();
   }
 
  private:

@@ -71,9 +71,11 @@ class StepFrame {
   std::uint64_t graph_shape(std::size_t ids, int B, int T) {
     std::uint64_t h = call_hash(ids, B, T, M_);
     each([&](auto& dp) {
-      auto hp = dp.optimizer().hp;
-      hp.lr = 0;
-      h = call_hash(h, hp);
+      if constexpr (requires { dp.optimizer().hp; }) {  // (a stand-in trainer has none)
+        auto hp = dp.optimizer().hp;
+        hp.lr = 0;
+        h = call_hash(h, hp);
+      }
     });
     return h;
   }

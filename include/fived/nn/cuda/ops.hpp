@@ -353,7 +353,9 @@ struct Ops<T, Cuda> {
     const StepMode mode = graph_.begin(shape);
     if (mode == StepMode::plain) return exec_.reset();
     if (mode == StepMode::replaying) launched_.synchronize();  // the last replay has read its uploads
-    FIVED_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeGlobal));
+    // Thread-local: this thread's synchronising calls fail the capture; other threads (a
+    // user's loader, a saver) are not restricted by it.
+    FIVED_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
   }
   // The step's work, queued: the captured graph, instantiated the first time, launched.
   void launch_graph_step() {
