@@ -123,7 +123,7 @@ class StepGraph {
     call(what, args);
     if (mode_ == StepMode::capturing) {
       if (used_ + padded(bytes) > warm_bytes_)
-        refuse(next_call_, what, "uploads more than the plain step before the capture did");
+        refuse(calls_.size() - 1, what, "uploads more than the plain step before the capture did");
       slots_.push_back(used_);
       used_ += padded(bytes);
     }
