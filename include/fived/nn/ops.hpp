@@ -255,7 +255,7 @@ struct Ops<T, Host> {
   // The host has no queue: a captured step's calls are kept, in order, and run at its launch.
   bool use_step_graph = false;
   void begin_graph_step(std::uint64_t shape) {
-    if (!use_step_graph) return graph_.forget();
+    if (!use_step_graph) return abandon_graph_step();
     if (graph_.begin(shape) == StepMode::capturing) recorded_.clear();
   }
   void launch_graph_step() {

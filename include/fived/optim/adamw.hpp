@@ -35,8 +35,8 @@
 // squared global norm in device memory (kernels/host/adamw.hpp: GradClip): the host never
 // reads the norm before the update. The step's learning rate and bias corrections go to the
 // device's memory too (AdamWStep, uploaded by update()), so that the launch is the same at
-// every step and a step captured as a graph replays it (nn/step_graph.hpp). Spans and ranges are device memory then (exp_avg() and
-// friends too).
+// every step and a step captured as a graph replays it (nn/step_graph.hpp). Spans and
+// ranges are device memory then (exp_avg() and friends too).
 
 #include <algorithm>
 #include <cstddef>

@@ -28,6 +28,7 @@
 // step captured as a graph (nn/step_graph.hpp) then records it there.
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 
 #include "fived/comm/group_comm.hpp"
@@ -45,31 +46,34 @@ class CommQueue<T, Host> {
  public:
   using ops_type = Ops<T, Host>;
 
-  explicit CommQueue(ops_type& compute, bool side = true) : compute_(compute), side_(side) {}
+  explicit CommQueue(ops_type& compute, bool side = true) : compute_(compute) {
+    if (side) worker_.emplace();
+  }
 
-  ops_type& ops() { return side_ ? ops_ : compute_; }
+  ops_type& ops() { return worker_ ? ops_ : compute_; }
   StreamHandle stream() const { return nullptr; }  // no streams on the host
 
   // Runs task(ops()) on the communication thread (async, with a side) or now; returns its
   // ticket (0: done).
   template <class F>
   std::uint64_t submit(F&& task, bool async) {
-    if (!async || !side_) {
+    if (!async || !worker_) {
       task(ops());
       return 0;
     }
-    return worker_.submit([this, task = std::forward<F>(task)]() mutable { task(ops_); });
+    return worker_->submit([this, task = std::forward<F>(task)]() mutable { task(ops_); });
   }
   void wait(std::uint64_t ticket) {
-    if (ticket != 0) worker_.wait(ticket);
+    if (ticket != 0) worker_->wait(ticket);
   }
-  void drain() { worker_.drain(); }
+  void drain() {
+    if (worker_) worker_->drain();
+  }
 
  private:
   ops_type& compute_;
-  bool side_;
-  ops_type ops_;   // kernels of the communication thread (stateless but for the norm sum, unused here)
-  Worker worker_;  // last: it stops first
+  ops_type ops_;  // kernels of the communication thread (stateless but for the norm sum, unused here)
+  std::optional<Worker> worker_;  // the side, if any; last: it stops first
 };
 
 }  // namespace fived

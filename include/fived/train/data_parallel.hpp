@@ -193,8 +193,8 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
   }
 
   // Each step() after the second of its shape replays the device work of the second, captured
-  // as a graph (nn/step_graph.hpp; a CUDA graph on CUDA, recorded calls on the host), the
-  // host code of the step still run: on a mesh of one rank, without experts (a step that
+  // as a graph (nn/step_graph.hpp; a CUDA graph on CUDA, recorded calls on the host), while
+  // the step's host code still runs: on a mesh of one rank, without experts (a step that
   // waits for their counts is no graph). A step that changes in any other way than through
   // its uploads (token ids, the learning rate) is refused.
   void set_step_graph(bool on) {

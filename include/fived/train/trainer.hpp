@@ -318,10 +318,11 @@ class Trainer {
         if constexpr (mesh::size == 1 && V == 1 && !HasExperts<Model>)
           std::get<0>(trainers_)->set_step_graph(true);
         else
-          throw std::invalid_argument("fived::Trainer: TrainerConfig::step_graph replays a step as a graph on a mesh of "
-                                      "one rank without experts; this mesh has " + std::to_string(mesh::size) +
-                                      " ranks" + (HasExperts<Model> ? " and experts" : "") +
-                                      ": set step_graph = false");
+          throw std::invalid_argument(
+              "fived::Trainer: TrainerConfig::step_graph replays a step as a graph on a mesh of one rank without "
+              "experts; " +
+              (mesh::size > 1 ? "this mesh has " + std::to_string(mesh::size) + " ranks" : "this model has experts") +
+              ": set step_graph = false");
       }
     }
 
