@@ -6,8 +6,10 @@
 // - DataParallel and the Trainer (GPT and Llama, float and double, accumulation 2, a new
 //   batch and learning rate every step) give the plain steps' losses and weights bit for bit,
 //   and capture again when the batch's shape or a hyperparameter changes;
+// - on meshes (DP, with ZeRO-1; TP with SP; CP; all three) the Trainer's graph steps, whose
+//   collectives are captured with the kernels, equal its plain steps bit for bit;
 // - a checkpoint loaded between steps leaves the graph replaying the right steps;
-// - the Trainer refuses the graph on a mesh of more than one rank.
+// - the Trainer refuses the graph with a pipeline or ZeRO-2/3.
 
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
@@ -160,35 +162,73 @@ TEST_CASE_TEMPLATE("DataParallel: steps replayed as a graph equal plain steps bi
   CHECK(same_bits(plain_model.params_to_host(), graph_model.params_to_host()));
 }
 
-TEST_CASE("the Trainer: steps replayed as a graph equal plain ones bit for bit; refused on a mesh of two ranks") {
-  using Model = GPT<small_gpt, Mesh<>, float>;
+// Two trainers of the same model on every rank of the mesh, one plain and one replaying a
+// graph, stepped in turn: their losses and serial weights, bit for bit.
+template <class Model, class Policy>
+void trainer_graph_equals_plain() {
+  using M = typename Model::mesh;
   const TrainerConfig plain_cfg{.adamw = adamw, .lr = schedule};
   TrainerConfig graph_cfg = plain_cfg;
   graph_cfg.step_graph = true;
+  using V = typename Model::value_type;
   std::vector<double> losses[2];
-  std::vector<float> weights[2];
-  host::run(1, [&](host::Comm& world) {
-    auto ctx = make_mesh_context<Mesh<>>(world);
-    Trainer<Model, NoZeRO, Accumulate<accum>> plain(ctx, plain_cfg, GptInit{4, 0.05}),
+  std::vector<V> weights[2];
+  bool captured = false;
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    Trainer<Model, Policy, Accumulate<accum>> plain(ctx, plain_cfg, GptInit{4, 0.05}),
         graphed(ctx, graph_cfg, GptInit{4, 0.05});
     std::vector<int> tok, tgt;
+    std::vector<double> lp, lg;
     for (int s = 1; s <= steps; ++s) {
-      test::global_batch(s, accum, B, T, small_gpt::vocab, tok, tgt);
-      losses[0].push_back(plain.step(s, tok, tgt, B, T));
-      losses[1].push_back(graphed.step(s, tok, tgt, B, T));
+      test::global_batch(s, accum, B, T, Model::config::vocab, tok, tgt);
+      lp.push_back(plain.step(s, tok, tgt, B, T));
+      lg.push_back(graphed.step(s, tok, tgt, B, T));
     }
-    weights[0] = plain.serial_params();
-    weights[1] = graphed.serial_params();
+    std::vector<V> wp = plain.serial_params(), wg = graphed.serial_params();
+    if (world.rank() == 0) {
+      losses[0] = lp, losses[1] = lg, weights[0] = wp, weights[1] = wg;
+      captured = graphed.step_graph_captured();
+    }
   });
+  CHECK(captured);
+  CHECK(losses[0].size() == steps);
   CHECK(losses[0] == losses[1]);
   CHECK(same_bits(weights[0], weights[1]));
+}
 
+TEST_CASE("the Trainer: steps replayed as a graph equal plain ones bit for bit, on one rank and on meshes") {
+  SUBCASE("one rank") { trainer_graph_equals_plain<GPT<small_gpt, Mesh<>, float>, NoZeRO>(); }
+  // The collectives are part of the graph: the gradients' over DP (the reductions overlapped
+  // with backward in a plain step, on the communication thread), TP's and SP's, the ring's
+  // over CP.
+  SUBCASE("DP 2") { trainer_graph_equals_plain<GPT<small_gpt, Mesh<DP<2>>, float>, NoZeRO>(); }
+  SUBCASE("DP 2, ZeRO-1") { trainer_graph_equals_plain<Llama<small_llama, Mesh<DP<2>>, double>, ZeRO<1>>(); }
+  SUBCASE("TP 2, sequence parallel") {
+    trainer_graph_equals_plain<GPT<small_gpt, Mesh<TP<2>>, float, Host, SequenceParallel>, NoZeRO>();
+  }
+  SUBCASE("CP 2, ring attention") { trainer_graph_equals_plain<GPT<small_gpt, Mesh<CP<2>>, float>, NoZeRO>(); }
+  SUBCASE("CP 2, all-gather attention") { trainer_graph_equals_plain<Llama<small_llama, Mesh<CP<2>>, float>, NoZeRO>(); }
+  SUBCASE("DP 2 x CP 2 x TP 2, ZeRO-1") {
+    trainer_graph_equals_plain<GPT<small_gpt, Mesh<DP<2>, CP<2>, TP<2>>, float, Host, SequenceParallel>, ZeRO<1>>();
+  }
+}
+
+TEST_CASE("the Trainer refuses a graph step with a pipeline or ZeRO-2, saying which") {
+  TrainerConfig cfg{.adamw = adamw, .lr = schedule};
+  cfg.step_graph = true;
+  using PP2 = Mesh<PP<2>>;
+  host::run(2, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<PP2>(world);
+    CHECK_THROWS_WITH_AS((Trainer<GPT<small_gpt, PP2, float>, NoZeRO, pipeline::OneFOneB<2, 2>>(ctx, cfg, GptInit{4, 0.05})),
+                         doctest::Contains("without a pipeline, experts or ZeRO-2/3; this mesh has PP 2"),
+                         std::invalid_argument);
+  });
   using DP2 = Mesh<DP<2>>;
   host::run(2, [&](host::Comm& world) {
     auto ctx = make_mesh_context<DP2>(world);
-    CHECK_THROWS_WITH_AS((Trainer<GPT<small_gpt, DP2, float>>(ctx, graph_cfg, GptInit{4, 0.05})),
-                         doctest::Contains("on a mesh of one rank without experts; this mesh has 2 ranks"),
-                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS((Trainer<GPT<small_gpt, DP2, float>, ZeRO<2>>(ctx, cfg, GptInit{4, 0.05})),
+                         doctest::Contains("this trainer has ZeRO<2>"), std::invalid_argument);
   });
 }
 

@@ -13,21 +13,54 @@
 // At extent 1, all_gather and reduce_scatter are identities: the caller passes the same
 // buffer as input and output (the layers do, see nn/stream.hpp), and a different one is a
 // logic_error rather than a silent copy.
+//
+// A training step captured as a graph (nn/step_graph.hpp) captures the group's collectives
+// with the kernels around them, and a replayed step must not issue them again: order_after(ops)
+// names the Ops whose stream the collectives follow (on a device: its stream), and while that
+// Ops is in a graph step each collective goes through its queue (checked against the
+// captured step's, kept or left to the graph) and a call that waits for the device
+// (all_reduce_host, all_to_all_host, barrier) is refused.
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "fived/comm/group_comm.hpp"
 #include "fived/mesh/mesh.hpp"
+#include "fived/util/call_hash.hpp"
 
 namespace fived {
+
+// The face of an Ops (nn/ops.hpp) that a communicator queues its device work through.
+class StepQueue {
+ public:
+  virtual ~StepQueue() = default;
+  virtual bool in_graph_step() const = 0;
+  virtual void queue(const char* what, std::uint64_t args, std::function<void()> run) = 0;
+  virtual void host_wait(const char* what) const = 0;
+};
+
+template <class O>
+class OpsStepQueue final : public StepQueue {
+ public:
+  explicit OpsStepQueue(O& ops) : ops_(ops) {}
+  bool in_graph_step() const override { return ops_.in_graph_step(); }
+  void queue(const char* what, std::uint64_t args, std::function<void()> run) override {
+    ops_.queue(what, std::move(run), [args] { return args; });
+  }
+  void host_wait(const char* what) const override { ops_.host_wait(what); }
+
+ private:
+  O& ops_;
+};
 
 // One rank's handle on a group of the mesh (G: a GroupView such as M::tp_group or
 // M::grad_group); AxisComm<M, A> is the group over one axis.
@@ -56,54 +89,96 @@ class MeshComm {
   }
 
   void barrier() {
-    if constexpr (size > 1) comm_->barrier();
+    if constexpr (size > 1) host_wait("MeshComm::barrier"), comm_->barrier();
   }
   void set_compute_stream(StreamHandle stream) {
     if constexpr (size > 1) comm_->set_compute_stream(stream);
   }
+  // The collectives follow the work `ops` queues (on a device: on its stream) and belong to
+  // its graph steps (above). `ops` outlives this handle's calls.
+  template <class O>
+  void order_after(O& ops) {
+    if constexpr (size > 1) {
+      if constexpr (requires { ops.stream(); }) comm_->set_compute_stream(ops.stream());
+      queue_ = std::make_unique<OpsStepQueue<O>>(ops);
+    }
+  }
   // A value the host holds, reduced over the group (returns it unchanged at extent 1).
   double all_reduce_host(double value, ReduceOp op = ReduceOp::sum) {
-    if constexpr (size > 1) comm_->all_reduce_host(std::span<double>(&value, 1), op);
+    if constexpr (size > 1) host_wait("MeshComm::all_reduce_host"), comm_->all_reduce_host(std::span<double>(&value, 1), op);
     return value;
   }
   // A few values the host holds, reduced in place (unchanged at extent 1).
   void all_reduce_host(std::span<double> values, ReduceOp op = ReduceOp::sum) {
-    if constexpr (size > 1) comm_->all_reduce_host(values, op);
+    if constexpr (size > 1) host_wait("MeshComm::all_reduce_host"), comm_->all_reduce_host(values, op);
   }
   // Integers the host holds (token counts), exchanged in equal blocks: block j to group
   // rank j. At extent 1 recv is a copy of send.
   void all_to_all_host(std::span<const std::int64_t> send, std::span<std::int64_t> recv) {
-    if constexpr (size > 1) comm_->all_to_all_host(send, recv);
+    if constexpr (size > 1) host_wait("MeshComm::all_to_all_host"), comm_->all_to_all_host(send, recv);
     else std::copy(send.begin(), send.end(), recv.begin());
   }
 
   template <class E>
   void all_reduce(std::span<E> buf, ReduceOp op = ReduceOp::sum) {
-    if constexpr (size > 1) comm_->all_reduce(buf, op);
+    if constexpr (size > 1) {
+      if (!in_graph_step()) return comm_->all_reduce(buf, op);
+      queue_->queue("MeshComm::all_reduce", call_hash(buf.data(), buf.size(), op),
+                    [c = comm_.get(), buf, op] { c->all_reduce(buf, op); });
+    }
   }
   // recv.size() == size * send.size(); at extent 1, recv must be send.
   template <class E>
   void all_gather(std::span<const std::type_identity_t<E>> send, std::span<E> recv) {
-    if constexpr (size > 1) comm_->all_gather(send, recv);
-    else same_buffer(send, recv, "all_gather");
+    if constexpr (size > 1) {
+      if (!in_graph_step()) return comm_->all_gather(send, recv);
+      queue_->queue("MeshComm::all_gather", call_hash(send.data(), send.size(), recv.data(), recv.size()),
+                    [c = comm_.get(), send, recv] { c->all_gather(send, recv); });
+    } else {
+      same_buffer(send, recv, "all_gather");
+    }
   }
   // send.size() == size * recv.size(); at extent 1, recv must be send.
   template <class E>
   void reduce_scatter(std::span<const std::type_identity_t<E>> send, std::span<E> recv, ReduceOp op = ReduceOp::sum) {
-    if constexpr (size > 1) comm_->reduce_scatter(send, recv, op);
-    else same_buffer(send, recv, "reduce_scatter");
+    if constexpr (size > 1) {
+      if (!in_graph_step()) return comm_->reduce_scatter(send, recv, op);
+      queue_->queue("MeshComm::reduce_scatter", call_hash(send.data(), send.size(), recv.data(), recv.size(), op),
+                    [c = comm_.get(), send, recv, op] { c->reduce_scatter(send, recv, op); });
+    } else {
+      same_buffer(send, recv, "reduce_scatter");
+    }
   }
   // Per-peer counts (elements), blocks packed in group-rank order (comm/communicator.hpp).
-  // Not at extent 1, where there is no one to exchange with: the caller uses its buffer.
+  // Not at extent 1, where there is no one to exchange with: the caller uses its buffer. In a
+  // graph step the counts are part of the call: other counts than the captured are refused.
   template <class E>
   void all_to_all_v(std::span<const std::type_identity_t<E>> send, std::span<const std::size_t> send_counts,
                     std::span<E> recv, std::span<const std::size_t> recv_counts) requires(size > 1) {
-    comm_->all_to_all_v(send, send_counts, recv, recv_counts);
+    if (!in_graph_step()) return comm_->all_to_all_v(send, send_counts, recv, recv_counts);
+    std::uint64_t h = call_hash(send.data(), send.size(), recv.data(), recv.size());
+    for (const std::size_t n : send_counts) h = call_hash(h, n);
+    for (const std::size_t n : recv_counts) h = call_hash(h, n);
+    queue_->queue("MeshComm::all_to_all_v", h,
+                  [c = comm_.get(), send, recv, sc = std::vector<std::size_t>(send_counts.begin(), send_counts.end()),
+                   rc = std::vector<std::size_t>(recv_counts.begin(), recv_counts.end())] {
+                    c->all_to_all_v(send, std::span<const std::size_t>(sc), recv, std::span<const std::size_t>(rc));
+                  });
   }
   // Grouped point-to-point within the group (peers are group ranks); nothing at extent 1.
   template <class E>
   void send_recv(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) {
-    if constexpr (size > 1) comm_->send_recv(sends, recvs);
+    if constexpr (size > 1) {
+      if (!in_graph_step()) return comm_->send_recv(sends, recvs);
+      std::uint64_t h = call_hash(sends.size(), recvs.size());  // field by field: an op's padding is not hashed
+      for (const SendOp<E>& x : sends) h = call_hash(h, x.buf.data(), x.buf.size(), x.peer);
+      for (const RecvOp<E>& x : recvs) h = call_hash(h, x.buf.data(), x.buf.size(), x.peer);
+      queue_->queue("MeshComm::send_recv", h,
+                    [c = comm_.get(), s = std::vector<SendOp<E>>(sends.begin(), sends.end()),
+                     r = std::vector<RecvOp<E>>(recvs.begin(), recvs.end())] {
+                      c->send_recv(std::span<const SendOp<E>>(s), std::span<const RecvOp<E>>(r));
+                    });
+    }
   }
 
  private:
@@ -114,7 +189,13 @@ class MeshComm {
                              "same buffer as input and output");
   }
 
+  bool in_graph_step() const { return queue_ && queue_->in_graph_step(); }
+  void host_wait(const char* what) const {
+    if (queue_) queue_->host_wait(what);
+  }
+
   std::unique_ptr<GroupComm> comm_;  // null at extent 1
+  std::unique_ptr<StepQueue> queue_;  // order_after's, if any
 };
 
 template <MeshType M, Axis A>

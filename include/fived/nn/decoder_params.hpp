@@ -204,9 +204,9 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
         expert_params_(ops_.template make_buffer<T>(expert_layout::size, releasable_pages)),
         expert_grads_(ops_.template make_buffer<T>(expert_layout::size, releasable_pages)),
         balance_(ops_, moe_blocks), sp_partial_(ops_), experts_view_(*this) {
-    comm_.set_compute_stream(stream_of(ops_));     // TP collectives in the order of the model's kernels
-    cp_comm_.set_compute_stream(stream_of(ops_));  // and the ring's transfers
-    ep_comm_.set_compute_stream(stream_of(ops_));  // and the experts' all-to-all
+    comm_.order_after(ops_);     // TP collectives in the order of the model's kernels
+    cp_comm_.order_after(ops_);  // and the ring's transfers
+    ep_comm_.order_after(ops_);  // and the experts' all-to-all
     if (!init.deferred) {
       ops_.write_from_host(params_, [&](std::span<T> p) { init_params<layout>(p, tp_rank(), init); });
       if constexpr (has_experts)
@@ -243,11 +243,6 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
   // Whether forward may read the parameters: written at construction, or by the trainer.
   bool params_written() const {
     return !init_deferred() && (!has_experts || !init_.deferred || experts_init_written_);
-  }
-
-  static StreamHandle stream_of(ops_type& ops) {
-    if constexpr (on_host) return nullptr;
-    else return ops.stream();
   }
 
   ops_type ops_;  // first: the buffers below are made by it

@@ -157,7 +157,7 @@ struct Ops<T, Host> {
   // A mixture of experts' plan (kernels/host/moe.hpp) writes the per-expert counts to host
   // memory (on CUDA it waits for them: the all-to-all's sizes are host values).
   void dispatch_plan(int* token_of, int* pos, int* host_counts, const int* expert, int N, int k, int E, int capacity) {
-    graph_.no_wait("dispatch_plan");
+    graph().no_wait("dispatch_plan");
     kernels::host::dispatch_plan(token_of, pos, host_counts, expert, N, k, E, capacity);
   }
 
@@ -170,7 +170,7 @@ struct Ops<T, Host> {
           [&] { return call_hash(max, sumexp, target, N); });
   }
   double loss_sum() const {
-    graph_.no_wait("loss_sum");
+    graph().no_wait("loss_sum");
     return loss_sum_;
   }
 
@@ -178,17 +178,17 @@ struct Ops<T, Host> {
 
   template <class U>
   Buffer<U, Host> make_buffer(std::size_t n) {
-    graph_.no_wait("make_buffer");
+    graph().no_wait("make_buffer");
     return Buffer<U, Host>(n);
   }
   template <class U>
   Buffer<U, Host> make_buffer(std::size_t n, ReleasablePages) {
-    graph_.no_wait("make_buffer");
+    graph().no_wait("make_buffer");
     return Buffer<U, Host>(n);
   }
   template <class U>
   void release_pages(std::span<U> range) {
-    graph_.no_wait("release_pages");
+    graph().no_wait("release_pages");
     fived::release_pages(range);
   }
   template <class U>
@@ -221,34 +221,34 @@ struct Ops<T, Host> {
   void upload(U* dst, const U* host, std::size_t n) {
     if (n == 0) return;
     const std::size_t bytes = n * sizeof(U);
-    if (graph_.mode() == StepMode::plain) {
-      graph_.plain_upload(bytes);
+    if (graph().mode() == StepMode::plain) {
+      graph().plain_upload(bytes);
       return void(std::copy_n(host, n, dst));
     }
-    const void* from = graph_.upload("upload", call_hash(dst, bytes), host, bytes);
-    if (graph_.mode() == StepMode::capturing) recorded_.emplace_back([=] { std::memcpy(dst, from, bytes); });
+    const void* from = graph().upload("upload", call_hash(dst, bytes), host, bytes);
+    if (graph().mode() == StepMode::capturing) recorded().emplace_back([=] { std::memcpy(dst, from, bytes); });
   }
   // Mean cross-entropy from the loss statistics, summed in double.
   double mean_loss(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N) const {
-    graph_.no_wait("mean_loss");
+    graph().no_wait("mean_loss");
     return kernels::host::mean_loss(max, sumexp, target, N);
   }
   template <class U, class F>
   void write_from_host(Buffer<U, Host>& b, F&& f) {
-    graph_.no_wait("write_from_host");
+    graph().no_wait("write_from_host");
     f(b.span());
   }
   template <class U, class F>
   void read_to_host(const Buffer<U, Host>& b, F&& f) const {
-    graph_.no_wait("read_to_host");
+    graph().no_wait("read_to_host");
     f(b.span());
   }
   template <class U>
   std::vector<std::remove_const_t<U>> to_host(std::span<U> s) const {
-    graph_.no_wait("to_host");
+    graph().no_wait("to_host");
     return {s.begin(), s.end()};
   }
-  void synchronize() { graph_.no_wait("synchronize"); }
+  void synchronize() { graph().no_wait("synchronize"); }
 
   // ---- a step as a graph (nn/step_graph.hpp) ----------------------------------------------------
 
@@ -256,39 +256,53 @@ struct Ops<T, Host> {
   bool use_step_graph = false;
   void begin_graph_step(std::uint64_t shape) {
     if (!use_step_graph) return abandon_graph_step();
-    if (graph_.begin(shape) == StepMode::capturing) recorded_.clear();
+    if (graph().begin(shape) == StepMode::capturing) recorded().clear();
   }
   void launch_graph_step() {
-    const StepMode mode = graph_.mode();
-    graph_.end();
+    const StepMode mode = graph().mode();
+    graph().end();
     if (mode == StepMode::plain) return;
     try {
-      for (const auto& f : recorded_) f();
+      for (const auto& f : recorded()) f();
     } catch (...) {
       abandon_graph_step();
       throw;
     }
   }
   void abandon_graph_step() noexcept {
-    graph_.forget();
-    recorded_.clear();
+    graph().forget();
+    recorded().clear();
   }
-  StepMode step_mode() const { return graph_.mode(); }
-  bool step_graph_captured() const { return graph_.captured(); }  // a graph to replay is kept
+  StepMode step_mode() const { return graph().mode(); }
+  bool in_graph_step() const { return graph().mode() != StepMode::plain; }
+  bool step_graph_captured() const { return graph().captured(); }  // a graph to replay is kept
+  // This Ops' calls belong to the graph steps of `leader` (a trainer's communication side,
+  // whose tasks are part of the model's step): checked, kept and launched there.
+  void follow_graph(Ops& leader) { leader_ = &leader; }
 
- private:
   // A call that changes the device's memory: run now in a plain step; kept (capturing) or
   // checked against the kept one (replaying) in a graph step. `args` hashes its arguments.
+  // Work queued outside the Ops in a step (a communicator's collectives: MeshComm::order_after)
+  // comes through here too.
   template <class Run, class Args>
   void queue(const char* what, Run&& run, Args&& args) {
-    if (graph_.mode() == StepMode::plain) return run();
-    graph_.call(what, args());
-    if (graph_.mode() == StepMode::capturing) recorded_.emplace_back(std::forward<Run>(run));
+    if (graph().mode() == StepMode::plain) return run();
+    graph().call(what, args());
+    if (graph().mode() == StepMode::capturing) recorded().emplace_back(std::forward<Run>(run));
   }
+  // `what` is about to wait for the device (a collective that the host reads): refused in a
+  // graph step.
+  void host_wait(const char* what) const { graph().no_wait(what); }
+
+ private:
+  StepGraph<std::vector<std::byte>>& graph() { return leader_ ? leader_->graph_ : graph_; }
+  const StepGraph<std::vector<std::byte>>& graph() const { return leader_ ? leader_->graph_ : graph_; }
+  std::vector<std::function<void()>>& recorded() { return leader_ ? leader_->recorded_ : recorded_; }
 
   double loss_sum_ = 0;
   StepGraph<std::vector<std::byte>> graph_;
   std::vector<std::function<void()>> recorded_;  // the captured step's calls
+  Ops* leader_ = nullptr;                        // follow_graph's
 };
 
 }  // namespace fived

@@ -43,23 +43,11 @@
 #include <utility>
 #include <vector>
 
-#include "fived/util/fnv.hpp"
+#include "fived/util/call_hash.hpp"
 
 namespace fived {
 
 enum class StepMode { plain, capturing, replaying };
-
-// The bytes of a call's arguments (pointers, sizes, scalars, small structs without padding).
-template <class... A>
-std::uint64_t call_hash(const A&... args) {
-  util::Fnv1a64 h;
-  [[maybe_unused]] auto add = [&h]<class X>(const X& x) {
-    static_assert(std::is_trivially_copyable_v<X>, "fived::call_hash: an Ops call's arguments are trivially copyable");
-    h.add(std::as_bytes(std::span<const X, 1>(&x, 1)));
-  };
-  (add(args), ...);
-  return h.value();
-}
 
 // The device-independent part of a graph step: which mode, the calls of the captured step,
 // and the host memory its uploads read. HostMemory(bytes) owns `bytes` of host memory with

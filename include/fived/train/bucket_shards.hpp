@@ -114,7 +114,7 @@ class BucketShards {
     if (accum < 1)
       throw std::invalid_argument("fived::DataParallel: accum (micro-batches per step) must be at least 1, got " +
                                   std::to_string(accum));
-    comm_.set_compute_stream(queue_.stream());  // the group's collectives run on the communication side
+    comm_.order_after(queue_.ops());  // the group's collectives run on the communication side
     auto make = [&](std::size_t n) { return model_.ops().template make_buffer<T>(n); };
     if constexpr (stage >= 1) staging_ = BucketStaging<plan, T, Device>(model_.ops());
     if constexpr (stage >= 2) grad_pieces_ = make(plan::shard_total);

@@ -24,8 +24,13 @@
 // The results are the same either way; only when the work runs differs.
 //
 // Without a side (CommQueue(compute, false): a group of one rank, with nothing to overlap),
-// every task runs at once on the compute side's own Ops, in order with the model's work: a
-// step captured as a graph (nn/step_graph.hpp) then records it there.
+// every task runs at once on the compute side's own Ops, in order with the model's work.
+//
+// A step captured as a graph (nn/step_graph.hpp) is the model's Ops' graph step, and the
+// side's Ops follow it (Ops::follow_graph): a task's kernels and collectives are captured
+// with the model's and, when replayed, not issued again. On CUDA the side stream joins the
+// capture through the events that order it (which a replayed step does not record either);
+// the host runs a graph step's tasks at once, in the order the CUDA queue issues them.
 
 #include <cstdint>
 #include <optional>
@@ -47,17 +52,18 @@ class CommQueue<T, Host> {
   using ops_type = Ops<T, Host>;
 
   explicit CommQueue(ops_type& compute, bool side = true) : compute_(compute) {
+    ops_.follow_graph(compute);
     if (side) worker_.emplace();
   }
 
   ops_type& ops() { return worker_ ? ops_ : compute_; }
   StreamHandle stream() const { return nullptr; }  // no streams on the host
 
-  // Runs task(ops()) on the communication thread (async, with a side) or now; returns its
-  // ticket (0: done).
+  // Runs task(ops()) on the communication thread (async, with a side, not in a graph step) or
+  // now; returns its ticket (0: done).
   template <class F>
   std::uint64_t submit(F&& task, bool async) {
-    if (!async || !worker_) {
+    if (!async || !worker_ || compute_.in_graph_step()) {
       task(ops());
       return 0;
     }

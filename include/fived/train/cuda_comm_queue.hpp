@@ -30,6 +30,7 @@ class CommQueue<T, Cuda> {
   explicit CommQueue(ops_type& compute, bool side = true) : compute_ops_(compute), compute_(compute.stream()) {
     if (!side) return;
     side_.emplace();
+    side_->follow_graph(compute);
     start_.emplace(cudaEventDisableTiming);
     tickets_.reserve(ring);
     for (int i = 0; i < ring; ++i) tickets_.emplace_back(cudaEventDisableTiming);
@@ -40,25 +41,35 @@ class CommQueue<T, Cuda> {
 
   // Issues task(ops()) on the side stream after everything the compute stream has queued so
   // far. Always enqueued (async or not: on a device the host never does the work itself).
-  // Without a side, on the compute stream, in order.
+  // Without a side, on the compute stream, in order. The events go through the model's Ops
+  // (its queue): captured in a graph step, which they fork and join, and not recorded again
+  // when it is replayed.
   template <class F>
   std::uint64_t submit(F&& task, bool /*async*/) {
     if (!side_) {
       std::forward<F>(task)(compute_ops_);
       return 0;
     }
-    start_->record(compute_);
-    start_->wait_on(side_->stream());
+    compute_ops_.queue("CommQueue::fork", [&] {
+      start_->record(compute_);
+      start_->wait_on(side_->stream());
+    }, [] { return call_hash(); });
     std::forward<F>(task)(*side_);
-    ++submitted_;
-    tickets_[submitted_ % ring].record(side_->stream());
-    return submitted_;
+    const std::uint64_t ticket = ++submitted_;
+    if (!compute_ops_.in_graph_step()) plain_ticket_[ticket % ring] = ticket;
+    compute_ops_.queue("CommQueue::ticket", [&] { tickets_[ticket % ring].record(side_->stream()); },
+                       [] { return call_hash(); });  // (the ticket's number is not the step's: not hashed)
+    return ticket;
   }
   // The compute stream waits for the ticket's task. Tickets share `ring` events: a ticket
   // whose event a later task has re-recorded is covered by that later point of the same
-  // stream, so the wait is never too short (at worst a little longer than needed).
+  // stream, so the wait is never too short (at worst a little longer than needed). A ticket
+  // of a graph step, waited for after it: its task ran inside the graph, which the compute
+  // stream follows, and its event (recorded by a capture, or not at all) is not waited on.
   void wait(std::uint64_t ticket) {
-    if (ticket != 0) tickets_[ticket % ring].wait_on(compute_);
+    if (ticket == 0) return;
+    if (!compute_ops_.in_graph_step() && plain_ticket_[ticket % ring] < ticket) return;
+    compute_ops_.queue("CommQueue::join", [&] { tickets_[ticket % ring].wait_on(compute_); }, [] { return call_hash(); });
   }
   void drain() { wait(submitted_); }
 
@@ -69,6 +80,7 @@ class CommQueue<T, Cuda> {
   std::optional<ops_type> side_;  // its own stream and cuBLASLt handle
   std::optional<cuda::Event> start_;
   std::vector<cuda::Event> tickets_;
+  std::uint64_t plain_ticket_[ring] = {};  // per event: the last ticket it was recorded for outside a graph step
   std::uint64_t submitted_ = 0;
 };
 

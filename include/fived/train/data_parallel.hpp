@@ -194,15 +194,18 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
 
   // Each step() after the second of its shape replays the device work of the second, captured
   // as a graph (nn/step_graph.hpp; a CUDA graph on CUDA, recorded calls on the host), while
-  // the step's host code still runs: on a mesh of one rank, without experts (a step that
-  // waits for their counts is no graph). A step that changes in any other way than through
-  // its uploads (token ids, the learning rate) is refused.
+  // the step's host code still runs. The collectives of every group (TP, CP, the gradients'
+  // over DP x CP) are part of the graph. Not with a mixture of experts (a step waits for
+  // their counts) nor under ZeRO-2/3 (a step gives gradient pages back and maps them again).
+  // A step that changes in any other way than through its uploads (token ids, the learning
+  // rate) is refused.
   void set_step_graph(bool on) {
-    static_assert(Model::mesh::size == 1 && !moe,
-                  "fived::DataParallel::set_step_graph: a step is captured as a graph on a mesh of one rank without "
-                  "experts only (a collective's or an expert count's wait cannot be replayed)");
+    static_assert(graph_step_allowed,
+                  "fived::DataParallel::set_step_graph: a step is captured as a graph without experts and under NoZeRO "
+                  "or ZeRO<1> only (an expert count's wait cannot be replayed, nor ZeRO-2/3's mapping of pages)");
     this->model().ops().use_step_graph = on;
   }
+  static constexpr bool graph_step_allowed = !moe && stage < 2;
 
   // ---- the step in pieces (train/bucket_trainer.hpp), over the experts' buffers too ----------
 

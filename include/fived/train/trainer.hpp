@@ -68,9 +68,10 @@ struct TrainerConfig {
   AdamWConfig adamw;  // its lr is replaced every step by lr(step)
   LrSchedule lr = WarmupCosine{};  // any callable double(int step): train/lr_schedule.hpp
   // From the third step on, replay the second as a graph (a CUDA graph on CUDA: the device
-  // starts each kernel without waiting for the host to launch it; nn/step_graph.hpp). On a
-  // mesh of one rank without experts; the batch's shape and the hyperparameters but the
-  // learning rate fixed (a change captures again).
+  // starts each kernel without waiting for the host to launch it; nn/step_graph.hpp), its
+  // collectives over TP, CP and DP included. Without a pipeline, experts or ZeRO-2/3; the
+  // batch's shape and the hyperparameters but the learning rate fixed (a change captures
+  // again).
   bool step_graph = false;
 };
 
@@ -153,6 +154,9 @@ class Trainer {
 
   double lr() const { return lr_; }
   double grad_norm() const { return rank_->grad_norm(); }
+  // Whether a captured step is kept to replay (TrainerConfig::step_graph: after the second
+  // step of a shape).
+  bool step_graph_captured() { return rank_->step_graph_captured(); }
   int world_rank() const { return world_rank_; }
 
   // The whole model in the serial layout (serial_layout), on every rank: each stage's part
@@ -273,6 +277,7 @@ class Trainer {
     virtual std::vector<value_type> serial_grads(bool experts) = 0;
     virtual void set_lr(double lr) = 0;
     virtual double grad_norm() const = 0;
+    virtual bool step_graph_captured() = 0;
     virtual std::vector<value_type> serial_params(bool experts) = 0;
     virtual checkpoint::Shard shard() = 0;  // this rank's state, copied out
     virtual void want(checkpoint::Restored<Model>& restored) = 0;  // reads what load() takes
@@ -315,13 +320,15 @@ class Trainer {
                           std::tie(*std::get<c>(trainers_)...));
       }(chunks{});
       if (cfg.step_graph) {
-        if constexpr (mesh::size == 1 && V == 1 && !HasExperts<Model>)
+        if constexpr (V == 1 && mesh::pp == 1 && DataParallel<chunk<0>, Policy>::graph_step_allowed)
           std::get<0>(trainers_)->set_step_graph(true);
         else
           throw std::invalid_argument(
-              "fived::Trainer: TrainerConfig::step_graph replays a step as a graph on a mesh of one rank without "
-              "experts; " +
-              (mesh::size > 1 ? "this mesh has " + std::to_string(mesh::size) + " ranks" : "this model has experts") +
+              std::string("fived::Trainer: TrainerConfig::step_graph replays a step as a graph without a pipeline, "
+                          "experts or ZeRO-2/3; ") +
+              (mesh::pp > 1 ? "this mesh has PP " + std::to_string(mesh::pp)
+               : HasExperts<Model> ? std::string("this model has experts")
+                                   : "this trainer has ZeRO<" + std::to_string(Policy::stage) + ">") +
               ": set step_graph = false");
       }
     }
@@ -350,6 +357,7 @@ class Trainer {
       [&]<std::size_t... c>(std::index_sequence<c...>) { ((std::get<c>(trainers_)->optimizer().hp.lr = lr), ...); }(chunks{});
     }
     double grad_norm() const override { return std::get<0>(trainers_)->grad_norm(); }
+    bool step_graph_captured() override { return std::get<0>(models_)->ops().step_graph_captured(); }
 
     std::vector<value_type> serial_params(bool experts) override {
       std::vector<double> whole(experts ? serial_expert_layout::size : serial_layout::size, 0.0);

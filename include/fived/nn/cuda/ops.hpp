@@ -186,7 +186,7 @@ struct Ops<T, Cuda> {
           [&] { return call_hash(max, sumexp, target, N); });
   }
   double loss_sum() const {
-    graph_.no_wait("loss_sum");
+    graph().no_wait("loss_sum");
     double h = 0;
     copy_to_host(&h, loss_sum_.data(), 1);
     synchronize();
@@ -202,7 +202,7 @@ struct Ops<T, Cuda> {
   // to host memory and waits for the stream (the all-to-all's sizes are host values); its
   // sort and count buffers are kept here and grow only with N*k or E.
   void dispatch_plan(int* token_of, int* pos, int* host_counts, const int* expert, int N, int k, int E, int capacity) {
-    graph_.no_wait("dispatch_plan");
+    graph().no_wait("dispatch_plan");
     kernels::cuda::dispatch_plan(stream(), dispatch_, token_of, pos, host_counts, expert, N, k, E, capacity);
   }
 
@@ -211,28 +211,28 @@ struct Ops<T, Cuda> {
   // Zero-filled (complete on return: see Buffer<T, Cuda>).
   template <class U>
   Buffer<U, Cuda> make_buffer(std::size_t n) {
-    graph_.no_wait("make_buffer");
+    graph().no_wait("make_buffer");
     return Buffer<U, Cuda>(n);
   }
   template <class U>
   Buffer<U, Cuda> make_buffer(std::size_t n, ReleasablePages) {
-    graph_.no_wait("make_buffer");
+    graph().no_wait("make_buffer");
     return Buffer<U, Cuda>(n, releasable_pages);
   }
   // After the work queued so far on this stream (device/cuda_pages.hpp).
   template <class U>
   void release_pages(std::span<U> range) {
-    graph_.no_wait("release_pages");
+    graph().no_wait("release_pages");
     cuda::release_pages(range, stream());
   }
   template <class U>
   void commit_pages(std::span<U> range) {
-    graph_.no_wait("commit_pages");
+    graph().no_wait("commit_pages");
     cuda::commit_pages(range, stream());
   }
   // The released pages' memory back to the driver (waits for the device).
   void trim_pages() {
-    graph_.no_wait("trim_pages");
+    graph().no_wait("trim_pages");
     cuda::trim_pages();
   }
   template <class U>
@@ -268,8 +268,8 @@ struct Ops<T, Cuda> {
       throw std::invalid_argument("fived::Ops<T, Cuda>::upload_ids: " + std::to_string(n) +
                                   " ids for a buffer of " + std::to_string(dst.size()));
     if (n == 0) return;
-    if (graph_.mode() != StepMode::plain) return upload(dst.data(), host, n);
-    graph_.plain_upload(n * sizeof(int));
+    if (graph().mode() != StepMode::plain) return upload(dst.data(), host, n);
+    graph().plain_upload(n * sizeof(int));
     // Two staging areas, used in turn (tokens and targets of one forward): an upload waits
     // only for the copy two uploads back, never for the kernels queued since.
     ops_detail::PinnedStaging& s = staging_[next_staging_];
@@ -286,18 +286,18 @@ struct Ops<T, Cuda> {
     static_assert(std::is_trivially_copyable_v<U>, "fived::Ops<T, Cuda>::upload copies bytes");
     if (n == 0) return;
     const std::size_t bytes = n * sizeof(U);
-    if (graph_.mode() == StepMode::plain) {
-      graph_.plain_upload(bytes);
+    if (graph().mode() == StepMode::plain) {
+      graph().plain_upload(bytes);
       return upload_staging_.upload(dst, host, bytes, stream());
     }
-    const void* from = graph_.upload("upload", call_hash(dst, bytes), host, bytes);
-    if (graph_.mode() == StepMode::capturing)
+    const void* from = graph().upload("upload", call_hash(dst, bytes), host, bytes);
+    if (graph().mode() == StepMode::capturing)
       FIVED_CUDA_CHECK(cudaMemcpyAsync(dst, from, bytes, cudaMemcpyHostToDevice, stream()));
   }
   // Mean cross-entropy from the [N] statistics: downloads them (waits for the stream) and
   // sums in double on the host, as Ops<T, Host> does.
   double mean_loss(const stat_t* max, const stat_t* sumexp, const stat_t* target, int N) const {
-    graph_.no_wait("mean_loss");
+    graph().no_wait("mean_loss");
     const std::size_t n = static_cast<std::size_t>(N);
     std::vector<float> mx(n), se(n), tg(n);
     copy_to_host(mx.data(), max, n);
@@ -312,7 +312,7 @@ struct Ops<T, Cuda> {
   // f(std::span<U>) fills a zeroed host copy; the copy is then uploaded (complete on return).
   template <class U, class F>
   void write_from_host(Buffer<U, Cuda>& b, F&& f) {
-    graph_.no_wait("write_from_host");
+    graph().no_wait("write_from_host");
     std::vector<U> h(b.size());
     f(std::span<U>(h));
     b.upload(std::span<const U>(h), stream());
@@ -320,7 +320,7 @@ struct Ops<T, Cuda> {
   // Downloads b (after the queued work), then f(std::span<const U>) reads the host copy.
   template <class U, class F>
   void read_to_host(const Buffer<U, Cuda>& b, F&& f) const {
-    graph_.no_wait("read_to_host");
+    graph().no_wait("read_to_host");
     std::vector<U> h(b.size());
     b.download(std::span<U>(h), stream());
     f(std::span<const U>(h));
@@ -328,14 +328,14 @@ struct Ops<T, Cuda> {
   // A host copy of device memory (after the queued work).
   template <class U>
   std::vector<std::remove_const_t<U>> to_host(std::span<U> device_span) const {
-    graph_.no_wait("to_host");
+    graph().no_wait("to_host");
     std::vector<std::remove_const_t<U>> h(device_span.size());
     copy_to_host(h.data(), device_span.data(), h.size());
     FIVED_CUDA_CHECK(cudaStreamSynchronize(stream()));
     return h;
   }
   void synchronize() const {
-    graph_.no_wait("synchronize");
+    graph().no_wait("synchronize");
     stream_.synchronize();
   }
 
@@ -347,10 +347,10 @@ struct Ops<T, Cuda> {
   // run ahead of the graph) is caught at launch.
   void begin_graph_step(std::uint64_t shape) {
     if (!use_step_graph) {
-      graph_.forget();
+      graph().forget();
       return exec_.reset();
     }
-    const StepMode mode = graph_.begin(shape);
+    const StepMode mode = graph().begin(shape);
     if (mode == StepMode::plain) return exec_.reset();
     if (mode == StepMode::replaying) launched_.synchronize();  // the last replay has read its uploads
     // Thread-local: this thread's synchronising calls fail the capture; other threads (a
@@ -359,8 +359,8 @@ struct Ops<T, Cuda> {
   }
   // The step's work, queued: the captured graph, instantiated the first time, launched.
   void launch_graph_step() {
-    const StepMode mode = graph_.mode();
-    if (mode == StepMode::plain) return graph_.end();
+    const StepMode mode = graph().mode();
+    if (mode == StepMode::plain) return graph().end();
     cudaGraph_t g = nullptr;
     const cudaError_t ended = cudaStreamEndCapture(stream(), &g);
     cuda::UniqueHandle<cudaGraph_t, cudaGraphDestroy> graph(g);
@@ -373,7 +373,7 @@ struct Ops<T, Cuda> {
                                " operations were queued on the model's stream around its Ops during a replayed step; "
                                "they would run ahead of the graph. Queue them through the Ops, or turn the step graph "
                                "off");
-      graph_.end();  // every captured call made again
+      graph().end();  // every captured call made again
       if (mode == StepMode::capturing) {
         cudaGraphExec_t exec = nullptr;
         FIVED_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
@@ -395,24 +395,37 @@ struct Ops<T, Cuda> {
       if (g != nullptr) (void)cudaGraphDestroy(g);
       (void)cudaGetLastError();  // an invalidated capture leaves its error behind
     }
-    graph_.forget();
+    graph().forget();
     exec_.reset();
   }
-  StepMode step_mode() const { return graph_.mode(); }
-  bool step_graph_captured() const { return graph_.captured(); }  // a graph to replay is kept
+  StepMode step_mode() const { return graph().mode(); }
+  bool in_graph_step() const { return graph().mode() != StepMode::plain; }
+  bool step_graph_captured() const { return graph().captured(); }  // a graph to replay is kept
+  // This Ops' calls belong to the graph steps of `leader`, whose stream captures them (a
+  // trainer's communication side: its stream joins the capture through the events that
+  // order it after the model's stream).
+  void follow_graph(Ops& leader) { leader_ = &leader; }
 
- private:
   // A call that queues device work: launched now in a plain step, and while capturing (the
   // stream records it); left to the graph while replaying, once checked against the captured
-  // call. `args` hashes its arguments.
+  // call. `args` hashes its arguments. Work queued outside the Ops in a step (a
+  // communicator's collectives and the events around them: MeshComm::order_after,
+  // CommQueue) comes through here too.
   template <class Run, class Args>
   void queue(const char* what, Run&& run, Args&& args) {
-    if (graph_.mode() != StepMode::plain) {
-      graph_.call(what, args());
-      if (graph_.mode() == StepMode::replaying) return;
+    if (graph().mode() != StepMode::plain) {
+      graph().call(what, args());
+      if (graph().mode() == StepMode::replaying) return;
     }
     run();
   }
+  // `what` is about to wait for the device (a collective that the host reads): refused in a
+  // graph step.
+  void host_wait(const char* what) const { graph().no_wait(what); }
+
+ private:
+  StepGraph<ops_detail::PinnedBytes>& graph() { return leader_ ? leader_->graph_ : graph_; }
+  const StepGraph<ops_detail::PinnedBytes>& graph() const { return leader_ ? leader_->graph_ : graph_; }
 
   template <class U>
   void copy_to_host(U* host, const U* device, std::size_t n) const {
@@ -428,6 +441,7 @@ struct Ops<T, Cuda> {
   StepGraph<ops_detail::PinnedBytes> graph_;
   cuda::UniqueHandle<cudaGraphExec_t, cudaGraphExecDestroy> exec_;  // the captured step
   cuda::Event launched_{cudaEventDisableTiming};  // recorded after each launch of exec_
+  Ops* leader_ = nullptr;                          // follow_graph's
   kernels::cuda::DispatchScratch dispatch_;  // dispatch_plan's sort and count buffers
 #if defined(FIVED_WITH_CUDNN)
   bool cudnn_takes(int C, int NH, int NKV) const {
