@@ -44,8 +44,9 @@
 // (temporary files, steps without a manifest) is removed at the start and after each save;
 // --keep-last N keeps only the newest N complete steps once the newest verifies.
 //
-// --step-graph (--mesh serial): from the third step on, each step replays the second as a
-// graph (a CUDA graph on the GPU: nn/step_graph.hpp); the losses are the same.
+// --step-graph (a mesh without a pipeline): from the third step on, each step replays the
+// second as a graph, its collectives included (a CUDA graph on the GPU: nn/step_graph.hpp);
+// the losses are the same.
 
 #include <algorithm>
 #include <cerrno>
@@ -128,7 +129,7 @@ struct Options {
   double lr = 4e-3;
   unsigned seed = 1337;
   bool host = false;  // stay on the host even when a GPU is there (CUDA build)
-  bool step_graph = false;  // TrainerConfig::step_graph (a mesh of one rank)
+  bool step_graph = false;  // TrainerConfig::step_graph (a mesh without a pipeline)
 };
 
 [[noreturn]] void usage(const std::string& msg) {

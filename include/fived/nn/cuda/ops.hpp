@@ -363,7 +363,7 @@ struct Ops<T, Cuda> {
     if (mode == StepMode::plain) return graph().end();
     cudaGraph_t g = nullptr;
     const cudaError_t ended = cudaStreamEndCapture(stream(), &g);
-    cuda::UniqueHandle<cudaGraph_t, cudaGraphDestroy> graph(g);
+    cuda::UniqueHandle<cudaGraph_t, cudaGraphDestroy> owned(g);
     try {
       FIVED_CUDA_CHECK(ended);
       std::size_t nodes = 0;
