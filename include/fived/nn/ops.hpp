@@ -62,6 +62,11 @@
 //   bool use_step_graph; begin_graph_step(shape), launch_graph_step(), abandon_graph_step()
 //       a step captured once as a graph and replayed after (nn/step_graph.hpp: GraphStep);
 //       on the host the captured calls are kept and run in order at launch
+//   bool in_graph_step(); queue(what, run, args); host_wait(what)
+//       for work queued outside the Ops in a step (a group's collectives:
+//       MeshComm::order_after): run, kept or checked as the Ops' own calls; a wait refused
+//   void follow_graph(Ops& leader)             this Ops' calls belong to leader's graph steps
+//       (a trainer's communication side)
 //
 // Scalars that cross this interface (the loss gradient 1/N, scale factors, AdamW's
 // hyperparameters) are double, and each kernel rounds them once to the precision it
