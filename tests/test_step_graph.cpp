@@ -160,6 +160,10 @@ TEST_CASE_TEMPLATE("DataParallel: steps replayed as a graph equal plain steps bi
   both(steps + 5, 2 * B);
   both(steps + 6, 2 * B);
   CHECK(same_bits(plain_model.params_to_host(), graph_model.params_to_host()));
+  // The graph holds the trainer's work: a trainer that goes takes it along.
+  CHECK(graph_model.ops().step_graph_captured());
+  { DataParallel<Model> other(graph_model, adamw, accum); }
+  CHECK_FALSE(graph_model.ops().step_graph_captured());
 }
 
 // Two trainers of the same model on every rank of the mesh, one plain and one replaying a

@@ -251,7 +251,9 @@ class Channel {
     issue();
     check(cudaEventRecord(done_, stream_), what, "cudaEventRecord (communication stream)");
     check(cudaStreamWaitEvent(compute_, done_, 0), what, "cudaStreamWaitEvent (compute stream)");
-    if (trace > 1) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;  // (a step captured as a graph: nothing runs yet)
+    if (trace > 1 && cudaStreamIsCapturing(stream_, &capturing) == cudaSuccess &&
+        capturing == cudaStreamCaptureStatusNone) {
       wait(what);
       std::fprintf(stderr, "[RANK %s] %s: #%llu done\n", launched_as.c_str(), where(what).c_str(), traced_);
     }

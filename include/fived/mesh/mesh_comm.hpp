@@ -19,7 +19,8 @@
 // names the Ops whose stream the collectives follow (on a device: its stream), and while that
 // Ops is in a graph step each collective goes through its queue (checked against the
 // captured step's, kept or left to the graph) and a call that waits for the device
-// (all_reduce_host, all_to_all_host, barrier) is refused.
+// (all_reduce_host, all_to_all_host, barrier) is refused. A call is known by its group (the
+// communicator's address) and its arguments.
 
 #include <algorithm>
 #include <cstddef>
@@ -123,7 +124,7 @@ class MeshComm {
   void all_reduce(std::span<E> buf, ReduceOp op = ReduceOp::sum) {
     if constexpr (size > 1) {
       if (!in_graph_step()) return comm_->all_reduce(buf, op);
-      queue_->queue("MeshComm::all_reduce", call_hash(buf.data(), buf.size(), op),
+      queue_->queue("MeshComm::all_reduce", call_hash(comm_.get(), buf.data(), buf.size(), op),
                     [c = comm_.get(), buf, op] { c->all_reduce(buf, op); });
     }
   }
@@ -132,7 +133,7 @@ class MeshComm {
   void all_gather(std::span<const std::type_identity_t<E>> send, std::span<E> recv) {
     if constexpr (size > 1) {
       if (!in_graph_step()) return comm_->all_gather(send, recv);
-      queue_->queue("MeshComm::all_gather", call_hash(send.data(), send.size(), recv.data(), recv.size()),
+      queue_->queue("MeshComm::all_gather", call_hash(comm_.get(), send.data(), send.size(), recv.data(), recv.size()),
                     [c = comm_.get(), send, recv] { c->all_gather(send, recv); });
     } else {
       same_buffer(send, recv, "all_gather");
@@ -143,7 +144,8 @@ class MeshComm {
   void reduce_scatter(std::span<const std::type_identity_t<E>> send, std::span<E> recv, ReduceOp op = ReduceOp::sum) {
     if constexpr (size > 1) {
       if (!in_graph_step()) return comm_->reduce_scatter(send, recv, op);
-      queue_->queue("MeshComm::reduce_scatter", call_hash(send.data(), send.size(), recv.data(), recv.size(), op),
+      queue_->queue("MeshComm::reduce_scatter",
+                    call_hash(comm_.get(), send.data(), send.size(), recv.data(), recv.size(), op),
                     [c = comm_.get(), send, recv, op] { c->reduce_scatter(send, recv, op); });
     } else {
       same_buffer(send, recv, "reduce_scatter");
@@ -156,7 +158,7 @@ class MeshComm {
   void all_to_all_v(std::span<const std::type_identity_t<E>> send, std::span<const std::size_t> send_counts,
                     std::span<E> recv, std::span<const std::size_t> recv_counts) requires(size > 1) {
     if (!in_graph_step()) return comm_->all_to_all_v(send, send_counts, recv, recv_counts);
-    std::uint64_t h = call_hash(send.data(), send.size(), recv.data(), recv.size());
+    std::uint64_t h = call_hash(comm_.get(), send.data(), send.size(), recv.data(), recv.size());
     for (const std::size_t n : send_counts) h = call_hash(h, n);
     for (const std::size_t n : recv_counts) h = call_hash(h, n);
     queue_->queue("MeshComm::all_to_all_v", h,
@@ -170,7 +172,7 @@ class MeshComm {
   void send_recv(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) {
     if constexpr (size > 1) {
       if (!in_graph_step()) return comm_->send_recv(sends, recvs);
-      std::uint64_t h = call_hash(sends.size(), recvs.size());  // field by field: an op's padding is not hashed
+      std::uint64_t h = call_hash(comm_.get(), sends.size(), recvs.size());  // field by field: no padding
       for (const SendOp<E>& x : sends) h = call_hash(h, x.buf.data(), x.buf.size(), x.peer);
       for (const RecvOp<E>& x : recvs) h = call_hash(h, x.buf.data(), x.buf.size(), x.peer);
       queue_->queue("MeshComm::send_recv", h,

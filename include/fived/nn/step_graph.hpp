@@ -22,9 +22,11 @@
 // graph: those Ops calls throw while a step is captured or replayed. `shape` is what the
 // caller knows the step by (sizes, hyperparameters): a new shape starts over with a plain
 // step. A refusal comes where the step changed, mostly in its forward or backward, before
-// the optimizer counts the step: the step can be run again (plainly). A capture or launch
-// that the device fails comes after the host's pass, the optimizer's step count moved on
-// without its update: go back to a checkpoint.
+// the optimizer counts the step: on one rank the step can be run again (plainly). On a mesh
+// every rank runs the same step and refuses the same call; a refusal on some ranks only (a
+// rank that branched) leaves the others' collectives waiting for theirs: end the run. A
+// capture or launch that the device fails comes after the host's pass, the optimizer's step
+// count moved on without its update: go back to a checkpoint.
 //
 // Ops<T, Device> keeps a StepGraph (the bookkeeping here) and provides
 //   bool use_step_graph                       off unless a trainer turns it on

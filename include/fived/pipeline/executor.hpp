@@ -113,7 +113,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   // [m*B, (m+1)*B) for micro-batch m, the same on every rank (each data-parallel rank takes
   // its rows of every micro-batch). Returns the mean loss, on every rank.
   double step(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
-    // Plain unless the Trainer turned the step graph on (a mesh of one rank: one chunk).
+    // Plain unless the Trainer turned the step graph on (no pipeline: one chunk).
     GraphStep graph(std::get<0>(chunks_).ops(), frame_.graph_shape(tokens.size(), B, seq));
     run(tokens, targets, B, seq);
     update();

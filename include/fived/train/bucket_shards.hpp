@@ -75,6 +75,11 @@ class BucketShards {
   // Lambdas on the communication side point at this object.
   BucketShards(const BucketShards&) = delete;
   BucketShards& operator=(const BucketShards&) = delete;
+  // A step graph the model's Ops keep (nn/step_graph.hpp) holds this trainer's collectives and
+  // its communication side's work: it goes with the trainer, and the model's next step is plain.
+  ~BucketShards() {
+    if constexpr (requires { model_.ops().abandon_graph_step(); }) model_.ops().abandon_graph_step();
+  }
 
   int rank() const { return rank_; }
   int accum() const { return accum_; }

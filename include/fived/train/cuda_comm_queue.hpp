@@ -56,19 +56,20 @@ class CommQueue<T, Cuda> {
     }, [] { return call_hash(); });
     std::forward<F>(task)(*side_);
     const std::uint64_t ticket = ++submitted_;
-    if (!compute_ops_.in_graph_step()) plain_ticket_[ticket % ring] = ticket;
+    in_graph_[ticket % ring] = compute_ops_.in_graph_step();
     compute_ops_.queue("CommQueue::ticket", [&] { tickets_[ticket % ring].record(side_->stream()); },
                        [] { return call_hash(); });  // (the ticket's number is not the step's: not hashed)
     return ticket;
   }
   // The compute stream waits for the ticket's task. Tickets share `ring` events: a ticket
   // whose event a later task has re-recorded is covered by that later point of the same
-  // stream, so the wait is never too short (at worst a little longer than needed). A ticket
-  // of a graph step, waited for after it: its task ran inside the graph, which the compute
-  // stream follows, and its event (recorded by a capture, or not at all) is not waited on.
+  // stream, so the wait is never too short (at worst a little longer than needed). After a
+  // graph step, an event last recorded in it (by its capture, or by nothing when replayed)
+  // is not waited on: its ticket's task ran inside the graph, which the compute stream
+  // follows, or before the graph step, whose trainer drained it first (every step ends so).
   void wait(std::uint64_t ticket) {
     if (ticket == 0) return;
-    if (!compute_ops_.in_graph_step() && plain_ticket_[ticket % ring] < ticket) return;
+    if (!compute_ops_.in_graph_step() && in_graph_[ticket % ring]) return;
     compute_ops_.queue("CommQueue::join", [&] { tickets_[ticket % ring].wait_on(compute_); }, [] { return call_hash(); });
   }
   void drain() { wait(submitted_); }
@@ -80,7 +81,7 @@ class CommQueue<T, Cuda> {
   std::optional<ops_type> side_;  // its own stream and cuBLASLt handle
   std::optional<cuda::Event> start_;
   std::vector<cuda::Event> tickets_;
-  std::uint64_t plain_ticket_[ring] = {};  // per event: the last ticket it was recorded for outside a graph step
+  bool in_graph_[ring] = {};  // per event: last recorded in a graph step (whose capture it belongs to)
   std::uint64_t submitted_ = 0;
 };
 

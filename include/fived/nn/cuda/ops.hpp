@@ -376,7 +376,8 @@ struct Ops<T, Cuda> {
       graph().end();  // every captured call made again
       if (mode == StepMode::capturing) {
         cudaGraphExec_t exec = nullptr;
-        FIVED_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+        // (the communicator's high-priority stream keeps its priority in the graph)
+        FIVED_CUDA_CHECK(cudaGraphInstantiate(&exec, g, cudaGraphInstantiateFlagUseNodePriority));
         exec_.reset(exec);
       }
       FIVED_CUDA_CHECK(cudaGraphLaunch(exec_.get(), stream()));
