@@ -167,9 +167,12 @@ bench() {
   run "$out/bench-ring-attention.txt" bash scripts/launch-local.sh 2 "$b/ring_attention"
   run "$out/bench-collectives.txt" bash scripts/launch-local.sh 4 "$b/collectives_nccl"
   run "$out/train-gpt-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --steps 60
-  # The trainer's progress lines (tok/s, MFU) on Mesh<DP<2>> as two processes, and on one rank.
+  # The same on dp2.tp2 with each step replayed as a CUDA graph, its collectives included: the same losses.
+  run "$out/train-gpt-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --steps 60 --step-graph
+  # The trainer's progress lines (tok/s, MFU) on Mesh<DP<2>> as two processes, and on one rank (plain, and as a graph).
   run "$out/trainer-cuda.txt" bash scripts/launch-local.sh 2 "$build/examples/train_gpt_cuda" --mesh dp2 --steps 100 --batch 16 --seq 128
   run "$out/trainer-cuda.txt" "$build/examples/train_gpt_cuda" --mesh serial --steps 100 --batch 16 --seq 128
+  run "$out/trainer-cuda.txt" "$build/examples/train_gpt_cuda" --mesh serial --steps 100 --batch 16 --seq 128 --step-graph
   # A mixture of experts on Mesh<DP<2>, TP<2>, EP<2>> as four processes: loss, balance, tokens per expert.
   run "$out/train-moe-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_moe_cuda" --steps 60
 }
