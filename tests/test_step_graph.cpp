@@ -7,7 +7,8 @@
 //   batch and learning rate every step) give the plain steps' losses and weights bit for bit,
 //   and capture again when the batch's shape or a hyperparameter changes;
 // - on meshes (DP, with ZeRO-1; TP with SP; CP; all three) the Trainer's graph steps, whose
-//   collectives are captured with the kernels, equal its plain steps bit for bit;
+//   collectives are captured with the kernels, equal its plain steps bit for bit, and each
+//   graph step issues exactly the plain step's collectives (counted);
 // - a checkpoint loaded between steps leaves the graph replaying the right steps;
 // - the Trainer refuses the graph with a pipeline or ZeRO-2/3.
 
@@ -20,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "fived/comm/counting.hpp"
 #include "fived/comm/host.hpp"
 #include "fived/nn/gpt.hpp"
 #include "fived/nn/llama.hpp"
@@ -216,6 +218,39 @@ TEST_CASE("the Trainer: steps replayed as a graph equal plain ones bit for bit, 
   SUBCASE("DP 2 x CP 2 x TP 2, ZeRO-1") {
     trainer_graph_equals_plain<GPT<small_gpt, Mesh<DP<2>, CP<2>, TP<2>>, float, Host, SequenceParallel>, ZeRO<1>>();
   }
+}
+
+TEST_CASE("on a mesh each graph step issues the plain step's collectives, no more (DP 2 x TP 2, SP, ZeRO-1)") {
+  // A collective issued past the Ops in a graph step (not captured, or issued again when
+  // replayed) would make its step's count larger than the plain step's.
+  using M = Mesh<DP<2>, TP<2>>;
+  using Model = GPT<small_gpt, M, float, Host, SequenceParallel>;
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(Counting<host::Comm>(world));
+    Model model(ctx, GptInit{4, 0.05});
+    DataParallel<Model, ZeRO<1>> dp(model, ctx, adamw, accum);
+    dp.set_step_graph(true);
+    auto& tp = ctx.comm<Axis::tp>();
+    auto& grad = ctx.comm<typename M::grad_group>();
+    std::vector<CommCounts> per_step_tp, per_step_grad;
+    std::vector<int> tok, tgt;
+    for (int s = 1; s <= 5; ++s) {
+      test::global_batch(s, accum, B, T, small_gpt::vocab, tok, tgt);
+      const CommCounts tp0 = tp.counts(), grad0 = grad.counts();
+      dp.step(tok, tgt, B, T);
+      per_step_tp.push_back(tp.counts() - tp0);
+      per_step_grad.push_back(grad.counts() - grad0);
+    }
+    CHECK(model.ops().step_graph_captured());
+    CHECK(per_step_tp[0].total_calls() > 0);
+    CHECK(per_step_grad[0].reduce_scatter.calls > 0);
+    CHECK(per_step_grad[0].all_gather.calls > 0);
+    for (std::size_t s = 1; s < per_step_tp.size(); ++s) {
+      CAPTURE(s);
+      CHECK(per_step_tp[s] == per_step_tp[0]);
+      CHECK(per_step_grad[s] == per_step_grad[0]);
+    }
+  });
 }
 
 TEST_CASE("the Trainer refuses a graph step with a pipeline or ZeRO-2, saying which") {
