@@ -122,34 +122,25 @@ class MeshComm {
 
   template <class E>
   void all_reduce(std::span<E> buf, ReduceOp op = ReduceOp::sum) {
-    if constexpr (size > 1) {
-      if (!in_graph_step()) return comm_->all_reduce(buf, op);
-      queue_->queue("MeshComm::all_reduce", call_hash(comm_.get(), buf.data(), buf.size(), op),
-                    [c = comm_.get(), buf, op] { c->all_reduce(buf, op); });
-    }
+    if constexpr (size > 1)
+      issue("MeshComm::all_reduce", [c = comm_.get(), buf, op] { c->all_reduce(buf, op); },
+            [&] { return call_hash(comm_.get(), buf.data(), buf.size(), op); });
   }
   // recv.size() == size * send.size(); at extent 1, recv must be send.
   template <class E>
   void all_gather(std::span<const std::type_identity_t<E>> send, std::span<E> recv) {
-    if constexpr (size > 1) {
-      if (!in_graph_step()) return comm_->all_gather(send, recv);
-      queue_->queue("MeshComm::all_gather", call_hash(comm_.get(), send.data(), send.size(), recv.data(), recv.size()),
-                    [c = comm_.get(), send, recv] { c->all_gather(send, recv); });
-    } else {
-      same_buffer(send, recv, "all_gather");
-    }
+    if constexpr (size > 1)
+      issue("MeshComm::all_gather", [c = comm_.get(), send, recv] { c->all_gather(send, recv); },
+            [&] { return call_hash(comm_.get(), send.data(), send.size(), recv.data(), recv.size()); });
+    else same_buffer(send, recv, "all_gather");
   }
   // send.size() == size * recv.size(); at extent 1, recv must be send.
   template <class E>
   void reduce_scatter(std::span<const std::type_identity_t<E>> send, std::span<E> recv, ReduceOp op = ReduceOp::sum) {
-    if constexpr (size > 1) {
-      if (!in_graph_step()) return comm_->reduce_scatter(send, recv, op);
-      queue_->queue("MeshComm::reduce_scatter",
-                    call_hash(comm_.get(), send.data(), send.size(), recv.data(), recv.size(), op),
-                    [c = comm_.get(), send, recv, op] { c->reduce_scatter(send, recv, op); });
-    } else {
-      same_buffer(send, recv, "reduce_scatter");
-    }
+    if constexpr (size > 1)
+      issue("MeshComm::reduce_scatter", [c = comm_.get(), send, recv, op] { c->reduce_scatter(send, recv, op); },
+            [&] { return call_hash(comm_.get(), send.data(), send.size(), recv.data(), recv.size(), op); });
+    else same_buffer(send, recv, "reduce_scatter");
   }
   // Per-peer counts (elements), blocks packed in group-rank order (comm/communicator.hpp).
   // Not at extent 1, where there is no one to exchange with: the caller uses its buffer. In a
@@ -191,6 +182,14 @@ class MeshComm {
                              "same buffer as input and output");
   }
 
+  // A collective whose arguments are spans and scalars: issued now, or through order_after's
+  // Ops in a graph step (as Ops::queue: `args` hashes the arguments). send_recv and
+  // all_to_all_v copy their op and count lists for a graph step themselves.
+  template <class Run, class Args>
+  void issue(const char* what, Run&& run, Args&& args) {
+    if (!in_graph_step()) return run();
+    queue_->queue(what, args(), std::forward<Run>(run));
+  }
   bool in_graph_step() const { return queue_ && queue_->in_graph_step(); }
   void host_wait(const char* what) const {
     if (queue_) queue_->host_wait(what);
