@@ -6,11 +6,12 @@
 // - DataParallel and the Trainer (GPT and Llama, float and double, accumulation 2, a new
 //   batch and learning rate every step) give the plain steps' losses and weights bit for bit,
 //   and capture again when the batch's shape or a hyperparameter changes;
-// - on meshes (DP, with ZeRO-1; TP with SP; CP; all three) the Trainer's graph steps, whose
-//   collectives are captured with the kernels, equal its plain steps bit for bit, and each
-//   graph step issues exactly the plain step's collectives (counted);
+// - on meshes (DP, with ZeRO-1; TP with SP; CP; PP, tied GPT-2's wte summed over the stages;
+//   all of them) the Trainer's graph steps, whose collectives and point-to-point transfers
+//   are captured with the kernels, equal its plain steps bit for bit, and each graph step
+//   issues exactly the plain step's collectives (counted);
 // - a checkpoint loaded between steps leaves the graph replaying the right steps;
-// - the Trainer refuses the graph with a pipeline or ZeRO-2/3.
+// - the Trainer refuses the graph with several chunks per pipeline rank or ZeRO-2/3.
 
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
@@ -34,6 +35,9 @@ namespace {
 
 struct small_gpt : gpt_config {
   static constexpr int layers = 2, d_model = 32, heads = 4, vocab = 53, max_seq = 16, vocab_multiple = 16;
+};
+struct four_layers : small_gpt {  // a part for each of 2 pipeline ranks x 2 chunks
+  static constexpr int layers = 4;
 };
 struct small_llama : llama_config {
   static constexpr int layers = 2, d_model = 32, heads = 4, kv_heads = 2, ffn = 48, vocab = 61, max_seq = 16;
@@ -170,7 +174,7 @@ TEST_CASE_TEMPLATE("DataParallel: steps replayed as a graph equal plain steps bi
 
 // Two trainers of the same model on every rank of the mesh, one plain and one replaying a
 // graph, stepped in turn: their losses and serial weights, bit for bit.
-template <class Model, class Policy>
+template <class Model, class Policy, class Schedule = Accumulate<accum>>
 void trainer_graph_equals_plain() {
   using M = typename Model::mesh;
   const TrainerConfig plain_cfg{.adamw = adamw, .lr = schedule};
@@ -182,7 +186,7 @@ void trainer_graph_equals_plain() {
   bool captured = false;
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
-    Trainer<Model, Policy, Accumulate<accum>> plain(ctx, plain_cfg, GptInit{4, 0.05}),
+    Trainer<Model, Policy, Schedule> plain(ctx, plain_cfg, GptInit{4, 0.05}),
         graphed(ctx, graph_cfg, GptInit{4, 0.05});
     std::vector<int> tok, tgt;
     std::vector<double> lp, lg;
@@ -217,6 +221,18 @@ TEST_CASE("the Trainer: steps replayed as a graph equal plain ones bit for bit, 
   SUBCASE("CP 2, all-gather attention") { trainer_graph_equals_plain<Llama<small_llama, Mesh<CP<2>>, float>, NoZeRO>(); }
   SUBCASE("DP 2 x CP 2 x TP 2, ZeRO-1") {
     trainer_graph_equals_plain<GPT<small_gpt, Mesh<DP<2>, CP<2>, TP<2>>, float, Host, SequenceParallel>, ZeRO<1>>();
+  }
+  // The activations and gradients between stages, the tied wte's gradient swapped between the
+  // first and last stage and summed, the norm over PP: all in the graph.
+  SUBCASE("PP 2, 1F1B, tied GPT-2") {
+    trainer_graph_equals_plain<GPT<small_gpt, Mesh<PP<2>>, float>, NoZeRO, pipeline::OneFOneB<2, accum>>();
+  }
+  SUBCASE("PP 2, ZB-H1 (a split backward), Llama, double") {
+    trainer_graph_equals_plain<Llama<small_llama, Mesh<PP<2>>, double>, NoZeRO, pipeline::ZBH1<2, accum>>();
+  }
+  SUBCASE("DP 2 x PP 2 x TP 2, ZeRO-1, SP, tied GPT-2") {
+    trainer_graph_equals_plain<GPT<small_gpt, Mesh<DP<2>, PP<2>, TP<2>>, float, Host, SequenceParallel>, ZeRO<1>,
+                               pipeline::OneFOneB<2, accum>>();
   }
 }
 
@@ -253,15 +269,48 @@ TEST_CASE("on a mesh each graph step issues the plain step's collectives, no mor
   });
 }
 
-TEST_CASE("the Trainer refuses a graph step with a pipeline or ZeRO-2, saying which") {
+TEST_CASE("on a pipeline each graph step issues the plain step's transfers and collectives, no more (DP 2 x PP 2, "
+          "tied GPT-2, ZeRO-1)") {
+  using M = Mesh<DP<2>, PP<2>>;
+  using Model = GPT<small_gpt, M, float>;
+  TrainerConfig cfg{.adamw = adamw, .lr = schedule};
+  cfg.step_graph = true;
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(Counting<host::Comm>(world));
+    Trainer<Model, ZeRO<1>, pipeline::OneFOneB<2, accum>> t(ctx, cfg, GptInit{4, 0.05});
+    auto& pp = ctx.comm<Axis::pp>();
+    auto& grad = ctx.comm<typename M::grad_group>();
+    std::vector<CommCounts> per_step_pp, per_step_grad;
+    std::vector<int> tok, tgt;
+    for (int s = 1; s <= 5; ++s) {
+      test::global_batch(s, accum, B, T, small_gpt::vocab, tok, tgt);
+      const CommCounts pp0 = pp.counts(), grad0 = grad.counts();
+      t.step(s, tok, tgt, B, T);
+      per_step_pp.push_back(pp.counts() - pp0);
+      per_step_grad.push_back(grad.counts() - grad0);
+    }
+    CHECK(t.step_graph_captured());
+    CHECK(per_step_pp[0].send_recv.calls > 0);  // activations, gradients, the tied gradient's swap
+    CHECK(per_step_grad[0].reduce_scatter.calls > 0);
+    for (std::size_t s = 1; s < per_step_pp.size(); ++s) {
+      CAPTURE(s);
+      CHECK(per_step_pp[s] == per_step_pp[0]);
+      CHECK(per_step_grad[s] == per_step_grad[0]);
+    }
+  });
+}
+
+TEST_CASE("the Trainer refuses a graph step with two chunks per pipeline rank or ZeRO-2, saying which") {
   TrainerConfig cfg{.adamw = adamw, .lr = schedule};
   cfg.step_graph = true;
   using PP2 = Mesh<PP<2>>;
   host::run(2, [&](host::Comm& world) {
     auto ctx = make_mesh_context<PP2>(world);
-    CHECK_THROWS_WITH_AS((Trainer<GPT<small_gpt, PP2, float>, NoZeRO, pipeline::OneFOneB<2, 2>>(ctx, cfg, GptInit{4, 0.05})),
-                         doctest::Contains("without a pipeline, experts or ZeRO-2/3; this mesh has PP 2"),
-                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(
+        (Trainer<GPT<four_layers, PP2, float>, NoZeRO, pipeline::Interleaved1F1B<2, 2, 2>>(ctx, cfg, GptInit{4, 0.05})),
+        doctest::Contains("with one model chunk per pipeline rank, without experts or ZeRO-2/3; this schedule has 2 "
+                          "chunks per rank"),
+        std::invalid_argument);
   });
   using DP2 = Mesh<DP<2>>;
   host::run(2, [&](host::Comm& world) {

@@ -25,7 +25,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <span>
 #include <stdexcept>
@@ -35,33 +34,11 @@
 #include <vector>
 
 #include "fived/comm/group_comm.hpp"
+#include "fived/comm/step_gate.hpp"
 #include "fived/mesh/mesh.hpp"
 #include "fived/util/call_hash.hpp"
 
 namespace fived {
-
-// The face of an Ops (nn/ops.hpp) that a communicator queues its device work through.
-class StepQueue {
- public:
-  virtual ~StepQueue() = default;
-  virtual bool in_graph_step() const = 0;
-  virtual void queue(const char* what, std::uint64_t args, std::function<void()> run) = 0;
-  virtual void host_wait(const char* what) const = 0;
-};
-
-template <class O>
-class OpsStepQueue final : public StepQueue {
- public:
-  explicit OpsStepQueue(O& ops) : ops_(ops) {}
-  bool in_graph_step() const override { return ops_.in_graph_step(); }
-  void queue(const char* what, std::uint64_t args, std::function<void()> run) override {
-    ops_.queue(what, std::move(run), [args] { return args; });
-  }
-  void host_wait(const char* what) const override { ops_.host_wait(what); }
-
- private:
-  O& ops_;
-};
 
 // One rank's handle on a group of the mesh (G: a GroupView such as M::tp_group or
 // M::grad_group); AxisComm<M, A> is the group over one axis.
@@ -101,7 +78,7 @@ class MeshComm {
   void order_after(O& ops) {
     if constexpr (size > 1) {
       if constexpr (requires { ops.stream(); }) comm_->set_compute_stream(ops.stream());
-      queue_ = std::make_unique<OpsStepQueue<O>>(ops);
+      gate_.order_after(ops);
     }
   }
   // A value the host holds, reduced over the group (returns it unchanged at extent 1).
@@ -148,30 +125,20 @@ class MeshComm {
   template <class E>
   void all_to_all_v(std::span<const std::type_identity_t<E>> send, std::span<const std::size_t> send_counts,
                     std::span<E> recv, std::span<const std::size_t> recv_counts) requires(size > 1) {
-    if (!in_graph_step()) return comm_->all_to_all_v(send, send_counts, recv, recv_counts);
+    if (!gate_.in_graph_step()) return comm_->all_to_all_v(send, send_counts, recv, recv_counts);
     std::uint64_t h = call_hash(comm_.get(), send.data(), send.size(), recv.data(), recv.size());
     for (const std::size_t n : send_counts) h = call_hash(h, n);
     for (const std::size_t n : recv_counts) h = call_hash(h, n);
-    queue_->queue("MeshComm::all_to_all_v", h,
-                  [c = comm_.get(), send, recv, sc = std::vector<std::size_t>(send_counts.begin(), send_counts.end()),
-                   rc = std::vector<std::size_t>(recv_counts.begin(), recv_counts.end())] {
-                    c->all_to_all_v(send, std::span<const std::size_t>(sc), recv, std::span<const std::size_t>(rc));
-                  });
+    gate_.queue("MeshComm::all_to_all_v", h,
+                [c = comm_.get(), send, recv, sc = std::vector<std::size_t>(send_counts.begin(), send_counts.end()),
+                 rc = std::vector<std::size_t>(recv_counts.begin(), recv_counts.end())] {
+                  c->all_to_all_v(send, std::span<const std::size_t>(sc), recv, std::span<const std::size_t>(rc));
+                });
   }
   // Grouped point-to-point within the group (peers are group ranks); nothing at extent 1.
   template <class E>
   void send_recv(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) {
-    if constexpr (size > 1) {
-      if (!in_graph_step()) return comm_->send_recv(sends, recvs);
-      std::uint64_t h = call_hash(comm_.get(), sends.size(), recvs.size());  // field by field: no padding
-      for (const SendOp<E>& x : sends) h = call_hash(h, x.buf.data(), x.buf.size(), x.peer);
-      for (const RecvOp<E>& x : recvs) h = call_hash(h, x.buf.data(), x.buf.size(), x.peer);
-      queue_->queue("MeshComm::send_recv", h,
-                    [c = comm_.get(), s = std::vector<SendOp<E>>(sends.begin(), sends.end()),
-                     r = std::vector<RecvOp<E>>(recvs.begin(), recvs.end())] {
-                      c->send_recv(std::span<const SendOp<E>>(s), std::span<const RecvOp<E>>(r));
-                    });
-    }
+    if constexpr (size > 1) gate_.send_recv(*comm_, sends, recvs);
   }
 
  private:
@@ -183,20 +150,15 @@ class MeshComm {
   }
 
   // A collective whose arguments are spans and scalars: issued now, or through order_after's
-  // Ops in a graph step (as Ops::queue: `args` hashes the arguments). send_recv and
-  // all_to_all_v copy their op and count lists for a graph step themselves.
+  // Ops in a graph step (comm/step_gate.hpp).
   template <class Run, class Args>
   void issue(const char* what, Run&& run, Args&& args) {
-    if (!in_graph_step()) return run();
-    queue_->queue(what, args(), std::forward<Run>(run));
+    gate_.issue(what, std::forward<Run>(run), std::forward<Args>(args));
   }
-  bool in_graph_step() const { return queue_ && queue_->in_graph_step(); }
-  void host_wait(const char* what) const {
-    if (queue_) queue_->host_wait(what);
-  }
+  void host_wait(const char* what) const { gate_.host_wait(what); }
 
   std::unique_ptr<GroupComm> comm_;  // null at extent 1
-  std::unique_ptr<StepQueue> queue_;  // order_after's, if any
+  StepGate gate_;                     // order_after's Ops, if any
 };
 
 template <MeshType M, Axis A>

@@ -73,13 +73,14 @@ struct DecoderSpecs {
       for (const TensorSpec& s : part) t[i++] = s;
     };
     if constexpr (has_embedding) put(embedding);
+    if constexpr (has_embedding && !has_head) t[0].tied = dims::tied;  // the last stage holds a copy
     for (int k = 0; k < blocks; ++k) put(block::specs(first + k, block_unit(k), stream_of(first + k)));
     if constexpr (has_head) {
       put(Arch::final_norm_specs(final_unit, C));
       if constexpr (!dims::tied) put(head_specs(V, Vp, C, final_unit));
       if constexpr (tied_copy) {
         TensorSpec wte = embedding[0];
-        wte.unit = final_unit, wte.tied_copy = true;
+        wte.unit = final_unit, wte.tied = wte.tied_copy = true;
         t[i++] = wte;
       }
     }

@@ -78,9 +78,13 @@ struct TensorSpec {
   Init init = Init::zeros;
   std::uint64_t stream = 0;
   int experts = 0;  // > 0: rows stack this many experts, split over EP
+  // Held by two pipeline stages (the word embedding a tied head multiplies by: on the
+  // embedding's stage, and as the head's copy on the last): its buckets are its own
+  // (train/bucket_plan.hpp), so the two stages add its gradients piece by piece.
+  bool tied = false;
   // A second copy of a tensor another pipeline stage owns (a tied output head's word
-  // embedding on the last stage): the same name, values and updates; counted once in the
-  // norm and in gathers (by its owner), its gradient summed with the owner's each step.
+  // embedding on the last stage; tied too): the same name, values and updates; counted once
+  // in the norm and in gathers (by its owner), its gradient summed with the owner's each step.
   bool tied_copy = false;
   const char* scope = "h.";  // what names a block's tensors start with, before the layer
 
@@ -279,6 +283,18 @@ struct ParamTable {
     for (const TensorSpec& s : specs) n += static_cast<std::size_t>(s.file_rows * s.cols);
     return n;
   }();
+
+  // The tensor held by another pipeline stage too (a spec marked `tied`), empty when none.
+  static constexpr FlatRange tied_range = [] {
+    FlatRange r{};
+    for (const ParamInfo& t : tensors)
+      if (t.spec.tied) r = {t.offset, t.end()};
+    return r;
+  }();
+  static_assert(std::count_if(specs.begin(), specs.end(), [](const TensorSpec& s) { return s.tied; }) <= 1,
+                "ParamTable: at most one tensor is tied across pipeline stages");
+  static_assert(std::all_of(specs.begin(), specs.end(), [](const TensorSpec& s) { return s.tied || !s.tied_copy; }),
+                "ParamTable: a tied_copy spec is tied too (set both)");
 
   static constexpr int units = [] {
     if constexpr (given_units) return Specs::units;

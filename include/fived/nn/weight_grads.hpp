@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <functional>
 #include <new>
 #include <stdexcept>
 #include <type_traits>
@@ -128,17 +129,20 @@ class WeightGradTape {
 
 // The tapes of the micro-batches between their backward_input and backward_weight: a tape is
 // taken by one and given back by the other, and a given-back tape keeps its arena for the
-// next (no allocation in a steady step).
+// next (no allocation in a steady step). take() hands out the lowest free tape, a new one
+// when none is free: the first step, which makes them, and every step after hand the same
+// tape to the same micro-batch, so a step replayed as a graph (nn/step_graph.hpp) finds its
+// snapshots where the captured step left them.
 template <class Ops>
 class WeightGradTapes {
  public:
   int take() {
     if (free_.empty()) free_.push_back(static_cast<int>(tapes_.size())), tapes_.emplace_back();
-    const int t = free_.back();
+    const int t = free_.back();  // the lowest: free_ is kept in falling order
     free_.pop_back();
     return t;
   }
-  void give_back(int t) { free_.push_back(t); }
+  void give_back(int t) { free_.insert(std::upper_bound(free_.begin(), free_.end(), t, std::greater<>()), t); }
   WeightGradTape<Ops>& operator[](int t) { return tapes_[static_cast<std::size_t>(t)]; }
 
  private:

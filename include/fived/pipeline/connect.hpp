@@ -10,8 +10,8 @@
 // The relation is symmetric (a table's sends and receives pair up), so every peer issues the
 // same group.
 //
-//   connect_peers<T>(program, pp_comm, ops);   // T: the messages' element type; a collective
-//                                              // of the ranks the program names
+//   connect_peers<T>(peers_of(program), pp_comm, ops);   // T: the messages' element type; a
+//                                                        // collective of the ranks named
 
 #include <algorithm>
 #include <cstddef>
@@ -23,14 +23,20 @@
 
 namespace fived::pipeline {
 
-template <class T, class C, class Ops>
-void connect_peers(std::span<const Action> program, C& pp, Ops& ops) {
+// The ranks a program exchanges with, each once, in order.
+inline std::vector<int> peers_of(std::span<const Action> program) {
   std::vector<int> peers;
   for (const Action& s : program)
-    if (is_comm(s.op) && s.peer >= 0 && std::find(peers.begin(), peers.end(), s.peer) == peers.end())
-      peers.push_back(s.peer);
-  if (peers.empty()) return;
+    if (is_comm(s.op) && s.peer >= 0) peers.push_back(s.peer);
   std::sort(peers.begin(), peers.end());
+  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+  return peers;
+}
+
+// peers: sorted, each once; the relation must be symmetric (each peer names this rank).
+template <class T, class C, class Ops>
+void connect_peers(const std::vector<int>& peers, C& pp, Ops& ops) {
+  if (peers.empty()) return;
   auto out = ops.template make_buffer<T>(peers.size()), in = ops.template make_buffer<T>(peers.size());
   std::vector<SendOp<T>> sends;
   std::vector<RecvOp<T>> recvs;

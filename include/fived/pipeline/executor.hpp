@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "fived/comm/communicator.hpp"
+#include "fived/comm/step_gate.hpp"
 #include "fived/comm/types.hpp"
 #include "fived/device/bf16.hpp"
 #include "fived/device/buffer.hpp"
@@ -50,8 +51,9 @@
 #include "fived/pipeline/action.hpp"
 #include "fived/pipeline/connect.hpp"
 #include "fived/pipeline/slot_book.hpp"
-#include "fived/pipeline/tied_grads.hpp"
 #include "fived/pipeline/stages.hpp"
+#include "fived/pipeline/tied_grads.hpp"
+#include "fived/util/call_hash.hpp"
 #include "fived/pipeline/step_frame.hpp"
 #include "fived/pipeline/table.hpp"
 
@@ -103,17 +105,23 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
                                     std::to_string(dp.accum()) + " micro-batches, the schedule runs " +
                                     std::to_string(M_) + ": make it with accum = " + std::to_string(M_));
     });
-    // On a device the point-to-point transfers are ordered with the chunks' kernels.
+    // On a device the point-to-point transfers are ordered with the chunks' kernels, and
+    // they belong to the first chunk's graph steps (comm/step_gate.hpp).
     if constexpr (requires { pp_.set_compute_stream(std::get<0>(chunks_).ops().stream()); })
       pp_.set_compute_stream(std::get<0>(chunks_).ops().stream());
-    connect_peers<T>(std::span<const Action>(program_), pp_, std::get<0>(chunks_).ops());
+    gate_.order_after(std::get<0>(chunks_).ops());
+    if constexpr (ties) make_tied_sum();
+    std::vector<int> peers = peers_of(std::span<const Action>(program_));
+    if (tied_.peer() >= 0 && std::find(peers.begin(), peers.end(), tied_.peer()) == peers.end())
+      peers.insert(std::upper_bound(peers.begin(), peers.end(), tied_.peer()), tied_.peer());
+    connect_peers<T>(peers, pp_, std::get<0>(chunks_).ops());
   }
 
   // One optimizer step on the global batch: M micro-batches of [B, T] token ids, rows
   // [m*B, (m+1)*B) for micro-batch m, the same on every rank (each data-parallel rank takes
   // its rows of every micro-batch). Returns the mean loss, on every rank.
   double step(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
-    // Plain unless the Trainer turned the step graph on (no pipeline: one chunk).
+    // Plain unless the Trainer turned the step graph on (one chunk per rank).
     GraphStep graph(std::get<0>(chunks_).ops(), frame_.graph_shape(tokens.size(), B, seq));
     run(tokens, targets, B, seq);
     update();
@@ -263,33 +271,35 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
         }
       });
     }
-    pp_.send_recv(std::span<const SendOp<T>>(sends), std::span<const RecvOp<T>>(recvs));
+    gate_.send_recv(pp_, std::span<const SendOp<T>>(sends), std::span<const RecvOp<T>>(recvs));
     for (std::size_t j = i; j < e; ++j)  // d(input) has left: its slot may go
       if (program_[j].op == Op::send_grad) done_with(program_[j].chunk, program_[j].mb);
   }
 
-  // A tensor tied across stages gets the sum of its reduced gradients over every chunk and
-  // stage that holds it (pipeline/tied_grads.hpp).
+  // A tensor tied across stages gets the sum of the two copies' reduced gradients, in device
+  // memory (pipeline/tied_grads.hpp).
   static constexpr bool ties = ((tied_name<Models>() != nullptr) || ...);
+  void make_tied_sum() {
+    std::vector<std::pair<int, std::vector<std::span<T>>>> holders;
+    for_each_chunk([&]<int c>(auto& model, auto& dp) {
+      if (const auto r = tied_range<std::remove_reference_t<decltype(model)>>())
+        holders.emplace_back(shape_.stage(rank_, c), dp.owned_reduced_grads(*r));
+    });
+    tied_ = TiedGradSum<T, Device>(shape_, std::move(holders), std::get<0>(chunks_).ops());
+  }
   void sum_tied_grads() {
-    if constexpr (ties) {
-      if (pp_.size() == 1 && V == 1) return;  // one model holds the only copy
-      pipeline::sum_tied_grads<T>([&](auto&& f) { for_each_chunk(f); },
-                                  [&](std::span<double> v, ReduceOp op) { all_reduce_pp(v, op); });
-    }
+    if constexpr (ties) tied_.sum(std::get<0>(chunks_).ops(), gate_, pp_);
   }
 
-  void all_reduce_pp(std::span<double> v, ReduceOp op) {
-    if (pp_.size() == 1) return;
-    if constexpr (requires { pp_.all_reduce_host(v, op); }) pp_.all_reduce_host(v, op);
-    else pp_.all_reduce(std::span<const double>(v), v, op);
-  }
   // Values in the chunks' device memory (the gradient norm), summed in the order of their kernels.
   void sum_over_pp_in_device(std::span<double> v) {
-    if (pp_.size() > 1) pp_.all_reduce(std::span<const double>(v), v, ReduceOp::sum);
+    if (pp_.size() > 1)
+      gate_.issue("pipeline: the gradient norm over PP", [this, v] { pp_.all_reduce(std::span<const double>(v), v, ReduceOp::sum); },
+                  [&] { return call_hash(&pp_, v.data(), v.size()); });
   }
   double all_reduce_pp(double v) {
     if (pp_.size() == 1) return v;  // no pipeline (Accumulate<M>): nothing to reduce
+    gate_.host_wait("pipeline: the loss over PP");
     if constexpr (requires { pp_.all_reduce_host(std::span<double>(&v, 1), ReduceOp::sum); })
       pp_.all_reduce_host(std::span<double>(&v, 1), ReduceOp::sum);
     else
@@ -380,6 +390,8 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   C& pp_;
   std::tuple<Models&...> chunks_;
   std::tuple<Trainers&...> trainers_;
+  StepGate gate_;                        // pp_'s calls in a graph step
+  TiedGradSum<T, Device> tied_;          // the tied tensor's gradient summed over its stages
   Buffer<double, Device> norm_total_;  // the step's squared gradient norm, summed over PP (device memory)
   StepFrame<Trainers...> frame_;        // begin, each backward's bracket, end, the clip and the updates
   std::optional<SlotBook> book_;  // which slot each micro-batch holds (made once the program is checked)

@@ -1,23 +1,33 @@
 #pragma once
-// A tensor tied across pipeline stages (the model contract's `tied_weight`: GPT-2's wte, which
-// the first stage embeds with and the last stage's head multiplies by, each holding a copy)
-// gets the sum of its reduced gradients over every chunk and stage that holds it (Megatron's
-// embedding group; the stages without it add zeros), so the copies take the same steps.
+// A tensor tied across pipeline stages (the model contract's `tied_weight`: GPT-2's wte,
+// which the first stage embeds with and the last stage's head multiplies by, each holding a
+// copy) gets the sum of the two copies' reduced gradients, so the copies take the same
+// steps (Megatron's embedding group).
 //
-//   sum_tied_grads<T>(for_each_chunk, all_reduce_pp);   // after the step's reductions, before the update
+// The sum is made in device memory, in the order of the kernels, and the host waits for
+// nothing. Both stages cut the tensor into the same buckets (train/bucket_plan.hpp: a tied
+// tensor's buckets are its own), so each DP rank holds the same pieces of it on both:
+// the two PP ranks swap those pieces in one grouped send_recv and each adds the other's
+// (where one rank holds both stages, as chunks, it adds them in place). a + b is b + a, so
+// both copies end with the same bits: the sum of the two rounded once, which is what
+// summing them in double and rounding would give.
 //
-// for_each_chunk(f) calls f.template operator()<c>(model, trainer) for each chunk of this
-// rank; all_reduce_pp(span<double>, ReduceOp) reduces over the PP group.
+//   TiedGradSum<T, Device> tied(shape, holders, ops);   // at the executor's construction  // at the executor's construction
+//   tied.peer();                                      // the PP rank this one swaps with (-1: none)
+//   tied.sum(ops, gate, pp);                          // after the step's reductions, before the update
 
 #include <cstddef>
 #include <optional>
 #include <span>
-#include <type_traits>
+#include <stdexcept>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "fived/comm/types.hpp"
-#include "fived/device/bf16.hpp"
+#include "fived/device/buffer.hpp"
 #include "fived/optim/flat_range.hpp"
+#include "fived/pipeline/stages.hpp"
 
 namespace fived::pipeline {
 
@@ -26,36 +36,92 @@ constexpr const char* tied_name() {
   if constexpr (requires { Model::tied_weight; }) return Model::tied_weight;
   else return nullptr;
 }
-// The tied tensor's range in the model's flat buffer, where this model (a stage) holds it.
+// The tied tensor's range in the model's flat buffer, where this model (a stage) holds it:
+// its layout's tied_range (the spec marked `tied`), which must be the contract's tied_weight.
 template <class Model>
 std::optional<FlatRange> tied_range() {
-  if constexpr (tied_name<Model>() == nullptr) return std::nullopt;
-  else if (const auto i = Model::layout::find(tied_name<Model>()))
-    return FlatRange{Model::layout::tensors[static_cast<std::size_t>(*i)].offset,
-                     Model::layout::tensors[static_cast<std::size_t>(*i)].end()};
-  else return std::nullopt;
+  if constexpr (tied_name<Model>() == nullptr) {
+    return std::nullopt;
+  } else {
+    const auto i = Model::layout::find(tied_name<Model>());
+    if (!i) return std::nullopt;
+    const auto& t = Model::layout::tensors[static_cast<std::size_t>(*i)];
+    const FlatRange r{t.offset, t.end()};
+    if (Model::has_embedding && Model::has_head) return r;  // the whole model: one copy
+    if constexpr (requires { Model::layout::tied_range; })
+      if (Model::layout::tied_range == r) return r;
+    throw std::logic_error(std::string("pipeline: the tied tensor '") + tied_name<Model>() +
+                           "' of a pipeline stage must be its layout's spec marked `tied` (TensorSpec::tied), so that "
+                           "each stage holding it cuts it into the same buckets");
+  }
 }
 
-template <class T, class ForEachChunk, class AllReducePP>
-void sum_tied_grads(ForEachChunk&& for_each_chunk, AllReducePP&& all_reduce_pp) {
-  std::vector<double> sum;
-  for_each_chunk([&]<int c>(auto& model, auto& dp) {
-    if (const auto r = tied_range<std::remove_reference_t<decltype(model)>>()) {
-      const std::vector<T> g = dp.reduced_grads(*r);
-      sum.resize(g.size(), 0.0);
-      for (std::size_t k = 0; k < g.size(); ++k) sum[k] += static_cast<double>(static_cast<acc_t<T>>(g[k]));
+// One rank's part of the sum: the pieces of each of its chunks that hold the tied tensor
+// (DataParallel::owned_reduced_grads over tied_range), and a buffer for the peer's.
+template <class T, class Device>
+class TiedGradSum {
+ public:
+  TiedGradSum() = default;
+  // holders: for each chunk of this rank holding the tied tensor, its virtual stage and its
+  // pieces (device memory, in flat order; the same spans every step).
+  template <class Ops>
+  TiedGradSum(Shape shape, std::vector<std::pair<int, std::vector<std::span<T>>>> holders, Ops& ops) {
+    const int first = 0, last = shape.stages() - 1;
+    for (const auto& [stage, pieces] : holders)
+      if (stage != first && stage != last)
+        throw std::logic_error("pipeline: virtual stage " + std::to_string(stage) + " holds the tied tensor; only the "
+                               "first and the last stage may (the model contract's tied_weight)");
+    if (holders.empty() || first == last) return;  // not tied across stages here
+    mine_ = std::move(holders[0].second);
+    if (holders.size() == 2) {  // both stages are chunks of this rank
+      other_ = std::move(holders[1].second);
+      check_alike(mine_, other_);
+      return;
     }
-  });
-  std::vector<double> n{static_cast<double>(sum.size())};
-  all_reduce_pp(std::span<double>(n), ReduceOp::max);  // the stages without it learn its size
-  sum.resize(static_cast<std::size_t>(n[0]), 0.0);
-  all_reduce_pp(std::span<double>(sum), ReduceOp::sum);
-  std::vector<T> back(sum.size());
-  for (std::size_t k = 0; k < sum.size(); ++k) back[k] = static_cast<T>(sum[k]);
-  for_each_chunk([&]<int c>(auto& model, auto& dp) {
-    if (const auto r = tied_range<std::remove_reference_t<decltype(model)>>())
-      dp.set_reduced_grads(*r, std::span<const T>(back));
-  });
-}
+    peer_ = shape.rank_of(holders[0].first == first ? last : first);
+    std::size_t n = 0;
+    for (const std::span<T>& p : mine_) n += p.size();
+    received_ = ops.template make_buffer<T>(n);
+    n = 0;
+    for (const std::span<T>& p : mine_) other_.push_back(received_.span().subspan(n, p.size())), n += p.size();
+  }
+
+  // The PP rank holding the other copy, which this rank swaps pieces with; -1: none.
+  int peer() const { return peer_; }
+
+  // Each piece += the other copy's, and the other copy = the sum. gate: the executor's
+  // StepGate (comm/step_gate.hpp), pp: its PP communicator.
+  template <class Ops, class Gate, class PP>
+  void sum(Ops& ops, Gate& gate, PP& pp) {
+    if (mine_.empty()) return;
+    if (peer_ >= 0) {
+      sends_.clear(), recvs_.clear();
+      for (std::size_t k = 0; k < mine_.size(); ++k) {
+        sends_.push_back({std::span<const T>(mine_[k]), peer_});
+        recvs_.push_back({other_[k], peer_});
+      }
+      gate.send_recv(pp, std::span<const SendOp<T>>(sends_), std::span<const RecvOp<T>>(recvs_));
+    }
+    for (std::size_t k = 0; k < mine_.size(); ++k) {
+      ops.residual_forward(mine_[k].data(), mine_[k].data(), other_[k].data(), mine_[k].size());
+      if (peer_ < 0) ops.copy(other_[k].data(), mine_[k].data(), mine_[k].size());
+    }
+  }
+
+ private:
+  static void check_alike(const std::vector<std::span<T>>& a, const std::vector<std::span<T>>& b) {
+    bool same = a.size() == b.size();
+    for (std::size_t k = 0; same && k < a.size(); ++k) same = a[k].size() == b[k].size();
+    if (!same)
+      throw std::logic_error("pipeline: the two stages holding the tied tensor cut it into different pieces "
+                             "(train/bucket_plan.hpp cuts a layout's tied_range alike on each)");
+  }
+
+  std::vector<std::span<T>> mine_, other_;  // other_: the peer's pieces as received, or the second chunk's
+  Buffer<T, Device> received_;
+  int peer_ = -1;
+  std::vector<SendOp<T>> sends_;
+  std::vector<RecvOp<T>> recvs_;
+};
 
 }  // namespace fived::pipeline

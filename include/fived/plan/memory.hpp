@@ -58,6 +58,13 @@ struct UnitLayout {
   static constexpr std::size_t size = unit_begin(units);
   // The embedding's gradient is written at both ends of the part (a tied head on it).
   static constexpr bool tied_ends = Model.tied && Part.embedding && Part.head && !Experts;
+  // wte where a tied model's pipeline holds it on two stages (ParamTable::tied_range): first
+  // on the embedding's part, last on the head's.
+  static constexpr FlatRange tied_range = [] {
+    const std::size_t wte = static_cast<std::size_t>(Model.padded_vocab / TP) * static_cast<std::size_t>(Model.d_model);
+    if (!Model.tied || Experts || Part.embedding == Part.head) return FlatRange{};
+    return Part.embedding ? FlatRange{0, wte} : FlatRange{size - wte, size};
+  }();
 };
 
 // What a rank holds for training between steps, and while a step runs.

@@ -15,6 +15,12 @@
 // buckets. A unit larger than BucketBytes is cut into buckets of BucketBytes, the last
 // one shorter. A layout without units is a single unit.
 //
+// A tensor that another pipeline stage holds too (Layout::tied_range, where the layout has
+// one: the word embedding that a tied head multiplies by) is cut into buckets of its own,
+// from its first element. So every stage that holds it cuts it alike, each DP rank owns the
+// same elements of it on each stage, and the stages can add their gradients of it piece by
+// piece (pipeline/tied_grads.hpp).
+//
 // Each bucket is reduce-scattered and all-gathered in DP equal pieces. Its size is rounded up
 // to a multiple of DP * Align elements (`padded`, Align = 64 elements = 256 bytes in fp32, the
 // alignment NCCL and vector loads like). Rank r's piece is [begin + r*s, begin + (r+1)*s) with
@@ -64,9 +70,29 @@ struct BucketPlan {
     else return {0, size};
   }
 
+  // The tensor shared with another pipeline stage (empty: none).
+  static constexpr FlatRange tied = [] {
+    if constexpr (requires { Layout::tied_range; }) return FlatRange(Layout::tied_range);
+    else return FlatRange{};
+  }();
+  // Unit u as the stretches cut into buckets: the unit, split at the tied tensor's ends.
+  static constexpr std::array<FlatRange, 3> stretches(int u) {
+    const FlatRange r = unit(u);
+    if (tied.empty() || !r.contains(tied)) return {r, FlatRange{}, FlatRange{}};
+    return {FlatRange{r.begin, tied.begin}, tied, FlatRange{tied.end, r.end}};
+  }
+  static_assert(tied.empty() ||
+                    [] {
+                      for (int u = 0; u < units; ++u)
+                        if (unit(u).contains(tied)) return true;
+                      return false;
+                    }(),
+                "fived::BucketPlan: the layout's tied tensor must lie inside one unit");
+
   static constexpr std::size_t count = [] {
     std::size_t n = 0;
-    for (int u = 0; u < units; ++u) n += (unit(u).size() + elements - 1) / elements;
+    for (int u = 0; u < units; ++u)
+      for (const FlatRange& s : stretches(u)) n += (s.size() + elements - 1) / elements;
     return n;
   }();
 
@@ -75,12 +101,13 @@ struct BucketPlan {
     std::array<Bucket, count> b{};
     std::size_t i = 0, shard = 0;
     for (int u = 0; u < units; ++u)
-      for (std::size_t at = unit(u).begin; at < unit(u).end; at += elements, ++i) {
-        const std::size_t end = at + elements < unit(u).end ? at + elements : unit(u).end;
-        const std::size_t padded = (end - at + quantum - 1) / quantum * quantum;
-        b[i] = Bucket{{at, end}, padded, u, shard};
-        shard += padded / static_cast<std::size_t>(DP);
-      }
+      for (const FlatRange& s : stretches(u))
+        for (std::size_t at = s.begin; at < s.end; at += elements, ++i) {
+          const std::size_t end = at + elements < s.end ? at + elements : s.end;
+          const std::size_t padded = (end - at + quantum - 1) / quantum * quantum;
+          b[i] = Bucket{{at, end}, padded, u, shard};
+          shard += padded / static_cast<std::size_t>(DP);
+        }
     return b;
   }
 

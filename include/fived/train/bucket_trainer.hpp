@@ -154,32 +154,18 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
     else return gathered([this](std::size_t i) { return std::span<const T>(owned_grads(i)); });
   }
 
-  // The same for flat range r only (a collective over the group under ZeRO: the buckets that
-  // overlap r are gathered), and back: after the caller changed it (a tied tensor's gradient
-  // summed over the pipeline stages that hold it), every rank keeps its owned part of it.
-  std::vector<T> reduced_grads(FlatRange r) {
-    if constexpr (stage == 0) {
-      return model_.ops().to_host(std::span<const T>(model_.grads().subspan(r.begin, r.size())));
-    } else {
-      buffer all = model_.ops().template make_buffer<T>(layout::size);
-      queue_.submit([&](ops_type& ops) {
-        for (std::size_t i = 0; i < plan::count; ++i)
-          if (overlaps(plan::bucket(i).range, r)) gather_bucket(ops, i, owned_grads(i), all.span());
-      }, false);
-      queue_.drain();
-      return model_.ops().to_host(std::span<const T>(all.span().subspan(r.begin, r.size())));
-    }
-  }
-  void set_reduced_grads(FlatRange r, std::span<const T> values) {
-    if (values.size() != r.size())
-      throw std::invalid_argument("fived::DataParallel::set_reduced_grads: " + std::to_string(values.size()) +
-                                  " values for a range of " + std::to_string(r.size()));
+  // What this rank holds of the reduced gradient of flat range r, in place in device memory
+  // (between end_micro_batches and update, as reduced_grads): the owned part of each bucket
+  // that overlaps r, in flat order. A tied tensor's gradient (pipeline/tied_grads.hpp) is
+  // added into them: its buckets are cut alike on each stage that holds it.
+  std::vector<std::span<T>> owned_reduced_grads(FlatRange r) {
+    std::vector<std::span<T>> pieces;
     for (std::size_t i = 0; i < plan::count; ++i) {
       const FlatRange o = owned(i);
       const std::size_t b = std::max(o.begin, r.begin), e = std::min(o.end, r.end);
-      if (b >= e) continue;
-      model_.ops().upload(owned_grads(i).data() + (b - o.begin), values.data() + (b - r.begin), e - b);
+      if (b < e) pieces.push_back(owned_grads(i).subspan(b - o.begin, e - b));
     }
+    return pieces;
   }
 
   // Bytes this rank holds for training state between steps (train/data_parallel.hpp).

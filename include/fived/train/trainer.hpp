@@ -69,9 +69,9 @@ struct TrainerConfig {
   LrSchedule lr = WarmupCosine{};  // any callable double(int step): train/lr_schedule.hpp
   // From the third step on, replay the second as a graph (a CUDA graph on CUDA: the device
   // starts each kernel without waiting for the host to launch it; nn/step_graph.hpp), its
-  // collectives over TP, CP and DP included. Without a pipeline, experts or ZeRO-2/3; the
-  // batch's shape and the hyperparameters but the learning rate fixed (a change captures
-  // again).
+  // collectives over TP, CP, DP and PP included. With one model chunk per pipeline rank,
+  // without experts or ZeRO-2/3; the batch's shape and the hyperparameters but the learning
+  // rate fixed (a change captures again).
   bool step_graph = false;
 };
 
@@ -320,13 +320,13 @@ class Trainer {
                           std::tie(*std::get<c>(trainers_)...));
       }(chunks{});
       if (cfg.step_graph) {
-        if constexpr (V == 1 && mesh::pp == 1 && DataParallel<chunk<0>, Policy>::graph_step_allowed)
+        if constexpr (V == 1 && DataParallel<chunk<0>, Policy>::graph_step_allowed)
           std::get<0>(trainers_)->set_step_graph(true);
         else
           throw std::invalid_argument(
-              std::string("fived::Trainer: TrainerConfig::step_graph replays a step as a graph without a pipeline, "
-                          "experts or ZeRO-2/3; ") +
-              (mesh::pp > 1 ? "this mesh has PP " + std::to_string(mesh::pp)
+              std::string("fived::Trainer: TrainerConfig::step_graph replays a step as a graph with one model chunk "
+                          "per pipeline rank, without experts or ZeRO-2/3; ") +
+              (V > 1 ? "this schedule has " + std::to_string(V) + " chunks per rank"
                : HasExperts<Model> ? std::string("this model has experts")
                                    : "this trainer has ZeRO<" + std::to_string(Policy::stage) + ">") +
               ": set step_graph = false");
