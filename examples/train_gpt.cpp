@@ -44,8 +44,8 @@
 // (temporary files, steps without a manifest) is removed at the start and after each save;
 // --keep-last N keeps only the newest N complete steps once the newest verifies.
 //
-// --step-graph (a mesh without a pipeline): from the third step on, each step replays the
-// second as a graph, its collectives included (a CUDA graph on the GPU: nn/step_graph.hpp);
+// --step-graph: from the third step on, each step replays the second as a graph, its
+// collectives and pipeline transfers included (a CUDA graph on the GPU: nn/step_graph.hpp);
 // the losses are the same.
 
 #include <algorithm>
@@ -129,7 +129,7 @@ struct Options {
   double lr = 4e-3;
   unsigned seed = 1337;
   bool host = false;  // stay on the host even when a GPU is there (CUDA build)
-  bool step_graph = false;  // TrainerConfig::step_graph (a mesh without a pipeline)
+  bool step_graph = false;  // TrainerConfig::step_graph
 };
 
 [[noreturn]] void usage(const std::string& msg) {

@@ -429,7 +429,7 @@ TEST_CASE("a split backward's snapshots for W are the plan's deferred bytes, for
 }
 
 // The layout of a trainer's run, for the planner.
-template <class M, class Policy, class Sched, class R, int B, int T>
+template <class M, class Policy, class Sched, class R, int B, int T, bool Tied = false>
 struct trainer_run : plan::layout {
   using mesh = M;
   using schedule = Sched;
@@ -437,18 +437,20 @@ struct trainer_run : plan::layout {
   static constexpr bool sequence_parallel = M::tp > 1;
   static constexpr int zero = Policy::stage, element_bytes = 4, micro_batch = B / M::dp, sequence = T;
   // the trainer's cut of the blocks (FlopCost), which the plan then follows
-  static constexpr auto bounds = StageLayers<GPT<demo_cfg<R>>, Sched::table.shape.ranks * Sched::table.shape.chunks>::bounds;
+  static constexpr auto bounds =
+      StageLayers<GPT<demo_cfg<R, Tied>>, Sched::table.shape.ranks * Sched::table.shape.chunks>::bounds;
 };
 
 // One trainer step of the demo GPT on mesh M, every group's collectives counted on every rank,
 // against the plan of the same run: calls and bytes, kind by kind, for TP, CP, PP and DP x CP
-// (host values included). Dense: an expert all-to-all's bytes depend on the routing.
-template <class M, class Policy, class Sched, class R = NoRecompute>
+// (host values included). Dense: an expert all-to-all's bytes depend on the routing. Tied: the
+// first and last stage swap their pieces of wte's gradient.
+template <class M, class Policy, class Sched, class R = NoRecompute, bool Tied = false>
 void check_step_traffic() {
   using SP = std::conditional_t<(M::tp > 1), SequenceParallel, NoSequenceParallel>;
-  using Model = GPT<demo_cfg<R>, M, float, Host, SP>;
+  using Model = GPT<demo_cfg<R, Tied>, M, float, Host, SP>;
   constexpr int micro = Sched::table.micro_batches, B = 4, T = 32;
-  using P = plan::Plan<plan::from_gpt<demo_cfg<R>>(), trainer_run<M, Policy, Sched, R, B, T>>;
+  using P = plan::Plan<plan::from_gpt<demo_cfg<R, Tied>>(), trainer_run<M, Policy, Sched, R, B, T, Tied>>;
   std::vector<int> tok(static_cast<std::size_t>(micro * B * T)), tgt(tok.size());
   for (std::size_t i = 0; i < tok.size(); ++i) tok[i] = static_cast<int>(i * 7 % 256), tgt[i] = static_cast<int>(i * 13 % 256);
   const TrainerConfig hp{.adamw = {.max_norm = 1.0f}, .lr = WarmupCosine{.peak = 1e-3}};
@@ -461,7 +463,7 @@ void check_step_traffic() {
   }
 }
 
-TEST_CASE("a trainer step's collectives are the plan's, group by group, on every rank of five meshes") {
+TEST_CASE("a trainer step's collectives are the plan's, group by group, on every rank of seven meshes (two tied)") {
   // TP with SP, 4 blocks (Megatron's counts, as tests/test_tp_gpt.cpp checks them): forward
   // RS 1 + 8, AG 8 + 1, AR 3 (the loss); backward RS 1 + 8, AG 8 + 1, AR 4 + 1 (LayerNorms).
   using P = DemoPlan<1>;
@@ -473,6 +475,13 @@ TEST_CASE("a trainer step's collectives are the plan's, group by group, on every
   check_step_traffic<Mesh<CP<2>, TP<2>>, NoZeRO, Accumulate<1>, SelectiveRecompute>();  // the ring twice forward
   check_step_traffic<Mesh<DP<2>, TP<2>>, ZeRO<3>, Accumulate<2>, FullRecompute>();     // blocks again in backward
   check_step_traffic<Mesh<DP<2>, PP<2>, CP<2>, TP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 4>>();
+  // Tied wte: one more send_recv over PP on the first and last stage, of what this DP rank owns of it
+  check_step_traffic<Mesh<PP<2>, DP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 4>, NoRecompute, true>();
+  check_step_traffic<Mesh<PP<4>>, NoZeRO, pipeline::OneFOneB<4, 4>, NoRecompute, true>();  // stages 1, 2: none
+  using Tied = plan::Plan<plan::from_gpt<demo_cfg<NoRecompute, true>>(),
+                          trainer_run<Mesh<PP<2>, DP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 4>, NoRecompute, 4, 32, true>>;
+  CHECK(Tied::tied_swap_elements(0) == 256 * 128 / 2);  // wte [256, 128], half of it per DP rank
+  CHECK(Tied::tied_swap_elements(1) == Tied::tied_swap_elements(0));
 }
 
 }  // namespace

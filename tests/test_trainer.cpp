@@ -363,6 +363,9 @@ TEST_CASE("tied GPT-2 embeddings across pipeline stages (the head's copy of wte,
       "DP 2 x PP 2 x TP 2, 1F1B, ZeRO-1, SP");
   tied_equals_serial<Mesh<DP<2>, PP<2>, TP<2>>, ZeRO<2>, pipeline::Interleaved1F1B<2, 4, 2>, SequenceParallel>(
       "DP 2 x PP 2 x TP 2, interleaved 1F1B (2 chunks), ZeRO-2, SP");
+  // A V: the first and the last stage are both chunks of rank 0, which adds them in place.
+  tied_equals_serial<Mesh<DP<2>, PP<2>>, ZeRO<3>, pipeline::ZBV<2, 4>, NoSequenceParallel>(
+      "DP 2 x PP 2, ZB-V (both ends on rank 0), ZeRO-3");
 }
 
 TEST_CASE("the 5D mesh's gradients read after one reduction, dense and experts (DP, PP, CP, TP, EP gathered), are the "

@@ -4,7 +4,9 @@
 // own number of processes):
 //   2 ranks  Mesh<DP<2>>  ZeRO-1, 2 micro-batches accumulated, selective recomputation
 //            Mesh<DP<2>>  ZeRO-3
-//            Mesh<PP<2>>  1F1B over 4 micro-batches, full recomputation
+//            Mesh<PP<2>>  1F1B over 4 micro-batches, full recomputation; tied GPT-2 (wte's
+//                         gradient summed over the stages on the device), its steps replayed
+//                         as a CUDA graph
 //            Mesh<TP<2>>  sequence parallel
 //            Mesh<CP<2>>  ring attention over zig-zag chunks
 //   4 ranks  Mesh<DP<2>, TP<2>>  ZeRO-1, sequence parallel; the same with EP 2 and the MoE
@@ -41,6 +43,10 @@ struct cfg : gpt_config {
   using recompute = R;
 };
 template <class R>
+struct tied_cfg : cfg<R> {
+  static constexpr bool tied = true;
+};
+template <class R>
 struct moe_cfg : cfg<R> {
   static constexpr int layers = 4, experts = 4, top_k = 2, moe_every = 2, mlp_ratio = 2;
   static constexpr double aux_loss_coef = 0.05;
@@ -54,12 +60,15 @@ const TrainerConfig hp{
 // Cfg<R>: the model's configuration with recomputation R (the serial reference keeps
 // everything). The serial model takes each step's micro-batches as data_ranks pieces of
 // B/data_ranks rows: what the data ranks see (the experts' balancing loss is per piece).
+// graph: the trainer replays its second step as a CUDA graph from the third on.
 template <class M, class Policy, class Sched, class R, template <class> class Cfg = cfg, class SP = NoSequenceParallel>
-void trainer_equals_serial(int data_ranks = 1) {
+void trainer_equals_serial(int data_ranks = 1, bool graph = false) {
   constexpr int micro = Sched::table.micro_batches;
   using Serial = GPT<Cfg<NoRecompute>, Mesh<>, float, Cuda>;
   auto ctx = make_mesh_context<M>(test::world().split(0, test::world().rank(), "world"));
-  Trainer<GPT<Cfg<R>, M, float, Cuda, SP>, Policy, Sched> t(ctx, hp, init);
+  TrainerConfig config = hp;
+  config.step_graph = graph;
+  Trainer<GPT<Cfg<R>, M, float, Cuda, SP>, Policy, Sched> t(ctx, config, init);
   Serial serial(init);
   DataParallel<Serial> sdp(serial, hp.adamw, micro * data_ranks);
   std::vector<int> tok, tgt;
@@ -71,6 +80,7 @@ void trainer_equals_serial(int data_ranks = 1) {
     std::fprintf(stderr, "rank %d of %d: step %d, loss %.6f (serial %.6f)\n", test::world().rank(), M::size, s, lt, ls);
     CHECK(std::abs(lt - ls) <= 1e-5 * std::abs(ls));
   }
+  CHECK(t.step_graph_captured() == graph);
   CHECK(test::max_rel_error(t.serial_params(), serial.params_to_host()) <= 1e-4);
   if constexpr (Serial::has_experts)
     CHECK(test::max_rel_error(t.serial_expert_params(), serial.expert_params_to_host()) <= 1e-4);
@@ -78,10 +88,12 @@ void trainer_equals_serial(int data_ranks = 1) {
 
 }  // namespace
 
-TEST_CASE("2 ranks: the trainer on CUDA on DP 2 (ZeRO-1 and ZeRO-3), PP 2 (1F1B), TP 2 (SP) and CP 2 equals serial") {
+TEST_CASE("2 ranks: the trainer on CUDA on DP 2 (ZeRO-1 and ZeRO-3), PP 2 (1F1B; tied, as a graph), TP 2 (SP) and CP 2 "
+          "equals serial") {
   trainer_equals_serial<Mesh<DP<2>>, ZeRO<1>, Accumulate<2>, SelectiveRecompute>();
   trainer_equals_serial<Mesh<DP<2>>, ZeRO<3>, Accumulate<1>, NoRecompute>();
   trainer_equals_serial<Mesh<PP<2>>, NoZeRO, pipeline::OneFOneB<2, 4>, FullRecompute>();
+  trainer_equals_serial<Mesh<PP<2>>, NoZeRO, pipeline::OneFOneB<2, 4>, NoRecompute, tied_cfg>(1, true);
   trainer_equals_serial<Mesh<TP<2>>, NoZeRO, Accumulate<1>, NoRecompute, cfg, SequenceParallel>();
   trainer_equals_serial<Mesh<CP<2>>, NoZeRO, Accumulate<1>, NoRecompute>();
 }

@@ -19,7 +19,9 @@
 //               back (2 all_to_all_v of N·k rows of C), backward 2 all_to_all_v; balanced
 //               routing: a rank receives as many rows as it sends
 //   PP          read off the schedule's table: one send_recv per comm group of the rank's
-//               program, y bytes per send (activations forward, gradients backward)
+//               program, y bytes per send (activations forward, gradients backward); a tied
+//               model's first and last stage swap what they own of the tied gradient (one
+//               send_recv: plan/plan.hpp's tied_swap_elements)
 //   DP x CP     per bucket of the dense buffer (BucketPlan): NoZeRO AR of the bucket once;
 //               ZeRO-1 RS (padded) + AG (padded/G) once; ZeRO-2 RS every micro-batch + AG once;
 //               ZeRO-3 RS every micro-batch, AG once for the end units (kept for the step)

@@ -114,7 +114,7 @@ struct Memory {
   Bytes peak_deferred = 0;  // deferred x awaiting_w
   Bytes recompute = 0;      // the buffers recomputation runs in
   Bytes work = 0;           // buffers the slots share: gradients of the stream, SP rows, ring, MoE,
-                            // and the pipeline's boundary buffers
+                            // the pipeline's boundary buffers and the tied gradient's swap
   constexpr Bytes state() const { return parameters + gradients + optimizer + staging; }
   constexpr Bytes total() const { return state() + transient + peak_activations + peak_deferred + recompute + work; }
 };

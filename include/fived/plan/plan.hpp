@@ -82,6 +82,20 @@ struct Plan : Setup<Model, Layout> {
     return std::array<Traffic, parts>{traffic_of<p>()...};
   }(std::make_integer_sequence<int, parts>{});
 
+  // Elements of the tied tensor's gradient a pipeline rank swaps with the other stage that holds
+  // it (pipeline/tied_grads.hpp): what the first rank of the group owns of it (all of it
+  // without ZeRO) on the first and on the last stage, when they are different ranks; 0 elsewhere.
+  static constexpr std::int64_t tied_swap_elements(int rank) {
+    using BP = dense_buckets<0>;
+    const int first = shape.rank_of(0), last = shape.rank_of(shape.stages() - 1);
+    if (BP::tied.empty() || first == last || (rank != first && rank != last)) return 0;
+    std::int64_t n = 0;
+    for (std::size_t i = 0; i < BP::count; ++i)
+      if (BP::tied.contains(BP::bucket(i).range))
+        n += static_cast<std::int64_t>(zero == 0 ? BP::bucket(i).range.size() : BP::owned(i, 0).size());
+    return n;
+  }
+
   // The bytes a pipeline rank needs.
   static constexpr Memory memory_of(int rank) {
     Memory m;
@@ -102,6 +116,7 @@ struct Plan : Setup<Model, Layout> {
     m.peak_deferred = m.deferred * static_cast<Bytes>(m.awaiting_w);
     if (P > 1)  // the executor's received gradient and kept d(input) per slot, [n, C] each
       m.work += 2 * static_cast<Bytes>(m.in_flight) * static_cast<Bytes>(rows.n * Model.d_model * t);
+    m.work += static_cast<Bytes>(tied_swap_elements(rank)) * t;  // the other stage's pieces, received
     return m;
   }
   // What a pipeline rank issues in one step.
@@ -113,6 +128,7 @@ struct Plan : Setup<Model, Layout> {
       r += chunk_scalars(Model, setup::part(p), rows, grad, edp, zero, expert_zero);
     }
     r.pp = pipeline_traffic(schedule::table.program(rank), rows.n * Model.d_model * t);
+    if (const std::int64_t n = tied_swap_elements(rank); n > 0) detail::tally(r.pp.send_recv, 1, n * t);
     r += step_scalars(grad, P);
     return r;
   }
