@@ -368,6 +368,28 @@ TEST_CASE("tied GPT-2 embeddings across pipeline stages (the head's copy of wte,
       "DP 2 x PP 2, ZB-V (both ends on rank 0), ZeRO-3");
 }
 
+TEST_CASE("an executor whose two stages cut the tied wte differently (other bucket sizes) refuses on every rank") {
+  using M = Mesh<PP<2>>;
+  using Sched = pipeline::OneFOneB<2, 2>;
+  using Whole = GPT<tied4, M, float>;
+  using cut = StageLayers<Whole, 2>;
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    const int r = ctx.coord()[Axis::pp];
+    auto build = [&]<int s, std::size_t bucket_bytes>() {
+      using Part = typename Whole::template part<typename cut::template part<s>>;
+      Part model(ctx, GptInit{7, 0.1});
+      DataParallel<Part, NoZeRO, bucket_bytes> dp(model, ctx, tied_hp.adamw, 2);
+      CHECK_THROWS_WITH_AS(pipeline::make_executor(Sched::table, r, ctx.comm<Axis::pp>(), std::tie(model), std::tie(dp)),
+                           doctest::Contains("cut the tied tensor into different pieces (1 and 3 pieces of 640 and 640 "
+                                             "elements)"),
+                           std::logic_error);
+    };
+    if (r == 0) build.template operator()<0, std::size_t{4} << 20>();  // wte [40, 16]: one bucket
+    else build.template operator()<1, 1024>();                         // three of 256 elements at most
+  });
+}
+
 TEST_CASE("the 5D mesh's gradients read after one reduction, dense and experts (DP, PP, CP, TP, EP gathered), are the "
           "serial model's") {
   using M = Mesh<DP<2>, PP<2>, CP<2>, TP<2>, EP<2>>;

@@ -31,7 +31,9 @@
 // at W, where the gradients are made. A model without them runs its whole backward at I.
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
+#include <limits>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -286,6 +288,20 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
         holders.emplace_back(shape_.stage(rank_, c), dp.owned_reduced_grads(*r));
     });
     tied_ = TiedGradSum<T, Device>(shape_, std::move(holders), std::get<0>(chunks_).ops());
+    // The two copies must be cut alike (each stage's DataParallel with the same bucket size and
+    // element type), or the swap would pair pieces of different sizes: compared once, over PP.
+    if (pp_.size() == 1) return;
+    const auto c = tied_.cut();
+    constexpr double none = -std::numeric_limits<double>::infinity();
+    std::array<double, 6> most{none, none, none, none, none, none};  // the largest of each, and of its negative
+    if (c) most = {(*c)[0], (*c)[1], (*c)[2], -(*c)[0], -(*c)[1], -(*c)[2]};
+    const auto count = [](double v) { return std::to_string(static_cast<long long>(v)); };
+    all_reduce_pp_host(std::span<double>(most), ReduceOp::max);
+    if (most[0] != none && (most[0] != -most[3] || most[1] != -most[4] || most[2] != -most[5]))
+      throw std::logic_error("pipeline::Executor: the first and the last stage cut the tied tensor into different "
+                             "pieces (" + count(-most[3]) + " and " + count(most[0]) + " pieces of " + count(-most[4]) +
+                             " and " + count(most[1]) + " elements): give their DataParallels the same bucket size and "
+                             "element type");
   }
   void sum_tied_grads() {
     if constexpr (ties) tied_.sum(std::get<0>(chunks_).ops(), gate_, pp_);
@@ -300,11 +316,13 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   double all_reduce_pp(double v) {
     if (pp_.size() == 1) return v;  // no pipeline (Accumulate<M>): nothing to reduce
     gate_.host_wait("pipeline: the loss over PP");
-    if constexpr (requires { pp_.all_reduce_host(std::span<double>(&v, 1), ReduceOp::sum); })
-      pp_.all_reduce_host(std::span<double>(&v, 1), ReduceOp::sum);
-    else
-      pp_.all_reduce(std::span<const double>(&v, 1), std::span<double>(&v, 1), ReduceOp::sum);
+    all_reduce_pp_host(std::span<double>(&v, 1), ReduceOp::sum);
     return v;
+  }
+  // Values the host holds, reduced over PP (a wait for the device).
+  void all_reduce_pp_host(std::span<double> v, ReduceOp op) {
+    if constexpr (requires { pp_.all_reduce_host(v, op); }) pp_.all_reduce_host(v, op);
+    else pp_.all_reduce(std::span<const double>(v), v, op);
   }
 
   // B, or I: the input half where the model splits its backward (its gradients come at W),

@@ -12,10 +12,12 @@
 // both copies end with the same bits: the sum of the two rounded once, which is what
 // summing them in double and rounding would give.
 //
-//   TiedGradSum<T, Device> tied(shape, holders, ops);   // at the executor's construction  // at the executor's construction
-//   tied.peer();                                      // the PP rank this one swaps with (-1: none)
-//   tied.sum(ops, gate, pp);                          // after the step's reductions, before the update
+//   TiedGradSum<T, Device> tied(shape, holders, ops);   // at the executor's construction
+//   tied.peer();                  // the PP rank this one swaps with (-1: none)
+//   tied.cut();                   // how this rank's copy is cut, to compare with the peer's once
+//   tied.sum(ops, gate, pp);      // after the step's reductions, before the update
 
+#include <array>
 #include <cstddef>
 #include <optional>
 #include <span>
@@ -88,6 +90,15 @@ class TiedGradSum {
 
   // The PP rank holding the other copy, which this rank swaps pieces with; -1: none.
   int peer() const { return peer_; }
+  // How this rank cut its copy (pieces, elements, and the sizes weighted by position), which
+  // the peer's must equal (the executor compares them over PP once); none without a peer.
+  std::optional<std::array<double, 3>> cut() const {
+    if (peer_ < 0) return std::nullopt;
+    std::array<double, 3> c{static_cast<double>(mine_.size()), 0, 0};
+    for (std::size_t k = 0; k < mine_.size(); ++k)
+      c[1] += static_cast<double>(mine_[k].size()), c[2] += static_cast<double>((k + 1) * mine_[k].size());
+    return c;
+  }
 
   // Each piece += the other copy's, and the other copy = the sum. gate: the executor's
   // StepGate (comm/step_gate.hpp), pp: its PP communicator.

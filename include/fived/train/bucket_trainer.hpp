@@ -134,7 +134,7 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
     }
   }
 
-  // ---- whole buffers, in host memory (checks, tests, a tied tensor's gradient) -------------
+  // ---- whole buffers, in host memory (checks, tests) ----------------------------------------
 
   // The whole parameter buffer (layout::size elements), in host memory. Under ZeRO<3> an
   // all-gather of every bucket, so every DP rank must call it; otherwise a copy of the

@@ -320,7 +320,9 @@ class Trainer {
                           std::tie(*std::get<c>(trainers_)...));
       }(chunks{});
       if (cfg.step_graph) {
-        if constexpr (V == 1 && DataParallel<chunk<0>, Policy>::graph_step_allowed)
+        // Decided for the whole model, so every rank decides alike (a stage without experts
+        // of a model with them refuses too).
+        if constexpr (V == 1 && !HasExperts<Model> && Policy::stage < 2)
           std::get<0>(trainers_)->set_step_graph(true);
         else
           throw std::invalid_argument(
