@@ -166,6 +166,26 @@ TEST_CASE("collectives are ordered against a compute stream of the caller's") {
   CHECK(cudaStreamDestroy(mine) == cudaSuccess);
 }
 
+TEST_CASE("an exchange begun (send_recv_begin) is the compute stream's after join()") {
+  Comm c = world_of_one();
+  cudaStream_t mine = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&mine, cudaStreamNonBlocking) == cudaSuccess);
+  c.set_compute_stream(mine);
+  {
+    const std::vector<float> values{1, 2, 3, 4};
+    DeviceBuffer<float> from(values, mine), to(std::vector<float>(4, 0.0f), mine), seen(std::vector<float>(4, 0.0f), mine);
+    const fived::SendOp<float> send{from.cspan(), 0};
+    const fived::RecvOp<float> recv{to.span(), 0};
+    c.send_recv_begin(std::span<const fived::SendOp<float>>(&send, 1), std::span<const fived::RecvOp<float>>(&recv, 1));
+    c.join();
+    // Queued on `mine` after join: it reads what arrived.
+    REQUIRE(cudaMemcpyAsync(seen.span().data(), to.cspan().data(), sizeof(float) * 4, cudaMemcpyDeviceToDevice, mine) ==
+            cudaSuccess);
+    CHECK(seen.download(mine) == values);
+  }
+  CHECK(cudaStreamDestroy(mine) == cudaSuccess);
+}
+
 TEST_CASE("bad arguments to init and a bad timeout are refused") {
   ncclUniqueId id{};
   REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);

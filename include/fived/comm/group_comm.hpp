@@ -42,12 +42,16 @@ class GroupComm {
   virtual void set_compute_stream(StreamHandle stream) = 0;
   virtual void all_reduce_host(std::span<double> values, ReduceOp op) = 0;
   virtual void all_to_all_host(std::span<const std::int64_t> send, std::span<std::int64_t> recv) = 0;
+  // The device stream waits for the exchanges begun with send_recv_begin (nothing on the host,
+  // where they are done when begun).
+  virtual void join() = 0;
 
 #define FIVED_GROUP_COMM_OPS(E)                                                     \
   virtual void all_reduce(std::span<E> buf, ReduceOp op) = 0;                       \
   virtual void all_gather(std::span<const E> send, std::span<E> recv) = 0;          \
   virtual void reduce_scatter(std::span<const E> send, std::span<E> recv, ReduceOp op) = 0; \
   virtual void send_recv(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) = 0;          \
+  virtual void send_recv_begin(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) = 0;    \
   virtual void all_to_all_v(std::span<const E> send, std::span<const std::size_t> send_counts, std::span<E> recv, \
                             std::span<const std::size_t> recv_counts) = 0;
   FIVED_GROUP_COMM_OPS(float)
@@ -77,6 +81,9 @@ class GroupCommOf : public GroupComm {
     if constexpr (requires { c_.all_to_all_host(send, recv); }) c_.all_to_all_host(send, recv);
     else c_.template all_to_all<std::int64_t>(send, recv);
   }
+  void join() override {
+    if constexpr (requires { c_.join(); }) c_.join();
+  }
 
 #define FIVED_GROUP_COMM_OPS(E)                                                                                      \
   void all_reduce(std::span<E> buf, ReduceOp op) override { c_.all_reduce(std::span<const E>(buf), buf, op); }      \
@@ -86,6 +93,11 @@ class GroupCommOf : public GroupComm {
   }                                                                                                                  \
   void send_recv(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) override {                    \
     c_.send_recv(sends, recvs);                                                                                      \
+  }                                                                                                                  \
+  /* a backend without it (host threads, MPI, Counting) exchanges at once */                                        \
+  void send_recv_begin(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) override {              \
+    if constexpr (requires { c_.send_recv_begin(sends, recvs); }) c_.send_recv_begin(sends, recvs);                  \
+    else c_.send_recv(sends, recvs);                                                                                 \
   }                                                                                                                  \
   void all_to_all_v(std::span<const E> send, std::span<const std::size_t> send_counts, std::span<E> recv,           \
                     std::span<const std::size_t> recv_counts) override {                                             \

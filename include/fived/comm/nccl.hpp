@@ -6,8 +6,8 @@
 // communication stream, then makes the compute stream wait for that. A
 // collective therefore sees everything issued before it on the compute stream,
 // and work issued after it sees its result: correct by default, as if it ran on
-// the compute stream. (APIs that let computation overlap communication can be
-// added on top of the same two streams.)
+// the compute stream. send_recv_begin and join let computation overlap an
+// exchange, on the same two streams.
 //
 // The compute stream defaults to cudaStreamPerThread: each host thread's
 // default stream, which also synchronises with the legacy stream 0. Code that
@@ -164,18 +164,20 @@ class Comm : public detail::Channel {
   // are skipped (the peer's matching operation is empty too).
   template <CommElement T>
   void send_recv(std::span<const SendOp<T>> sends, std::span<const RecvOp<T>> recvs) {
-    constexpr std::string_view what = "send_recv";
-    expect(what, args::send_recv<T>(rank_, size_, sends, recvs));
-    for (const auto& s : sends) expect_device(what, "send", s.buf);
-    for (const auto& r : recvs) expect_device(what, "recv", r.buf);
-    enqueue(what, [&] {
-      grouped(what, [&](auto&& add) {
-        for (const auto& s : sends)
-          if (!s.buf.empty()) add(ncclSend(s.buf.data(), s.buf.size(), type<T>, s.peer, comm_, stream_), "ncclSend");
-        for (const auto& r : recvs)
-          if (!r.buf.empty()) add(ncclRecv(r.buf.data(), r.buf.size(), type<T>, r.peer, comm_, stream_), "ncclRecv");
-      });
-    });
+    exchange<T>("send_recv", sends, recvs, true);
+  }
+  // The same exchange, which the compute stream waits for only at join() (or at this
+  // communicator's next call that it waits for): it runs beside the compute work queued in
+  // between, which must leave its buffers alone (ring attention's next key/value block on
+  // its way while this one's blocks run). The buffers are the exchange's until join().
+  template <CommElement T>
+  void send_recv_begin(std::span<const SendOp<T>> sends, std::span<const RecvOp<T>> recvs) {
+    exchange<T>("send_recv_begin", sends, recvs, false);
+  }
+  // The compute stream waits for every exchange begun on this communicator.
+  void join() {
+    usable("join");
+    join_compute("join");
   }
 
   template <CommElement T>
@@ -252,6 +254,21 @@ class Comm : public detail::Channel {
 
  private:
   template <class T> static constexpr ncclDataType_t type = detail::nccl_type(dtype_of<T>);
+  template <CommElement T>
+  void exchange(std::string_view what, std::span<const SendOp<T>> sends, std::span<const RecvOp<T>> recvs,
+                bool join_now) {
+    expect(what, args::send_recv<T>(rank_, size_, sends, recvs));
+    for (const auto& s : sends) expect_device(what, "send", s.buf);
+    for (const auto& r : recvs) expect_device(what, "recv", r.buf);
+    enqueue(what, [&] {
+      grouped(what, [&](auto&& add) {
+        for (const auto& s : sends)
+          if (!s.buf.empty()) add(ncclSend(s.buf.data(), s.buf.size(), type<T>, s.peer, comm_, stream_), "ncclSend");
+        for (const auto& r : recvs)
+          if (!r.buf.empty()) add(ncclRecv(r.buf.data(), r.buf.size(), type<T>, r.peer, comm_, stream_), "ncclRecv");
+      });
+    }, join_now);
+  }
   Comm(ncclComm_t c, std::string name, cudaStream_t compute, std::chrono::duration<double> timeout)
       : Channel(c, std::move(name), compute, timeout) {}
 };

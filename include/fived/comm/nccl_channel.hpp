@@ -234,9 +234,10 @@ class Channel {
   // ---- issuing and waiting -------------------------------------------------
 
   // Orders `issue` (which enqueues NCCL work on stream_) between the compute
-  // stream's past and future work.
+  // stream's past and future work; with join_now false, after its past only: the
+  // compute stream waits for it at join_compute() (or at the next enqueue that joins).
   template <class F>
-  void enqueue(std::string_view what, F&& issue) {
+  void enqueue(std::string_view what, F&& issue, bool join_now = true) {
     usable(what);
     int current = -1;
     check(cudaGetDevice(&current), what, "cudaGetDevice");
@@ -250,13 +251,18 @@ class Channel {
     if (trace > 0) std::fprintf(stderr, "[RANK %s] %s: #%llu enqueued\n", launched_as.c_str(), where(what).c_str(), ++traced_);
     issue();
     check(cudaEventRecord(done_, stream_), what, "cudaEventRecord (communication stream)");
-    check(cudaStreamWaitEvent(compute_, done_, 0), what, "cudaStreamWaitEvent (compute stream)");
+    if (join_now) join_compute(what);
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;  // (a step captured as a graph: nothing runs yet)
     if (trace > 1 && cudaStreamIsCapturing(stream_, &capturing) == cudaSuccess &&
         capturing == cudaStreamCaptureStatusNone) {
       wait(what);
       std::fprintf(stderr, "[RANK %s] %s: #%llu done\n", launched_as.c_str(), where(what).c_str(), traced_);
     }
+  }
+
+  // The compute stream waits for everything enqueued so far (done_ marks the last of it).
+  void join_compute(std::string_view what) {
+    check(cudaStreamWaitEvent(compute_, done_, 0), what, "cudaStreamWaitEvent (compute stream)");
   }
 
   // Runs `body(add)` between ncclGroupStart and ncclGroupEnd; the group is

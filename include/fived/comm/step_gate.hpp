@@ -75,21 +75,29 @@ class StepGate {
   }
 
   // A grouped exchange over `comm` (anything with send_recv(sends, recvs)): a call kept for a
-  // graph step owns copies of its op lists, which the plain path does not make.
+  // graph step owns copies of its op lists, which the plain path does not make. begin: the
+  // exchange is comm.send_recv_begin, which the device stream waits for at comm.join().
   template <class Comm, class E>
-  void send_recv(Comm& comm, std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) {
-    if (!in_graph_step()) return comm.send_recv(sends, recvs);
-    std::uint64_t h = call_hash(&comm, sends.size(), recvs.size());  // field by field: no padding
+  void send_recv(Comm& comm, std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs, bool begin = false) {
+    if (!in_graph_step()) return exchange(comm, sends, recvs, begin);
+    std::uint64_t h = call_hash(&comm, sends.size(), recvs.size(), begin);  // field by field: no padding
     for (const SendOp<E>& x : sends) h = call_hash(h, x.buf.data(), x.buf.size(), x.peer);
     for (const RecvOp<E>& x : recvs) h = call_hash(h, x.buf.data(), x.buf.size(), x.peer);
-    queue_->queue("send_recv", h,
-                  [&comm, s = std::vector<SendOp<E>>(sends.begin(), sends.end()),
+    queue_->queue(begin ? "send_recv_begin" : "send_recv", h,
+                  [&comm, begin, s = std::vector<SendOp<E>>(sends.begin(), sends.end()),
                    r = std::vector<RecvOp<E>>(recvs.begin(), recvs.end())] {
-                    comm.send_recv(std::span<const SendOp<E>>(s), std::span<const RecvOp<E>>(r));
+                    exchange(comm, std::span<const SendOp<E>>(s), std::span<const RecvOp<E>>(r), begin);
                   });
   }
 
  private:
+  template <class Comm, class E>
+  static void exchange(Comm& comm, std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs, bool begin) {
+    if constexpr (requires { comm.send_recv_begin(sends, recvs); })  // else it is done when begun
+      if (begin) return comm.send_recv_begin(sends, recvs);
+    comm.send_recv(sends, recvs);
+  }
+
   std::unique_ptr<StepQueue> queue_;  // order_after's, if any
 };
 

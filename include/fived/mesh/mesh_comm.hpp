@@ -140,6 +140,17 @@ class MeshComm {
   void send_recv(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) {
     if constexpr (size > 1) gate_.send_recv(*comm_, sends, recvs);
   }
+  // The same exchange, which the device stream waits for only at join(): compute queued in
+  // between runs beside it and leaves its buffers alone (comm/nccl.hpp; on the host it is
+  // done when begun).
+  template <class E>
+  void send_recv_begin(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) {
+    if constexpr (size > 1) gate_.send_recv(*comm_, sends, recvs, true);
+  }
+  void join() {
+    if constexpr (size > 1)
+      issue("MeshComm::join", [c = comm_.get()] { c->join(); }, [&] { return call_hash(comm_.get()); });
+  }
 
  private:
   template <class E>

@@ -22,8 +22,13 @@
 //             travelling d[k | v]; send d[k | v] on and receive the previous rank's
 //
 // Each exchange is one grouped send_recv to the next rank and from the previous one over
-// the CP communicator (AxisComm<M, Axis::cp>). The buffers are allocated once (Work, with
-// the model's other work buffers); no step reuses a block it did not just receive.
+// the CP communicator (AxisComm<M, Axis::cp>). The next [k | v] block travels while this
+// step's blocks run (send_recv_begin; on a device the compute stream waits for it only at
+// the step's end: MeshComm::join), which read the block in hand and leave the one arriving
+// alone; the next step's exchange writes into this step's block only after its blocks
+// (a communicator's call follows the compute queued before it). The travelling d[k | v]
+// needs this step's blocks, so it goes after them. The buffers are allocated once (Work,
+// with the model's other work buffers); no step reuses a block it did not just receive.
 
 #include <cstddef>
 #include <span>
@@ -101,24 +106,28 @@ struct RingAttention {
     s.ops.copy_rows(w.kv[0].data(), z.ld_kv, qkv + Cl, z.ld_qkv, z.ld_kv, z.N);
     for (int step = 0; step < S::cp; ++step) {
       const int cur = step % 2;
-      if (step + 1 < S::cp) pass_on(s, w.kv[cur], w.kv[1 - cur], z.N * z.ld_kv);
+      if (step + 1 < S::cp) pass_on(s, w.kv[cur], w.kv[1 - cur], z.N * z.ld_kv, true);  // beside the blocks
       const RingStep plan = ring_blocks<typename S::split>(s.cp_comm.rank(), step);
       for (int i = 0; i < plan.count; ++i) {
         const RingBlock& b = plan.blocks[static_cast<std::size_t>(i)];
         block(b, static_cast<const T*>(w.kv[cur].data() + z.chunk(b.k) * z.ld_kv), cur);
       }
       after_step(cur);
+      if (step + 1 < S::cp) s.cp_comm.join();  // the next block has arrived
     }
   }
 
   // Sends the first `count` elements of `held` to the next rank of the ring and receives the
-  // previous rank's into `next`.
+  // previous rank's into `next`; begin: waited for at the next join.
   template <class E>
-  static void pass_on(S& s, Buffer<E, Device>& held, Buffer<E, Device>& next, std::size_t count) {
+  static void pass_on(S& s, Buffer<E, Device>& held, Buffer<E, Device>& next, std::size_t count, bool begin = false) {
     const int P = S::cp, r = s.cp_comm.rank();
     const SendOp<E> send{std::span<const E>(held.data(), count), (r + 1) % P};
     const RecvOp<E> recv{std::span<E>(next.data(), count), (r + P - 1) % P};
-    s.cp_comm.send_recv(std::span<const SendOp<E>>(&send, 1), std::span<const RecvOp<E>>(&recv, 1));
+    const std::span<const SendOp<E>> sends(&send, 1);
+    const std::span<const RecvOp<E>> recvs(&recv, 1);
+    if (begin) s.cp_comm.send_recv_begin(sends, recvs);
+    else s.cp_comm.send_recv(sends, recvs);
   }
 };
 
