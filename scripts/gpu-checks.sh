@@ -169,6 +169,9 @@ bench() {
   run "$out/train-gpt-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --steps 60
   # The same on dp2.tp2 with each step replayed as a CUDA graph, its collectives included: the same losses.
   run "$out/train-gpt-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --steps 60 --step-graph
+  # A pipeline (PP 2 x DP 2, 1F1B, ZeRO-1), plain and as a graph, its transfers included: the same losses.
+  run "$out/train-gpt-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --mesh pp2.dp2 --steps 60
+  run "$out/train-gpt-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --mesh pp2.dp2 --steps 60 --step-graph
   # The trainer's progress lines (tok/s, MFU) on Mesh<DP<2>> as two processes, and on one rank (plain, and as a graph).
   run "$out/trainer-cuda.txt" bash scripts/launch-local.sh 2 "$build/examples/train_gpt_cuda" --mesh dp2 --steps 100 --batch 16 --seq 128
   run "$out/trainer-cuda.txt" "$build/examples/train_gpt_cuda" --mesh serial --steps 100 --batch 16 --seq 128
