@@ -14,6 +14,7 @@
 // checked and skipped when the step is replayed. A call is known by what `args` hashes: the
 // communicator's address and the call's arguments.
 
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -51,10 +52,15 @@ class OpsStepQueue final : public StepQueue {
 
 class StepGate {
  public:
-  // The calls belong to `ops`' graph steps. `ops` outlives the calls.
+  // The calls belong to `ops`' graph steps. `ops` outlives the calls. An Ops without graph
+  // steps (a stand-in's, as bench/pipeline's) leaves every call plain.
   template <class O>
   void order_after(O& ops) {
-    queue_ = std::make_unique<OpsStepQueue<O>>(ops);
+    if constexpr (requires(const char* w) {
+                    { ops.in_graph_step() } -> std::convertible_to<bool>;
+                    ops.host_wait(w);
+                  })
+      queue_ = std::make_unique<OpsStepQueue<O>>(ops);
   }
   bool in_graph_step() const { return queue_ && queue_->in_graph_step(); }
   // A call that waits for the device: refused inside a graph step.
