@@ -15,11 +15,14 @@
 // gradient norm): directly on the host backend, through device memory on NCCL, where it
 // waits for the result because the host is about to read it.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "fived/comm/communicator.hpp"
 #include "fived/device/bf16.hpp"
@@ -42,8 +45,8 @@ class GroupComm {
   virtual void set_compute_stream(StreamHandle stream) = 0;
   virtual void all_reduce_host(std::span<double> values, ReduceOp op) = 0;
   virtual void all_to_all_host(std::span<const std::int64_t> send, std::span<std::int64_t> recv) = 0;
-  // The device stream waits for the exchanges begun with send_recv_begin (nothing on the host,
-  // where they are done when begun).
+  // The device stream waits for the exchanges begun with send_recv_begin (on the host, what
+  // they received is handed over now).
   virtual void join() = 0;
 
 #define FIVED_GROUP_COMM_OPS(E)                                                     \
@@ -68,40 +71,44 @@ class GroupCommOf : public GroupComm {
   int rank() const override { return c_.rank(); }
   int size() const override { return c_.size(); }
   const std::string& name() const override { return c_.name(); }
-  void barrier() override { c_.barrier(); }
+  void barrier() override { hand_over(), c_.barrier(); }
   void set_compute_stream(StreamHandle stream) override {
     if constexpr (requires { c_.set_compute_stream(stream); }) c_.set_compute_stream(stream);
   }
   // A backend without all_reduce_host works on host memory (host threads).
   void all_reduce_host(std::span<double> values, ReduceOp op) override {
+    hand_over();
     if constexpr (requires { c_.all_reduce_host(values, op); }) c_.all_reduce_host(values, op);
     else c_.all_reduce(std::span<const double>(values), values, op);
   }
   void all_to_all_host(std::span<const std::int64_t> send, std::span<std::int64_t> recv) override {
+    hand_over();
     if constexpr (requires { c_.all_to_all_host(send, recv); }) c_.all_to_all_host(send, recv);
     else c_.template all_to_all<std::int64_t>(send, recv);
   }
   void join() override {
     if constexpr (requires { c_.join(); }) c_.join();
+    else hand_over();
   }
 
 #define FIVED_GROUP_COMM_OPS(E)                                                                                      \
-  void all_reduce(std::span<E> buf, ReduceOp op) override { c_.all_reduce(std::span<const E>(buf), buf, op); }      \
-  void all_gather(std::span<const E> send, std::span<E> recv) override { c_.all_gather(send, recv); }               \
+  void all_reduce(std::span<E> buf, ReduceOp op) override {                                                         \
+    hand_over(), c_.all_reduce(std::span<const E>(buf), buf, op);                                                    \
+  }                                                                                                                  \
+  void all_gather(std::span<const E> send, std::span<E> recv) override { hand_over(), c_.all_gather(send, recv); }  \
   void reduce_scatter(std::span<const E> send, std::span<E> recv, ReduceOp op) override {                           \
-    c_.reduce_scatter(send, recv, op);                                                                               \
+    hand_over(), c_.reduce_scatter(send, recv, op);                                                                  \
   }                                                                                                                  \
   void send_recv(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) override {                    \
-    c_.send_recv(sends, recvs);                                                                                      \
+    hand_over(), c_.send_recv(sends, recvs);                                                                         \
   }                                                                                                                  \
-  /* a backend without it (host threads, MPI, Counting) exchanges at once */                                        \
   void send_recv_begin(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) override {              \
     if constexpr (requires { c_.send_recv_begin(sends, recvs); }) c_.send_recv_begin(sends, recvs);                  \
-    else c_.send_recv(sends, recvs);                                                                                 \
+    else begin_on_host(sends, recvs);                                                                                \
   }                                                                                                                  \
   void all_to_all_v(std::span<const E> send, std::span<const std::size_t> send_counts, std::span<E> recv,           \
                     std::span<const std::size_t> recv_counts) override {                                             \
-    c_.template all_to_all_v<E>(send, send_counts, recv, recv_counts);                                               \
+    hand_over(), c_.template all_to_all_v<E>(send, send_counts, recv, recv_counts);                                  \
   }
   FIVED_GROUP_COMM_OPS(float)
   FIVED_GROUP_COMM_OPS(double)
@@ -109,7 +116,29 @@ class GroupCommOf : public GroupComm {
 #undef FIVED_GROUP_COMM_OPS
 
  private:
+  // A backend without send_recv_begin (host threads, MPI, Counting) exchanges when begun,
+  // into buffers of its own, and hands what arrived over at join() or at its next call that
+  // a device stream would wait for: the receiving buffers change when they would on a device
+  // (comm/nccl.hpp), so a reader that does not wait for the exchange reads the old values in
+  // a host test too.
+  template <class E>
+  void begin_on_host(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) {
+    std::vector<std::vector<E>> arrived(recvs.size());
+    std::vector<RecvOp<E>> into;
+    for (std::size_t k = 0; k < recvs.size(); ++k)
+      arrived[k].resize(recvs[k].buf.size()), into.push_back({std::span<E>(arrived[k]), recvs[k].peer});
+    c_.send_recv(sends, std::span<const RecvOp<E>>(into));
+    arrivals_.push_back([to = std::vector<RecvOp<E>>(recvs.begin(), recvs.end()), from = std::move(arrived)] {
+      for (std::size_t k = 0; k < to.size(); ++k) std::copy(from[k].begin(), from[k].end(), to[k].buf.begin());
+    });
+  }
+  void hand_over() {
+    for (const auto& f : arrivals_) f();
+    arrivals_.clear();
+  }
+
   C& c_;
+  std::vector<std::function<void()>> arrivals_;  // begin_on_host's, not yet handed over
 };
 
 namespace detail {

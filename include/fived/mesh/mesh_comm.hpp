@@ -141,8 +141,8 @@ class MeshComm {
     if constexpr (size > 1) gate_.send_recv(*comm_, sends, recvs);
   }
   // The same exchange, which the device stream waits for only at join(): compute queued in
-  // between runs beside it and leaves its buffers alone (comm/nccl.hpp; on the host it is
-  // done when begun).
+  // between runs beside it and leaves its buffers alone (comm/nccl.hpp; the host backends
+  // hand what arrived over at join, comm/group_comm.hpp).
   template <class E>
   void send_recv_begin(std::span<const SendOp<E>> sends, std::span<const RecvOp<E>> recvs) {
     if constexpr (size > 1) gate_.send_recv(*comm_, sends, recvs, true);
