@@ -12,6 +12,7 @@
 //
 //   connect_peers<T>(peers_of(program), pp_comm, ops);   // T: the messages' element type; a
 //                                                        // collective of the ranks named
+// (the executor adds the peer of its tied gradient's swap: pipeline/tied_grads.hpp)
 
 #include <algorithm>
 #include <cstddef>
@@ -23,19 +24,20 @@
 
 namespace fived::pipeline {
 
-// The ranks a program exchanges with, each once, in order.
+// The ranks a program exchanges with.
 inline std::vector<int> peers_of(std::span<const Action> program) {
   std::vector<int> peers;
   for (const Action& s : program)
     if (is_comm(s.op) && s.peer >= 0) peers.push_back(s.peer);
-  std::sort(peers.begin(), peers.end());
-  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
   return peers;
 }
 
-// peers: sorted, each once; the relation must be symmetric (each peer names this rank).
+// peers: in any order, repeats allowed; the relation must be symmetric (each peer names this
+// rank), so every pair issues the same group, in rank order.
 template <class T, class C, class Ops>
-void connect_peers(const std::vector<int>& peers, C& pp, Ops& ops) {
+void connect_peers(std::vector<int> peers, C& pp, Ops& ops) {
+  std::sort(peers.begin(), peers.end());
+  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
   if (peers.empty()) return;
   auto out = ops.template make_buffer<T>(peers.size()), in = ops.template make_buffer<T>(peers.size());
   std::vector<SendOp<T>> sends;

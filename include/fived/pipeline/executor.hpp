@@ -31,9 +31,7 @@
 // at W, where the gradients are made. A model without them runs its whole backward at I.
 
 #include <algorithm>
-#include <array>
 #include <cstddef>
-#include <limits>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -54,10 +52,10 @@
 #include "fived/pipeline/connect.hpp"
 #include "fived/pipeline/slot_book.hpp"
 #include "fived/pipeline/stages.hpp"
-#include "fived/pipeline/tied_grads.hpp"
-#include "fived/util/call_hash.hpp"
 #include "fived/pipeline/step_frame.hpp"
 #include "fived/pipeline/table.hpp"
+#include "fived/pipeline/tied_grads.hpp"
+#include "fived/util/call_hash.hpp"
 
 namespace fived::pipeline {
 
@@ -114,9 +112,8 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     gate_.order_after(std::get<0>(chunks_).ops());
     if constexpr (ties) make_tied_sum();
     std::vector<int> peers = peers_of(std::span<const Action>(program_));
-    if (tied_.peer() >= 0 && std::find(peers.begin(), peers.end(), tied_.peer()) == peers.end())
-      peers.insert(std::upper_bound(peers.begin(), peers.end(), tied_.peer()), tied_.peer());
-    connect_peers<T>(peers, pp_, std::get<0>(chunks_).ops());
+    if (tied_.peer() >= 0) peers.push_back(tied_.peer());
+    connect_peers<T>(std::move(peers), pp_, std::get<0>(chunks_).ops());
   }
 
   // One optimizer step on the global batch: M micro-batches of [B, T] token ids, rows
@@ -288,20 +285,8 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
         holders.emplace_back(shape_.stage(rank_, c), dp.owned_reduced_grads(*r));
     });
     tied_ = TiedGradSum<T, Device>(shape_, std::move(holders), std::get<0>(chunks_).ops());
-    // The two copies must be cut alike (each stage's DataParallel with the same bucket size and
-    // element type), or the swap would pair pieces of different sizes: compared once, over PP.
-    if (pp_.size() == 1) return;
-    const auto c = tied_.cut();
-    constexpr double none = -std::numeric_limits<double>::infinity();
-    std::array<double, 6> most{none, none, none, none, none, none};  // the largest of each, and of its negative
-    if (c) most = {(*c)[0], (*c)[1], (*c)[2], -(*c)[0], -(*c)[1], -(*c)[2]};
-    const auto count = [](double v) { return std::to_string(static_cast<long long>(v)); };
-    all_reduce_pp_host(std::span<double>(most), ReduceOp::max);
-    if (most[0] != none && (most[0] != -most[3] || most[1] != -most[4] || most[2] != -most[5]))
-      throw std::logic_error("pipeline::Executor: the first and the last stage cut the tied tensor into different "
-                             "pieces (" + count(-most[3]) + " and " + count(most[0]) + " pieces of " + count(-most[4]) +
-                             " and " + count(most[1]) + " elements): give their DataParallels the same bucket size and "
-                             "element type");
+    // Pieces of other sizes would pair up in the swap (DataParallels with other bucket sizes).
+    if (pp_.size() > 1) tied_.check_peer_cut([&](std::span<double> v) { all_reduce_pp_host(v, ReduceOp::max); });
   }
   void sum_tied_grads() {
     if constexpr (ties) tied_.sum(std::get<0>(chunks_).ops(), gate_, pp_);

@@ -13,12 +13,13 @@
 // summing them in double and rounding would give.
 //
 //   TiedGradSum<T, Device> tied(shape, holders, ops);   // at the executor's construction
-//   tied.peer();                  // the PP rank this one swaps with (-1: none)
-//   tied.cut();                   // how this rank's copy is cut, to compare with the peer's once
-//   tied.sum(ops, gate, pp);      // after the step's reductions, before the update
+//   tied.peer();                          // the PP rank this one swaps with (-1: none)
+//   tied.check_peer_cut(max_over_pp);     // once, a collective over PP: both copies cut alike
+//   tied.sum(ops, gate, pp);              // after the step's reductions, before the update
 
 #include <array>
 #include <cstddef>
+#include <limits>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -85,34 +86,43 @@ class TiedGradSum {
     for (const std::span<T>& p : mine_) n += p.size();
     received_ = ops.template make_buffer<T>(n);
     n = 0;
-    for (const std::span<T>& p : mine_) other_.push_back(received_.span().subspan(n, p.size())), n += p.size();
+    for (const std::span<T>& p : mine_) {
+      other_.push_back(received_.span().subspan(n, p.size())), n += p.size();
+      sends_.push_back({std::span<const T>(p), peer_}), recvs_.push_back({other_.back(), peer_});
+    }
   }
 
   // The PP rank holding the other copy, which this rank swaps pieces with; -1: none.
   int peer() const { return peer_; }
-  // How this rank cut its copy (pieces, elements, and the sizes weighted by position), which
-  // the peer's must equal (the executor compares them over PP once); none without a peer.
-  std::optional<std::array<double, 3>> cut() const {
-    if (peer_ < 0) return std::nullopt;
-    std::array<double, 3> c{static_cast<double>(mine_.size()), 0, 0};
-    for (std::size_t k = 0; k < mine_.size(); ++k)
-      c[1] += static_cast<double>(mine_[k].size()), c[2] += static_cast<double>((k + 1) * mine_[k].size());
-    return c;
+
+  // Whether the peer cut its copy as this rank did (pieces, elements, and the sizes weighted
+  // by position), else a logic_error on every rank: a collective over PP, once.
+  // max_over_pp(std::span<double>): the element-wise maximum over the PP group, in place.
+  template <class MaxOverPP>
+  void check_peer_cut(MaxOverPP&& max_over_pp) const {
+    constexpr double none = -std::numeric_limits<double>::infinity();
+    std::array<double, 6> most{none, none, none, none, none, none};  // each figure and its negative
+    if (peer_ >= 0) {
+      double elements = 0, weighted = 0;
+      for (std::size_t k = 0; k < mine_.size(); ++k)
+        elements += static_cast<double>(mine_[k].size()), weighted += static_cast<double>((k + 1) * mine_[k].size());
+      const double pieces = static_cast<double>(mine_.size());
+      most = {pieces, elements, weighted, -pieces, -elements, -weighted};
+    }
+    max_over_pp(std::span<double>(most));
+    if (most[0] == none || (most[0] == -most[3] && most[1] == -most[4] && most[2] == -most[5])) return;
+    const auto count = [](double v) { return std::to_string(static_cast<long long>(v)); };
+    throw std::logic_error("pipeline::Executor: the first and the last stage cut the tied tensor into different "
+                           "pieces (" + count(-most[3]) + " and " + count(most[0]) + " pieces of " + count(-most[4]) +
+                           " and " + count(most[1]) + " elements): give their DataParallels the same bucket size and "
+                           "element type");
   }
 
   // Each piece += the other copy's, and the other copy = the sum. gate: the executor's
   // StepGate (comm/step_gate.hpp), pp: its PP communicator.
   template <class Ops, class Gate, class PP>
   void sum(Ops& ops, Gate& gate, PP& pp) {
-    if (mine_.empty()) return;
-    if (peer_ >= 0) {
-      sends_.clear(), recvs_.clear();
-      for (std::size_t k = 0; k < mine_.size(); ++k) {
-        sends_.push_back({std::span<const T>(mine_[k]), peer_});
-        recvs_.push_back({other_[k], peer_});
-      }
-      gate.send_recv(pp, std::span<const SendOp<T>>(sends_), std::span<const RecvOp<T>>(recvs_));
-    }
+    if (peer_ >= 0) gate.send_recv(pp, std::span<const SendOp<T>>(sends_), std::span<const RecvOp<T>>(recvs_));
     for (std::size_t k = 0; k < mine_.size(); ++k) {
       ops.residual_forward(mine_[k].data(), mine_[k].data(), other_[k].data(), mine_[k].size());
       if (peer_ < 0) ops.copy(other_[k].data(), mine_[k].data(), mine_[k].size());
@@ -131,7 +141,7 @@ class TiedGradSum {
   std::vector<std::span<T>> mine_, other_;  // other_: the peer's pieces as received, or the second chunk's
   Buffer<T, Device> received_;
   int peer_ = -1;
-  std::vector<SendOp<T>> sends_;
+  std::vector<SendOp<T>> sends_;  // the swap: mine_ out, other_ in (made once)
   std::vector<RecvOp<T>> recvs_;
 };
 

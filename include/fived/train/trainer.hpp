@@ -322,7 +322,7 @@ class Trainer {
       if (cfg.step_graph) {
         // Decided for the whole model, so every rank decides alike (a stage without experts
         // of a model with them refuses too).
-        if constexpr (V == 1 && !HasExperts<Model> && Policy::stage < 2)
+        if constexpr (V == 1 && DataParallel<Model, Policy>::graph_step_allowed)
           std::get<0>(trainers_)->set_step_graph(true);
         else
           throw std::invalid_argument(
