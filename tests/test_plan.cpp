@@ -291,27 +291,28 @@ TEST_CASE("a GPT-3-like layer against Korthikanti et al. 2022: 34sbh + 5as^2b le
 
 // ---- the demo GPT against fived itself ----------------------------------------------------------
 
-template <class R, bool Tied = false>
+template <class R, bool Tied = false, class Context = RingContext>
 struct demo_cfg : gpt_config {  // examples/train_gpt's (untied); tied, as GPT-2
   static constexpr int layers = 4, d_model = 128, heads = 4, vocab = 256, max_seq = 128;
   static constexpr int vocab_multiple = 64;
   static constexpr bool tied = Tied;
   using recompute = R;
+  using context_attention = Context;
 };
 using DemoMesh = Mesh<DP<2>, TP<2>>;
 constexpr int demo_B = 8, demo_T = 64;  // train_gpt's default batch: 4 rows per DP rank
 
-template <int Zero, class R = NoRecompute>
+template <int Zero, class R = NoRecompute, class M = DemoMesh>
 struct demo_run : plan::layout {
-  using mesh = DemoMesh;
+  using mesh = M;
   using recompute = R;
   static constexpr bool sequence_parallel = true;
-  static constexpr int zero = Zero, element_bytes = 4, micro_batch = demo_B / 2, sequence = demo_T;
+  static constexpr int zero = Zero, element_bytes = 4, micro_batch = demo_B / M::dp, sequence = demo_T;
 };
-template <int Zero, class R = NoRecompute, bool Tied = false>
-using DemoPlan = plan::Plan<plan::from_gpt<demo_cfg<R, Tied>>(), demo_run<Zero, R>>;
-template <class R, bool Tied = false>
-using DemoModel = GPT<demo_cfg<R, Tied>, DemoMesh, float, Host, SequenceParallel>;
+template <int Zero, class R = NoRecompute, bool Tied = false, class M = DemoMesh, class Context = RingContext>
+using DemoPlan = plan::Plan<plan::from_gpt<demo_cfg<R, Tied, Context>>(), demo_run<Zero, R, M>>;
+template <class R, bool Tied = false, class M = DemoMesh, class Context = RingContext>
+using DemoModel = GPT<demo_cfg<R, Tied, Context>, M, float, Host, SequenceParallel>;
 static_assert(plan::fits<DemoPlan<1>>(std::uint64_t{16} << 20), "the demo needs under 16 MiB per rank");
 
 void batch(std::vector<int>& tok, std::vector<int>& tgt) {
@@ -361,21 +362,22 @@ TEST_CASE("the demo's training state is DataParallel::memory(): NoZeRO, ZeRO-1, 
 }
 
 // The bytes a rank's model buffers hold after a forward and backward (one slot), over the four
-// ranks of the demo mesh, against the plan: parameters, gradients, the slot, the recomputation
-// and work buffers. The only buffer the plan leaves out is the selection bias of a mixture of
-// experts (E floats per MoE block; one float in a dense model).
-template <class R>
+// ranks of a mesh, against the plan: parameters, gradients, the slot, the recomputation and
+// work buffers (on CP, the ring's or the all-gather's). The only buffer the plan leaves out is
+// the selection bias of a mixture of experts (E floats per MoE block; one float in a dense
+// model).
+template <class R, class M = DemoMesh, class Context = RingContext>
 void check_buffers_held() {
-  using P = DemoPlan<0, R>;
+  using P = DemoPlan<0, R, false, M, Context>;
   std::vector<int> tok, tgt;
   batch(tok, tgt);
   const std::size_t before = buffer_bytes_held<Host>();
   std::size_t held = 0;
-  host::run(DemoMesh::size, [&](host::Comm& world) {
-    auto ctx = make_mesh_context<DemoMesh>(world);
-    DemoModel<R> model(ctx, GptInit{.seed = 1});
-    const std::size_t rows = static_cast<std::size_t>(ctx.coord().dp) * (demo_B / 2) * demo_T;
-    model.forward(tok.data() + rows, tgt.data() + rows, demo_B / 2, demo_T);
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    DemoModel<R, false, M, Context> model(ctx, GptInit{.seed = 1});
+    const std::size_t rows = static_cast<std::size_t>(ctx.coord().dp) * (demo_B / M::dp) * demo_T;
+    model.forward(tok.data() + rows, tgt.data() + rows, demo_B / M::dp, demo_T);
     model.backward();
     ctx.world().barrier();
     if (ctx.rank() == 0) held = buffer_bytes_held<Host>() - before;
@@ -384,14 +386,22 @@ void check_buffers_held() {
   const plan::Memory& m = P::memory;
   const Bytes planned = m.parameters + m.gradients + m.peak_activations + m.recompute + m.work;
   CAPTURE(R::name);
+  CAPTURE(Context::name);
   CHECK(m.in_flight == 1);
-  CHECK(held == DemoMesh::size * (planned + sizeof(float)));
+  CHECK(held == M::size * (planned + sizeof(float)));
 }
 
 TEST_CASE("the demo's activation and work buffers are what the model allocates, for every recomputation") {
   check_buffers_held<NoRecompute>();
   check_buffers_held<SelectiveRecompute>();
   check_buffers_held<FullRecompute>();
+}
+
+TEST_CASE("on CP 2 x TP 2 the ring's and the all-gather's work buffers are what the model allocates") {
+  using CP2 = Mesh<CP<2>, TP<2>>;
+  check_buffers_held<NoRecompute, CP2, RingContext>();
+  check_buffers_held<SelectiveRecompute, CP2, RingContext>();
+  check_buffers_held<NoRecompute, CP2, AllGatherContext>();
 }
 
 // A split backward's snapshots (nn/weight_grads.hpp): a micro-batch's backward_input and

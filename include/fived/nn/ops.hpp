@@ -32,7 +32,8 @@
 //     device memory: kernels/host/adamw.hpp), sum_of_squares_chunks (a gradient's squared norm
 //     over chunks into a double of device memory) and add_scalar (one double added to
 //     another: the norm's parts), gelu_forward, scale,
-//     to_fp32 (fp32 master weights from the parameters), from_acc (stat_t -> T), and ring
+//     to_fp32 (fp32 master weights from the parameters), from_acc (stat_t -> T), add_acc
+//     (stat_t += stat_t: ring attention's share of d[k | v]), and ring
 //     attention's pieces attention_block_forward, attention_row_dot, attention_block_backward;
 //     a mixture of experts' router_scores, router_topk, dispatch_plan (counts to host memory),
 //     gather_rows, moe_combine(_backward), moe_dispatch_backward, router_backward,

@@ -18,17 +18,23 @@
 //   forward:  the packed [k | v] of the local rows (copy_rows), then per step: send the
 //             block in hand on and receive the next (double buffer), compute this step's
 //             blocks
-//   backward: per step: the same for [k | v]; compute the blocks into dq and the
-//             travelling d[k | v]; send d[k | v] on and receive the previous rank's
+//   backward: per step: the same for [k | v], and the accumulator the last step finished
+//             sent on while the one for the block in hand arrives; this step's blocks
+//             computed into a share of their own, added to the arrived accumulator; after
+//             the last step, one more hop brings each rank its own
 //
 // Each exchange is one grouped send_recv to the next rank and from the previous one over
-// the CP communicator (AxisComm<M, Axis::cp>). The next [k | v] block travels while this
-// step's blocks run (send_recv_begin; on a device the compute stream waits for it only at
-// the step's end: MeshComm::join), which read the block in hand and leave the one arriving
-// alone; the next step's exchange writes into this step's block only after its blocks
-// (a communicator's call follows the compute queued before it). The travelling d[k | v]
-// needs this step's blocks, so it goes after them. The buffers are allocated once (Work,
-// with the model's other work buffers); no step reuses a block it did not just receive.
+// the CP communicator (AxisComm<M, Axis::cp>). Both travel while this step's blocks run
+// (send_recv_begin; on a device the compute stream waits for them only at the step's end:
+// MeshComm::join): the blocks read the [k | v] in hand and write their own share, and leave
+// the buffers in flight alone. The next step's exchange writes into this step's buffers only
+// after its blocks (a communicator's call follows the compute queued before it). The
+// buffers are allocated once (Work, with the model's other work buffers); no step reuses a
+// block it did not just receive.
+//
+// Why a share of its own: the accumulator for the block in hand is finished by the
+// previous rank in the same step, so adding into it directly would wait for its arrival
+// before the blocks could start. The share costs a zero and an add of [N, 2 Ckv] a step.
 
 #include <cstddef>
 #include <span>
@@ -51,7 +57,8 @@ struct RingAttention {
   // query heads and Ckv of the key/value heads, beside the accumulators (o, dq, Dd, dqkv).
   struct Work : Shape::Accumulators {
     Buffer<T, Device> kv[2];         // packed [k | v], [N, 2 Ckv]: the block in hand and the next
-    Buffer<stat_t, Device> dkv[2];   // the travelling d[k | v], [N, 2 Ckv]
+    Buffer<stat_t, Device> dkv[2];   // the travelling d[k | v], [N, 2 Ckv]: the one sent on and the one arriving
+    Buffer<stat_t, Device> share;    // this step's blocks' part of d[k | v] for the block in hand, [N, 2 Ckv]
     std::size_t capacity = 0;
 
     void reserve(typename S::ops_type& ops, std::size_t N, std::size_t Cl) {
@@ -61,6 +68,7 @@ struct RingAttention {
       const std::size_t kv_n = N * 2 * static_cast<std::size_t>(Shape::kv_channels(static_cast<int>(Cl)));
       for (auto& b : kv) b = ops.template make_buffer<T>(kv_n);
       for (auto& b : dkv) b = ops.template make_buffer<stat_t>(kv_n);
+      share = ops.template make_buffer<stat_t>(kv_n);
     }
   };
 
@@ -68,7 +76,7 @@ struct RingAttention {
   static void forward(S& s, Work& w, T* atty, stat_t* lse, const T* qkv, int Cl) {
     const Shape z(s, Cl);
     bool seen[2] = {false, false};
-    walk_ring(s, w, z, qkv, Cl, [&](const RingBlock& b, const T* k, int) {
+    walk_ring(s, w, z, qkv, Cl, [](int) { return false; }, [&](const RingBlock& b, const T* k, int) {
       s.ops.attention_block_forward(w.o.data() + z.chunk(b.q) * Cl, lse + z.stats(b.q), qkv + z.chunk(b.q) * z.ld_qkv,
                                     k, k + z.Ckv, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, KVHeads, b.causal,
                                     !seen[b.q]);
@@ -83,37 +91,51 @@ struct RingAttention {
     auto& ops = s.ops;
     z.row_dots(s, w.Dd.data(), datty, atty);
     ops.zero(w.dq);
-    ops.zero(w.dkv[0]);
-    walk_ring(s, w, z, qkv, Cl, [&](const RingBlock& b, const T* k, int cur) {
-      stat_t* dk = w.dkv[cur].data() + z.chunk(b.k) * z.ld_kv;
+    const std::size_t kv_n = z.N * z.ld_kv;
+    // Step 0's blocks (this rank's own keys and values) start their accumulator; each later
+    // step's blocks write the share that is added to the accumulator arriving beside them.
+    auto into = [&](int step) { return step == 0 ? w.dkv[0].data() : w.share.data(); };
+    walk_ring(s, w, z, qkv, Cl, [&](int step) {
+      ops.zero(into(step), kv_n);
+      if (step == 0) return false;
+      pass_on(s, w.dkv[(step + 1) % 2], w.dkv[step % 2], kv_n, true);  // the last step's on, this one's in
+      return true;
+    }, [&](const RingBlock& b, const T* k, int step) {
+      stat_t* dk = into(step) + z.chunk(b.k) * z.ld_kv;
       ops.attention_block_backward(w.dq.data() + z.chunk(b.q) * Cl, dk, dk + z.Ckv, z.ld_kv,
                                    datty + z.chunk(b.q) * Cl, w.Dd.data() + z.stats(b.q), lse + z.stats(b.q),
                                    qkv + z.chunk(b.q) * z.ld_qkv, k, k + z.Ckv, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads,
                                    KVHeads, b.causal);
-    }, [&](int cur) {  // d[k | v] goes on; after the last step this rank's own comes back, complete
-      pass_on(s, w.dkv[cur], w.dkv[1 - cur], z.N * z.ld_kv);
+    }, [&](int step) {
+      if (step > 0) ops.add_acc(w.dkv[step % 2].data(), w.share.data(), kv_n);
     });
+    // the last hop: each rank's own d[k | v] comes back, complete
+    pass_on(s, w.dkv[(S::cp + 1) % 2], w.dkv[S::cp % 2], kv_n);
     z.assemble_dqkv(s, dqkv, w.dqkv.data(), w.dq.data(), w.dkv[S::cp % 2].data());
   }
 
  private:
 
   // The ring, shared by forward and backward: this rank's [k | v] packed into kv[0], then per
-  // step the block in hand passed on while block(b, k of b's key chunk, buffer index) runs
-  // over the step's blocks (ring_blocks), then after_step(buffer index).
-  template <class Block, class AfterStep>
-  static void walk_ring(S& s, Work& w, const Shape& z, const T* qkv, int Cl, Block&& block, AfterStep&& after_step) {
+  // step the block in hand passed on and begin_step(step) (which returns whether it began an
+  // exchange of its own) while block(b, k of b's key chunk, step) runs over the step's blocks
+  // (ring_blocks); after_step(step) once what travelled has arrived.
+  template <class BeginStep, class Block, class AfterStep>
+  static void walk_ring(S& s, Work& w, const Shape& z, const T* qkv, int Cl, BeginStep&& begin_step, Block&& block,
+                        AfterStep&& after_step) {
     s.ops.copy_rows(w.kv[0].data(), z.ld_kv, qkv + Cl, z.ld_qkv, z.ld_kv, z.N);
     for (int step = 0; step < S::cp; ++step) {
       const int cur = step % 2;
-      if (step + 1 < S::cp) pass_on(s, w.kv[cur], w.kv[1 - cur], z.N * z.ld_kv, true);  // beside the blocks
+      const bool kv_on = step + 1 < S::cp;
+      if (kv_on) pass_on(s, w.kv[cur], w.kv[1 - cur], z.N * z.ld_kv, true);  // beside the blocks
+      const bool own = begin_step(step);
       const RingStep plan = ring_blocks<typename S::split>(s.cp_comm.rank(), step);
       for (int i = 0; i < plan.count; ++i) {
         const RingBlock& b = plan.blocks[static_cast<std::size_t>(i)];
-        block(b, static_cast<const T*>(w.kv[cur].data() + z.chunk(b.k) * z.ld_kv), cur);
+        block(b, static_cast<const T*>(w.kv[cur].data() + z.chunk(b.k) * z.ld_kv), step);
       }
-      after_step(cur);
-      if (step + 1 < S::cp) s.cp_comm.join();  // the next block has arrived
+      if (kv_on || own) s.cp_comm.join();  // what travelled beside the blocks has arrived
+      after_step(step);
     }
   }
 

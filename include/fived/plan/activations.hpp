@@ -136,8 +136,9 @@ constexpr Bytes work_bytes(const Transformer& m, const Blocks& part, const Rows&
     w += detail::bytes(m.local_qkv_width(a.tp) * m.d_model + 2 * std::int64_t{m.kv_heads} * m.head_dim() * m.d_model, a.t);
   if (a.sp)  // SP: each unit's norm gradients, partial over TP until the unit's all-reduce
     w += detail::bytes((m.block_norms() * part.count + (part.head ? 1 : 0)) * m.norm_elements(), a.t);
-  if (a.cp > 1 && !m.allgather_context)  // RingAttention::Work: k|v in hand and next, o, dq, d[k|v] x2, Dd, dqkv in stat
-    w += detail::bytes(2 * a.N * kv, a.t) + detail::bytes(2 * a.N * q + 2 * a.N * kv + a.N * (m.heads / a.tp) + a.N * qkv, a.st);
+  if (a.cp > 1 && !m.allgather_context)  // RingAttention::Work: k|v in hand and next, o, dq, d[k|v] x2 and a step's
+    w += detail::bytes(2 * a.N * kv, a.t) +  // share, Dd, dqkv in stat
+         detail::bytes(2 * a.N * q + 3 * a.N * kv + a.N * (m.heads / a.tp) + a.N * qkv, a.st);
   if (a.cp > 1 && m.allgather_context)  // AllGatherAttention::Work: k|v local and gathered, o, dq, d[k|v] gathered and
     w += detail::bytes((1 + a.cp) * a.N * kv, a.t) +  // local, Dd, dqkv in stat
          detail::bytes(2 * a.N * q + (a.cp + 1) * a.N * kv + a.N * (m.heads / a.tp) + a.N * qkv, a.st);

@@ -1,6 +1,7 @@
 #pragma once
 // Residual add, contract of fived/kernels/host/residual.hpp:
 //   residual_forward(s, out, a, b, n)      out = a + b (out may alias a or b)
+//   add_acc(s, into, x, n)                 into += x over float accumulators
 
 #include <cstddef>
 
@@ -22,6 +23,10 @@ void residual_forward(cudaStream_t stream, T* out, const T* a, const T* b, std::
   if (n == 0) return;
   detail::launch_elementwise<T>(stream, "residual_forward", n, detail::MapBinary<device_t<T>, detail::Add>{dev(out), dev(a), dev(b), {}},
                                 detail::aligned16({out, a, b}));
+}
+
+inline void add_acc(cudaStream_t stream, float* into, const float* x, std::size_t n) {
+  residual_forward(stream, into, into, x, n);
 }
 
 }  // namespace fived::kernels::cuda

@@ -17,4 +17,10 @@ void residual_forward(T* out, const T* a, const T* b, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<T>(static_cast<A>(a[i]) + static_cast<A>(b[i]));
 }
 
+// into += x over n accumulators (stat_t: float or double), as residual_forward adds.
+template <class A>
+void add_acc(A* into, const A* x, std::size_t n) {
+  residual_forward(into, into, x, n);
+}
+
 }  // namespace fived::kernels::host
