@@ -14,9 +14,12 @@
 #include <array>
 #include <cmath>
 #include <numeric>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
+#include "fived/comm/counting.hpp"
 #include "fived/comm/host.hpp"
 #include "fived/mesh/context.hpp"
 #include "fived/nn/gpt.hpp"
@@ -52,6 +55,16 @@ struct half_cfg : moe_cfg<4, 2> {
 
 struct capped_4 : top2_4 {
   static constexpr double capacity_factor = 1.0;  // each expert takes at most N·k/E of a rank's rows
+};
+struct padded_4 : capped_4 {
+  static constexpr bool pad_to_capacity = true;  // every expert's rows padded to its capacity
+};
+struct padded_8 : top2_8 {
+  static constexpr double capacity_factor = 1.25;
+  static constexpr bool pad_to_capacity = true;
+};
+struct capped_8 : padded_8 {
+  static constexpr bool pad_to_capacity = false;
 };
 struct biased_8 : top1_8 {
   using balancing = AuxLossFreeBias;
@@ -212,6 +225,72 @@ TEST_CASE("a capacity factor drops what is over each expert's capacity, alike on
   for (double x : m.expert_loads()) kept += x;
   CHECK(kept < 2.0 * B * T * capped_4::top_k);  // two MoE blocks: some assignments were dropped
   check_equal(mesh_run<capped_4, Mesh<DP<2>, EP<2>>>(), serial_run<capped_4>(2), true);
+}
+
+// Padding changes no value: an empty slot is a zero row, whose output no token reads and
+// whose gradient is zero, so a padded model takes the capacity path's steps to the bit.
+void check_same_bits(const Result& got, const Result& ref) {
+  CHECK(got.losses == ref.losses);
+  CHECK(got.weights == ref.weights);
+  CHECK(got.grads == ref.grads);
+  CHECK(got.expert_weights == ref.expert_weights);
+  CHECK(got.expert_grads == ref.expert_grads);
+}
+
+TEST_CASE("pad_to_capacity: the capacity path's steps bit for bit, serially and on EP meshes equal to serial") {
+  check_same_bits(serial_run<padded_4>(2), serial_run<capped_4>(2));
+  check_same_bits(serial_run<padded_8>(4), serial_run<capped_8>(4));
+  check_equal(mesh_run<padded_4, Mesh<DP<2>, EP<2>>>(), serial_run<padded_4>(2), true);
+  check_equal(mesh_run<padded_8, Mesh<DP<4>, EP<2>>>(), serial_run<padded_8>(4), true);  // expert data 2
+  check_equal(mesh_run<padded_8, Mesh<DP<2>, TP<2>, EP<2>>, NoZeRO, SequenceParallel>(), serial_run<padded_8>(2), true);
+}
+
+// One forward and backward on DP 2 x EP 2, run plain, then again as the host's capture of a
+// step graph (nn/step_graph.hpp: a call that waits for the device is refused there). Returns
+// whether the capture went through, and the EP group's collectives of the plain pass.
+template <class Cfg>
+std::pair<bool, CommCounts> forward_backward_captured() {
+  using M = Mesh<DP<2>, EP<2>>;
+  using Model = GPT<Cfg, M, float, Host>;
+  bool captured = true;
+  CommCounts ep{};
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(Counting<host::Comm>(world));
+    Model m(ctx, init);
+    std::vector<int> tok, tgt;
+    test::global_batch(0, 1, B, T, Cfg::vocab, tok, tgt);
+    const std::size_t rows = static_cast<std::size_t>(ctx.coord().dp) * (B / 2) * T;
+    m.ops().use_step_graph = true;
+    for (int pass = 0; pass < 2; ++pass) {  // the first step of a shape runs plain, the second is captured
+      const CommCounts before = ctx.template comm<typename M::expert_group>().counts();
+      m.ops().begin_graph_step(1);
+      try {
+        m.enqueue_forward(tok.data() + rows, tgt.data() + rows, B / 2, T);  // (forward() reads the loss)
+        m.backward();
+        m.ops().launch_graph_step();
+      } catch (const std::logic_error& e) {
+        CAPTURE(std::string(e.what()));
+        CHECK(std::string(e.what()).find("dispatch_plan inside a step captured as a graph") != std::string::npos);
+        m.ops().abandon_graph_step();
+        if (ctx.rank() == 0) captured = false;
+        break;  // (every rank refuses at the same call, before any collective of the captured pass)
+      }
+      if (pass == 0 && ctx.rank() == 0) ep = ctx.template comm<typename M::expert_group>().counts() - before;
+    }
+  });
+  return {captured, ep};
+}
+
+TEST_CASE("pad_to_capacity: a forward and backward wait for nothing and exchange no counts; dropless waits") {
+  const auto [padded, padded_ep] = forward_backward_captured<padded_4>();
+  CHECK(padded);
+  CHECK(padded_ep.all_to_all.calls == 0);  // no counts: every size is static
+  CHECK(padded_ep.all_to_all_v.calls == 2 * 4);  // 2 MoE blocks: rows out and back, forward and backward
+  // each exchange: E·capacity rows of C floats, capacity = ceil(1.0 · 16 rows · 2 / 4 experts) = 8
+  CHECK(padded_ep.all_to_all_v.bytes == 2 * 4 * (4 * 8) * padded_4::d_model * 4);
+  const auto [dropless, dropless_ep] = forward_backward_captured<capped_4>();
+  CHECK_FALSE(dropless);  // its routing reads the counts
+  CHECK(dropless_ep.all_to_all.calls == 2);
 }
 
 TEST_CASE("experts and ranks that get no tokens: every collective still joined, results equal serial") {

@@ -428,6 +428,18 @@ TEST_CASE_TEMPLATE("gelu and residual", T, ELEMENT_TYPES) {
   hk::residual_forward(out.data(), x.data(), y.data(), n);
   ck::residual_forward(stream(), d_out.data(), dx.data(), dy.data(), n);
   CHECK_CLOSE(out, down(d_out), bound<T>(fp32_elem));
+
+  // the accumulators' add and scale (float on both sides: the same bits)
+  const auto a = rnd<float>(n, 20), b = rnd<float>(n, 21);
+  std::vector<float> sum = a, scaled(n);
+  hk::add_acc(sum.data(), b.data(), n);
+  auto d_sum = up(a), d_b = up(b);
+  Buffer<float, Cuda> d_scaled(n);
+  ck::add_acc(stream(), d_sum.data(), d_b.data(), n);
+  ck::scale_acc(stream(), d_scaled.data(), d_sum.data(), n, 0.37);
+  CHECK(down(d_sum) == sum);
+  hk::scale_acc(scaled.data(), sum.data(), n, 0.37);
+  CHECK(down(d_scaled) == scaled);
 }
 
 TEST_CASE_TEMPLATE("regroup: split and join move the same elements as the host's", T, ELEMENT_TYPES) {
@@ -1079,12 +1091,16 @@ TEST_CASE_TEMPLATE("mixture of experts: router, dispatch plan, gather, combine a
     auto d_hexpert = up(expert);
     auto d_hgate = up(gate);
     std::vector<int> token_of(NK, -7), pos(NK, -7), counts(static_cast<std::size_t>(E), -7);
-    hk::dispatch_plan(token_of.data(), pos.data(), counts.data(), expert.data(), N, k, E, m.capacity);
+    std::vector<float> loads(static_cast<std::size_t>(E), -7.0f);
+    hk::dispatch_plan(token_of.data(), pos.data(), loads.data(), counts.data(), expert.data(), N, k, E, m.capacity,
+                      false);
     auto d_token_of = up(std::vector<int>(NK, -7)), d_pos = up(std::vector<int>(NK, -7));
     std::vector<int> got_counts(static_cast<std::size_t>(E), -7);
-    ck::dispatch_plan(stream(), scratch, d_token_of.data(), d_pos.data(), got_counts.data(), d_hexpert.data(), N, k, E,
-                      m.capacity);
+    Buffer<float, Cuda> d_loads(static_cast<std::size_t>(E));
+    ck::dispatch_plan(stream(), scratch, d_token_of.data(), d_pos.data(), d_loads.data(), got_counts.data(),
+                      d_hexpert.data(), N, k, E, m.capacity, false);
     CHECK(got_counts == counts);
+    CHECK(down(d_loads) == loads);
     CHECK(down(d_pos) == pos);
     CHECK(down(d_token_of) == token_of);
     if (m.idle_expert) CHECK(counts[static_cast<std::size_t>(E) - 1] == 0);  // the case tests what it says
@@ -1101,6 +1117,26 @@ TEST_CASE_TEMPLATE("mixture of experts: router, dispatch plan, gather, combine a
     Buffer<T, Cuda> d_xp(RC);
     ck::gather_rows(stream(), d_xp.data(), d_x.data(), d_token_of.data(), rows, C);
     CHECK(down(d_xp) == xp);
+
+    if (m.capacity >= 0) {  // padded: expert e's rows at e·capacity, empty slots -1 (zero rows), no wait
+      const std::size_t R = static_cast<std::size_t>(E) * static_cast<std::size_t>(m.capacity);
+      std::vector<int> ptok(R, -7), ppos(NK, -7);
+      std::vector<float> ploads(static_cast<std::size_t>(E));
+      hk::dispatch_plan(ptok.data(), ppos.data(), ploads.data(), static_cast<int*>(nullptr), expert.data(), N, k, E,
+                        m.capacity, true);
+      auto d_ptok = up(std::vector<int>(R, -7)), d_ppos = up(std::vector<int>(NK, -7));
+      Buffer<float, Cuda> d_ploads(static_cast<std::size_t>(E));
+      ck::dispatch_plan(stream(), scratch, d_ptok.data(), d_ppos.data(), d_ploads.data(), static_cast<int*>(nullptr),
+                        d_hexpert.data(), N, k, E, m.capacity, true);
+      CHECK(down(d_ptok) == ptok);
+      CHECK(down(d_ppos) == ppos);
+      CHECK(down(d_ploads) == loads);
+      std::vector<T> pxp(R * static_cast<std::size_t>(C));
+      hk::gather_rows(pxp.data(), x.data(), ptok.data(), static_cast<int>(R), C);
+      Buffer<T, Cuda> d_pxp(R * static_cast<std::size_t>(C));
+      ck::gather_rows(stream(), d_pxp.data(), d_x.data(), d_ptok.data(), static_cast<int>(R), C);
+      CHECK(down(d_pxp) == pxp);
+    }
 
     // moe_combine
     const auto y = rnd<T>(RC, 43);
@@ -1180,8 +1216,9 @@ TEST_CASE_TEMPLATE("mixture of experts: router, dispatch plan, gather, combine a
     std::vector<int> c(4);
     for (const int wrong : {4, -1}) {
       auto bad = up(std::vector<int>{0, 1, wrong, 2});
-      CHECK_THROWS_AS(ck::dispatch_plan(stream(), scratch, t.data(), p.data(), c.data(), bad.data(), 2, 2, 4, -1),
-                      std::invalid_argument);
+      CHECK_THROWS_AS(
+          ck::dispatch_plan(stream(), scratch, t.data(), p.data(), g.data(), c.data(), bad.data(), 2, 2, 4, -1, false),
+          std::invalid_argument);
     }
   }
 
@@ -1193,12 +1230,17 @@ TEST_CASE_TEMPLATE("mixture of experts: router, dispatch plan, gather, combine a
     Buffer<int, Cuda> d_expert(expert.size()), d_token_of(expert.size()), d_pos(expert.size());
     ops.upload(d_expert.data(), expert.data(), expert.size());
     std::vector<int> token_of(expert.size(), 0), pos(expert.size()), counts(E), got(E);
-    hk::dispatch_plan(token_of.data(), pos.data(), counts.data(), expert.data(), N, k, E, capacity);
-    ops.dispatch_plan(d_token_of.data(), d_pos.data(), got.data(), d_expert.data(), N, k, E, capacity);
+    std::vector<float> loads(E);
+    Buffer<float, Cuda> d_loads(E);
+    hk::dispatch_plan(token_of.data(), pos.data(), loads.data(), counts.data(), expert.data(), N, k, E, capacity, false);
+    ops.dispatch_plan(d_token_of.data(), d_pos.data(), d_loads.data(), got.data(), d_expert.data(), N, k, E, capacity,
+                      false);
     CHECK(got == counts);
     const std::size_t allocations = fived::buffer_allocations<Cuda>().load();
-    ops.dispatch_plan(d_token_of.data(), d_pos.data(), got.data(), d_expert.data(), 10, k, E, capacity);
-    ops.dispatch_plan(d_token_of.data(), d_pos.data(), got.data(), d_expert.data(), N, k, E, capacity);
+    ops.dispatch_plan(d_token_of.data(), d_pos.data(), d_loads.data(), got.data(), d_expert.data(), 10, k, E, capacity,
+                      false);
+    ops.dispatch_plan(d_token_of.data(), d_pos.data(), d_loads.data(), got.data(), d_expert.data(), N, k, E, capacity,
+                      false);
     CHECK(fived::buffer_allocations<Cuda>().load() == allocations);  // same or smaller sizes: none
     CHECK(got == counts);
     CHECK(down(d_pos) == pos);

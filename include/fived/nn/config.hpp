@@ -71,6 +71,11 @@ struct gpt_config {
   static constexpr double bias_update_rate = 1e-3;
   static constexpr double capacity_factor = 0;     // 0: dropless; else each expert takes at most
                                                    // ceil(factor * tokens * top_k / experts) of a rank's
+                                                   // assignments, the rest are dropped
+  // With a capacity: every expert's rows padded to it (empty slots are zero rows), so every
+  // size after routing is static and the step waits for no count (GShard's layout; Megatron's
+  // moe_pad_expert_input_to_capacity). Costs the padding's FLOPs and traffic.
+  static constexpr bool pad_to_capacity = false;
 };
 
 // Everything the model derives from a configuration, checked once here.
@@ -109,6 +114,9 @@ struct gpt_dims {
   static_assert(moe_every >= 1, "gpt config: moe_every must be at least 1 (1: every block has experts)");
   static_assert(Cfg::aux_loss_coef >= 0 && Cfg::capacity_factor >= 0 && Cfg::bias_update_rate >= 0,
                 "gpt config: aux_loss_coef, capacity_factor and bias_update_rate cannot be negative");
+  static_assert(!Cfg::pad_to_capacity || Cfg::capacity_factor > 0,
+                "gpt config: pad_to_capacity pads every expert's rows to its capacity: set capacity_factor > 0 "
+                "(e.g. 1.25), or pad_to_capacity = false for dropless routing");
   // Whether block `layer` has a mixture of experts instead of the MLP.
   static constexpr bool is_moe(int layer) { return experts > 0 && layer % moe_every == moe_every - 1; }
   // Whether blocks [first, first + count) include one with experts (moe) or one with the MLP.

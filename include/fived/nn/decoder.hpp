@@ -88,11 +88,18 @@ class Decoder : public DecoderParams<Arch, M, T, Device, SP, Part> {
   // The load-balancing loss of the slot's last forward: the sum over the part's MoE blocks
   // (0 without them, or with aux_loss_coef 0). Its gradient is in backward(); loss() is the
   // language model's alone.
+  // Read from the statistics the forward left in device memory: a wait for the device.
   double aux_loss(int slot = 0) const {
     double a = 0;
-    if constexpr (has_experts)
+    if constexpr (balance_size > 0) {
+      const Slot& sl = slots_.at(static_cast<std::size_t>(slot));
+      if (sl.balance.size() == 0) return 0;  // no forward yet
+      using stat_t = typename step_type::stat_t;
+      const auto stats = ops_.to_host(std::span<const stat_t>(sl.balance.data(), sl.balance.size()));
       for (int l = 0; l < blocks; ++l)
-        if (is_moe_block(l)) a += slots_.at(static_cast<std::size_t>(slot)).aux[static_cast<std::size_t>(l)];
+        if (is_moe_block(l))
+          a += Block::aux_loss(std::span<const stat_t>(stats).subspan(balance_at(l), balance_size), sl.B * sl.T_);
+    }
     return a;
   }
 
@@ -151,8 +158,8 @@ class Decoder : public DecoderParams<Arch, M, T, Device, SP, Part> {
       Block::forward(s, A, work_.block, scratch(), block_params_[static_cast<std::size_t>(l)], x, out, first_layer + l);
       if constexpr (has_experts)
         if (is_moe_block(l)) {
-          a.aux[static_cast<std::size_t>(l)] = Block::aux_loss(A);
-          if (targets != nullptr) balance_.count(moe_index(l), Block::expert_counts(A));  // for balance_experts
+          if constexpr (balance_size > 0) ops_.copy(a.balance.data() + balance_at(l), Block::balance(A), balance_size);
+          if (targets != nullptr) balance_.count(ops_, moe_index(l), Block::expert_loads(A));  // for balance_experts
         }
       x = out;
       detail::call(hooks.after_forward, specs::block_unit(l));
@@ -286,10 +293,19 @@ class Decoder : public DecoderParams<Arch, M, T, Device, SP, Part> {
     else return nullptr;
   }
 
+  // The balancing statistics of one MoE block (a block without experts need not say).
+  static constexpr std::size_t balance_size = [] {
+    if constexpr (has_experts) return static_cast<std::size_t>(Block::balance_size);
+    else return std::size_t{0};
+  }();
+  // Where MoE block l's balancing statistics start in a slot's balance (l = blocks: how many).
+  static constexpr std::size_t balance_at(int l) { return static_cast<std::size_t>(Params::moe_index(l)) * balance_size; }
+
   using Slot = DecoderSlot<step_type, Block, Norm, HeadL>;  // nn/decoder_slots.hpp
   using Work = DecoderWork<step_type, Block>;
   static constexpr SlotShape slot_shape{first_layer, blocks, has_head, recompute::whole_block, C,
-                                        static_cast<std::size_t>(Vp)};
+                                        static_cast<std::size_t>(Vp),
+                                        static_cast<std::size_t>(Params::moe_index(blocks)) * balance_size};
 
   typename Block::Saved& saved(Slot& a, int l) {
     if constexpr (recompute::whole_block) return work_.rerun;

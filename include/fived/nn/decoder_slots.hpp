@@ -24,6 +24,7 @@ struct SlotShape {
   int first = 0, blocks = 0;
   bool head = false, whole_block = false;
   std::size_t C = 0, Vp = 0;
+  std::size_t balance = 0;  // the balancing statistics of the part's MoE blocks (stat_t elements)
 };
 
 template <class Step, class Block, class Norm, class Head>
@@ -38,7 +39,7 @@ struct DecoderSlot {
   std::vector<Buffer<T, Device>> out;         // each block's output: the next block's input
   typename Norm::Saved lnf;
   typename Head::Saved head;
-  std::vector<double> aux;  // per block: an MoE block's load-balancing loss
+  Buffer<typename Step::stat_t, Device> balance;  // the MoE blocks' balancing statistics, read for aux_loss
   int B = 0, T_ = 0;
   const T* output = nullptr;  // the stream leaving the part (parts without the head)
   bool has_dlogits = false;   // forward done, backward may run (d-logits written, with a head)
@@ -55,7 +56,7 @@ struct DecoderSlot {
     s.targets = ops.template make_buffer<int>(N);
     s.encoded = ops.template make_buffer<T>(n * sh.C);
     if (!sh.whole_block) s.blocks.resize(static_cast<std::size_t>(sh.blocks));
-    s.aux.assign(static_cast<std::size_t>(sh.blocks), 0.0);
+    if (sh.balance > 0) s.balance = ops.template make_buffer<typename Step::stat_t>(sh.balance);
     for (int l = 0; l < sh.blocks; ++l) {
       if (!sh.whole_block) s.blocks[static_cast<std::size_t>(l)].reserve(ops, N, n, sh.first + l, 1);
       s.out.push_back(ops.template make_buffer<T>(n * sh.C));

@@ -1,14 +1,16 @@
 #pragma once
 // A mixture of experts' balance from one step to the next.
 //
-// The rows each expert took in a step's training forwards are counted per MoE block; after
-// the optimizer step they are summed over the group that routes tokens (every rank of DP x
-// CP) and become the last step's loads. With AuxLossFreeBias (DeepSeek-V3) each block's
+// The rows each expert took in a step's training forwards are added up per MoE block in
+// device memory (the forwards wait for nothing); after the optimizer step they are read,
+// summed over the group that routes tokens (every rank of DP x CP) and become the last
+// step's loads. With AuxLossFreeBias (DeepSeek-V3) each block's
 // selection bias, which the router adds to its scores before choosing experts, then moves
 // by bias_update_rate towards the mean load: up for an expert below it, down above.
 //
-//   ExpertBalance<Config, Device> balance(ops, moe_blocks);
-//   balance.count(m, counts);           // a training forward's rows per expert of MoE block m
+//   ExpertBalance<Config, Device, Stat> balance(ops, moe_blocks);
+//   balance.count(ops, m, loads);       // a training forward's rows per expert of MoE block m
+//                                       // (device memory, Stat)
 //   balance.step(group, ops);           // after the optimizer step (a collective of the group)
 //   balance.device_bias(m)              // what MoE block m's router reads (device memory)
 
@@ -24,7 +26,7 @@
 
 namespace fived {
 
-template <class Config, class Device>
+template <class Config, class Device, class Stat>
 class ExpertBalance {
   static constexpr int experts = Config::experts;
 
@@ -33,18 +35,24 @@ class ExpertBalance {
   ExpertBalance(Ops& ops, int moe_blocks)
       : blocks_(moe_blocks),
         device_bias_(ops.template make_buffer<float>(static_cast<std::size_t>(std::max(moe_blocks * experts, 1)))),
+        device_loads_(ops.template make_buffer<Stat>(static_cast<std::size_t>(moe_blocks * experts))),
         bias_(static_cast<std::size_t>(moe_blocks * experts), 0.0f),
         loads_(bias_.size(), 0.0) {}
 
-  // Adds a training forward's rows per expert of MoE block m.
-  template <class Counts>
-  void count(int m, const Counts& rows) {
-    for (int e = 0; e < experts; ++e) loads_[static_cast<std::size_t>(m * experts + e)] += rows[static_cast<std::size_t>(e)];
+  // Adds a training forward's rows per expert of MoE block m (device memory).
+  template <class Ops>
+  void count(Ops& ops, int m, const Stat* rows) {
+    ops.add_acc(device_loads_.data() + m * experts, rows, experts);
   }
 
   // The step's loads summed over `group` become last_loads(); with a selection bias, it moves.
   template <GroupView G, class Ops>
   void step(MeshComm<G>& group, Ops& ops) {
+    if (!loads_.empty()) {  // (whole rows: exact in a float up to 2^24 a step)
+      const std::vector<Stat> counted = ops.to_host(std::span<const Stat>(device_loads_.data(), loads_.size()));
+      std::copy(counted.begin(), counted.end(), loads_.begin());
+      ops.zero(device_loads_);
+    }
     group.all_reduce_host(std::span<double>(loads_));
     last_loads_ = loads_;
     if constexpr (Config::balancing::bias) {
@@ -84,6 +92,7 @@ class ExpertBalance {
  private:
   int blocks_;
   Buffer<float, Device> device_bias_;  // [MoE block][expert]
+  Buffer<Stat, Device> device_loads_;  // [MoE block][expert]: rows counted since the last step
   std::vector<float> bias_;            // the same, in host memory
   std::vector<double> loads_, last_loads_;
 };

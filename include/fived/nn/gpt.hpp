@@ -129,8 +129,13 @@ struct PreNormBlock {
                      w.dhidden.data(), w.dqkv.data(), k.partial);
       Norm::backward(s, dres, g.ln_1_w, g.ln_1_b, k.dln, x, p.ln_1_w, a.ln_1, C);
     }
-    static double aux_loss(const Saved& a) { return a.moe.aux; }
-    static const std::vector<int>& expert_counts(const Saved& a) { return a.moe.counts; }
+    // A MoE block's rows per expert (device memory), its balancing statistics (balance_size of
+    // them, device memory) and the balancing loss they give for N tokens.
+    static constexpr int balance_size = Moe::balance_size;
+    using stat_t = typename S::stat_t;
+    static const stat_t* expert_loads(const Saved& a) { return a.moe.loads.data(); }
+    static const stat_t* balance(const Saved& a) { return a.moe.balance.data(); }
+    static double aux_loss(std::span<const stat_t> balance, int N) { return Moe::aux_loss(balance, N); }
   };
 };
 

@@ -23,11 +23,16 @@
 // moves them. Every rank joins every collective of forward and backward, also with zero
 // tokens to send or receive. Those counts are host values: on CUDA the routing waits for
 // the device once per MoE layer (dropless routing cannot size a transfer otherwise).
+// With pad_to_capacity (nn/config.hpp) every expert's rows are padded to its capacity
+// (empty slots are zero rows, whose outputs no token reads and whose gradients are zero):
+// every size is known before routing, nothing is counted on the host and nothing waits.
 //
 // Balancing. The Switch load-balancing loss, aux = coef · E · Σ_e f_e · P_e (f_e: the share
 // of the k·N assignments kept for expert e, P_e: the mean score of e), over the tokens of a
 // replica's micro-batch (summed over CP); its gradient coef·E·f_e/N on every score joins the
-// router's backward. It is reported apart from the language-model loss (aux_loss()). With
+// router's backward. Both come from the kept rows and score sums per expert in device
+// memory, summed over CP there (Saved::balance); the loss's value is read from them when it
+// is reported, apart from the language-model loss (aux_loss()). With
 // AuxLossFreeBias (nn/config.hpp) the selection adds a per-expert bias that the model moves
 // after each step towards equal loads (GPT::balance_experts).
 //
@@ -99,7 +104,9 @@ struct MoE {
   using dims = gpt_dims<Cfg>;
   static constexpr int E = dims::experts, K = dims::top_k, EP = S::ep, El = E / (EP > 0 ? EP : 1);
   static constexpr bool sigmoid = Cfg::router_sigmoid, renormalize = Cfg::renormalize_gates;
+  static constexpr bool padded = Cfg::pad_to_capacity;
   static constexpr double coef = Cfg::aux_loss_coef;
+  static constexpr int balance_size = coef > 0 ? 2 * E : 0;  // Saved::balance's elements
   static_assert(E % EP == 0,
                 "a mixture of experts spreads its experts over EP: the number of experts must be a multiple of the EP "
                 "extent");
@@ -114,20 +121,33 @@ struct MoE {
   };
   static constexpr int act_width(int Fl) { return Gated ? 2 * Fl : Fl; }  // pre-activation (or gate|up) per row
 
+  // Each expert's capacity on this rank (-1: dropless).
+  static int capacity(int N) {
+    if constexpr (Cfg::capacity_factor <= 0) return -1;
+    else return static_cast<int>(std::ceil(Cfg::capacity_factor * N * K / E));
+  }
+  // Rows in dispatch order for N tokens: the N·k assignments, or E padded experts.
+  static std::size_t dispatch_rows(std::size_t N) {
+    if constexpr (padded) return static_cast<std::size_t>(E) * static_cast<std::size_t>(capacity(static_cast<int>(N)));
+    else return N * K;
+  }
+
   // What forward keeps for backward (one per block and micro-batch slot). Rows that arrive
   // from other EP ranks are data dependent: those buffers grow when more arrive, never shrink.
   struct Saved {
     buffer<T> x_full;                  // SP: the gathered input
     buffer<stat_t> scores, gate;       // [N, E], [N·k]
-    buffer<int> expert, pos, token_of;  // [N·k]: chosen expert, row in dispatch order, row's token
-    buffer<T> y;                       // [N·k, C]: expert outputs in dispatch order (Partial on TP)
+    buffer<int> expert, pos;           // [N·k]: chosen expert, row in dispatch order
+    buffer<int> token_of;              // [dispatch rows]: a row's token (padded: -1 for an empty slot)
+    buffer<T> y;                       // [dispatch rows, C]: expert outputs in dispatch order (Partial on TP)
     buffer<T> x_exp, pre, h;           // [R, C], [R, F/TP] (gated: [R, 2F/TP]), [R, F/TP]: this rank's experts' rows
     buffer<stat_t> daux;               // [E]: the balancing loss's gradient per score
-    std::vector<int> counts;           // [E]: rows kept per expert, this rank's tokens
+    buffer<stat_t> loads;              // [E]: rows kept per expert, this rank's tokens (device memory)
+    buffer<stat_t> balance;            // [2E]: rows kept and score sums per expert, over the replica
+    std::vector<int> counts;           // [E]: loads in host memory (dropless: they size the exchange)
     std::vector<std::int64_t> from;    // [EP·El]: rows from peer p for local expert j
     std::vector<std::size_t> send, recv;  // elements to / from each EP peer
     int kept = 0, received = 0;
-    double aux = 0;  // this layer's load-balancing loss
 
     void reserve(ops_type& ops, std::size_t N, std::size_t C) {
       if constexpr (S::sp) x_full = ops.template make_buffer<T>(N * C);
@@ -135,9 +155,11 @@ struct MoE {
       gate = ops.template make_buffer<stat_t>(N * K);
       expert = ops.template make_buffer<int>(N * K);
       pos = ops.template make_buffer<int>(N * K);
-      token_of = ops.template make_buffer<int>(N * K);
-      y = ops.template make_buffer<T>(N * K * C);
+      token_of = ops.template make_buffer<int>(dispatch_rows(N));
+      y = ops.template make_buffer<T>(dispatch_rows(N) * C);
       daux = ops.template make_buffer<stat_t>(E);
+      loads = ops.template make_buffer<stat_t>(E);
+      balance = ops.template make_buffer<stat_t>(2 * E);
       counts.assign(E, 0);
       from.assign(static_cast<std::size_t>(EP) * El, 0);
       send.assign(EP, 0);
@@ -147,22 +169,26 @@ struct MoE {
   // Shared by the slots: what one forward or backward uses and leaves behind.
   struct Work {
     buffer<T> logits;    // [N, E]: the router's logits, then their gradient
-    buffer<stat_t> dgate, sums;  // [N·k], [E]
-    buffer<T> rows;      // [N·k, C]: rows in dispatch order (to send, or d(y), dx)
+    buffer<stat_t> dgate;  // [N·k]
+    buffer<T> rows;      // [dispatch rows, C]: rows in dispatch order (to send, or d(y), dx)
     buffer<T> staging, y_exp, dh, dgu;  // [R, C] x2, [R, F/TP], gated: [R, 2F/TP]
-    std::vector<double> stats;
     void reserve(ops_type& ops, std::size_t N, std::size_t C) {
       logits = ops.template make_buffer<T>(N * E);
       dgate = ops.template make_buffer<stat_t>(N * K);
-      sums = ops.template make_buffer<stat_t>(E);
-      rows = ops.template make_buffer<T>(N * K * C);
+      rows = ops.template make_buffer<T>(dispatch_rows(N) * C);
     }
   };
 
-  // Each expert's capacity on this rank (-1: dropless).
-  static int capacity(int N) {
-    if constexpr (Cfg::capacity_factor <= 0) return -1;
-    else return static_cast<int>(std::ceil(Cfg::capacity_factor * N * K / E));
+  // The balancing loss of a forward from its statistics (Saved::balance, read to the host)
+  // over N tokens of this rank: 0 without one.
+  static double aux_loss(std::span<const stat_t> balance, int N) {
+    if constexpr (coef <= 0) return 0;
+    const double tokens = static_cast<double>(N) * S::cp, assignments = tokens * K;
+    double aux = 0;
+    for (int e = 0; e < E; ++e)
+      aux += coef * E * (static_cast<double>(balance[static_cast<std::size_t>(e)]) / assignments) *
+             (static_cast<double>(balance[static_cast<std::size_t>(E + e)]) / tokens);
+    return aux;
   }
 
   // y (the stream's rows, "=") from x (the stream's rows). bias: [E] selection bias or null.
@@ -175,11 +201,10 @@ struct MoE {
     ops.matmul(w.logits.data(), xf, p.router, static_cast<const T*>(nullptr), N, E, C, false, false);
     ops.router_scores(a.scores.data(), w.logits.data(), N, E, sigmoid);
     ops.router_topk(a.expert.data(), a.gate.data(), a.scores.data(), bias, N, E, K, renormalize);
-    ops.dispatch_plan(a.token_of.data(), a.pos.data(), a.counts.data(), a.expert.data(), N, K, E, capacity(N));
-    a.kept = 0;
-    for (int c : a.counts) a.kept += c;
-    balancing_loss(s, a, w, N);
-    exchange_counts(s, a, C);
+    ops.dispatch_plan(a.token_of.data(), a.pos.data(), a.loads.data(), padded ? nullptr : a.counts.data(),
+                      a.expert.data(), N, K, E, capacity(N), padded);
+    balancing_loss(s, a, N);
+    exchange_counts(s, a, N, C);
     grow(ops, a.x_exp, a.received, C), grow(ops, a.pre, a.received, act_width(Fl)), grow(ops, a.h, a.received, Fl);
     grow(ops, w.staging, a.received, C), grow(ops, w.y_exp, a.received, C), grow(ops, w.dh, a.received, Fl);
     if constexpr (Gated) grow(ops, w.dgu, a.received, 2 * Fl);
@@ -223,6 +248,7 @@ struct MoE {
     ops_type& ops = s.ops;
     const T* xf = S::sp ? a.x_full.data() : x;
     const T* dyf = s.gather_rows(dy, full, C);
+    if constexpr (padded) ops.zero(w.rows.data(), static_cast<std::size_t>(a.kept) * C);  // empty slots: d(y) = 0
     ops.moe_combine_backward(w.rows.data(), w.dgate.data(), dyf, a.y.data(), a.pos.data(), a.gate.data(), N, K, C);
     s.comm.all_reduce(std::span<stat_t>(w.dgate.data(), static_cast<std::size_t>(N) * K));  // Partial over TP
 
@@ -297,33 +323,35 @@ struct MoE {
     }
   }
 
-  // The balancing loss's value and gradient from this micro-batch's counts and score sums
-  // (summed over CP: the replica's tokens).
-  static void balancing_loss(S& s, Saved& a, Work& w, int N) {
-    a.aux = 0;
+  // The balancing loss's gradient from this micro-batch's kept rows and score sums per
+  // expert, summed over CP (the replica's tokens) in device memory: balance, which also
+  // gives the loss's value when it is read (aux_loss).
+  static void balancing_loss(S& s, Saved& a, int N) {
     if constexpr (coef > 0) {
-      s.ops.router_score_sums(w.sums.data(), a.scores.data(), N, E);
-      const std::vector<stat_t> sums = s.ops.to_host(std::span<const stat_t>(w.sums.data(), E));
-      w.stats.assign(2 * E, 0.0);
-      for (int e = 0; e < E; ++e) w.stats[e] = a.counts[e], w.stats[E + e] = static_cast<double>(sums[e]);
-      s.cp_comm.all_reduce_host(std::span<double>(w.stats));
-      const double tokens = static_cast<double>(N) * S::cp, assignments = tokens * K;
-      std::array<stat_t, E> daux{};
-      for (int e = 0; e < E; ++e) {
-        const double f = w.stats[e] / assignments, P = w.stats[E + e] / tokens;
-        a.aux += coef * E * f * P;
-        // d aux / d score, times CP: the replica's gradient is averaged over CP
-        daux[static_cast<std::size_t>(e)] = static_cast<stat_t>(coef * E * f / N);
-      }
-      s.ops.upload(a.daux.data(), daux.data(), E);
+      s.ops.copy(a.balance.data(), a.loads.data(), E);
+      s.ops.router_score_sums(a.balance.data() + E, a.scores.data(), N, E);
+      s.cp_comm.all_reduce(std::span<stat_t>(a.balance.data(), 2 * static_cast<std::size_t>(E)));
+      // d aux / d score = coef · E · f_e / N, times CP: the replica's gradient is averaged over CP
+      const double assignments = static_cast<double>(N) * S::cp * K;
+      s.ops.scale_acc(a.daux.data(), a.balance.data(), E, coef * E / (assignments * N));
     }
   }
 
-  // Counts first: how many rows of each of its experts every peer sends.
-  static void exchange_counts(S& s, Saved& a, int C) {
-    if constexpr (EP == 1) {
+  // Counts first: how many rows of each of its experts every peer sends (padded: capacity).
+  static void exchange_counts(S& s, Saved& a, int N, int C) {
+    if constexpr (padded) {
+      const int cap = capacity(N);
+      std::fill(a.from.begin(), a.from.end(), cap);
+      std::fill(a.send.begin(), a.send.end(), static_cast<std::size_t>(El) * cap * C);
+      std::fill(a.recv.begin(), a.recv.end(), static_cast<std::size_t>(El) * cap * C);
+      a.kept = E * cap;
+    } else if constexpr (EP == 1) {
+      a.kept = 0;
+      for (int c : a.counts) a.kept += c;
       for (int e = 0; e < E; ++e) a.from[static_cast<std::size_t>(e)] = a.counts[static_cast<std::size_t>(e)];
     } else {
+      a.kept = 0;
+      for (int c : a.counts) a.kept += c;
       std::array<std::int64_t, E> mine{};
       for (int e = 0; e < E; ++e) mine[static_cast<std::size_t>(e)] = a.counts[static_cast<std::size_t>(e)];
       s.ep_comm->all_to_all_host(std::span<const std::int64_t>(mine), std::span<std::int64_t>(a.from));

@@ -33,7 +33,8 @@
 //     over chunks into a double of device memory) and add_scalar (one double added to
 //     another: the norm's parts), gelu_forward, scale,
 //     to_fp32 (fp32 master weights from the parameters), from_acc (stat_t -> T), add_acc
-//     (stat_t += stat_t: ring attention's share of d[k | v]), and ring
+//     (stat_t += stat_t: ring attention's share of d[k | v]), scale_acc (stat_t = stat_t ·
+//     factor: the balancing loss's gradient), and ring
 //     attention's pieces attention_block_forward, attention_row_dot, attention_block_backward;
 //     a mixture of experts' router_scores, router_topk, dispatch_plan (counts to host memory),
 //     gather_rows, moe_combine(_backward), moe_dispatch_backward, router_backward,
@@ -160,11 +161,18 @@ struct Ops<T, Host> {
           [&] { return call_hash(out, in, outer, n, block, how); });
   }
 
-  // A mixture of experts' plan (kernels/host/moe.hpp) writes the per-expert counts to host
-  // memory (on CUDA it waits for them: the all-to-all's sizes are host values).
-  void dispatch_plan(int* token_of, int* pos, int* host_counts, const int* expert, int N, int k, int E, int capacity) {
-    graph().no_wait("dispatch_plan");
-    kernels::host::dispatch_plan(token_of, pos, host_counts, expert, N, k, E, capacity);
+  // A mixture of experts' plan (kernels/host/moe.hpp): the kept rows per expert in loads
+  // (device memory) and, when host_counts is given, in host memory too (on CUDA it waits for
+  // them: dropless routing's all-to-all sizes are host values); padded rows need neither.
+  void dispatch_plan(int* token_of, int* pos, stat_t* loads, int* host_counts, const int* expert, int N, int k, int E,
+                     int capacity, bool padded) {
+    if (host_counts != nullptr) {
+      graph().no_wait("dispatch_plan");
+      return kernels::host::dispatch_plan(token_of, pos, loads, host_counts, expert, N, k, E, capacity, padded);
+    }
+    queue("dispatch_plan",
+          [=] { kernels::host::dispatch_plan(token_of, pos, loads, static_cast<int*>(nullptr), expert, N, k, E, capacity, padded); },
+          [&] { return call_hash(token_of, pos, loads, expert, N, k, E, capacity, padded); });
   }
 
   // The loss of every row added since begin_loss_sum(), in double.

@@ -82,6 +82,7 @@
   X(to_fp32, (float* dst, const T* src, std::size_t n), (dst, src, n))                                           \
   X(from_acc, (T* dst, const stat_t* src, std::size_t n), (dst, src, n))                                         \
   X(add_acc, (stat_t* into, const stat_t* x, std::size_t n), (into, x, n))                                       \
+  X(scale_acc, (stat_t* out, const stat_t* x, std::size_t n, double factor), (out, x, n, factor))                 \
   X(router_scores, (stat_t* scores, const T* logits, int N, int E, bool sigmoid),                                \
     (scores, logits, N, E, sigmoid))                                                                             \
   X(router_topk, (int* expert, stat_t* gate, const stat_t* scores, const float* bias, int N, int E, int k,       \

@@ -77,12 +77,14 @@ constexpr Bytes mlp_bytes(const Transformer& m, const Rows& a) {
   return (a.sp ? detail::bytes(a.N * m.d_model, a.t) : 0) + ffn_hidden_bytes(m, a.N, m.d_ff, a);
 }
 // MoE::Saved, with R = N·k rows for this rank's experts (balanced routing), plus the shared
-// experts' hidden activations.
+// experts' hidden activations. Its statistics: the balancing loss's gradient, the rows kept
+// per expert and the balance (both of [E] stat_t, [E] and [2E]).
 constexpr Bytes moe_bytes(const Transformer& m, const Rows& a) {
   const std::int64_t Nk = a.N * m.top_k;
   return (a.sp ? detail::bytes(a.N * m.d_model, a.t) : 0) + detail::bytes(a.N * m.experts + Nk, a.st) +
          detail::bytes(3 * Nk, 4) + detail::bytes(Nk * m.d_model, a.t) + detail::bytes(Nk * m.d_model, a.t) +
-         ffn_hidden_bytes(m, Nk, m.expert_d_ff, a) + detail::bytes(m.experts, 4) +
+         ffn_hidden_bytes(m, Nk, m.expert_d_ff, a) + detail::bytes(m.experts, 4) + detail::bytes(m.experts, a.st) +
+         detail::bytes(2 * m.experts, a.st) +
          m.shared_experts * ffn_hidden_bytes(m, a.N, m.expert_d_ff, a);
 }
 // Everything block `layer`'s forward leaves for its backward (BlockActs), core included or not.
@@ -105,7 +107,9 @@ constexpr Bytes head_bytes(const Transformer& m, const Rows& a) {
 // One micro-batch slot of a part (Decoder::Slot): ids, the embedding's output, the blocks, the head.
 constexpr Bytes slot_bytes(const Transformer& m, const Blocks& part, const Rows& a) {
   Bytes s = detail::bytes(2 * a.N, 4) + detail::bytes(a.n * m.d_model, a.t);
-  for (int l = part.first; l < part.first + part.count; ++l) s += block_bytes(m, l, a);
+  int moe = 0;
+  for (int l = part.first; l < part.first + part.count; ++l) s += block_bytes(m, l, a), moe += m.is_moe(l) ? 1 : 0;
+  if (moe > 0 && m.balancing_loss) s += detail::bytes(std::int64_t{moe} * 2 * m.experts, a.st);  // their balance, kept
   return s + (part.head ? head_bytes(m, a) : 0);
 }
 
@@ -142,9 +146,9 @@ constexpr Bytes work_bytes(const Transformer& m, const Blocks& part, const Rows&
   if (a.cp > 1 && m.allgather_context)  // AllGatherAttention::Work: k|v local and gathered, o, dq, d[k|v] gathered and
     w += detail::bytes((1 + a.cp) * a.N * kv, a.t) +  // local, Dd, dqkv in stat
          detail::bytes(2 * a.N * q + (a.cp + 1) * a.N * kv + a.N * (m.heads / a.tp) + a.N * qkv, a.st);
-  if (moe) {  // MoE::Work: router logits, d(gate), score sums, rows in dispatch order, staging, y, d(h)
+  if (moe) {  // MoE::Work: router logits, d(gate), rows in dispatch order, staging, y, d(h)
     const std::int64_t Nk = a.N * m.top_k;
-    w += detail::bytes(a.N * m.experts, a.t) + detail::bytes(Nk + m.experts, a.st) + detail::bytes(3 * Nk * C, a.t) +
+    w += detail::bytes(a.N * m.experts, a.t) + detail::bytes(Nk, a.st) + detail::bytes(3 * Nk * C, a.t) +
          detail::bytes(Nk * (m.expert_d_ff / a.tp) * (m.gated ? 3 : 1), a.t);  // d(h) (SwiGLU: and d(gate | up))
   }
   return w;

@@ -14,7 +14,7 @@
 //               (TP, CP, EP); SelectiveRecompute runs the core attention again: under CP the ring
 //   CP          per block: forward CP-1 send_recv of the packed k|v [N, 2·KV·hd/TP] (t), backward
 //               CP-1 of k|v and CP of its gradient accumulator (stat bytes); with a balancing
-//               loss an AR of 2E doubles per MoE block forward
+//               loss an AR of 2E stats per MoE block forward
 //   EP          per MoE block: forward the counts (all_to_all, E int64) and the rows out and
 //               back (2 all_to_all_v of N·k rows of C), backward 2 all_to_all_v; balanced
 //               routing: a rank receives as many rows as it sends
@@ -142,7 +142,7 @@ constexpr Traffic layer_traffic(const Transformer& m, const Blocks& part, const 
         tally(r.cp.send_recv, (a.cp - 1) * std::int64_t{M}, kv * a.t);  // backward: k|v again
         tally(r.cp.send_recv, a.cp * std::int64_t{M}, kv * a.st);       // and d[k|v]
       }
-      if (m.is_moe(l) && m.balancing_loss) tally(r.cp.all_reduce, (full ? 2 : 1) * M, 2 * m.experts * 8);
+      if (m.is_moe(l) && m.balancing_loss) tally(r.cp.all_reduce, (full ? 2 : 1) * M, 2 * m.experts * a.st);
     }
   }
   if (a.ep > 1)

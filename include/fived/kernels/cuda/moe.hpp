@@ -1,11 +1,15 @@
 #pragma once
 // Mixture of experts: the permutations around the experts, contract of
 // fived/kernels/host/moe.hpp with a leading stream (the router: kernels/cuda/router.hpp):
-//   dispatch_plan(s, scratch, token_of, pos, host_counts, expert, N, k, E, capacity)
+//   dispatch_plan(s, scratch, token_of, pos, loads, host_counts, expert, N, k, E, capacity, padded)
 //       CUB's stable radix sort of the assignments by expert (so by assignment within an
 //       expert, the host's order), per-expert counts, then every sorted assignment writes its
-//       own pos / token_of. The kept counts go to host memory: waits for the stream.
+//       own pos / token_of; loads (device memory) the kept counts. With host_counts, the kept
+//       counts go to host memory too and it waits for the stream (and reports expert ids
+//       outside [0, E)); without (padded rows: sizes that do not depend on the counts), it
+//       waits for nothing, and an assignment with a bad id is dropped (pos -1).
 //   gather_rows(s, out, x, index, rows, C)                     one thread per output element
+//                                                              (zeros where index < 0)
 //   moe_combine(s, out, y, pos, gate, N, k, C)                 one thread per (t, c), j in order
 //   moe_combine_backward(s, dy, dgate, dout, y, pos, gate, N, k, C)   one block per assignment
 //   moe_dispatch_backward(s, dx, dxp, pos, N, k, C)            one thread per (t, c): dx + rows, j in order
@@ -87,8 +91,9 @@ __global__ void moe_histogram_kernel(I* counts, const I* expert, I n, I E, bool 
 
 // The capacity and the exclusive offsets, E values in order on one thread (E is small).
 // meta = [counts (E) | bad (1) | kept (E) | offset (E) | kept_offset (E)]. (I = int.)
+// padded: expert e's rows start at e * capacity whatever it took; loads[e] = kept[e].
 template <class I>
-__global__ void moe_offsets_kernel(I* meta, I E, I capacity) {
+__global__ void moe_offsets_kernel(I* meta, float* loads, I E, I capacity, bool padded) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   const int* counts = meta;
   int* kept = meta + E + 1;
@@ -99,8 +104,9 @@ __global__ void moe_offsets_kernel(I* meta, I E, I capacity) {
     const int c = counts[e];
     const int kc = capacity < 0 ? c : min(c, capacity);
     offset[e] = o;
-    kept_offset[e] = ko;
+    kept_offset[e] = padded ? e * capacity : ko;
     kept[e] = kc;
+    loads[e] = static_cast<float>(kc);
     o += c;
     ko += kc;
   }
@@ -118,8 +124,11 @@ __global__ void moe_positions_kernel(I* token_of, I* pos, const I* keys_sorted, 
   for (int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); i < n;
        i += static_cast<int>(gridDim.x * blockDim.x)) {
     const int e = keys_sorted[i];
-    if (e < 0 || e >= E) continue;
     const int a = values_sorted[i];
+    if (e < 0 || e >= E) {
+      pos[a] = -1;  // reported after the sync, or dropped where nothing waits
+      continue;
+    }
     const int r = i - offset[e];
     if (r < 0 || r >= kept[e]) {
       pos[a] = -1;  // over capacity: dropped
@@ -137,7 +146,13 @@ __global__ void gather_rows_kernel(T* out, const T* x, const int* index, int row
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
     const std::size_t p = i / C, c = i % C;
-    out[i] = x[static_cast<std::size_t>(index[p]) * C + c];
+    if (index[p] < 0) {  // a padded expert's empty slot
+      T zero;
+      memset(&zero, 0, sizeof(T));
+      out[i] = zero;
+    } else {
+      out[i] = x[static_cast<std::size_t>(index[p]) * C + c];
+    }
   }
 }
 
@@ -214,14 +229,18 @@ inline unsigned moe_block_for(int C) {  // one block per row / assignment: a mul
 // host_counts: E ints of host memory, the kept count of each expert. Waits for the stream
 // (the counts are the all-to-all's sizes, host values). The offsets are computed on the
 // device (one thread, E values), so the only transfer is the counts coming back.
-inline void dispatch_plan(cudaStream_t stream, DispatchScratch& scratch, int* token_of, int* pos, int* host_counts,
-                          const int* expert, int N, int k, int E, int capacity) {
+inline void dispatch_plan(cudaStream_t stream, DispatchScratch& scratch, int* token_of, int* pos, float* loads,
+                          int* host_counts, const int* expert, int N, int k, int E, int capacity, bool padded) {
   detail::check_assignment_sizes("dispatch_plan", N, k);
   detail::require_positive("dispatch_plan", "E", E);
   detail::require(E <= (0x7fffffff - 1) / 4, "dispatch_plan", "E is too large");
+  detail::require(!padded || capacity >= 0, "dispatch_plan", "padded rows need a capacity (capacity_factor > 0)");
   const int n = N * k;
+  if (padded)  // every slot empty (-1) until an assignment takes it
+    FIVED_CUDA_CHECK(cudaMemsetAsync(token_of, 0xff, static_cast<std::size_t>(E) * capacity * sizeof(int), stream));
   if (n == 0) {
-    std::fill_n(host_counts, E, 0);
+    FIVED_CUDA_CHECK(cudaMemsetAsync(loads, 0, static_cast<std::size_t>(E) * sizeof(float), stream));
+    if (host_counts != nullptr) std::fill_n(host_counts, E, 0);
     return;
   }
   scratch.reserve(static_cast<std::size_t>(n), E);
@@ -240,7 +259,7 @@ inline void dispatch_plan(cudaStream_t stream, DispatchScratch& scratch, int* to
   detail::moe_histogram_kernel<<<detail::grid_for(static_cast<std::size_t>(n), 256, 1024), 256, smem, stream>>>(
       meta, expert, n, E, in_shared);
   FIVED_CUDA_CHECK_LAUNCH("moe_histogram_kernel");
-  detail::moe_offsets_kernel<<<1, 1, 0, stream>>>(meta, E, capacity);
+  detail::moe_offsets_kernel<<<1, 1, 0, stream>>>(meta, loads, E, capacity, padded);
   FIVED_CUDA_CHECK_LAUNCH("moe_offsets_kernel");
 
   detail::moe_iota_kernel<<<detail::grid_for(static_cast<std::size_t>(n), 256), 256, 0, stream>>>(scratch.values.data(),
@@ -254,6 +273,7 @@ inline void dispatch_plan(cudaStream_t stream, DispatchScratch& scratch, int* to
       token_of, pos, scratch.keys_sorted.data(), scratch.values_sorted.data(), meta, n, k, E);
   FIVED_CUDA_CHECK_LAUNCH("moe_positions_kernel");
 
+  if (host_counts == nullptr) return;  // nothing waits
   int bad = 0;
   FIVED_CUDA_CHECK(cudaMemcpyAsync(host_counts, meta + E + 1, static_cast<std::size_t>(E) * sizeof(int),
                                    cudaMemcpyDeviceToHost, stream));

@@ -2,6 +2,7 @@
 // Global gradient norm and clipping, contract of fived/kernels/host/norm.hpp:
 //   sum_of_squares(s, out_accumulate, g, n[, partials])   *out_accumulate += sum g^2 (float, device memory)
 //   scale(s, g, n, factor)                     g *= factor
+//   scale_acc(s, out, x, n, factor)            out = x * factor (float accumulators)
 //   sum_of_squares_chunks(s, out, partials, base, chunks, count)   *out = the chunks' sum (double,
 //       device memory, written): a block per chunk, then one block adds the partials in order
 //   add_scalar(s, into, x)   *into += *x (doubles in device memory)
@@ -129,6 +130,12 @@ void scale(cudaStream_t stream, T* g, std::size_t n, double factor) {  // rounde
   detail::launch_elementwise<T>(stream, "scale", n,
                                 detail::MapUnary<device_t<T>, detail::ScaleBy>{dev(g), dev(g), {static_cast<float>(factor)}},
                                 detail::aligned16({g}));
+}
+
+inline void scale_acc(cudaStream_t stream, float* out, const float* x, std::size_t n, double factor) {
+  detail::launch_elementwise<float>(stream, "scale_acc", n,
+                                    detail::MapUnary<float, detail::ScaleBy>{out, x, {static_cast<float>(factor)}},
+                                    detail::aligned16({out, x}));
 }
 
 // `partials`: count doubles of device memory the caller keeps; `chunks` in device memory.

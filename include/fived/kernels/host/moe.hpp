@@ -14,8 +14,11 @@
 //   router_topk        expert[a], gate[a]: the k largest (score + bias) per row, ties to the
 //                      lower expert; the gate is the score itself (the bias only selects),
 //                      divided by the sum of the chosen k when `renormalize`
-//   dispatch_plan      counts[E], token_of, pos from expert[a] (capacity < 0: no limit)
-//   gather_rows        out[p] = x[index[p]]                      (dispatch: index = token_of)
+//   dispatch_plan      loads[E] (and counts[E] in host memory, when asked for), token_of,
+//                      pos from expert[a] (capacity < 0: no limit). padded: expert e's rows
+//                      are [e·capacity, (e+1)·capacity) whatever it took, the slots it
+//                      left empty have token_of -1: every size after routing is static
+//   gather_rows        out[p] = x[index[p]], a row of zeros where index[p] < 0
 //   moe_combine        out[t] = sum_j gate[a] * y[pos[a]]         ("=", dropped rows add 0)
 //   moe_combine_backward   dy[pos[a]] = gate[a] * dout[t];  dgate[a] = <dout[t], y[pos[a]]>
 //   moe_dispatch_backward  dx[t] += sum_j dxp[pos[a]]
@@ -90,21 +93,29 @@ void router_topk(int* expert, A* gate, const A* scores, const float* bias, int N
   }
 }
 
-inline void dispatch_plan(int* token_of, int* pos, int* counts, const int* expert, int N, int k, int E,
-                          int capacity) {
+template <class A>
+void dispatch_plan(int* token_of, int* pos, A* loads, int* host_counts, const int* expert, int N, int k, int E,
+                   int capacity, bool padded) {
+  detail_moe::check("dispatch_plan", !padded || capacity >= 0, "padded rows need a capacity (capacity_factor > 0)");
   const int n = N * k;
-  std::vector<int> offset(static_cast<std::size_t>(E) + 1, 0);
-  for (int e = 0; e < E; ++e) counts[e] = 0;
+  std::vector<int> counts(static_cast<std::size_t>(E), 0), offset(static_cast<std::size_t>(E) + 1, 0);
   for (int a = 0; a < n; ++a) {
     detail_moe::check("dispatch_plan", expert[a] >= 0 && expert[a] < E,
                       "expert[" + std::to_string(a) + "] = " + std::to_string(expert[a]) + " is not in [0, E)");
-    if (capacity < 0 || counts[expert[a]] < capacity) ++counts[expert[a]];
+    int& c = counts[static_cast<std::size_t>(expert[a])];
+    if (capacity < 0 || c < capacity) ++c;
   }
-  for (int e = 0; e < E; ++e) offset[static_cast<std::size_t>(e) + 1] = offset[static_cast<std::size_t>(e)] + counts[e];
+  for (int e = 0; e < E; ++e) {
+    const auto i = static_cast<std::size_t>(e);
+    offset[i + 1] = padded ? (e + 1) * capacity : offset[i] + counts[i];
+    loads[e] = static_cast<A>(counts[i]);
+    if (host_counts != nullptr) host_counts[e] = counts[i];
+  }
+  if (padded) std::fill_n(token_of, static_cast<std::size_t>(E) * static_cast<std::size_t>(capacity), -1);
   std::vector<int> filled(static_cast<std::size_t>(E), 0);
   for (int a = 0; a < n; ++a) {
     const auto e = static_cast<std::size_t>(expert[a]);
-    if (filled[e] == counts[expert[a]]) {
+    if (filled[e] == counts[e]) {
       pos[a] = -1;  // over capacity: dropped
       continue;
     }
@@ -118,7 +129,8 @@ template <class T>
 void gather_rows(T* out, const T* x, const int* index, int rows, int C) {
   using detail_moe::at;
   for (int p = 0; p < rows; ++p)
-    for (int c = 0; c < C; ++c) out[at(p, C) + static_cast<std::size_t>(c)] = x[at(index[p], C) + static_cast<std::size_t>(c)];
+    for (int c = 0; c < C; ++c)
+      out[at(p, C) + static_cast<std::size_t>(c)] = index[p] < 0 ? T(0) : x[at(index[p], C) + static_cast<std::size_t>(c)];
 }
 
 template <class T, class A>

@@ -50,6 +50,13 @@ void scale(T* g, std::size_t n, double factor) {
   for (std::size_t i = 0; i < n; ++i) g[i] = static_cast<T>(static_cast<A>(g[i]) * f);
 }
 
+// out = x * factor over n accumulators (stat_t), in their own precision.
+template <class A>
+void scale_acc(A* out, const A* x, std::size_t n, double factor) {
+  const A f = static_cast<A>(factor);
+  for (std::size_t i = 0; i < n; ++i) out[i] = x[i] * f;
+}
+
 inline double clip_factor(double total_sum_of_squares, double max_norm) {
   const double f = max_norm / (std::sqrt(total_sum_of_squares) + 1e-6);
   return f < 1.0 ? f : 1.0;

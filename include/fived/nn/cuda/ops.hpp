@@ -199,11 +199,23 @@ struct Ops<T, Cuda> {
   }
 
   // Mixture of experts (kernels/cuda/moe.hpp). dispatch_plan writes the kept per-expert counts
-  // to host memory and waits for the stream (the all-to-all's sizes are host values); its
-  // sort and count buffers are kept here and grow only with N*k or E.
-  void dispatch_plan(int* token_of, int* pos, int* host_counts, const int* expert, int N, int k, int E, int capacity) {
-    graph().no_wait("dispatch_plan");
-    kernels::cuda::dispatch_plan(stream(), dispatch_, token_of, pos, host_counts, expert, N, k, E, capacity);
+  // to device memory, and to host memory when asked, waiting for the stream (dropless
+  // routing's all-to-all sizes are host values); its sort and count buffers are kept here and
+  // grow only with N*k or E (a padded plan's first call of a shape grows them outside the
+  // graph: the plain first step).
+  void dispatch_plan(int* token_of, int* pos, float* loads, int* host_counts, const int* expert, int N, int k, int E,
+                     int capacity, bool padded) {
+    if (host_counts != nullptr) {
+      graph().no_wait("dispatch_plan");
+      return kernels::cuda::dispatch_plan(stream(), dispatch_, token_of, pos, loads, host_counts, expert, N, k, E,
+                                          capacity, padded);
+    }
+    queue("dispatch_plan",
+          [&] {
+            kernels::cuda::dispatch_plan(stream(), dispatch_, token_of, pos, loads, static_cast<int*>(nullptr), expert,
+                                         N, k, E, capacity, padded);
+          },
+          [&] { return call_hash(token_of, pos, loads, expert, N, k, E, capacity, padded); });
   }
 
   // ---- memory and staging ----------------------------------------------------------------------
