@@ -39,9 +39,26 @@ struct small_gpt : gpt_config {
 struct four_layers : small_gpt {  // a part for each of 2 pipeline ranks x 2 chunks
   static constexpr int layers = 4;
 };
+// Experts padded to their capacity (a static routing: a step waits for no count), the
+// balancing loss and the selection bias, which moves after each step's launch.
+struct padded_moe : small_gpt {
+  static constexpr int experts = 4, top_k = 2;
+  static constexpr double aux_loss_coef = 0.05, capacity_factor = 1.25, bias_update_rate = 0.02;
+  static constexpr bool pad_to_capacity = true;
+  using balancing = AuxLossFreeBias;
+};
+struct dropless_moe : padded_moe {
+  static constexpr double capacity_factor = 0;
+  static constexpr bool pad_to_capacity = false;
+};
 struct small_llama : llama_config {
   static constexpr int layers = 2, d_model = 32, heads = 4, kv_heads = 2, ffn = 48, vocab = 61, max_seq = 16;
   static constexpr int vocab_multiple = 16;
+};
+struct padded_moe_llama : small_llama {  // SwiGLU experts in the second block
+  static constexpr int experts = 4, top_k = 2, moe_every = 2;
+  static constexpr double aux_loss_coef = 0.05, capacity_factor = 1.25;
+  static constexpr bool pad_to_capacity = true;
 };
 
 constexpr int B = 2, T = 8, accum = 2, steps = 6;
@@ -234,6 +251,18 @@ TEST_CASE("the Trainer: steps replayed as a graph equal plain ones bit for bit, 
     trainer_graph_equals_plain<GPT<small_gpt, Mesh<DP<2>, PP<2>, TP<2>>, float, Host, SequenceParallel>, ZeRO<1>,
                                pipeline::OneFOneB<2, accum>>();
   }
+  // Experts padded to capacity: the all-to-alls over EP, the balancing loss's sum over CP
+  // and the loads added up in the graph; the loads read and the selection bias moved after
+  // each launch (DataParallel::end_step).
+  SUBCASE("DP 2 x EP 2, experts padded to capacity, ZeRO-1") {
+    trainer_graph_equals_plain<GPT<padded_moe, Mesh<DP<2>, EP<2>>, float>, ZeRO<1>>();
+  }
+  SUBCASE("DP 2 x CP 2 x EP 2, padded experts, Llama, double") {
+    trainer_graph_equals_plain<Llama<padded_moe_llama, Mesh<DP<2>, CP<2>, EP<2>>, double>, NoZeRO>();
+  }
+  SUBCASE("DP 2 x PP 2 x EP 2, padded experts, 1F1B") {
+    trainer_graph_equals_plain<GPT<padded_moe, Mesh<DP<2>, PP<2>, EP<2>>, float>, NoZeRO, pipeline::OneFOneB<2, accum>>();
+  }
 }
 
 TEST_CASE("on a mesh each graph step issues the plain step's collectives, no more (DP 2 x TP 2, SP, ZeRO-1)") {
@@ -300,7 +329,7 @@ TEST_CASE("on a pipeline each graph step issues the plain step's transfers and c
   });
 }
 
-TEST_CASE("the Trainer refuses a graph step with two chunks per pipeline rank or ZeRO-2, saying which") {
+TEST_CASE("the Trainer refuses a graph step with two chunks per pipeline rank, ZeRO-2 or dropless experts, saying which") {
   TrainerConfig cfg{.adamw = adamw, .lr = schedule};
   cfg.step_graph = true;
   using PP2 = Mesh<PP<2>>;
@@ -308,7 +337,7 @@ TEST_CASE("the Trainer refuses a graph step with two chunks per pipeline rank or
     auto ctx = make_mesh_context<PP2>(world);
     CHECK_THROWS_WITH_AS(
         (Trainer<GPT<four_layers, PP2, float>, NoZeRO, pipeline::Interleaved1F1B<2, 2, 2>>(ctx, cfg, GptInit{4, 0.05})),
-        doctest::Contains("with one model chunk per pipeline rank, without experts or ZeRO-2/3; this schedule has 2 "
+        doctest::Contains("with one model chunk per pipeline rank, without dropless experts or ZeRO-2/3; this schedule has 2 "
                           "chunks per rank"),
         std::invalid_argument);
   });
@@ -317,6 +346,8 @@ TEST_CASE("the Trainer refuses a graph step with two chunks per pipeline rank or
     auto ctx = make_mesh_context<DP2>(world);
     CHECK_THROWS_WITH_AS((Trainer<GPT<small_gpt, DP2, float>, ZeRO<2>>(ctx, cfg, GptInit{4, 0.05})),
                          doctest::Contains("this trainer has ZeRO<2>"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS((Trainer<GPT<dropless_moe, DP2, float>, NoZeRO>(ctx, cfg, GptInit{4, 0.05})),
+                         doctest::Contains("this model's experts route dropless"), std::invalid_argument);
   });
 }
 

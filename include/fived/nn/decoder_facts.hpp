@@ -60,6 +60,10 @@ struct DecoderFacts {
   using expert_layout = ParamTable<expert_specs, tp, ep>;
   static constexpr bool has_experts = expert_layout::count > 0;
   static constexpr bool has_router_bias = has_experts && config::balancing::bias;
+  // Whether a training step waits for the device in its MoE layers: dropless routing sizes
+  // its exchange by counts read on the host (pad_to_capacity does not). The whole model's
+  // answer, the same on every part, so every pipeline rank decides a step graph alike.
+  static constexpr bool routing_waits = dims::experts > 0 && !config::pad_to_capacity;
   static constexpr int moe_blocks = expert_specs::moe_blocks;
   static constexpr bool on_host = std::is_same_v<Device, Host>;
   // The part this object holds: blocks [first_layer, first_layer + blocks); the embedding

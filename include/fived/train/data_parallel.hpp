@@ -187,6 +187,7 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
     frame.sum_of_squares([](std::span<double>) {});  // every parameter is here
     frame.update();
     graph.launch();
+    frame.end_step();
     // The host's one wait for the device, with the whole step queued.
     const double rows = static_cast<double>(accum()) * b * Model::local_length(T_);
     return this->average(model.ops().loss_sum() / rows);
@@ -195,17 +196,25 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
   // Each step() after the second of its shape replays the device work of the second, captured
   // as a graph (nn/step_graph.hpp; a CUDA graph on CUDA, recorded calls on the host), while
   // the step's host code still runs. The collectives of every group (TP, CP, the gradients'
-  // over DP x CP) are part of the graph. Not with a mixture of experts (a step waits for
-  // their counts) nor under ZeRO-2/3 (a step gives gradient pages back and maps them again).
+  // over DP x CP) are part of the graph. Not with a mixture of experts that routes dropless
+  // (a step waits for their counts; pad_to_capacity waits for none) nor under ZeRO-2/3 (a
+  // step gives gradient pages back and maps them again).
   // A step that changes in any other way than through its uploads (token ids, the learning
   // rate) is refused.
   void set_step_graph(bool on) {
     static_assert(graph_step_allowed,
-                  "fived::DataParallel::set_step_graph: a step is captured as a graph without experts and under NoZeRO "
-                  "or ZeRO<1> only (an expert count's wait cannot be replayed, nor ZeRO-2/3's mapping of pages)");
+                  "fived::DataParallel::set_step_graph: a step is captured as a graph without experts or with experts "
+                  "padded to capacity, and under NoZeRO or ZeRO<1> only (a dropless expert count's wait cannot be "
+                  "replayed, nor ZeRO-2/3's mapping of pages)");
     this->model().ops().use_step_graph = on;
   }
-  static constexpr bool graph_step_allowed = !moe && stage < 2;
+  // Whether the model's step waits for its experts' counts (the model contract's
+  // routing_waits; a model that does not say: whether it has experts).
+  static constexpr bool routing_waits = [] {
+    if constexpr (requires { Model::routing_waits; }) return static_cast<bool>(Model::routing_waits);
+    else return moe;
+  }();
+  static constexpr bool graph_step_allowed = !routing_waits && stage < 2;
 
   // ---- the step in pieces (train/bucket_trainer.hpp), over the experts' buffers too ----------
 
@@ -233,13 +242,15 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
     Dense::add_grad_sum_of_squares(total);
     if constexpr (moe) experts_->add_grad_sum_of_squares(total);
   }
-  // With experts, their step too, and the balance of their loads (Model::balance_experts).
+  // With experts, their step too.
   void update(const double* total_sum_of_squares) {
     Dense::update(total_sum_of_squares);
-    if constexpr (moe) {
-      experts_->update(total_sum_of_squares);
-      this->model().balance_experts(this->grad_comm());
-    }
+    if constexpr (moe) experts_->update(total_sum_of_squares);
+  }
+  // After the step is launched (outside a graph step: it reads the device): with experts, the
+  // balance of their loads (Model::balance_experts).
+  void end_step() {
+    if constexpr (moe) this->model().balance_experts(this->grad_comm());
   }
   // After end_micro_batches: the clip over this trainer's parameters, which are all there are
   // (no pipeline), and the AdamW step; queued, as step() queues them.
@@ -247,6 +258,7 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
     pipeline::StepFrame<DataParallel> frame(accum(), std::tie(*this), norm_total_.span());
     frame.sum_of_squares([](std::span<double>) {});
     frame.update();
+    frame.end_step();
   }
   // With a mixture of experts, the expert buffers' state is included.
   Memory memory() const {

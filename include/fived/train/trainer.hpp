@@ -327,9 +327,10 @@ class Trainer {
         else
           throw std::invalid_argument(
               std::string("fived::Trainer: TrainerConfig::step_graph replays a step as a graph with one model chunk "
-                          "per pipeline rank, without experts or ZeRO-2/3; ") +
+                          "per pipeline rank, without dropless experts or ZeRO-2/3; ") +
               (V > 1 ? "this schedule has " + std::to_string(V) + " chunks per rank"
-               : HasExperts<Model> ? std::string("this model has experts")
+               : DataParallel<Model, Policy>::routing_waits ? std::string("this model's experts route dropless (pad_to_capacity pads them "
+                                                    "to a static size)")
                                    : "this trainer has ZeRO<" + std::to_string(Policy::stage) + ">") +
               ": set step_graph = false");
       }
