@@ -56,21 +56,23 @@ class CommQueue<T, Cuda> {
     }, [] { return call_hash(); });
     std::forward<F>(task)(*side_);
     const std::uint64_t ticket = ++submitted_;
-    in_graph_[ticket % ring] = compute_ops_.in_graph_step();
     compute_ops_.queue("CommQueue::ticket", [&] { tickets_[ticket % ring].record(side_->stream()); },
                        [] { return call_hash(); });  // (the ticket's number is not the step's: not hashed)
     return ticket;
   }
   // The compute stream waits for the ticket's task. Tickets share `ring` events: a ticket
   // whose event a later task has re-recorded is covered by that later point of the same
-  // stream, so the wait is never too short (at worst a little longer than needed). After a
-  // graph step, an event last recorded in it (by its capture, or by nothing when replayed)
-  // is not waited on: its ticket's task ran inside the graph, which the compute stream
-  // follows, or before the graph step, whose trainer drained it first (every step ends so).
+  // stream, so the wait is never too short (at worst a little longer than needed). A ticket
+  // at or before one already joined is covered by that join (one side stream, in order),
+  // and is not waited on again. Every step ends with drain(), so a step never waits on an
+  // event of an earlier step: a captured stream must not wait on an event recorded outside
+  // its capture (the first capture would otherwise join the plain step's last ticket), and
+  // an event last recorded by a graph is recorded by nothing when it is replayed. Plain,
+  // captured and replayed steps make the same calls, as StepGraph requires.
   void wait(std::uint64_t ticket) {
-    if (ticket == 0) return;
-    if (!compute_ops_.in_graph_step() && in_graph_[ticket % ring]) return;
+    if (ticket == 0 || ticket <= joined_) return;
     compute_ops_.queue("CommQueue::join", [&] { tickets_[ticket % ring].wait_on(compute_); }, [] { return call_hash(); });
+    joined_ = ticket;
   }
   void drain() { wait(submitted_); }
 
@@ -81,8 +83,7 @@ class CommQueue<T, Cuda> {
   std::optional<ops_type> side_;  // its own stream and cuBLASLt handle
   std::optional<cuda::Event> start_;
   std::vector<cuda::Event> tickets_;
-  bool in_graph_[ring] = {};  // per event: last recorded in a graph step (whose capture it belongs to)
-  std::uint64_t submitted_ = 0;
+  std::uint64_t submitted_ = 0, joined_ = 0;  // the last ticket submitted, and the last the compute stream waited for
 };
 
 }  // namespace fived
