@@ -84,6 +84,17 @@ void check_against_serial(Par& model, Ser& serial) {
   check_tensors(L::tensors, model.expert_params_to_host(), mine(serial.expert_params_to_host()), weight_bound);
 }
 
+// Step s of the global batch on the mesh (dp) and, as data_ranks micro-batches, on the serial
+// model (sdp): the same loss.
+template <class Par, class Ser>
+void step_both(Par& dp, Ser& sdp, int s, int vocab) {
+  CAPTURE(s);
+  std::vector<int> tok, tgt;
+  test::global_batch(s, 1, B, T, vocab, tok, tgt);
+  const double lm = dp.step(tok, tgt, B, T), ls = sdp.step(tok, tgt, B / data_ranks, T);
+  CHECK(std::abs(lm - ls) <= loss_bound * std::abs(ls));
+}
+
 }  // namespace
 
 TEST_CASE("EP 2 (DP 2) on CUDA: 4 experts top-2 with the balancing loss equal the serial CUDA model") {
@@ -96,12 +107,8 @@ TEST_CASE("EP 2 (DP 2) on CUDA: 4 experts top-2 with the balancing loss equal th
   CAPTURE(model.ep_rank());
   CAPTURE(dp.data_rank());
 
-  std::vector<int> tok, tgt;
   for (int s = 0; s < steps; ++s) {
-    CAPTURE(s);
-    test::global_batch(s, 1, B, T, cfg::vocab, tok, tgt);
-    const double lm = dp.step(tok, tgt, B, T), ls = sdp.step(tok, tgt, B / data_ranks, T);
-    CHECK(std::abs(lm - ls) <= loss_bound * std::abs(ls));
+    step_both(dp, sdp, s, cfg::vocab);
     // The balancing loss is this rank's micro-batch's; the serial model's last is data rank 1's.
     CHECK(model.aux_loss() > 0);
     if (dp.data_rank() == data_ranks - 1) CHECK(std::abs(model.aux_loss() - serial.aux_loss()) <= loss_bound * serial.aux_loss());
@@ -127,13 +134,7 @@ TEST_CASE("EP 2 on CUDA: experts padded to capacity, steps replayed as a CUDA gr
   dp.set_step_graph(true);  // step 1 plain, step 2 captured (NCCL's all-to-alls in it), then replayed
   PSerial serial(init);
   DataParallel<PSerial> sdp(serial, hp, data_ranks);
-  std::vector<int> tok, tgt;
-  for (int s = 0; s < steps + 1; ++s) {
-    CAPTURE(s);
-    test::global_batch(s, 1, B, T, cfg::vocab, tok, tgt);
-    const double lm = dp.step(tok, tgt, B, T), ls = sdp.step(tok, tgt, B / data_ranks, T);
-    CHECK(std::abs(lm - ls) <= loss_bound * std::abs(ls));
-  }
+  for (int s = 0; s < steps + 1; ++s) step_both(dp, sdp, s, cfg::vocab);
   CHECK(model.ops().step_graph_captured());
   check_against_serial(model, serial);
 }
@@ -162,13 +163,7 @@ TEST_CASE("EP 2 on CUDA: experts and a rank that get no tokens still join every 
   for (int m = 0; m < 2; ++m) model.set_router_bias(m, keep_away), serial.set_router_bias(m, keep_away);
   DataParallel<BModel> dp(model, ctx, hp);
   DataParallel<BSerial> sdp(serial, hp, data_ranks);
-  std::vector<int> tok, tgt;
-  for (int s = 0; s < steps; ++s) {
-    CAPTURE(s);
-    test::global_batch(s, 1, B, T, biased_cfg::vocab, tok, tgt);
-    const double lm = dp.step(tok, tgt, B, T), ls = sdp.step(tok, tgt, B / data_ranks, T);
-    CHECK(std::abs(lm - ls) <= loss_bound * std::abs(ls));
-  }
+  for (int s = 0; s < steps; ++s) step_both(dp, sdp, s, biased_cfg::vocab);
   const std::vector<double>& loads = serial.expert_loads();  // 2 blocks x 4 experts
   REQUIRE(loads.size() == 8);
   CHECK(loads[2] + loads[3] + loads[6] + loads[7] == 0);

@@ -254,7 +254,8 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
   bool init_written_ = false, experts_init_written_ = false;  // GptInit::deferred: by the trainer
   Buffer<T, Device> params_, grads_;
   Buffer<T, Device> expert_params_, expert_grads_;  // empty without a mixture of experts
-  ExpertBalance<config, Device, typename ops_type::stat_t> balance_;          // rows per expert, AuxLossFreeBias's selection bias
+  // rows per expert, AuxLossFreeBias's selection bias
+  ExpertBalance<config, Device, typename ops_type::stat_t> balance_;
   SpPartialGrads<layout, T, Device, Facts::step_type::sp> sp_partial_;
   std::array<T*, layout::count> p_at_{}, g_at_{};           // each tensor's parameters and gradient
   std::array<T*, expert_layout::count> ep_at_{}, eg_at_{};  // the same for the experts
