@@ -18,14 +18,15 @@
 #       C++ TUs are built with -Wall -Wextra -Werror -pedantic (GCC/Clang) and only
 #       the usage requirements the header needs (below). When FIVED_HAS_CUDA is ON
 #       every header is also built with nvcc, linked to fived::cuda as CUDA code
-#       would be: all headers must be includable from CUDA code. A header whose text
-#       can differ there, because it or a fived header it includes (transitively) is
-#       a device or CUDA/NCCL header or tests __CUDACC__, __CUDA_ARCH__ or
-#       FIVED_WITH_CUDA, gets a .cu TU of its own; the others are the same code under
-#       either compiler, already shown self-contained by their C++ TU, so one .cu TU
-#       includes them all (nvcc's front end still parses each; about 130 nvcc runs of
-#       ~4 s each fewer). The umbrella target `fived_header_checks` builds all of
-#       them. Call it once.
+#       would be: all headers must be includable from CUDA code. A header whose own
+#       text can differ there, because it is a device or CUDA/NCCL header or tests
+#       __CUDACC__, __CUDA_ARCH__ or FIVED_WITH_CUDA, gets a .cu TU of its own. The
+#       others are the same text under either compiler, shown self-contained by their
+#       C++ TU, and what they include that differs has a .cu TU of its own; so one .cu
+#       TU includes them all, the trainer's headers over the CUDA backend among them
+#       (nvcc's front end still parses each; about 140 nvcc runs fewer, a dozen of them
+#       ~40 s each, since each compiled the whole CUDA backend). The umbrella target
+#       `fived_header_checks` builds all of them. Call it once.
 #
 #       What a header needs is decided by its name (path relative to include/fived/)
 #       and by the system headers it includes itself:
@@ -123,46 +124,26 @@ endfunction()
 
 # ---- header self-containment -------------------------------------------------------------
 
-# Sets <out_list> to those of <headers> (paths under include/) whose code can differ
-# when nvcc compiles it: a device or CUDA/NCCL header, one that tests __CUDACC__,
-# __CUDA_ARCH__ or FIVED_WITH_CUDA, or one that includes such a header, directly or
-# through other fived headers.
+# Sets <out_list> to those of <headers> (paths under include/) whose own text can differ
+# when nvcc compiles it: a device or CUDA/NCCL header, or one that tests __CUDACC__,
+# __CUDA_ARCH__ or FIVED_WITH_CUDA. A header that only includes such a header is not in
+# it: its own text is the same under nvcc, and what it includes has a .cu TU of its own.
 function(_fived_cuda_sensitive headers out_list)
   set(sensitive)
   foreach(header IN LISTS headers)
     _fived_header_needs("${header}" needs device)
-    file(STRINGS "${_FIVED_INCLUDE_DIR}/${header}" lines
-         REGEX "__CUDACC__|__CUDA_ARCH__|FIVED_WITH_CUDA|^[ \t]*#[ \t]*include[ \t]*[<\"]fived/")
-    set(includes)
-    foreach(line IN LISTS lines)
-      if(line MATCHES "^[ \t]*#[ \t]*include[ \t]*[<\"](fived/[^>\"]+)[>\"]")
-        list(APPEND includes "${CMAKE_MATCH_1}")
-      elseif(NOT line MATCHES "^[ \t]*//")
-        set(needs cuda)  # tests a CUDA macro
-      endif()
-    endforeach()
-    set("_includes_${header}" "${includes}")
+    if(NOT "cuda" IN_LIST needs)
+      file(STRINGS "${_FIVED_INCLUDE_DIR}/${header}" lines REGEX "__CUDACC__|__CUDA_ARCH__|FIVED_WITH_CUDA")
+      foreach(line IN LISTS lines)
+        if(NOT line MATCHES "^[ \t]*//")
+          set(needs cuda)  # tests a CUDA macro
+        endif()
+      endforeach()
+    endif()
     if("cuda" IN_LIST needs)
       list(APPEND sensitive "${header}")
     endif()
   endforeach()
-  # Until nothing changes: a header that includes a sensitive one is sensitive.
-  set(changed TRUE)
-  while(changed)
-    set(changed FALSE)
-    foreach(header IN LISTS headers)
-      if(header IN_LIST sensitive)
-        continue()
-      endif()
-      foreach(included IN LISTS "_includes_${header}")
-        if(included IN_LIST sensitive)
-          list(APPEND sensitive "${header}")
-          set(changed TRUE)
-          break()
-        endif()
-      endforeach()
-    endforeach()
-  endwhile()
   set(${out_list} "${sensitive}" PARENT_SCOPE)
 endfunction()
 
