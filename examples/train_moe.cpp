@@ -152,7 +152,7 @@ void train_rank(Ctx& ctx, const Options& opt, const char* backend) {
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const double tps = static_cast<double>(opt.batch) * opt.seq * (step == 1 ? 1 : every) / secs;
       std::string loads;
-      const std::vector<double>& l = model.expert_loads();
+      const std::vector<double> l = model.expert_loads();
       for (int m = 0; m < Model::moe_blocks; ++m) {
         double sum = 0, most = 0;
         loads += m ? "  |" : "";

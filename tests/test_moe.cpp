@@ -307,8 +307,9 @@ TEST_CASE("experts and ranks that get no tokens: every collective still joined, 
     test::global_batch(s, 1, B, T, cfg::vocab, tok, tgt);
     ref.losses.push_back(dp.step(tok, tgt, B / 4, T));
   }
-  REQUIRE(serial.expert_loads().size() == 16);  // 2 MoE blocks x 8 experts; the bias is on block 0
-  CHECK(std::accumulate(serial.expert_loads().begin() + 2, serial.expert_loads().begin() + 8, 0.0) == 0);
+  const std::vector<double> loads = serial.expert_loads();
+  REQUIRE(loads.size() == 16);  // 2 MoE blocks x 8 experts; the bias is on block 0
+  CHECK(std::accumulate(loads.begin() + 2, loads.begin() + 8, 0.0) == 0);
   ref.weights.assign(serial.params().begin(), serial.params().end());
   ref.grads.assign(serial.grads().begin(), serial.grads().end());
   ref.expert_weights.assign(serial.expert_params().begin(), serial.expert_params().end());
@@ -340,7 +341,7 @@ TEST_CASE("the auxiliary-loss-free bias moves a skewed router's loads towards ba
   still.lr = 0;  // only the bias moves
   DataParallel<GPT<cfg>> dp(m, still, 1);
   auto imbalance = [&] {  // the most loaded expert over the mean, over both MoE blocks
-    const std::vector<double>& l = m.expert_loads();
+    const std::vector<double> l = m.expert_loads();
     double worst = 0;
     for (int blk = 0; blk < 2; ++blk) {
       const double sum = std::accumulate(l.begin() + blk * 4, l.begin() + blk * 4 + 4, 0.0);
@@ -348,11 +349,28 @@ TEST_CASE("the auxiliary-loss-free bias moves a skewed router's loads towards ba
     }
     return worst;
   };
+  // Each step's move, exactly: rate * sign(mean load - load) for each expert of each block.
+  auto moved_by_rule = [&](const std::vector<float> (&before)[2]) {
+    const std::vector<double> l = m.expert_loads();
+    for (int blk = 0; blk < 2; ++blk) {
+      const std::vector<float> after = m.router_bias(blk);
+      const double mean = std::accumulate(l.begin() + blk * 4, l.begin() + blk * 4 + 4, 0.0) / 4;
+      for (int e = 0; e < 4; ++e) {
+        const double d = mean - l[static_cast<std::size_t>(blk * 4 + e)];
+        const float step = static_cast<float>(cfg::bias_update_rate) * static_cast<float>((d > 0) - (d < 0));
+        if (after[static_cast<std::size_t>(e)] != before[blk][static_cast<std::size_t>(e)] + step) return false;
+      }
+    }
+    return true;
+  };
   std::vector<int> tok, tgt;
   std::vector<double> seen;
   for (int s = 0; s < 40; ++s) {
     test::global_batch(s, 1, B, T, cfg::vocab, tok, tgt);
+    const std::vector<float> before[2] = {m.router_bias(0), m.router_bias(1)};
     dp.step(tok, tgt, B, T);
+    CAPTURE(s);
+    REQUIRE(moved_by_rule(before));
     seen.push_back(imbalance());
   }
   CAPTURE(seen.front());

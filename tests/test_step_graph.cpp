@@ -251,9 +251,9 @@ TEST_CASE("the Trainer: steps replayed as a graph equal plain ones bit for bit, 
     trainer_graph_equals_plain<GPT<small_gpt, Mesh<DP<2>, PP<2>, TP<2>>, float, Host, SequenceParallel>, ZeRO<1>,
                                pipeline::OneFOneB<2, accum>>();
   }
-  // Experts padded to capacity: the all-to-alls over EP, the balancing loss's sum over CP
-  // and the loads added up in the graph; the loads read and the selection bias moved after
-  // each launch (DataParallel::end_step).
+  // Experts padded to capacity: the all-to-alls over EP, the balancing loss's sum over CP,
+  // the loads added up and summed over DP x CP and the selection bias moved, all in the graph
+  // (DataParallel::update: ExpertBalance::step).
   SUBCASE("DP 2 x EP 2, experts padded to capacity, ZeRO-1") {
     trainer_graph_equals_plain<GPT<padded_moe, Mesh<DP<2>, EP<2>>, float>, ZeRO<1>>();
   }

@@ -1208,6 +1208,20 @@ TEST_CASE_TEMPLATE("mixture of experts: router, dispatch plan, gather, combine a
     }
   }
 
+  {  // expert_bias_step: three blocks of 5 experts' loads (whole rows), a tie with the mean in
+     // the second and equal loads in the third; the same bits as the host's
+    const int blocks = 3, E = 5;
+    const std::vector<float> loads = {9, 0, 3, 1, 12, 4, 4, 2, 6, 4, 7, 7, 7, 7, 7};
+    std::vector<float> bias = {0.5f, -0.25f, 0, 1, 2, 0, 0, 0, 0, 0, -1, 0.125f, 3, 0, 0};
+    auto d_loads = up(loads), d_bias = up(bias);
+    hk::expert_bias_step(bias.data(), loads.data(), blocks, E, 0.02);
+    ck::expert_bias_step(stream(), d_bias.data(), d_loads.data(), blocks, E, 0.02);
+    CHECK(down(d_bias) == bias);
+    CHECK(bias[5] == 0.0f);   // load 4 = the mean: no move
+    CHECK(bias[7] == 0.02f);  // below the mean: up
+    CHECK(bias[10] == -1.0f);  // all equal: no move
+  }
+
   {  // misuse: k > E, and expert ids outside [0, E) (found on the device, thrown after the sync)
     Buffer<int, Cuda> e(8), t(8), p(8);
     Buffer<float, Cuda> g(8), s(16);

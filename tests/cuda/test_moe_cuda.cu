@@ -164,7 +164,7 @@ TEST_CASE("EP 2 on CUDA: experts and a rank that get no tokens still join every 
   DataParallel<BModel> dp(model, ctx, hp);
   DataParallel<BSerial> sdp(serial, hp, data_ranks);
   for (int s = 0; s < steps; ++s) step_both(dp, sdp, s, biased_cfg::vocab);
-  const std::vector<double>& loads = serial.expert_loads();  // 2 blocks x 4 experts
+  const std::vector<double> loads = serial.expert_loads();  // 2 blocks x 4 experts
   REQUIRE(loads.size() == 8);
   CHECK(loads[2] + loads[3] + loads[6] + loads[7] == 0);
   CHECK(loads[0] + loads[1] > 0);

@@ -135,18 +135,20 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
     return ops_.to_host(std::span<const T>(expert_grads_.span()));
   }
 
-  // After an optimizer step (DataParallel::update calls it with its gradient group, DP x CP):
-  // the rows each expert took in the step's training forwards, summed over the group (every
-  // rank that routes tokens), become expert_loads(); with AuxLossFreeBias each MoE block's
-  // selection bias moves by bias_update_rate * sign(mean load - load). Nothing without experts.
-  template <GroupView G>
-  void balance_experts(MeshComm<G>& group) {
-    if constexpr (has_experts) balance_.step(group, ops_);
+  // After an optimizer step, in its stream order (DataParallel::update calls it, summing over
+  // its gradient group, DP x CP: every rank that routes tokens): the rows each expert took in
+  // the step's training forwards, summed by sum_over_group(std::span<stat_t>) in device memory,
+  // become expert_loads(); with AuxLossFreeBias each MoE block's selection bias moves by
+  // bias_update_rate * sign(mean load - load) there. Nothing is read back; nothing without experts.
+  template <class SumOverGroup>
+  void balance_experts(SumOverGroup&& sum_over_group) {
+    if constexpr (has_experts) balance_.step(sum_over_group, ops_);
   }
-  // Rows per expert in the last balanced step, [MoE block][expert] (empty before the first).
-  const std::vector<double>& expert_loads() const { return balance_.last_loads(); }
-  // The selection bias of the part's m-th MoE block (AuxLossFreeBias), [expert].
-  std::span<const float> router_bias(int m) const { return balance_.bias(m); }
+  // Rows per expert in the last balanced step, [MoE block][expert] (empty before the first);
+  // read back from the device.
+  std::vector<double> expert_loads() const { return balance_.last_loads(ops_); }
+  // The selection bias of the part's m-th MoE block (AuxLossFreeBias), [expert], read back.
+  std::vector<float> router_bias(int m) const { return balance_.bias(m, ops_); }
   // Sets it (a resumed run's, or a test's skewed router); the same on every rank of a replica.
   void set_router_bias(int m, std::span<const float> bias) requires(config::balancing::bias) {
     balance_.set_bias(m, bias, ops_, std::string(Arch::name) + "::set_router_bias");

@@ -1,18 +1,23 @@
 #pragma once
-// A mixture of experts' balance from one step to the next.
+// A mixture of experts' balance from one step to the next, all in device memory.
 //
 // The rows each expert took in a step's training forwards are added up per MoE block in
-// device memory (the forwards wait for nothing); after the optimizer step they are read,
-// summed over the group that routes tokens (every rank of DP x CP) and become the last
-// step's loads. With AuxLossFreeBias (DeepSeek-V3) each block's
-// selection bias, which the router adds to its scores before choosing experts, then moves
-// by bias_update_rate towards the mean load: up for an expert below it, down above.
+// device memory (the forwards wait for nothing). After the optimizer step, in the step's
+// stream order, they are summed over the group that routes tokens (every rank of DP x CP)
+// and become the last step's loads; with AuxLossFreeBias (DeepSeek-V3) each block's selection
+// bias, which the router adds to its scores before choosing experts, then moves by
+// bias_update_rate towards the mean load there (expert_bias_step: up for an expert below it,
+// down above), as Megatron-Core moves it in its optimizer step. Nothing is read back in a
+// step, so a step with a selection bias waits for nothing and is captured as a graph whole;
+// the loads and the bias are read when asked.
 //
 //   ExpertBalance<Config, Device, Stat> balance(ops, moe_blocks);
-//   balance.count(ops, m, loads);       // a training forward's rows per expert of MoE block m
-//                                       // (device memory, Stat)
-//   balance.step(group, ops);           // after the optimizer step (a collective of the group)
-//   balance.device_bias(m)              // what MoE block m's router reads (device memory)
+//   balance.count(ops, m, loads);        // a training forward's rows per expert of MoE block m
+//                                        // (device memory, Stat)
+//   balance.step(sum_over_group, ops);   // after the optimizer step; sum_over_group(span<Stat>)
+//                                        // sums device memory over the group in stream order
+//   balance.device_bias(m)               // what MoE block m's router reads (device memory)
+//   balance.last_loads(ops), bias(m, ops)   // read back (a wait for the device)
 
 #include <algorithm>
 #include <cstddef>
@@ -22,7 +27,6 @@
 #include <vector>
 
 #include "fived/device/buffer.hpp"
-#include "fived/mesh/mesh_comm.hpp"
 
 namespace fived {
 
@@ -34,10 +38,9 @@ class ExpertBalance {
   template <class Ops>
   ExpertBalance(Ops& ops, int moe_blocks)
       : blocks_(moe_blocks),
-        device_bias_(ops.template make_buffer<float>(static_cast<std::size_t>(std::max(moe_blocks * experts, 1)))),
-        device_loads_(ops.template make_buffer<Stat>(static_cast<std::size_t>(moe_blocks * experts))),
-        bias_(static_cast<std::size_t>(moe_blocks * experts), 0.0f),
-        loads_(bias_.size(), 0.0) {}
+        device_bias_(ops.template make_buffer<float>(size(1))),
+        device_loads_(ops.template make_buffer<Stat>(size(0))),
+        last_loads_(ops.template make_buffer<Stat>(size(0))) {}
 
   // Adds a training forward's rows per expert of MoE block m (device memory).
   template <class Ops>
@@ -45,56 +48,57 @@ class ExpertBalance {
     ops.add_acc(device_loads_.data() + m * experts, rows, experts);
   }
 
-  // The step's loads summed over `group` become last_loads(); with a selection bias, it moves.
-  template <GroupView G, class Ops>
-  void step(MeshComm<G>& group, Ops& ops) {
-    if (!loads_.empty()) {  // (whole rows: exact in a float up to 2^24 a step)
-      const std::vector<Stat> counted = ops.to_host(std::span<const Stat>(device_loads_.data(), loads_.size()));
-      std::copy(counted.begin(), counted.end(), loads_.begin());
-      ops.zero(device_loads_);
-    }
-    group.all_reduce_host(std::span<double>(loads_));
-    last_loads_ = loads_;
-    if constexpr (Config::balancing::bias) {
-      for (int m = 0; m < blocks_; ++m) {
-        const std::span<const double> load(loads_.data() + m * experts, experts);
-        double mean = 0;
-        for (double x : load) mean += x / experts;
-        for (int e = 0; e < experts; ++e) {
-          const double d = mean - load[static_cast<std::size_t>(e)];
-          bias_[static_cast<std::size_t>(m * experts + e)] +=
-              static_cast<float>(Config::bias_update_rate * ((d > 0) - (d < 0)));
-        }
-      }
-      ops.upload(device_bias_.data(), bias_.data(), bias_.size());
-    }
-    std::fill(loads_.begin(), loads_.end(), 0.0);
+  // The step's loads summed over the group become last_loads(); with a selection bias, it
+  // moves. Queued in stream order; every rank of the group calls it (the same MoE blocks).
+  template <class SumOverGroup, class Ops>
+  void step(SumOverGroup&& sum_over_group, Ops& ops) {
+    if (blocks_ == 0) return;
+    sum_over_group(std::span<Stat>(device_loads_.data(), size(0)));  // whole rows: exact in a float up to 2^24
+    if constexpr (Config::balancing::bias)
+      ops.expert_bias_step(device_bias_.data(), device_loads_.data(), blocks_, experts, Config::bias_update_rate);
+    ops.copy(last_loads_.data(), device_loads_.data(), size(0));
+    ops.zero(device_loads_);
+    balanced_ = true;
   }
 
   // Rows per expert in the last step, [MoE block][expert] (empty before the first).
-  const std::vector<double>& last_loads() const { return last_loads_; }
-  // MoE block m's selection bias, [expert], in host memory, and where its router reads it.
-  std::span<const float> bias(int m) const {
-    return std::span<const float>(bias_).subspan(static_cast<std::size_t>(m * experts), experts);
+  template <class Ops>
+  std::vector<double> last_loads(Ops& ops) const {
+    if (!balanced_) return {};
+    const std::vector<Stat> loads = ops.to_host(std::span<const Stat>(last_loads_.data(), size(0)));
+    return std::vector<double>(loads.begin(), loads.end());
+  }
+  // MoE block m's selection bias, [expert], read back, and where its router reads it.
+  template <class Ops>
+  std::vector<float> bias(int m, Ops& ops) const {
+    check_block(m, "bias");
+    return ops.to_host(std::span<const float>(device_bias_.data() + m * experts, experts));
   }
   float* device_bias(int m) { return device_bias_.data() + m * experts; }
   // Sets it (a resumed run's, or a test's skewed router); `who` names the caller in errors.
   template <class Ops>
   void set_bias(int m, std::span<const float> bias, Ops& ops, const std::string& who) {
-    if (m < 0 || m >= blocks_ || bias.size() != static_cast<std::size_t>(experts))
-      throw std::invalid_argument(who + ": block " + std::to_string(m) + " of " + std::to_string(blocks_) +
-                                  " MoE blocks, " + std::to_string(bias.size()) + " values for " +
+    if (bias.size() != static_cast<std::size_t>(experts))
+      throw std::invalid_argument(who + ": " + std::to_string(bias.size()) + " values for " +
                                   std::to_string(experts) + " experts");
-    std::copy(bias.begin(), bias.end(), bias_.begin() + static_cast<std::ptrdiff_t>(m * experts));
-    ops.upload(device_bias_.data(), bias_.data(), bias_.size());
+    check_block(m, who);
+    ops.upload(device_bias(m), bias.data(), bias.size());
   }
 
  private:
+  // [MoE block][expert] elements (at least `least`: a buffer is never empty).
+  std::size_t size(int least) const { return static_cast<std::size_t>(std::max(blocks_ * experts, least)); }
+  void check_block(int m, const std::string& who) const {
+    if (m < 0 || m >= blocks_)
+      throw std::invalid_argument(who + ": block " + std::to_string(m) + " of " + std::to_string(blocks_) +
+                                  " MoE blocks");
+  }
+
   int blocks_;
+  bool balanced_ = false;
   Buffer<float, Device> device_bias_;  // [MoE block][expert]
   Buffer<Stat, Device> device_loads_;  // [MoE block][expert]: rows counted since the last step
-  std::vector<float> bias_;            // the same, in host memory
-  std::vector<double> loads_, last_loads_;
+  Buffer<Stat, Device> last_loads_;    // [MoE block][expert]: the last step's, summed over the group
 };
 
 }  // namespace fived

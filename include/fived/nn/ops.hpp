@@ -38,7 +38,7 @@
 //     attention's pieces attention_block_forward, attention_row_dot, attention_block_backward;
 //     a mixture of experts' router_scores, router_topk, dispatch_plan (counts to host memory),
 //     gather_rows, moe_combine(_backward), moe_dispatch_backward, router_backward,
-//     router_score_sums
+//     router_score_sums, expert_bias_step (auxiliary-loss-free balancing's bias step)
 //   regroup(U* out, const U* in, outer, n, block, Blocks::split | join)   any U; for redistribute
 //   buffer<U> make_buffer(size_t n)                       n zeroed elements, ready for use
 //   buffer<U> make_buffer(size_t n, releasable_pages)     the same, its pages given back a range

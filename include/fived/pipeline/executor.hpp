@@ -123,9 +123,8 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     // Plain unless the Trainer turned the step graph on (one chunk per rank).
     GraphStep graph(std::get<0>(chunks_).ops(), frame_.graph_shape(tokens.size(), B, seq));
     run(tokens, targets, B, seq);
-    queue_update();
+    update();
     graph.launch();
-    frame_.end_step();
     return mean_loss();  // the host's one wait, with the whole step queued
   }
 
@@ -138,22 +137,16 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   }
 
   // After reduce(): the clip over every parameter of the pipeline (each chunk's part of the
-  // norm, summed over PP) and each chunk's AdamW step.
+  // norm, summed over PP) and each chunk's AdamW step, queued.
   void update() {
-    queue_update();
-    frame_.end_step();
+    frame_.sum_of_squares([&](std::span<double> total) { sum_over_pp_in_device(total); });
+    frame_.update();
   }
 
   // Activation slots chunk c holds: the most micro-batches it keeps in flight.
   int slots(int chunk) const { return book_->slots(chunk); }
 
  private:
-  // The clip and the AdamW steps, queued.
-  void queue_update() {
-    frame_.sum_of_squares([&](std::span<double> total) { sum_over_pp_in_device(total); });
-    frame_.update();
-  }
-
   // reduce() but the loss: every action of the table, then the tied tensors' gradients summed.
   void run(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
     const std::size_t want = static_cast<std::size_t>(M_) * static_cast<std::size_t>(B) * static_cast<std::size_t>(seq);

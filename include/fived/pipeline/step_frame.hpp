@@ -67,12 +67,6 @@ class StepFrame {
   void update() {
     each([&](auto& dp) { dp.update(total_.data()); });
   }
-  // Once the step is launched: what each trainer reads back from it (DataParallel::end_step).
-  void end_step() {
-    each([](auto& dp) {
-      if constexpr (requires { dp.end_step(); }) dp.end_step();  // (a stand-in trainer has none)
-    });
-  }
   // What a step of `ids` token ids in micro-batches of [B, T] is known by as a graph.
   std::uint64_t graph_shape(std::size_t ids, int B, int T) {
     std::uint64_t h = call_hash(ids, B, T, M_);

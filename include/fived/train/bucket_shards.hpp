@@ -85,6 +85,14 @@ class BucketShards {
   int accum() const { return accum_; }
   // The gradient group's communicator (DP x CP, or the expert-data group).
   MeshComm<group>& grad_comm() { return comm_; }
+  // Sums device memory the compute stream wrote over the gradient group, in stream order: on
+  // the communication side, where the group's collectives run, the compute stream waiting for
+  // it (a step's gradient norm, its experts' loads).
+  template <class X>
+  void sum_over_group(std::span<X> x) {
+    queue_.submit([this, x](ops_type&) { comm_.all_reduce(x); }, false);
+    queue_.drain();
+  }
 
   // ---- what this rank holds of the buffers (checkpoints: train/trainer_state.hpp) ------------
 

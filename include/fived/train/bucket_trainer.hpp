@@ -110,10 +110,7 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
     ops.sum_of_squares_chunks(norm_.data(), norm_partials_.data(), this->owned_grad_store().data(),
                               norm_chunks_.data(), norm_chunks_.size());
     model_.sum_over_tp(norm_.span());
-    if constexpr (stage >= 1) {  // NoZeRO: every replica has the same sum
-      queue_.submit([this](ops_type&) { comm_.all_reduce(norm_.span()); }, false);  // the group's side
-      queue_.drain();
-    }
+    if constexpr (stage >= 1) this->sum_over_group(norm_.span());  // NoZeRO: every replica has the same sum
     ops.add_scalar(total, norm_.data());
   }
   // Clips to the global norm sqrt(*total_sum_of_squares) (when max_norm is set: the factor is

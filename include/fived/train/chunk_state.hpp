@@ -46,10 +46,8 @@ void add_chunk(Part& part, D& dp, Shard& w) {
   if constexpr (Part::has_experts) {
     add_trainer_state(dp.experts(), w);
     if constexpr (Part::has_router_bias)
-      for (int m = 0; m < Part::moe_blocks; ++m) {
-        const std::span<const float> b = part.router_bias(m);
-        w.add(bias_entry_name(Model::moe_blocks_before(Part::first_layer) + m), std::vector<float>(b.begin(), b.end()));
-      }
+      for (int m = 0; m < Part::moe_blocks; ++m)
+        w.add(bias_entry_name(Model::moe_blocks_before(Part::first_layer) + m), part.router_bias(m));
   }
 }
 

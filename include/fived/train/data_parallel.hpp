@@ -187,7 +187,6 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
     frame.sum_of_squares([](std::span<double>) {});  // every parameter is here
     frame.update();
     graph.launch();
-    frame.end_step();
     // The host's one wait for the device, with the whole step queued.
     const double rows = static_cast<double>(accum()) * b * Model::local_length(T_);
     return this->average(model.ops().loss_sum() / rows);
@@ -242,15 +241,14 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
     Dense::add_grad_sum_of_squares(total);
     if constexpr (moe) experts_->add_grad_sum_of_squares(total);
   }
-  // With experts, their step too.
+  // With experts, their step too, and the balance of their loads, summed over the gradient
+  // group (Model::balance_experts; queued, nothing read back).
   void update(const double* total_sum_of_squares) {
     Dense::update(total_sum_of_squares);
-    if constexpr (moe) experts_->update(total_sum_of_squares);
-  }
-  // After the step is launched (outside a graph step: it reads the device): with experts, the
-  // balance of their loads (Model::balance_experts).
-  void end_step() {
-    if constexpr (moe) this->model().balance_experts(this->grad_comm());
+    if constexpr (moe) {
+      experts_->update(total_sum_of_squares);
+      this->model().balance_experts([this](auto loads) { this->sum_over_group(loads); });
+    }
   }
   // After end_micro_batches: the clip over this trainer's parameters, which are all there are
   // (no pipeline), and the AdamW step; queued, as step() queues them.
@@ -258,7 +256,6 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
     pipeline::StepFrame<DataParallel> frame(accum(), std::tie(*this), norm_total_.span());
     frame.sum_of_squares([](std::span<double>) {});
     frame.update();
-    frame.end_step();
   }
   // With a mixture of experts, the expert buffers' state is included.
   Memory memory() const {

@@ -8,6 +8,8 @@
 //   router_backward(s, dlogits, dgate, scores, expert, gate, daux, N, E, k, renorm, sigmoid)
 //                                                              one thread per row, the host's math
 //   router_score_sums(s, sums, scores, N, E)                   column_reduce (fixed order)
+//   expert_bias_step(s, bias, loads, blocks, E, rate)          one thread per (block, expert), each
+//                                                              summing its block's loads in order
 //
 // Deterministic: every output element is written by one thread (or one block) that sums its
 // terms in a fixed order (block reductions are fixed trees, never float atomics).
@@ -132,6 +134,16 @@ struct StoreScoreSum {
   __device__ void operator()(int c, float2 s) const { sums[c] = s.x; }
 };
 
+__global__ void expert_bias_step_kernel(float* bias, const float* loads, int blocks, int E, float rate) {
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i >= blocks * E) return;
+  const float* load = loads + i / E * E;
+  float total = 0.0f;
+  for (int e = 0; e < E; ++e) total += load[e];
+  const float d = total - static_cast<float>(E) * loads[i];
+  bias[i] += rate * static_cast<float>((d > 0.0f) - (d < 0.0f));
+}
+
 inline void check_router_sizes(const char* kernel, int N, int E) {
   require_non_negative(kernel, "N", N);
   require_positive(kernel, "E", E);
@@ -183,6 +195,16 @@ inline void router_score_sums(cudaStream_t stream, float* sums, const float* sco
     return;
   }
   column_reduce(stream, detail::ScoreColumn{scores, E}, detail::StoreScoreSum{sums}, N, E);
+}
+
+inline void expert_bias_step(cudaStream_t stream, float* bias, const float* loads, int blocks, int E, double rate) {
+  detail::require_non_negative("expert_bias_step", "blocks", blocks);
+  detail::require_positive("expert_bias_step", "E", E);
+  if (blocks == 0) return;
+  constexpr int threads = 128;
+  detail::expert_bias_step_kernel<<<(blocks * E + threads - 1) / threads, threads, 0, stream>>>(
+      bias, loads, blocks, E, static_cast<float>(rate));
+  FIVED_CUDA_CHECK_LAUNCH("expert_bias_step_kernel");
 }
 
 }  // namespace fived::kernels::cuda

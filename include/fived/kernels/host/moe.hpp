@@ -26,6 +26,10 @@
 //                      score function, plus daux[e] (may be null) on every score: the
 //                      load-balancing loss's gradient, which is the same for every token
 //   router_score_sums  sums[e] = sum_t scores[t, e]  (the load-balancing loss's P_e * N)
+//   expert_bias_step   bias[m, e] += rate * sign(mean_e' loads[m, e'] - loads[m, e]) for each of
+//                      `blocks` MoE blocks: the selection bias of auxiliary-loss-free
+//                      balancing (DeepSeek-V3) moved towards equal loads. Loads are whole rows,
+//                      compared as sum - E * load (exact)
 //
 // Scores, gates and their gradients are acc_t<T> (fp32 for bf16); rows are T.
 
@@ -217,6 +221,20 @@ void router_score_sums(A* sums, const A* scores, int N, int E) {
   for (int e = 0; e < E; ++e) sums[e] = 0;
   for (int t = 0; t < N; ++t)
     for (int e = 0; e < E; ++e) sums[e] += scores[detail_moe::at(t, E) + static_cast<std::size_t>(e)];
+}
+
+template <class A>
+void expert_bias_step(float* bias, const A* loads, int blocks, int E, double rate) {
+  for (int m = 0; m < blocks; ++m) {
+    const A* load = loads + detail_moe::at(m, E);
+    A total = 0;
+    for (int e = 0; e < E; ++e) total += load[e];
+    for (int e = 0; e < E; ++e) {
+      const A d = total - static_cast<A>(E) * load[e];
+      const float sign = static_cast<float>((d > 0) - (d < 0));
+      bias[detail_moe::at(m, E) + static_cast<std::size_t>(e)] += static_cast<float>(rate) * sign;
+    }
+  }
 }
 
 }  // namespace fived::kernels::host
