@@ -141,13 +141,8 @@ class StepGraph {
 
   // Back to plain steps: after an error, or a new shape.
   void forget() noexcept {
-    mode_ = StepMode::plain;
-    captured_ = warm_ = warming_ = false;
-    calls_.clear();
-    slots_.clear();
+    forget_calls();
     memory_.reset();
-    next_call_ = next_slot_ = 0;
-    warm_bytes_ = used_ = 0;
   }
 
  private:
@@ -159,8 +154,18 @@ class StepGraph {
     const std::string msg = "fived::GraphStep: call " + std::to_string(k) + " of the step (" + what + ") " + why +
                             ": the step changed since it was captured. What changes from step to step must reach the "
                             "device through an upload; turn the step graph off for a step that branches";
-    forget();
+    // The uploads' memory stays until the Ops give the step up (abandon_graph_step: forget),
+    // after the capture has ended: freeing pinned memory inside a capture fails, and leaks it.
+    forget_calls();
     throw std::logic_error(msg);
+  }
+  void forget_calls() noexcept {
+    mode_ = StepMode::plain;
+    captured_ = warm_ = warming_ = false;
+    calls_.clear();
+    slots_.clear();
+    next_call_ = next_slot_ = 0;
+    warm_bytes_ = used_ = 0;
   }
 
   // Slots start on 64-byte boundaries.

@@ -183,6 +183,11 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   double mean_loss() {
     double loss = 0;
     for_each_chunk([&]<int c>(auto& model, auto&) {
+      // Every rank waits for its step first, a stage without the head too (it reads no loss):
+      // the reductions below must not run beside the step's own transfers and collectives on
+      // the same communicators (NCCL's order within a communicator is the order of launch),
+      // nor beside a graph still running them.
+      if constexpr (requires { model.ops().synchronize(); }) model.ops().synchronize();  // (a stand-in has none)
       if constexpr (std::remove_reference_t<decltype(model)>::has_head)
         loss = model.ops().loss_sum() / (static_cast<double>(b_) * model.local_length(T_));
     });

@@ -406,8 +406,10 @@ struct Ops<T, Cuda> {
       cudaGraph_t g = nullptr;
       (void)cudaStreamEndCapture(stream(), &g);
       if (g != nullptr) (void)cudaGraphDestroy(g);
-      (void)cudaGetLastError();  // an invalidated capture leaves its error behind
     }
+    // An invalidated capture leaves its error behind, also when launch_graph_step's own
+    // EndCapture failed (the stream no longer captures): a later launch's check would report it.
+    (void)cudaGetLastError();
     graph().forget();
     exec_.reset();
   }
