@@ -37,6 +37,13 @@ struct tiny : llama_config {  // tests/data/hf_tiny_llama.safetensors
   static constexpr double rope_theta = 10000.0, rope_factor = 8.0;
   static constexpr int rope_original_max_seq = 64;
 };
+// SwiGLU experts in the second block, padded to capacity: every size after routing is static,
+// so the plan's activations and exchanges are exact.
+struct padded_moe_tiny : tiny {
+  static constexpr int experts = 4, top_k = 2, moe_every = 2;
+  static constexpr double aux_loss_coef = 0.01, capacity_factor = 1.25;
+  static constexpr bool pad_to_capacity = true;
+};
 constexpr int fixture_batch = 4, fixture_T = 16;
 
 const std::string model_file = std::string(FIVED_TEST_DATA_DIR) + "/hf_tiny_llama.safetensors";
@@ -270,12 +277,17 @@ void holds_the_planned_bytes(const std::string& what) {
   using P = PlanOf<Cfg, M, 0, Accumulate<1>>;
   std::vector<int> tok, tgt;
   test::global_batch(1, 1, B, T, tiny::vocab, tok, tgt);
-  const std::size_t held = test::bytes_held_after_step<Llama<Cfg, M, float, Host, SequenceParallel>>(init, tok, tgt, B, T);
+  using Model = Llama<Cfg, M, float, Host, SequenceParallel>;
+  const std::size_t held = test::bytes_held_after_step<Model>(init, tok, tgt, B, T);
   const plan::Memory& m = P::memory;
   const plan::Bytes planned = m.parameters + m.gradients + m.peak_activations + m.recompute + m.work;
-  MESSAGE(what << ": " << held << " bytes a rank, planned " << planned << " + the dense model's unused "
-               << sizeof(float) << "-byte router bias");
-  CHECK(held == planned + sizeof(float));
+  // What the plan leaves out: the experts' balance from step to step (nn/expert_balance.hpp),
+  // the selection bias (floats) and the loads counted and last summed (stats) of each expert
+  // of each MoE block; a dense model's one float of bias.
+  constexpr std::size_t per_expert = static_cast<std::size_t>(Model::moe_blocks) * Cfg::experts;
+  const std::size_t balance = sizeof(float) * std::max<std::size_t>(per_expert, 1) + 2 * sizeof(float) * per_expert;
+  MESSAGE(what << ": " << held << " bytes a rank, planned " << planned << " + the experts' balance " << balance);
+  CHECK(held == planned + balance);
 }
 
 }  // namespace
@@ -288,19 +300,39 @@ TEST_CASE("Llama's plan, from its type: its buffers after a forward and backward
   holds_the_planned_bytes<ring_tiny, Mesh<CP<2>>>("CP 2 (ring)");
 }
 
-template <class M, class Sched>
+TEST_CASE("experts padded to capacity: their buffers after a forward and backward are the planned bytes on "
+          "Mesh<CP<2>, TP<2>, EP<2>> and Mesh<TP<2>>, with SP") {
+  holds_the_planned_bytes<padded_moe_tiny, Mesh<CP<2>, TP<2>, EP<2>>>("CP 2 x TP 2 x EP 2, padded experts");
+  holds_the_planned_bytes<padded_moe_tiny, Mesh<TP<2>>>("TP 2, padded experts");
+}
+
+template <class M, class Sched, class Cfg = tiny>
 void sends_the_planned_traffic() {
   std::vector<int> tok, tgt;
-  test::global_batch(1, Sched::table.micro_batches, B, T, tiny::vocab, tok, tgt);
+  test::global_batch(1, Sched::table.micro_batches, B, T, Cfg::vocab, tok, tgt);
   const test::StepTraffic got =
-      test::step_traffic<Llama<tiny, M, float, Host, SequenceParallel>, ZeRO<1>, Sched>(hp, init, tok, tgt, B, T);
-  test::check_traffic<PlanOf<tiny, M, 1, Sched>>(got);
-  if constexpr (M::extent(Axis::cp) > 1)
+      test::step_traffic<Llama<Cfg, M, float, Host, SequenceParallel>, ZeRO<1>, Sched>(hp, init, tok, tgt, B, T);
+  test::check_traffic<PlanOf<Cfg, M, 1, Sched>>(got);
+  if constexpr (M::extent(Axis::cp) > 1 && Cfg::experts == 0)
     for (const plan::Traffic& x : got.by_rank) CHECK(x.cp.all_gather.calls > 0);  // the all-gather CP
+  if constexpr (M::ep > 1) {  // no counts, E·capacity rows each way (a stage without MoE blocks: none)
+    std::int64_t rows_exchanged = 0;
+    for (const plan::Traffic& x : got.by_rank) {
+      CHECK(x.ep.all_to_all.calls == 0);
+      rows_exchanged += x.ep.all_to_all_v.calls;
+    }
+    CHECK(rows_exchanged > 0);
+  }
 }
 
 TEST_CASE("Llama's plan: a Trainer step's collectives, group by group, on DP 2 x PP 2 x CP 2 x TP 2 (all-gather CP) "
           "and DP 2 x PP 2 x TP 4 (KV heads on 2 ranks each)") {
   sends_the_planned_traffic<Mesh<DP<2>, PP<2>, CP<2>, TP<2>>, pipeline::OneFOneB<2, 4>>();
   sends_the_planned_traffic<Mesh<DP<2>, PP<2>, TP<4>>, pipeline::OneFOneB<2, 4>>();
+}
+
+TEST_CASE("experts padded to capacity: a Trainer step's collectives, EP's included, are the plan's on DP 2 x CP 2 x "
+          "EP 2 and DP 2 x PP 2 x TP 2 x EP 2") {
+  sends_the_planned_traffic<Mesh<DP<2>, CP<2>, EP<2>>, Accumulate<2>, padded_moe_tiny>();
+  sends_the_planned_traffic<Mesh<DP<2>, PP<2>, TP<2>, EP<2>>, pipeline::OneFOneB<2, 4>, padded_moe_tiny>();
 }

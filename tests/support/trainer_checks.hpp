@@ -150,6 +150,8 @@ void check_traffic(const StepTraffic& got) {
     CHECK(x.cp == want.cp);
     CHECK(x.pp == want.pp);
     CHECK(x.grad == want.grad);
+    CHECK(x.ep == want.ep);  // dense: none; experts padded to capacity: exact
+    CHECK(x.expert_data == want.expert_data);
   }
 }
 

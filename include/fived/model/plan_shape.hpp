@@ -56,8 +56,22 @@ struct Transformer {
   // TP like the dense FFN); the routed ones in the expert buffer (whole experts over EP).
   int experts = 0, top_k = 0, moe_every = 1, dense_first = 0, expert_d_ff = 0, shared_experts = 0;
   bool balancing_loss = false;  // the Switch loss: its statistics are all-reduced over CP
+  // Each routed expert takes at most ceil(capacity_factor·N·top_k/E) of a rank's N tokens' rows
+  // (0: dropless). Padded to that capacity (pad_to_capacity), every expert's rows are exactly
+  // that many whatever the routing, so the plan of its activations and exchanges is exact;
+  // otherwise it assumes N·top_k rows, balanced over the experts.
+  double capacity_factor = 0;
+  bool pad_to_capacity = false;
 
   constexpr int head_dim() const { return d_model / heads; }
+  // Rows in an MoE block's dispatch order (and at its experts, over EP) for N tokens of a rank:
+  // N·top_k, or E·capacity when padded (in the layer's own double arithmetic, nn/moe.hpp).
+  constexpr std::int64_t dispatch_rows(std::int64_t N) const {
+    if (!pad_to_capacity) return N * top_k;
+    const double x = capacity_factor * static_cast<double>(N) * top_k / experts;
+    const auto whole = static_cast<std::int64_t>(x);
+    return std::int64_t{experts} * (whole + (static_cast<double>(whole) < x ? 1 : 0));  // ceil
+  }
   constexpr bool is_moe(int layer) const {
     return experts > 0 && layer >= dense_first && (layer - dense_first) % moe_every == moe_every - 1;
   }

@@ -23,6 +23,8 @@ constexpr Transformer from_gpt() {
   m.allgather_context = std::is_same_v<typename d::context_attention, AllGatherContext>;
   m.experts = d::experts, m.top_k = d::experts > 0 ? d::top_k : 0, m.moe_every = d::moe_every, m.dense_first = 0;
   m.expert_d_ff = d::d_ff, m.shared_experts = 0, m.balancing_loss = d::experts > 0 && Cfg::aux_loss_coef > 0;
+  m.capacity_factor = d::experts > 0 ? Cfg::capacity_factor : 0;
+  m.pad_to_capacity = d::experts > 0 && Cfg::pad_to_capacity;
   return m;
 }
 

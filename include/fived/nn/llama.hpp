@@ -233,6 +233,8 @@ struct Llama3 {
     m.norm = plan::Norm::rms_norm, m.positions = 0;
     m.experts = d::experts, m.top_k = d::experts > 0 ? d::top_k : 0, m.moe_every = d::moe_every, m.dense_first = 0;
     m.expert_d_ff = d::ffn, m.shared_experts = 0, m.balancing_loss = d::experts > 0 && Cfg::aux_loss_coef > 0;
+    m.capacity_factor = d::experts > 0 ? Cfg::capacity_factor : 0;
+    m.pad_to_capacity = d::experts > 0 && Cfg::pad_to_capacity;
     m.allgather_context = std::is_same_v<typename d::context_attention, AllGatherContext>;
     return m;
   }

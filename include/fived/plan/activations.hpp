@@ -76,15 +76,16 @@ constexpr Bytes ffn_hidden_bytes(const Transformer& m, std::int64_t rows, int wi
 constexpr Bytes mlp_bytes(const Transformer& m, const Rows& a) {
   return (a.sp ? detail::bytes(a.N * m.d_model, a.t) : 0) + ffn_hidden_bytes(m, a.N, m.d_ff, a);
 }
-// MoE::Saved, with R = N·k rows for this rank's experts (balanced routing), plus the shared
-// experts' hidden activations. Its statistics: the balancing loss's gradient, the rows kept
-// per expert and the balance (both of [E] stat_t, [E] and [2E]).
+// MoE::Saved, with R rows in dispatch order and at this rank's experts (dispatch_rows: N·k,
+// balanced over the experts, or exactly E·capacity when padded), plus the shared experts'
+// hidden activations: scores [N, E] and gates [N·k], each assignment's expert and row, each
+// row's token, the rows' outputs and inputs, the experts' activations, and the statistics
+// (the balancing loss's gradient and the rows kept per expert, [E] each, the balance [2E]).
 constexpr Bytes moe_bytes(const Transformer& m, const Rows& a) {
-  const std::int64_t Nk = a.N * m.top_k;
+  const std::int64_t Nk = a.N * m.top_k, R = m.dispatch_rows(a.N);
   return (a.sp ? detail::bytes(a.N * m.d_model, a.t) : 0) + detail::bytes(a.N * m.experts + Nk, a.st) +
-         detail::bytes(3 * Nk, 4) + detail::bytes(Nk * m.d_model, a.t) + detail::bytes(Nk * m.d_model, a.t) +
-         ffn_hidden_bytes(m, Nk, m.expert_d_ff, a) + detail::bytes(m.experts, 4) + detail::bytes(m.experts, a.st) +
-         detail::bytes(2 * m.experts, a.st) +
+         detail::bytes(2 * Nk + R, 4) + detail::bytes(R * m.d_model, a.t) + detail::bytes(R * m.d_model, a.t) +
+         ffn_hidden_bytes(m, R, m.expert_d_ff, a) + detail::bytes(4 * m.experts, a.st) +
          m.shared_experts * ffn_hidden_bytes(m, a.N, m.expert_d_ff, a);
 }
 // Everything block `layer`'s forward leaves for its backward (BlockActs), core included or not.
@@ -147,9 +148,9 @@ constexpr Bytes work_bytes(const Transformer& m, const Blocks& part, const Rows&
     w += detail::bytes((1 + a.cp) * a.N * kv, a.t) +  // local, Dd, dqkv in stat
          detail::bytes(2 * a.N * q + (a.cp + 1) * a.N * kv + a.N * (m.heads / a.tp) + a.N * qkv, a.st);
   if (moe) {  // MoE::Work: router logits, d(gate), rows in dispatch order, staging, y, d(h)
-    const std::int64_t Nk = a.N * m.top_k;
-    w += detail::bytes(a.N * m.experts, a.t) + detail::bytes(Nk, a.st) + detail::bytes(3 * Nk * C, a.t) +
-         detail::bytes(Nk * (m.expert_d_ff / a.tp) * (m.gated ? 3 : 1), a.t);  // d(h) (SwiGLU: and d(gate | up))
+    const std::int64_t Nk = a.N * m.top_k, R = m.dispatch_rows(a.N);
+    w += detail::bytes(a.N * m.experts, a.t) + detail::bytes(Nk, a.st) + detail::bytes(3 * R * C, a.t) +
+         detail::bytes(R * (m.expert_d_ff / a.tp) * (m.gated ? 3 : 1), a.t);  // d(h) (SwiGLU: and d(gate | up))
   }
   return w;
 }

@@ -17,7 +17,8 @@
 //               loss an AR of 2E stats per MoE block forward
 //   EP          per MoE block: forward the counts (all_to_all, E int64) and the rows out and
 //               back (2 all_to_all_v of N·k rows of C), backward 2 all_to_all_v; balanced
-//               routing: a rank receives as many rows as it sends
+//               routing: a rank receives as many rows as it sends. Experts padded to capacity:
+//               no counts, and E·capacity rows each way whatever the routing (exact)
 //   PP          read off the schedule's table: one send_recv per comm group of the rank's
 //               program, y bytes per send (activations forward, gradients backward); a tied
 //               model's first and last stage swap what they own of the tied gradient (one
@@ -32,8 +33,8 @@
 // checks with Counting; tests/test_plan.cpp checks whole trainer steps of small meshes the
 // same way. The step's host values (step_scalars) count too: every chunk's gradient norm
 // summed over TP and, under ZeRO, over its group (the experts': over TP, EP and theirs), the
-// experts' loads of each MoE block (E doubles over DP x CP), the mean loss over DP x CP, and
-// over PP the norm and the loss: an all-reduce of 8 bytes each, as the trainer issues them.
+// mean loss over DP x CP, and over PP the norm and the loss: an all-reduce of 8 bytes each, as
+// the trainer issues them; and the experts' loads of each MoE block (E stats over DP x CP).
 
 #include <cstdint>
 #include <span>
@@ -147,18 +148,19 @@ constexpr Traffic layer_traffic(const Transformer& m, const Blocks& part, const 
   }
   if (a.ep > 1)
     for (int l = part.first; l < part.first + part.count; ++l)
-      if (m.is_moe(l)) {
+      if (m.is_moe(l)) {  // padded experts exchange no counts, and exactly E·capacity rows each way
         const int forwards = full ? 2 : 1;
-        tally(r.ep.all_to_all, forwards * M, m.experts * 8);
-        tally(r.ep.all_to_all_v, (2 * forwards + 2) * std::int64_t{M}, Nk * C * a.t);
+        if (!m.pad_to_capacity) tally(r.ep.all_to_all, forwards * M, m.experts * 8);
+        tally(r.ep.all_to_all_v, (2 * forwards + 2) * std::int64_t{M}, m.dispatch_rows(a.N) * C * a.t);
       }
   return r;
 }
 
-// The host values one chunk's optimizer step reduces (8-byte doubles, an all-reduce each):
-// its gradient norm's sum over TP (DataParallel::grad_sum_of_squares, Decoder::sum_over_tp) and,
+// The scalars one chunk's optimizer step reduces (an all-reduce each): its gradient norm's sum
+// (an 8-byte double) over TP (DataParallel::grad_sum_of_squares, Decoder::sum_over_tp) and,
 // under ZeRO, over DP x CP; with experts the same for the expert buffer (over TP, EP and the
-// expert-data group) and the loads of its MoE blocks over DP x CP (Decoder::balance_experts).
+// expert-data group), and the loads of its MoE blocks over DP x CP, a statistic per expert of
+// each (Decoder::balance_experts).
 constexpr Traffic chunk_scalars(const Transformer& m, const Blocks& part, const Rows& a, int grad, int edp, int zero,
                                 int expert_zero) {
   using detail::tally;
@@ -171,7 +173,7 @@ constexpr Traffic chunk_scalars(const Transformer& m, const Blocks& part, const 
     if (a.tp > 1) tally(r.tp.all_reduce, 1, 8);
     if (a.ep > 1) tally(r.ep.all_reduce, 1, 8);
     if (expert_zero >= 1 && edp > 1) tally(r.expert_data.all_reduce, 1, 8);
-    if (grad > 1) tally(r.grad.all_reduce, 1, std::int64_t{moe} * m.experts * 8);
+    if (grad > 1) tally(r.grad.all_reduce, 1, std::int64_t{moe} * m.experts * a.st);
   }
   return r;
 }
