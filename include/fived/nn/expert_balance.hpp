@@ -53,7 +53,9 @@ class ExpertBalance {
   template <class SumOverGroup, class Ops>
   void step(SumOverGroup&& sum_over_group, Ops& ops) {
     if (blocks_ == 0) return;
-    sum_over_group(std::span<Stat>(device_loads_.data(), size(0)));  // whole rows: exact in a float up to 2^24
+    // Whole rows: exact while an expert takes fewer than 2^24 of a step's rows over the group
+    // (in float; their total, which may pass that, is taken in double by the bias step).
+    sum_over_group(std::span<Stat>(device_loads_.data(), size(0)));
     if constexpr (Config::balancing::bias)
       ops.expert_bias_step(device_bias_.data(), device_loads_.data(), blocks_, experts, Config::bias_update_rate);
     ops.copy(last_loads_.data(), device_loads_.data(), size(0));

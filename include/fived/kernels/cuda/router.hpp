@@ -134,14 +134,17 @@ struct StoreScoreSum {
   __device__ void operator()(int c, float2 s) const { sums[c] = s.x; }
 };
 
-__global__ void expert_bias_step_kernel(float* bias, const float* loads, int blocks, int E, float rate) {
+// (A template, as every kernel defined in a header: a plain __global__ would be defined again
+// in every unit that includes it.) The sums in double: exact for any step's whole rows.
+template <class S>
+__global__ void expert_bias_step_kernel(float* bias, const S* loads, int blocks, int E, float rate) {
   const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (i >= blocks * E) return;
-  const float* load = loads + i / E * E;
-  float total = 0.0f;
-  for (int e = 0; e < E; ++e) total += load[e];
-  const float d = total - static_cast<float>(E) * loads[i];
-  bias[i] += rate * static_cast<float>((d > 0.0f) - (d < 0.0f));
+  const S* load = loads + i / E * E;
+  double total = 0;
+  for (int e = 0; e < E; ++e) total += static_cast<double>(load[e]);
+  const double d = total - static_cast<double>(E) * static_cast<double>(loads[i]);
+  bias[i] += rate * static_cast<float>((d > 0) - (d < 0));
 }
 
 inline void check_router_sizes(const char* kernel, int N, int E) {
@@ -202,7 +205,7 @@ inline void expert_bias_step(cudaStream_t stream, float* bias, const float* load
   detail::require_positive("expert_bias_step", "E", E);
   if (blocks == 0) return;
   constexpr int threads = 128;
-  detail::expert_bias_step_kernel<<<(blocks * E + threads - 1) / threads, threads, 0, stream>>>(
+  detail::expert_bias_step_kernel<float><<<(blocks * E + threads - 1) / threads, threads, 0, stream>>>(
       bias, loads, blocks, E, static_cast<float>(rate));
   FIVED_CUDA_CHECK_LAUNCH("expert_bias_step_kernel");
 }

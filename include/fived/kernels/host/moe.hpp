@@ -29,7 +29,7 @@
 //   expert_bias_step   bias[m, e] += rate * sign(mean_e' loads[m, e'] - loads[m, e]) for each of
 //                      `blocks` MoE blocks: the selection bias of auxiliary-loss-free
 //                      balancing (DeepSeek-V3) moved towards equal loads. Loads are whole rows,
-//                      compared as sum - E * load (exact)
+//                      compared as sum - E * load in double (exact)
 //
 // Scores, gates and their gradients are acc_t<T> (fp32 for bf16); rows are T.
 
@@ -227,10 +227,10 @@ template <class A>
 void expert_bias_step(float* bias, const A* loads, int blocks, int E, double rate) {
   for (int m = 0; m < blocks; ++m) {
     const A* load = loads + detail_moe::at(m, E);
-    A total = 0;
-    for (int e = 0; e < E; ++e) total += load[e];
+    double total = 0;  // (exact for any step's whole rows, as the CUDA kernel's)
+    for (int e = 0; e < E; ++e) total += static_cast<double>(load[e]);
     for (int e = 0; e < E; ++e) {
-      const A d = total - static_cast<A>(E) * load[e];
+      const double d = total - static_cast<double>(E) * static_cast<double>(load[e]);
       const float sign = static_cast<float>((d > 0) - (d < 0));
       bias[detail_moe::at(m, E) + static_cast<std::size_t>(e)] += static_cast<float>(rate) * sign;
     }
