@@ -77,6 +77,10 @@ static_assert(part_matches<moe_untied, 1, 1, 0, 4>() && part_matches<moe_untied,
 // pipeline parts: the first (embedding), a middle one, the last (ln_f and the untied head)
 static_assert(part_matches<moe_untied, 2, 2, 0, 1>() && part_matches<moe_untied, 2, 2, 1, 2>() &&
               part_matches<moe_untied, 2, 2, 3, 1>());
+// An expert's capacity, ceil(factor·N·k/E), the layer's and the planner's: in double whatever
+// type the config spells the factor in (an int factor of 1 for 3 tokens over 4 experts: 1 row).
+static_assert(plan::expert_capacity(1.25, 20, 2, 4) == 13 && plan::expert_capacity(1.25, 16, 2, 4) == 10);
+static_assert(plan::expert_capacity(1, 3, 1, 4) == 1 && plan::expert_capacity(1.1f, 20, 1, 2) == 12);
 static_assert(plan::from_gpt<moe_untied>().parameters() == ParamTable<GptSpecs<moe_untied>>::num_parameters +
                                                                ParamTable<ExpertSpecs<moe_untied>>::num_parameters);
 

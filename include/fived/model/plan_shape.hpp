@@ -28,6 +28,15 @@ enum class Norm : std::uint8_t {
   rms_norm,    // weight [C], rstd per row (Llama, DeepSeek)
 };
 
+// A routed expert's capacity for N tokens of a rank: ceil(factor·N·k/E) rows, computed in
+// double whatever type a config spells the factor in. The one formula of the layer
+// (nn/moe.hpp) and of the planner.
+constexpr std::int64_t expert_capacity(double factor, std::int64_t N, int k, int E) {
+  const double x = factor * static_cast<double>(N) * k / E;
+  const auto whole = static_cast<std::int64_t>(x);
+  return whole + (static_cast<double>(whole) < x ? 1 : 0);  // ceil (x >= 0)
+}
+
 struct Transformer {
   int layers = 12;
   int d_model = 768;         // C
@@ -65,12 +74,9 @@ struct Transformer {
 
   constexpr int head_dim() const { return d_model / heads; }
   // Rows in an MoE block's dispatch order (and at its experts, over EP) for N tokens of a rank:
-  // N·top_k, or E·capacity when padded (in the layer's own double arithmetic, nn/moe.hpp).
+  // N·top_k, or E·capacity when padded.
   constexpr std::int64_t dispatch_rows(std::int64_t N) const {
-    if (!pad_to_capacity) return N * top_k;
-    const double x = capacity_factor * static_cast<double>(N) * top_k / experts;
-    const auto whole = static_cast<std::int64_t>(x);
-    return std::int64_t{experts} * (whole + (static_cast<double>(whole) < x ? 1 : 0));  // ceil
+    return pad_to_capacity ? std::int64_t{experts} * expert_capacity(capacity_factor, N, top_k, experts) : N * top_k;
   }
   constexpr bool is_moe(int layer) const {
     return experts > 0 && layer >= dense_first && (layer - dense_first) % moe_every == moe_every - 1;

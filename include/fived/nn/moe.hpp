@@ -34,7 +34,7 @@
 // memory, summed over CP there (Saved::balance); the loss's value is read from them when it
 // is reported, apart from the language-model loss (aux_loss()). With
 // AuxLossFreeBias (nn/config.hpp) the selection adds a per-expert bias that the model moves
-// after each step towards equal loads (GPT::balance_experts).
+// after each step towards equal loads (balance_experts, nn/expert_balance.hpp).
 //
 // At EP 1 the exchanges vanish: the sorted rows are the experts' rows, and this is the
 // serial mixture of experts every parallel run is compared with.
@@ -49,6 +49,7 @@
 
 #include "fived/mesh/mesh_comm.hpp"
 #include "fived/device/buffer.hpp"
+#include "fived/model/plan_shape.hpp"  // plan::expert_capacity
 #include "fived/nn/config.hpp"
 #include "fived/nn/linear.hpp"
 #include "fived/nn/param_table.hpp"
@@ -124,7 +125,7 @@ struct MoE {
   // Each expert's capacity on this rank (-1: dropless).
   static int capacity(int N) {
     if constexpr (Cfg::capacity_factor <= 0) return -1;
-    else return static_cast<int>(std::ceil(Cfg::capacity_factor * N * K / E));
+    else return static_cast<int>(plan::expert_capacity(Cfg::capacity_factor, N, K, E));
   }
   // Rows in dispatch order for N tokens: the N·k assignments, or E padded experts.
   static std::size_t dispatch_rows(std::size_t N) {
