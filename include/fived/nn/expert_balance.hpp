@@ -73,7 +73,7 @@ class ExpertBalance {
   // MoE block m's selection bias, [expert], read back, and where its router reads it.
   template <class Ops>
   std::vector<float> bias(int m, Ops& ops) const {
-    check_block(m, "bias");
+    check_block(m, "router_bias");
     return ops.to_host(std::span<const float>(device_bias_.data() + m * experts, experts));
   }
   float* device_bias(int m) { return device_bias_.data() + m * experts; }
@@ -88,7 +88,7 @@ class ExpertBalance {
   }
 
  private:
-  // [MoE block][expert] elements (at least `least`: a buffer is never empty).
+  // [MoE block][expert] elements, or `least` when that is more.
   std::size_t size(int least) const { return static_cast<std::size_t>(std::max(blocks_ * experts, least)); }
   void check_block(int m, const std::string& who) const {
     if (m < 0 || m >= blocks_)
