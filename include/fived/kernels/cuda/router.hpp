@@ -137,14 +137,14 @@ struct StoreScoreSum {
 // (A template, as every kernel defined in a header: a plain __global__ would be defined again
 // in every unit that includes it.) The sums in double: exact for any step's whole rows.
 template <class S>
-__global__ void expert_bias_step_kernel(float* bias, const S* loads, int blocks, int E, float rate) {
+__global__ void expert_bias_step_kernel(float* bias, const S* loads, int blocks, int E, double rate) {
   const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (i >= blocks * E) return;
   const S* load = loads + i / E * E;
   double total = 0;
   for (int e = 0; e < E; ++e) total += static_cast<double>(load[e]);
   const double d = total - static_cast<double>(E) * static_cast<double>(loads[i]);
-  bias[i] += rate * static_cast<float>((d > 0) - (d < 0));
+  bias[i] += static_cast<float>(rate) * static_cast<float>((d > 0) - (d < 0));  // as the host's
 }
 
 inline void check_router_sizes(const char* kernel, int N, int E) {
@@ -206,7 +206,7 @@ inline void expert_bias_step(cudaStream_t stream, float* bias, const float* load
   if (blocks == 0) return;
   constexpr int threads = 128;
   detail::expert_bias_step_kernel<float><<<(blocks * E + threads - 1) / threads, threads, 0, stream>>>(
-      bias, loads, blocks, E, static_cast<float>(rate));
+      bias, loads, blocks, E, rate);
   FIVED_CUDA_CHECK_LAUNCH("expert_bias_step_kernel");
 }
 
