@@ -2,7 +2,7 @@
 //
 //   train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] [--seq T]
 //             [--lr LR] [--seed S] [--log-every N] [--save out.safetensors] [--checkpoints DIR [--save-every N]
-//             [--keep-last N] [--resume | --resume-from STEP]] [--host] [--serial] [--step-graph] [--list-meshes]
+//             [--keep-last N] [--resume | --resume-from STEP]] [--serial] [--step-graph] [--list-meshes]
 //
 // A thin program over fived::Trainer (train/trainer.hpp): one model (2 layers, d_model 64, 4
 // heads, byte vocabulary: GPT-2's blocks, or with --model llama Llama 3's, 2 key/value heads,
@@ -18,7 +18,8 @@
 // On the host backend the ranks are threads of this process. Built by nvcc with fived::cuda
 // (train_gpt_cuda, examples/train_gpt_cuda.cu includes this file) it trains on the GPU when
 // there is one: one process per rank of the mesh, launched by scripts/launch-local.sh, torchrun,
-// mpirun or srun (one process for --mesh serial), over NCCL; --host stays on the host.
+// mpirun or srun (one process for --mesh serial), over NCCL. Without a GPU it says so and names
+// train_gpt: the CUDA build holds no host trainers (they would double its compile time).
 //
 // Data: a text file's bytes, or --tokens: a file of little-endian uint16 token ids (< 256 for
 // this model); without either, generated lines of additions ("07+45=052"), whose loss falls
@@ -128,7 +129,6 @@ struct Options {
   std::optional<int> resume_from;    // or from this step
   double lr = 4e-3;
   unsigned seed = 1337;
-  bool host = false;  // stay on the host even when a GPU is there (CUDA build)
   bool step_graph = false;  // TrainerConfig::step_graph
 };
 
@@ -136,7 +136,7 @@ struct Options {
   std::fprintf(stderr,
                "%s\nusage: train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] "
                "[--seq T (<= %d)] [--lr LR] [--seed S] [--log-every N] [--save out.safetensors] [--checkpoints DIR "
-               "[--save-every N] [--keep-last N] [--resume | --resume-from STEP]] [--host] [--serial] [--step-graph] [--list-meshes]\n",
+               "[--save-every N] [--keep-last N] [--resume | --resume-from STEP]] [--serial] [--step-graph] [--list-meshes]\n",
                msg.c_str(), demo_config::max_seq);
   std::exit(2);
 }
@@ -264,7 +264,6 @@ Options parse(int argc, char** argv) {
     else if (a == "--mesh") o.mesh = value();
     else if (a == "--model") o.model = value();
     else if (a == "--serial") o.mesh = "serial";
-    else if (a == "--host") o.host = true;
     else if (a == "--step-graph") o.step_graph = true;
     else if (a == "--list-meshes") {
       for (const MeshChoice& m : meshes) std::printf("%-18s %2d ranks\n", m.name, m.ranks);
@@ -558,23 +557,20 @@ int train_on(const Options& opt, const Corpus& corpus) {
           std::to_string(micro) + " micro-batches x DP " + std::to_string(M::dp) + ") and --seq of " +
           std::to_string(2 * M::cp * M::tp) + " (2 x CP x TP: zig-zag chunks, sequence parallelism)");
 #if defined(FIVED_TRAIN_GPT_CUDA)
-  if (!opt.host && fived::cuda::device_count() > 0) {
-    const LaunchEnv env = launch_env();
-    if (env.world_size != M::size)
-      usage("--mesh " + opt.mesh + " needs " + std::to_string(M::size) + " processes, one per rank, but this launch has " +
-            std::to_string(env.world_size) + ": scripts/launch-local.sh " + std::to_string(M::size) +
-            " build/examples/train_gpt_cuda --mesh " + opt.mesh + " (or torchrun, mpirun, srun)");
-    cudaDeviceProp prop{};
-    FIVED_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    auto ctx = make_mesh_context<M>(nccl::init_world());
-    return train_rank<F, M, Cuda>(ctx, opt, corpus, std::string("CUDA, ") + prop.name + ", fp32, NCCL",
-                               fived::cuda::peak_bf16_flops(0));
-  }
-  if (const int world = launch_env().world_size; world > 1)
-    usage("launched as " + std::to_string(world) + " processes, but " +
-          (opt.host ? std::string("--host was given") : std::string("there is no CUDA device")) +
-          ": the host backend runs the mesh's ranks as threads of one process; start train_gpt_cuda once");
-#endif
+  if (fived::cuda::device_count() == 0)
+    usage("train_gpt_cuda trains on a GPU and there is no CUDA device: build/examples/train_gpt is the same program on "
+          "the host backend (the mesh's ranks as threads of one process)");
+  const LaunchEnv env = launch_env();
+  if (env.world_size != M::size)
+    usage("--mesh " + opt.mesh + " needs " + std::to_string(M::size) + " processes, one per rank, but this launch has " +
+          std::to_string(env.world_size) + ": scripts/launch-local.sh " + std::to_string(M::size) +
+          " build/examples/train_gpt_cuda --mesh " + opt.mesh + " (or torchrun, mpirun, srun)");
+  cudaDeviceProp prop{};
+  FIVED_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  auto ctx = make_mesh_context<M>(nccl::init_world());
+  return train_rank<F, M, Cuda>(ctx, opt, corpus, std::string("CUDA, ") + prop.name + ", fp32, NCCL",
+                                fived::cuda::peak_bf16_flops(0));
+#else
   int status = 0;
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
@@ -582,6 +578,7 @@ int train_on(const Options& opt, const Corpus& corpus) {
     if (ctx.rank() == 0) status = s;
   });
   return status;
+#endif
 }
 
 }  // namespace

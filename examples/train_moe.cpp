@@ -4,7 +4,7 @@
 //   scripts/launch-local.sh 4 build/examples/train_moe_cuda [...]     # the same on CUDA + NCCL
 //
 // The mesh is Mesh<DP<2>, TP<2>, EP<2>>: four ranks as threads, or (train_moe_cuda, the same
-// source through nvcc, when there is a GPU) four processes launched like torchrun. The dense layers are split
+// source through nvcc, GPU only) four processes launched like torchrun. The dense layers are split
 // over TP with sequence parallelism and replicated over DP (ZeRO-1); every block's MLP is a
 // mixture of 4 experts (top-2): each of the two EP ranks (carved out of DP, so the two TP
 // slices of a replica exchange tokens with their counterparts of the other replica) holds two
@@ -176,20 +176,21 @@ void train_rank(Ctx& ctx, const Options& opt, const char* backend) {
 template <class Cfg>
 void train(const Options& opt) {
 #if defined(FIVED_TRAIN_MOE_CUDA)
-  if (fived::cuda::device_count() > 0) {
-    if (const int world = fived::launch_env().world_size; world != MoeMesh::size)
-      usage(("needs " + std::to_string(MoeMesh::size) + " processes, one per rank, but this launch has " +
-             std::to_string(world) + ": scripts/launch-local.sh 4 build/examples/train_moe_cuda (or torchrun, mpirun, srun)")
-                .c_str());
-    auto ctx = fived::make_mesh_context<MoeMesh>(fived::nccl::init_world());
-    train_rank<Cfg, fived::Cuda>(ctx, opt, "CUDA + NCCL, fp32");
-    return;
-  }
-#endif
+  if (fived::cuda::device_count() == 0)
+    usage("train_moe_cuda trains on a GPU and there is no CUDA device: build/examples/train_moe is the same program on "
+          "the host backend");
+  if (const int world = fived::launch_env().world_size; world != MoeMesh::size)
+    usage(("needs " + std::to_string(MoeMesh::size) + " processes, one per rank, but this launch has " +
+           std::to_string(world) + ": scripts/launch-local.sh 4 build/examples/train_moe_cuda (or torchrun, mpirun, srun)")
+              .c_str());
+  auto ctx = fived::make_mesh_context<MoeMesh>(fived::nccl::init_world());
+  train_rank<Cfg, fived::Cuda>(ctx, opt, "CUDA + NCCL, fp32");
+#else
   fived::host::run(MoeMesh::size, [&](fived::host::Comm& world) {
     auto ctx = fived::make_mesh_context<MoeMesh>(world);
     train_rank<Cfg, fived::Host>(ctx, opt, (std::string("the host backend, ") + fived::host::ranks_are()).c_str());
   });
+#endif
 }
 
 }  // namespace
