@@ -158,7 +158,7 @@ void use(const io::SafetensorsFile& f) {
     }
   }
   std::vector<float> params(Layout::size);
-  load_gpt<Layout>(f, std::span<float>(params), "the fuzzing GPT");
+  load_weights<Layout>(f, std::span<float>(params), std::span<float>(), "the fuzzing GPT");
 }
 
 }  // namespace

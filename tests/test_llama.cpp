@@ -44,47 +44,71 @@ struct padded_moe_tiny : tiny {
   static constexpr double aux_loss_coef = 0.01, capacity_factor = 1.25;
   static constexpr bool pad_to_capacity = true;
 };
+// Mixtral (tests/data/hf_tiny_mixtral.safetensors): 4 SwiGLU experts, top-2, in every
+// block; no balancing term in its loss; rotary θ 1e6, unscaled.
+struct mixtral_tiny : tiny {
+  static constexpr int experts = 4, top_k = 2, moe_every = 1;
+  static constexpr double aux_loss_coef = 0;
+  static constexpr double rope_theta = 1e6, rope_factor = 1.0;
+};
 constexpr int fixture_batch = 4, fixture_T = 16;
 
-const std::string model_file = std::string(FIVED_TEST_DATA_DIR) + "/hf_tiny_llama.safetensors";
-const io::SafetensorsFile& reference() {
-  static const io::SafetensorsFile f = io::SafetensorsFile::read(std::string(FIVED_TEST_DATA_DIR) +
-                                                                 "/hf_tiny_llama_ref.safetensors");
+// A model file from transformers and its reference: a token batch, the loss and every
+// gradient under the file's tensor names (tests/data/make_hf_*_fixture.py).
+struct HfFixture {
+  std::string model_file;
+  io::SafetensorsFile ref;
+  std::vector<int> ids(const char* name) const {
+    const std::vector<std::int32_t> v = ref.read<std::int32_t>(name);
+    return {v.begin(), v.end()};
+  }
+};
+HfFixture read_fixture(const std::string& stem) {
+  const std::string dir = FIVED_TEST_DATA_DIR;
+  return {dir + "/hf_tiny_" + stem + ".safetensors", io::SafetensorsFile::read(dir + "/hf_tiny_" + stem + "_ref.safetensors")};
+}
+const HfFixture& llama_fixture() {
+  static const HfFixture f = read_fixture("llama");
   return f;
 }
-std::vector<int> ids(const char* name) {
-  const std::vector<std::int32_t> v = reference().read<std::int32_t>(name);
-  return {v.begin(), v.end()};
+const HfFixture& mixtral_fixture() {
+  static const HfFixture f = read_fixture("mixtral");
+  return f;
 }
 
-// Per tensor, max |got - ref| / max |ref| against transformers' gradient (the file's rows: no
-// vocabulary padding). The worst one, and its name.
-template <class Layout, class T>
-double worst_against_hf(const std::vector<T>& grads, const std::string& precision, std::string& where) {
+// Per tensor of the model's file, max |got - ref| / max |ref| against transformers' gradient
+// (no vocabulary padding; each of Mixtral's experts apart). The worst one, and its name.
+template <class Model, class T>
+double worst_against_hf(const HfFixture& fx, const std::vector<T>& dense, const std::vector<T>& experts,
+                        const std::string& precision, std::string& where) {
   double worst = 0;
-  for (const ParamInfo& t : Layout::tensors) {
-    const std::vector<double> ref = reference().read<double>(precision + "." + t.name());
-    REQUIRE(ref.size() == t.file_size());
+  for (const FileTensor& t : file_tensors<typename Model::serial_layout, typename Model::serial_expert_layout>()) {
+    const std::vector<double> ref = fx.ref.read<double>(precision + "." + t.name);
+    REQUIRE(ref.size() == t.size);
+    const std::vector<T>& grads = t.expert ? experts : dense;
     const std::vector<T> got(grads.begin() + static_cast<std::ptrdiff_t>(t.offset),
-                             grads.begin() + static_cast<std::ptrdiff_t>(t.offset + t.file_size()));
-    if (const double e = test::max_rel_error(got, ref); e > worst) worst = e, where = t.name();
+                             grads.begin() + static_cast<std::ptrdiff_t>(t.offset + t.size));
+    if (const double e = test::max_rel_error(got, ref); e > worst) worst = e, where = t.name;
   }
   return worst;
 }
 
-template <class T>
-void serial_equals_hf(const std::string& precision, const char* loss_name, double tolerance) {
-  Llama<tiny, Mesh<>, T> m;
-  m.load(model_file);
-  const std::vector<int> tok = ids("tokens"), tgt = ids("targets");
+template <class Cfg, class T>
+void serial_equals_hf(const HfFixture& fx, const std::string& precision, const char* loss_name, double tolerance) {
+  using Model = Llama<Cfg, Mesh<>, T>;
+  Model m;
+  m.load(fx.model_file);
+  const std::vector<int> tok = fx.ids("tokens"), tgt = fx.ids("targets");
   const double loss = m.forward(tok.data(), tgt.data(), fixture_batch, fixture_T);
   m.backward();
-  const double ref = reference().read<double>(loss_name)[0];
+  const double ref = fx.ref.read<double>(loss_name)[0];
   std::string where;
-  const std::vector<T> grads(m.grads().begin(), m.grads().end());
-  const double g = worst_against_hf<typename Llama<tiny, Mesh<>, T>::serial_layout>(grads, precision, where);
-  MESSAGE(precision << ": loss " << loss << " vs transformers' " << ref << " (" << std::abs(loss - ref) / ref
-                    << " relative), every gradient within " << g << " (" << where << ")");
+  std::vector<T> experts;
+  if constexpr (Model::has_experts) experts = m.expert_grads_to_host();
+  const double g = worst_against_hf<Model>(fx, m.grads_to_host(), experts, precision, where);
+  MESSAGE(Model::describe() << ", " << precision << ": loss " << loss << " vs transformers' " << ref << " ("
+                            << std::abs(loss - ref) / ref << " relative), every gradient within " << g << " (" << where
+                            << ")");
   CHECK(std::abs(loss - ref) / ref <= tolerance);
   CHECK(g <= tolerance);
 }
@@ -105,7 +129,7 @@ static_assert(llama405.parameters() == plan::llama3_405b.parameters() && llama40
               "plan::llama3_405b describes fived's Llama<llama3_405b_config>");
 
 TEST_CASE("Llama's tensors carry Hugging Face LlamaForCausalLM's names and shapes") {
-  const io::SafetensorsFile f = io::SafetensorsFile::read(model_file);
+  const io::SafetensorsFile f = io::SafetensorsFile::read(llama_fixture().model_file);
   CHECK(f.tensors().size() == static_cast<std::size_t>(Serial::layout::count));
   for (const ParamInfo& t : Serial::serial_layout::tensors) {
     CAPTURE(t.name());
@@ -117,40 +141,41 @@ TEST_CASE("Llama's tensors carry Hugging Face LlamaForCausalLM's names and shape
 
 TEST_CASE("Llama from the Hugging Face fixture: its loss and every gradient are transformers' (fp64 to 1e-10, "
           "fp32 to 1e-5)") {
-  serial_equals_hf<double>("grad64", "loss64", 1e-10);
-  serial_equals_hf<float>("grad32", "loss32", 1e-5);
+  serial_equals_hf<tiny, double>(llama_fixture(), "grad64", "loss64", 1e-10);
+  serial_equals_hf<tiny, float>(llama_fixture(), "grad32", "loss32", 1e-5);
 }
 
 namespace {
 
-// A Trainer on DP 2 x PP 2 x CP 2 x TP 2 (SP, ZeRO-1, 1F1B over two micro-batches of two
-// sequences, all-gather CP) from the file: its loss and gathered gradient against transformers'.
-template <class T>
-void trainer_equals_hf(const std::string& precision, const char* loss_name, double tolerance) {
-  using M = Mesh<DP<2>, PP<2>, CP<2>, TP<2>>;
-  using Model = Llama<tiny, M, T, Host, SequenceParallel>;
-  const std::vector<int> tok = ids("tokens"), tgt = ids("targets");
+// A Trainer on mesh M (SP, ZeRO-1, 1F1B over two micro-batches of two sequences) from the
+// fixture's file: its loss and gathered gradient, experts included, against transformers'.
+template <class Cfg, class M, class T>
+void trainer_equals_hf(const HfFixture& fx, const std::string& what, const std::string& precision, const char* loss_name,
+                       double tolerance) {
+  using Model = Llama<Cfg, M, T, Host, SequenceParallel>;
+  using SerialModel = Llama<Cfg, Mesh<>, T>;
+  const std::vector<int> tok = fx.ids("tokens"), tgt = fx.ids("targets");
   constexpr int micro = 2, b = fixture_batch / micro;  // one sequence of each micro-batch per DP rank
-  std::vector<std::vector<T>> got(M::size);
+  std::vector<std::vector<T>> dense(M::size), experts(M::size);
   std::vector<double> loss(M::size);
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
-    Trainer<Model, ZeRO<1>, pipeline::OneFOneB<2, micro>> tr(ctx, {.adamw = {}, .lr = ConstantLr{1e-3}}, GptInit{5});
-    tr.load_weights(model_file);
-    loss[static_cast<std::size_t>(ctx.rank())] = tr.reduce(1, tok, tgt, b, fixture_T);
-    got[static_cast<std::size_t>(ctx.rank())] = tr.serial_grads();
+    Trainer<Model, ZeRO<1>, pipeline::OneFOneB<M::pp, micro>> tr(ctx, {.adamw = {}, .lr = ConstantLr{1e-3}}, GptInit{5});
+    tr.load_weights(fx.model_file);
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    loss[r] = tr.reduce(1, tok, tgt, b, fixture_T);
+    dense[r] = tr.serial_grads();
+    if constexpr (Model::has_experts) experts[r] = tr.serial_expert_grads();
   });
-  const double ref = reference().read<double>(loss_name)[0];
-  for (int r = 0; r < M::size; ++r) {
+  const double ref = fx.ref.read<double>(loss_name)[0];
+  for (std::size_t r = 0; r < static_cast<std::size_t>(M::size); ++r) {
     CAPTURE(r);
     std::string where;
-    const double g =
-        worst_against_hf<typename Llama<tiny, Mesh<>, T>::serial_layout>(got[static_cast<std::size_t>(r)], precision, where);
+    const double g = worst_against_hf<SerialModel>(fx, dense[r], experts[r], precision, where);
     if (r == 0)
-      MESSAGE("DP 2 x PP 2 x CP 2 x TP 2, " << precision << ": loss " << std::abs(loss[0] - ref) / ref
-                                            << " relative, every gradient within " << g << " (" << where
-                                            << ") of transformers'");
-    CHECK(std::abs(loss[static_cast<std::size_t>(r)] - ref) / ref <= tolerance);
+      MESSAGE(what << ", " << precision << ": loss " << std::abs(loss[0] - ref) / ref << " relative, every gradient within "
+                   << g << " (" << where << ") of transformers'");
+    CHECK(std::abs(loss[r] - ref) / ref <= tolerance);
     CHECK(g <= tolerance);
   }
 }
@@ -159,16 +184,21 @@ void trainer_equals_hf(const std::string& precision, const char* loss_name, doub
 
 TEST_CASE("a Trainer on Mesh<DP<2>, PP<2>, CP<2>, TP<2>> (SP, ZeRO-1, 1F1B) starts from the Hugging Face Llama; its "
           "loss and gathered gradient are transformers' (fp64 to 1e-10, fp32 to 1e-5)") {
-  trainer_equals_hf<double>("grad64", "loss64", 1e-10);
-  trainer_equals_hf<float>("grad32", "loss32", 1e-5);
+  using M = Mesh<DP<2>, PP<2>, CP<2>, TP<2>>;
+  trainer_equals_hf<tiny, M, double>(llama_fixture(), "DP 2 x PP 2 x CP 2 x TP 2", "grad64", "loss64", 1e-10);
+  trainer_equals_hf<tiny, M, float>(llama_fixture(), "DP 2 x PP 2 x CP 2 x TP 2", "grad32", "loss32", 1e-5);
 }
 
-TEST_CASE("Llama saves Hugging Face's file: the fixture loaded, saved and loaded again is the same, name for name") {
-  Serial m;
-  m.load(model_file);
-  const std::filesystem::path out = std::filesystem::temp_directory_path() / "fived_llama_roundtrip.safetensors";
+namespace {
+
+// The fixture's file loaded, saved and read again: the same tensors, name for name, bit for bit.
+template <class Model>
+void saves_the_file(const HfFixture& fx, const char* stem) {
+  Model m;
+  m.load(fx.model_file);
+  const std::filesystem::path out = std::filesystem::temp_directory_path() / (std::string("fived_") + stem + "_roundtrip.safetensors");
   m.save(out);
-  const io::SafetensorsFile a = io::SafetensorsFile::read(model_file), b = io::SafetensorsFile::read(out);
+  const io::SafetensorsFile a = io::SafetensorsFile::read(fx.model_file), b = io::SafetensorsFile::read(out);
   CHECK(b.tensors().size() == a.tensors().size());
   for (const io::TensorEntry& e : a.tensors()) {
     CAPTURE(e.name);
@@ -177,6 +207,60 @@ TEST_CASE("Llama saves Hugging Face's file: the fixture loaded, saved and loaded
     CHECK(b.read<float>(e.name) == a.read<float>(e.name));
   }
   std::filesystem::remove(out);
+}
+
+}  // namespace
+
+TEST_CASE("Llama saves Hugging Face's file: the fixture loaded, saved and loaded again is the same, name for name") {
+  saves_the_file<Serial>(llama_fixture(), "llama");
+}
+
+// ---- Mixtral: Llama's blocks with a mixture of SwiGLU experts, from transformers' file -------
+
+using Mixtral = Llama<mixtral_tiny>;
+static_assert(Mixtral::has_experts && Mixtral::serial_expert_layout::count == 4,
+              "each block's experts: gate_up_proj and down_proj, stacked");
+
+TEST_CASE("Mixtral's file loads as it is: the router and each expert's w1, w3 and w2 under transformers' names and "
+          "shapes, w1 and w3 the gate and up rows of the expert's gate_up_proj") {
+  const io::SafetensorsFile f = io::SafetensorsFile::read(mixtral_fixture().model_file);
+  const std::vector<FileTensor> want = file_tensors<Mixtral::serial_layout, Mixtral::serial_expert_layout>();
+  CHECK(f.tensors().size() == want.size());
+  for (const FileTensor& t : want) {
+    CAPTURE(t.name);
+    REQUIRE(f.find(t.name) != nullptr);
+    CHECK(f.find(t.name)->shape == t.shape);
+  }
+  Mixtral m;
+  m.load(mixtral_fixture().model_file);
+  constexpr int C = mixtral_tiny::d_model, F = mixtral_tiny::ffn;
+  const ParamInfo& gate_up = Mixtral::serial_expert_layout::tensors[static_cast<std::size_t>(
+      *Mixtral::serial_expert_layout::find("model.layers.1.block_sparse_moe.experts.gate_up_proj"))];
+  const std::vector<float> w3 = f.read<float>("model.layers.1.block_sparse_moe.experts.2.w3.weight");
+  const float* up = m.expert_params().data() + gate_up.offset + static_cast<std::size_t>(2 * 2 * F + F) * C;
+  CHECK(std::equal(w3.begin(), w3.end(), up));  // expert 2's up rows
+  const std::vector<float> router = f.read<float>("model.layers.1.block_sparse_moe.gate.weight");
+  const TensorView<float> r = m.param("model.layers.1.block_sparse_moe.gate.weight");
+  CHECK(std::equal(router.begin(), router.end(), r.data.begin()));  // [experts, d_model], as torch.nn.Linear
+}
+
+TEST_CASE("Mixtral from the Hugging Face fixture: its loss and every gradient, the router's and each expert's, are "
+          "transformers' (fp64 to 1e-10, fp32 to 1e-5)") {
+  serial_equals_hf<mixtral_tiny, double>(mixtral_fixture(), "grad64", "loss64", 1e-10);
+  serial_equals_hf<mixtral_tiny, float>(mixtral_fixture(), "grad32", "loss32", 1e-5);
+}
+
+TEST_CASE("a Trainer on Mesh<DP<2>, PP<2>, TP<2>, EP<2>> (SP, ZeRO-1, 1F1B; experts over EP and split over TP) "
+          "starts from the Hugging Face Mixtral; its loss and gathered gradients are transformers' (fp64 to 1e-10, "
+          "fp32 to 1e-5)") {
+  using M = Mesh<DP<2>, PP<2>, TP<2>, EP<2>>;
+  trainer_equals_hf<mixtral_tiny, M, double>(mixtral_fixture(), "DP 2 x PP 2 x TP 2 x EP 2", "grad64", "loss64", 1e-10);
+  trainer_equals_hf<mixtral_tiny, M, float>(mixtral_fixture(), "DP 2 x PP 2 x TP 2 x EP 2", "grad32", "loss32", 1e-5);
+}
+
+TEST_CASE("Mixtral saves transformers' file (each expert's w1, w3 and w2 apart): loaded, saved and loaded again is "
+          "the same, name for name") {
+  saves_the_file<Mixtral>(mixtral_fixture(), "mixtral");
 }
 
 // ---- on meshes against its own serial run: three steps, losses, gradients, weights ---------

@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
+#include <filesystem>
 #include <numeric>
 #include <string>
 #include <tuple>
@@ -21,6 +23,7 @@
 
 #include "fived/comm/counting.hpp"
 #include "fived/comm/host.hpp"
+#include "fived/io/safetensors.hpp"
 #include "fived/mesh/context.hpp"
 #include "fived/nn/gpt.hpp"
 #include "fived/pipeline/executor.hpp"
@@ -447,4 +450,29 @@ TEST_CASE("Mesh<DP<2>, PP<2>> with EP<2>: 1F1B, MoE on the second stage, selecti
   }
   CHECK(ranks[2].losses == ranks[0].losses);
   check_equal(got, ref, true);
+}
+
+TEST_CASE("a GPT with experts saves one file (its experts stacked, under fived's names: GPT-2 has no Hugging Face "
+          "mixture) and loads it back bit for bit; split over EP, save says how to save it instead") {
+  using cfg = top2_4;
+  GPT<cfg> a(init), b(GptInit{init.seed + 1, init.std});
+  const std::filesystem::path path = std::filesystem::temp_directory_path() / "fived_moe_gpt.safetensors";
+  a.save(path);
+  const io::SafetensorsFile f = io::SafetensorsFile::read(path);
+  REQUIRE(f.find("h.0.mlp.experts.c_fc.weight") != nullptr);
+  CHECK(f.find("h.0.mlp.experts.c_fc.weight")->shape == std::vector<std::int64_t>{cfg::experts * cfg::d_model, 2 * cfg::d_model});
+  CHECK(f.find("h.1.mlp.router.weight")->shape == std::vector<std::int64_t>{cfg::d_model, cfg::experts});
+  CHECK(!std::equal(a.expert_params().begin(), a.expert_params().end(), b.expert_params().begin()));
+  b.load(path);
+  CHECK(std::equal(a.params().begin(), a.params().end(), b.params().begin(), b.params().end()));
+  CHECK(std::equal(a.expert_params().begin(), a.expert_params().end(), b.expert_params().begin(), b.expert_params().end()));
+  std::filesystem::remove(path);
+
+  using M = Mesh<DP<2>, EP<2>>;
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    GPT<cfg, M> m(ctx, init);
+    CHECK_THROWS_WITH_AS(m.save(path), doctest::Contains("saved from a model on one rank"), std::logic_error);
+  });
+  CHECK(!std::filesystem::exists(path));
 }

@@ -40,7 +40,7 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
   // (The facts this class reads, named here because a dependent base's names are not found
   // unqualified; the same names, public as they are there.)
   using typename Facts::ops_type, typename Facts::layout, typename Facts::expert_layout,
-      typename Facts::serial_layout, typename Facts::config;
+      typename Facts::serial_layout, typename Facts::serial_expert_layout, typename Facts::config;
   using Facts::tp, Facts::ep, Facts::has_experts, Facts::on_host, Facts::num_params, Facts::moe_blocks,
       Facts::describe;
 
@@ -156,40 +156,47 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
 
   // ---- safetensors, with Hugging Face names and shapes ----------------------------------------
 
-  // The whole model's file (nn/checkpoint.hpp): gathered over TP, written by TP rank 0
-  // (atomic: a temporary file, then rename); every rank returns once the file is complete.
+  // The whole model's file (nn/checkpoint.hpp), experts included: gathered over TP, written by
+  // TP rank 0 (atomic: a temporary file, then rename); every rank returns once the file is
+  // complete.
   void save(const std::filesystem::path& path, const std::map<std::string, std::string>& metadata = {}) {
-    if constexpr (has_experts)
+    if constexpr (has_experts && (tp > 1 || ep > 1))
       throw std::logic_error(std::string(Arch::name) +
-                             "::save: a mixture of experts has no single-file format (its experts live in a second "
-                             "buffer the Hugging Face file has no names for); use Trainer::save, a sharded checkpoint");
+                             "::save: a mixture of experts split over TP or EP is saved from a model on one rank (its "
+                             "experts gathered: Trainer::serial_params and serial_expert_params), or as a sharded "
+                             "checkpoint (Trainer::save)");
     if constexpr (tp == 1) {
-      ops_.read_to_host(params_, [&](std::span<const T> p) { save_gpt<serial_layout>(path, p, metadata); });
+      ops_.read_to_host(params_, [&](std::span<const T> p) {
+        ops_.read_to_host(expert_params_, [&](std::span<const T> e) {
+          save_weights<serial_layout, serial_expert_layout>(path, p, e, metadata);
+        });
+      });
     } else {
       const std::vector<T> all = gather_params();
-      if (tp_rank() == 0) save_gpt<serial_layout>(path, std::span<const T>(all), metadata);
+      if (tp_rank() == 0) save_weights<serial_layout, serial_expert_layout>(path, std::span<const T>(all), {}, metadata);
       comm_.barrier();
     }
   }
 
   // Reads Hugging Face weights (any floating dtype, names with or without "transformer.") and
-  // keeps this rank's piece. A missing, mis-shaped or unknown tensor is an
-  // io::SafetensorsError naming it, and the model is left unchanged.
+  // keeps this rank's piece, its experts' included. A missing, mis-shaped or unknown tensor is
+  // an io::SafetensorsError naming it, and the model is left unchanged.
   void load(const std::filesystem::path& path) { load(io::SafetensorsFile::read(path)); }
   void load(const io::SafetensorsFile& f) {
-    const std::vector<T> serial = read_serial(f);
-    ops_.write_from_host(params_, [&](std::span<T> p) { layout::slice(std::span<const T>(serial), p, tp_rank()); });
+    const SerialWeights<T> w = read_serial(f);
+    ops_.write_from_host(params_, [&](std::span<T> p) { layout::slice(std::span<const T>(w.dense), p, tp_rank()); });
+    if constexpr (has_experts)
+      ops_.write_from_host(expert_params_, [&](std::span<T> p) {
+        expert_layout::slice(std::span<const T>(w.experts), p, tp_rank(), ep_rank_);
+      });
   }
 
-  // The part's tensors of a Hugging Face file, in serial_layout (the model contract's way in
-  // for given weights: Trainer::load_weights).
-  static std::vector<T> read_serial(const io::SafetensorsFile& f) {
-    if constexpr (has_experts)
-      throw std::logic_error(std::string(Arch::name) +
-                             "::load: a mixture of experts cannot be loaded from a Hugging Face file yet");
-    std::vector<T> serial(serial_layout::size);
-    load_gpt<serial_layout>(f, std::span<T>(serial), describe());
-    return serial;
+  // The part's tensors of a Hugging Face file, in serial_layout and serial_expert_layout (the
+  // model contract's way in for given weights: Trainer::load_weights).
+  static SerialWeights<T> read_serial(const io::SafetensorsFile& f) {
+    SerialWeights<T> w{std::vector<T>(serial_layout::size), std::vector<T>(serial_expert_layout::size)};
+    load_weights<serial_layout, serial_expert_layout>(f, std::span<T>(w.dense), std::span<T>(w.experts), describe());
+    return w;
   }
 
  protected:

@@ -103,7 +103,7 @@ struct LlamaBlock {
     s += rmsnorm_specs("input_layernorm.weight", layer, unit, C, stream + 2);
     s += rotary_attention_specs(layer, unit, C, dims::kv_heads, KVC, stream + 4);
     s += rmsnorm_specs("post_attention_layernorm.weight", layer, unit, C, stream + 8);
-    if (dims::is_moe(layer)) s += router_specs(layer, unit, C, dims::experts, stream + 16);
+    if (dims::is_moe(layer)) s += router_specs<TorchLinear>(layer, unit, C, dims::experts, stream + 16);
     else s += swiglu_specs(layer, unit, C, F, stream + 10);
     return s.in_scope("model.layers.");
   }

@@ -45,6 +45,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "fived/mesh/mesh_comm.hpp"
@@ -57,9 +58,13 @@
 
 namespace fived {
 
-// router.weight [C, E]: a dense tensor, replicated over TP.
+// The router, a dense tensor replicated over TP, stored as the experts are (W): GPT-2's
+// Conv1D "mlp.router.weight" [C, E], or torch.nn.Linear [E, C] under Mixtral's name
+// "block_sparse_moe.gate.weight".
+template <class W = Conv1D>
 constexpr std::array<TensorSpec, 1> router_specs(int layer, int unit, int C, int E, std::uint64_t stream) {
-  return {matrix_spec("mlp.router.weight", layer, C, E, {}, unit, Init::normal, stream)};
+  if constexpr (W::transposed) return {matrix_spec("block_sparse_moe.gate.weight", layer, E, C, {}, unit, Init::normal, stream)};
+  else return {matrix_spec("mlp.router.weight", layer, C, E, {}, unit, Init::normal, stream)};
 }
 
 // The experts, stacked: c_fc.weight [E·C, F], c_fc.bias [E, F], c_proj.weight [E·F, C],
@@ -79,25 +84,32 @@ constexpr std::array<TensorSpec, 4> expert_specs(int layer, int unit, int C, int
           expert(matrix_spec("mlp.experts.c_proj.bias", layer, E, C, {}, unit, Init::zeros, stream + 3), false)};
 }
 
-// SwiGLU experts (Llama's MLP, stacked, torch.nn.Linear [out, in], no biases):
-// gate_up_proj.weight [E·2F, C] (each expert's gate rows, then its up rows, both split over
-// TP: a rank's [2F/TP, C] of an expert is one GEMM), down_proj.weight [E·C, F] (F over TP).
+// SwiGLU experts (Llama's MLP, stacked, torch.nn.Linear [out, in], no biases), as
+// transformers' Mixtral holds them: gate_up_proj [E·2F, C] (each expert's gate rows, then its
+// up rows, both split over TP: a rank's [2F/TP, C] of an expert is one GEMM), down_proj
+// [E·C, F] (F over TP). In a file, as Mixtral's: expert e's gate rows are
+// "block_sparse_moe.experts.{e}.w1.weight", its up rows w3, its down_proj w2.
 constexpr std::array<TensorSpec, 2> swiglu_expert_specs(int layer, int unit, int C, int F, int E, std::uint64_t stream) {
-  auto expert = [E](TensorSpec s) {
+  auto expert = [E](TensorSpec s, ExpertFiles files) {
     s.reduce = ReduceGroup::expert_data;
     s.experts = E;
+    s.expert_files = files;
     return s;
   };
-  return {expert(matrix_spec("mlp.experts.gate_up_proj.weight", layer, std::int64_t{E} * 2 * F, C, {0, 2}, unit,
-                             Init::normal, stream)),
-          expert(matrix_spec("mlp.experts.down_proj.weight", layer, std::int64_t{E} * C, F, {1, 1}, unit,
-                             Init::normal_residual, stream + 1))};
+  return {expert(matrix_spec("block_sparse_moe.experts.gate_up_proj", layer, std::int64_t{E} * 2 * F, C, {0, 2}, unit,
+                             Init::normal, stream),
+                 {"block_sparse_moe.experts.{}.w1.weight", "block_sparse_moe.experts.{}.w3.weight"}),
+          expert(matrix_spec("block_sparse_moe.experts.down_proj", layer, std::int64_t{E} * C, F, {1, 1}, unit,
+                             Init::normal_residual, stream + 1),
+                 {"block_sparse_moe.experts.{}.w2.weight"})};
 }
 
 // Gated: SwiGLU experts (swiglu_expert_specs; Params' fc_w is gate_up, proj_w down, no
-// biases), else GELU MLPs (expert_specs).
+// biases) and the router as torch.nn.Linear (Mixtral), else GELU MLPs (expert_specs) and a
+// Conv1D router (GPT-2's layout).
 template <class S, class Cfg, bool Gated = false>
 struct MoE {
+  using RouterW = std::conditional_t<Gated, TorchLinear, Conv1D>;  // router_specs<RouterW>
   using T = typename S::value_type;
   using Device = typename S::device;
   using stat_t = typename S::stat_t;
@@ -199,7 +211,7 @@ struct MoE {
     const int N = s.rows(), Fl = F / S::tp;
     ops_type& ops = s.ops;
     const T* xf = s.gather_rows(x, a.x_full.data(), C);
-    ops.matmul(w.logits.data(), xf, p.router, static_cast<const T*>(nullptr), N, E, C, false, false);
+    ops.matmul(w.logits.data(), xf, p.router, static_cast<const T*>(nullptr), N, E, C, false, RouterW::transposed);
     ops.router_scores(a.scores.data(), w.logits.data(), N, E, sigmoid);
     ops.router_topk(a.expert.data(), a.gate.data(), a.scores.data(), bias, N, E, K, renormalize);
     ops.dispatch_plan(a.token_of.data(), a.pos.data(), a.loads.data(), padded ? nullptr : a.counts.data(),
@@ -297,9 +309,10 @@ struct MoE {
     T* dlogits = w.logits.data();
     ops.router_backward(dlogits, w.dgate.data(), a.scores.data(), a.expert.data(), a.gate.data(),
                         coef > 0 ? a.daux.data() : static_cast<const stat_t*>(nullptr), N, E, K, renormalize, sigmoid);
-    linear_weight_grad<Conv1D>(s, g.router, static_cast<T*>(nullptr), s.hold(dlogits, static_cast<std::size_t>(N) * E),
-                               s.hold_saved(xf, static_cast<std::size_t>(N) * C), N, C, E);
-    if (s.rank() == 0) ops.matmul(out, dlogits, p.router, static_cast<const T*>(nullptr), N, C, E, false, true);
+    linear_weight_grad<RouterW>(s, g.router, static_cast<T*>(nullptr), s.hold(dlogits, static_cast<std::size_t>(N) * E),
+                                s.hold_saved(xf, static_cast<std::size_t>(N) * C), N, C, E);
+    if (s.rank() == 0)
+      ops.matmul(out, dlogits, p.router, static_cast<const T*>(nullptr), N, C, E, false, !RouterW::transposed);
     else ops.zero(out, static_cast<std::size_t>(N) * C);
     ops.moe_dispatch_backward(out, w.rows.data(), a.pos.data(), N, K, C);
     s.reduce_rows(out, dx, C);

@@ -17,7 +17,8 @@
 //              every dense tensor, the expert-data group for experts
 //   experts    > 0: the tensor stacks that many experts' matrices along its rows (each expert
 //              rows / experts of them), split over EP by whole experts; a TP split of rows
-//              then cuts each expert's rows (nn/moe.hpp)
+//              then cuts each expert's rows (nn/moe.hpp); expert_files: one tensor per
+//              expert in a file, under other names (Mixtral's)
 //   sp_partial its gradient is a sum over the rows this rank holds, so under sequence
 //              parallelism it is Partial over TP until the model reduces it (LayerNorms)
 //   unit       what a trainer gathers, reduces and frees together (model/unit_hooks.hpp)
@@ -65,6 +66,15 @@ struct TpSplit {
   constexpr int replicas(int TP) const { return TP / pieces(TP); }
 };
 
+// How a file holds a tensor of stacked experts: by default as it is; or one tensor per
+// expert and part, named by these patterns ("{}" is the expert's index, after the block's
+// scope), each expert's rows cut equally among the parts (Mixtral's w1 and w3 are the gate and
+// up halves of an expert's gate_up_proj rows).
+struct ExpertFiles {
+  const char* part[2] = {nullptr, nullptr};
+  constexpr int parts() const { return part[0] == nullptr ? 0 : part[1] == nullptr ? 1 : 2; }
+};
+
 struct TensorSpec {
   const char* name = "";
   int layer = -1;  // -1: not in a block
@@ -87,6 +97,7 @@ struct TensorSpec {
   // in the norm and in gathers (by its owner), its gradient summed with the owner's each step.
   bool tied_copy = false;
   const char* scope = "h.";  // what names a block's tensors start with, before the layer
+  ExpertFiles expert_files{};  // experts > 0: their names and shapes in a file
 
   // "h.3.mlp.c_fc.weight", "wte.weight", "model.layers.0.mlp.up_proj.weight", ...
   std::string full_name() const { return (layer >= 0 ? scope + std::to_string(layer) + "." : std::string()) + name; }

@@ -151,18 +151,19 @@ class Restored {
   }
 
   // A start from given weights instead of files: the whole dense model in serial_layout
-  // order, fresh AdamW moments (zero), no selection bias moved (zero). Experts are not given:
-  // a model with a mixture of experts starts from its own initialisation.
+  // order and its experts in the expert layout's (none without), fresh AdamW moments (zero),
+  // no selection bias moved (zero).
   template <class U>
-  void start_from(std::span<const U> weights) {
-    if (weights.size() != dense::size)
-      throw std::invalid_argument("checkpoint::Restored::start_from: " + std::to_string(weights.size()) +
-                                  " values for a model of " + std::to_string(dense::size) + " (its serial_layout)");
-    if constexpr (experts::size > 0)
-      throw std::invalid_argument("checkpoint::Restored::start_from: a model with a mixture of experts needs its "
-                                  "experts given too; start it from its own initialisation or a checkpoint");
-    given_.resize(weights.size());
+  void start_from(std::span<const U> weights, std::span<const U> expert_weights = {}) {
+    if (weights.size() != dense::size || expert_weights.size() != experts::size)
+      throw std::invalid_argument("checkpoint::Restored::start_from: " + std::to_string(weights.size()) + " and " +
+                                  std::to_string(expert_weights.size()) + " values for a model of " +
+                                  std::to_string(dense::size) + " and " + std::to_string(experts::size) +
+                                  " (its serial_layout and its experts')");
+    given_.resize(weights.size() + expert_weights.size());  // the experts after the dense values, as find() counts
     for (std::size_t i = 0; i < weights.size(); ++i) given_[i] = static_cast<double>(static_cast<acc_t<U>>(weights[i]));
+    for (std::size_t i = 0; i < expert_weights.size(); ++i)
+      given_[weights.size() + i] = static_cast<double>(static_cast<acc_t<U>>(expert_weights[i]));
     from_given_ = true;
   }
 

@@ -138,18 +138,20 @@ class Trainer {
   std::vector<value_type> serial_expert_grads() { return rank_->serial_grads(true); }
 
   // Starts from given weights: the whole dense model in serial_layout order (e.g. the serial
-  // model's params()), with fresh optimizer state. Each rank keeps only its part. A collective.
-  void load_serial(std::span<const value_type> dense) {
+  // model's params()) and, for a mixture of experts, its experts in serial_expert_layout order,
+  // with fresh optimizer state. Each rank keeps only its part. A collective.
+  void load_serial(std::span<const value_type> dense, std::span<const value_type> experts = {}) {
     checkpoint::Restored<Model> start;
-    start.start_from(dense);
+    start.start_from(dense, experts);
     rank_->load(start, 0);
   }
-  // ... or from a file the model reads (Model::read_serial: GPT reads Hugging Face GPT-2 files).
+  // ... or from a file the model reads (Model::read_serial: GPT reads Hugging Face GPT-2 files,
+  // Llama Llama's and Mixtral's).
   void load_weights(const std::filesystem::path& file)
     requires requires(const io::SafetensorsFile& f) { Model::read_serial(f); }
   {
-    const std::vector<value_type> dense = Model::read_serial(io::SafetensorsFile::read(file));
-    load_serial(dense);
+    const auto w = Model::read_serial(io::SafetensorsFile::read(file));
+    load_serial(w.dense, w.experts);
   }
 
   double lr() const { return lr_; }
