@@ -10,9 +10,10 @@
 
 fp64: the same model in double. Hugging Face computes some things in float32 whatever the
 model's dtype: the rotary angles and RMSNorm's normalisation (for the fp64 reference these
-two modules run in float64, patched below; the script checks its float64 rotary frequencies
-against Hugging Face's own to float32 precision first) and the "eager" attention's softmax
-(so attention is PyTorch's scaled_dot_product_attention, "sdpa", in the model's dtype).
+two modules run in float64, patched by hf_fixture.in_float64, which checks its float64
+rotary frequencies against Hugging Face's own to float32 precision first) and the "eager"
+attention's softmax (so attention is PyTorch's scaled_dot_product_attention, "sdpa", in the
+model's dtype).
 
 Config (tests/test_llama.cpp's `tiny`): 2 layers, d_model 32, 4 heads, 2 key/value heads,
 ffn 48, vocab 61, rope_theta 10000 with the "llama3" scaling (factor 8, low 1, high 4,
@@ -25,8 +26,9 @@ import math
 import os
 
 import torch
-from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_fixture import in_float64, reference, write_model, write_reference
 
 L, C, H, KV, F, V, T, B = 2, 32, 4, 2, 48, 61, 16, 4
 THETA, FACTOR, LOW, HIGH, ORIGINAL = 10000.0, 8.0, 1.0, 4.0, 64
@@ -66,51 +68,17 @@ def inv_freq64():
     return torch.tensor(out, dtype=torch.float64)
 
 
-hf_freq = model.model.rotary_emb.inv_freq.double()
-assert torch.allclose(inv_freq64(), hf_freq, rtol=1e-6, atol=0), (inv_freq64(), hf_freq)
-
-
-def rotary64(x, position_ids):
-    freqs = position_ids[..., None].double() * inv_freq64()
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-
-def rmsnorm64(self, x):
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
-
-
-def reference(m):
-    m.zero_grad()
-    logits = m(input_ids=tokens).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
-    loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in m.named_parameters()}
-
-
 ref = {"tokens": tokens.to(torch.int32), "targets": targets.to(torch.int32)}
-loss32, grads32 = reference(model)
+loss32, grads32 = reference(model, tokens, targets)
 ref["loss32"] = loss32.reshape(1)
 ref.update({"grad32." + n: g for n, g in grads32.items()})
+write_model(model, os.path.join(here, "hf_tiny_llama.safetensors"))
 
-model.save_pretrained(os.path.join(here, "_llama_tmp"), safe_serialization=True)
-os.replace(os.path.join(here, "_llama_tmp", "model.safetensors"), os.path.join(here, "hf_tiny_llama.safetensors"))
-for f in os.listdir(os.path.join(here, "_llama_tmp")):
-    os.remove(os.path.join(here, "_llama_tmp", f))
-os.rmdir(os.path.join(here, "_llama_tmp"))
-
-model64 = model.double()
-model64.model.rotary_emb.forward = rotary64
-for module in model64.modules():
-    if type(module).__name__ == "LlamaRMSNorm":
-        module.forward = rmsnorm64.__get__(module)
-loss64, grads64 = reference(model64)
+loss64, grads64 = reference(in_float64(model, inv_freq64(), "LlamaRMSNorm"), tokens, targets)
 ref["loss64"] = loss64.reshape(1)
 ref.update({"grad64." + n: g for n, g in grads64.items()})
 print("loss fp32", loss32.item(), "fp64", loss64.item(), "difference", abs(loss32.item() - loss64.item()))
 
-save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(here, "hf_tiny_llama_ref.safetensors"),
-          metadata={"format": "pt"})
+write_reference(ref, os.path.join(here, "hf_tiny_llama_ref.safetensors"))
 for f in ("hf_tiny_llama.safetensors", "hf_tiny_llama_ref.safetensors"):
     print(f, os.path.getsize(os.path.join(here, f)), "bytes")

@@ -26,11 +26,11 @@ Regenerate with:  pip install torch transformers safetensors && python3 tests/da
 and the tests read whatever the files hold).
 """
 import os
-import tempfile
 
 import torch
-from safetensors.torch import save_file
 from transformers import MixtralConfig, MixtralForCausalLM
+
+from hf_fixture import in_float64, reference, write_model, write_reference
 
 L, C, H, KV, F, V, E, K, T, B = 2, 32, 4, 2, 48, 61, 4, 2, 16, 4
 THETA = 1e6
@@ -81,46 +81,21 @@ def watch_router(module, inputs, output):
     closest[0] = min(closest[0], (probs[:, K - 1] - probs[:, K]).min().item())
 
 
-def reference(m):
-    m.zero_grad()
-    logits = m(input_ids=tokens).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
-    loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in m.named_parameters()}
-
-
 hooks = [mod.register_forward_hook(watch_router) for mod in model.modules() if type(mod).__name__ == "MixtralTopKRouter"]
 ref = {"tokens": tokens.to(torch.int32), "targets": targets.to(torch.int32)}
-loss32, grads32 = reference(model)
+loss32, grads32 = reference(model, tokens, targets)
 for h in hooks:
     h.remove()
 assert closest[0] > 1e-3, f"a token's 2nd and 3rd expert scores differ by only {closest[0]}: pick another seed"
 ref["loss32"] = loss32.reshape(1)
 ref.update(file_grads("grad32", grads32))
 
-with tempfile.TemporaryDirectory() as tmp:
-    model.save_pretrained(tmp, safe_serialization=True)
-    os.replace(os.path.join(tmp, "model.safetensors"), os.path.join(here, "hf_tiny_mixtral.safetensors"))
+write_model(model, os.path.join(here, "hf_tiny_mixtral.safetensors"))
 
 
 def inv_freq64():
     hd = C // H
     return 1.0 / THETA ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-
-
-hf_freq = model.model.rotary_emb.inv_freq.double()
-assert torch.allclose(inv_freq64(), hf_freq, rtol=1e-6, atol=0), (inv_freq64(), hf_freq)
-
-
-def rotary64(x, position_ids):
-    freqs = position_ids[..., None].double() * inv_freq64()
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-
-def rmsnorm64(self, x):
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
 
 
 def router64(self, hidden_states):  # MixtralTopKRouter.forward without its float32 softmax
@@ -130,20 +105,13 @@ def router64(self, hidden_states):  # MixtralTopKRouter.forward without its floa
     return logits, top / top.sum(dim=-1, keepdim=True), index
 
 
-model64 = model.double()
-model64.model.rotary_emb.forward = rotary64
-for module in model64.modules():
-    if type(module).__name__ == "MixtralRMSNorm":
-        module.forward = rmsnorm64.__get__(module)
-    if type(module).__name__ == "MixtralTopKRouter":
-        module.forward = router64.__get__(module)
-loss64, grads64 = reference(model64)
+model64 = in_float64(model, inv_freq64(), "MixtralRMSNorm", {"MixtralTopKRouter": router64})
+loss64, grads64 = reference(model64, tokens, targets)
 ref["loss64"] = loss64.reshape(1)
 ref.update(file_grads("grad64", grads64))
 print("loss fp32", loss32.item(), "fp64", loss64.item(), "difference", abs(loss32.item() - loss64.item()),
       "closest 2nd/3rd expert scores", closest[0])
 
-save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(here, "hf_tiny_mixtral_ref.safetensors"),
-          metadata={"format": "pt"})
+write_reference(ref, os.path.join(here, "hf_tiny_mixtral_ref.safetensors"))
 for f in ("hf_tiny_mixtral.safetensors", "hf_tiny_mixtral_ref.safetensors"):
     print(f, os.path.getsize(os.path.join(here, f)), "bytes")
