@@ -258,6 +258,36 @@ TEST_CASE("a Trainer on Mesh<DP<2>, PP<2>, TP<2>, EP<2>> (SP, ZeRO-1, 1F1B; expe
   trainer_equals_hf<mixtral_tiny, M, float>(mixtral_fixture(), "DP 2 x PP 2 x TP 2 x EP 2", "grad32", "loss32", 1e-5);
 }
 
+TEST_CASE("a Trainer on Mesh<DP<2>, PP<2>, TP<2>, EP<2>> saves the Mixtral it loaded as transformers' file, name for "
+          "name and bit for bit (Trainer::save_weights); a file it cannot write is an error on every rank") {
+  using M = Mesh<DP<2>, PP<2>, TP<2>, EP<2>>;
+  using Model = Llama<mixtral_tiny, M, float, Host, SequenceParallel>;
+  const std::filesystem::path out = std::filesystem::temp_directory_path() / "fived_mixtral_trainer.safetensors";
+  const std::filesystem::path nowhere = std::filesystem::temp_directory_path() / "fived-no-such-folder" / "w.safetensors";
+  std::vector<int> threw(M::size, 0);
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    Trainer<Model, ZeRO<1>, pipeline::OneFOneB<2, 2>> tr(ctx, {.adamw = {}, .lr = ConstantLr{1e-3}}, GptInit{5});
+    tr.load_weights(mixtral_fixture().model_file);
+    tr.save_weights(out, {{"step", "0"}});
+    try {
+      tr.save_weights(nowhere);
+    } catch (const std::exception&) {
+      threw[static_cast<std::size_t>(ctx.rank())] = 1;
+    }
+  });
+  CHECK(std::count(threw.begin(), threw.end(), 1) == M::size);
+  const io::SafetensorsFile a = io::SafetensorsFile::read(mixtral_fixture().model_file), b = io::SafetensorsFile::read(out);
+  CHECK(b.tensors().size() == a.tensors().size());
+  for (const io::TensorEntry& e : a.tensors()) {
+    CAPTURE(e.name);
+    REQUIRE(b.find(e.name) != nullptr);
+    CHECK(b.find(e.name)->shape == e.shape);
+    CHECK(b.read<float>(e.name) == a.read<float>(e.name));
+  }
+  std::filesystem::remove(out);
+}
+
 TEST_CASE("Mixtral saves transformers' file (each expert's w1, w3 and w2 apart): loaded, saved and loaded again is "
           "the same, name for name") {
   saves_the_file<Mixtral>(mixtral_fixture(), "mixtral");

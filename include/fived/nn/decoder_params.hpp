@@ -167,15 +167,19 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
                              "checkpoint (Trainer::save)");
     if constexpr (tp == 1) {
       ops_.read_to_host(params_, [&](std::span<const T> p) {
-        ops_.read_to_host(expert_params_, [&](std::span<const T> e) {
-          save_weights<serial_layout, serial_expert_layout>(path, p, e, metadata);
-        });
+        ops_.read_to_host(expert_params_, [&](std::span<const T> e) { write_serial(path, p, e, metadata); });
       });
     } else {
       const std::vector<T> all = gather_params();
-      if (tp_rank() == 0) save_weights<serial_layout, serial_expert_layout>(path, std::span<const T>(all), {}, metadata);
+      if (tp_rank() == 0) write_serial(path, std::span<const T>(all), {}, metadata);
       comm_.barrier();
     }
+  }
+  // The file of weights given in serial_layout and serial_expert_layout (the model contract's
+  // way out: Trainer::save_weights).
+  static void write_serial(const std::filesystem::path& path, std::span<const T> dense, std::span<const T> experts,
+                           const std::map<std::string, std::string>& metadata = {}) {
+    save_weights<serial_layout, serial_expert_layout>(path, dense, experts, metadata);
   }
 
   // Reads Hugging Face weights (any floating dtype, names with or without "transformer.") and

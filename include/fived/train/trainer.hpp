@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -152,6 +153,31 @@ class Trainer {
   {
     const auto w = Model::read_serial(io::SafetensorsFile::read(file));
     load_serial(w.dense, w.experts);
+  }
+
+  // The whole model's weights in one file of the model's format (Model::write_serial: Hugging
+  // Face names and shapes, a mixture's experts included), from any mesh, ZeRO stage or
+  // schedule: gathered into the serial layouts (serial_params, serial_expert_params) and
+  // written by world rank 0 (a temporary file, then rename). A collective: every rank returns
+  // once the file is complete, or throws when rank 0 could not write it.
+  void save_weights(const std::filesystem::path& file, const std::map<std::string, std::string>& metadata = {})
+    requires requires(std::span<const value_type> w) { Model::write_serial(file, w, w, metadata); }
+  {
+    const std::vector<value_type> dense = serial_params();
+    std::vector<value_type> experts;
+    if constexpr (serial_expert_layout::size > 0) experts = serial_expert_params();
+    std::exception_ptr error;
+    if (world_rank_ == 0) try {
+        Model::write_serial(file, std::span<const value_type>(dense), std::span<const value_type>(experts), metadata);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    double failed = error ? 1.0 : 0.0;  // every rank learns whether the file was written
+    world_->all_reduce_host(std::span<double>(&failed, 1), ReduceOp::max);
+    if (error) std::rethrow_exception(error);
+    if (failed > 0)
+      throw std::runtime_error("Trainer::save_weights: world rank 0 could not write " + file.string() +
+                               " (its error says why)");
   }
 
   double lr() const { return lr_; }
