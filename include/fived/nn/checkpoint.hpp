@@ -79,7 +79,11 @@ void add_file_tensors(std::vector<FileTensor>& out, bool expert) {
     for (int e = 0; e < s.experts; ++e)
       for (int p = 0; p < parts; ++p) {
         std::string name = s.expert_files.part[p];
-        name.replace(name.find("{}"), 2, std::to_string(e));
+        const std::size_t at = name.find("{}");
+        if (at == std::string::npos)
+          throw std::logic_error("fived::file_tensors: " + t.name() + "'s expert_files pattern '" + name +
+                                 "' has no {} for the expert's index");
+        name.replace(at, 2, std::to_string(e));
         out.push_back({s.scope + std::to_string(s.layer) + "." + name, {rows, s.cols}, expert,
                        t.offset + static_cast<std::size_t>(e * parts + p) * n, n, n});
       }

@@ -11,6 +11,7 @@
 
 #include <array>
 #include <cstddef>
+#include <exception>
 #include <filesystem>
 #include <map>
 #include <span>
@@ -162,17 +163,25 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
   void save(const std::filesystem::path& path, const std::map<std::string, std::string>& metadata = {}) {
     if constexpr (has_experts && (tp > 1 || ep > 1))
       throw std::logic_error(std::string(Arch::name) +
-                             "::save: a mixture of experts split over TP or EP is saved from a model on one rank (its "
-                             "experts gathered: Trainer::serial_params and serial_expert_params), or as a sharded "
-                             "checkpoint (Trainer::save)");
+                             "::save: a mixture of experts split over TP or EP is saved by its Trainer, which gathers "
+                             "the experts (Trainer::save_weights), or as a sharded checkpoint (Trainer::save)");
     if constexpr (tp == 1) {
       ops_.read_to_host(params_, [&](std::span<const T> p) {
         ops_.read_to_host(expert_params_, [&](std::span<const T> e) { write_serial(path, p, e, metadata); });
       });
-    } else {
+    } else {  // TP rank 0 writes; the others learn whether it could (a throw there is not a hang here)
       const std::vector<T> all = gather_params();
-      if (tp_rank() == 0) write_serial(path, std::span<const T>(all), {}, metadata);
-      comm_.barrier();
+      std::exception_ptr error;
+      if (tp_rank() == 0) try {
+          write_serial(path, std::span<const T>(all), {}, metadata);
+        } catch (...) {
+          error = std::current_exception();
+        }
+      const bool failed = comm_.all_reduce_host(error ? 1.0 : 0.0, ReduceOp::max) > 0;
+      if (error) std::rethrow_exception(error);
+      if (failed)
+        throw std::runtime_error(std::string(Arch::name) + "::save: TP rank 0 could not write " + path.string() +
+                                 " (its error says why)");
     }
   }
   // The file of weights given in serial_layout and serial_expert_layout (the model contract's

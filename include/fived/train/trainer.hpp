@@ -156,13 +156,17 @@ class Trainer {
   }
 
   // The whole model's weights in one file of the model's format (Model::write_serial: Hugging
-  // Face names and shapes, a mixture's experts included), from any mesh, ZeRO stage or
-  // schedule: gathered into the serial layouts (serial_params, serial_expert_params) and
-  // written by world rank 0 (a temporary file, then rename). A collective: every rank returns
-  // once the file is complete, or throws when rank 0 could not write it.
+  // Face names and shapes, a mixture's experts included), from any mesh and schedule, without
+  // ZeRO-3: gathered into the serial layouts (serial_params, serial_expert_params) and written
+  // by world rank 0 (a temporary file, then rename). A collective: every rank returns once the
+  // file is complete, or throws when rank 0 could not write it.
   void save_weights(const std::filesystem::path& file, const std::map<std::string, std::string>& metadata = {})
     requires requires(std::span<const value_type> w) { Model::write_serial(file, w, w, metadata); }
   {
+    static_assert(Policy::stage < 3,
+                  "Trainer::save_weights gathers the weights where the trainer keeps them whole, and under ZeRO<3> "
+                  "each rank holds only its shard between steps: save a sharded checkpoint (Trainer::save), which "
+                  "loads on any mesh and ZeRO stage, and save_weights from there");
     const std::vector<value_type> dense = serial_params();
     std::vector<value_type> experts;
     if constexpr (serial_expert_layout::size > 0) experts = serial_expert_params();
