@@ -7,6 +7,22 @@ import torch
 from safetensors.torch import save_file
 
 
+def norms_away_from_one(model):
+    """Adds noise to every norm's weight, so their gradients matter (in place, seeded by the caller)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+
+
+def token_batch(vocab, batch, seq):
+    """The tokens and targets [batch, seq], drawn from a generator of their own (seed 1)."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+    targets = torch.randint(0, vocab, (batch, seq), generator=g)
+    return tokens, targets
+
+
 def reference(model, tokens, targets):
     """The mean cross-entropy of the model's logits against the targets, and every parameter's gradient."""
     model.zero_grad()

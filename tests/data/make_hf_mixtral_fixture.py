@@ -30,7 +30,7 @@ import os
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from hf_fixture import in_float64, reference, write_model, write_reference
+from hf_fixture import in_float64, norms_away_from_one, reference, token_batch, write_model, write_reference
 
 L, C, H, KV, F, V, E, K, T, B = 2, 32, 4, 2, 48, 61, 4, 2, 16, 4
 THETA = 1e6
@@ -43,14 +43,8 @@ config = MixtralConfig(vocab_size=V, hidden_size=C, intermediate_size=F, num_hid
                        router_jitter_noise=0.0, attn_implementation="sdpa", experts_implementation="eager")
 torch.manual_seed(0)
 model = MixtralForCausalLM(config).eval()
-with torch.no_grad():  # norms away from 1, so their gradients matter
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.add_(0.1 * torch.randn_like(p))
-
-g = torch.Generator().manual_seed(1)
-tokens = torch.randint(0, V, (B, T), generator=g)
-targets = torch.randint(0, V, (B, T), generator=g)
+norms_away_from_one(model)
+tokens, targets = token_batch(V, B, T)
 
 
 def file_grads(prefix, grads):
