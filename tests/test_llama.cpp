@@ -216,8 +216,22 @@ void saves_the_file(const HfFixture& fx, const char* stem) {
 
 }  // namespace
 
-TEST_CASE("Llama saves Hugging Face's file: the fixture loaded, saved and loaded again is the same, name for name") {
+TEST_CASE("Llama saves Hugging Face's file: the fixture loaded, saved and loaded again is the same, name for name; "
+          "on TP 2, a file TP rank 0 cannot write is an error on both ranks, not a hang") {
   saves_the_file<Serial>(llama_fixture(), "llama");
+  using M = Mesh<TP<2>>;
+  const std::filesystem::path nowhere = std::filesystem::temp_directory_path() / "fived-no-such-folder" / "w.safetensors";
+  std::vector<int> threw(M::size, 0);
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    Llama<tiny, M, float, Host, SequenceParallel> m(ctx, GptInit{5});
+    try {
+      m.save(nowhere);
+    } catch (const std::exception&) {
+      threw[static_cast<std::size_t>(ctx.rank())] = 1;
+    }
+  });
+  CHECK(std::count(threw.begin(), threw.end(), 1) == M::size);
 }
 
 // ---- Mixtral: Llama's blocks with a mixture of SwiGLU experts, from transformers' file -------

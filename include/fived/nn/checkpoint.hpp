@@ -20,10 +20,9 @@
 //                                               missing, mis-shaped or unknown tensor is an
 //                                               io::SafetensorsError naming it, and the
 //                                               buffers are left unchanged.
-// Experts = NoExperts for a dense model.
+// Experts = NoExperts (nn/param_table.hpp) for a dense model.
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -38,13 +37,6 @@
 #include "fived/nn/param_table.hpp"
 
 namespace fived {
-
-// The expert layout of a model without experts.
-struct NoExperts {
-  static constexpr int count = 0, tp = 1, ep = 1;
-  static constexpr std::size_t size = 0;
-  static constexpr std::array<ParamInfo, 0> tensors{};
-};
 
 // A model's weights in its serial layouts: the dense buffer and its experts' (empty without).
 template <class T>

@@ -11,7 +11,6 @@
 
 #include <array>
 #include <cstddef>
-#include <exception>
 #include <filesystem>
 #include <map>
 #include <span>
@@ -30,6 +29,7 @@
 #include "fived/nn/expert_balance.hpp"
 #include "fived/nn/sp_partial_grads.hpp"
 #include "fived/nn/tensor_view.hpp"
+#include "fived/util/one_writer.hpp"
 
 namespace fived {
 
@@ -169,19 +169,12 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
       ops_.read_to_host(params_, [&](std::span<const T> p) {
         ops_.read_to_host(expert_params_, [&](std::span<const T> e) { write_serial(path, p, e, metadata); });
       });
-    } else {  // TP rank 0 writes; the others learn whether it could (a throw there is not a hang here)
+    } else {
       const std::vector<T> all = gather_params();
-      std::exception_ptr error;
-      if (tp_rank() == 0) try {
-          write_serial(path, std::span<const T>(all), {}, metadata);
-        } catch (...) {
-          error = std::current_exception();
-        }
-      const bool failed = comm_.all_reduce_host(error ? 1.0 : 0.0, ReduceOp::max) > 0;
-      if (error) std::rethrow_exception(error);
-      if (failed)
-        throw std::runtime_error(std::string(Arch::name) + "::save: TP rank 0 could not write " + path.string() +
-                                 " (its error says why)");
+      written_by_one(
+          tp_rank() == 0, [&] { write_serial(path, std::span<const T>(all), {}, metadata); },
+          [&](double x) { return comm_.all_reduce_host(x, ReduceOp::max); },
+          std::string(Arch::name) + "::save: TP rank 0 could not write " + path.string() + " (its error says why)");
     }
   }
   // The file of weights given in serial_layout and serial_expert_layout (the model contract's

@@ -232,6 +232,14 @@ constexpr PieceIndex piece_index(const TensorSpec& s, int TP, int EP, std::int64
   return at;
 }
 
+// The expert layout of a model without a mixture of experts: no tensors (a serial table).
+struct NoExperts {
+  static constexpr int count = 0, tp = 1, ep = 1;
+  static constexpr std::size_t size = 0;
+  static constexpr std::array<ParamInfo, 0> tensors{};
+  static std::optional<int> find(std::string_view) { return std::nullopt; }
+};
+
 // Specs: a type with `static constexpr std::array<TensorSpec, n> specs` and `static
 // constexpr int layers` (for the residual init's std); optionally `static constexpr int
 // units` (default: the last spec's unit + 1).

@@ -27,7 +27,6 @@
 // other random state in a step.
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -64,16 +63,9 @@ inline std::string entry_name(TrainState k, const std::string& tensor, std::size
 // The selection bias of the model's MoE block `block`.
 inline std::string bias_entry_name(int block) { return "router_bias/" + std::to_string(block) + "/0"; }
 
-// A model without a mixture of experts: no expert tensors.
-struct NoExpertLayout {
-  static constexpr std::size_t size = 0;
-  static constexpr int count = 0;
-  static constexpr std::array<ParamInfo, 0> tensors{};
-  static std::optional<int> find(std::string_view) { return std::nullopt; }
-};
 template <class Model>
 struct expert_layout_of {
-  using type = NoExpertLayout;
+  using type = NoExperts;  // nn/param_table.hpp
 };
 template <class Model>
   requires requires { typename Model::serial_expert_layout; }

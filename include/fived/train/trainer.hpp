@@ -28,7 +28,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <exception>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -58,6 +57,7 @@
 #include "fived/train/saver.hpp"
 #include "fived/train/serial_state.hpp"
 #include "fived/train/token_data.hpp"
+#include "fived/util/one_writer.hpp"
 
 namespace fived {
 
@@ -170,18 +170,14 @@ class Trainer {
     const std::vector<value_type> dense = serial_params();
     std::vector<value_type> experts;
     if constexpr (serial_expert_layout::size > 0) experts = serial_expert_params();
-    std::exception_ptr error;
-    if (world_rank_ == 0) try {
-        Model::write_serial(file, std::span<const value_type>(dense), std::span<const value_type>(experts), metadata);
-      } catch (...) {
-        error = std::current_exception();
-      }
-    double failed = error ? 1.0 : 0.0;  // every rank learns whether the file was written
-    world_->all_reduce_host(std::span<double>(&failed, 1), ReduceOp::max);
-    if (error) std::rethrow_exception(error);
-    if (failed > 0)
-      throw std::runtime_error("Trainer::save_weights: world rank 0 could not write " + file.string() +
-                               " (its error says why)");
+    written_by_one(
+        world_rank_ == 0,
+        [&] { Model::write_serial(file, std::span<const value_type>(dense), std::span<const value_type>(experts), metadata); },
+        [&](double x) {
+          world_->all_reduce_host(std::span<double>(&x, 1), ReduceOp::max);
+          return x;
+        },
+        "Trainer::save_weights: world rank 0 could not write " + file.string() + " (its error says why)");
   }
 
   double lr() const { return lr_; }
