@@ -146,8 +146,8 @@ class Trainer {
     start.start_from(dense, experts);
     rank_->load(start, 0);
   }
-  // ... or from a file the model reads (Model::read_serial: GPT reads Hugging Face GPT-2 files,
-  // Llama Llama's and Mixtral's).
+  // ... or from a file the model reads (Model::read_serial: for fived's decoders, Hugging
+  // Face safetensors by their names).
   void load_weights(const std::filesystem::path& file)
     requires requires(const io::SafetensorsFile& f) { Model::read_serial(f); }
   {
