@@ -277,16 +277,20 @@ TEST_CASE("a Trainer on Mesh<DP<2>, PP<2>, TP<2>, EP<2>> (SP, ZeRO-1, 1F1B; expe
   trainer_equals_hf<mixtral_tiny, M, float>(mixtral_fixture(), "DP 2 x PP 2 x TP 2 x EP 2", "grad32", "loss32", 1e-5);
 }
 
-TEST_CASE("a Trainer on Mesh<DP<2>, PP<2>, TP<2>, EP<2>> saves the Mixtral it loaded as transformers' file, name for "
-          "name and bit for bit (Trainer::save_weights); a file it cannot write is an error on every rank") {
-  using M = Mesh<DP<2>, PP<2>, TP<2>, EP<2>>;
+namespace {
+
+// A Trainer on mesh M under Policy loads the Mixtral fixture and saves it again
+// (Trainer::save_weights): transformers' file, bit for bit. A path it cannot write throws on
+// every rank.
+template <class M, class Policy, class Sched>
+void trainer_saves_the_file(const char* stem) {
   using Model = Llama<mixtral_tiny, M, float, Host, SequenceParallel>;
-  const std::filesystem::path out = std::filesystem::temp_directory_path() / "fived_mixtral_trainer.safetensors";
+  const std::filesystem::path out = std::filesystem::temp_directory_path() / (std::string("fived_") + stem + ".safetensors");
   const std::filesystem::path nowhere = std::filesystem::temp_directory_path() / "fived-no-such-folder" / "w.safetensors";
   std::vector<int> threw(M::size, 0);
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
-    Trainer<Model, ZeRO<1>, pipeline::OneFOneB<2, 2>> tr(ctx, {.adamw = {}, .lr = ConstantLr{1e-3}}, GptInit{5});
+    Trainer<Model, Policy, Sched> tr(ctx, {.adamw = {}, .lr = ConstantLr{1e-3}}, GptInit{5});
     tr.load_weights(mixtral_fixture().model_file);
     tr.save_weights(out, {{"step", "0"}});
     try {
@@ -298,6 +302,18 @@ TEST_CASE("a Trainer on Mesh<DP<2>, PP<2>, TP<2>, EP<2>> saves the Mixtral it lo
   CHECK(std::count(threw.begin(), threw.end(), 1) == M::size);
   same_tensors(mixtral_fixture().model_file, out);
   std::filesystem::remove(out);
+}
+
+}  // namespace
+
+TEST_CASE("a Trainer on Mesh<DP<2>, PP<2>, TP<2>, EP<2>> saves the Mixtral it loaded as transformers' file, name for "
+          "name and bit for bit (Trainer::save_weights); a file it cannot write is an error on every rank") {
+  trainer_saves_the_file<Mesh<DP<2>, PP<2>, TP<2>, EP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 2>>("mixtral_trainer");
+}
+
+TEST_CASE("under ZeRO-3 too: a Trainer on Mesh<DP<4>, TP<2>, EP<2>> (the dense weights sharded over 4 ranks, the "
+          "experts over their 2-rank data group) saves the Mixtral it loaded, bit for bit") {
+  trainer_saves_the_file<Mesh<DP<4>, TP<2>, EP<2>>, ZeRO<3>, Accumulate<1>>("mixtral_trainer_zero3");
 }
 
 TEST_CASE("Mixtral saves transformers' file (each expert's w1, w3 and w2 apart): loaded, saved and loaded again is "

@@ -114,6 +114,11 @@ TEST_CASE("without a pipeline the trainer accumulates: Mesh<DP<2>, TP<2>> and th
   check_equal(trainer_run<Mesh<>, NoZeRO, Accumulate<4>>(), serial_run<serial_cfg>(4, 1));
 }
 
+TEST_CASE("ZeRO-3 with experts: Mesh<DP<4>, TP<2>, EP<2>> (dense shards over 4 ranks, expert shards over their "
+          "2-rank data group), 2 micro-batches, equals the serial model; serial_params gathers the shards") {
+  check_equal(trainer_run<Mesh<DP<4>, TP<2>, EP<2>>, ZeRO<3>, Accumulate<2>>(), serial_run<serial_cfg>(2, 4));
+}
+
 TEST_CASE("the learning rate warms up linearly, then falls on a cosine to its floor") {
   const WarmupCosine lr{.peak = 1.0, .warmup = 4, .total = 14, .floor = 0.1};
   CHECK(lr(1) == doctest::Approx(0.25));

@@ -4,10 +4,9 @@
 // at their names into a whole buffer of doubles that is zero elsewhere; the caller then sums
 // over PP (every element is on one stage) and, for experts, over EP.
 //
-//   add_serial_params<Serial, SerialExperts>(part, dp, experts, whole);
-//   add_serial_grads<Serial, SerialExperts>(dp, experts, whole, tp_comm, tp_rank, ep_rank);
+//   add_serial<Serial, SerialExperts>(dp, experts, whole, tp_comm, tp_rank, ep_rank,
+//                                     [](auto& trainer) { return trainer.full_params(); });
 
-#include <algorithm>
 #include <cstddef>
 #include <span>
 #include <vector>
@@ -27,36 +26,16 @@ void put_serial(std::span<const U> part, std::vector<double>& whole) {
   }
 }
 
-// A chunk's parameters: the part whole over TP (under ZeRO-3 gathered over DP into its buffer
-// first); experts: this rank's piece among the EP x TP ones in place, the others zero.
-template <class Serial, class SerialExperts, class Part, class D>
-void add_serial_params(Part& part, D& dp, bool experts, std::vector<double>& whole) {
-  using T = typename Part::value_type;
-  if (!experts) {
-    if constexpr (D::stage == 3) {
-      const std::vector<T> full = dp.full_params();
-      part.ops().upload(part.params().data(), full.data(), full.size());
-    }
-    const std::vector<T> p = part.gather_params();
-    put_serial<typename Part::serial_layout, Serial>(std::span<const T>(p), whole);
-  } else if constexpr (Part::has_experts) {
-    using EL = typename Part::expert_layout;
-    constexpr std::size_t pieces_n = static_cast<std::size_t>(EL::tp * EL::ep);
-    std::vector<T> pieces(EL::size * pieces_n), mine(EL::serial::size);
-    const std::vector<T> own = part.expert_params_to_host();
-    std::copy(own.begin(), own.end(),
-              pieces.begin() + static_cast<std::ptrdiff_t>(EL::size * static_cast<std::size_t>(part.ep_rank() * EL::tp +
-                                                                                                part.tp_rank())));
-    EL::assemble(std::span<const T>(pieces), std::span<T>(mine));
-    put_serial<typename EL::serial, SerialExperts>(std::span<const T>(mine), whole);
-  }
-}
-
-// A chunk's reduced gradient: its TP piece (the same on every rank of the reduction group),
-// the TP pieces assembled into the chunk's serial layout over tp_comm. Experts: this rank's
-// piece among the EP x TP ones (the others are summed in by the caller over EP).
-template <class Serial, class SerialExperts, class D, class TpComm>
-void add_serial_grads(D& dp, bool experts, std::vector<double>& whole, TpComm& tp_comm, int tp_rank, int ep_rank) {
+// A chunk's values in the serial layouts, added into `whole`. `values(trainer)` gives what a
+// chunk's trainer holds whole over its data group, the same on each of its ranks, in host
+// memory: full_params() (under ZeRO-3 an all-gather of the shards, so every rank of the group
+// calls it) or reduced_grads(). That is this rank's TP piece of the chunk (layout), or of its
+// experts (expert_layout: piece ep_rank x TP + tp_rank among the EP x TP ones); the TP pieces
+// are assembled over tp_comm into the chunk's serial layout, the other EP ranks' experts left
+// to the caller's sum over EP.
+template <class Serial, class SerialExperts, class D, class TpComm, class Values>
+void add_serial(D& dp, bool experts, std::vector<double>& whole, TpComm& tp_comm, int tp_rank, int ep_rank,
+                Values values) {
   using Part = typename D::model_type;
   using T = typename Part::value_type;
   auto add = [&]<class L, class To>(const std::vector<T>& mine, int piece) {
@@ -67,9 +46,9 @@ void add_serial_grads(D& dp, bool experts, std::vector<double>& whole, TpComm& t
     L::assemble(std::span<const double>(pieces), std::span<double>(serial));
     put_serial<typename L::serial, To>(std::span<const double>(serial), whole);
   };
-  if (!experts) add.template operator()<typename Part::layout, Serial>(dp.reduced_grads(), tp_rank);
+  if (!experts) add.template operator()<typename Part::layout, Serial>(values(dp), tp_rank);
   else if constexpr (Part::has_experts)
-    add.template operator()<typename Part::expert_layout, SerialExperts>(dp.experts().reduced_grads(),
+    add.template operator()<typename Part::expert_layout, SerialExperts>(values(dp.experts()),
                                                                           ep_rank * Part::expert_layout::tp + tp_rank);
 }
 

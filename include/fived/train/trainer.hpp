@@ -156,17 +156,13 @@ class Trainer {
   }
 
   // The whole model's weights in one file of the model's format (Model::write_serial: Hugging
-  // Face names and shapes, a mixture's experts included), from any mesh and schedule, without
-  // ZeRO-3: gathered into the serial layouts (serial_params, serial_expert_params) and written
+  // Face names and shapes, a mixture's experts included), from any mesh, ZeRO stage and
+  // schedule: gathered into the serial layouts (serial_params, serial_expert_params) and written
   // by world rank 0 (a temporary file, then rename). A collective: every rank returns once the
   // file is complete, or throws when rank 0 could not write it.
   void save_weights(const std::filesystem::path& file, const std::map<std::string, std::string>& metadata = {})
     requires requires(std::span<const value_type> w) { Model::write_serial(file, w, w, metadata); }
   {
-    static_assert(Policy::stage < 3,
-                  "Trainer::save_weights gathers the weights where the trainer keeps them whole, and under ZeRO<3> "
-                  "each rank holds only its shard between steps: save a sharded checkpoint (Trainer::save), which "
-                  "loads on any mesh and ZeRO stage, and save_weights from there");
     const std::vector<value_type> dense = serial_params();
     std::vector<value_type> experts;
     if constexpr (serial_expert_layout::size > 0) experts = serial_expert_params();
@@ -188,10 +184,11 @@ class Trainer {
   int world_rank() const { return world_rank_; }
 
   // The whole model in the serial layout (serial_layout), on every rank: each stage's part
-  // gathered over TP (under ZeRO-3 over DP first) and summed over PP. A collective.
+  // gathered over TP (under ZeRO-3 over DP first, from the shards the ranks keep between
+  // steps) and summed over PP. A collective, between steps.
   std::vector<value_type> serial_params() { return rank_->serial_params(false); }
   // The same for the experts of a mixture of experts (serial_expert_layout): gathered over TP
-  // and EP as well.
+  // and EP as well (under ZeRO-3 over their expert-data group first).
   std::vector<value_type> serial_expert_params() { return rank_->serial_params(true); }
 
   // Bytes the library's buffers hold on this rank's device: the process's on CUDA (a rank per
@@ -372,17 +369,7 @@ class Trainer {
     }
     void update() override { executor_->update(); }
     std::vector<value_type> serial_grads(bool experts) override {
-      std::vector<double> whole(experts ? serial_expert_layout::size : serial_layout::size, 0.0);
-      [&]<std::size_t... c>(std::index_sequence<c...>) {
-        (add_serial_grads<serial_layout, serial_expert_layout>(*std::get<c>(trainers_), experts, whole, tp_, tp_rank_,
-                                                               ep_rank_),
-         ...);
-      }(chunks{});
-      if (experts) ep_.all_reduce_host(std::span<double>(whole));  // each expert on one EP rank
-      pp_.all_reduce_host(std::span<double>(whole));  // each element is on one stage, zeros elsewhere
-      std::vector<value_type> out(whole.size());
-      for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<value_type>(whole[i]);
-      return out;
+      return serial(experts, [](auto& trainer) { return trainer.reduced_grads(); });
     }
     void set_lr(double lr) override {
       [&]<std::size_t... c>(std::index_sequence<c...>) { ((std::get<c>(trainers_)->optimizer().hp.lr = lr), ...); }(chunks{});
@@ -391,14 +378,21 @@ class Trainer {
     bool step_graph_captured() override { return std::get<0>(models_)->ops().step_graph_captured(); }
 
     std::vector<value_type> serial_params(bool experts) override {
+      return serial(experts, [](auto& trainer) { return trainer.full_params(); });
+    }
+
+    // What each chunk's trainer holds whole (values: its full_params or reduced_grads) in the
+    // serial layout, on every rank: assembled over TP, then summed over EP (each expert is on
+    // one EP rank) and PP (each element is on one stage, zeros elsewhere). A collective.
+    template <class Values>
+    std::vector<value_type> serial(bool experts, Values values) {
       std::vector<double> whole(experts ? serial_expert_layout::size : serial_layout::size, 0.0);
       [&]<std::size_t... c>(std::index_sequence<c...>) {
-        (add_serial_params<serial_layout, serial_expert_layout>(*std::get<c>(models_), *std::get<c>(trainers_), experts,
-                                                                whole),
+        (add_serial<serial_layout, serial_expert_layout>(*std::get<c>(trainers_), experts, whole, tp_, tp_rank_,
+                                                         ep_rank_, values),
          ...);
       }(chunks{});
-      // Each element is on one stage (and, for experts, one EP and TP rank), zeros elsewhere.
-      if (experts) tp_.all_reduce_host(std::span<double>(whole)), ep_.all_reduce_host(std::span<double>(whole));
+      if (experts) ep_.all_reduce_host(std::span<double>(whole));
       pp_.all_reduce_host(std::span<double>(whole));
       std::vector<value_type> out(whole.size());
       for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<value_type>(whole[i]);
