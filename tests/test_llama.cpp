@@ -44,6 +44,11 @@ struct padded_moe_tiny : tiny {
   static constexpr double aux_loss_coef = 0.01, capacity_factor = 1.25;
   static constexpr bool pad_to_capacity = true;
 };
+// The same with a capacity, not padded: the experts' buffers are made for the most rows that
+// can arrive (E·capacity, or EP·N·k when that is fewer), so their plan is exact too.
+struct capped_moe_tiny : padded_moe_tiny {
+  static constexpr bool pad_to_capacity = false;
+};
 // Mixtral (tests/data/hf_tiny_mixtral.safetensors): 4 SwiGLU experts, top-2, in every
 // block; no balancing term in its loss; rotary θ 1e6, unscaled.
 struct mixtral_tiny : tiny {
@@ -446,6 +451,42 @@ TEST_CASE("experts padded to capacity: their buffers after a forward and backwar
           "Mesh<CP<2>, TP<2>, EP<2>> and Mesh<TP<2>>, with SP") {
   holds_the_planned_bytes<padded_moe_tiny, Mesh<CP<2>, TP<2>, EP<2>>>("CP 2 x TP 2 x EP 2, padded experts");
   holds_the_planned_bytes<padded_moe_tiny, Mesh<TP<2>>>("TP 2, padded experts");
+}
+
+namespace {
+
+// A split backward (its input half, then its weight half) leaves a tape of snapshots on top of
+// the buffers a whole backward leaves: the plan's deferred bytes.
+template <class Cfg, class M>
+void leaves_the_planned_tape(const std::string& what) {
+  using P = PlanOf<Cfg, M, 0, Accumulate<1>>;
+  using Model = Llama<Cfg, M, float, Host, SequenceParallel>;
+  std::vector<int> tok, tgt;
+  test::global_batch(1, 1, B, T, tiny::vocab, tok, tgt);
+  const std::size_t whole = test::bytes_held_after_step<Model>(init, tok, tgt, B, T),
+                    split = test::bytes_held_after_step<Model>(init, tok, tgt, B, T, /*split=*/true);
+  MESSAGE(what << ": the tape holds " << split - whole << " bytes a rank, planned " << P::memory.deferred);
+  CHECK(P::memory.deferred > 0);
+  CHECK(split - whole == P::memory.deferred);
+}
+
+}  // namespace
+
+TEST_CASE("a split backward's snapshots for W are the plan's deferred bytes: Llama on Mesh<TP<2>>, and with experts "
+          "padded to capacity (EP x capacity rows at each local expert) on Mesh<CP<2>, TP<2>, EP<2>>") {
+  leaves_the_planned_tape<tiny, Mesh<TP<2>>>("TP 2");
+  leaves_the_planned_tape<padded_moe_tiny, Mesh<CP<2>, TP<2>, EP<2>>>("CP 2 x TP 2 x EP 2, padded experts");
+}
+
+TEST_CASE("experts with a capacity, not padded: their buffers are made once for the most rows that can arrive, the "
+          "planned bytes (E x capacity on Mesh<CP<2>, TP<2>, EP<2>>, N x k on Mesh<TP<2>> where that is fewer)") {
+  constexpr plan::Transformer m = plan::from_model<Llama<capped_moe_tiny, Mesh<CP<2>, TP<2>, EP<2>>, float, Host,
+                                                         SequenceParallel>>();
+  constexpr std::int64_t N = B * T / 2;  // a CP rank's tokens; both bounds are taken:
+  static_assert(m.expert_rows(N, 2) == 4 * plan::expert_capacity(1.25, N, 2, 4) && m.expert_rows(N, 2) < 2 * N * 2);
+  static_assert(m.expert_rows(B * T, 1) == B * T * 2 && m.expert_rows(B * T, 1) < 4 * plan::expert_capacity(1.25, B * T, 2, 4));
+  holds_the_planned_bytes<capped_moe_tiny, Mesh<CP<2>, TP<2>, EP<2>>>("CP 2 x TP 2 x EP 2, experts with a capacity");
+  holds_the_planned_bytes<capped_moe_tiny, Mesh<TP<2>>>("TP 2, experts with a capacity");
 }
 
 template <class M, class Sched, class Cfg = tiny>

@@ -157,10 +157,12 @@ void check_traffic(const StepTraffic& got) {
 
 // The bytes Model's buffers hold on each rank after one forward and backward of [B, T] on
 // its mesh (the process's count of live host buffers, divided by the ranks): what a plan's
-// parameters, gradients, activations, recomputation and work buffers must add up to.
+// parameters, gradients, activations, recomputation and work buffers must add up to. Split:
+// the backward as its input and weight halves (nn/weight_grads.hpp), which leave a tape of
+// snapshots (the plan's deferred bytes) on top.
 template <class Model>
 std::size_t bytes_held_after_step(const GptInit& init, const std::vector<int>& tok, const std::vector<int>& tgt, int B,
-                                  int T) {
+                                  int T, bool split = false) {
   using M = typename Model::mesh;
   const std::size_t before = buffer_bytes_held<Host>();
   std::size_t held = 0;
@@ -168,7 +170,8 @@ std::size_t bytes_held_after_step(const GptInit& init, const std::vector<int>& t
     auto ctx = make_mesh_context<M>(world);
     Model model(ctx, init);
     model.forward(tok.data(), tgt.data(), B, T);
-    model.backward();
+    if (split) model.backward_input(), model.backward_weight();
+    else model.backward();
     ctx.world().barrier();
     if (ctx.rank() == 0) held = buffer_bytes_held<Host>() - before;
     ctx.world().barrier();

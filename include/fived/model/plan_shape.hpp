@@ -67,8 +67,10 @@ struct Transformer {
   bool balancing_loss = false;  // the Switch loss: its statistics are all-reduced over CP
   // Each routed expert takes at most ceil(capacity_factor·N·top_k/E) of a rank's N tokens' rows
   // (0: dropless). Padded to that capacity (pad_to_capacity), every expert's rows are exactly
-  // that many whatever the routing, so the plan of its activations and exchanges is exact;
-  // otherwise it assumes N·top_k rows, balanced over the experts.
+  // that many whatever the routing, so the plan of its activations and exchanges is exact.
+  // With a capacity and no padding the experts' buffers are made for the most rows that can
+  // arrive (expert_rows), so their plan is exact too; the exchanges are planned for N·top_k
+  // rows, balanced. Dropless, both assume N·top_k rows, balanced over the experts.
   double capacity_factor = 0;
   bool pad_to_capacity = false;
 
@@ -77,6 +79,15 @@ struct Transformer {
   // N·top_k, or E·capacity when padded.
   constexpr std::int64_t dispatch_rows(std::int64_t N) const {
     return pad_to_capacity ? std::int64_t{experts} * expert_capacity(capacity_factor, N, top_k, experts) : N * top_k;
+  }
+  // Rows at one rank's experts, what their inputs' and activations' buffers hold, for N tokens
+  // on each of the ep ranks that send to them: with a capacity the most that can arrive (each
+  // rank sends each expert at most capacity rows, and no more than its N·top_k), padded
+  // exactly E·capacity; dropless N·top_k, balanced (those buffers grow when more arrive).
+  constexpr std::int64_t expert_rows(std::int64_t N, int ep) const {
+    if (capacity_factor <= 0) return N * top_k;
+    const std::int64_t most = std::int64_t{experts} * expert_capacity(capacity_factor, N, top_k, experts);
+    return pad_to_capacity || most < ep * N * top_k ? most : ep * N * top_k;
   }
   constexpr bool is_moe(int layer) const {
     return experts > 0 && layer >= dense_first && (layer - dense_first) % moe_every == moe_every - 1;

@@ -45,6 +45,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -145,8 +147,19 @@ struct MoE {
     else return N * K;
   }
 
-  // What forward keeps for backward (one per block and micro-batch slot). Rows that arrive
-  // from other EP ranks are data dependent: those buffers grow when more arrive, never shrink.
+  // Rows at this rank's experts for N tokens a rank, with a capacity: the most that can arrive
+  // (each EP rank sends each local expert at most capacity rows, and no more than its N·k),
+  // padded exactly E·capacity; -1 dropless (as many as arrive). plan::Transformer::expert_rows.
+  static int expert_rows(int N) {
+    if constexpr (Cfg::capacity_factor <= 0) return -1;
+    else if constexpr (padded) return E * capacity(N);
+    else return std::min(E * capacity(N), EP * N * K);
+  }
+
+  // What forward keeps for backward (one per block and micro-batch slot). The buffers of the
+  // rows at this rank's experts are made at the first forward, for expert_rows with a
+  // capacity; dropless, the rows that arrive are data dependent: those buffers grow when more
+  // arrive, never shrink.
   struct Saved {
     buffer<T> x_full;                  // SP: the gathered input
     buffer<stat_t> scores, gate;       // [N, E], [N·k]
@@ -218,9 +231,13 @@ struct MoE {
                       a.expert.data(), N, K, E, capacity(N), padded);
     balancing_loss(s, a, N);
     exchange_counts(s, a, N, C);
-    grow(ops, a.x_exp, a.received, C), grow(ops, a.pre, a.received, act_width(Fl)), grow(ops, a.h, a.received, Fl);
-    grow(ops, w.staging, a.received, C), grow(ops, w.y_exp, a.received, C), grow(ops, w.dh, a.received, Fl);
-    if constexpr (Gated) grow(ops, w.dgu, a.received, 2 * Fl);
+    const int R = expert_rows(N) >= 0 ? expert_rows(N) : a.received;  // a capacity's: the same every step
+    if (a.received > R)  // the buffers below would overflow: routing broke its capacity
+      throw std::logic_error("fived::MoE: " + std::to_string(a.received) + " rows arrived at this rank's experts, more "
+                             "than their capacity allows (" + std::to_string(R) + ")");
+    grow(ops, a.x_exp, R, C), grow(ops, a.pre, R, act_width(Fl)), grow(ops, a.h, R, Fl);
+    grow(ops, w.staging, R, C), grow(ops, w.y_exp, R, C), grow(ops, w.dh, R, Fl);
+    if constexpr (Gated) grow(ops, w.dgu, R, 2 * Fl);
 
     // the rows to their experts: [E][...] here, [El][EP] there
     if constexpr (EP == 1) {

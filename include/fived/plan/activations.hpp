@@ -76,15 +76,16 @@ constexpr Bytes ffn_hidden_bytes(const Transformer& m, std::int64_t rows, int wi
 constexpr Bytes mlp_bytes(const Transformer& m, const Rows& a) {
   return (a.sp ? detail::bytes(a.N * m.d_model, a.t) : 0) + ffn_hidden_bytes(m, a.N, m.d_ff, a);
 }
-// MoE::Saved, with R rows in dispatch order and at this rank's experts (dispatch_rows: N·k,
-// balanced over the experts, or exactly E·capacity when padded), plus the shared experts'
-// hidden activations: scores [N, E] and gates [N·k], each assignment's expert and row, each
-// row's token, the rows' outputs and inputs, the experts' activations, and the statistics
-// (the balancing loss's gradient and the rows kept per expert, [E] each, the balance [2E]).
+// MoE::Saved, with D rows in dispatch order (dispatch_rows: N·k, or E·capacity when padded)
+// and R at this rank's experts (expert_rows: with a capacity the most that can arrive;
+// dropless N·k, balanced), plus the shared experts' hidden activations: scores [N, E] and
+// gates [N·k], each assignment's expert and row, each row's token and output, the experts'
+// inputs and activations, and the statistics (the balancing loss's gradient and the rows kept
+// per expert, [E] each, the balance [2E]).
 constexpr Bytes moe_bytes(const Transformer& m, const Rows& a) {
-  const std::int64_t Nk = a.N * m.top_k, R = m.dispatch_rows(a.N);
+  const std::int64_t Nk = a.N * m.top_k, D = m.dispatch_rows(a.N), R = m.expert_rows(a.N, a.ep);
   return (a.sp ? detail::bytes(a.N * m.d_model, a.t) : 0) + detail::bytes(a.N * m.experts + Nk, a.st) +
-         detail::bytes(2 * Nk + R, 4) + detail::bytes(R * m.d_model, a.t) + detail::bytes(R * m.d_model, a.t) +
+         detail::bytes(2 * Nk + D, 4) + detail::bytes(D * m.d_model, a.t) + detail::bytes(R * m.d_model, a.t) +
          ffn_hidden_bytes(m, R, m.expert_d_ff, a) + detail::bytes(4 * m.experts, a.st) +
          m.shared_experts * ffn_hidden_bytes(m, a.N, m.expert_d_ff, a);
 }
@@ -147,9 +148,9 @@ constexpr Bytes work_bytes(const Transformer& m, const Blocks& part, const Rows&
   if (a.cp > 1 && m.allgather_context)  // AllGatherAttention::Work: k|v local and gathered, o, dq, d[k|v] gathered and
     w += detail::bytes((1 + a.cp) * a.N * kv, a.t) +  // local, Dd, dqkv in stat
          detail::bytes(2 * a.N * q + (a.cp + 1) * a.N * kv + a.N * (m.heads / a.tp) + a.N * qkv, a.st);
-  if (moe) {  // MoE::Work: router logits, d(gate), rows in dispatch order, staging, y, d(h)
-    const std::int64_t Nk = a.N * m.top_k, R = m.dispatch_rows(a.N);
-    w += detail::bytes(a.N * m.experts, a.t) + detail::bytes(Nk, a.st) + detail::bytes(3 * R * C, a.t) +
+  if (moe) {  // MoE::Work: router logits, d(gate), rows in dispatch order, the experts' staging, y, d(h)
+    const std::int64_t Nk = a.N * m.top_k, D = m.dispatch_rows(a.N), R = m.expert_rows(a.N, a.ep);
+    w += detail::bytes(a.N * m.experts, a.t) + detail::bytes(Nk, a.st) + detail::bytes((D + 2 * R) * C, a.t) +
          detail::bytes(R * (m.expert_d_ff / a.tp) * (m.gated ? 3 : 1), a.t);  // d(h) (SwiGLU: and d(gate | up))
   }
   return w;
@@ -160,7 +161,8 @@ constexpr Bytes work_bytes(const Transformer& m, const Blocks& part, const Rows&
 // deferred weight gradient reads that backward overwrites. Per block: each norm's d(out)
 // [n, C]; c_proj's d(out) [N, C] (gathered under SP) and c_attn's d(q|k|v); the FFN's d(out)
 // [N, C] and d(hidden) [N, F/TP] (SwiGLU: d(gate | up), twice that); a MoE's d(y) and d(hidden)
-// of each local expert's rows (R/El of them, balanced) and the router's d(logits) [N, E];
+// of each local expert's rows (padded EP·capacity of them, else N·k/El, balanced) and the
+// router's d(logits) [N, E];
 // under SelectiveRecompute the shared core output [N, H·hd/TP]; under FullRecompute also every
 // saved input the weight half reads (each norm's input and statistics, each linear's input),
 // since the block's saved activations are recomputed into shared buffers. The final norm's
@@ -180,8 +182,8 @@ constexpr Bytes deferred_block_bytes(const Transformer& m, int layer, const Rows
   if (a.recompute != Recompute::none) b += snapshot(a.N * q, a.t);                // c_proj's input, the core
   if (full) b += snapshot(a.N * C, a.t);                                         // c_attn's input
   if (!m.is_moe(layer)) return b + deferred_ffn_bytes(m, a.N, m.d_ff, a, full);
-  const int local = m.experts / a.ep;
-  const std::int64_t rows = a.N * m.top_k / local;  // each local expert's, routing balanced
+  const int local = m.experts / a.ep;  // each local expert's rows: padded EP·capacity, else balanced
+  const std::int64_t rows = (m.pad_to_capacity ? m.expert_rows(a.N, a.ep) : a.N * m.top_k) / local;
   b += local * deferred_ffn_bytes(m, rows, m.expert_d_ff, a, full) + snapshot(a.N * m.experts, a.t) +
        (full ? snapshot(a.N * C, a.t) : 0);  // the router's d(logits) and input
   return b + m.shared_experts * deferred_ffn_bytes(m, a.N, m.expert_d_ff, a, full);
