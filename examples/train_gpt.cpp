@@ -1,7 +1,8 @@
 // Train a small byte-level GPT (or Llama) on a mesh chosen on the command line.
 //
 //   train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] [--seq T]
-//             [--lr LR] [--seed S] [--log-every N] [--save out.safetensors] [--checkpoints DIR [--save-every N]
+//             [--lr LR] [--seed S] [--log-every N] [--init in.safetensors] [--save out.safetensors]
+//             [--checkpoints DIR [--save-every N]
 //             [--keep-last N] [--resume | --resume-from STEP]] [--serial] [--step-graph] [--list-meshes]
 //
 // A thin program over fived::Trainer (train/trainer.hpp): one model (2 layers, d_model 64, 4
@@ -30,9 +31,16 @@
 // Prints a progress line every --log-every steps (loss, learning rate, gradient norm,
 // tokens/s, tokens/s per GPU, MFU against the device's own peak on CUDA, memory), the held-out
 // loss every fifth line, then a sample and, on the generated corpus, 40 sums that training
-// never showed completed greedily and "correct: K/40"
-// greedily. The trained weights are gathered into the serial model for that and for --save
-// (Hugging Face GPT-2 or LlamaForCausalLM names). Exit status 0 when the held-out loss fell.
+// never showed completed greedily and "correct: K/40". The trained weights are gathered into
+// the serial model for that and for --save (Hugging Face GPT-2 or LlamaForCausalLM names).
+// Exit status 0 when the held-out loss fell (a run from scratch; a resumed or --init run
+// exits 0 once it trained).
+//
+// --init FILE starts from the weights of a file in the model's format (what --save writes:
+// Hugging Face GPT-2 or Llama names and shapes, the model's sizes), saved on any mesh, with
+// fresh optimizer state and learning-rate schedule: fine-tuning. A file that lacks one of the
+// model's tensors, or holds one it does not have or of another shape, is an error that names
+// it, before any step.
 //
 // --checkpoints DIR saves a sharded checkpoint (train/checkpoint.hpp: each rank its share,
 // optimizer state included) every --save-every steps and at the end, written in the
@@ -123,7 +131,7 @@ template <class F>
 using serial_of = typename F::template type<Mesh<>, Host, NoSequenceParallel>;  // sampling, held-out loss, --save
 
 struct Options {
-  std::string file, tokens, save, mesh = "dp2.tp2", checkpoints, model = "gpt";
+  std::string file, tokens, init, save, mesh = "dp2.tp2", checkpoints, model = "gpt";
   int steps = 1500, batch = 32, seq = 20, log_every = 0, save_every = 0, keep_last = 0;
   bool resume = false;               // from the newest checkpoint in `checkpoints` that verifies
   std::optional<int> resume_from;    // or from this step
@@ -135,7 +143,8 @@ struct Options {
 [[noreturn]] void usage(const std::string& msg) {
   std::fprintf(stderr,
                "%s\nusage: train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] "
-               "[--seq T (<= %d)] [--lr LR] [--seed S] [--log-every N] [--save out.safetensors] [--checkpoints DIR "
+               "[--seq T (<= %d)] [--lr LR] [--seed S] [--log-every N] [--init in.safetensors] [--save out.safetensors] "
+               "[--checkpoints DIR "
                "[--save-every N] [--keep-last N] [--resume | --resume-from STEP]] [--serial] [--step-graph] [--list-meshes]\n",
                msg.c_str(), demo_config::max_seq);
   std::exit(2);
@@ -254,6 +263,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--lr") o.lr = number<double>(a, value());
     else if (a == "--seed") o.seed = number<unsigned>(a, value());
     else if (a == "--log-every") o.log_every = number<int>(a, value());
+    else if (a == "--init") o.init = value();
     else if (a == "--save") o.save = value();
     else if (a == "--checkpoints") o.checkpoints = value();
     else if (a == "--save-every") o.save_every = number<int>(a, value());
@@ -288,6 +298,10 @@ Options parse(int argc, char** argv) {
       usage("--checkpoints " + o.checkpoints + " holds steps " + std::to_string(held.back()) + ".." +
             std::to_string(held.front()) + " of another run: pass --resume to continue it, or choose another folder");
   }
+  if (!o.init.empty() && o.resume)
+    usage("--init and --resume: a checkpoint holds its own weights; give one of them");
+  if (!o.init.empty() && !std::filesystem::is_regular_file(o.init))
+    usage("--init " + o.init + ": no such file");
   if ((o.resume || o.save_every > 0) && o.checkpoints.empty())
     usage("--resume, --resume-from and --save-every need --checkpoints DIR");
   if (!o.checkpoints.empty()) {  // a folder that cannot be made or written fails now, not at the first save
@@ -496,6 +510,10 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
   };
   const std::map<std::string, std::string> record = run_record(opt, corpus);
   int first = 1;
+  if (!opt.init.empty()) {  // every rank reads the file and keeps its part
+    trainer.load_weights(opt.init);
+    if (prints) std::printf("weights from %s\n", opt.init.c_str());
+  }
   if (opt.resume) {  // from any mesh's checkpoint: the state is resharded onto this one
     if (!opt.resume_from && !checkpoint::latest_step(opt.checkpoints)) {
       if (prints) std::printf("no checkpoint in %s yet: starting at step 1\n", opt.checkpoints.c_str());
@@ -525,7 +543,9 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
   };
   const double val_start = held_out();
   double val_end = val_start;
-  if (prints) std::printf("held-out loss %.4f %s\n", val_start, first > 1 ? "at the checkpoint" : "before training");
+  if (prints)
+    std::printf("held-out loss %.4f %s\n", val_start,
+                first > 1 ? "at the checkpoint" : opt.init.empty() ? "before training" : "from --init");
   BatchSampler train(corpus.data, 0, corpus.split, opt.seed);
   if (corpus.sums) train.align = line_length;
   const double seconds = trainer.fit(train, first, opt.steps, B, opt.seq, {opt.log_every, peak, stdout},
@@ -545,7 +565,7 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
   const int final_batches = 32;
   std::printf("held-out loss %.4f over %d batches\n",
               held_out_loss(eval, opt, corpus, final_batches, isatty(fileno(stderr)) ? stderr : nullptr), final_batches);
-  return finish(eval, opt, corpus, val_start, val_end, /*must_fall=*/first == 1);
+  return finish(eval, opt, corpus, val_start, val_end, /*must_fall=*/first == 1 && opt.init.empty());
 }
 
 template <class F, class M>
