@@ -299,7 +299,7 @@ Options parse(int argc, char** argv) {
             std::to_string(held.front()) + " of another run: pass --resume to continue it, or choose another folder");
   }
   if (!o.init.empty() && o.resume)
-    usage("--init and --resume: a checkpoint holds its own weights; give one of them");
+    usage("--init and --resume or --resume-from: a checkpoint holds its own weights; give one of them");
   if (!o.init.empty() && !std::filesystem::is_regular_file(o.init))
     usage("--init " + o.init + ": no such file");
   if ((o.resume || o.save_every > 0) && o.checkpoints.empty())

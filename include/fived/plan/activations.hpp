@@ -33,8 +33,9 @@
 //                the frequencies [hd/2] stat, SP's [N, C] and its norm gradient partials,
 //                the ring's or the all-gather's buffers under CP, the MoE's.
 //
-// R, the rows this rank's experts receive, is data dependent; the plan takes the balanced
-// case, R = N·k (every rank receives as many rows as it sends). With micro_batch·sequence = T
+// R, the rows this rank's experts receive, is data dependent: dropless, the plan takes the
+// balanced case, R = N·k (every rank receives as many rows as it sends); with a capacity,
+// the most that can arrive (Transformer::expert_rows), which the model's buffers are made for. With micro_batch·sequence = T
 // tokens, TP = 1 and no MoE, a GELU block keeps 2 + 6 + 2 + 2 + 2 + 8 + 8 + 2 = 32·T·C
 // bytes in bf16 plus its statistics; Megatron's count (Korthikanti et al. 2022) is
 // 34·s·b·h + 5·a·s²·b: the 2 more are its two dropout masks (fived has no dropout) and the
@@ -161,8 +162,8 @@ constexpr Bytes work_bytes(const Transformer& m, const Blocks& part, const Rows&
 // deferred weight gradient reads that backward overwrites. Per block: each norm's d(out)
 // [n, C]; c_proj's d(out) [N, C] (gathered under SP) and c_attn's d(q|k|v); the FFN's d(out)
 // [N, C] and d(hidden) [N, F/TP] (SwiGLU: d(gate | up), twice that); a MoE's d(y) and d(hidden)
-// of each local expert's rows (padded EP·capacity of them, else N·k/El, balanced) and the
-// router's d(logits) [N, E];
+// of each local expert's rows (padded EP·capacity of them; with a capacity the most that can
+// arrive, split evenly; dropless N·k/El, balanced) and the router's d(logits) [N, E];
 // under SelectiveRecompute the shared core output [N, H·hd/TP]; under FullRecompute also every
 // saved input the weight half reads (each norm's input and statistics, each linear's input),
 // since the block's saved activations are recomputed into shared buffers. The final norm's
@@ -182,8 +183,10 @@ constexpr Bytes deferred_block_bytes(const Transformer& m, int layer, const Rows
   if (a.recompute != Recompute::none) b += snapshot(a.N * q, a.t);                // c_proj's input, the core
   if (full) b += snapshot(a.N * C, a.t);                                         // c_attn's input
   if (!m.is_moe(layer)) return b + deferred_ffn_bytes(m, a.N, m.d_ff, a, full);
-  const int local = m.experts / a.ep;  // each local expert's rows: padded EP·capacity, else balanced
-  const std::int64_t rows = (m.pad_to_capacity ? m.expert_rows(a.N, a.ep) : a.N * m.top_k) / local;
+  // Each local expert's rows: with a capacity the most that arrive split evenly (padded: exactly
+  // EP·capacity each), dropless balanced.
+  const int local = m.experts / a.ep;
+  const std::int64_t rows = (m.capacity_factor > 0 ? m.expert_rows(a.N, a.ep) : a.N * m.top_k) / local;
   b += local * deferred_ffn_bytes(m, rows, m.expert_d_ff, a, full) + snapshot(a.N * m.experts, a.t) +
        (full ? snapshot(a.N * C, a.t) : 0);  // the router's d(logits) and input
   return b + m.shared_experts * deferred_ffn_bytes(m, a.N, m.expert_d_ff, a, full);

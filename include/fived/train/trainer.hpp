@@ -184,8 +184,8 @@ class Trainer {
   int world_rank() const { return world_rank_; }
 
   // The whole model in the serial layout (serial_layout), on every rank: each stage's part
-  // gathered over TP (under ZeRO-3 over DP first, from the shards the ranks keep between
-  // steps) and summed over PP. A collective, between steps.
+  // gathered over TP (under ZeRO-3 over its data group, DP x CP, first, from the shards the
+  // ranks keep between steps) and summed over PP. A collective, between steps.
   std::vector<value_type> serial_params() { return rank_->serial_params(false); }
   // The same for the experts of a mixture of experts (serial_expert_layout): gathered over TP
   // and EP as well (under ZeRO-3 over their expert-data group first).
@@ -369,7 +369,7 @@ class Trainer {
     }
     void update() override { executor_->update(); }
     std::vector<value_type> serial_grads(bool experts) override {
-      return serial(experts, [](auto& trainer) { return trainer.reduced_grads(); });
+      return gather_serial(experts, [](auto& trainer) { return trainer.reduced_grads(); });
     }
     void set_lr(double lr) override {
       [&]<std::size_t... c>(std::index_sequence<c...>) { ((std::get<c>(trainers_)->optimizer().hp.lr = lr), ...); }(chunks{});
@@ -378,14 +378,14 @@ class Trainer {
     bool step_graph_captured() override { return std::get<0>(models_)->ops().step_graph_captured(); }
 
     std::vector<value_type> serial_params(bool experts) override {
-      return serial(experts, [](auto& trainer) { return trainer.full_params(); });
+      return gather_serial(experts, [](auto& trainer) { return trainer.full_params(); });
     }
 
     // What each chunk's trainer holds whole (values: its full_params or reduced_grads) in the
     // serial layout, on every rank: assembled over TP, then summed over EP (each expert is on
     // one EP rank) and PP (each element is on one stage, zeros elsewhere). A collective.
     template <class Values>
-    std::vector<value_type> serial(bool experts, Values values) {
+    std::vector<value_type> gather_serial(bool experts, Values values) {
       std::vector<double> whole(experts ? serial_expert_layout::size : serial_layout::size, 0.0);
       [&]<std::size_t... c>(std::index_sequence<c...>) {
         (add_serial<serial_layout, serial_expert_layout>(*std::get<c>(trainers_), experts, whole, tp_, tp_rank_,
