@@ -33,6 +33,7 @@
 #include "fived/train/bucket_plan.hpp"
 #include "fived/train/data_parallel.hpp"
 #include "fived/util/worker.hpp"
+#include "support/allocations.hpp"
 
 using namespace fived;
 
@@ -921,27 +922,20 @@ template <class Policy>
 void steady_state_allocates_nothing() {
   using M = Mesh<fived::DP<2>, fived::TP<2>>;
   using ModelT = GPT<cfg, M, float, Host, SequenceParallel>;
-  std::size_t at_start = 0, after_first = 0, after_fifth = 0;
+  test::Allocations counted;
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
     ModelT m(ctx, init);
     DataParallel<ModelT, Policy, bucket_bytes> dp(m, ctx, hp, 2);
     std::vector<int> tok, tgt;
-    auto counted = [&](std::size_t& into) {
-      world.barrier();
-      if (world.rank() == 0) into = buffer_allocations<Host>().load();
-      world.barrier();
-    };
-    counted(at_start);
-    for (int s = 0; s < 5; ++s) {
+    const test::Allocations a = test::allocations_by_step(world, 5, [&](int s) {
       global_batch(s, 2, tok, tgt);  // host vectors: reused, sized on the first call
       dp.step(tok, tgt, B, T);
-      if (s == 0) counted(after_first);
-    }
-    counted(after_fifth);
+    });
+    if (world.rank() == 0) counted = a;
   });
-  CHECK(after_first > at_start);  // the count sees allocations: the first step's activations
-  CHECK(after_fifth == after_first);
+  CHECK(counted.first > 0);  // the count sees allocations: the first step's activations
+  CHECK(counted.later == 0);
 }
 
 TEST_CASE("a steady-state step allocates no buffer: steps 2-5 on DP x TP, no ZeRO and ZeRO-1/2/3") {

@@ -31,6 +31,7 @@
 #include "fived/pipeline/stage_layers.hpp"
 #include "fived/train/data_parallel.hpp"
 #include "support/batches.hpp"
+#include "support/allocations.hpp"
 #include "support/compare.hpp"
 
 using namespace fived;
@@ -289,39 +290,31 @@ std::pair<bool, CommCounts> forward_backward_captured() {
 // Padded experts receive the same rows every step; the capped ones' buffers grew before
 // they were made for the bound (9 allocations in the 5 later steps).
 template <class Cfg>
-std::pair<std::size_t, std::size_t> allocations_by_step() {
+test::Allocations allocations_by_step() {
   using M = Mesh<DP<2>, EP<2>>;
   using Model = GPT<Cfg, M, float, Host, NoSequenceParallel>;
-  std::size_t at_start = 0, after_first = 0, after_last = 0;
+  test::Allocations counted;
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
     Model m(ctx, init);
     DataParallel<Model, ZeRO<1>> dp(m, ctx, hp);
     std::vector<int> tok, tgt;
-    auto counted = [&](std::size_t& into) {
-      world.barrier();
-      if (world.rank() == 0) into = buffer_allocations<Host>().load();
-      world.barrier();
-    };
-    counted(at_start);
-    for (int s = 0; s < 6; ++s) {
+    const test::Allocations a = test::allocations_by_step(world, 6, [&](int s) {
       test::global_batch(s, 1, B, T, Cfg::vocab, tok, tgt);
       dp.step(tok, tgt, B, T);
-      if (s == 0) counted(after_first);
-    }
-    counted(after_last);
+    });
+    if (world.rank() == 0) counted = a;
   });
-  return {after_first - at_start, after_last - after_first};
+  return counted;
 }
 
 TEST_CASE("experts with a capacity, padded or not, allocate no buffer after the first step: the rows at an EP rank's "
           "experts change from step to step, their buffers are made for the most that can arrive") {
-  const auto [capped_first, capped_later] = allocations_by_step<capped_8>();
-  CHECK(capped_first > 0);
-  CHECK(capped_later == 0);
-  const auto [padded_first, padded_later] = allocations_by_step<padded_8>();
-  CHECK(padded_first > 0);
-  CHECK(padded_later == 0);
+  const test::Allocations capped = allocations_by_step<capped_8>(), padded = allocations_by_step<padded_8>();
+  CHECK(capped.first > 0);
+  CHECK(capped.later == 0);
+  CHECK(padded.first > 0);
+  CHECK(padded.later == 0);
 }
 
 TEST_CASE("pad_to_capacity: a forward and backward wait for nothing and exchange no counts; dropless waits") {
