@@ -1,37 +1,45 @@
 #!/usr/bin/env bash
-# The checks fived owes a GPU, for a session that is lent one (the device tool: 30 minutes
-# of device time, 10 per command, 8 files back, no network there).
+# The checks fived owes a GPU, for a session that is lent one (the device tool: 15 minutes
+# of device time in all, a machine start included, 10 minutes a command, 8 files back, no
+# network there). Spend it in one call: build here, carry the programs, run `check` there.
 #
-#   here, once:        bash scripts/gpu-checks.sh prepare
-#                      (copies this machine's doctest into .gpu/, which git ignores: the
-#                      GPU machine has no doctest and cannot fetch one)
-#   on the GPU, with carry [".gpu"]:
-#                      bash scripts/gpu-checks.sh build "$OUT"   # configure for sm_90, build everything
+#   here, once:        pip install nvidia-cudnn-frontend==1.32.0   # the cuDNN attention's headers
+#                      bash scripts/gpu-checks.sh prepare          # doctest and those headers into
+#                                                                  # .gpu/, which git ignores (the
+#                                                                  # GPU machine has neither, nor a network)
+#                      bash scripts/gpu-checks.sh build gpu-out   # sm_90, the CUDA programs only,
+#                                                                  # into build-gpu (long on 2 cores)
+#                      bash scripts/gpu-checks.sh pack             # them and their ctest files into
+#                                                                  # .gpu/build.tgz (~25 MB)
+#   on the GPU, one call, carry [".gpu/build.tgz"], timeout_s 600:
+#                      bash scripts/gpu-checks.sh check "$OUT"
+#     check unpacks, then runs, most needed first, each part cut off where the call's budget
+#     (FIVED_GPU_BUDGET_S, 540 s from its start) would be passed and the rest skipped, so the
+#     files always come back:
+#       1. ctest -L cuda                                  -> ctest-cuda.log
+#       2. bench/kernels; bench/train_step beside PyTorch -> bench-kernels.txt, bench-train-step.txt
+#          (eager and torch.compile), ending with the line issue 26 asks for
+#       3. compute-sanitizer memcheck on the kernel tests -> memcheck.log
+#          (FIVED_MEMCHECK_CASES: doctest -tc patterns; default the cases of kernels changed
+#          since the last GPU run, memcheck_changed below)
+#       4. NCCL benches (overlap, ring attention, collectives) -> bench-comm.txt
+#       5. the example trainers on meshes of processes    -> trainers.txt
+#     and summary.txt: each part's seconds and exit status. Seven files: the device returns 8.
+#
+#   the stages alone (a log each under OUT; each goes on after a failure):
+#                      bash scripts/gpu-checks.sh build "$OUT"   # configure for sm_90 and build there
 #                      bash scripts/gpu-checks.sh test "$OUT"    # ctest -L cuda
-#                      bash scripts/gpu-checks.sh bench "$OUT"   # every GPU benchmark, one table file each
+#                      bash scripts/gpu-checks.sh bench "$OUT"   # parts 2, 4 and 5 above
 #                      bash scripts/gpu-checks.sh memcheck "$OUT" ["case*,other*"]
-#                                          # compute-sanitizer memcheck on test_kernels_cuda's
-#                                          # cases (doctest -tc patterns; default every case)
-#                      (or "all", when the three fit one command)
+#                      bash scripts/gpu-checks.sh unpack         # after carrying .gpu: puts the
+#                      # programs where the ctest files name them, and points the loader at the
+#                      # GPU machine's NCCL and cuDNN (written to .gpu/env, which test and bench read)
 #
-#   or, to spend no device time on compiling (the GPU machine goes back after 30 s idle, so
-#   each call would build again): build here, then carry the programs:
-#   here:              bash scripts/gpu-checks.sh pack      # the built CUDA programs and their
-#                                                           # ctest files into .gpu/build, and
-#                                                           # .gpu/build.tgz (~24 MB; the programs
-#                                                           # are ~70 MB, over what the device takes)
-#   on the GPU, with carry [".gpu/build.tgz"] (unpack extracts it):
-#                      bash scripts/gpu-checks.sh unpack "$OUT" && bash scripts/gpu-checks.sh test "$OUT"
-#                      (unpack puts them where this machine's ctest files name them, and points
-#                      the loader at the GPU machine's NCCL and cuDNN; source nothing: the
-#                      library path is written to .gpu/env, which test and bench read)
-#
-# Each stage appends to a log under the given folder ($OUT on the device) and goes on
-# after a failure, so one call brings back everything it could run; the exit status is
-# that of the last failure. Build folder: build-gpu (BUILD_DIR to change).
+# The exit status is that of the last failure. Build folder: build-gpu (BUILD_DIR to change).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-stage=${1:?usage: gpu-checks.sh prepare | build OUT | test OUT | bench OUT | memcheck OUT [cases] | all OUT}
+usage="gpu-checks.sh prepare | build OUT | pack | unpack | check OUT | test OUT | bench OUT | memcheck OUT [cases] | all OUT"
+stage=${1:?usage: $usage}
 out=${2:-gpu-out}
 # After unpack, test and bench run the carried programs (.gpu/env names them).
 [[ $stage == test || $stage == bench || $stage == memcheck ]] && [ -f .gpu/env ] && source .gpu/env
@@ -41,14 +49,41 @@ cuda_targets="train_moe_cuda test_cuda_pages test_nccl_comm nccl_ranks_check tes
   test_mesh_cuda test_pipeline_cuda test_context_cuda test_moe_cuda test_trainer_cuda test_checkpoint_cuda bench_kernels bench_train_step bench_overlap
   bench_collectives_nccl bench_ring_attention train_gpt_cuda"
 
+# A deadline (seconds since the epoch) for the check stage: each command is cut off where it
+# would pass it, and a command that would start with less than min_left seconds is skipped.
+deadline=0
+min_left=20
+
 run() {  # run LOG COMMAND...: the command's output appended to LOG, its status remembered
   local log=$1
   shift
   echo "\$ $*" >>"$log"
-  "$@" >>"$log" 2>&1
+  local limit=()
+  if ((deadline > 0)); then
+    local left=$((deadline - $(date +%s)))
+    if ((left < min_left)); then
+      echo "[skipped: ${left} s left of the call's budget]" >>"$log"
+      status=124
+      return
+    fi
+    limit=(timeout -k 10 "$left")
+  fi
+  "${limit[@]}" "$@" >>"$log" 2>&1
   local rc=$?
   echo "[exit $rc]" >>"$log"
   ((rc == 0)) || status=$rc
+}
+
+# part NAME FUNCTION...: a part of the check stage, its seconds and status in summary.txt.
+part() {
+  local name=$1
+  shift
+  local t0 before=$status
+  t0=$(date +%s)
+  status=0
+  "$@"
+  printf '%-14s %5d s  exit %d\n' "$name" $(($(date +%s) - t0)) "$status" >>"$out/summary.txt"
+  ((status == 0)) && status=$before
 }
 
 # The programs the GPU runs, as built here (relative to the build folder).
@@ -64,7 +99,6 @@ packed_programs() {
 }
 
 pack() {
-  build=${BUILD_DIR:-build}
   rm -rf .gpu/build .gpu/env && mkdir -p .gpu/build/tests/cuda .gpu/build/bench .gpu/build/examples
   local p
   for p in $(packed_programs); do cp "$build/$p" ".gpu/build/$p" || status=1; done
@@ -122,7 +156,7 @@ build() {
   if [ -d .gpu/doctest ] && [ ! -d /usr/include/doctest ]; then  # as root on the GPU machine
     cp -r .gpu/doctest/include /usr/include/doctest && cp -r .gpu/doctest/cmake /usr/lib/cmake/doctest
   fi
-  run "$out/build.log" nvidia-smi
+  command -v nvidia-smi >/dev/null && run "$out/build.log" nvidia-smi
   local fe=()
   [ -d .gpu/cudnn-frontend ] && fe=(-DCUDNN_FRONTEND_ROOT="$PWD/.gpu/cudnn-frontend")
   run "$out/build.log" cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 "${fe[@]}"
@@ -143,7 +177,8 @@ memcheck() {  # compute-sanitizer's memcheck on the kernel tests (cases: doctest
     ${cases:+"-tc=$cases"}
 }
 
-bench() {
+# bench/kernels, and the training step beside PyTorch's (eager and torch.compile) on one GPU.
+bench_step() {
   mkdir -p "$out"
   local b=$build/bench
   run "$out/bench-kernels.txt" "$b/kernels"
@@ -163,32 +198,69 @@ bench() {
             printf "text-like ids: fived_ms=%s compile_ms=%s\n", ms["fived_text"], ms["compile_text"]
             printf "step graph: fived_ms=%s\n", ms["fived_graph"]}' \
     "$out/bench-train-step.txt" >>"$out/bench-train-step.txt"
-  run "$out/bench-overlap.txt" bash scripts/launch-local.sh 2 "$b/overlap"
-  run "$out/bench-ring-attention.txt" bash scripts/launch-local.sh 2 "$b/ring_attention"
-  run "$out/bench-collectives.txt" bash scripts/launch-local.sh 4 "$b/collectives_nccl"
-  run "$out/train-gpt-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --steps 60
-  # The same on dp2.tp2 with each step replayed as a CUDA graph, its collectives included: the same losses.
-  run "$out/train-gpt-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --steps 60 --step-graph
-  # A pipeline (PP 2 x DP 2, 1F1B, ZeRO-1), plain and as a graph, its transfers included: the same losses.
-  run "$out/train-gpt-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --mesh pp2.dp2 --steps 60
-  run "$out/train-gpt-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --mesh pp2.dp2 --steps 60 --step-graph
-  # The trainer's progress lines (tok/s, MFU) on Mesh<DP<2>> as two processes, and on one rank (plain, and as a graph).
-  run "$out/trainer-cuda.txt" bash scripts/launch-local.sh 2 "$build/examples/train_gpt_cuda" --mesh dp2 --steps 100 --batch 16 --seq 128
-  run "$out/trainer-cuda.txt" "$build/examples/train_gpt_cuda" --mesh serial --steps 100 --batch 16 --seq 128
-  run "$out/trainer-cuda.txt" "$build/examples/train_gpt_cuda" --mesh serial --steps 100 --batch 16 --seq 128 --step-graph
-  # A mixture of experts on Mesh<DP<2>, TP<2>, EP<2>> as four processes: loss, balance, tokens per expert.
-  run "$out/train-moe-cuda.txt" bash scripts/launch-local.sh 4 "$build/examples/train_moe_cuda" --steps 60
 }
+
+# The NCCL benches, ranks as processes on the one GPU.
+bench_comm() {
+  mkdir -p "$out"
+  local b=$build/bench
+  run "$out/bench-comm.txt" bash scripts/launch-local.sh 2 "$b/overlap"
+  run "$out/bench-comm.txt" bash scripts/launch-local.sh 2 "$b/ring_attention"
+  run "$out/bench-comm.txt" bash scripts/launch-local.sh 4 "$b/collectives_nccl"
+}
+
+# The example trainers, ranks as processes on the one GPU.
+trainers() {
+  mkdir -p "$out"
+  local t=$out/trainers.txt
+  run "$t" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --steps 60
+  # The same on dp2.tp2 with each step replayed as a CUDA graph, its collectives included: the same losses.
+  run "$t" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --steps 60 --step-graph
+  # A pipeline (PP 2 x DP 2, 1F1B, ZeRO-1), plain and as a graph, its transfers included: the same losses.
+  run "$t" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --mesh pp2.dp2 --steps 60
+  run "$t" bash scripts/launch-local.sh 4 "$build/examples/train_gpt_cuda" --mesh pp2.dp2 --steps 60 --step-graph
+  # The trainer's progress lines (tok/s, MFU) on Mesh<DP<2>> as two processes, and on one rank (plain, and as a graph).
+  run "$t" bash scripts/launch-local.sh 2 "$build/examples/train_gpt_cuda" --mesh dp2 --steps 100 --batch 16 --seq 128
+  run "$t" "$build/examples/train_gpt_cuda" --mesh serial --steps 100 --batch 16 --seq 128
+  run "$t" "$build/examples/train_gpt_cuda" --mesh serial --steps 100 --batch 16 --seq 128 --step-graph
+  # A mixture of experts on Mesh<DP<2>, TP<2>, EP<2>> as four processes: loss, balance, tokens per expert.
+  run "$t" bash scripts/launch-local.sh 4 "$build/examples/train_moe_cuda" --steps 60
+}
+
+bench() {
+  bench_step
+  bench_comm
+  trainers
+}
+
+# The whole device session in one call, on the programs `pack` carried (see the top).
+# memcheck's default cases: the kernels changed since the last GPU run (3f586e5).
+memcheck_changed='matmul_weight_grad*,layernorm*,residual add*,embedding*,cross-entropy*,AdamW over chunks*,gradient norm over chunks*,mixture of experts*'
+check() {
+  mkdir -p "$out"
+  deadline=$(($(date +%s) + ${FIVED_GPU_BUDGET_S:-540}))
+  { command -v nvidia-smi >/dev/null && nvidia-smi; } >"$out/summary.txt" 2>&1
+  part unpack unpack_quiet
+  [ -f .gpu/env ] && source .gpu/env
+  build=${FIVED_GPU_BUILD:-$build}
+  part ctest test_cuda
+  part bench-step bench_step
+  part memcheck memcheck "${FIVED_MEMCHECK_CASES:-$memcheck_changed}"
+  part bench-comm bench_comm
+  part trainers trainers
+}
+unpack_quiet() { unpack >>"$out/summary.txt" 2>&1 || status=1; }
 
 case $stage in
   prepare) prepare ;;
   pack) pack ;;
   unpack) unpack ;;
+  check) check ;;
   build) build ;;
   test) test_cuda ;;
   bench) bench ;;
   memcheck) memcheck "${3:-}" ;;
   all) build; test_cuda; bench ;;
-  *) echo "gpu-checks.sh: unknown stage '$stage' (prepare, build, test, bench, memcheck, all)" >&2; exit 2 ;;
+  *) echo "gpu-checks.sh: unknown stage '$stage': $usage" >&2; exit 2 ;;
 esac
 exit $status
