@@ -79,7 +79,10 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int pending>
 __device__ __forceinline__ void cp_async_wait() {
 #if FIVED_FLASH_ARCH
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
+  // "memory": the compiler sees no store to the shared memory the copies fill, so without it a
+  // read after the wait could be moved above it (the flash kernels' __syncthreads after each
+  // wait is a barrier too; the staged cross-entropy reads straight after its waits).
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory");
 #endif
 }
 

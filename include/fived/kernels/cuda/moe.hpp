@@ -38,7 +38,8 @@ namespace fived::kernels::cuda {
 // a steady-state step allocates nothing. dispatch_plan waits for the stream before it returns,
 // so the previous call's work on these buffers is complete whenever they are replaced.
 struct DispatchScratch {
-  Buffer<int, Cuda> keys_sorted;     // [N*k] expert ids, sorted
+  Buffer<int, Cuda> keys;            // [N*k] expert ids, an id outside [0, E) as E (sorted last)
+  Buffer<int, Cuda> keys_sorted;     // [N*k] those, sorted
   Buffer<int, Cuda> values;          // [N*k] 0, 1, ..., N*k-1: the assignments
   Buffer<int, Cuda> values_sorted;   // [N*k] the assignments in dispatch order
   Buffer<unsigned char, Cuda> temp;  // CUB's temporary storage
@@ -46,6 +47,7 @@ struct DispatchScratch {
 
   void reserve(std::size_t n, int E) {
     if (keys_sorted.size() < n) {
+      keys = Buffer<int, Cuda>(n);
       keys_sorted = Buffer<int, Cuda>(n);
       values = Buffer<int, Cuda>(n);
       values_sorted = Buffer<int, Cuda>(n);
@@ -61,9 +63,12 @@ struct DispatchScratch {
 namespace detail {
 
 template <class I>
-__global__ void moe_iota_kernel(I* p, I n) {
-  for (I i = static_cast<I>(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += static_cast<I>(gridDim.x * blockDim.x))
-    p[i] = i;
+__global__ void moe_keys_kernel(I* keys, I* values, const I* expert, I n, I E) {
+  for (I i = static_cast<I>(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += static_cast<I>(gridDim.x * blockDim.x)) {
+    const I e = expert[i];
+    keys[i] = e >= 0 && e < E ? e : E;  // a bad id sorts after every expert's rows, which it cannot shift
+    values[i] = i;
+  }
 }
 
 // counts[e] += assignments to expert e, counts[E] += ids outside [0, E) (reported after the
@@ -244,10 +249,10 @@ inline void dispatch_plan(cudaStream_t stream, DispatchScratch& scratch, int* to
     return;
   }
   scratch.reserve(static_cast<std::size_t>(n), E);
-  int bits = 1;  // the sort looks at the bits an id in [0, E) can have
-  while (bits < 31 && (1 << bits) < E) ++bits;
+  int bits = 1;  // the sort looks at the bits a key in [0, E] can have
+  while (bits < 31 && (1 << bits) <= E) ++bits;
   std::size_t temp_bytes = 0;
-  FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, expert, scratch.keys_sorted.data(),
+  FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, scratch.keys.data(), scratch.keys_sorted.data(),
                                                    scratch.values.data(), scratch.values_sorted.data(), n, 0, bits,
                                                    stream));
   scratch.reserve_temp(temp_bytes);
@@ -262,11 +267,11 @@ inline void dispatch_plan(cudaStream_t stream, DispatchScratch& scratch, int* to
   detail::moe_offsets_kernel<<<1, 1, 0, stream>>>(meta, loads, E, capacity, padded);
   FIVED_CUDA_CHECK_LAUNCH("moe_offsets_kernel");
 
-  detail::moe_iota_kernel<<<detail::grid_for(static_cast<std::size_t>(n), 256), 256, 0, stream>>>(scratch.values.data(),
-                                                                                                  n);
-  FIVED_CUDA_CHECK_LAUNCH("moe_iota_kernel");
+  detail::moe_keys_kernel<<<detail::grid_for(static_cast<std::size_t>(n), 256), 256, 0, stream>>>(
+      scratch.keys.data(), scratch.values.data(), expert, n, E);
+  FIVED_CUDA_CHECK_LAUNCH("moe_keys_kernel");
   // Stable: equal experts keep their assignment order, the host's dispatch order.
-  FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(scratch.temp.data(), temp_bytes, expert, scratch.keys_sorted.data(),
+  FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(scratch.temp.data(), temp_bytes, scratch.keys.data(), scratch.keys_sorted.data(),
                                                    scratch.values.data(), scratch.values_sorted.data(), n, 0, bits,
                                                    stream));
   detail::moe_positions_kernel<<<detail::grid_for(static_cast<std::size_t>(n), 256), 256, 0, stream>>>(
