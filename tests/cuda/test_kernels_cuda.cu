@@ -238,10 +238,11 @@ TEST_CASE_TEMPLATE("matmul_weight_grad: a linear layer's dW and db (the bias sum
         }
         CHECK_CLOSE(dw, down(d_dw), tol);
         CHECK_CLOSE(db, down(d_db), tol);  // unchanged without a bias
-        if (with_bias)
+        if (with_bias) {
           MESSAGE("out=" << out << (transposed ? " torch Linear" : " Conv1D")
                          << (fused ? ": bias gradient in the GEMM's epilogue" : ": plain GEMM, then bias_backward"));
-        else
+          WARN(fused);  // not an error (the fallback is tested above), but the step's speed counts on it
+        } else
           CHECK_FALSE(fused);
       }
 }
@@ -688,8 +689,18 @@ TEST_CASE_TEMPLATE("cross-entropy fused with its statistics", T, ELEMENT_TYPES) 
                            dtargets.data(), N, Vp, V, 1.0 / N);  // in place
     CHECK(down(dmx) == mx);
     CHECK(down(dtl) == tl);
-    CHECK_CLOSE(se, down(dse), fp32_elem);
-    CHECK_CLOSE(loss, down(dloss), fp32_elem);
+    // The sum of exp and the loss against the exact values (double), not the host's: the host
+    // adds up to 131,032 exps one after another in float, and once the sum nears 10^4 the
+    // smallest terms round away (2e-4 low at that width; the device's tree of sums is close).
+    std::vector<double> se_exact(N), loss_exact(N);
+    for (int r = 0; r < N; ++r) {
+      double sum = 0;
+      for (int j = 0; j < V; ++j) sum += std::exp(double(float(logits[static_cast<std::size_t>(r) * Vp + j])) - mx[r]);
+      se_exact[r] = sum, loss_exact[r] = std::log(sum) + mx[r] - tl[r];
+    }
+    CHECK_CLOSE(se_exact, down(dse), fp32_elem);
+    CHECK_CLOSE(loss_exact, down(dloss), fp32_elem);
+    CHECK_CLOSE(loss_exact, loss, fp32_sum);  // the host's, for comparison
     CHECK_CLOSE(dlog, down(dl), bound<T>(fp32_elem));
   }
 }
@@ -789,7 +800,7 @@ TEST_CASE_TEMPLATE("AdamW over chunks whose parameters and gradients lie elsewhe
   // updates agree, and the padding stays.
   AdamWCase<T> c(3000, 41);
   constexpr std::ptrdiff_t P = 37, G = 5;
-  std::vector<T> param(c.n + P, T(9.0f)), grad(c.n + G, T(0.0f));
+  std::vector<T> param(c.n + P, T(0.75f)), grad(c.n + G, T(0.0f));  // padding inside the parameters' range
   std::copy(c.param0.begin(), c.param0.end(), param.begin() + P);
   std::copy(c.grad.begin(), c.grad.end(), grad.begin() + G);
   const std::vector<fived::AdamWChunk> chunks = {{0, 1000, true, P, G}, {1000, 2048, false, P, G}, {2048, 3000, true, P, G}};
@@ -806,8 +817,10 @@ TEST_CASE_TEMPLATE("AdamW over chunks whose parameters and gradients lie elsewhe
   CHECK_CLOSE(c.v, down(c.dv), fp32_elem);
   const std::vector<T> got = down(dparam);
   CHECK_CLOSE(param, got, bound<T>(fp32_elem));
-  for (std::ptrdiff_t i = 0; i < P; ++i) CHECK(float(got[static_cast<std::size_t>(i)]) == 9.0f);
-  CHECK(float(param[P]) != float(c.param0[0]));  // it moved
+  for (std::ptrdiff_t i = 0; i < P; ++i) CHECK(float(got[static_cast<std::size_t>(i)]) == 0.75f);
+  // The step moved the parameters (one step of lr 1e-3 moves a bf16 one only where its master
+  // crosses a rounding midpoint: about a fifth of them here).
+  CHECK(std::vector<T>(param.begin() + P, param.end()) != c.param0);
 }
 
 TEST_CASE_TEMPLATE("gradient norm of one array, accumulated; scale", T, ELEMENT_TYPES) {
@@ -1234,6 +1247,18 @@ TEST_CASE_TEMPLATE("mixture of experts: router, dispatch plan, gather, combine a
           ck::dispatch_plan(stream(), scratch, t.data(), p.data(), g.data(), c.data(), bad.data(), 2, 2, 4, -1, false),
           std::invalid_argument);
     }
+    // Padded rows wait for nothing: a bad id is dropped, and only it. N 3, k 2, E 4, capacity 2:
+    // expert 3 keeps assignments 0 and 2 (4 is over capacity), expert 0 keeps 5; -1 and 7 are
+    // dropped. Sorted by the low 2 bits alone, both bad ids fell among expert 3's and took
+    // assignment 2's place.
+    auto ids = up(std::vector<int>{3, -1, 3, 7, 3, 0});
+    auto d_tok = up(std::vector<int>(8, -7)), d_pos = up(std::vector<int>(6, -7));
+    Buffer<float, Cuda> d_loads(4);
+    ck::dispatch_plan(stream(), scratch, d_tok.data(), d_pos.data(), d_loads.data(), static_cast<int*>(nullptr),
+                      ids.data(), 3, 2, 4, 2, true);
+    CHECK(down(d_pos) == std::vector<int>{6, -1, 7, -1, -1, 0});
+    CHECK(down(d_tok) == std::vector<int>{2, -1, -1, -1, -1, -1, 0, 1});
+    CHECK(down(d_loads) == std::vector<float>{1, 0, 0, 2});
   }
 
   {  // Ops<T, Cuda>: upload, and dispatch_plan on its own buffers, allocated once

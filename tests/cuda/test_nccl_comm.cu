@@ -172,14 +172,18 @@ TEST_CASE("an exchange begun (send_recv_begin) is the compute stream's after joi
   REQUIRE(cudaStreamCreateWithFlags(&mine, cudaStreamNonBlocking) == cudaSuccess);
   c.set_compute_stream(mine);
   {
-    const std::vector<float> values{1, 2, 3, 4};
-    DeviceBuffer<float> from(values, mine), to(std::vector<float>(4, 0.0f), mine), seen(std::vector<float>(4, 0.0f), mine);
+    // 64 MiB: an exchange that long is still running when a copy not ordered after it would
+    // start (a few elements would arrive before any copy could look).
+    constexpr std::size_t n = std::size_t{16} << 20;
+    std::vector<float> values(n);
+    for (std::size_t i = 0; i < n; ++i) values[i] = static_cast<float>(i % 1000 + 1);
+    DeviceBuffer<float> from(values, mine), to(std::vector<float>(n, 0.0f), mine), seen(std::vector<float>(n, 0.0f), mine);
     const fived::SendOp<float> send{from.cspan(), 0};
     const fived::RecvOp<float> recv{to.span(), 0};
     c.send_recv_begin(std::span<const fived::SendOp<float>>(&send, 1), std::span<const fived::RecvOp<float>>(&recv, 1));
     c.join();
     // Queued on `mine` after join: it reads what arrived.
-    REQUIRE(cudaMemcpyAsync(seen.span().data(), to.cspan().data(), sizeof(float) * 4, cudaMemcpyDeviceToDevice, mine) ==
+    REQUIRE(cudaMemcpyAsync(seen.span().data(), to.cspan().data(), sizeof(float) * n, cudaMemcpyDeviceToDevice, mine) ==
             cudaSuccess);
     CHECK(seen.download(mine) == values);
   }

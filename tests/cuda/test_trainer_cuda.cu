@@ -88,14 +88,18 @@ void trainer_equals_serial(int data_ranks = 1, bool graph = false) {
 
 }  // namespace
 
-TEST_CASE("2 ranks: the trainer on CUDA on DP 2 (ZeRO-1 and ZeRO-3), PP 2 (1F1B; tied, as a graph), TP 2 (SP) and CP 2 "
-          "equals serial") {
+TEST_CASE("2 ranks: the trainer on CUDA on DP 2 (ZeRO-1 and ZeRO-3), PP 2 (1F1B), TP 2 (SP) and CP 2 equals serial") {
   trainer_equals_serial<Mesh<DP<2>>, ZeRO<1>, Accumulate<2>, SelectiveRecompute>();
   trainer_equals_serial<Mesh<DP<2>>, ZeRO<3>, Accumulate<1>, NoRecompute>();
   trainer_equals_serial<Mesh<PP<2>>, NoZeRO, pipeline::OneFOneB<2, 4>, FullRecompute>();
-  trainer_equals_serial<Mesh<PP<2>>, NoZeRO, pipeline::OneFOneB<2, 4>, NoRecompute, tied_cfg>(1, true);
   trainer_equals_serial<Mesh<TP<2>>, NoZeRO, Accumulate<1>, NoRecompute, cfg, SequenceParallel>();
   trainer_equals_serial<Mesh<CP<2>>, NoZeRO, Accumulate<1>, NoRecompute>();
+}
+// A case of its own, after the others: a step captured as a CUDA graph is new on a GPU, and
+// a throw here must not cost the cases above.
+TEST_CASE("2 ranks: the trainer on CUDA on PP 2 (1F1B, tied embedding and head), each step a CUDA graph, equals "
+          "serial") {
+  trainer_equals_serial<Mesh<PP<2>>, NoZeRO, pipeline::OneFOneB<2, 4>, NoRecompute, tied_cfg>(1, true);
 }
 
 TEST_CASE("4 ranks: the trainer on CUDA on DP 2 x TP 2 (ZeRO-1, SP) equals serial") {
