@@ -35,6 +35,7 @@
 
 #include "fived/comm/host.hpp"
 #include "fived/nn/gpt.hpp"
+#include "fived/train/saver.hpp"
 #include "fived/train/trainer.hpp"
 #include "support/batches.hpp"
 #include "support/compare.hpp"
@@ -456,6 +457,41 @@ TEST_CASE("a save removes what killed saves left (temporaries, steps without a m
   { std::ofstream(checkpoint::step_folder(dir, 4) / checkpoint::rank_file(0), std::ios::app) << "x"; }
   CHECK(checkpoint::keep_last(dir, 1).empty());
   CHECK(checkpoint::steps_with_manifest(dir) == std::vector<int>{4, 3});
+  fs::remove_all(dir);
+}
+
+// A group communicator that notes the thread it was bound to and whether a collective came
+// from another thread: an NCCL communicator's calls check the thread's current device, which
+// a thread that did not create it must first set (bind_thread).
+struct BindingComm final : GroupCommOf<host::Comm> {
+  using GroupCommOf<host::Comm>::GroupCommOf;
+  std::thread::id bound;
+  bool unbound_call = false;
+  void bind_thread() override { bound = std::this_thread::get_id(); }
+  void all_reduce_host(std::span<double> values, ReduceOp op) override {
+    unbound_call |= std::this_thread::get_id() != bound;
+    GroupCommOf<host::Comm>::all_reduce_host(values, op);
+  }
+  void barrier() override {
+    unbound_call |= std::this_thread::get_id() != bound;
+    GroupCommOf<host::Comm>::barrier();
+  }
+};
+
+TEST_CASE("a background save binds its thread to the communicator before its collectives") {
+  const fs::path dir = fresh("bind_thread");
+  host::run(2, [&](host::Comm& world) {
+    BindingComm comm(world);
+    checkpoint::Shard shard;
+    shard.add("x", std::vector<float>{1.0f, 2.0f, float(world.rank())});
+    checkpoint::Saver saver;
+    saver.start(std::move(shard), {.dir = dir, .step = 1}, comm);
+    CHECK(saver.wait() == 1);
+    CHECK(comm.bound != std::thread::id{});
+    CHECK(comm.bound != std::this_thread::get_id());  // the save's own thread
+    CHECK_FALSE(comm.unbound_call);
+  });
+  CHECK(checkpoint::steps_with_manifest(dir) == std::vector<int>{1});
   fs::remove_all(dir);
 }
 

@@ -111,6 +111,7 @@ class Counting {
     inner_.barrier();
   }
   void synchronize() { inner_.synchronize(); }
+  void bind_thread() requires requires(C& c) { c.bind_thread(); } { inner_.bind_thread(); }
   // Device backends only (comm/group_comm.hpp); counted as an all-reduce.
   template <class S>
   void set_compute_stream(S stream) requires requires(C& c) { c.set_compute_stream(stream); } {

@@ -48,6 +48,9 @@ class GroupComm {
   // The device stream waits for the exchanges begun with send_recv_begin (on the host, what
   // they received is handed over now).
   virtual void join() = 0;
+  // Readies the calling thread for this communicator's calls, in a thread other than the one
+  // that made it: a device backend selects its device there (nothing on the host).
+  virtual void bind_thread() = 0;
 
 #define FIVED_GROUP_COMM_OPS(E)                                                     \
   virtual void all_reduce(std::span<E> buf, ReduceOp op) = 0;                       \
@@ -89,6 +92,9 @@ class GroupCommOf : public GroupComm {
   void join() override {
     if constexpr (requires { c_.join(); }) c_.join();
     else hand_over();
+  }
+  void bind_thread() override {
+    if constexpr (requires { c_.bind_thread(); }) c_.bind_thread();
   }
 
 #define FIVED_GROUP_COMM_OPS(E)                                                                                      \

@@ -71,6 +71,9 @@ class Comm : public detail::Channel {
   cudaStream_t compute_stream() const noexcept { return compute_; }
   // The stream collectives are ordered against (see the top of this file).
   void set_compute_stream(cudaStream_t s) noexcept { compute_ = s; }
+  // Makes the communicator's device the calling thread's current one: a thread that did not
+  // create it (a background checkpoint save) starts on device 0, and every call checks.
+  void bind_thread() { check(cudaSetDevice(device_), "bind_thread", "cudaSetDevice"); }
 
   // ---- collectives (shapes as in communicator.hpp) --------------------------------
 

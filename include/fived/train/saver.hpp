@@ -94,6 +94,7 @@ class Saver {
   void start(Shard shard, SaveRecord record, GroupComm& comm) {
     wait();
     pending_ = std::async(std::launch::async, [shard = std::move(shard), record = std::move(record), &comm] {
+      comm.bind_thread();  // NCCL: the rank's device, not the new thread's device 0
       commit(shard, record, comm);
       return record.step;
     });
