@@ -71,6 +71,7 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
 
   // Zeroes the gradients (or, under ZeRO-2/3, the gradient pieces).
   void begin_step() {
+    queue_.begin_step();  // a step that did not end (a refused graph step) leaves nothing pending
     async_ = overlap();
     peak_ = held_;
     if constexpr (stage < 2) model_.zero_grad();  // ZeRO-2/3: released gradient pages read as zeros

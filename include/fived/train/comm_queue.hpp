@@ -75,6 +75,8 @@ class CommQueue<T, Host> {
   void drain() {
     if (worker_) worker_->drain();
   }
+  // At a step's start: the tasks of a step that ended without its drain (a throw) finish first.
+  void begin_step() { drain(); }
 
  private:
   ops_type& compute_;

@@ -56,6 +56,7 @@ class CommQueue<T, Cuda> {
     }, [] { return call_hash(); });
     std::forward<F>(task)(*side_);
     const std::uint64_t ticket = ++submitted_;
+    submitted_in_graph_ = compute_ops_.in_graph_step();
     compute_ops_.queue("CommQueue::ticket", [&] { tickets_[ticket % ring].record(side_->stream()); },
                        [] { return call_hash(); });  // (the ticket's number is not the step's: not hashed)
     return ticket;
@@ -75,6 +76,16 @@ class CommQueue<T, Cuda> {
     joined_ = ticket;
   }
   void drain() { wait(submitted_); }
+  // At a step's start: tickets not joined are a step's that ended without its drain (a throw,
+  // or a graph step refused). Those of a plain step were recorded: waited for. Those of a
+  // captured or replayed step were recorded inside a capture that was dropped, or not at all,
+  // and nothing of theirs runs: forgotten (a wait on an event last recorded by a capture is
+  // an error). Nothing to do after a step that ended well, so every step makes the same calls.
+  void begin_step() {
+    if (submitted_ == joined_) return;
+    if (submitted_in_graph_) joined_ = submitted_;
+    else drain();
+  }
 
  private:
   static constexpr int ring = 64;
@@ -84,6 +95,7 @@ class CommQueue<T, Cuda> {
   std::optional<cuda::Event> start_;
   std::vector<cuda::Event> tickets_;
   std::uint64_t submitted_ = 0, joined_ = 0;  // the last ticket submitted, and the last the compute stream waited for
+  bool submitted_in_graph_ = false;           // whether the last was submitted in a captured or replayed step
 };
 
 }  // namespace fived

@@ -364,10 +364,15 @@ struct Ops<T, Cuda> {
     }
     const StepMode mode = graph().begin(shape);
     if (mode == StepMode::plain) return exec_.reset();
-    if (mode == StepMode::replaying) launched_.synchronize();  // the last replay has read its uploads
-    // Thread-local: this thread's synchronising calls fail the capture; other threads (a
-    // user's loader, a saver) are not restricted by it.
-    FIVED_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+    try {  // a throw here leaves no step begun (GraphStep's destructor does not run)
+      if (mode == StepMode::replaying) launched_.synchronize();  // the last replay has read its uploads
+      // Thread-local: this thread's synchronising calls fail the capture; other threads (a
+      // user's loader, a saver) are not restricted by it.
+      FIVED_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+    } catch (...) {
+      abandon_graph_step();
+      throw;
+    }
   }
   // The step's work, queued: the captured graph, instantiated the first time, launched.
   void launch_graph_step() {
