@@ -485,7 +485,9 @@ TEST_CASE("a background save binds its thread to the communicator before its col
     checkpoint::Shard shard;
     shard.add("x", std::vector<float>{1.0f, 2.0f, float(world.rank())});
     checkpoint::Saver saver;
-    saver.start(std::move(shard), {.dir = dir, .step = 1}, comm);
+    checkpoint::SaveRecord record;
+    record.dir = dir, record.step = 1;
+    saver.start(std::move(shard), record, comm);
     CHECK(saver.wait() == 1);
     CHECK(comm.bound != std::thread::id{});
     CHECK(comm.bound != std::this_thread::get_id());  // the save's own thread
