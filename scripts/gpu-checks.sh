@@ -100,7 +100,16 @@ packed_programs() {
   done
 }
 
+# .gpu/ holds what the GPU machine needs and no commit should: git ignores it here.
+ignore_gpu_folder() {
+  local exclude
+  exclude=$(git rev-parse --git-path info/exclude)
+  mkdir -p "$(dirname "$exclude")"
+  grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
+}
+
 pack() {
+  ignore_gpu_folder
   rm -rf .gpu/build .gpu/env && mkdir -p .gpu/build/tests/cuda .gpu/build/bench .gpu/build/examples
   local p
   for p in $(packed_programs); do cp "$build/$p" ".gpu/build/$p" || status=1; done
@@ -146,10 +155,7 @@ prepare() {
   else
     echo "gpu-checks: no cudnn-frontend headers here (pip install nvidia-cudnn-frontend==1.32.0): attention will run fived's own kernel there" >&2
   fi
-  local exclude
-  exclude=$(git rev-parse --git-path info/exclude)
-  mkdir -p "$(dirname "$exclude")"
-  grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
+  ignore_gpu_folder
   echo "gpu-checks: doctest copied to .gpu/doctest; carry \".gpu\" in the device call"
 }
 
@@ -182,7 +188,9 @@ memcheck() {  # compute-sanitizer's memcheck on the kernel tests (cases: doctest
   mkdir -p "$out"
   local cases=${1:-}
   # exit 86: a memory error (doctest's own failures exit 1)
-  run "$out/memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 86 "$build/tests/cuda/test_kernels_cuda" \
+  local sanitizer
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  run "$out/memcheck.log" "$sanitizer" --tool memcheck --error-exitcode 86 "$build/tests/cuda/test_kernels_cuda" \
     ${cases:+"-tc=$cases"}
 }
 
