@@ -18,8 +18,8 @@
 #     files always come back:
 #       1. ctest -L cuda                                  -> ctest-cuda.log
 #       2. compute-sanitizer memcheck on the kernel tests -> memcheck.log
-#          (FIVED_MEMCHECK_CASES: doctest -tc patterns; default the cases of kernels changed
-#          since the last GPU run, memcheck_changed below)
+#          (at most FIVED_MEMCHECK_S, 150 s; FIVED_MEMCHECK_CASES: doctest -tc patterns, by
+#          default the cases of kernels changed since the last GPU run, memcheck_changed below)
 #       3. bench/kernels, the ring on one GPU (--local); bench/train_step beside PyTorch (eager
 #          and torch.compile) and as a graph        -> bench-kernels.txt, bench-train-step.txt
 #       4. the example trainers on meshes of processes    -> trainers.txt
@@ -33,7 +33,7 @@
 #                      bash scripts/gpu-checks.sh test "$OUT"    # ctest -L cuda
 #                      bash scripts/gpu-checks.sh bench "$OUT"   # parts 3 to 6 above
 #                      bash scripts/gpu-checks.sh memcheck "$OUT" ["case*,other*"]
-#                      bash scripts/gpu-checks.sh unpack         # after carrying .gpu: puts the
+#                      bash scripts/gpu-checks.sh unpack         # after carrying .gpu/build.tgz: puts the
 #                      # programs where the ctest files name them, and points the loader at the
 #                      # GPU machine's NCCL and cuDNN (written to .gpu/env, which test and bench read)
 #
@@ -55,6 +55,10 @@ cuda_targets="train_moe_cuda test_cuda_pages test_nccl_comm nccl_ranks_check tes
 # would pass it, and a command that would start with less than min_left seconds is skipped.
 deadline=0
 min_left=20
+cap=0  # > 0: this command's own limit too, in seconds (memcheck's)
+# Line-buffered output where a command is cut off (its block-buffered stdio would be lost).
+unbuffered=()
+command -v stdbuf >/dev/null && unbuffered=(stdbuf -oL -eL)
 
 run() {  # run LOG COMMAND...: the command's output appended to LOG, its status remembered
   local log=$1
@@ -68,7 +72,8 @@ run() {  # run LOG COMMAND...: the command's output appended to LOG, its status 
       status=124
       return
     fi
-    limit=(timeout -k 10 "$left")
+    ((cap > 0 && cap < left)) && left=$cap
+    limit=(timeout -k 10 "$left" "${unbuffered[@]}")
   fi
   "${limit[@]}" "$@" >>"$log" 2>&1
   local rc=$?
@@ -117,11 +122,13 @@ pack() {
   echo "$PWD/$build" >.gpu/build/origin  # where the ctest files expect the programs
   tar czf .gpu/build.tgz -C .gpu build
   du -sh .gpu/build .gpu/build.tgz
+  rm -rf .gpu/build  # what travels is the tarball (the folder would pass the 64 MiB a call carries)
 }
 
 unpack() {
   local origin
-  [ -d .gpu/build ] || tar xzf .gpu/build.tgz -C .gpu
+  [ -d .gpu/build ] || tar xzf .gpu/build.tgz -C .gpu || return 1
+  [ -s .gpu/build/origin ] || { echo "gpu-checks: .gpu/build/origin missing: pack again" >&2; return 1; }
   origin=$(cat .gpu/build/origin)
   mkdir -p "$(dirname "$origin")"
   [ -e "$origin" ] || ln -s "$PWD/.gpu/build" "$origin"
@@ -156,7 +163,7 @@ prepare() {
     echo "gpu-checks: no cudnn-frontend headers here (pip install nvidia-cudnn-frontend==1.32.0): attention will run fived's own kernel there" >&2
   fi
   ignore_gpu_folder
-  echo "gpu-checks: doctest copied to .gpu/doctest; carry \".gpu\" in the device call"
+  echo "gpu-checks: doctest copied to .gpu/doctest; then build and pack here, and carry \".gpu/build.tgz\" in the device call"
 }
 
 build() {
@@ -175,13 +182,14 @@ build() {
 
 test_cuda() {
   mkdir -p "$out"
-  # A hang ends in 90 s, not launch-local's 300 (the longest test took 18.5 s on an H200).
+  # A hung rank ends in 90 s, not launch-local's 300 (the longest test took 18.5 s on an H200);
+  # a test of one process in 120 s (its TIMEOUT, tests/cuda/CMakeLists.txt).
   # A graph test that hangs at a launch or replay: NCCL's documentation has seen CUDA deadlock
   # with graphs of several communicators launched from one thread under its default graph
   # mixing; rerun it with NCCL_GRAPH_MIXING_SUPPORT=0 (fived joins every graph before a
   # collective outside it on the same communicator, so that is safe).
-  export FIVED_TEST_RANK_TIMEOUT_S=${FIVED_TEST_RANK_TIMEOUT_S:-90} FIVED_NCCL_TIMEOUT_S=${FIVED_NCCL_TIMEOUT_S:-45}
-  run "$out/ctest-cuda.log" ctest --test-dir "$build/tests/cuda" -L cuda --output-on-failure --timeout 300
+  run "$out/ctest-cuda.log" env FIVED_TEST_RANK_TIMEOUT_S="${FIVED_TEST_RANK_TIMEOUT_S:-90}" \
+    FIVED_NCCL_TIMEOUT_S="${FIVED_NCCL_TIMEOUT_S:-45}" ctest --test-dir "$build/tests/cuda" -L cuda --output-on-failure --timeout 300
 }
 
 memcheck() {  # compute-sanitizer's memcheck on the kernel tests (cases: doctest -tc patterns)
@@ -190,8 +198,10 @@ memcheck() {  # compute-sanitizer's memcheck on the kernel tests (cases: doctest
   # exit 86: a memory error (doctest's own failures exit 1)
   local sanitizer
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  cap=${FIVED_MEMCHECK_S:-150}  # in check: what is left after it goes to the benches
   run "$out/memcheck.log" "$sanitizer" --tool memcheck --error-exitcode 86 "$build/tests/cuda/test_kernels_cuda" \
     ${cases:+"-tc=$cases"}
+  cap=0
 }
 
 # bench/kernels, and the training step beside PyTorch's (eager and torch.compile) on one GPU.
@@ -267,6 +277,7 @@ memcheck_changed='matmul_weight_grad*,layernorm*,residual add*,embedding*,cross-
 check() {
   mkdir -p "$out"
   deadline=$(($(date +%s) + ${FIVED_GPU_BUDGET_S:-540}))
+  export PYTHONUNBUFFERED=1  # PyTorch's lines kept where a part is cut off
   { command -v nvidia-smi >/dev/null && nvidia-smi; } >"$out/summary.txt" 2>&1
   part unpack unpack_quiet
   [ -f .gpu/env ] && source .gpu/env
