@@ -252,6 +252,33 @@ inline unsigned grid_for(std::size_t n, unsigned block, unsigned max_blocks = 65
   return static_cast<unsigned>(g);
 }
 
+// The keys and values of a stable radix sort of ids by their row of a range (the embedding's
+// rows of wte, a mixture's experts): key = id - begin for an id in [begin, begin + rows), else
+// rows (sorted after every row's, which it cannot shift); value = the id's position. `reset`
+// (may be null) is zeroed, for a count the kernels after the sort fill. begin >= 0, so id -
+// begin cannot overflow once id >= begin.
+template <class I>
+__global__ void row_sort_keys_kernel(I* keys, I* positions, I* reset, const I* ids, I n, I begin, I rows) {
+  if (reset != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *reset = 0;
+  for (I i = static_cast<I>(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += static_cast<I>(gridDim.x * blockDim.x)) {
+    const I id = ids[i];
+    keys[i] = id >= begin && id - begin < rows ? id - begin : rows;
+    positions[i] = i;
+  }
+}
+// The bits a key in [0, rows] has: the sort looks at no others.
+inline int row_key_bits(int rows) {
+  int bits = 1;
+  while (bits < 31 && (rows >> bits) != 0) ++bits;
+  return bits;
+}
+template <class I>
+void row_sort_keys(cudaStream_t stream, I* keys, I* positions, I* reset, const I* ids, I n, I begin, I rows) {
+  row_sort_keys_kernel<<<grid_for(static_cast<std::size_t>(n), 256), 256, 0, stream>>>(keys, positions, reset, ids, n,
+                                                                                       begin, rows);
+  FIVED_CUDA_CHECK_LAUNCH("row_sort_keys_kernel");
+}
+
 inline int sm_count() {
   int dev = 0, n = 0;
   FIVED_CUDA_CHECK(cudaGetDevice(&dev));

@@ -243,19 +243,18 @@ __global__ void __launch_bounds__(Threads, 2)
 template <class T>
 int staged_row_bytes(int Vp) {
   const long bytes = static_cast<long>(Vp) * static_cast<long>(sizeof(T));
-  int device = 0, optin = 0, per_sm = 0;
+  int device = 0, per_sm = 0;
   FIVED_CUDA_CHECK(cudaGetDevice(&device));
   static thread_local long asked = -1;  // the last row size and device asked about, and the answer
   static thread_local int asked_device = -1, answer = 0;
   if (bytes == asked && device == asked_device) return answer;
   asked = bytes, asked_device = device, answer = 0;
-  FIVED_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   FIVED_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
   // Two blocks, each with its static scratch and the 1 KiB the SM reserves a block, must fit an
   // SM; that also keeps the request under the opt-in limit less the static shared memory, which
   // cudaFuncSetAttribute would refuse (an error, not the fallback).
   const long static_bytes = 32 * static_cast<long>(sizeof(float)) + 1024;
-  if (!device_is_sm80_or_later() || 2 * (bytes + static_bytes) > per_sm || bytes + static_bytes > optin) return answer;
+  if (!device_is_sm80_or_later() || 2 * (bytes + static_bytes) > per_sm) return answer;
   const auto kernel = crossentropy_staged_kernel<T, ce_block>;
   allow_dynamic_smem(kernel, static_cast<std::size_t>(bytes));
   if (resident_blocks(kernel, ce_block, static_cast<int>(bytes)) >= 2) answer = static_cast<int>(bytes);

@@ -63,21 +63,6 @@ struct EmbedRows {
   }
 };
 
-// The sort's keys and values: key = the row of wte a token adds to, or vocab_rows for an id
-// outside the range (sorted last, skipped), so the sort needs only the bits of vocab_rows;
-// value = the token's position. It also empties the list of long runs (long_runs[0], the
-// count), before the kernels that fill and read it.
-template <class I>
-__global__ void embedding_keys_kernel(I* keys, I* positions, I* long_runs, const I* tokens, I n, I vocab_begin,
-                                      I vocab_rows) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) long_runs[0] = 0;
-  for (I i = static_cast<I>(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += static_cast<I>(gridDim.x * blockDim.x)) {
-    const I tok = tokens[i];
-    keys[i] = embedding_in_range(tok, vocab_begin, vocab_rows) ? tok - vocab_begin : vocab_rows;
-    positions[i] = i;
-  }
-}
-
 inline constexpr int embedding_warps = 8;  // the short runs' block: one sorted index a warp, 256 threads
 // A run of equal rows up to this long is summed by the warp at its first sorted index. A longer
 // one, a frequent token of real text (" the" or "," is 3-4% of the positions: hundreds in a
@@ -288,11 +273,10 @@ void embedding_backward(cudaStream_t stream, E* dwte, E* dwpe, const E* dout, co
     Scratch<int> rows(static_cast<std::size_t>(n), stream), sorted_rows(static_cast<std::size_t>(n), stream),
         positions(static_cast<std::size_t>(n), stream), sorted_positions(static_cast<std::size_t>(n), stream),
         long_runs(static_cast<std::size_t>(1 + max_long_runs), stream);
-    detail::embedding_keys_kernel<<<detail::grid_for(static_cast<std::size_t>(n), 256), 256, 0, stream>>>(
-        rows.get(), positions.get(), long_runs.get(), tokens, n, vocab_begin, vocab_rows);
-    FIVED_CUDA_CHECK_LAUNCH("embedding_keys_kernel");
-    int bits = 1;  // keys are 0 .. vocab_rows
-    while (bits < 31 && (vocab_rows >> bits) != 0) ++bits;
+    // The (row of wte, position) pairs, an id outside the range sorted last and skipped; the
+    // list of long runs emptied (long_runs[0], its count) before the kernels that fill it.
+    detail::row_sort_keys(stream, rows.get(), positions.get(), long_runs.get(), tokens, n, vocab_begin, vocab_rows);
+    const int bits = detail::row_key_bits(vocab_rows);
     std::size_t temp_bytes = 0;
     FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, rows.get(), sorted_rows.get(), positions.get(),
                                                      sorted_positions.get(), n, 0, bits, stream));

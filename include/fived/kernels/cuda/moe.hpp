@@ -62,15 +62,6 @@ struct DispatchScratch {
 
 namespace detail {
 
-template <class I>
-__global__ void moe_keys_kernel(I* keys, I* values, const I* expert, I n, I E) {
-  for (I i = static_cast<I>(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += static_cast<I>(gridDim.x * blockDim.x)) {
-    const I e = expert[i];
-    keys[i] = e >= 0 && e < E ? e : E;  // a bad id sorts after every expert's rows, which it cannot shift
-    values[i] = i;
-  }
-}
-
 // counts[e] += assignments to expert e, counts[E] += ids outside [0, E) (reported after the
 // sync). A block histogram in shared memory when E is small, else straight to global memory.
 // Integer atomics: the counts do not depend on their order. (I = int.)
@@ -249,8 +240,7 @@ inline void dispatch_plan(cudaStream_t stream, DispatchScratch& scratch, int* to
     return;
   }
   scratch.reserve(static_cast<std::size_t>(n), E);
-  int bits = 1;  // the sort looks at the bits a key in [0, E] can have
-  while (bits < 31 && (1 << bits) <= E) ++bits;
+  const int bits = detail::row_key_bits(E);  // keys 0 .. E (E: a bad id)
   std::size_t temp_bytes = 0;
   FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, scratch.keys.data(), scratch.keys_sorted.data(),
                                                    scratch.values.data(), scratch.values_sorted.data(), n, 0, bits,
@@ -267,9 +257,7 @@ inline void dispatch_plan(cudaStream_t stream, DispatchScratch& scratch, int* to
   detail::moe_offsets_kernel<<<1, 1, 0, stream>>>(meta, loads, E, capacity, padded);
   FIVED_CUDA_CHECK_LAUNCH("moe_offsets_kernel");
 
-  detail::moe_keys_kernel<<<detail::grid_for(static_cast<std::size_t>(n), 256), 256, 0, stream>>>(
-      scratch.keys.data(), scratch.values.data(), expert, n, E);
-  FIVED_CUDA_CHECK_LAUNCH("moe_keys_kernel");
+  detail::row_sort_keys(stream, scratch.keys.data(), scratch.values.data(), static_cast<int*>(nullptr), expert, n, 0, E);
   // Stable: equal experts keep their assignment order, the host's dispatch order.
   FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(scratch.temp.data(), temp_bytes, scratch.keys.data(), scratch.keys_sorted.data(),
                                                    scratch.values.data(), scratch.values_sorted.data(), n, 0, bits,
