@@ -34,6 +34,7 @@
 // which GraphStep calls. Why: a GPT-2 step queues several hundred launches; replayed as one
 // graph, the device starts each kernel without waiting for the host to have launched it.
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -68,7 +69,7 @@ class StepGraph {
     return *this;
   }
 
-  StepMode mode() const { return mode_; }
+  StepMode mode() const { return mode_.load(std::memory_order_relaxed); }
   bool captured() const { return captured_; }
 
   // A step begins: plain until a step of this shape has run, then captured once, then replayed.
@@ -171,7 +172,13 @@ class StepGraph {
   // Slots start on 64-byte boundaries.
   static std::size_t padded(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
 
-  StepMode mode_ = StepMode::plain;
+  // Read by a trainer's communication thread too (its Ops follow this one's graph: Ops::queue
+  // asks the mode of every call), while this thread may set it: at a step's start (a trainer
+  // without graph steps forgets at every step) or when a step that threw is given up with
+  // that thread's tasks still running. Those tasks run only in plain steps, and a plain step
+  // only ever writes plain over plain, so what they read is right; atomic, so that reading
+  // it there is defined (ThreadSanitizer found the race: test_data_parallel's ZeRO-3 error).
+  std::atomic<StepMode> mode_ = StepMode::plain;
   bool warm_ = false, warming_ = false, captured_ = false;
   std::uint64_t shape_ = 0;
   std::vector<Call> calls_;
