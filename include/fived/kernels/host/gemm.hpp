@@ -9,13 +9,14 @@
 // dW = dout^T * inp), so the model never materialises a transposed copy.
 //
 // Why it is shaped this way: a plain triple loop is far too slow to train even a
-// tiny GPT on a CPU, so the loop is blocked. For each tile of rows (MC) and
-// columns (NC) an accumulator tile in acc_t<T> lives in L1/L2; the k axis is
-// walked in KC slices, each slice of op(b) is packed (converted to acc_t, made
-// contiguous over columns whatever trans_b is) and the rows of the tile are
-// updated in i-k-j order, four rows at a time so every packed row of b is read
-// once per four output rows. The inner loop is a contiguous axpy the compiler
-// vectorises at -O2 and above. Accumulation is always in acc_t<T> (float for
+// tiny GPT on a CPU, so the loop is blocked, after GotoBLAS. For each tile of rows (MC) and
+// columns (NC) an accumulator tile in acc_t<T> lives in L1/L2; the k axis is walked in KC
+// slices, and each slice of op(a) and op(b) is packed (converted to acc_t, laid out for the
+// inner loop whatever trans_a and trans_b are, padded with zeros to whole register tiles).
+// The inner loop keeps a register tile of MR x NR sums in vector registers for the whole
+// slice (GCC/Clang vector types, so at -O1 too, as the tests build), reading one packed row of
+// op(b) per four rows. Every sum is still added k by k in order, as a plain loop would, so the
+// result does not depend on the blocking. Accumulation is always in acc_t<T> (float for
 // float/bf16, double for double); the result is rounded to T once, at the end.
 //
 // Epilogue::gelu (tanh approximation, as gelu.hpp): x = product + bias is stored
@@ -40,6 +41,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -56,26 +59,73 @@ namespace detail_gemm {
 
 inline constexpr int MC = 64;   // rows of the accumulator tile
 inline constexpr int NC = 256;  // columns of the accumulator tile
-inline constexpr int KC = 128;  // depth of one packed slice of op(b)
+inline constexpr int KC = 128;  // depth of one packed slice of op(a) and op(b)
+inline constexpr int MR = 4;    // rows of a register tile
 
-// r_q[j] += a_q * b[j] for four output rows q and j < n. Separate, restrict-qualified
-// rows let the compiler vectorise this at -O2 without alias checks.
+// Half a row of a register tile: 16 bytes of acc_t (4 floats, 2 doubles), one SSE or NEON
+// register; a register tile is MR rows of two. As a GCC/Clang vector it is computed in vector
+// registers at any -O level (the tests build at -O1, where nothing is auto-vectorised);
+// elementwise, so the sums are the scalar ones bit for bit.
 template <class A>
-inline void axpy4(A* __restrict r0, A* __restrict r1, A* __restrict r2, A* __restrict r3, const A* __restrict b,
-                  A a0, A a1, A a2, A a3, std::size_t n) {
-  for (std::size_t j = 0; j < n; ++j) {
-    const A bv = b[j];
-    r0[j] += a0 * bv;
-    r1[j] += a1 * bv;
-    r2[j] += a2 * bv;
-    r3[j] += a3 * bv;
+inline constexpr std::size_t VL = 16 / sizeof(A);  // lanes of a vector
+template <class A>
+inline constexpr std::size_t NR = 2 * VL<A>;  // columns of a register tile
+#if defined(__GNUC__)
+template <class A>
+struct vector_of {
+  typedef A type __attribute__((vector_size(16)));
+};
+#else
+template <class A>
+struct vector_of {
+  struct type {
+    A v[VL<A>];
+    type& operator+=(const type& o) {
+      for (std::size_t j = 0; j < VL<A>; ++j) v[j] += o.v[j];
+      return *this;
+    }
+    friend type operator*(A a, const type& b) {
+      type r;
+      for (std::size_t j = 0; j < VL<A>; ++j) r.v[j] = a * b.v[j];
+      return r;
+    }
+  };
+};
+#endif
+template <class A>
+using vec = typename vector_of<A>::type;
+
+template <class A>
+inline void load(vec<A>& v, const A* p) {
+  std::memcpy(&v, p, sizeof v);
+}
+template <class A>
+inline void store(A* p, const vec<A>& v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// acc[MR, NR] (row stride ldc) += ap * bp over one slice of depth kc: ap is the slice of op(a)
+// for these rows (ap[k * MR + r]), bp a strip of op(b) NR columns wide (bp[k * NR + j]). The
+// sum runs k by k onto what acc holds, as a plain i-k-j loop adds: the tiling does not change
+// a result.
+template <class A>
+inline void register_tile(A* acc, std::size_t ldc, const A* __restrict ap, const A* __restrict bp, std::size_t kc) {
+  constexpr std::size_t v = VL<A>;
+  vec<A> c00, c01, c10, c11, c20, c21, c30, c31, b0, b1;
+  load(c00, acc), load(c01, acc + v), load(c10, acc + ldc), load(c11, acc + ldc + v);
+  load(c20, acc + 2 * ldc), load(c21, acc + 2 * ldc + v), load(c30, acc + 3 * ldc), load(c31, acc + 3 * ldc + v);
+  for (std::size_t k = 0; k < kc; ++k, ap += MR, bp += NR<A>) {
+    load(b0, bp), load(b1, bp + v);
+    c00 += ap[0] * b0, c01 += ap[0] * b1;
+    c10 += ap[1] * b0, c11 += ap[1] * b1;
+    c20 += ap[2] * b0, c21 += ap[2] * b1;
+    c30 += ap[3] * b0, c31 += ap[3] * b1;
   }
+  store(acc, c00), store(acc + v, c01), store(acc + ldc, c10), store(acc + ldc + v, c11);
+  store(acc + 2 * ldc, c20), store(acc + 2 * ldc + v, c21), store(acc + 3 * ldc, c30), store(acc + 3 * ldc + v, c31);
 }
 
-template <class A>
-inline void axpy1(A* __restrict r, const A* __restrict b, A a, std::size_t n) {
-  for (std::size_t j = 0; j < n; ++j) r[j] += a * b[j];
-}
+constexpr std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
 
 }  // namespace detail_gemm
 
@@ -85,6 +135,7 @@ void matmul(T* out, const T* a, const T* b, const std::type_identity_t<T>* bias,
             std::type_identity_t<T>* pre_act = nullptr) {
   using A = acc_t<T>;
   using namespace detail_gemm;
+  constexpr std::size_t nr = NR<A>;
   if (M < 0 || N < 0 || K < 0)
     throw std::invalid_argument("fived::kernels::host::matmul: sizes must not be negative (M=" + std::to_string(M) +
                                 ", N=" + std::to_string(N) + ", K=" + std::to_string(K) + ")");
@@ -106,46 +157,45 @@ void matmul(T* out, const T* a, const T* b, const std::type_identity_t<T>* bias,
     return static_cast<A>(trans_b ? b[j * sK + k] : b[k * sN + j]);
   };
 
-  std::vector<A> acc(static_cast<std::size_t>(MC) * NC);
-  std::vector<A> bp(static_cast<std::size_t>(KC) * NC);
+  // The tile is padded to whole register tiles (MR rows, NR columns; the padding of op(a) and
+  // op(b) is zeros, its sums are not read), so one register tile computes it all. Scratch sized
+  // to this product, not to a full tile: a small GEMM, as an expert's or a test's, is called
+  // often. Left uninitialised: each element is written before it is read.
+  const std::size_t mt = round_up(std::min<std::size_t>(MC, sM), MR), nt = round_up(std::min<std::size_t>(NC, sN), nr),
+                    kt = std::min<std::size_t>(KC, sK);
+  const std::unique_ptr<A[]> scratch(new A[mt * nt + mt * kt + kt * nt]);
+  A* const acc = scratch.get();  // [mc, nc] as mc rows of ldc
+  A* const ap = acc + mt * nt;    // op(a)'s slice: panels of MR rows, k-major
+  A* const bp = ap + mt * kt;     // op(b)'s slice: strips of NR columns, k-major
 
   for (std::size_t i0 = 0; i0 < sM; i0 += MC) {
-    const std::size_t mc = std::min<std::size_t>(MC, sM - i0);
+    const std::size_t mc = std::min<std::size_t>(MC, sM - i0), mp = round_up(mc, MR);
     for (std::size_t j0 = 0; j0 < sN; j0 += NC) {
-      const std::size_t nc = std::min<std::size_t>(NC, sN - j0);
-      std::fill(acc.begin(), acc.begin() + static_cast<std::ptrdiff_t>(mc * nc), A(0));
+      const std::size_t nc = std::min<std::size_t>(NC, sN - j0), ldc = round_up(nc, nr);
+      std::fill(acc, acc + mp * ldc, A(0));
       for (std::size_t k0 = 0; k0 < sK; k0 += KC) {
         const std::size_t kc = std::min<std::size_t>(KC, sK - k0);
-        // Pack op(b)[k0:k0+kc, j0:j0+nc] as kc contiguous rows of nc.
-        if (trans_b) {
-          for (std::size_t j = 0; j < nc; ++j)
-            for (std::size_t k = 0; k < kc; ++k) bp[k * nc + j] = B_at(k0 + k, j0 + j);
-        } else {
-          for (std::size_t k = 0; k < kc; ++k)
-            for (std::size_t j = 0; j < nc; ++j) bp[k * nc + j] = B_at(k0 + k, j0 + j);
-        }
-        std::size_t i = 0;
-        for (; i + 4 <= mc; i += 4) {  // four rows share each packed row of b
-          A* r0 = acc.data() + (i + 0) * nc;
-          A* r1 = acc.data() + (i + 1) * nc;
-          A* r2 = acc.data() + (i + 2) * nc;
-          A* r3 = acc.data() + (i + 3) * nc;
-          for (std::size_t k = 0; k < kc; ++k) {
-            const A a0 = A_at(i0 + i + 0, k0 + k), a1 = A_at(i0 + i + 1, k0 + k);
-            const A a2 = A_at(i0 + i + 2, k0 + k), a3 = A_at(i0 + i + 3, k0 + k);
-            axpy4(r0, r1, r2, r3, bp.data() + k * nc, a0, a1, a2, a3, nc);
-          }
-        }
-        for (; i < mc; ++i) {
-          A* r = acc.data() + i * nc;
-          for (std::size_t k = 0; k < kc; ++k) {
-            axpy1(r, bp.data() + k * nc, A_at(i0 + i, k0 + k), nc);
-          }
-        }
+        // Packed in the order a and b are stored, so that the reads are contiguous.
+        auto pack_b = [&](std::size_t k, std::size_t j) {
+          bp[j / nr * kc * nr + k * nr + j % nr] = j < nc ? B_at(k0 + k, j0 + j) : A(0);
+        };
+        auto pack_a = [&](std::size_t i, std::size_t k) {
+          ap[i / MR * kc * MR + k * MR + i % MR] = i < mc ? A_at(i0 + i, k0 + k) : A(0);
+        };
+        for (std::size_t outer = 0; outer < (trans_b ? ldc : kc); ++outer)
+          for (std::size_t inner = 0; inner < (trans_b ? kc : ldc); ++inner)
+            trans_b ? pack_b(inner, outer) : pack_b(outer, inner);
+        for (std::size_t outer = 0; outer < (trans_a ? kc : mp); ++outer)
+          for (std::size_t inner = 0; inner < (trans_a ? mp : kc); ++inner)
+            trans_a ? pack_a(inner, outer) : pack_a(outer, inner);
+        // Strip by strip, so that a strip of op(b) (kc x NR) stays in L1 while every panel of
+        // op(a) passes it.
+        for (std::size_t j = 0; j < ldc; j += nr)
+          for (std::size_t i = 0; i < mp; i += MR) register_tile(acc + i * ldc + j, ldc, ap + i * kc, bp + j * kc, kc);
       }
       // Epilogue for this tile: bias, (gelu | accumulate), round to T once.
       for (std::size_t i = 0; i < mc; ++i) {
-        const A* r = acc.data() + i * nc;
+        const A* r = acc + i * ldc;
         T* o = out + (i0 + i) * sN + j0;
         for (std::size_t j = 0; j < nc; ++j) {
           A x = r[j];
