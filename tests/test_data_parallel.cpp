@@ -476,16 +476,21 @@ struct Spy {
   }
 };
 
-// The model, telling the spy where backward is. With `pause`, backward waits after
-// finishing the last layer until a reduction has been made on another thread (or 10 s):
-// the reduction then provably runs while backward has not finished.
+// The model, telling the spy where backward is. In its `pause_in`-th backward (0: none),
+// backward waits after finishing the last layer until a reduction has been made on another
+// thread during it (or 10 s): the reduction then provably runs while backward has not
+// finished. Every policy reduces in the last micro-batch, so that is the one to pause (in an
+// earlier one NoZeRO and ZeRO-1 reduce nothing, and the wait would run its 10 s out).
 struct Observed : GPT<cfg, Mesh<DP<2>>> {
   using GPT<cfg, Mesh<DP<2>>>::GPT;
   Spy* spy = nullptr;
-  bool pause = false;
+  int pause_in = 0;
+  int backwards = 0;
   std::vector<int> finished;  // units in the order backward finished them
   void backward(const UnitHooks& hooks = {}) {
     spy->finished = Lay::units;
+    const bool pause = ++backwards == pause_in;
+    const int reductions_before = spy->from_other_threads;
     UnitHooks logged = hooks;
     logged.after_backward = [&](int u) {
       finished.push_back(u);
@@ -493,7 +498,8 @@ struct Observed : GPT<cfg, Mesh<DP<2>>> {
       detail::call(hooks.after_backward, u);
       if (pause && u == Lay::units - 2) {
         const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-        while (spy->from_other_threads == 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+        while (spy->from_other_threads == reductions_before && std::chrono::steady_clock::now() < deadline)
+          std::this_thread::yield();
       }
     };
     GPT<cfg, Mesh<DP<2>>>::backward(logged);
@@ -514,7 +520,7 @@ std::pair<std::vector<Spy::Call>, std::vector<Spy::Call>> overlap_calls(int accu
       Spy spy(world);
       Observed m(init);
       m.spy = &spy;
-      m.pause = overlap;
+      m.pause_in = overlap ? accum : 0;
       DataParallel<Observed, Policy, bucket_bytes> dp(m, spy, hp, accum);
       dp.set_overlap(overlap);
       CHECK(dp.overlap() == overlap);
