@@ -63,8 +63,7 @@ inline constexpr int KC = 128;  // depth of one packed slice of op(a) and op(b)
 inline constexpr int MR = 4;    // rows of a register tile
 
 // Half a row of a register tile: 16 bytes of acc_t (4 floats, 2 doubles), one SSE or NEON
-// register; a register tile is MR rows of two. As a GCC/Clang vector it is computed in vector
-// registers at any -O level (the tests build at -O1, where nothing is auto-vectorised);
+// register; a register tile is MR rows of two. A GCC/Clang vector (see the top of this file);
 // elementwise, so the sums are the scalar ones bit for bit.
 template <class A>
 inline constexpr std::size_t VL = 16 / sizeof(A);  // lanes of a vector
@@ -110,6 +109,7 @@ inline void store(A* p, const vec<A>& v) {
 // a result.
 template <class A>
 inline void register_tile(A* acc, std::size_t ldc, const A* __restrict ap, const A* __restrict bp, std::size_t kc) {
+  static_assert(MR == 4, "register_tile names its rows: c0x .. c3x");
   constexpr std::size_t v = VL<A>;
   vec<A> c00, c01, c10, c11, c20, c21, c30, c31, b0, b1;
   load(c00, acc), load(c01, acc + v), load(c10, acc + ldc), load(c11, acc + ldc + v);
