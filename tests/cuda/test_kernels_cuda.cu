@@ -264,7 +264,10 @@ TEST_CASE_TEMPLATE("layernorm and rmsnorm, forward and backward", T, ELEMENT_TYP
   // 128: the weight gradients' 16-byte column reads in bf16 too; 768 over 4099 rows: the
   // backward's single pass (rows in registers) with several rows a warp and a partial last
   // block; 1500: rows too wide for registers (read again, weight gradients by column_reduce).
-  for (const auto& [N, C] : {std::pair{19, 100}, std::pair{19, 128}, std::pair{4099, 768}, std::pair{37, 1500}}) {
+  // 384 and 512: three and four pieces a lane in float; 1024: four in bf16, the single pass's
+  // 64 KiB of dynamic shared memory (over the default 48 KiB: the opt-in attribute).
+  for (const auto& [N, C] : {std::pair{19, 100}, std::pair{19, 128}, std::pair{4099, 768}, std::pair{37, 1500},
+                             std::pair{67, 384}, std::pair{67, 512}, std::pair{129, 1024}}) {
     CAPTURE(N);
     CAPTURE(C);
     const std::size_t n = static_cast<std::size_t>(N) * C;
@@ -298,6 +301,13 @@ TEST_CASE_TEMPLATE("layernorm and rmsnorm, forward and backward", T, ELEMENT_TYP
                              dx.data(), static_cast<const T*>(nullptr), dmean.data(), drstd.data(), N, C);
       CHECK_CLOSE(dweight, down(d_dweight), tol);
       CHECK_CLOSE(dbias, down(d_dbias), tol);
+      // dinp alone (no weight gradients: the split backward's input half), added again.
+      hk::layernorm_backward(dinp.data(), static_cast<T*>(nullptr), static_cast<T*>(nullptr), dout.data(), x.data(),
+                             w.data(), mean.data(), rstd.data(), N, C);
+      ck::layernorm_backward(stream(), d_dinp.data(), static_cast<T*>(nullptr), static_cast<T*>(nullptr), ddout.data(),
+                             dx.data(), dw.data(), dmean.data(), drstd.data(), N, C);
+      CHECK_CLOSE(dinp, down(d_dinp), tol);
+      CHECK_CLOSE(dweight, down(d_dweight), tol);  // untouched
     }
     {  // rmsnorm
       std::vector<T> out(n);
@@ -663,11 +673,12 @@ TEST_CASE_TEMPLATE("cross-entropy: vocab shards with padding, and the fused conv
 
 // The one-kernel loss of an unsplit vocabulary: its statistics (max exact, the target's logit
 // exact, sum of exp), losses and in-place gradient against the host's three steps; rows of
-// 16-byte multiples and not (Vp 1004: the three kernels). Of the 16-byte rows, those that leave
-// room for two blocks an SM are staged in shared memory (1040, and GPT-2's 50,304 in bf16: a
-// thread's pieces in two cp.async groups), wider ones (131,072; 50,304 in float) read twice.
+// 16-byte multiples and not (the three kernels: Vp 1004 in bf16, 1001 in both). Of the 16-byte
+// rows, those that leave room for two blocks an SM are staged in shared memory (1040, and GPT-2's
+// 50,304 in bf16: a thread's pieces in two cp.async groups), wider ones (131,072; 50,304 in
+// float) read twice. Then each output alone: the loss (an evaluation), the gradient.
 TEST_CASE_TEMPLATE("cross-entropy fused with its statistics", T, ELEMENT_TYPES) {
-  for (const int Vp : {1040, 1004, 50304, 131072}) {
+  for (const int Vp : {1040, 1004, 1001, 50304, 131072}) {
     CAPTURE(Vp);
     const int N = 7, V = Vp == 1004 ? 1000 : Vp - 40;
     if (Vp % 8 == 0 && ck::detail::device_is_sm80_or_later()) {
@@ -702,6 +713,19 @@ TEST_CASE_TEMPLATE("cross-entropy fused with its statistics", T, ELEMENT_TYPES) 
     CHECK_CLOSE(loss_exact, down(dloss), fp32_elem);
     CHECK_CLOSE(loss_exact, loss, fp32_sum);  // the host's, for comparison
     CHECK_CLOSE(dlog, down(dl), bound<T>(fp32_elem));
+
+    auto dl_kept = up(logits);
+    Buffer<float, Cuda> loss_only(N);
+    ck::crossentropy_fused(stream(), loss_only.data(), static_cast<T*>(nullptr), static_cast<float*>(nullptr),
+                           static_cast<float*>(nullptr), static_cast<float*>(nullptr), dl_kept.data(), dtargets.data(),
+                           N, Vp, V, 1.0 / N);
+    CHECK(down(loss_only) == down(dloss));
+    CHECK(down(dl_kept) == logits);  // read only
+    auto dl_grad_only = up(logits);
+    ck::crossentropy_fused(stream(), static_cast<float*>(nullptr), dl_grad_only.data(), static_cast<float*>(nullptr),
+                           static_cast<float*>(nullptr), static_cast<float*>(nullptr), dl_grad_only.data(),
+                           dtargets.data(), N, Vp, V, 1.0 / N);
+    CHECK(down(dl_grad_only) == down(dl));
   }
 }
 
@@ -791,6 +815,19 @@ TEST_CASE_TEMPLATE("AdamW over chunks: a block per chunk, each with its decay, t
   hk::adamw_update(p_no.data(), master_no.data(), c.grad.data(), m_no.data(), v_no.data(), 300, 1e-3, 0.9, 0.95, 1e-8,
                    0.0, 4, f);
   for (std::size_t i = 0; i < 300; ++i) CHECK(master_no[i] == c.master[i]);
+  if constexpr (std::is_same_v<T, float>) {  // no masters: the update on the parameters themselves
+    auto p2 = c.master0, m2 = c.m0, v2 = c.v0;
+    auto dp2 = up(p2), dm2 = up(m2), dv2 = up(v2);
+    hk::adamw_update_chunks(p2.data(), static_cast<float*>(nullptr), c.grad.data(), m2.data(), v2.data(),
+                            chunks.data(), chunks.size(), &at, 0.9, 0.95, 1e-8, 0.1,
+                            fived::GradClip{&total, max_norm});
+    ck::adamw_update_chunks(stream(), dp2.data(), static_cast<float*>(nullptr), c.dgrad.data(), dm2.data(),
+                            dv2.data(), dchunks.data(), chunks.size(), dat.data(), 0.9, 0.95, 1e-8, 0.1,
+                            fived::GradClip{dtotal.data(), max_norm});
+    CHECK_CLOSE(p2, down(dp2), fp32_elem);
+    CHECK_CLOSE(m2, down(dm2), fp32_elem);
+    CHECK_CLOSE(v2, down(dv2), fp32_elem);
+  }
 }
 
 TEST_CASE_TEMPLATE("AdamW over chunks whose parameters and gradients lie elsewhere (a ZeRO rank's packed pieces)", T,

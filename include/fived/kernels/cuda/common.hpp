@@ -75,10 +75,11 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 // The sum of every thread's double over a block of Threads threads (a power of two), as a
-// fixed-order tree: the same bits run to run. `part` is __shared__ double[Threads]; thread 0
-// gets the result.
+// fixed-order tree: the same bits run to run. `part` is __shared__ double[Threads]; every
+// thread gets the result.
 template <int Threads>
 __device__ __forceinline__ double block_sum_in_order(double v, double* part) {
+  __syncthreads();  // part[0] may still be read by a previous call
   part[threadIdx.x] = v;
   __syncthreads();
   for (int half = Threads / 2; half > 0; half /= 2) {
@@ -485,8 +486,12 @@ int resident_blocks(Kernel kernel, int threads, int smem = 0) {
 
 // Wide > 1 with `wide` true: 16-byte reads (f has at<Wide>; the caller checked that N is a
 // multiple of Wide and every row pointer f reads is 16-byte aligned). Otherwise one column a thread.
+// M and N are positive: what an empty sum leaves in `out` (stored zeros, or nothing added) is the
+// caller's to say.
 template <int Wide = 1, class F, class Out>
 void column_reduce(cudaStream_t stream, F f, Out out, int M, int N, bool wide = false) {
+  detail::require(M > 0 && N > 0, "column_reduce",
+                  "needs M > 0 and N > 0 (M=" + std::to_string(M) + ", N=" + std::to_string(N) + ")");
   auto launch = [&](auto width) {
     constexpr int W = decltype(width)::value;
     const int col_blocks = (N + 32 * W - 1) / (32 * W);

@@ -254,9 +254,13 @@ int staged_row_bytes(int Vp) {
   // SM; that also keeps the request under the opt-in limit less the static shared memory, which
   // cudaFuncSetAttribute would refuse (an error, not the fallback).
   const long static_bytes = 32 * static_cast<long>(sizeof(float)) + 1024;
-  if (!device_is_sm80_or_later() || 2 * (bytes + static_bytes) > per_sm) return answer;
+  const long largest = per_sm / 2 - static_bytes;
+  if (!device_is_sm80_or_later() || bytes > largest) return answer;
   const auto kernel = crossentropy_staged_kernel<T, ce_block>;
-  allow_dynamic_smem(kernel, static_cast<std::size_t>(bytes));
+  // The kernel's limit is the device's and shared by every thread: set to the largest row any
+  // of them stages, not this one's, so that a thread asking for a shorter row cannot lower it
+  // under another's cached answer.
+  allow_dynamic_smem(kernel, static_cast<std::size_t>(largest));
   if (resident_blocks(kernel, ce_block, static_cast<int>(bytes)) >= 2) answer = static_cast<int>(bytes);
   return answer;
 }

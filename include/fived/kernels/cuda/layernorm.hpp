@@ -322,7 +322,8 @@ void norm_backward(cudaStream_t stream, T* dinp, T* dweight, T* dbias, const T* 
     constexpr int threads = 32 * norm_rows_per_block;
     if (K > 0 && param_grads) {
       constexpr int smem = static_cast<int>(norm_rows_per_block * K * 32 * W * sizeof(float2));  // 64 KB at most
-      static const int per_sm = (allow_dynamic_smem(kernel, smem), resident_blocks(kernel, threads, smem));
+      allow_dynamic_smem(kernel, smem);  // every launch: the limit is per device
+      static const int per_sm = resident_blocks(kernel, threads, smem);
       const int resident = per_sm * sm_count();
       const int rows = (N + resident * norm_rows_per_block - 1) / (resident * norm_rows_per_block) * norm_rows_per_block;
       const int blocks = (N + rows - 1) / rows;

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 
@@ -34,9 +35,10 @@
 namespace fived::kernels::cuda {
 
 // Device memory dispatch_plan works in, kept between calls (one per caller, e.g. per
-// Ops<T, Cuda>): it grows when a larger N*k or E arrives and is reused as it is otherwise, so
-// a steady-state step allocates nothing. dispatch_plan waits for the stream before it returns,
-// so the previous call's work on these buffers is complete whenever they are replaced.
+// Ops<T, Cuda>, whose calls share one stream): it grows when a larger N*k or E arrives and is
+// reused as it is otherwise, so a steady-state step allocates nothing. Growing waits for the
+// stream first (the padded plan does not wait, so the previous call's sort may still read the
+// old buffers), and is refused while the stream is captured: a graph cannot allocate or wait.
 struct DispatchScratch {
   Buffer<int, Cuda> keys;            // [N*k] expert ids, an id outside [0, E) as E (sorted last)
   Buffer<int, Cuda> keys_sorted;     // [N*k] those, sorted
@@ -45,18 +47,36 @@ struct DispatchScratch {
   Buffer<unsigned char, Cuda> temp;  // CUB's temporary storage
   Buffer<int, Cuda> meta;            // [4E+1]: counts, bad ids, kept counts, offsets of both
 
-  void reserve(std::size_t n, int E) {
+  void reserve(cudaStream_t stream, std::size_t n, int E) {
     if (keys_sorted.size() < n) {
+      before_growing(stream, "N*k = " + std::to_string(n));
       keys = Buffer<int, Cuda>(n);
       keys_sorted = Buffer<int, Cuda>(n);
       values = Buffer<int, Cuda>(n);
       values_sorted = Buffer<int, Cuda>(n);
     }
     const std::size_t m = 4 * static_cast<std::size_t>(E) + 1;
-    if (meta.size() < m) meta = Buffer<int, Cuda>(m);
+    if (meta.size() < m) {
+      before_growing(stream, "E = " + std::to_string(E));
+      meta = Buffer<int, Cuda>(m);
+    }
   }
-  void reserve_temp(std::size_t bytes) {
-    if (temp.size() < bytes) temp = Buffer<unsigned char, Cuda>(bytes);
+  void reserve_temp(cudaStream_t stream, std::size_t bytes) {
+    if (temp.size() < bytes) {
+      before_growing(stream, std::to_string(bytes) + " bytes of sort storage");
+      temp = Buffer<unsigned char, Cuda>(bytes);
+    }
+  }
+
+ private:
+  static void before_growing(cudaStream_t stream, const std::string& what) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    FIVED_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    if (status != cudaStreamCaptureStatusNone)
+      throw std::logic_error("fived::kernels::cuda::dispatch_plan: its scratch must grow (" + what +
+                             ") while the stream is captured into a CUDA graph; run one plain step of the largest "
+                             "shape before capturing");
+    FIVED_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
 };
 
@@ -232,20 +252,20 @@ inline void dispatch_plan(cudaStream_t stream, DispatchScratch& scratch, int* to
   detail::require(E <= (0x7fffffff - 1) / 4, "dispatch_plan", "E is too large");
   detail::require(!padded || capacity >= 0, "dispatch_plan", "padded rows need a capacity (capacity_factor > 0)");
   const int n = N * k;
-  if (padded)  // every slot empty (-1) until an assignment takes it
+  if (padded && static_cast<long long>(E) * capacity > 0)  // every slot empty (-1) until an assignment takes it
     FIVED_CUDA_CHECK(cudaMemsetAsync(token_of, 0xff, static_cast<std::size_t>(E) * capacity * sizeof(int), stream));
   if (n == 0) {
     FIVED_CUDA_CHECK(cudaMemsetAsync(loads, 0, static_cast<std::size_t>(E) * sizeof(float), stream));
     if (host_counts != nullptr) std::fill_n(host_counts, E, 0);
     return;
   }
-  scratch.reserve(static_cast<std::size_t>(n), E);
+  scratch.reserve(stream, static_cast<std::size_t>(n), E);
   const int bits = detail::row_key_bits(E);  // keys 0 .. E (E: a bad id)
   std::size_t temp_bytes = 0;
   FIVED_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, scratch.keys.data(), scratch.keys_sorted.data(),
                                                    scratch.values.data(), scratch.values_sorted.data(), n, 0, bits,
                                                    stream));
-  scratch.reserve_temp(temp_bytes);
+  scratch.reserve_temp(stream, temp_bytes);
   int* meta = scratch.meta.data();
 
   FIVED_CUDA_CHECK(cudaMemsetAsync(meta, 0, (static_cast<std::size_t>(E) + 1) * sizeof(int), stream));
