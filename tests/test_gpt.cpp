@@ -510,21 +510,23 @@ namespace {
 // ids(B*T, 11 + step) with B = 2, T = 8, init seed 7. The first losses are unchanged; the
 // hyperparameters are now given as doubles. bf16 recorded again when AdamW took the clip
 // factor as it reads each gradient: the clipped gradient is no longer rounded to bf16 first
-// (fp32 and fp64 unchanged: the same products).
+// (fp32 and fp64 unchanged: the same products). fp32 and fp64 recorded again when the host's
+// GELU became 0.5 (1 + tanh u) = 1 / (1 + e^-2u): the fp32 losses moved by 7e-10 to 6e-8 of
+// themselves, the fp64 losses kept every bit (only the hashes moved), bf16 all of them.
 struct Recorded {
   const char* what;
   std::uint64_t loss_bits[3];
   std::uint64_t grads_hash, params_hash;
 };
 constexpr Recorded recorded[] = {
-    {"fp32 tied", {0x4010690707829631ull, 0x4010a7ba07c0b53cull, 0x401080c98c135512ull}, 0x5b6851a5eb097aa1ull,
-     0xc60ae9e3ebf34ad4ull},
-    {"fp32 untied", {0x40107ed265995480ull, 0x40102c65c15a96a6ull, 0x4010705c40548578ull}, 0x434df2d1d1c9b1afull,
-     0x87fe7882d98fd23bull},
+    {"fp32 tied", {0x40106907074e9be7ull, 0x4010a7ba05d701fcull, 0x401080c9868324d2ull}, 0x468bb3a2dfcb2ecaull,
+     0xf2ec336c5e2966caull},
+    {"fp32 untied", {0x40107ed264d040b9ull, 0x40102c65c2d865d1ull, 0x4010705c50e5bf85ull}, 0x13cd9402b53751b2ull,
+     0xaae2f69d19528160ull},
     {"bf16 tied", {0x401068f84c0d1d2cull, 0x4010a57d55d8838full, 0x401085b242f418deull}, 0x442425982e7bdbe2ull,
      0x368d087048b26624ull},
-    {"fp64 tied", {0x40106907071e9048ull, 0x4010a7ba01b0490dull, 0x401080c97caf9872ull}, 0x8b22a0d06ca5d06aull,
-     0x97cdf1247bad84a4ull},
+    {"fp64 tied", {0x40106907071e9048ull, 0x4010a7ba01b0490dull, 0x401080c97caf9872ull}, 0x38dd6aa832d6e919ull,
+     0x8f833fa1ec34021full},
 };
 
 struct rec_tiny : gpt_config {
