@@ -18,13 +18,16 @@ namespace fived::kernels::host {
 namespace detail_gelu {
 
 // Both through 0.5 (1 + tanh u) = s = 1 / (1 + e), e = e^-2u, as the CUDA kernels
-// (kernels/cuda/common.hpp): one exponential and no tanh (glibc's is several times its exp, a
-// fifth of the demo's time), and no cancellation where tanh u nears -1.
+// (kernels/cuda/common.hpp): one exponential and no tanh (glibc's is several times its exp; it
+// was a fifth of the demo's time), and no cancellation where tanh u nears -1.
+template <class A>
+inline constexpr A two_k = static_cast<A>(2 * 0.7978845608028654);  // 2 sqrt(2/pi)
+template <class A>
+inline constexpr A cubic = static_cast<A>(0.044715);
+
 template <class A>
 inline A two_u(A x) {  // 2u = 2 sqrt(2/pi) (x + 0.044715 x^3)
-  const A k2 = static_cast<A>(2 * 0.7978845608028654);
-  const A c = static_cast<A>(0.044715);
-  return k2 * x * (static_cast<A>(1) + c * x * x);
+  return two_k<A> * x * (static_cast<A>(1) + cubic<A> * x * x);
 }
 
 template <class A>
@@ -37,13 +40,11 @@ inline A gelu(A x) {
 // precision.
 template <class A>
 inline A gelu_grad(A x) {
-  const A k2 = static_cast<A>(2 * 0.7978845608028654);
-  const A c = static_cast<A>(0.044715);
   const A minus_2u = -two_u(x);
   if (minus_2u > static_cast<A>(sizeof(A) == sizeof(float) ? 88 : 709)) return static_cast<A>(0);
   const A e = std::exp(minus_2u);
   const A s = static_cast<A>(1) / (static_cast<A>(1) + e);
-  return s + x * (e * s * s) * k2 * (static_cast<A>(1) + static_cast<A>(3) * c * x * x);
+  return s + x * (e * s * s) * two_k<A> * (static_cast<A>(1) + static_cast<A>(3) * cubic<A> * x * x);
 }
 
 }  // namespace detail_gelu
