@@ -16,8 +16,10 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <limits>
 #include <numbers>
@@ -181,6 +183,34 @@ TEST_CASE("matmul forward: all four transposes, bias, accumulate, gelu epilogue,
     for (std::size_t i = 0; i < ref.size(); ++i) gref[i] = gelu_ref(ref[i]);
     CHECK(max_rel_error(pre, ref) < exact_bound);
     CHECK(max_rel_error(g, gref) < exact_bound);
+  }
+}
+
+TEST_CASE("matmul in float: the same bits as a plain loop adding k by k, whichever register tile the CPU runs") {
+  // N 40 is five strips of 8 columns: on an AVX CPU two pairs go through the wide tile and the
+  // fifth through the 16-byte one, so both meet one plain loop here. 300 x 140 crosses the
+  // tiles as above (the last column tile is 44 wide: six strips).
+  for (Dims d : {Dims{9, 40, 130, false, false}, Dims{9, 40, 130, true, true}, Dims{70, 300, 140, false, true},
+                 Dims{70, 300, 140, true, false}}) {
+    CAPTURE(d.N);
+    CAPTURE(d.ta);
+    CAPTURE(d.tb);
+    const auto a = to<float>(random_vec(static_cast<std::size_t>(d.M) * d.K, 5));
+    const auto b = to<float>(random_vec(static_cast<std::size_t>(d.K) * d.N, 6));
+    const auto bias = to<float>(random_vec(static_cast<std::size_t>(d.N), 7));
+    std::vector<float> out(static_cast<std::size_t>(d.M) * d.N);
+    k::matmul(out.data(), a.data(), b.data(), bias.data(), d.M, d.N, d.K, d.ta, d.tb);
+    std::size_t differ = 0;
+    for (int i = 0; i < d.M; ++i)
+      for (int j = 0; j < d.N; ++j) {
+        float s = 0;
+        for (int kk = 0; kk < d.K; ++kk)
+          s += (d.ta ? a[static_cast<std::size_t>(kk) * d.M + i] : a[static_cast<std::size_t>(i) * d.K + kk]) *
+               (d.tb ? b[static_cast<std::size_t>(j) * d.K + kk] : b[static_cast<std::size_t>(kk) * d.N + j]);
+        s += bias[static_cast<std::size_t>(j)];
+        differ += std::bit_cast<std::uint32_t>(s) != std::bit_cast<std::uint32_t>(out[static_cast<std::size_t>(i) * d.N + j]);
+      }
+    CHECK(differ == 0);
   }
 }
 
