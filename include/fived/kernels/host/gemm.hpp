@@ -175,6 +175,36 @@ __attribute__((target("avx"))) inline void register_tile_wide(A* acc, std::size_
 
 constexpr std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
 
+// One slice of an operand, packed into panels W wide (MR rows of op(a), NR columns of op(b)):
+// dst[x / W * kc * W + k * W + x % W] = src(k, x) in acc_t for k < kc, x < n, and zeros for
+// n <= x < xp (xp: n rounded up to W). src(k, x) = src[k * ks + x * xs]: the copy walks x
+// innermost where xs is 1 and k innermost otherwise, as the operand is stored, so that the
+// reads are contiguous.
+template <std::size_t W, class A, class T>
+void pack_panels(A* __restrict dst, const T* __restrict src, std::size_t ks, std::size_t xs, std::size_t kc,
+                 std::size_t n, std::size_t xp) {
+  if (xs == 1) {
+    for (std::size_t k = 0; k < kc; ++k) {
+      const T* row = src + k * ks;
+      for (std::size_t x0 = 0; x0 < xp; x0 += W) {
+        A* d = dst + x0 * kc + k * W;
+        if (x0 + W <= n)
+          for (std::size_t l = 0; l < W; ++l) d[l] = static_cast<A>(row[x0 + l]);
+        else
+          for (std::size_t l = 0; l < W; ++l) d[l] = x0 + l < n ? static_cast<A>(row[x0 + l]) : A(0);
+      }
+    }
+  } else {
+    for (std::size_t x = 0; x < xp; ++x) {
+      A* d = dst + x / W * kc * W + x % W;
+      if (x < n)
+        for (std::size_t k = 0; k < kc; ++k) d[k * W] = static_cast<A>(src[x * xs + k * ks]);
+      else
+        for (std::size_t k = 0; k < kc; ++k) d[k * W] = A(0);
+    }
+  }
+}
+
 }  // namespace detail_gemm
 
 template <class T>
@@ -197,13 +227,6 @@ void matmul(T* out, const T* a, const T* b, const std::type_identity_t<T>* bias,
 
   const std::size_t sM = static_cast<std::size_t>(M), sN = static_cast<std::size_t>(N),
                     sK = static_cast<std::size_t>(K);
-  // op(a)(i,k) and op(b)(k,j) as loads in acc_t.
-  auto A_at = [&](std::size_t i, std::size_t k) -> A {
-    return static_cast<A>(trans_a ? a[k * sM + i] : a[i * sK + k]);
-  };
-  auto B_at = [&](std::size_t k, std::size_t j) -> A {
-    return static_cast<A>(trans_b ? b[j * sK + k] : b[k * sN + j]);
-  };
 
   // The tile is padded to whole register tiles (MR rows, NR columns; the padding of op(a) and
   // op(b) is zeros, its sums are not read), so one register tile computes it all. Scratch sized
@@ -223,19 +246,11 @@ void matmul(T* out, const T* a, const T* b, const std::type_identity_t<T>* bias,
       std::fill(acc, acc + mp * ldc, A(0));
       for (std::size_t k0 = 0; k0 < sK; k0 += KC) {
         const std::size_t kc = std::min<std::size_t>(KC, sK - k0);
-        // Packed in the order a and b are stored, so that the reads are contiguous.
-        auto pack_b = [&](std::size_t k, std::size_t j) {
-          bp[j / nr * kc * nr + k * nr + j % nr] = j < nc ? B_at(k0 + k, j0 + j) : A(0);
-        };
-        auto pack_a = [&](std::size_t i, std::size_t k) {
-          ap[i / MR * kc * MR + k * MR + i % MR] = i < mc ? A_at(i0 + i, k0 + k) : A(0);
-        };
-        for (std::size_t outer = 0; outer < (trans_b ? ldc : kc); ++outer)
-          for (std::size_t inner = 0; inner < (trans_b ? kc : ldc); ++inner)
-            trans_b ? pack_b(inner, outer) : pack_b(outer, inner);
-        for (std::size_t outer = 0; outer < (trans_a ? kc : mp); ++outer)
-          for (std::size_t inner = 0; inner < (trans_a ? mp : kc); ++inner)
-            trans_a ? pack_a(inner, outer) : pack_a(outer, inner);
+        // op(b)(k, j) is b[k * N + j], or b[j * K + k] when trans_b; op(a)(i, k) likewise.
+        if (trans_b) pack_panels<nr>(bp, b + j0 * sK + k0, 1, sK, kc, nc, ldc);
+        else pack_panels<nr>(bp, b + k0 * sN + j0, sN, 1, kc, nc, ldc);
+        if (trans_a) pack_panels<MR>(ap, a + k0 * sM + i0, sM, 1, kc, mc, mp);
+        else pack_panels<MR>(ap, a + i0 * sK + k0, 1, sK, kc, mc, mp);
         // Strip by strip, so that a strip of op(b) (kc x NR) stays in L1 while every panel of
         // op(a) passes it.
         std::size_t j = 0;
