@@ -165,7 +165,6 @@ void run(int n, F&& fn, RunOptions opts = {}) {
         std::lock_guard lk(world->mu);
         world->finished[r] = true;
         world->check_deadlock();
-        world->cv.notify_all();
       });
     } catch (const std::system_error& e) {
       could_not_start(r, e);

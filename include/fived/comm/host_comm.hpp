@@ -140,10 +140,10 @@ class Comm {
       const auto* b = reinterpret_cast<const std::byte*>(s.buf.data());
       group_->mailbox[{rank_, s.peer}].push_back({dtype_of<T>, std::vector<std::byte>(b, b + s.buf.size_bytes())});
     }
-    world_->cv.notify_all();
+    group_->cv.notify_all();
     for (const auto& r : recvs) {
       auto& box = group_->mailbox[{r.peer, rank_}];
-      world_->wait(lk, world_rank(), "send_recv (receive from rank " + std::to_string(group_->members[r.peer]) + ") on group " +
+      world_->wait(lk, *group_, world_rank(), "send_recv (receive from rank " + std::to_string(group_->members[r.peer]) + ") on group " +
                                          group_->describe(),
                    [&box] { return !box.empty(); });
       detail::Message m = std::move(box.front());
@@ -317,9 +317,9 @@ class Comm {
         }
         if (on_complete) on_complete(g);
         g.ready = true;
-        w.cv.notify_all();
+        g.cv.notify_all();
       } else {
-        w.wait(lk, me, what, [&g] { return g.ready; });
+        w.wait(lk, g, me, what, [&g] { return g.ready; });
       }
     }
     // Depart even if reading fails: peers may still be reading this rank's buffers.
@@ -335,10 +335,10 @@ class Comm {
         g.arrived = g.departed = 0;
         g.ready = false;
         ++g.generation;
-        w.cv.notify_all();
+        g.cv.notify_all();
       } else {
         const auto gen = g.generation;
-        w.wait_uninterruptible(lk, [&g, gen] { return g.generation != gen; });
+        w.wait_uninterruptible(lk, g, [&g, gen] { return g.generation != gen; });
       }
       g.inside[rank_] = 0;
     }
