@@ -96,40 +96,41 @@ struct vector_of {
 template <class A>
 using vec = typename vector_of<A>::type;
 
-template <class A>
-inline void load(vec<A>& v, const A* p) {
-  std::memcpy(&v, p, sizeof v);
-}
-template <class A>
-inline void store(A* p, const vec<A>& v) {
-  std::memcpy(p, &v, sizeof v);
+// acc[MR, 2 w] (row stride ldc) += ap * [b0 | b1] over one slice of depth kc, in vectors V of w
+// lanes: ap is the slice of op(a) for these rows (ap[k * MR + r]); the tile's left and right
+// halves are the columns of op(b) at b0[k * NR + l] and b1[k * NR + l], l < w. The sum runs k
+// by k onto what acc holds, as a plain i-k-j loop adds: the tiling does not change a result.
+// Always inlined, so that it is compiled for the instruction set of its caller.
+template <class V, class A>
+[[gnu::always_inline]] inline void tile_sums(A* acc, std::size_t ldc, const A* __restrict ap, const A* __restrict b0,
+                                             const A* __restrict b1, std::size_t kc) {
+  static_assert(MR == 4, "tile_sums names its rows: c0x .. c3x");
+  constexpr std::size_t w = sizeof(V) / sizeof(A);
+  auto load = [](V& v, const A* p) { std::memcpy(&v, p, sizeof v); };
+  auto store = [](A* p, const V& v) { std::memcpy(p, &v, sizeof v); };
+  V c00, c01, c10, c11, c20, c21, c30, c31, v0, v1;
+  load(c00, acc), load(c01, acc + w), load(c10, acc + ldc), load(c11, acc + ldc + w);
+  load(c20, acc + 2 * ldc), load(c21, acc + 2 * ldc + w), load(c30, acc + 3 * ldc), load(c31, acc + 3 * ldc + w);
+  for (std::size_t k = 0; k < kc; ++k, ap += MR, b0 += NR<A>, b1 += NR<A>) {
+    load(v0, b0), load(v1, b1);
+    c00 += ap[0] * v0, c01 += ap[0] * v1;
+    c10 += ap[1] * v0, c11 += ap[1] * v1;
+    c20 += ap[2] * v0, c21 += ap[2] * v1;
+    c30 += ap[3] * v0, c31 += ap[3] * v1;
+  }
+  store(acc, c00), store(acc + w, c01), store(acc + ldc, c10), store(acc + ldc + w, c11);
+  store(acc + 2 * ldc, c20), store(acc + 2 * ldc + w, c21), store(acc + 3 * ldc, c30), store(acc + 3 * ldc + w, c31);
 }
 
-// acc[MR, NR] (row stride ldc) += ap * bp over one slice of depth kc: ap is the slice of op(a)
-// for these rows (ap[k * MR + r]), bp a strip of op(b) NR columns wide (bp[k * NR + j]). The
-// sum runs k by k onto what acc holds, as a plain i-k-j loop adds: the tiling does not change
-// a result.
+// One strip of op(b) (bp[k * NR + j]) against MR rows: the strip's row is two 16-byte vectors.
 template <class A>
 inline void register_tile(A* acc, std::size_t ldc, const A* __restrict ap, const A* __restrict bp, std::size_t kc) {
-  static_assert(MR == 4, "register_tile names its rows: c0x .. c3x");
-  constexpr std::size_t v = VL<A>;
-  vec<A> c00, c01, c10, c11, c20, c21, c30, c31, b0, b1;
-  load(c00, acc), load(c01, acc + v), load(c10, acc + ldc), load(c11, acc + ldc + v);
-  load(c20, acc + 2 * ldc), load(c21, acc + 2 * ldc + v), load(c30, acc + 3 * ldc), load(c31, acc + 3 * ldc + v);
-  for (std::size_t k = 0; k < kc; ++k, ap += MR, bp += NR<A>) {
-    load(b0, bp), load(b1, bp + v);
-    c00 += ap[0] * b0, c01 += ap[0] * b1;
-    c10 += ap[1] * b0, c11 += ap[1] * b1;
-    c20 += ap[2] * b0, c21 += ap[2] * b1;
-    c30 += ap[3] * b0, c31 += ap[3] * b1;
-  }
-  store(acc, c00), store(acc + v, c01), store(acc + ldc, c10), store(acc + ldc + v, c11);
-  store(acc + 2 * ldc, c20), store(acc + 2 * ldc + v, c21), store(acc + 3 * ldc, c30), store(acc + 3 * ldc + v, c31);
+  tile_sums<vec<A>>(acc, ldc, ap, bp, bp + VL<A>, kc);
 }
 
 // The same register tile two strips wide, in 32-byte AVX vectors: a strip's row of NR lanes is
-// one vector, so two neighbouring strips (bp0, and bp1 = bp0 + kc * NR) make a tile of MR x 2 NR.
-// Each lane gets the same products, added in the same order, as register_tile gives it, so the
+// one vector, so two neighbouring strips (bp, and bp + kc * NR) make a tile of MR x 2 NR. Each
+// lane gets the same products, added in the same order, as register_tile gives it, so the
 // result is the same to the bit; only the instructions are twice as wide. AVX without FMA: a
 // fused multiply-add would round once where the plain loop rounds twice. Compiled for AVX
 // whatever the build's flags (target attribute), run only where the CPU has it (has_avx).
@@ -145,28 +146,10 @@ struct wide_vector_of {
 };
 template <class A>
 __attribute__((target("avx"))) inline void register_tile_wide(A* acc, std::size_t ldc, const A* __restrict ap,
-                                                              const A* __restrict bp0, std::size_t kc) {
-  static_assert(MR == 4 && sizeof(typename wide_vector_of<A>::type) == NR<A> * sizeof(A),
-                "register_tile_wide: a vector is one strip's row");
+                                                              const A* __restrict bp, std::size_t kc) {
   using W = typename wide_vector_of<A>::type;
-  constexpr std::size_t n = NR<A>;
-  const A* __restrict bp1 = bp0 + kc * n;
-  W c00, c01, c10, c11, c20, c21, c30, c31, b0, b1;
-  std::memcpy(&c00, acc, sizeof(W)), std::memcpy(&c01, acc + n, sizeof(W));
-  std::memcpy(&c10, acc + ldc, sizeof(W)), std::memcpy(&c11, acc + ldc + n, sizeof(W));
-  std::memcpy(&c20, acc + 2 * ldc, sizeof(W)), std::memcpy(&c21, acc + 2 * ldc + n, sizeof(W));
-  std::memcpy(&c30, acc + 3 * ldc, sizeof(W)), std::memcpy(&c31, acc + 3 * ldc + n, sizeof(W));
-  for (std::size_t k = 0; k < kc; ++k, ap += MR, bp0 += n, bp1 += n) {
-    std::memcpy(&b0, bp0, sizeof(W)), std::memcpy(&b1, bp1, sizeof(W));
-    c00 += ap[0] * b0, c01 += ap[0] * b1;
-    c10 += ap[1] * b0, c11 += ap[1] * b1;
-    c20 += ap[2] * b0, c21 += ap[2] * b1;
-    c30 += ap[3] * b0, c31 += ap[3] * b1;
-  }
-  std::memcpy(acc, &c00, sizeof(W)), std::memcpy(acc + n, &c01, sizeof(W));
-  std::memcpy(acc + ldc, &c10, sizeof(W)), std::memcpy(acc + ldc + n, &c11, sizeof(W));
-  std::memcpy(acc + 2 * ldc, &c20, sizeof(W)), std::memcpy(acc + 2 * ldc + n, &c21, sizeof(W));
-  std::memcpy(acc + 3 * ldc, &c30, sizeof(W)), std::memcpy(acc + 3 * ldc + n, &c31, sizeof(W));
+  static_assert(sizeof(W) == NR<A> * sizeof(A), "register_tile_wide: a vector is one strip's row");
+  tile_sums<W>(acc, ldc, ap, bp, bp + kc * NR<A>, kc);
   // Clears the vectors' upper halves for the SSE code that follows, which would otherwise be
   // slowed (GCC adds this itself at -O2, not at the tests' -O1).
   __builtin_ia32_vzeroupper();
