@@ -134,10 +134,14 @@ inline void register_tile(A* acc, std::size_t ldc, const A* __restrict ap, const
 // result is the same to the bit; only the instructions are twice as wide. AVX without FMA: a
 // fused multiply-add would round once where the plain loop rounds twice. Compiled for AVX
 // whatever the build's flags (target attribute), run only where the CPU has it (has_avx).
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+// x86-64 only: a 32-bit build may compute the 16-byte tile's and the plain loop's sums on x87,
+// in more precision than the AVX tile's, and the bits would then depend on the CPU.
+#if defined(__GNUC__) && defined(__x86_64__)
 #define FIVED_HOST_GEMM_AVX 1
 inline bool has_avx() {
-  static const bool avx = __builtin_cpu_supports("avx");
+  // __builtin_cpu_init first: a GEMM called from a static initializer may run before the
+  // CPU model is read, and would otherwise take the narrow tile for the whole run.
+  static const bool avx = (__builtin_cpu_init(), __builtin_cpu_supports("avx"));
   return avx;
 }
 template <class A>
