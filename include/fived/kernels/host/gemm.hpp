@@ -15,7 +15,7 @@
 // inner loop whatever trans_a and trans_b are, padded with zeros to whole register tiles).
 // The inner loop keeps a register tile of MR x NR sums in vector registers for the whole
 // slice (GCC/Clang vector types, so at -O1 too, as the tests build), reading one packed row of
-// op(b) per four rows. On an x86 CPU with AVX (picked at run time, whatever the build's flags)
+// op(b) per four rows. On an x86-64 CPU with AVX (picked at run time, whatever the build's flags)
 // the tile is two strips wide in 32-byte vectors, about twice as fast, with the same bits. Every
 // sum is still added k by k in order, as a plain loop would, so the result does not depend on
 // the blocking or on the CPU. Accumulation is always in acc_t<T> (float for
@@ -241,7 +241,7 @@ void matmul(T* out, const T* a, const T* b, const std::type_identity_t<T>* bias,
         // Strip by strip, so that a strip of op(b) (kc x NR) stays in L1 while every panel of
         // op(a) passes it.
         std::size_t j = 0;
-#if FIVED_HOST_GEMM_AVX
+#ifdef FIVED_HOST_GEMM_AVX
         if (has_avx())
           for (; j + 2 * nr <= ldc; j += 2 * nr)
             for (std::size_t i = 0; i < mp; i += MR)
