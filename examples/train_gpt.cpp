@@ -1,7 +1,7 @@
 // Train a small byte-level GPT (or Llama) on a mesh chosen on the command line.
 //
-//   train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] [--seq T]
-//             [--lr LR] [--seed S] [--log-every N] [--init in.safetensors] [--save out.safetensors]
+//   train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--data-order random|epochs]
+//             [--steps N] [--batch B] [--seq T] [--lr LR] [--seed S] [--log-every N] [--init in.safetensors] [--save out.safetensors]
 //             [--checkpoints DIR [--save-every N]
 //             [--keep-last N] [--resume | --resume-from STEP]] [--serial] [--step-graph] [--list-meshes]
 //
@@ -26,7 +26,11 @@
 // this model); without either, generated lines of additions ("07+45=052"), whose loss falls
 // visibly within a minute on two CPU cores. The last 10% is held out. Every run with the same
 // --seed draws the same batches and starts from the same weights on every mesh, so the
-// meshes' losses agree to the printed digits.
+// meshes' losses agree to the printed digits. A training window starts at a random place
+// (--data-order random, the default), or the training part is cut into windows drawn each once
+// an epoch in a shuffled order (--data-order epochs: BatchSampler's SampleOrder::epochs); both
+// are functions of the seed and the step, so a resumed run goes on with the batches it would
+// have drawn.
 //
 // Prints a progress line every --log-every steps (loss, learning rate, gradient norm,
 // tokens/s, tokens/s per GPU, MFU against the device's own peak on CUDA, memory), the held-out
@@ -131,7 +135,7 @@ template <class F>
 using serial_of = typename F::template type<Mesh<>, Host, NoSequenceParallel>;  // sampling, held-out loss, --save
 
 struct Options {
-  std::string file, tokens, init, save, mesh = "dp2.tp2", checkpoints, model = "gpt";
+  std::string file, tokens, init, save, mesh = "dp2.tp2", checkpoints, model = "gpt", data_order = "random";
   int steps = 1500, batch = 32, seq = 20, log_every = 0, save_every = 0, keep_last = 0;
   bool resume = false;               // from the newest checkpoint in `checkpoints` that verifies
   std::optional<int> resume_from;    // or from this step
@@ -142,7 +146,8 @@ struct Options {
 
 [[noreturn]] void usage(const std::string& msg) {
   std::fprintf(stderr,
-               "%s\nusage: train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--steps N] [--batch B] "
+               "%s\nusage: train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] "
+               "[--data-order random|epochs] [--steps N] [--batch B] "
                "[--seq T (<= %d)] [--lr LR] [--seed S] [--log-every N] [--init in.safetensors] [--save out.safetensors] "
                "[--checkpoints DIR "
                "[--save-every N] [--keep-last N] [--resume | --resume-from STEP]] [--serial] [--step-graph] [--list-meshes]\n",
@@ -192,11 +197,12 @@ std::map<std::string, std::string> run_record(const Options& opt, const Corpus& 
   std::snprintf(lr, sizeof lr, "%g", opt.lr);
   return {{"model", opt.model}, {"seed", std::to_string(opt.seed)}, {"data", corpus.data.name()},
           {"data_tokens", std::to_string(corpus.data.size())}, {"batch", std::to_string(opt.batch)},
-          {"seq", std::to_string(opt.seq)}, {"lr", lr}, {"steps", std::to_string(opt.steps)}, {"mesh", opt.mesh}};
+          {"seq", std::to_string(opt.seq)}, {"lr", lr}, {"steps", std::to_string(opt.steps)}, {"mesh", opt.mesh},
+          {"data_order", opt.data_order}};
 }
 
 // A resume of another run (model, seed or data differ) is an error saying what differs; the
-// rest (mesh: resharded; steps, batch, seq, lr) is reported.
+// rest (mesh: resharded; steps, batch, seq, lr, data order) is reported.
 std::string compare_runs(const std::map<std::string, std::string>& saved, const std::map<std::string, std::string>& now,
                          bool prints) {
   std::string differs;
@@ -271,6 +277,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--resume") o.resume = true;
     else if (a == "--resume-from") o.resume_from = number<int>(a, value()), o.resume = true;
     else if (a == "--tokens") o.tokens = value();
+    else if (a == "--data-order") o.data_order = value();
     else if (a == "--mesh") o.mesh = value();
     else if (a == "--model") o.model = value();
     else if (a == "--serial") o.mesh = "serial";
@@ -289,6 +296,8 @@ Options parse(int argc, char** argv) {
           ", 0 < --lr < 1, --log-every >= 0");
   if (!o.file.empty() && !o.tokens.empty()) usage("give a text file or --tokens, not both");
   if (o.model != "gpt" && o.model != "llama") usage("unknown --model '" + o.model + "': gpt or llama");
+  if (o.data_order != "random" && o.data_order != "epochs")
+    usage("unknown --data-order '" + o.data_order + "': random (windows anywhere) or epochs (each window once an epoch)");
   if (o.save_every < 0) usage("--save-every must be 0 (at the end only) or more");
   if (o.keep_last < 0) usage("--keep-last must be 0 (keep every step) or more");
   if (o.keep_last > 0 && o.checkpoints.empty()) usage("--keep-last needs --checkpoints DIR");
@@ -386,6 +395,14 @@ Corpus load(const Options& opt) {
   c.split = c.data.size() * 9 / 10;
   if (c.sums) c.split -= c.split % line_length;  // the held-out part starts with a whole line
   return c;
+}
+
+// The windows training draws from: [0, split), in the order --data-order names.
+BatchSampler training_windows(const Options& opt, const Corpus& c) {
+  BatchSampler train(c.data, 0, c.split, opt.seed);
+  if (c.sums) train.align = line_length;
+  if (opt.data_order == "epochs") train.order = SampleOrder::epochs;
+  return train;
 }
 
 // The mean loss of the serial model over `batches` fixed held-out batches; a progress bar on
@@ -495,6 +512,10 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
                 M::pp > 1 ? (", 1F1B over " + std::to_string(micro) + " micro-batches of " + std::to_string(B)).c_str() : "");
     std::printf("training: %d steps, batch %d x seq %d, AdamW lr %g (warmup, cosine)\n", opt.steps, opt.batch, opt.seq,
                 opt.lr);
+    const BatchSampler train = training_windows(opt, corpus);
+    if (train.order == SampleOrder::epochs)
+      std::printf("data: each of %zu windows once an epoch, in a shuffled order: an epoch is %.1f steps\n",
+                  train.windows_per_epoch(opt.seq), static_cast<double>(train.windows_per_epoch(opt.seq)) / opt.batch);
   }
   const TrainerConfig hp{
       .adamw = {.lr = 0, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f, .max_norm = 1.0f},
@@ -546,8 +567,7 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
   if (prints)
     std::printf("held-out loss %.4f %s\n", val_start,
                 first > 1 ? "at the checkpoint" : opt.init.empty() ? "before training" : "from --init");
-  BatchSampler train(corpus.data, 0, corpus.split, opt.seed);
-  if (corpus.sums) train.align = line_length;
+  const BatchSampler train = training_windows(opt, corpus);
   const double seconds = trainer.fit(train, first, opt.steps, B, opt.seq, {opt.log_every, peak, stdout},
                                      [&](int s, double) {
                                        if (!opt.checkpoints.empty() &&
