@@ -34,9 +34,10 @@
 //
 // Prints a progress line every --log-every steps (loss, learning rate, gradient norm,
 // tokens/s, tokens/s per GPU, MFU against the device's own peak on CUDA, memory), the held-out
-// loss every fifth line, then a sample and, on the generated corpus, 40 sums that training
-// never showed completed greedily and "correct: K/40". The trained weights are gathered into
-// the serial model for that and for --save (Hugging Face GPT-2 or LlamaForCausalLM names).
+// loss every fifth line (Trainer::evaluate: on the mesh, forwards only), then a sample and, on
+// the generated corpus, 40 sums that training never showed completed greedily and "correct:
+// K/40". The trained weights are gathered into the serial model for that and for --save
+// (Hugging Face GPT-2 or LlamaForCausalLM names).
 // Exit status 0 when the held-out loss fell (a run from scratch; a resumed or --init run
 // exits 0 once it trained).
 //
@@ -405,20 +406,11 @@ BatchSampler training_windows(const Options& opt, const Corpus& c) {
   return train;
 }
 
-// The mean loss of the serial model over `batches` fixed held-out batches; a progress bar on
-// `bar` (the final, longer evaluation on a terminal).
-template <class Serial>
-double held_out_loss(Serial& model, const Options& opt, const Corpus& c, int batches = 4, std::FILE* bar = nullptr) {
+// The held-out windows: [split, size), at random (the same batches at every evaluation).
+BatchSampler held_out_windows(const Options& opt, const Corpus& c) {
   BatchSampler held(c.data, c.split, c.data.size(), opt.seed + 1);
   if (c.sums) held.align = line_length;
-  std::vector<int> tok, tgt;
-  double sum = 0;
-  for (int i = 0; i < batches; ++i) {
-    held.fill(static_cast<std::uint64_t>(i), 1, opt.batch, opt.seq, tok, tgt);
-    sum += model.forward(tok.data(), tgt.data(), opt.batch, opt.seq);
-    progress_bar(bar, "evaluating", static_cast<std::size_t>(i + 1), static_cast<std::size_t>(batches));
-  }
-  return sum / batches;
+  return held;
 }
 
 // Next token from the model given a context, greedy when temperature is 0. The model sees
@@ -522,13 +514,10 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
       .lr = WarmupCosine{.peak = opt.lr, .warmup = std::max(1, opt.steps / 20), .total = opt.steps, .floor = 0.1},
       .step_graph = opt.step_graph};
   T trainer(ctx, hp, GptInit{opt.seed, 0.02});
-  Serial eval;  // rank 0's serial copy of the trained weights, on the host
-  auto held_out = [&] {  // a collective: every rank gathers, rank 0 evaluates
-    const std::vector<float> w = trainer.serial_params();
-    if (!prints) return 0.0;
-    std::copy(w.begin(), w.end(), eval.params().begin());
-    return held_out_loss(eval, opt, corpus);
-  };
+  // The held-out loss on the mesh as it trains (Trainer::evaluate: forwards only, nothing
+  // gathered); a collective, every rank gets it.
+  const BatchSampler held = held_out_windows(opt, corpus);
+  auto held_out = [&](int batches = 4) { return trainer.evaluate(held, batches, B, opt.seq); };
   const std::map<std::string, std::string> record = run_record(opt, corpus);
   int first = 1;
   if (!opt.init.empty()) {  // every rank reads the file and keeps its part
@@ -580,11 +569,14 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
                                        if (prints) std::printf("held-out loss %.4f at step %d\n", val_end, s);
                                      });
   saved(trainer.wait_for_save());  // the last checkpoint committed before the run reports
+  const int final_batches = 32;
+  const double final_loss = held_out(final_batches);
+  const std::vector<float> w = trainer.serial_params();  // a collective: every rank gathers
   if (!prints) return 0;
   std::printf("trained %d steps in %.1f s\n", opt.steps - first + 1, seconds);
-  const int final_batches = 32;
-  std::printf("held-out loss %.4f over %d batches\n",
-              held_out_loss(eval, opt, corpus, final_batches, isatty(fileno(stderr)) ? stderr : nullptr), final_batches);
+  std::printf("held-out loss %.4f over %d batches\n", final_loss, final_batches);
+  Serial eval;  // the trained weights whole, on the host: samples and completions, --save
+  std::copy(w.begin(), w.end(), eval.params().begin());
   return finish(eval, opt, corpus, val_start, val_end, /*must_fall=*/first == 1 && opt.init.empty());
 }
 

@@ -6,15 +6,16 @@
 // equals the serial GPT trained by the one optimizer step on the same global batches: every
 // step's loss, the dense and the expert weights after the last step. The serial model takes
 // each data rank's rows of a micro-batch as a micro-batch of its own (the balancing loss is
-// a statistic of the micro-batch a replica routes).
+// a statistic of the micro-batch a replica routes). The experts' selection bias moves by
+// their loads, summed over the global batch. Trainer::evaluate, between the steps, gives the
+// serial model's loss on a held-out batch and leaves the steps as they were, bit for bit.
 
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
+#include <string>
 #include <vector>
 
 #include "fived/comm/host.hpp"
@@ -32,6 +33,7 @@ struct five_cfg : gpt_config {
   static constexpr bool tied = false;  // pipeline stages
   static constexpr int experts = 4, top_k = 2, moe_every = 2, mlp_ratio = 2;
   static constexpr double aux_loss_coef = 0.05;
+  using balancing = AuxLossFreeBias;  // an evaluation that counted its loads would move it
   using recompute = SelectiveRecompute;
 };
 struct serial_cfg : five_cfg {
@@ -47,38 +49,62 @@ const TrainerConfig hp{
 struct Result {
   std::vector<double> losses;
   std::vector<float> weights, experts;  // serial layouts
+  std::vector<double> held_out;         // the held-out loss before each step and after the last
 };
 
-// The serial model: `micro` micro-batches of B rows per step, each fed as `data_ranks` of B/data_ranks.
+// The held-out batch: micro micro-batches of [B, T], drawn as no step draws.
+void held_out_batch(int micro, std::vector<int>& tok, std::vector<int>& tgt) {
+  test::global_batch(1000, micro, B, T, five_cfg::vocab, tok, tgt);
+}
+
+// The serial model: `micro` micro-batches of B rows per step, each fed as `data_ranks` of
+// B/data_ranks. The held-out loss: the mean of its forwards over the held-out batch's rows.
 template <class Cfg>
 Result serial_run(int micro, int data_ranks) {
   GPT<Cfg> m(init);
   DataParallel<GPT<Cfg>> dp(m, hp.adamw, micro * data_ranks);
   Result r;
-  std::vector<int> tok, tgt;
+  std::vector<int> tok, tgt, held_tok, held_tgt;
+  held_out_batch(micro, held_tok, held_tgt);
+  const auto held_out = [&] {
+    m.set_training(false);
+    double sum = 0;
+    for (int k = 0; k < micro * data_ranks; ++k) {
+      const std::size_t off = static_cast<std::size_t>(k) * (B / data_ranks) * T;
+      sum += m.forward(held_tok.data() + off, held_tgt.data() + off, B / data_ranks, T);
+    }
+    m.set_training(true);
+    return sum / (micro * data_ranks);
+  };
   for (int s = 1; s <= steps; ++s) {
+    r.held_out.push_back(held_out());
     test::global_batch(s, micro, B, T, Cfg::vocab, tok, tgt);
     dp.optimizer().hp.lr = hp.lr(s);
     r.losses.push_back(dp.step(tok, tgt, B / data_ranks, T));
   }
+  r.held_out.push_back(held_out());
   r.weights.assign(m.params().begin(), m.params().end());
   r.experts.assign(m.expert_params().begin(), m.expert_params().end());
   return r;
 }
 
+// With `evaluating`, Trainer::evaluate on the held-out batch before each step and after the last.
 template <class M, class Policy, class Sched, class SP = SequenceParallel>
-std::vector<Result> trainer_run() {
+std::vector<Result> trainer_run(bool evaluating = false) {
   using Model = GPT<five_cfg, M, float, Host, SP>;
   std::vector<Result> out(M::size);
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
     Trainer<Model, Policy, Sched> t(ctx, hp, init);
     Result& r = out[static_cast<std::size_t>(ctx.rank())];
-    std::vector<int> tok, tgt;
+    std::vector<int> tok, tgt, held_tok, held_tgt;
+    held_out_batch(Sched::table.micro_batches, held_tok, held_tgt);
     for (int s = 1; s <= steps; ++s) {
+      if (evaluating) r.held_out.push_back(t.evaluate(held_tok, held_tgt, B, T));
       test::global_batch(s, Sched::table.micro_batches, B, T, five_cfg::vocab, tok, tgt);
       r.losses.push_back(t.step(s, tok, tgt, B, T));
     }
+    if (evaluating) r.held_out.push_back(t.evaluate(held_tok, held_tgt, B, T));
     r.weights = t.serial_params();
     r.experts = t.serial_expert_params();
   });
@@ -97,6 +123,26 @@ void check_equal(const std::vector<Result>& ranks, const Result& ref) {
   }
 }
 
+// The trainer evaluating between its steps: each held-out loss the serial model's (on every
+// rank), and the steps those of the same trainer not evaluating, bit for bit.
+template <class M, class Policy, class Sched>
+void check_evaluation(const Result& ref) {
+  const std::vector<Result> plain = trainer_run<M, Policy, Sched>(), evaluated = trainer_run<M, Policy, Sched>(true);
+  for (std::size_t rank = 0; rank < evaluated.size(); ++rank) {
+    CAPTURE(rank);
+    const Result& got = evaluated[rank];
+    REQUIRE(got.held_out.size() == ref.held_out.size());
+    for (std::size_t i = 0; i < ref.held_out.size(); ++i) {
+      CAPTURE(i);
+      CHECK(std::abs(got.held_out[i] - ref.held_out[i]) <= 1e-5 * ref.held_out[i]);
+    }
+    CHECK(got.losses == plain[rank].losses);
+    CHECK(got.weights == plain[rank].weights);
+    CHECK(got.experts == plain[rank].experts);
+  }
+  CHECK(ref.held_out.front() > ref.held_out.back());  // training lowered it
+}
+
 }  // namespace
 
 TEST_CASE("5D: Mesh<DP<2>, PP<2>, CP<2>, TP<2>> with EP<2>, MoE in half the blocks, ZeRO-1, 1F1B, selective "
@@ -106,6 +152,14 @@ TEST_CASE("5D: Mesh<DP<2>, PP<2>, CP<2>, TP<2>> with EP<2>, MoE in half the bloc
   using Sched = pipeline::OneFOneB<2, 4>;
   const Result ref = serial_run<serial_cfg>(Sched::table.micro_batches, 2);
   check_equal(trainer_run<M, ZeRO<1>, Sched>(), ref);
+}
+
+TEST_CASE("Trainer::evaluate on the 5D mesh (forwards through both stages, nothing reduced) and on DP 4 x TP 2 under "
+          "ZeRO-3 (units gathered and given back): the serial model's held-out loss; the steps as without it") {
+  using Sched = pipeline::OneFOneB<2, 4>;
+  check_evaluation<Mesh<DP<2>, PP<2>, CP<2>, TP<2>, EP<2>>, ZeRO<1>, Sched>(
+      serial_run<serial_cfg>(Sched::table.micro_batches, 2));
+  check_evaluation<Mesh<DP<4>, TP<2>, EP<2>>, ZeRO<3>, Accumulate<2>>(serial_run<serial_cfg>(2, 4));
 }
 
 TEST_CASE("without a pipeline the trainer accumulates: Mesh<DP<2>, TP<2>> and the serial mesh, 2 micro-batches") {
@@ -119,6 +173,37 @@ TEST_CASE("ZeRO-3 with experts: Mesh<DP<4>, TP<2>, EP<2>> (dense shards over 4 r
   check_equal(trainer_run<Mesh<DP<4>, TP<2>, EP<2>>, ZeRO<3>, Accumulate<2>>(), serial_run<serial_cfg>(2, 4));
 }
 
+TEST_CASE("fit prints a held-out loss every eval_every steps and after the last: evaluate over the held-out "
+          "sampler's first batches") {
+  using Model = GPT<five_cfg, Mesh<>, float, Host, SequenceParallel>;
+  std::string text;  // ids below the model's vocabulary
+  for (int i = 0; i < 4000; ++i) text += static_cast<char>((i * 7 + i / 13) % five_cfg::vocab);
+  const TokenStream data = TokenStream::bytes_of(text);
+  const BatchSampler train(data, 0, 3000, 1), held(data, 3000, 4000, 2);
+  std::string printed;
+  double last = 0;
+  host::run(1, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<Mesh<>>(world);
+    Trainer<Model, NoZeRO, Accumulate<4>> t(ctx, hp, init);
+    std::FILE* out = std::tmpfile();
+    REQUIRE(out != nullptr);
+    t.fit(train, 1, 5, B, T, {.log_every = 5, .out = out, .held_out = &held, .eval_every = 2, .eval_batches = 2},
+          [](int, double) {});
+    last = t.evaluate(held, 2, B, T);
+    std::rewind(out);
+    for (int c; (c = std::fgetc(out)) != EOF;) printed += static_cast<char>(c);
+    std::fclose(out);
+  });
+  CAPTURE(printed);
+  char expected[96];
+  std::snprintf(expected, sizeof expected, "     5   held-out loss %.4f (2 batches)\n", last);
+  CHECK(printed.find("     2   held-out loss ") != std::string::npos);
+  CHECK(printed.find("     4   held-out loss ") != std::string::npos);
+  CHECK(printed.find(expected) != std::string::npos);
+  CHECK(printed.find("     1   held-out") == std::string::npos);
+  CHECK(printed.find("     3   held-out") == std::string::npos);
+}
+
 TEST_CASE("the learning rate warms up linearly, then falls on a cosine to its floor") {
   const WarmupCosine lr{.peak = 1.0, .warmup = 4, .total = 14, .floor = 0.1};
   CHECK(lr(1) == doctest::Approx(0.25));
@@ -126,41 +211,6 @@ TEST_CASE("the learning rate warms up linearly, then falls on a cosine to its fl
   CHECK(lr(9) == doctest::Approx(0.55));  // half way down the cosine
   CHECK(lr(14) == doctest::Approx(0.1));
   CHECK(lr(100) == doctest::Approx(0.1));
-}
-
-TEST_CASE("token files: ids of 2 or 4 bytes, mapped; a bad file is an error that names it") {
-  const auto dir = std::filesystem::temp_directory_path() / "fived_test_trainer";
-  std::filesystem::create_directories(dir);
-  const auto file = dir / "ids.bin";
-  {
-    std::ofstream f(file, std::ios::binary);
-    const unsigned char bytes[] = {1, 0, 2, 1, 52, 0};  // 1, 258, 52 as uint16
-    f.write(reinterpret_cast<const char*>(bytes), sizeof bytes);
-  }
-  const TokenStream s = TokenStream::map_file(file, 2, 300);
-  REQUIRE(s.size() == 3);
-  CHECK(s[0] == 1);
-  CHECK(s[1] == 258);
-  CHECK(s[2] == 52);
-  const TokenStream small = TokenStream::map_file(file, 2, 100);
-  CHECK_THROWS_WITH_AS(small[1], ("TokenStream: " + file.string() + ": token 1 is 258, outside the vocabulary of 100").c_str(),
-                       std::runtime_error);
-  CHECK_THROWS_WITH_AS(TokenStream::map_file(file, 4, 300),
-                       ("TokenStream: " + file.string() + ": 6 bytes is not a whole number of 4-byte token ids").c_str(),
-                       std::runtime_error);
-  CHECK_THROWS_AS(TokenStream::map_file(dir / "missing.bin", 2, 300), std::runtime_error);
-  CHECK_THROWS_WITH_AS(TokenStream::map_file(dir, 2, 300), ("TokenStream: " + dir.string() + ": not a regular file").c_str(),
-                       std::runtime_error);
-  // The sampler: the same batch for the same step, windows inside the part it was given.
-  const TokenStream text = TokenStream::bytes_of("abcdefghijklmnopqrstuvwxyz");
-  const BatchSampler sampler(text, 0, 20, 7);
-  std::vector<int> tok, tgt, tok2, tgt2;
-  sampler.fill(3, 2, 2, 5, tok, tgt);
-  sampler.fill(3, 2, 2, 5, tok2, tgt2);
-  CHECK(tok == tok2);
-  for (std::size_t i = 0; i < tok.size(); ++i) CHECK((tgt[i] == tok[i] + 1 && tgt[i] < 'a' + 20));
-  CHECK_THROWS_AS(sampler.fill(1, 1, 1, 20, tok, tgt), std::invalid_argument);
-  std::filesystem::remove_all(dir);
 }
 
 // ---- a Trainer an outside user drives: given weights, the gradient read between reduction
@@ -318,7 +368,8 @@ constexpr int tied_steps = 3;
 const TrainerConfig tied_hp{.adamw = {.beta2 = 0.95, .eps = 1e-4, .weight_decay = 0.1, .max_norm = 0.5},
                             .lr = ConstantLr{3e-3}};
 
-std::vector<std::vector<float>> serial_tied(int micro, std::vector<double>& losses) {
+// After the steps, `held_out`: the mean loss of the forwards of a batch no step draws.
+std::vector<std::vector<float>> serial_tied(int micro, std::vector<double>& losses, double& held_out) {
   GPT<tied4> m(GptInit{7, 0.1});
   DataParallel<GPT<tied4>> dp(m, tied_hp.adamw, micro);
   dp.optimizer().hp.lr = 3e-3;
@@ -327,6 +378,9 @@ std::vector<std::vector<float>> serial_tied(int micro, std::vector<double>& loss
     test::global_batch(s, micro, 4, 8, tied4::vocab, tok, tgt);
     losses.push_back(dp.step(tok, tgt, 4, 8));
   }
+  test::global_batch(1000, micro, 4, 8, tied4::vocab, tok, tgt);
+  held_out = 0;
+  for (int k = 0; k < micro; ++k) held_out += m.forward(tok.data() + k * 32, tgt.data() + k * 32, 4, 8) / micro;
   return {std::vector<float>(m.params().begin(), m.params().end())};
 }
 
@@ -335,9 +389,11 @@ void tied_equals_serial(const char* what) {
   using Model = GPT<tied4, M, float, Host, SP>;
   constexpr int micro = Sched::table.micro_batches;
   std::vector<double> ref_losses;
-  const std::vector<float> ref = serial_tied(micro, ref_losses)[0];
+  double ref_held_out = 0;
+  const std::vector<float> ref = serial_tied(micro, ref_losses, ref_held_out)[0];
   std::vector<std::vector<double>> losses(M::size);
   std::vector<std::vector<float>> weights(M::size);
+  std::vector<double> held_out(M::size);  // Trainer::evaluate: the chunks' forwards in turn
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
     Trainer<Model, Policy, Sched> t(ctx, tied_hp, GptInit{7, 0.1});
@@ -346,9 +402,11 @@ void tied_equals_serial(const char* what) {
       test::global_batch(s, micro, 4, 8, tied4::vocab, tok, tgt);
       losses[static_cast<std::size_t>(ctx.rank())].push_back(t.step(s, tok, tgt, 4, 8));
     }
+    test::global_batch(1000, micro, 4, 8, tied4::vocab, tok, tgt);
+    held_out[static_cast<std::size_t>(ctx.rank())] = t.evaluate(tok, tgt, 4, 8);
     weights[static_cast<std::size_t>(ctx.rank())] = t.serial_params();
   });
-  double worst = 0, worst_loss = 0;
+  double worst = 0, worst_loss = 0, worst_held_out = 0;
   std::string where;
   for (int r = 0; r < M::size; ++r) {
     const auto i = static_cast<std::size_t>(r);
@@ -356,16 +414,19 @@ void tied_equals_serial(const char* what) {
       worst_loss = std::max(worst_loss, std::abs(losses[i][static_cast<std::size_t>(s)] - ref_losses[static_cast<std::size_t>(s)]) /
                                             ref_losses[static_cast<std::size_t>(s)]);
     worst = std::max(worst, worst_tensor<GPT<tied4>::serial_layout>(weights[i], ref, &where));
+    worst_held_out = std::max(worst_held_out, std::abs(held_out[i] - ref_held_out) / ref_held_out);
   }
   MESSAGE(std::string(what) << ": losses within " << worst_loss << ", weights within " << worst << " (" << where
-                            << ") of serial after " << tied_steps << " steps");
+                            << ") of serial after " << tied_steps << " steps, held-out loss within " << worst_held_out);
   CHECK(worst_loss <= 1e-5);
   CHECK(worst <= 1e-5);
+  CHECK(worst_held_out <= 1e-5);
 }
 
 }  // namespace
 
-TEST_CASE("tied GPT-2 embeddings across pipeline stages (the head's copy of wte, gradients summed): equal serial") {
+TEST_CASE("tied GPT-2 embeddings across pipeline stages (the head's copy of wte, gradients summed): equal serial; "
+          "so does Trainer::evaluate after the steps, through two chunks a rank and a V's turn") {
   tied_equals_serial<Mesh<PP<2>>, NoZeRO, pipeline::OneFOneB<2, 4>, NoSequenceParallel>("PP 2, 1F1B");
   tied_equals_serial<Mesh<DP<2>, PP<2>, TP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 4>, SequenceParallel>(
       "DP 2 x PP 2 x TP 2, 1F1B, ZeRO-1, SP");

@@ -113,6 +113,14 @@ class Decoder : public DecoderParams<Arch, M, T, Device, SP, Part> {
   }
   int slots() const { return static_cast<int>(slots_.size()); }
 
+  // ---- training or evaluation ---------------------------------------------------------------
+
+  // Off: a forward with targets is an evaluation (a held-out loss) and keeps no statistic for
+  // the optimizer step (a mixture of experts' loads, which balance_experts moves the selection
+  // bias by), so the next step is what it would have been without it. On from the start.
+  void set_training(bool on) { training_ = on; }
+  bool training() const { return training_; }
+
   // ---- forward / backward --------------------------------------------------------------------
 
   // tokens and targets: [B, T] ids in [0, vocab), host memory, the same on every TP and CP
@@ -159,7 +167,8 @@ class Decoder : public DecoderParams<Arch, M, T, Device, SP, Part> {
       if constexpr (has_experts)
         if (is_moe_block(l)) {
           if constexpr (balance_size > 0) ops_.copy(a.balance.data() + balance_at(l), Block::balance(A), balance_size);
-          if (targets != nullptr) balance_.count(ops_, moe_index(l), Block::expert_loads(A));  // for balance_experts
+          if (targets != nullptr && training_)
+            balance_.count(ops_, moe_index(l), Block::expert_loads(A));  // for balance_experts
         }
       x = out;
       detail::call(hooks.after_forward, specs::block_unit(l));
@@ -419,6 +428,7 @@ class Decoder : public DecoderParams<Arch, M, T, Device, SP, Part> {
   // Split backwards (backward_input): one tape per micro-batch awaiting backward_weight.
   WeightGradTapes<ops_type> tapes_;
   DecoderBatch<DecoderFacts<Arch, M, T, Device, SP, Part>> batch_;  // the ids' checks and upload (CP: this rank's chunks)
+  bool training_ = true;  // set_training
 };
 
 }  // namespace fived

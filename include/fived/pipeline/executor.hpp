@@ -7,6 +7,7 @@
 //   DataParallel<Stage> trainer(model, ctx, adamw, /*accum=*/M);
 //   pipeline::Executor run(OneFOneB<P, M>::table, r, ctx.comm<Axis::pp>(), std::tie(model), std::tie(trainer));
 //   double loss = run.step(tokens, targets, B, T);   // M micro-batches of [B, T]; the same on every rank
+//   double held = run.evaluate(tokens, targets, B, T);  // forwards only: a held-out loss
 //
 // `program` is this rank's list of actions (pipeline/action.hpp: a row of a schedule table),
 // in the order this rank issues them. The executor
@@ -143,21 +144,49 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     frame_.update();
   }
 
-  // Activation slots chunk c holds: the most micro-batches it keeps in flight.
-  int slots(int chunk) const { return book_->slots(chunk); }
+  // The mean loss of a global batch (as step() takes it) on the current weights, on every
+  // rank: each micro-batch's forward through the virtual stages in turn, every rank walking
+  // the (micro-batch, stage) pairs in the same order, so each activation sent is received next
+  // on the stage after (no table needed: a chain cannot wait on itself). Nothing is kept for a
+  // backward, reduced or updated, and a model with set_training keeps no training statistic
+  // (nn/decoder.hpp). Between steps: it writes over slot 0's activations, and a step graph is
+  // given up (the next step runs plain and captures again).
+  double evaluate(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
+    take_batch(tokens, targets, B, seq, "evaluate");
+    struct Evaluating {  // set_training(false) for the pass, on again however it ends
+      Executor& e;
+      explicit Evaluating(Executor& x) : e(x) { e.set_training(false); }
+      ~Evaluating() { e.set_training(true); }
+    } evaluating(*this);
+    for_each_chunk([&]<int c>(auto& model, auto&) {
+      if constexpr (requires { model.ops().abandon_graph_step(); }) model.ops().abandon_graph_step();
+      if constexpr (std::remove_reference_t<decltype(model)>::has_head) model.ops().begin_loss_sum();
+    });
+    for (int m = 0; m < M_; ++m)
+      for (int stage = 0; stage < shape_.stages(); ++stage)
+        if (shape_.rank_of(stage) == rank_) forward_only(stage, m);
+    for_each_chunk([&]<int c>(auto&, auto& dp) { dp.end_micro_batches(); });  // ZeRO-3: the outer units given back
+    return mean_loss();
+  }
 
  private:
-  // reduce() but the loss: every action of the table, then the tied tensors' gradients summed.
-  void run(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
+  // The step's micro-batches, checked; this data rank's rows of them.
+  void take_batch(std::span<const int> tokens, std::span<const int> targets, int B, int seq, const char* call) {
     const std::size_t want = static_cast<std::size_t>(M_) * static_cast<std::size_t>(B) * static_cast<std::size_t>(seq);
     if (tokens.size() != want || targets.size() != want)
-      throw std::invalid_argument("pipeline::Executor::step: tokens and targets must hold micro-batches * B * T = " +
-                                  std::to_string(want) + " ids (got " + std::to_string(tokens.size()) + " and " +
+      throw std::invalid_argument(std::string("pipeline::Executor::") + call +
+                                  ": tokens and targets must hold micro-batches * B * T = " + std::to_string(want) +
+                                  " ids (got " + std::to_string(tokens.size()) + " and " +
                                   std::to_string(targets.size()) + ")");
     auto& dp0 = std::get<0>(trainers_);
     const FlatRange mine = dp0.rows(dp0.data_rank(), B);
     b_ = static_cast<int>(mine.size()), T_ = seq;
     tokens_ = tokens, targets_ = targets, row0_ = mine.begin, B_ = B;
+  }
+
+  // reduce() but the loss: every action of the table, then the tied tensors' gradients summed.
+  void run(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
+    take_batch(tokens, targets, B, seq, "step");
     reserve_boundaries();
     frame_.begin();
     for_each_chunk([&]<int c>(auto& model, auto&) {
@@ -234,6 +263,41 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
         default:
           break;
       }
+    });
+  }
+
+  // evaluate()'s forward of micro-batch m on virtual stage `stage`, held here: its input
+  // received from the stage before when that is on another rank, its output sent to the
+  // stage after or handed to this rank's chunk holding it; one slot serves them all.
+  void forward_only(int stage, int m) {
+    int chunk = 0;
+    while (shape_.stage(rank_, chunk) != stage) ++chunk;
+    visit_chunk(chunk, [&]<int c>(auto& model, auto& dp) {
+      using Model = std::remove_reference_t<decltype(model)>;
+      const std::size_t n = boundary();
+      if constexpr (!Model::has_embedding)
+        if (local_neighbour(c, -1) < 0) {
+          recvs_.assign(1, {std::span<T>(model.input(0, b_, T_), n), shape_.rank_of(stage - 1)});
+          gate_.send_recv(pp_, std::span<const SendOp<T>>(), std::span<const RecvOp<T>>(recvs_));
+        }
+      const std::size_t off = row_offset(m);
+      model.enqueue_forward(tokens_.data() + off, targets_.data() + off, b_, T_, dp.hooks(), 0);
+      if constexpr (Model::has_head) {
+        model.add_to_loss_sum(0);
+      } else if (const int next = local_neighbour(c, +1); next >= 0) {
+        visit_chunk(next, [&]<int d>(auto& to, auto&) {
+          if constexpr (requires { to.input(0, 1, 1); }) model.ops().copy(to.input(0, b_, T_), model.output(0), n);
+        });
+      } else {
+        sends_.assign(1, {std::span<const T>(model.output(0), n), shape_.rank_of(stage + 1)});
+        gate_.send_recv(pp_, std::span<const SendOp<T>>(sends_), std::span<const RecvOp<T>>());
+      }
+    });
+  }
+  // Each chunk that can say whether it trains (set_training: nn/decoder.hpp) told.
+  void set_training(bool on) {
+    for_each_chunk([&]<int c>(auto& model, auto&) {
+      if constexpr (requires { model.set_training(on); }) model.set_training(on);
     });
   }
 

@@ -51,6 +51,13 @@ class ProgressLog {
     loss_ = seconds_ = tokens_ = 0, n_ = 0;
   }
 
+  // A held-out evaluation after `step`: "    20   held-out loss 2.3412 (4 batches)".
+  void held_out(int step, double loss, int batches) const {
+    if (!out_) return;
+    std::fprintf(out_, "%6d   held-out loss %.4f (%d batch%s)\n", step, loss, batches, batches == 1 ? "" : "es");
+    std::fflush(out_);
+  }
+
   static std::string bytes(std::size_t b) {
     const char* unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
     double v = static_cast<double>(b);

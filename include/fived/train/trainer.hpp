@@ -16,8 +16,10 @@
 // backward as the schedule says, gradients reduced as the policy says, the clip over every
 // parameter once (all axes), AdamW at the learning rate of the step (train/lr_schedule.hpp).
 //
-// fit() is the loop around it: batches from a sampler (train/token_data.hpp), a progress
-// line every N steps (train/progress.hpp), a callback for evaluation.
+// evaluate() is a held-out loss on the same mesh: forwards only, through every stage, nothing
+// gathered, reduced or updated. fit() is the loop around step: batches from a sampler
+// (train/token_data.hpp), a progress line every N steps (train/progress.hpp), a held-out
+// loss every M, and a callback after each step.
 //
 // The context must outlive the trainer (the executor holds its PP communicator). Recompute is
 // the model's configuration's (nn/recompute.hpp).
@@ -130,6 +132,28 @@ class Trainer {
     return rank_->reduce(tokens, targets, B, T);
   }
   void update() { rank_->update(); }
+
+  // The mean loss of a global batch (M micro-batches of [B, T], as step() takes it) on the
+  // current weights, on every rank: forwards only, on the mesh as it trains (no weights
+  // gathered anywhere), nothing reduced or updated, and the model keeps no training statistic
+  // (set_training, where it has one): the steps after are what they would have been without
+  // it. Between steps, not between reduce() and update(). A step graph captures again after.
+  double evaluate(std::span<const int> tokens, std::span<const int> targets, int B, int T) {
+    return rank_->evaluate(tokens, targets, B, T);
+  }
+  // The mean over `batches` global batches of `data`, those it draws at steps 0, 1, ...
+  // (held-out data: the same batches at every call).
+  double evaluate(const BatchSampler& data, int batches, int B, int T) {
+    if (batches < 1) throw std::invalid_argument("fived::Trainer::evaluate: needs at least one batch, got " +
+                                                 std::to_string(batches));
+    std::vector<int> tok, tgt;
+    double sum = 0;
+    for (int i = 0; i < batches; ++i) {
+      data.fill(static_cast<std::uint64_t>(i), M, B, T, tok, tgt);
+      sum += evaluate(tok, tgt, B, T);
+    }
+    return sum / batches;
+  }
   // After reduce(), before update(): the gradient of the global batch's mean loss, reduced
   // over DP (and CP), gathered over TP and PP into serial_layout, on every rank (a
   // collective); a tied tensor's is the sum over the stages that hold it.
@@ -250,6 +274,10 @@ class Trainer {
     int log_every = 10;
     double peak_flops = 0;          // one device's, for MFU (0: none)
     std::FILE* out = stdout;        // rank 0 prints; null: nothing
+    // Every eval_every steps and after the last (0: never), evaluate(*held_out, eval_batches)
+    // printed as a line of its own (not counted in the steps' seconds or tokens/s).
+    const BatchSampler* held_out = nullptr;
+    int eval_every = 0, eval_batches = 4;
   };
   // Steps [first, last] on batches drawn from `data`; after each step `after(step, loss)`.
   // Returns the seconds spent in the steps.
@@ -267,6 +295,8 @@ class Trainer {
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       total += dt;
       log.add({s, loss, lr_, grad_norm(), dt, static_cast<double>(M) * B * T}, memory_in_use(), s == last);
+      if (o.held_out != nullptr && o.eval_every > 0 && (s % o.eval_every == 0 || s == last))
+        log.held_out(s, evaluate(*o.held_out, o.eval_batches, B, T), o.eval_batches);
       after(s, loss);
     }
     // On the host the ranks may be threads sharing one count of held bytes (memory_in_use):
@@ -299,6 +329,7 @@ class Trainer {
     virtual double step(std::span<const int> tokens, std::span<const int> targets, int B, int T) = 0;
     virtual double reduce(std::span<const int> tokens, std::span<const int> targets, int B, int T) = 0;
     virtual void update() = 0;
+    virtual double evaluate(std::span<const int> tokens, std::span<const int> targets, int B, int T) = 0;
     virtual std::vector<value_type> serial_grads(bool experts) = 0;
     virtual void set_lr(double lr) = 0;
     virtual double grad_norm() const = 0;
@@ -368,6 +399,9 @@ class Trainer {
       return executor_->reduce(tokens, targets, B, T);
     }
     void update() override { executor_->update(); }
+    double evaluate(std::span<const int> tokens, std::span<const int> targets, int B, int T) override {
+      return executor_->evaluate(tokens, targets, B, T);
+    }
     std::vector<value_type> serial_grads(bool experts) override {
       return gather_serial(experts, [](auto& trainer) { return trainer.reduced_grads(); });
     }
