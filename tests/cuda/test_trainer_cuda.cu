@@ -12,8 +12,9 @@
 //   4 ranks  Mesh<DP<2>, TP<2>>  ZeRO-1, sequence parallel; the same with EP 2 and the MoE
 //   8 ranks  Mesh<DP<2>, PP<2>, TP<2>>, 1F1B, dense; and with an EP<2> view: a mixture of experts (4 experts,
 //            top-2) in every other block, 1F1B, ZeRO-1, sequence parallel
-// every step's loss within 1e-5 relative, the gathered weights (experts too) within 1e-4.
-// Exits 77 without a GPU.
+// every step's loss within 1e-5 relative, the gathered weights (experts too) within 1e-4; then
+// Trainer::evaluate on a held-out batch within 1e-5 of the serial model's forwards, and one
+// more step (plain: an evaluation gives a step graph up) within 1e-5. Exits 77 without a GPU.
 
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
@@ -84,6 +85,25 @@ void trainer_equals_serial(int data_ranks = 1, bool graph = false) {
   CHECK(test::max_rel_error(t.serial_params(), serial.params_to_host()) <= 1e-4);
   if constexpr (Serial::has_experts)
     CHECK(test::max_rel_error(t.serial_expert_params(), serial.expert_params_to_host()) <= 1e-4);
+
+  // A held-out loss on the mesh (Trainer::evaluate: forwards only) is the serial model's on
+  // the same rows; the step after it (a plain one: the graph was given up) equals serial too.
+  test::global_batch(1000, micro, B, T, Cfg<R>::vocab, tok, tgt);
+  const double held = t.evaluate(tok, tgt, B, T);
+  serial.set_training(false);
+  double serial_held = 0;
+  for (int k = 0; k < micro * data_ranks; ++k) {
+    const std::size_t off = static_cast<std::size_t>(k) * (B / data_ranks) * T;
+    serial_held += serial.forward(tok.data() + off, tgt.data() + off, B / data_ranks, T) / (micro * data_ranks);
+  }
+  serial.set_training(true);
+  std::fprintf(stderr, "rank %d of %d: held-out loss %.6f (serial %.6f)\n", test::world().rank(), M::size, held,
+               serial_held);
+  CHECK(std::abs(held - serial_held) <= 1e-5 * std::abs(serial_held));
+  test::global_batch(steps + 1, micro, B, T, Cfg<R>::vocab, tok, tgt);
+  sdp.optimizer().hp.lr = hp.lr(steps + 1);
+  const double lt = t.step(steps + 1, tok, tgt, B, T), ls = sdp.step(tok, tgt, B / data_ranks, T);
+  CHECK(std::abs(lt - ls) <= 1e-5 * std::abs(ls));
 }
 
 }  // namespace
