@@ -23,8 +23,9 @@
 // train_gpt: the CUDA build holds no host trainers (they would double its compile time).
 //
 // Data: a text file's bytes, or --tokens: a file of little-endian uint16 token ids (< 256 for
-// this model); without either, generated lines of additions ("07+45=052"), whose loss falls
-// visibly within a minute on two CPU cores. The last 10% is held out. Every run with the same
+// this model; nanoGPT's .bin, or llm.c's with its header), or a quoted pattern naming several
+// ('shards/train_*.bin': one stream, in name order); without either, generated lines of
+// additions ("07+45=052"), whose loss falls visibly within a minute on two CPU cores. The last 10% is held out. Every run with the same
 // --seed draws the same batches and starts from the same weights on every mesh, so the
 // meshes' losses agree to the printed digits. A training window starts at a random place
 // (--data-order random, the default), or the training part is cut into windows drawn each once
@@ -376,7 +377,9 @@ std::string arithmetic_corpus(std::size_t bytes, unsigned seed, const std::vecto
 Corpus load(const Options& opt) {
   Corpus c;
   if (!opt.tokens.empty()) {
-    c.data = TokenStream::map_file(opt.tokens, 2, demo_config::vocab);
+    const bool pattern = opt.tokens.find_first_of("*?[") != std::string::npos;  // shards, in name order
+    c.data = pattern ? TokenStream::map_glob(opt.tokens, 2, demo_config::vocab)
+                     : TokenStream::map_file(opt.tokens, 2, demo_config::vocab);
   } else if (!opt.file.empty()) {
     if (std::filesystem::is_directory(opt.file)) usage(opt.file + " is a folder; give a text file");
     std::ifstream in(opt.file, std::ios::binary);

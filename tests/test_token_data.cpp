@@ -1,6 +1,7 @@
-// Token data on the host: files of token ids (mapped, checked), and the samplers that cut a
-// step's global batch from them: windows at random, or each window once an epoch in a
-// shuffled order (IndexShuffle, a permutation evaluated one index at a time).
+// Token data on the host: files of token ids (mapped, checked; nanoGPT's, llm.c's with its
+// header, shards as one stream), and the samplers that cut a step's global batch from them:
+// windows at random, or each window once an epoch in a shuffled order (IndexShuffle, a
+// permutation evaluated one index at a time).
 
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
@@ -87,6 +88,93 @@ TEST_CASE("token files: ids of 2 or 4 bytes, mapped; a bad file is an error that
   std::filesystem::remove_all(dir);
 }
 
+
+namespace {
+
+void write_bytes(const std::filesystem::path& file, const std::vector<unsigned char>& bytes) {
+  std::ofstream f(file, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+void put32(std::vector<unsigned char>& b, std::uint32_t v) {
+  for (int k = 0; k < 4; ++k) b.push_back(static_cast<unsigned char>(v >> (8 * k)));
+}
+// An llm.c token file (dev/data/data_common.py): 256 int32s (magic, version, count), then the ids.
+std::vector<unsigned char> llmc_file(std::uint32_t magic, std::uint32_t version, std::uint32_t count,
+                                     const std::vector<std::uint32_t>& ids, int width) {
+  std::vector<unsigned char> b;
+  put32(b, magic), put32(b, version), put32(b, count);
+  b.resize(1024, 0);
+  for (const std::uint32_t id : ids)
+    for (int k = 0; k < width; ++k) b.push_back(static_cast<unsigned char>(id >> (8 * k)));
+  return b;
+}
+
+}  // namespace
+
+TEST_CASE("llm.c's token files: the header read and skipped (GPT-2's 2-byte ids, Llama 3's 4-byte), and refused "
+          "where it disagrees with the file or the width asked for") {
+  const auto dir = std::filesystem::temp_directory_path() / "fived_test_token_data_llmc";
+  std::filesystem::create_directories(dir);
+  const auto gpt2 = dir / "gpt2.bin", llama = dir / "llama3.bin", bad = dir / "bad.bin";
+  write_bytes(gpt2, llmc_file(20240520, 1, 5, {1, 258, 52, 7, 50256}, 2));
+  const TokenStream g = TokenStream::map_file(gpt2, 2, 50257);
+  REQUIRE(g.size() == 5);
+  CHECK(g[0] == 1);
+  CHECK(g[1] == 258);
+  CHECK(g[4] == 50256);
+  write_bytes(llama, llmc_file(20240801, 7, 3, {128000, 1, 70000}, 4));
+  const TokenStream l = TokenStream::map_file(llama, 4, 128256);
+  REQUIRE(l.size() == 3);
+  CHECK(l[0] == 128000);
+  CHECK(l[2] == 70000);
+  CHECK_THROWS_WITH_AS(TokenStream::map_file(llama, 2, 128256),
+                       ("TokenStream: " + llama.string() + ": its llm.c header says its ids are 4 bytes wide, not 2").c_str(),
+                       std::runtime_error);
+  write_bytes(bad, llmc_file(20240520, 1, 6, {1, 2, 3, 4, 5}, 2));
+  CHECK_THROWS_WITH_AS(TokenStream::map_file(bad, 2, 100),
+                       ("TokenStream: " + bad.string() + ": its llm.c header says 6 ids of 2 bytes, but 10 bytes follow it").c_str(),
+                       std::runtime_error);
+  write_bytes(bad, llmc_file(20240520, 2, 5, {1, 2, 3, 4, 5}, 2));
+  CHECK_THROWS_WITH_AS(TokenStream::map_file(bad, 2, 100),
+                       ("TokenStream: " + bad.string() + ": llm.c header of version 2 (magic 20240520 is version 1)").c_str(),
+                       std::runtime_error);
+  write_bytes(bad, {136, 216, 52, 1, 1, 0});  // 20240520, then no room for the header
+  CHECK_THROWS_WITH_AS(TokenStream::map_file(bad, 2, 100),
+                       ("TokenStream: " + bad.string() + ": begins with llm.c's magic 20240520 but is shorter than its "
+                                                         "1024-byte header").c_str(),
+                       std::runtime_error);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("shards: several files are one stream in the order given (a glob's in name order); an error names the "
+          "file and the position in it") {
+  const auto dir = std::filesystem::temp_directory_path() / "fived_test_token_data_shards";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  write_bytes(dir / "train_000001.bin", llmc_file(20240520, 1, 3, {10, 11, 12}, 2));
+  write_bytes(dir / "train_000000.bin", {0, 0, 1, 0});                // 0, 1 without a header (nanoGPT's)
+  write_bytes(dir / "train_000002.bin", llmc_file(20240520, 1, 2, {13, 99}, 2));
+  const TokenStream s = TokenStream::map_glob((dir / "train_*.bin").string(), 2, 50);
+  REQUIRE(s.size() == 7);
+  CHECK(s.files() == 3);
+  for (int i = 0; i < 6; ++i) CHECK(s[static_cast<std::size_t>(i)] == (i < 2 ? i : 8 + i));
+  CHECK(s.name() == (dir / "train_000000.bin").string() + " and 2 more files");
+  CHECK_THROWS_WITH_AS(s[6], ("TokenStream: " + (dir / "train_000002.bin").string() +
+                              ": token 1 is 99, outside the vocabulary of 50").c_str(),
+                       std::runtime_error);
+  // Windows run across the files' ends: the stream is one sequence.
+  const std::vector<std::filesystem::path> two = {dir / "train_000001.bin", dir / "train_000000.bin"};
+  const TokenStream t = TokenStream::map_files(two, 2, 50);
+  BatchSampler all(t, 0, t.size(), 1);
+  all.order = SampleOrder::epochs;
+  std::vector<int> tok, tgt;
+  all.fill(0, 1, 1, 4, tok, tgt);
+  CHECK(tok == std::vector<int>{10, 11, 12, 0});
+  CHECK(tgt == std::vector<int>{11, 12, 0, 1});
+  CHECK_THROWS_WITH_AS(TokenStream::map_glob((dir / "valid_*.bin").string(), 2, 50),
+                       ("TokenStream: no file matches " + (dir / "valid_*.bin").string()).c_str(), std::runtime_error);
+  std::filesystem::remove_all(dir);
+}
 
 TEST_CASE("IndexShuffle: a permutation of [0, n) for every n, another for another key, none near the identity") {
   for (std::uint64_t n : {1, 2, 3, 4, 5, 7, 16, 17, 100, 1000, 4097, 65537}) {

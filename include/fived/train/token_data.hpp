@@ -1,113 +1,31 @@
 #pragma once
-// Token streams a trainer draws its batches from, and the sampler that cuts them into the
-// global batch of a step.
+// The sampler that cuts a token stream (train/token_stream.hpp: files of ids, mapped, or a
+// text's bytes) into the global batch of a step.
 //
-//   auto data = TokenStream::map_file("train.bin", /*bytes per token=*/2, vocab);   // memory-mapped ids
-//   auto text = TokenStream::bytes_of(read_text("README.md"));                     // byte-level, vocab 256
+//   auto data = TokenStream::map_glob("fineweb_train_*.bin", /*bytes per token=*/2, vocab);  // shards, mapped
 //   BatchSampler train{data, 0, data.size() * 9 / 10, /*seed=*/1};
 //   train.order = SampleOrder::epochs;                          // optional: each window once an epoch
 //   train.fill(step, micro_batches, B, T, tokens, targets);   // the same batch on every rank
 //
-// A file of token ids is little-endian unsigned integers of 2 or 4 bytes each, nothing else
-// (a header-less llm.c / nanoGPT .bin of uint16). It is mapped, never read whole: a rank
-// touches only the windows its batches start at. Every rank draws the same global batch of a
-// step (a function of the seed and the step, so a resumed run draws the same batches, and the
-// sampler has no state a checkpoint must keep): windows at random places, or (epochs) the part
-// cut into windows that are each drawn once an epoch, in an order the seed and the epoch shuffle;
-// DataParallel and the pipeline executor give each data rank its rows, and the model under
-// context parallelism keeps its zig-zag chunks of each sequence.
-
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
+// Every rank draws the same global batch of a step (a function of the seed and the step, so
+// a resumed run draws the same batches, and the sampler has no state a checkpoint must keep):
+// windows at random places, or (epochs) the part cut into windows that are each drawn once an
+// epoch, in an order the seed and the epoch shuffle; DataParallel and the pipeline executor
+// give each data rank its rows, and the model under context parallelism keeps its zig-zag
+// chunks of each sequence.
 
 #include <algorithm>
-#include <cerrno>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
-#include <filesystem>
-#include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "fived/train/token_stream.hpp"
 #include "fived/util/index_shuffle.hpp"
 
 namespace fived {
-
-class TokenStream {
- public:
-  // Maps `path`, ids of `bytes_per_token` (2 or 4) bytes each; every id must be < vocab
-  // (checked when a batch reads it).
-  static TokenStream map_file(const std::filesystem::path& path, int bytes_per_token, int vocab) {
-    if (bytes_per_token != 2 && bytes_per_token != 4)
-      throw std::invalid_argument("TokenStream: token ids are 2 or 4 bytes wide, not " + std::to_string(bytes_per_token));
-    const std::string where = "TokenStream: " + path.string() + ": ";
-    const int fd = ::open(path.c_str(), O_RDONLY);
-    if (fd < 0) throw std::runtime_error(where + std::strerror(errno));
-    struct stat st {};
-    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-      ::close(fd);
-      throw std::runtime_error(where + "not a regular file");
-    }
-    const std::size_t bytes = static_cast<std::size_t>(st.st_size);
-    if (bytes == 0 || bytes % static_cast<std::size_t>(bytes_per_token) != 0) {
-      ::close(fd);
-      throw std::runtime_error(where + std::to_string(bytes) + " bytes is not a whole number of " +
-                               std::to_string(bytes_per_token) + "-byte token ids");
-    }
-    void* p = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
-    ::close(fd);  // the mapping keeps the file
-    if (p == MAP_FAILED) throw std::runtime_error(where + "mmap: " + std::strerror(errno));
-    TokenStream s;
-    s.mapping_ = std::shared_ptr<void>(p, [bytes](void* q) { ::munmap(q, bytes); });
-    s.base_ = static_cast<const unsigned char*>(p);
-    s.width_ = bytes_per_token;
-    s.size_ = bytes / static_cast<std::size_t>(bytes_per_token);
-    s.vocab_ = vocab;
-    s.name_ = path.string();
-    return s;
-  }
-
-  // The bytes of a text as ids in [0, 256).
-  static TokenStream bytes_of(std::string text, std::string name = "text") {
-    TokenStream s;
-    auto owned = std::make_shared<std::string>(std::move(text));
-    s.base_ = reinterpret_cast<const unsigned char*>(owned->data());
-    s.size_ = owned->size();
-    s.mapping_ = std::move(owned);
-    s.width_ = 1;
-    s.vocab_ = 256;
-    s.name_ = std::move(name);
-    return s;
-  }
-
-  std::size_t size() const { return size_; }
-  int vocab() const { return vocab_; }
-  const std::string& name() const { return name_; }
-
-  // Id i (checked against the vocabulary: a bad file is an error naming the position).
-  int operator[](std::size_t i) const {
-    const unsigned char* p = base_ + i * static_cast<std::size_t>(width_);
-    std::uint32_t id = p[0];
-    if (width_ >= 2) id |= static_cast<std::uint32_t>(p[1]) << 8;
-    if (width_ == 4) id |= static_cast<std::uint32_t>(p[2]) << 16 | static_cast<std::uint32_t>(p[3]) << 24;
-    if (id >= static_cast<std::uint32_t>(vocab_))
-      throw std::runtime_error("TokenStream: " + name_ + ": token " + std::to_string(i) + " is " + std::to_string(id) +
-                               ", outside the vocabulary of " + std::to_string(vocab_));
-    return static_cast<int>(id);
-  }
-
- private:
-  std::shared_ptr<const void> mapping_;
-  const unsigned char* base_ = nullptr;
-  std::size_t size_ = 0;
-  int width_ = 1, vocab_ = 256;
-  std::string name_;
-};
 
 // Where a batch's windows come from.
 //   random  each window starts anywhere (at a multiple of align), drawn independently: a
