@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -202,6 +203,33 @@ TEST_CASE("fit prints a held-out loss every eval_every steps and after the last:
   CHECK(printed.find(expected) != std::string::npos);
   CHECK(printed.find("     1   held-out") == std::string::npos);
   CHECK(printed.find("     3   held-out") == std::string::npos);
+}
+
+TEST_CASE("fit stops at a step whose loss is not finite, on every rank, before its callback (which saves) sees it") {
+  using M = Mesh<DP<2>, TP<2>>;
+  using Model = GPT<five_cfg, M, float, Host, SequenceParallel>;
+  std::string text;
+  for (int i = 0; i < 2000; ++i) text += static_cast<char>((i * 5 + i / 7) % five_cfg::vocab);
+  const TokenStream data = TokenStream::bytes_of(text);
+  const BatchSampler train(data, 0, data.size(), 1);
+  std::vector<int> stopped_at(M::size, 0), callbacks(M::size, 0);
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    Trainer<Model, ZeRO<1>, Accumulate<2>> t(ctx, hp, init);
+    std::vector<float> w = t.serial_params();
+    w[3] = std::numeric_limits<float>::quiet_NaN();  // one token embedding's element
+    t.load_serial(w, t.serial_expert_params());
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    try {
+      t.fit(train, 1, 3, B, T, {.out = nullptr}, [&](int, double) { ++callbacks[r]; });
+    } catch (const NonFiniteStep& e) {
+      stopped_at[r] = e.step;
+      CHECK(std::isnan(e.loss));
+      CHECK(std::string(e.what()).find("fived::Trainer::fit: step 1: the loss is nan and the gradient norm nan") == 0);
+    }
+  });
+  CHECK(stopped_at == std::vector<int>(M::size, 1));
+  CHECK(callbacks == std::vector<int>(M::size, 0));
 }
 
 TEST_CASE("the learning rate warms up linearly, then falls on a cosine to its floor") {

@@ -67,6 +67,29 @@ namespace fived {
 template <int M = 1>
 using Accumulate = pipeline::OneFOneB<1, M>;
 
+// fit() stops at a step whose loss or gradient norm is not finite (nan or inf): its update may
+// have made the weights non-finite, and a run that went on would save them over good
+// checkpoints.
+struct NonFiniteStep : std::runtime_error {
+  NonFiniteStep(int s, double l, double n)
+      : std::runtime_error("fived::Trainer::fit: step " + std::to_string(s) + ": the loss is " + text(l) +
+                           " and the gradient norm " + text(n) +
+                           ", not both finite; stopped before anything was saved from this step (its update may have "
+                           "made the weights non-finite). Resume from the last checkpoint, with a lower learning rate "
+                           "or a gradient clip (AdamWConfig::max_norm)"),
+        step(s), loss(l), grad_norm(n) {}
+  int step;
+  double loss, grad_norm;
+
+ private:
+  static std::string text(double x) {  // "nan" whatever its sign bit
+    if (std::isnan(x)) return "nan";
+    char b[32];
+    std::snprintf(b, sizeof b, "%g", x);
+    return b;
+  }
+};
+
 struct TrainerConfig {
   AdamWConfig adamw;  // its lr is replaced every step by lr(step)
   LrSchedule lr = WarmupCosine{};  // any callable double(int step): train/lr_schedule.hpp
@@ -280,7 +303,8 @@ class Trainer {
     int eval_every = 0, eval_batches = 4;
   };
   // Steps [first, last] on batches drawn from `data`; after each step `after(step, loss)`.
-  // Returns the seconds spent in the steps.
+  // Returns the seconds spent in the steps. A step whose loss or gradient norm is not finite
+  // throws NonFiniteStep on every rank, before `after` (which saves checkpoints) sees it.
   template <class After>
   double fit(const BatchSampler& data, int first, int last, int B, int T, const FitOptions& o, After&& after) {
     ProgressLog log(world_rank_ == 0 ? o.out : nullptr, mesh::size, Model::flops_per_token(T), o.peak_flops,
@@ -294,7 +318,10 @@ class Trainer {
       const double loss = step(s, tok, tgt, B, T);
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       total += dt;
-      log.add({s, loss, lr_, grad_norm(), dt, static_cast<double>(M) * B * T}, memory_in_use(), s == last);
+      const double norm = grad_norm();
+      // The same on every rank (reduced over the mesh), so every rank stops here alike.
+      if (!std::isfinite(loss) || !std::isfinite(norm)) throw NonFiniteStep(s, loss, norm);
+      log.add({s, loss, lr_, norm, dt, static_cast<double>(M) * B * T}, memory_in_use(), s == last);
       if (o.held_out != nullptr && o.eval_every > 0 && (s % o.eval_every == 0 || s == last))
         log.held_out(s, evaluate(*o.held_out, o.eval_batches, B, T), o.eval_batches);
       after(s, loss);
