@@ -103,7 +103,8 @@ int main(int argc, char** argv) try {
     auto ctx = make_mesh_context<mesh>(world);
     {
       trainer t(ctx, hp, GptInit{1});
-      held_before = t.evaluate(held, 4, B, T);  // on the mesh, forwards only (every rank)
+      const double before = t.evaluate(held, 4, B, T);  // on the mesh, forwards only: every rank calls it
+      if (ctx.rank() == 0) held_before = before;
       t.fit(sampler, 1, half, B, T, {.log_every = 10}, [&](int s, double loss) {
         if (s == 1 && ctx.rank() == 0) first_loss = loss;
       });
@@ -117,7 +118,8 @@ int main(int argc, char** argv) try {
                 [&](int, double loss) {
                   if (ctx.rank() == 0) last_loss = loss;
                 });
-    held_after = resumed.evaluate(held, 4, B, T);
+    const double after = resumed.evaluate(held, 4, B, T);
+    if (ctx.rank() == 0) held_after = after;
   });
   std::printf("loss %.3f at step 1, %.3f at step %d; held-out loss %.3f before training, %.3f after\n", first_loss,
               last_loss, steps, held_before, held_after);

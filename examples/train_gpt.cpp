@@ -213,8 +213,12 @@ std::string compare_runs(const std::map<std::string, std::string>& saved, const 
     if (it == saved.end() || it->second == v) continue;
     if (k == "model" || k == "seed" || k == "data" || k == "data_tokens")
       differs += (differs.empty() ? "" : ", ") + k + " " + it->second + " (now " + v + ")";
-    else if (prints)
+    else if (prints) {
       std::printf("note: the checkpoint's run had %s %s, this one %s\n", k.c_str(), it->second.c_str(), v.c_str());
+      if ((k == "batch" || k == "seq") && now.at("data_order") == "epochs")
+        std::printf("note: under --data-order epochs another %s moves the run elsewhere in its epochs: in this one "
+                    "some windows come twice and some not at all\n", k.c_str());
+    }
   }
   return differs;
 }

@@ -212,7 +212,14 @@ TEST_CASE("IndexShuffle: a permutation of [0, n) for every n, another for anothe
 TEST_CASE("random windows: the same batch for the same step, windows inside the part") {
   const TokenStream text = positions(40);
   const BatchSampler sampler(text, 0, 20, 7);
-  CHECK(window_starts(sampler, 3, 1, 2, 2, 5) == window_starts(sampler, 3, 1, 2, 2, 5));
+  const std::vector<int> step3 = window_starts(sampler, 3, 1, 2, 2, 5);
+  CHECK(step3 == window_starts(sampler, 3, 1, 2, 2, 5));  // a function of the step: no state between calls
+  CHECK(step3 != window_starts(sampler, 4, 1, 2, 2, 5));
+  BatchSampler reseeded = sampler;
+  reseeded.seed = 8;
+  CHECK(step3 != window_starts(reseeded, 3, 1, 2, 2, 5));
+  reseeded.align = 5;
+  for (const int start : window_starts(reseeded, 3, 4, 2, 2, 5)) CHECK(start % 5 == 0);
   std::vector<int> tok, tgt;
   CHECK_THROWS_AS(sampler.fill(1, 1, 1, 20, tok, tgt), std::invalid_argument);
 }

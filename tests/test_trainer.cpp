@@ -217,7 +217,10 @@ TEST_CASE("fit stops at a step whose loss is not finite, on every rank, before i
     auto ctx = make_mesh_context<M>(world);
     Trainer<Model, ZeRO<1>, Accumulate<2>> t(ctx, hp, init);
     std::vector<float> w = t.serial_params();
-    w[3] = std::numeric_limits<float>::quiet_NaN();  // one token embedding's element
+    // Position 0's embedding: every sequence reads it.
+    using layout = Model::serial_layout;
+    const std::size_t wpe = layout::tensors[static_cast<std::size_t>(*layout::find("wpe.weight"))].offset;
+    w[wpe] = std::numeric_limits<float>::quiet_NaN();
     t.load_serial(w, t.serial_expert_params());
     const auto r = static_cast<std::size_t>(ctx.rank());
     try {
@@ -396,56 +399,81 @@ constexpr int tied_steps = 3;
 const TrainerConfig tied_hp{.adamw = {.beta2 = 0.95, .eps = 1e-4, .weight_decay = 0.1, .max_norm = 0.5},
                             .lr = ConstantLr{3e-3}};
 
-// After the steps, `held_out`: the mean loss of the forwards of a batch no step draws.
-std::vector<std::vector<float>> serial_tied(int micro, std::vector<double>& losses, double& held_out) {
+// held_out: the mean loss of the forwards of a batch no step draws, before the last step
+// and after it.
+std::vector<std::vector<float>> serial_tied(int micro, std::vector<double>& losses, std::vector<double>& held_out) {
   GPT<tied4> m(GptInit{7, 0.1});
   DataParallel<GPT<tied4>> dp(m, tied_hp.adamw, micro);
   dp.optimizer().hp.lr = 3e-3;
-  std::vector<int> tok, tgt;
+  std::vector<int> tok, tgt, held_tok, held_tgt;
+  test::global_batch(1000, micro, 4, 8, tied4::vocab, held_tok, held_tgt);
+  const auto evaluate = [&] {
+    double sum = 0;
+    for (int k = 0; k < micro; ++k) sum += m.forward(held_tok.data() + k * 32, held_tgt.data() + k * 32, 4, 8) / micro;
+    held_out.push_back(sum);
+  };
   for (int s = 1; s <= tied_steps; ++s) {
+    if (s == tied_steps) evaluate();
     test::global_batch(s, micro, 4, 8, tied4::vocab, tok, tgt);
     losses.push_back(dp.step(tok, tgt, 4, 8));
   }
-  test::global_batch(1000, micro, 4, 8, tied4::vocab, tok, tgt);
-  held_out = 0;
-  for (int k = 0; k < micro; ++k) held_out += m.forward(tok.data() + k * 32, tgt.data() + k * 32, 4, 8) / micro;
+  evaluate();
   return {std::vector<float>(m.params().begin(), m.params().end())};
 }
 
+// The trainer's run: each rank's losses, weights and (evaluating) held-out losses before the
+// last step and after it.
+struct TiedRun {
+  std::vector<std::vector<double>> losses, held_out;
+  std::vector<std::vector<float>> weights;
+};
 template <class M, class Policy, class Sched, class SP>
-void tied_equals_serial(const char* what) {
+TiedRun tied_run(bool evaluating) {
   using Model = GPT<tied4, M, float, Host, SP>;
   constexpr int micro = Sched::table.micro_batches;
-  std::vector<double> ref_losses;
-  double ref_held_out = 0;
-  const std::vector<float> ref = serial_tied(micro, ref_losses, ref_held_out)[0];
-  std::vector<std::vector<double>> losses(M::size);
-  std::vector<std::vector<float>> weights(M::size);
-  std::vector<double> held_out(M::size);  // Trainer::evaluate: the chunks' forwards in turn
+  TiedRun out{std::vector<std::vector<double>>(M::size), std::vector<std::vector<double>>(M::size),
+              std::vector<std::vector<float>>(M::size)};
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
+    const auto r = static_cast<std::size_t>(ctx.rank());
     Trainer<Model, Policy, Sched> t(ctx, tied_hp, GptInit{7, 0.1});
-    std::vector<int> tok, tgt;
+    std::vector<int> tok, tgt, held_tok, held_tgt;
+    test::global_batch(1000, micro, 4, 8, tied4::vocab, held_tok, held_tgt);
     for (int s = 1; s <= tied_steps; ++s) {
+      if (evaluating && s == tied_steps) out.held_out[r].push_back(t.evaluate(held_tok, held_tgt, 4, 8));
       test::global_batch(s, micro, 4, 8, tied4::vocab, tok, tgt);
-      losses[static_cast<std::size_t>(ctx.rank())].push_back(t.step(s, tok, tgt, 4, 8));
+      out.losses[r].push_back(t.step(s, tok, tgt, 4, 8));
     }
-    test::global_batch(1000, micro, 4, 8, tied4::vocab, tok, tgt);
-    held_out[static_cast<std::size_t>(ctx.rank())] = t.evaluate(tok, tgt, 4, 8);
-    weights[static_cast<std::size_t>(ctx.rank())] = t.serial_params();
+    if (evaluating) out.held_out[r].push_back(t.evaluate(held_tok, held_tgt, 4, 8));
+    out.weights[r] = t.serial_params();
   });
+  return out;
+}
+
+// Equal to serial after the steps; Trainer::evaluate (the chunks' forwards in turn) equal to
+// the serial forwards, and the steps after it bit for bit those of a run without it.
+template <class M, class Policy, class Sched, class SP>
+void tied_equals_serial(const char* what) {
+  constexpr int micro = Sched::table.micro_batches;
+  std::vector<double> ref_losses, ref_held_out;
+  const std::vector<float> ref = serial_tied(micro, ref_losses, ref_held_out)[0];
+  const TiedRun got = tied_run<M, Policy, Sched, SP>(true), plain = tied_run<M, Policy, Sched, SP>(false);
   double worst = 0, worst_loss = 0, worst_held_out = 0;
   std::string where;
   for (int r = 0; r < M::size; ++r) {
     const auto i = static_cast<std::size_t>(r);
     for (int s = 0; s < tied_steps; ++s)
-      worst_loss = std::max(worst_loss, std::abs(losses[i][static_cast<std::size_t>(s)] - ref_losses[static_cast<std::size_t>(s)]) /
+      worst_loss = std::max(worst_loss, std::abs(got.losses[i][static_cast<std::size_t>(s)] - ref_losses[static_cast<std::size_t>(s)]) /
                                             ref_losses[static_cast<std::size_t>(s)]);
-    worst = std::max(worst, worst_tensor<GPT<tied4>::serial_layout>(weights[i], ref, &where));
-    worst_held_out = std::max(worst_held_out, std::abs(held_out[i] - ref_held_out) / ref_held_out);
+    worst = std::max(worst, worst_tensor<GPT<tied4>::serial_layout>(got.weights[i], ref, &where));
+    REQUIRE(got.held_out[i].size() == ref_held_out.size());
+    for (std::size_t k = 0; k < ref_held_out.size(); ++k)
+      worst_held_out = std::max(worst_held_out, std::abs(got.held_out[i][k] - ref_held_out[k]) / ref_held_out[k]);
+    CHECK(got.losses[i] == plain.losses[i]);
+    CHECK(got.weights[i] == plain.weights[i]);
   }
   MESSAGE(std::string(what) << ": losses within " << worst_loss << ", weights within " << worst << " (" << where
-                            << ") of serial after " << tied_steps << " steps, held-out loss within " << worst_held_out);
+                            << ") of serial after " << tied_steps << " steps, held-out losses within " << worst_held_out);
   CHECK(worst_loss <= 1e-5);
   CHECK(worst <= 1e-5);
   CHECK(worst_held_out <= 1e-5);
@@ -454,7 +482,8 @@ void tied_equals_serial(const char* what) {
 }  // namespace
 
 TEST_CASE("tied GPT-2 embeddings across pipeline stages (the head's copy of wte, gradients summed): equal serial; "
-          "so does Trainer::evaluate after the steps, through two chunks a rank and a V's turn") {
+          "so does Trainer::evaluate before the last step and after it, through two chunks a rank and a V's turn, "
+          "the steps after it as without it") {
   tied_equals_serial<Mesh<PP<2>>, NoZeRO, pipeline::OneFOneB<2, 4>, NoSequenceParallel>("PP 2, 1F1B");
   tied_equals_serial<Mesh<DP<2>, PP<2>, TP<2>>, ZeRO<1>, pipeline::OneFOneB<2, 4>, SequenceParallel>(
       "DP 2 x PP 2 x TP 2, 1F1B, ZeRO-1, SP");

@@ -144,13 +144,17 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
     frame_.update();
   }
 
+  // Activation slots chunk c holds: the most micro-batches it keeps in flight.
+  int slots(int chunk) const { return book_->slots(chunk); }
+
   // The mean loss of a global batch (as step() takes it) on the current weights, on every
   // rank: each micro-batch's forward through the virtual stages in turn, every rank walking
   // the (micro-batch, stage) pairs in the same order, so each activation sent is received next
   // on the stage after (no table needed: a chain cannot wait on itself). Nothing is kept for a
   // backward, reduced or updated, and a model with set_training keeps no training statistic
   // (nn/decoder.hpp). Between steps: it writes over slot 0's activations, and a step graph is
-  // given up (the next step runs plain and captures again).
+  // given up (a larger B or T would move the buffers it replays): the next step runs plain,
+  // the one after captures again: with graphs on, evaluate every many steps, not every few.
   double evaluate(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
     take_batch(tokens, targets, B, seq, "evaluate");
     struct Evaluating {  // set_training(false) for the pass, on again however it ends

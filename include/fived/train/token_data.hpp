@@ -36,7 +36,9 @@ namespace fived {
 //           the seed and the epoch (IndexShuffle). The rows of the steps are one sequence:
 //           step s's global batch is positions [s·rows, (s+1)·rows) of it, epoch after epoch,
 //           and a batch may straddle two epochs. A run whose steps count from 1 (the Trainer's)
-//           leaves out one batch of windows in its first epoch only.
+//           leaves out one batch of windows in its first epoch only. A run resumed with
+//           another batch (rows a step) or T finds itself elsewhere in that sequence: in the
+//           epoch it is in, some windows come twice and some not at all.
 enum class SampleOrder { random, epochs };
 
 // Windows of T + 1 tokens from [begin, end) of a stream: tokens and next-token targets.

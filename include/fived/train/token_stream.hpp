@@ -63,8 +63,12 @@ class TokenStream {
     const int rc = ::glob(pattern.c_str(), 0, nullptr, &found);  // sorted by name
     std::vector<std::filesystem::path> paths(found.gl_pathv, found.gl_pathv + (rc == 0 ? found.gl_pathc : 0));
     ::globfree(&found);
-    if (rc == GLOB_NOMATCH || paths.empty()) throw std::runtime_error("TokenStream: no file matches " + pattern);
-    if (rc != 0) throw std::runtime_error("TokenStream: " + pattern + ": glob failed (" + std::to_string(rc) + ")");
+    if (rc != 0 && rc != GLOB_NOMATCH)
+      throw std::runtime_error("TokenStream: " + pattern + ": glob failed (" +
+                               (rc == GLOB_NOSPACE ? "out of memory" : rc == GLOB_ABORTED ? "a folder could not be read"
+                                                                                          : "error " + std::to_string(rc)) +
+                               ")");
+    if (paths.empty()) throw std::runtime_error("TokenStream: no file matches " + pattern);
     return map_files(paths, bytes_per_token, vocab);
   }
 

@@ -157,10 +157,11 @@ class Trainer {
   void update() { rank_->update(); }
 
   // The mean loss of a global batch (M micro-batches of [B, T], as step() takes it) on the
-  // current weights, on every rank: forwards only, on the mesh as it trains (no weights
-  // gathered anywhere), nothing reduced or updated, and the model keeps no training statistic
+  // current weights, on every rank: forwards only, on the mesh as it trains (no serial copy of
+  // the weights gathered), no gradient made or reduced, nothing updated, and the model keeps no training statistic
   // (set_training, where it has one): the steps after are what they would have been without
-  // it. Between steps, not between reduce() and update(). A step graph captures again after.
+  // it. Between steps, not between reduce() and update(). A step graph is given up: the next
+  // step runs plain, the one after captures again.
   double evaluate(std::span<const int> tokens, std::span<const int> targets, int B, int T) {
     return rank_->evaluate(tokens, targets, B, T);
   }
@@ -307,6 +308,7 @@ class Trainer {
   // throws NonFiniteStep on every rank, before `after` (which saves checkpoints) sees it.
   template <class After>
   double fit(const BatchSampler& data, int first, int last, int B, int T, const FitOptions& o, After&& after) {
+    check_held_out(o, T);
     ProgressLog log(world_rank_ == 0 ? o.out : nullptr, mesh::size, Model::flops_per_token(T), o.peak_flops,
                     o.log_every);
     log.header();
@@ -334,6 +336,24 @@ class Trainer {
 
  private:
   static std::string model_name() { return Model::config_name(); }
+  // fit's held-out settings, before its first step rather than at its first evaluation.
+  static void check_held_out(const FitOptions& o, int T) {
+    const std::string where = "fived::Trainer::fit: ";
+    if (o.eval_every < 0) throw std::invalid_argument(where + "eval_every must be 0 (never) or more");
+    if (o.eval_every > 0 && o.held_out == nullptr)
+      throw std::invalid_argument(where + "eval_every " + std::to_string(o.eval_every) +
+                                  " needs held_out: the sampler of the held-out data");
+    if (o.eval_every == 0 && o.held_out != nullptr)
+      throw std::invalid_argument(where + "held_out is given but eval_every is 0: set eval_every to evaluate every "
+                                          "so many steps");
+    if (o.held_out == nullptr) return;
+    if (o.eval_batches < 1)
+      throw std::invalid_argument(where + "eval_batches must be at least 1 (got " + std::to_string(o.eval_batches) + ")");
+    if (!o.held_out->fits(T))
+      throw std::invalid_argument(where + "the held-out part of " + o.held_out->data->name() + " has " +
+                                  std::to_string(o.held_out->end - o.held_out->begin) +
+                                  " tokens, fewer than a window of T + 1 = " + std::to_string(T + 1));
+  }
   // Every rank reads its share of a step (Rank::want); the first failure of any, which all
   // ranks agree on (a collective), or none.
   std::optional<int> read_share(checkpoint::Restored<Model>& restored) {

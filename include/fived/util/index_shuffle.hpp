@@ -27,7 +27,9 @@ class IndexShuffle {
     const int bits = n > 1 ? std::bit_width(n - 1) : 1;  // [0, n) in `bits` bits
     half_ = (bits + 1) / 2;
     mask_ = (std::uint64_t{1} << half_) - 1;
-    for (int r = 0; r < rounds; ++r) keys_[r] = mix(key + 0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(r + 1));
+    // The key mixed first: keys k and k + 1 (seeds next to each other) share no round key.
+    const std::uint64_t k = mix(key);
+    for (int r = 0; r < rounds; ++r) keys_[r] = mix(k + 0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(r + 1));
   }
 
   std::uint64_t size() const { return n_; }
