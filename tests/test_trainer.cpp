@@ -191,6 +191,20 @@ TEST_CASE("fit prints a held-out loss every eval_every steps and after the last:
     t.fit(train, 1, 5, B, T, {.log_every = 5, .out = out, .held_out = &held, .eval_every = 2, .eval_batches = 2},
           [](int, double) {});
     last = t.evaluate(held, 2, B, T);
+    // Held-out settings that cannot work are refused before the first step.
+    const auto never = [](int, double) { FAIL("a step ran"); };
+    CHECK_THROWS_WITH_AS(t.fit(train, 6, 7, B, T, {.out = nullptr, .held_out = &held}, never),
+                         "fived::Trainer::fit: held_out is given but eval_every is 0: set eval_every to evaluate "
+                         "every so many steps",
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(t.fit(train, 6, 7, B, T, {.out = nullptr, .eval_every = 2}, never),
+                         "fived::Trainer::fit: eval_every 2 needs held_out: the sampler of the held-out data",
+                         std::invalid_argument);
+    const BatchSampler short_part(data, 3000, 3010, 2);
+    CHECK_THROWS_WITH_AS(t.fit(train, 6, 7, B, T, {.out = nullptr, .held_out = &short_part, .eval_every = 2}, never),
+                         "fived::Trainer::fit: the held-out part of text has 10 tokens, fewer than a window of T + 1 "
+                         "= 17",
+                         std::invalid_argument);
     std::rewind(out);
     for (int c; (c = std::fgetc(out)) != EOF;) printed += static_cast<char>(c);
     std::fclose(out);

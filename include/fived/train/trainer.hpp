@@ -158,9 +158,9 @@ class Trainer {
 
   // The mean loss of a global batch (M micro-batches of [B, T], as step() takes it) on the
   // current weights, on every rank: forwards only, on the mesh as it trains (no serial copy of
-  // the weights gathered), no gradient made or reduced, nothing updated, and the model keeps no training statistic
-  // (set_training, where it has one): the steps after are what they would have been without
-  // it. Between steps, not between reduce() and update(). A step graph is given up: the next
+  // the weights gathered), no gradient made or reduced, nothing updated, and the model keeps
+  // no training statistic (set_training, where it has one): the steps after are what they
+  // would have been without it. Between steps, not between reduce() and update(). A step graph is given up: the next
   // step runs plain, the one after captures again.
   double evaluate(std::span<const int> tokens, std::span<const int> targets, int B, int T) {
     return rank_->evaluate(tokens, targets, B, T);
