@@ -1,7 +1,8 @@
 // Train a small byte-level GPT (or Llama) on a mesh chosen on the command line.
 //
 //   train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--data-order random|epochs]
-//             [--steps N] [--batch B] [--seq T] [--lr LR] [--seed S] [--log-every N] [--init in.safetensors] [--save out.safetensors]
+//             [--steps N] [--batch B] [--seq T] [--lr LR] [--seed S] [--log-every N]
+//             [--init in.safetensors] [--save out.safetensors]
 //             [--checkpoints DIR [--save-every N]
 //             [--keep-last N] [--resume | --resume-from STEP]] [--serial] [--step-graph] [--list-meshes]
 //
@@ -25,9 +26,9 @@
 // Data: a text file's bytes, or --tokens: a file of little-endian uint16 token ids (< 256 for
 // this model; nanoGPT's .bin, or llm.c's with its header), or a quoted pattern naming several
 // ('shards/train_*.bin': one stream, in name order); without either, generated lines of
-// additions ("07+45=052"), whose loss falls visibly within a minute on two CPU cores. The last 10% is held out. Every run with the same
-// --seed draws the same batches and starts from the same weights on every mesh, so the
-// meshes' losses agree to the printed digits. A training window starts at a random place
+// additions ("07+45=052"), whose loss falls visibly within a minute on two CPU cores. The
+// last 10% is held out. Every run with the same --seed draws the same batches and starts from
+// the same weights on every mesh, so the meshes' losses agree to the printed digits. A training window starts at a random place
 // (--data-order random, the default), or the training part is cut into windows drawn each once
 // an epoch in a shuffled order (--data-order epochs: BatchSampler's SampleOrder::epochs); both
 // are functions of the seed and the step, so a resumed run goes on with the batches it would
@@ -381,9 +382,7 @@ std::string arithmetic_corpus(std::size_t bytes, unsigned seed, const std::vecto
 Corpus load(const Options& opt) {
   Corpus c;
   if (!opt.tokens.empty()) {
-    const bool pattern = opt.tokens.find_first_of("*?[") != std::string::npos;  // shards, in name order
-    c.data = pattern ? TokenStream::map_glob(opt.tokens, 2, demo_config::vocab)
-                     : TokenStream::map_file(opt.tokens, 2, demo_config::vocab);
+    c.data = TokenStream::map_glob(opt.tokens, 2, demo_config::vocab);  // a file, or shards in name order
   } else if (!opt.file.empty()) {
     if (std::filesystem::is_directory(opt.file)) usage(opt.file + " is a folder; give a text file");
     std::ifstream in(opt.file, std::ios::binary);

@@ -171,6 +171,11 @@ TEST_CASE("shards: several files are one stream in the order given (a glob's in 
   all.fill(0, 1, 1, 4, tok, tgt);
   CHECK(tok == std::vector<int>{10, 11, 12, 0});
   CHECK(tgt == std::vector<int>{11, 12, 0, 1});
+  // A path without a pattern's characters is that file, with map_file's errors.
+  CHECK(TokenStream::map_glob((dir / "train_000000.bin").string(), 2, 50).size() == 2);
+  CHECK_THROWS_WITH_AS(TokenStream::map_glob((dir / "missing.bin").string(), 2, 50),
+                       ("TokenStream: " + (dir / "missing.bin").string() + ": No such file or directory").c_str(),
+                       std::runtime_error);
   CHECK_THROWS_WITH_AS(TokenStream::map_glob((dir / "valid_*.bin").string(), 2, 50),
                        ("TokenStream: no file matches " + (dir / "valid_*.bin").string()).c_str(), std::runtime_error);
   std::filesystem::remove_all(dir);

@@ -274,9 +274,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   // received from the stage before when that is on another rank, its output sent to the
   // stage after or handed to this rank's chunk holding it; one slot serves them all.
   void forward_only(int stage, int m) {
-    int chunk = 0;
-    while (shape_.stage(rank_, chunk) != stage) ++chunk;
-    visit_chunk(chunk, [&]<int c>(auto& model, auto& dp) {
+    visit_chunk(chunk_holding(stage), [&]<int c>(auto& model, auto& dp) {
       using Model = std::remove_reference_t<decltype(model)>;
       const std::size_t n = boundary();
       if constexpr (!Model::has_embedding)
@@ -403,6 +401,10 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   int local_neighbour(int c, int direction) const {
     const int s = shape_.stage(rank_, c) + direction;
     if (s < 0 || s >= shape_.stages() || shape_.rank_of(s) != rank_) return -1;
+    return chunk_holding(s);
+  }
+  // The chunk of this rank that holds virtual stage s, or -1.
+  int chunk_holding(int s) const {
     for (int d = 0; d < V; ++d)
       if (shape_.stage(rank_, d) == s) return d;
     return -1;

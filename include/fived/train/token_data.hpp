@@ -78,7 +78,7 @@ struct BatchSampler {
     const std::size_t rows = static_cast<std::size_t>(micro_batches) * static_cast<std::size_t>(B);
     tok.resize(rows * static_cast<std::size_t>(T));
     tgt.resize(tok.size());
-    std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + step);
+    std::mt19937_64 rng(seed_key() + step);
     const std::size_t a = std::max<std::size_t>(align, 1);
     std::uniform_int_distribution<std::size_t> start(0, (end - begin - static_cast<std::size_t>(T) - 1) / a);
     const std::uint64_t windows = windows_per_epoch(T);
@@ -94,9 +94,10 @@ struct BatchSampler {
   }
 
  private:
+  std::uint64_t seed_key() const { return seed * 0x9E3779B97F4A7C15ull; }  // the seed spread over 64 bits
   // The first token of the window at `position` of the epochs' sequence.
   std::size_t epoch_window(std::uint64_t position, std::uint64_t windows, int T) const {
-    const IndexShuffle shuffled(windows, seed * 0x9E3779B97F4A7C15ull ^ (position / windows));
+    const IndexShuffle shuffled(windows, seed_key() ^ (position / windows));
     return begin + static_cast<std::size_t>(shuffled(position % windows)) * stride(T);
   }
 };

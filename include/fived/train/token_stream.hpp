@@ -57,8 +57,9 @@ class TokenStream {
     return s;
   }
   // The files a shell pattern names ("dir/train_*.bin"), in name order, as one stream; no
-  // match is an error.
+  // match is an error. A path without * ? [ is that one file (map_file's errors).
   static TokenStream map_glob(const std::string& pattern, int bytes_per_token, int vocab) {
+    if (pattern.find_first_of("*?[") == std::string::npos) return map_file(pattern, bytes_per_token, vocab);
     glob_t found{};
     const int rc = ::glob(pattern.c_str(), 0, nullptr, &found);  // sorted by name
     std::vector<std::filesystem::path> paths(found.gl_pathv, found.gl_pathv + (rc == 0 ? found.gl_pathc : 0));

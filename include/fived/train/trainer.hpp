@@ -16,8 +16,8 @@
 // backward as the schedule says, gradients reduced as the policy says, the clip over every
 // parameter once (all axes), AdamW at the learning rate of the step (train/lr_schedule.hpp).
 //
-// evaluate() is a held-out loss on the same mesh: forwards only, through every stage, nothing
-// gathered, reduced or updated. fit() is the loop around step: batches from a sampler
+// evaluate() is a held-out loss on the same mesh: forwards only, through every stage, no
+// serial copy of the weights gathered, nothing reduced or updated. fit() is the loop around step: batches from a sampler
 // (train/token_data.hpp), a progress line every N steps (train/progress.hpp), a held-out
 // loss every M, and a callback after each step.
 //
@@ -160,8 +160,8 @@ class Trainer {
   // current weights, on every rank: forwards only, on the mesh as it trains (no serial copy of
   // the weights gathered), no gradient made or reduced, nothing updated, and the model keeps
   // no training statistic (set_training, where it has one): the steps after are what they
-  // would have been without it. Between steps, not between reduce() and update(). A step graph is given up: the next
-  // step runs plain, the one after captures again.
+  // would have been without it. Between steps, not between reduce() and update(). A step
+  // graph is given up: the next step runs plain, the one after captures again.
   double evaluate(std::span<const int> tokens, std::span<const int> targets, int B, int T) {
     return rank_->evaluate(tokens, targets, B, T);
   }

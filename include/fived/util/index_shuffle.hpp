@@ -12,7 +12,8 @@
 // not under n, is a bijection on [0, 4^h) whatever its round function; an index it sends
 // at or past n is sent through it again until it lands below n (cycle walking). Each cycle
 // of the bijection that passes through [0, n) is then walked to the next of its members
-// there, which is a bijection of [0, n). 4^h < 4n, so fewer than four rounds on average.
+// there, which is a bijection of [0, n). 4^h < 4n, so fewer than four passes through the
+// network on average.
 
 #include <bit>
 #include <cstdint>
