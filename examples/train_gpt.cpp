@@ -2,7 +2,7 @@
 //
 //   train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] [--data-order random|epochs]
 //             [--steps N] [--batch B] [--seq T] [--lr LR] [--seed S] [--log-every N]
-//             [--init in.safetensors] [--save out.safetensors]
+//             [--init in.safetensors] [--save out.safetensors] [--metrics FILE]
 //             [--checkpoints DIR [--save-every N]
 //             [--keep-last N] [--resume | --resume-from STEP]] [--serial] [--step-graph] [--list-meshes]
 //
@@ -36,12 +36,17 @@
 //
 // Prints a progress line every --log-every steps (loss, learning rate, gradient norm,
 // tokens/s, tokens/s per GPU, MFU against the device's own peak on CUDA, memory), the held-out
-// loss every fifth line (Trainer::evaluate: on the mesh, forwards only), then a sample and, on
+// loss every fifth line (Trainer::evaluate: on the mesh, forwards only; fit's eval_every),
+// then a sample and, on
 // the generated corpus, 40 sums that training never showed completed greedily and "correct:
 // K/40". The trained weights are gathered into the serial model for that and for --save
 // (Hugging Face GPT-2 or LlamaForCausalLM names).
 // Exit status 0 when the held-out loss fell (a run from scratch; a resumed or --init run
-// exits 0 once it trained).
+// exits 0 once it trained). --metrics FILE writes every step and every held-out loss as a JSON
+// line (train/progress.hpp: loss, lr, grad_norm, seconds, tokens/s, mfu, memory), for a
+// program to read or plot; a resumed run adds to the file (its first steps may be there
+// already, from the run that went past its checkpoint: the later line is this run's), any
+// other run starts it afresh.
 //
 // --init FILE starts from the weights of a file in the model's format (what --save writes:
 // Hugging Face GPT-2 or Llama names and shapes, the model's sizes), saved on any mesh, with
@@ -78,6 +83,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <span>
@@ -138,7 +144,7 @@ template <class F>
 using serial_of = typename F::template type<Mesh<>, Host, NoSequenceParallel>;  // sampling, held-out loss, --save
 
 struct Options {
-  std::string file, tokens, init, save, mesh = "dp2.tp2", checkpoints, model = "gpt", data_order = "random";
+  std::string file, tokens, init, save, metrics, mesh = "dp2.tp2", checkpoints, model = "gpt", data_order = "random";
   int steps = 1500, batch = 32, seq = 20, log_every = 0, save_every = 0, keep_last = 0;
   bool resume = false;               // from the newest checkpoint in `checkpoints` that verifies
   std::optional<int> resume_from;    // or from this step
@@ -152,6 +158,7 @@ struct Options {
                "%s\nusage: train_gpt [text-file] [--model gpt|llama] [--mesh NAME] [--tokens ids.bin] "
                "[--data-order random|epochs] [--steps N] [--batch B] "
                "[--seq T (<= %d)] [--lr LR] [--seed S] [--log-every N] [--init in.safetensors] [--save out.safetensors] "
+               "[--metrics FILE] "
                "[--checkpoints DIR "
                "[--save-every N] [--keep-last N] [--resume | --resume-from STEP]] [--serial] [--step-graph] [--list-meshes]\n",
                msg.c_str(), demo_config::max_seq);
@@ -262,6 +269,16 @@ std::string cannot_write(const std::filesystem::path& dir) {
   return "";
 }
 
+// A file the run writes (none when empty): one that cannot be written fails now, not after the run.
+void check_output_file(const std::string& flag, const std::string& path) {
+  if (path.empty()) return;
+  const std::filesystem::path dir = std::filesystem::absolute(path).parent_path();
+  if (!std::filesystem::is_directory(dir)) usage(flag + " " + path + ": the folder " + dir.string() + " does not exist");
+  if (std::filesystem::is_directory(path)) usage(flag + " " + path + " is a folder; give a file name");
+  if (const std::string why = cannot_write(dir); !why.empty())
+    usage(flag + " " + path + ": cannot write in " + dir.string() + " (" + why + ")");
+}
+
 Options parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -278,6 +295,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--log-every") o.log_every = number<int>(a, value());
     else if (a == "--init") o.init = value();
     else if (a == "--save") o.save = value();
+    else if (a == "--metrics") o.metrics = value();
     else if (a == "--checkpoints") o.checkpoints = value();
     else if (a == "--save-every") o.save_every = number<int>(a, value());
     else if (a == "--keep-last") o.keep_last = number<int>(a, value());
@@ -331,13 +349,8 @@ Options parse(int argc, char** argv) {
   }
   if (o.log_every == 0) o.log_every = std::max(1, o.steps / 20);
   (void)find_mesh(o.mesh);  // an unknown mesh is an error before anything runs
-  if (!o.save.empty()) {  // a path that cannot be written fails now, not after the run
-    const std::filesystem::path dir = std::filesystem::absolute(o.save).parent_path();
-    if (!std::filesystem::is_directory(dir)) usage("--save " + o.save + ": the folder " + dir.string() + " does not exist");
-    if (std::filesystem::is_directory(o.save)) usage("--save " + o.save + " is a folder; give a file name");
-    if (const std::string why = cannot_write(dir); !why.empty())
-      usage("--save " + o.save + ": cannot write in " + dir.string() + " (" + why + ")");
-  }
+  check_output_file("--save", o.save);
+  check_output_file("--metrics", o.metrics);
   return o;
 }
 
@@ -558,22 +571,26 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
     if (step > 0 && prints) std::printf("checkpoint of step %d in %s\n", step, opt.checkpoints.c_str());
   };
   const double val_start = held_out();
-  double val_end = val_start;
   if (prints)
     std::printf("held-out loss %.4f %s\n", val_start,
                 first > 1 ? "at the checkpoint" : opt.init.empty() ? "before training" : "from --init");
+  // World rank 0 writes the metrics: adding to a resumed run's, else afresh.
+  const std::unique_ptr<std::FILE, int (*)(std::FILE*)> metrics(
+      prints && !opt.metrics.empty() ? std::fopen(opt.metrics.c_str(), first > 1 ? "a" : "w") : nullptr, &std::fclose);
+  if (prints && !opt.metrics.empty() && !metrics)
+    throw std::runtime_error("--metrics " + opt.metrics + ": cannot open it for writing (" + std::strerror(errno) + ")");
   const BatchSampler train = training_windows(opt, corpus);
-  const double seconds = trainer.fit(train, first, opt.steps, B, opt.seq, {opt.log_every, peak, stdout},
-                                     [&](int s, double) {
-                                       if (!opt.checkpoints.empty() &&
-                                           ((opt.save_every > 0 && s % opt.save_every == 0) || s == opt.steps)) {
-                                         saved(trainer.wait_for_save());
-                                         trainer.save_async(opt.checkpoints, s, {.keep_last = opt.keep_last, .run = record});
-                                       }
-                                       if (s % (5 * opt.log_every) != 0 && s != opt.steps) return;
-                                       val_end = held_out();
-                                       if (prints) std::printf("held-out loss %.4f at step %d\n", val_end, s);
-                                     });
+  const double seconds = trainer.fit(
+      train, first, opt.steps, B, opt.seq,
+      {.log_every = opt.log_every, .peak_flops = peak, .out = stdout, .metrics = metrics.get(), .held_out = &held,
+       .eval_every = 5 * opt.log_every},
+      [&](int s, double) {
+        if (!opt.checkpoints.empty() && ((opt.save_every > 0 && s % opt.save_every == 0) || s == opt.steps)) {
+          saved(trainer.wait_for_save());
+          trainer.save_async(opt.checkpoints, s, {.keep_last = opt.keep_last, .run = record});
+        }
+      });
+  const double val_end = held_out();  // as fit printed it after the last step
   saved(trainer.wait_for_save());  // the last checkpoint committed before the run reports
   const int final_batches = 32;
   const double final_loss = held_out(final_batches);

@@ -13,7 +13,9 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <limits>
 #include <string>
@@ -174,22 +176,49 @@ TEST_CASE("ZeRO-3 with experts: Mesh<DP<4>, TP<2>, EP<2>> (dense shards over 4 r
   check_equal(trainer_run<Mesh<DP<4>, TP<2>, EP<2>>, ZeRO<3>, Accumulate<2>>(), serial_run<serial_cfg>(2, 4));
 }
 
+namespace {
+
+// What was written to f, from its start; f closed.
+std::string read_and_close(std::FILE* f) {
+  std::string s;
+  std::rewind(f);
+  for (int c; (c = std::fgetc(f)) != EOF;) s += static_cast<char>(c);
+  std::fclose(f);
+  return s;
+}
+
+// The number after "key": in each line of a metrics file that has one, as the lines hold it.
+std::vector<double> field(const std::string& lines, const std::string& key) {
+  std::vector<double> v;
+  const std::string quoted = "\"" + key + "\":";
+  for (std::size_t at = lines.find(quoted); at != std::string::npos; at = lines.find(quoted, at + 1))
+    v.push_back(std::strtod(lines.c_str() + at + quoted.size(), nullptr));
+  return v;
+}
+
+}  // namespace
+
 TEST_CASE("fit prints a held-out loss every eval_every steps and after the last: evaluate over the held-out "
-          "sampler's first batches") {
+          "sampler's first batches; the metrics file holds every step's loss and every evaluation exactly") {
   using Model = GPT<five_cfg, Mesh<>, float, Host, SequenceParallel>;
   std::string text;  // ids below the model's vocabulary
   for (int i = 0; i < 4000; ++i) text += static_cast<char>((i * 7 + i / 13) % five_cfg::vocab);
   const TokenStream data = TokenStream::bytes_of(text);
   const BatchSampler train(data, 0, 3000, 1), held(data, 3000, 4000, 2);
-  std::string printed;
+  std::string printed, metrics;
   double last = 0;
+  std::vector<double> losses;
   host::run(1, [&](host::Comm& world) {
     auto ctx = make_mesh_context<Mesh<>>(world);
     Trainer<Model, NoZeRO, Accumulate<4>> t(ctx, hp, init);
     std::FILE* out = std::tmpfile();
+    std::FILE* lines = std::tmpfile();
     REQUIRE(out != nullptr);
-    t.fit(train, 1, 5, B, T, {.log_every = 5, .out = out, .held_out = &held, .eval_every = 2, .eval_batches = 2},
-          [](int, double) {});
+    REQUIRE(lines != nullptr);
+    t.fit(train, 1, 5, B, T,
+          {.log_every = 5, .out = out, .metrics = lines, .held_out = &held, .eval_every = 2, .eval_batches = 2},
+          [&](int, double loss) { losses.push_back(loss); });
+    metrics = read_and_close(lines);
     last = t.evaluate(held, 2, B, T);
     // Held-out settings that cannot work are refused before the first step.
     const auto never = [](int, double) { FAIL("a step ran"); };
@@ -205,11 +234,17 @@ TEST_CASE("fit prints a held-out loss every eval_every steps and after the last:
                          "fived::Trainer::fit: the held-out part of text has 10 tokens, fewer than a window of T + 1 "
                          "= 17",
                          std::invalid_argument);
-    std::rewind(out);
-    for (int c; (c = std::fgetc(out)) != EOF;) printed += static_cast<char>(c);
-    std::fclose(out);
+    printed = read_and_close(out);
   });
   CAPTURE(printed);
+  CAPTURE(metrics);
+  CHECK(field(metrics, "loss") == losses);  // bit for bit what the steps returned
+  CHECK(field(metrics, "step") == std::vector<double>{1, 2, 2, 3, 4, 4, 5, 5});
+  const std::vector<double> held_out = field(metrics, "held_out_loss");
+  REQUIRE(held_out.size() == 3);
+  CHECK(held_out[2] == last);
+  CHECK(field(metrics, "batches") == std::vector<double>{2, 2, 2});
+  CHECK(field(metrics, "tokens") == std::vector<double>(5, 4.0 * B * T));
   char expected[96];
   std::snprintf(expected, sizeof expected, "     5   held-out loss %.4f (2 batches)\n", last);
   CHECK(printed.find("     2   held-out loss ") != std::string::npos);
@@ -227,6 +262,7 @@ TEST_CASE("fit stops at a step whose loss is not finite, on every rank, before i
   const TokenStream data = TokenStream::bytes_of(text);
   const BatchSampler train(data, 0, data.size(), 1);
   std::vector<int> stopped_at(M::size, 0), callbacks(M::size, 0);
+  std::string metrics;
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
     Trainer<Model, ZeRO<1>, Accumulate<2>> t(ctx, hp, init);
@@ -237,16 +273,22 @@ TEST_CASE("fit stops at a step whose loss is not finite, on every rank, before i
     w[wpe] = std::numeric_limits<float>::quiet_NaN();
     t.load_serial(w, t.serial_expert_params());
     const auto r = static_cast<std::size_t>(ctx.rank());
+    std::FILE* lines = r == 0 ? std::tmpfile() : nullptr;  // rank 0 writes the metrics
     try {
-      t.fit(train, 1, 3, B, T, {.out = nullptr}, [&](int, double) { ++callbacks[r]; });
+      t.fit(train, 1, 3, B, T, {.out = nullptr, .metrics = lines}, [&](int, double) { ++callbacks[r]; });
     } catch (const NonFiniteStep& e) {
       stopped_at[r] = e.step;
       CHECK(std::isnan(e.loss));
       CHECK(std::string(e.what()).find("fived::Trainer::fit: step 1: the loss is nan and the gradient norm nan") == 0);
     }
+    if (lines) metrics = read_and_close(lines);
   });
   CHECK(stopped_at == std::vector<int>(M::size, 1));
   CHECK(callbacks == std::vector<int>(M::size, 0));
+  // The step that stopped the run is its metrics file's last line.
+  CHECK(metrics.find("{\"step\":1,\"loss\":null,\"lr\":") == 0);
+  CHECK(metrics.find("\"grad_norm\":null") != std::string::npos);
+  CHECK(std::count(metrics.begin(), metrics.end(), '\n') == 1);
 }
 
 TEST_CASE("the learning rate warms up linearly, then falls on a cosine to its floor") {

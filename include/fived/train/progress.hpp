@@ -9,9 +9,20 @@
 // peak (device/peak.hpp on CUDA; none on the host backend, where the column shows "-").
 // Memory is what the library's buffers hold on a GPU (rank); on the host backend, where the
 // ranks are threads of one process, the process's buffers over the ranks.
+//
+// With a metrics file, every step is also a JSON line of its own (not averaged; full
+// precision, so a loss read back is the loss the step returned; null where a value is not
+// finite or there is no MFU; mfu a fraction, not a percentage), and so is every held-out
+// evaluation:
+//
+//     {"step":10,"loss":4.83120012,"lr":0.001,"grad_norm":1.214,"seconds":0.0213,"tokens":1024,
+//      "tokens_per_s":48075.1,"tokens_per_s_per_gpu":12018.8,"mfu":null,"memory_bytes":13002342}
+//     {"step":20,"held_out_loss":2.3412,"batches":4}
 
+#include <cmath>
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 namespace fived {
@@ -25,9 +36,10 @@ struct StepReport {
 class ProgressLog {
  public:
   // ranks: GPUs (or host ranks) sharing the work; flops_per_token: the model's; peak: FLOP/s of
-  // one device (0: no MFU); every: a line per `every` steps.
-  ProgressLog(std::FILE* out, int ranks, double flops_per_token, double peak, int every)
-      : out_(out), ranks_(ranks), flops_(flops_per_token), peak_(peak), every_(every < 1 ? 1 : every) {}
+  // one device (0: no MFU); every: a line per `every` steps; metrics: the JSON lines (null:
+  // none).
+  ProgressLog(std::FILE* out, int ranks, double flops_per_token, double peak, int every, std::FILE* metrics = nullptr)
+      : out_(out), metrics_(metrics), ranks_(ranks), flops_(flops_per_token), peak_(peak), every_(every < 1 ? 1 : every) {}
 
   void header() const {
     if (!out_) return;
@@ -36,16 +48,24 @@ class ProgressLog {
     std::fflush(out_);
   }
 
-  // Adds a step; prints a line when `step` is a multiple of `every` or `last`.
+  // Adds a step (its metrics line); prints a line when `step` is a multiple of `every` or `last`.
   void add(const StepReport& r, std::size_t memory_bytes, bool last = false) {
+    if (metrics_) {
+      const double tps = r.seconds > 0 ? r.tokens / r.seconds : 0;
+      std::fprintf(metrics_, "{\"step\":%d,\"loss\":%s,\"lr\":%s,\"grad_norm\":%s,\"seconds\":%s,\"tokens\":%.0f,"
+                   "\"tokens_per_s\":%s,\"tokens_per_s_per_gpu\":%s,\"mfu\":%s,\"memory_bytes\":%zu}\n",
+                   r.step, json(r.loss).c_str(), json(r.lr).c_str(), json(r.grad_norm).c_str(), json(r.seconds).c_str(),
+                   r.tokens, json(tps).c_str(), json(tps / ranks_).c_str(), json(mfu(tps)).c_str(), memory_bytes);
+      std::fflush(metrics_);
+    }
     loss_ += r.loss, seconds_ += r.seconds, tokens_ += r.tokens, ++n_;
     if (r.step % every_ != 0 && !last) return;
     const double tps = seconds_ > 0 ? tokens_ / seconds_ : 0, per_gpu = tps / ranks_;
     if (out_) {
-      char mfu[16] = "-";
-      if (peak_ > 0 && flops_ > 0) std::snprintf(mfu, sizeof mfu, "%.1f", 100.0 * flops_ * per_gpu / peak_);
+      char percent[16] = "-";
+      if (const double m = mfu(tps); std::isfinite(m)) std::snprintf(percent, sizeof percent, "%.1f", 100 * m);
       std::fprintf(out_, "%6d %8.4f %9.2e %10.4g %10.0f %10.0f %6s %11s\n", r.step, loss_ / n_, r.lr, r.grad_norm, tps,
-                   per_gpu, mfu, bytes(memory_bytes).c_str());
+                   per_gpu, percent, bytes(memory_bytes).c_str());
       std::fflush(out_);
     }
     loss_ = seconds_ = tokens_ = 0, n_ = 0;
@@ -53,9 +73,24 @@ class ProgressLog {
 
   // A held-out evaluation after `step`: "    20   held-out loss 2.3412 (4 batches)".
   void held_out(int step, double loss, int batches) const {
+    if (metrics_) {
+      std::fprintf(metrics_, "{\"step\":%d,\"held_out_loss\":%s,\"batches\":%d}\n", step, json(loss).c_str(), batches);
+      std::fflush(metrics_);
+    }
     if (!out_) return;
     std::fprintf(out_, "%6d   held-out loss %.4f (%d batch%s)\n", step, loss, batches, batches == 1 ? "" : "es");
     std::fflush(out_);
+  }
+
+  // x as a JSON number that reads back as x (the shortest %g that does), or null.
+  static std::string json(double x) {
+    if (!std::isfinite(x)) return "null";
+    char s[32];
+    for (int digits = 6; digits <= 17; ++digits) {
+      std::snprintf(s, sizeof s, "%.*g", digits, x);
+      if (std::strtod(s, nullptr) == x) break;
+    }
+    return s;
   }
 
   static std::string bytes(std::size_t b) {
@@ -69,7 +104,13 @@ class ProgressLog {
   }
 
  private:
+  // The fraction of the peak that tokens_per_s over every rank makes of each; NaN without a peak.
+  double mfu(double tokens_per_s) const {
+    return peak_ > 0 && flops_ > 0 ? flops_ * tokens_per_s / ranks_ / peak_ : std::nan("");
+  }
+
   std::FILE* out_;
+  std::FILE* metrics_;
   int ranks_;
   double flops_, peak_;
   int every_;

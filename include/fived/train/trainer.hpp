@@ -298,6 +298,7 @@ class Trainer {
     int log_every = 10;
     double peak_flops = 0;          // one device's, for MFU (0: none)
     std::FILE* out = stdout;        // rank 0 prints; null: nothing
+    std::FILE* metrics = nullptr;   // rank 0 writes a JSON line per step and evaluation (train/progress.hpp)
     // Every eval_every steps and after the last (0: never), evaluate(*held_out, eval_batches)
     // printed as a line of its own (not counted in the steps' seconds or tokens/s).
     const BatchSampler* held_out = nullptr;
@@ -305,12 +306,13 @@ class Trainer {
   };
   // Steps [first, last] on batches drawn from `data`; after each step `after(step, loss)`.
   // Returns the seconds spent in the steps. A step whose loss or gradient norm is not finite
-  // throws NonFiniteStep on every rank, before `after` (which saves checkpoints) sees it.
+  // is logged (a progress line and its metrics line, its values null there) and throws
+  // NonFiniteStep on every rank, before `after` (which saves checkpoints) sees it.
   template <class After>
   double fit(const BatchSampler& data, int first, int last, int B, int T, const FitOptions& o, After&& after) {
     check_held_out(o, T);
     ProgressLog log(world_rank_ == 0 ? o.out : nullptr, mesh::size, Model::flops_per_token(T), o.peak_flops,
-                    o.log_every);
+                    o.log_every, world_rank_ == 0 ? o.metrics : nullptr);
     log.header();
     std::vector<int> tok, tgt;
     double total = 0;
@@ -321,9 +323,11 @@ class Trainer {
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       total += dt;
       const double norm = grad_norm();
-      // The same on every rank (reduced over the mesh), so every rank stops here alike.
-      if (!std::isfinite(loss) || !std::isfinite(norm)) throw NonFiniteStep(s, loss, norm);
-      log.add({s, loss, lr_, norm, dt, static_cast<double>(M) * B * T}, memory_in_use(), s == last);
+      // The same on every rank (reduced over the mesh), so every rank stops here alike, its
+      // line (the last) logged.
+      const bool finite = std::isfinite(loss) && std::isfinite(norm);
+      log.add({s, loss, lr_, norm, dt, static_cast<double>(M) * B * T}, memory_in_use(), s == last || !finite);
+      if (!finite) throw NonFiniteStep(s, loss, norm);
       if (o.held_out != nullptr && o.eval_every > 0 && (s % o.eval_every == 0 || s == last))
         log.held_out(s, evaluate(*o.held_out, o.eval_batches, B, T), o.eval_batches);
       after(s, loss);
