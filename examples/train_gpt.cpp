@@ -42,7 +42,10 @@
 // K/40". The trained weights are gathered into the serial model for that and for --save
 // (Hugging Face GPT-2 or LlamaForCausalLM names).
 // Exit status 0 when the held-out loss fell (a run from scratch; a resumed or --init run
-// exits 0 once it trained). --metrics FILE writes every step and every held-out loss as a JSON
+// exits 0 once it trained). SIGTERM, SIGINT or SIGUSR1 (a scheduler's notice before it
+// preempts the job, Ctrl-C; a second one ends the process at once) ends the run after the
+// step it is in, a checkpoint saved there with --checkpoints, and exits with status 3:
+// --resume goes on from it. --metrics FILE writes every step and every held-out loss as a JSON
 // line (train/progress.hpp: loss, lr, grad_norm, seconds, tokens/s, mfu, memory), for a
 // program to read or plot; a resumed run adds to the file (its first steps may be there
 // already, from the run that went past its checkpoint: the later line is this run's), any
@@ -105,6 +108,7 @@
 #include "fived/mesh/context.hpp"
 #include "fived/nn/gpt.hpp"
 #include "fived/nn/llama.hpp"
+#include "fived/train/stop_signal.hpp"
 #include "fived/train/trainer.hpp"
 
 namespace {
@@ -277,6 +281,8 @@ void check_output_file(const std::string& flag, const std::string& path) {
   if (std::filesystem::is_directory(path)) usage(flag + " " + path + " is a folder; give a file name");
   if (const std::string why = cannot_write(dir); !why.empty())
     usage(flag + " " + path + ": cannot write in " + dir.string() + " (" + why + ")");
+  if (std::filesystem::exists(path) && access(path.c_str(), W_OK) != 0)
+    usage(flag + " " + path + ": cannot write that file (" + std::strerror(errno) + ")");
 }
 
 Options parse(int argc, char** argv) {
@@ -505,6 +511,12 @@ int finish(Serial& model, const Options& opt, const Corpus& c, double val_start,
 
 // ---- one run on mesh M ------------------------------------------------------------------------
 
+// SIGTERM, SIGINT and SIGUSR1 end the run after its step rather than in it (train/stop_signal.hpp).
+const StopSignal& stop_signal() {
+  static const StopSignal s;
+  return s;
+}
+
 template <class F, class M, class Device, class Ctx>
 int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::string& backend, double peak) {
   using Model = typename F::template type<M, Device, sp_for<M>>;
@@ -580,18 +592,28 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
   if (prints && !opt.metrics.empty() && !metrics)
     throw std::runtime_error("--metrics " + opt.metrics + ": cannot open it for writing (" + std::strerror(errno) + ")");
   const BatchSampler train = training_windows(opt, corpus);
+  int stopped_after = 0;  // a step before the last, where a signal ended the run
   const double seconds = trainer.fit(
       train, first, opt.steps, B, opt.seq,
       {.log_every = opt.log_every, .peak_flops = peak, .out = stdout, .metrics = metrics.get(), .held_out = &held,
-       .eval_every = 5 * opt.log_every},
-      [&](int s, double) {
-        if (!opt.checkpoints.empty() && ((opt.save_every > 0 && s % opt.save_every == 0) || s == opt.steps)) {
+       .eval_every = 5 * opt.log_every, .stop = [] { return stop_signal().requested(); }},
+      [&](int s, double, bool last) {
+        if (!opt.checkpoints.empty() && ((opt.save_every > 0 && s % opt.save_every == 0) || last)) {
           saved(trainer.wait_for_save());
           trainer.save_async(opt.checkpoints, s, {.keep_last = opt.keep_last, .run = record});
         }
+        if (last && s < opt.steps) stopped_after = s;
       });
-  const double val_end = held_out();  // as fit printed it after the last step
   saved(trainer.wait_for_save());  // the last checkpoint committed before the run reports
+  if (stopped_after > 0) {
+    if (prints)
+      std::printf("stopped after step %d on %s: %s\n", stopped_after,
+                  stop_signal().requested() ? stop_signal().name().c_str() : "another process's signal",
+                  opt.checkpoints.empty() ? "nothing saved (no --checkpoints)"
+                                          : ("its checkpoint is in " + opt.checkpoints + "; --resume goes on from it").c_str());
+    return 3;
+  }
+  const double val_end = held_out();  // as fit printed it after the last step
   const int final_batches = 32;
   const double final_loss = held_out(final_batches);
   const std::vector<float> w = trainer.serial_params();  // a collective: every rank gathers
@@ -639,6 +661,7 @@ int train_on(const Options& opt, const Corpus& corpus) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  (void)stop_signal();  // caught from here on
   const Options opt = parse(argc, argv);
   try {
     const Corpus corpus = load(opt);

@@ -75,7 +75,9 @@ while ((${#rank_of[@]} > 0)); do
     elif ((rc != 0 && !failed)); then
       echo "launch-local.sh: rank $rank exited with $rc; stopping the others" >&2
       failed=1
-      for other in "${!rank_of[@]}"; do kill "$other" 2>/dev/null; done
+      # Each rank runs in its timeout's process group: end it whole, now (a rank catches
+      # SIGTERM to stop after its step, which a rank waiting on a dead peer never ends).
+      for other in "${!rank_of[@]}"; do kill -KILL -- "-$other" 2>/dev/null; done
     fi
   done
   sleep 0.1

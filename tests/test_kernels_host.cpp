@@ -835,6 +835,54 @@ TEST_CASE("adamw_update_chunks: each chunk with its tensor's decay, the gradient
   run(double{}, {&total, 100.0}, 1.0);  // under the limit
 }
 
+TEST_CASE("adamw_update_chunks with skip_non_finite: a squared norm that is nan or inf writes nothing (parameters, "
+          "moments, masters); a finite one updates as without it") {
+  const std::vector<ChunkTensor> tensors = {{0, 5, false}, {5, 9, true}};
+  const std::size_t n = 14;
+  const auto chunks = fived::adamw_chunks(tensors, fived::FlatRange{0, n});
+  const fived::AdamWStep at = fived::AdamWStep::at(1, 0.01, 0.9, 0.95);
+  const std::vector<float> w0 = to<float>(random_vec(n, 150));
+  std::vector<float> g = to<float>(random_vec(n, 151));
+  g[3] = std::numeric_limits<float>::quiet_NaN();
+  for (const double total : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    std::vector<float> p = w0, m(n, 0.25f), v(n, 0.5f), master(n, 7.0f);
+    std::vector<fived::bf16> pb(n);
+    k::adamw_update_chunks(p.data(), static_cast<float*>(nullptr), g.data(), m.data(), v.data(), chunks.data(),
+                           chunks.size(), &at, 0.9, 0.95, 1e-8, 0.1, fived::GradClip{&total, 1.0, true});
+    CHECK(p == w0);
+    CHECK(m == std::vector<float>(n, 0.25f));
+    CHECK(v == std::vector<float>(n, 0.5f));
+    const std::vector<fived::bf16> gb(n, fived::bf16(0.5f));
+    k::adamw_update_chunks(pb.data(), master.data(), gb.data(), m.data(), v.data(), chunks.data(), chunks.size(), &at,
+                           0.9, 0.95, 1e-8, 0.1, fived::GradClip{&total, 0.0, true});
+    CHECK(master == std::vector<float>(n, 7.0f));
+    CHECK(m == std::vector<float>(n, 0.25f));
+    CHECK(v == std::vector<float>(n, 0.5f));
+    for (const fived::bf16 x : pb) CHECK(static_cast<float>(x) == 0.0f);
+  }
+  const double finite = 4.0;
+  g[3] = 0.5f;
+  std::vector<float> p1 = w0, m1(n), v1(n), p2 = w0, m2(n), v2(n);
+  k::adamw_update_chunks(p1.data(), static_cast<float*>(nullptr), g.data(), m1.data(), v1.data(), chunks.data(),
+                         chunks.size(), &at, 0.9, 0.95, 1e-8, 0.1, fived::GradClip{&finite, 1.0, true});
+  k::adamw_update_chunks(p2.data(), static_cast<float*>(nullptr), g.data(), m2.data(), v2.data(), chunks.data(),
+                         chunks.size(), &at, 0.9, 0.95, 1e-8, 0.1, fived::GradClip{&finite, 1.0, false});
+  CHECK(p1 == p2);
+  CHECK(p1 != w0);
+}
+
+TEST_CASE("expert_bias_step leaves the bias where its skip value is not finite, and moves it where it is") {
+  const std::vector<float> loads = {1, 5, 3, 3};  // one block of 4 experts, mean 3
+  const double nan = std::numeric_limits<double>::quiet_NaN(), finite = 2.0;
+  std::vector<float> bias(4, 0.0f);
+  k::expert_bias_step(bias.data(), loads.data(), 1, 4, 0.25, &nan);
+  CHECK(bias == std::vector<float>(4, 0.0f));
+  k::expert_bias_step(bias.data(), loads.data(), 1, 4, 0.25, &finite);
+  CHECK(bias == std::vector<float>{0.25f, -0.25f, 0.0f, 0.0f});
+  k::expert_bias_step(bias.data(), loads.data(), 1, 4, 0.25);  // no skip value: always
+  CHECK(bias == std::vector<float>{0.5f, -0.5f, 0.0f, 0.0f});
+}
+
 // ---------------------------------------------------------------- norm
 
 TEST_CASE("sum_of_squares_chunks: the chunks' sums in order, written (not added); add_scalar adds one double") {

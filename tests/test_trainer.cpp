@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <cstdio>
 #include <limits>
 #include <string>
@@ -26,6 +27,7 @@
 #include "fived/train/trainer.hpp"
 #include "support/batches.hpp"
 #include "support/compare.hpp"
+#include "support/file_text.hpp"
 
 using namespace fived;
 
@@ -180,9 +182,7 @@ namespace {
 
 // What was written to f, from its start; f closed.
 std::string read_and_close(std::FILE* f) {
-  std::string s;
-  std::rewind(f);
-  for (int c; (c = std::fgetc(f)) != EOF;) s += static_cast<char>(c);
+  std::string s = test::file_text(f);
   std::fclose(f);
   return s;
 }
@@ -289,6 +289,163 @@ TEST_CASE("fit stops at a step whose loss is not finite, on every rank, before i
   CHECK(metrics.find("{\"step\":1,\"loss\":null,\"lr\":") == 0);
   CHECK(metrics.find("\"grad_norm\":null") != std::string::npos);
   CHECK(std::count(metrics.begin(), metrics.end(), '\n') == 1);
+}
+
+namespace {
+
+// Bit for bit, nan included.
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// hp, with the steps whose gradient norm is not finite skipped; on DP 2 x TP 2.
+const TrainerConfig skipping = [] {
+  TrainerConfig c = hp;
+  c.adamw.skip_non_finite = true;
+  return c;
+}();
+using SkipModel = GPT<five_cfg, Mesh<DP<2>, TP<2>>, float, Host, SequenceParallel>;
+
+}  // namespace
+
+TEST_CASE("with skip_non_finite a step whose gradient norm is not finite changes nothing: on DP 2 x TP 2 (ZeRO-1, "
+          "experts with a selection bias) the steps around it are those of a run without it, bit for bit") {
+  using Model = SkipModel;
+  using M = Model::mesh;
+  // Token `poison` has a nan embedding: the one batch that holds it makes every gradient nan.
+  constexpr int poison = five_cfg::vocab - 1, micro = 2;
+  struct Run {
+    std::vector<double> losses;
+    std::vector<bool> skipped;
+    std::vector<float> weights, experts;
+  };
+  // Steps 1 and 3 on good batches, with (step 2) or without the bad batch between them.
+  const auto run = [&](bool with_bad_step) {
+    std::vector<Run> out(M::size);
+    host::run(M::size, [&](host::Comm& world) {
+      auto ctx = make_mesh_context<M>(world);
+      Trainer<Model, ZeRO<1>, Accumulate<micro>> t(ctx, skipping, init);
+      std::vector<float> w = t.serial_params();
+      using layout = Model::serial_layout;
+      const auto& wte = layout::tensors[static_cast<std::size_t>(*layout::find("wte.weight"))];
+      std::fill_n(w.begin() + static_cast<std::ptrdiff_t>(wte.offset + std::size_t{poison} * five_cfg::d_model),
+                  five_cfg::d_model, std::numeric_limits<float>::quiet_NaN());
+      t.load_serial(w, t.serial_expert_params());
+      Run& r = out[static_cast<std::size_t>(ctx.rank())];
+      std::vector<int> tok, tgt;
+      for (int s : with_bad_step ? std::vector<int>{1, 2, 3} : std::vector<int>{1, 3}) {
+        test::global_batch(s, micro, B, T, poison, tok, tgt);  // ids below `poison`
+        if (s == 2) tok[5] = poison;
+        r.losses.push_back(t.step(s, tok, tgt, B, T));
+        r.skipped.push_back(t.last_step_skipped());
+      }
+      r.weights = t.serial_params();
+      r.experts = t.serial_expert_params();
+    });
+    return out;
+  };
+  const std::vector<Run> with = run(true), without = run(false);
+  for (int r = 0; r < M::size; ++r) {
+    CAPTURE(r);
+    const Run &a = with[static_cast<std::size_t>(r)], &b = without[static_cast<std::size_t>(r)];
+    REQUIRE(a.losses.size() == 3);
+    CHECK(std::isnan(a.losses[1]));
+    CHECK(a.skipped == std::vector<bool>{false, true, false});
+    CHECK(b.skipped == std::vector<bool>{false, false});
+    CHECK(a.losses[0] == b.losses[0]);
+    CHECK(a.losses[2] == b.losses[1]);  // the selection bias did not move either: the same routing
+    CHECK(same_bits(a.weights, b.weights));  // nor the moments or the step count (bias corrections)
+    CHECK(same_bits(a.experts, b.experts));
+    CHECK(std::count_if(a.weights.begin(), a.weights.end(), [](float x) { return std::isnan(x); }) ==
+          five_cfg::d_model);  // the poisoned row only
+  }
+}
+
+TEST_CASE("fit goes on past skipped steps, logs them as skipped, and stops at one more than max_skipped in a row with "
+          "the weights of the step before them") {
+  using Model = SkipModel;
+  using M = Model::mesh;
+  std::string text;
+  for (int i = 0; i < 2000; ++i) text += static_cast<char>((i * 5 + i / 7) % five_cfg::vocab);
+  const TokenStream data = TokenStream::bytes_of(text);
+  const BatchSampler train(data, 0, data.size(), 1);
+  std::vector<int> stopped_at(M::size, 0), callbacks(M::size, 0);
+  std::string printed, metrics;
+  std::vector<float> before, after;
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    Trainer<Model, ZeRO<1>, Accumulate<2>> t(ctx, skipping, init);
+    std::vector<float> w = t.serial_params();
+    using layout = Model::serial_layout;  // position 0's embedding: every step is nan
+    w[layout::tensors[static_cast<std::size_t>(*layout::find("wpe.weight"))].offset] =
+        std::numeric_limits<float>::quiet_NaN();
+    t.load_serial(w, t.serial_expert_params());
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    const std::vector<float> loaded = t.serial_params();  // a collective
+    if (r == 0) before = loaded;
+    std::FILE* out = r == 0 ? std::tmpfile() : nullptr;
+    std::FILE* lines = r == 0 ? std::tmpfile() : nullptr;
+    try {
+      t.fit(train, 1, 6, B, T, {.log_every = 2, .out = out, .metrics = lines, .max_skipped = 2},
+            [&](int, double) { ++callbacks[r]; });
+    } catch (const NonFiniteStep& e) {
+      stopped_at[r] = e.step;
+      CHECK(e.skipped == 3);
+      CHECK(std::string(e.what()).find("fived::Trainer::fit: step 3: the loss is nan and the gradient norm nan, not "
+                                       "both finite, at 3 steps in a row, each skipped (nothing updated): the weights "
+                                       "are those after step 0.") == 0);
+    }
+    const std::vector<float> now = t.serial_params();  // a collective
+    if (r == 0) after = now, printed = read_and_close(out), metrics = read_and_close(lines);
+  });
+  CHECK(stopped_at == std::vector<int>(M::size, 3));
+  CHECK(callbacks == std::vector<int>(M::size, 2));
+  CHECK(same_bits(before, after));
+  CAPTURE(printed);
+  CAPTURE(metrics);
+  CHECK(printed.find("(2 skipped)\n") != std::string::npos);
+  CHECK(printed.find("(1 skipped)\n") != std::string::npos);  // step 3's line, the last
+  CHECK(std::count(metrics.begin(), metrics.end(), '\n') == 3);
+  CHECK(field(metrics, "step") == std::vector<double>{1, 2, 3});
+  std::size_t marks = 0;
+  for (std::size_t at = metrics.find(",\"skipped\":true}"); at != std::string::npos;
+       at = metrics.find(",\"skipped\":true}", at + 1))
+    ++marks;
+  CHECK(marks == 3);
+}
+
+TEST_CASE("fit ends after the step at which any rank is asked to stop, on every rank: that step logged and passed "
+          "to after as the last, not evaluated (its checkpoint first)") {
+  using M = Mesh<DP<2>, TP<2>>;
+  using Model = GPT<five_cfg, M, float, Host, SequenceParallel>;
+  std::string text;
+  for (int i = 0; i < 2000; ++i) text += static_cast<char>((i * 5 + i / 7) % five_cfg::vocab);
+  const TokenStream data = TokenStream::bytes_of(text);
+  const BatchSampler train(data, 0, 1600, 1), held(data, 1600, data.size(), 2);
+  std::vector<std::vector<int>> steps(M::size), last_flags(M::size);
+  std::string metrics;
+  host::run(M::size, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<M>(world);
+    Trainer<Model, ZeRO<1>, Accumulate<2>> t(ctx, hp, init);
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    std::FILE* lines = r == 0 ? std::tmpfile() : nullptr;
+    int asked = 0;
+    // Rank 3 alone is asked to stop, at its third step (as one process of a job may be
+    // signalled before the others).
+    t.fit(train, 1, 6, B, T,
+          {.out = nullptr, .metrics = lines, .held_out = &held, .eval_every = 2, .eval_batches = 1,
+           .stop = [&] { return ++asked == 3 && r == 3; }},
+          [&](int s, double, bool last) {
+            steps[r].push_back(s);
+            last_flags[r].push_back(last);
+          });
+    if (lines) metrics = read_and_close(lines);
+  });
+  CHECK(steps == std::vector<std::vector<int>>(M::size, {1, 2, 3}));
+  CHECK(last_flags == std::vector<std::vector<int>>(M::size, {0, 0, 1}));
+  CAPTURE(metrics);
+  CHECK(field(metrics, "step") == std::vector<double>{1, 2, 2, 3});  // step 2 evaluated (eval_every), 3 not
+  CHECK(field(metrics, "held_out_loss").size() == 1);
 }
 
 TEST_CASE("the learning rate warms up linearly, then falls on a cosine to its floor") {

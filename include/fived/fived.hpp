@@ -24,6 +24,7 @@
 #include "fived/place/redistribute.hpp"
 #include "fived/place/sharded.hpp"
 #include "fived/train/data_parallel.hpp"
+#include "fived/train/stop_signal.hpp"
 #include "fived/train/trainer.hpp"
 
 #if defined(FIVED_WITH_CUDA)

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -828,6 +829,20 @@ TEST_CASE_TEMPLATE("AdamW over chunks: a block per chunk, each with its decay, t
     CHECK_CLOSE(m2, down(dm2), fp32_elem);
     CHECK_CLOSE(v2, down(dv2), fp32_elem);
   }
+  // skip_non_finite: a squared norm that is not finite leaves parameters, masters and moments
+  // as they were (every block reads it and leaves).
+  for (const double bad : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    const auto param = down(c.dparam);
+    const auto master = down(c.dmaster), m = down(c.dm), v = down(c.dv);
+    auto dbad = up(std::vector<double>{bad});
+    ck::adamw_update_chunks(stream(), c.dparam.data(), c.dmaster.data(), c.dgrad.data(), c.dm.data(), c.dv.data(),
+                            dchunks.data(), chunks.size(), dat.data(), 0.9, 0.95, 1e-8, 0.1,
+                            fived::GradClip{dbad.data(), max_norm, true});
+    CHECK(down(c.dparam) == param);
+    CHECK(down(c.dmaster) == master);
+    CHECK(down(c.dm) == m);
+    CHECK(down(c.dv) == v);
+  }
 }
 
 TEST_CASE_TEMPLATE("AdamW over chunks whose parameters and gradients lie elsewhere (a ZeRO rank's packed pieces)", T,
@@ -1270,6 +1285,10 @@ TEST_CASE_TEMPLATE("mixture of experts: router, dispatch plan, gather, combine a
     CHECK(bias[5] == 0.0f);   // load 4 = the mean: no move
     CHECK(bias[7] == 0.02f);  // below the mean: up
     CHECK(bias[10] == -1.0f);  // all equal: no move
+    // A step the optimizer skipped (its squared norm, in device memory, not finite) moves none.
+    auto d_nan = up(std::vector<double>{std::numeric_limits<double>::quiet_NaN()});
+    ck::expert_bias_step(stream(), d_bias.data(), d_loads.data(), blocks, E, 0.02, d_nan.data());
+    CHECK(down(d_bias) == bias);
   }
 
   {  // misuse: k > E, and expert ids outside [0, E) (found on the device, thrown after the sync)

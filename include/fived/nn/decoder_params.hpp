@@ -140,10 +140,12 @@ class DecoderParams : public DecoderFacts<Arch, M, T, Device, SP, Part> {
   // its gradient group, DP x CP: every rank that routes tokens): the rows each expert took in
   // the step's training forwards, summed by sum_over_group(std::span<stat_t>) in device memory,
   // become expert_loads(); with AuxLossFreeBias each MoE block's selection bias moves by
-  // bias_update_rate * sign(mean load - load) there. Nothing is read back; nothing without experts.
+  // bias_update_rate * sign(mean load - load) there, unless *skip_if_non_finite (the step's
+  // squared gradient norm in device memory, when AdamWConfig::skip_non_finite) is not finite.
+  // Nothing is read back; nothing without experts.
   template <class SumOverGroup>
-  void balance_experts(SumOverGroup&& sum_over_group) {
-    if constexpr (has_experts) balance_.step(sum_over_group, ops_);
+  void balance_experts(SumOverGroup&& sum_over_group, const double* skip_if_non_finite = nullptr) {
+    if constexpr (has_experts) balance_.step(sum_over_group, ops_, skip_if_non_finite);
   }
   // Rows per expert in the last balanced step, [MoE block][expert] (empty before the first);
   // read back from the device.

@@ -49,15 +49,18 @@ class ExpertBalance {
   }
 
   // The step's loads summed over the group become last_loads(); with a selection bias, it
-  // moves. Queued in stream order; every rank of the group calls it (the same MoE blocks).
+  // moves, unless *skip_if_non_finite (device memory, or null) is not finite (a skipped
+  // optimizer step). Queued in stream order; every rank of the group calls it (the same MoE
+  // blocks).
   template <class SumOverGroup, class Ops>
-  void step(SumOverGroup&& sum_over_group, Ops& ops) {
+  void step(SumOverGroup&& sum_over_group, Ops& ops, const double* skip_if_non_finite = nullptr) {
     if (blocks_ == 0) return;
     // Whole rows: exact while an expert takes fewer than 2^24 of a step's rows over the group
     // (in float; their total, which may pass that, is taken in double by the bias step).
     sum_over_group(std::span<Stat>(device_loads_.data(), size(0)));
     if constexpr (Config::balancing::bias)
-      ops.expert_bias_step(device_bias_.data(), device_loads_.data(), blocks_, experts, Config::bias_update_rate);
+      ops.expert_bias_step(device_bias_.data(), device_loads_.data(), blocks_, experts, Config::bias_update_rate,
+                           skip_if_non_finite);
     ops.copy(last_loads_.data(), device_loads_.data(), size(0));
     ops.zero(device_loads_);
     balanced_ = true;

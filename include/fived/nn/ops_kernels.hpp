@@ -99,5 +99,6 @@
       const stat_t* gate, const stat_t* daux, int N, int E, int k, bool renormalize, bool sigmoid),              \
     (dlogits, dgate, scores, expert, gate, daux, N, E, k, renormalize, sigmoid))                                 \
   X(router_score_sums, (stat_t* sums, const stat_t* scores, int N, int E), (sums, scores, N, E))            \
-  X(expert_bias_step, (float* bias, const stat_t* loads, int blocks, int E, double rate),                         \
-    (bias, loads, blocks, E, rate))
+  X(expert_bias_step, (float* bias, const stat_t* loads, int blocks, int E, double rate,                         \
+      const double* skip_if_non_finite),                                                                         \
+    (bias, loads, blocks, E, rate, skip_if_non_finite))

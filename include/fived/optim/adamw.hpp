@@ -61,6 +61,13 @@ struct AdamWConfig {
   double eps = 1e-8;
   double weight_decay = 0.0;  // on 2-D tensors only (see decays())
   double max_norm = 0.0;      // global gradient-norm clipping; 0 = off
+  // A step whose global gradient norm is not finite changes nothing (the kernels read the
+  // norm: no parameter, moment or master moves), and once the host has seen that norm the
+  // step is not counted either (forget_skipped_step, which Trainer::step calls; a
+  // DataParallel used on its own leaves it to its caller): the bias corrections go on as if
+  // the step had not been taken. Off: such a step's update is applied, and makes the
+  // weights non-finite.
+  bool skip_non_finite = false;
 };
 
 // The chunks of `range` (kernels/host/adamw.hpp: AdamWChunk), for tensors with offset, end()
@@ -165,7 +172,14 @@ class AdamW {
   // the device's memory, read by the kernels (null: no clip).
   void begin_step(const double* total_sum_of_squares = nullptr) {
     ++step_;
-    clip_ = {total_sum_of_squares, hp.max_norm};
+    clip_ = {total_sum_of_squares, hp.max_norm, hp.skip_non_finite};
+  }
+  // The last step's update wrote nothing (skip_non_finite, its norm not finite): it is not
+  // counted.
+  void forget_skipped_step() {
+    if (!hp.skip_non_finite || step_ == 0)
+      throw std::logic_error("fived::AdamW::forget_skipped_step: only a step that skip_non_finite skipped is forgotten");
+    --step_;
   }
 
   // The current step (begin_step) over every owned range, with the kernels of `ops` (an

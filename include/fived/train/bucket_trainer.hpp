@@ -200,6 +200,9 @@ class BucketTrainer : public BucketShards<Model, Policy, BucketBytes> {
   double grad_norm() const { return last_total_ != nullptr ? std::sqrt(last_sum_of_squares()) : 0.0; }
   optimizer_type& optimizer() { return opt_; }
   const optimizer_type& optimizer() const { return opt_; }
+  // The last update wrote nothing (AdamWConfig::skip_non_finite, its norm not finite, as
+  // grad_norm() read it): it is not counted.
+  void forget_skipped_step() { opt_.forget_skipped_step(); }
 
  private:
   BucketTrainer(Model& model, MeshComm<group> comm, int rank, const AdamWConfig& config, int accum)

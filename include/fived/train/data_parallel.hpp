@@ -247,8 +247,14 @@ class DataParallel : public BucketTrainer<Model, Policy, BucketBytes> {
     Dense::update(total_sum_of_squares);
     if constexpr (moe) {
       experts_->update(total_sum_of_squares);
-      this->model().balance_experts([this](auto loads) { this->sum_over_group(loads); });
+      // A step the optimizer skips (a norm not finite) moves no selection bias either.
+      this->model().balance_experts([this](auto loads) { this->sum_over_group(loads); },
+                                    this->optimizer().hp.skip_non_finite ? total_sum_of_squares : nullptr);
     }
+  }
+  void forget_skipped_step() {
+    Dense::forget_skipped_step();
+    if constexpr (moe) experts_->forget_skipped_step();
   }
   // After end_micro_batches: the clip over this trainer's parameters, which are all there are
   // (no pipeline), and the AdamW step; queued, as step() queues them.

@@ -19,7 +19,8 @@
 // evaluate() is a held-out loss on the same mesh: forwards only, through every stage, no
 // serial copy of the weights gathered, nothing reduced or updated. fit() is the loop around step: batches from a sampler
 // (train/token_data.hpp), a progress line every N steps (train/progress.hpp), a held-out
-// loss every M, and a callback after each step.
+// loss every M, a callback after each step, and an end after any step when asked (a signal:
+// train/stop_signal.hpp).
 //
 // The context must outlive the trainer (the executor holds its PP communicator). Recompute is
 // the model's configuration's (nn/recompute.hpp).
@@ -69,17 +70,27 @@ using Accumulate = pipeline::OneFOneB<1, M>;
 
 // fit() stops at a step whose loss or gradient norm is not finite (nan or inf): its update may
 // have made the weights non-finite, and a run that went on would save them over good
-// checkpoints.
+// checkpoints. With AdamWConfig::skip_non_finite a step whose norm is not finite changes
+// nothing, and fit throws at the (FitOptions::max_skipped + 1)-th of them in a row
+// (`skipped`: how many; the weights are then those before the first of them).
 struct NonFiniteStep : std::runtime_error {
-  NonFiniteStep(int s, double l, double n)
-      : std::runtime_error("fived::Trainer::fit: step " + std::to_string(s) + ": the loss is " + text(l) +
-                           " and the gradient norm " + text(n) +
-                           ", not both finite; stopped before anything was saved from this step (its update may have "
-                           "made the weights non-finite). Resume from the last checkpoint, with a lower learning rate "
-                           "or a gradient clip (AdamWConfig::max_norm)"),
-        step(s), loss(l), grad_norm(n) {}
+  NonFiniteStep(int s, double l, double n, int skipped_in_a_row = 0, bool skipping = false)
+      : std::runtime_error(
+            "fived::Trainer::fit: step " + std::to_string(s) + ": the loss is " + text(l) + " and the gradient norm " +
+            text(n) +
+            (skipped_in_a_row > 0
+                 ? ", not both finite, at " + std::to_string(skipped_in_a_row) +
+                       " steps in a row, each skipped (nothing updated): the weights are those after step " +
+                       std::to_string(s - skipped_in_a_row) +
+                       ". Look at the data of those steps, or resume from a checkpoint with a lower learning rate"
+                 : std::string(", not both finite; stopped before anything was saved from this step (its update may "
+                               "have made the weights non-finite). Resume from the last checkpoint, with a lower "
+                               "learning rate or a gradient clip (AdamWConfig::max_norm)") +
+                       (skipping ? "" : ", or skip such steps (AdamWConfig::skip_non_finite)"))),
+        step(s), loss(l), grad_norm(n), skipped(skipped_in_a_row) {}
   int step;
   double loss, grad_norm;
+  int skipped;
 
  private:
   static std::string text(double x) {  // "nan" whatever its sign bit
@@ -143,7 +154,9 @@ class Trainer {
   double step(int step, std::span<const int> tokens, std::span<const int> targets, int B, int T) {
     lr_ = cfg_.lr(step);
     rank_->set_lr(lr_);
-    return rank_->step(tokens, targets, B, T);
+    const double loss = rank_->step(tokens, targets, B, T);
+    count_skipped();
+    return loss;
   }
   // The same step in two halves, for a caller that looks at the gradient in between:
   // reduce() runs the forwards and backwards and reduces the gradients (the learning rate of
@@ -154,7 +167,13 @@ class Trainer {
     rank_->set_lr(lr_);
     return rank_->reduce(tokens, targets, B, T);
   }
-  void update() { rank_->update(); }
+  void update() {
+    rank_->update();
+    count_skipped();
+  }
+  // Whether the last step was skipped (AdamWConfig::skip_non_finite: its gradient norm was not
+  // finite, so nothing was updated or counted).
+  bool last_step_skipped() const { return last_skipped_; }
 
   // The mean loss of a global batch (M micro-batches of [B, T], as step() takes it) on the
   // current weights, on every rank: forwards only, on the mesh as it trains (no serial copy of
@@ -217,10 +236,7 @@ class Trainer {
     written_by_one(
         world_rank_ == 0,
         [&] { Model::write_serial(file, std::span<const value_type>(dense), std::span<const value_type>(experts), metadata); },
-        [&](double x) {
-          world_->all_reduce_host(std::span<double>(&x, 1), ReduceOp::max);
-          return x;
-        },
+        [&](double x) { return max_over_world(x); },
         "Trainer::save_weights: world rank 0 could not write " + file.string() + " (its error says why)");
   }
 
@@ -303,11 +319,22 @@ class Trainer {
     // printed as a line of its own (not counted in the steps' seconds or tokens/s).
     const BatchSampler* held_out = nullptr;
     int eval_every = 0, eval_batches = 4;
+    // Asked on every rank after each step (given on every rank or on none): once it is true on
+    // any rank, every rank ends fit after that step, which is then logged and passed to
+    // `after` as the last, not evaluated (a StopSignal's requested(): train/stop_signal.hpp).
+    // The ranks agree by one host all-reduce a step.
+    std::function<bool()> stop = nullptr;
+    // With AdamWConfig::skip_non_finite: fit goes on past a skipped step (logged as skipped,
+    // passed to `after`), and throws NonFiniteStep at the (max_skipped + 1)-th in a row.
+    int max_skipped = 8;
   };
-  // Steps [first, last] on batches drawn from `data`; after each step `after(step, loss)`.
-  // Returns the seconds spent in the steps. A step whose loss or gradient norm is not finite
-  // is logged (a progress line and its metrics line, its values null there) and throws
-  // NonFiniteStep on every rank, before `after` (which saves checkpoints) sees it.
+  // Steps [first, last] on batches drawn from `data`; after each step `after(step, loss)`, or
+  // `after(step, loss, last)` where it takes a third argument: whether fit ends with this step
+  // (the last, or a stop: the place to save). Returns the seconds spent in the steps. A step
+  // whose loss or gradient norm is not finite is logged (a progress line and its metrics line,
+  // its values null there) and throws NonFiniteStep on every rank, before `after` (which saves
+  // checkpoints) sees it; under AdamWConfig::skip_non_finite one whose norm is not finite was
+  // skipped (nothing changed), and fit goes on unless it is one more than max_skipped in a row.
   template <class After>
   double fit(const BatchSampler& data, int first, int last, int B, int T, const FitOptions& o, After&& after) {
     check_held_out(o, T);
@@ -316,6 +343,7 @@ class Trainer {
     log.header();
     std::vector<int> tok, tgt;
     double total = 0;
+    int in_a_row = 0;  // skipped steps
     for (int s = first; s <= last; ++s) {
       data.fill(static_cast<std::uint64_t>(s), M, B, T, tok, tgt);
       const auto t0 = std::chrono::steady_clock::now();
@@ -323,14 +351,22 @@ class Trainer {
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       total += dt;
       const double norm = grad_norm();
-      // The same on every rank (reduced over the mesh), so every rank stops here alike, its
-      // line (the last) logged.
-      const bool finite = std::isfinite(loss) && std::isfinite(norm);
-      log.add({s, loss, lr_, norm, dt, static_cast<double>(M) * B * T}, memory_in_use(), s == last || !finite);
-      if (!finite) throw NonFiniteStep(s, loss, norm);
+      // The loss and the norm are the same on every rank (reduced over the mesh), so every rank
+      // stops here alike, its line (the last) logged. A step skip_non_finite skipped changed
+      // nothing: fit goes on, up to max_skipped of them in a row.
+      const bool skipped = last_skipped_;
+      in_a_row = skipped ? in_a_row + 1 : 0;
+      const bool fails = skipped ? in_a_row > o.max_skipped : !(std::isfinite(loss) && std::isfinite(norm));
+      const bool stopping = !fails && o.stop && any_rank(o.stop());
+      const bool ends = s == last || stopping;
+      log.add({s, loss, lr_, norm, dt, static_cast<double>(M) * B * T, skipped}, memory_in_use(), ends || fails);
+      if (fails) throw NonFiniteStep(s, loss, norm, in_a_row, cfg_.adamw.skip_non_finite);
+      // (Not at a stop: its checkpoint comes first, within a scheduler's grace period.)
       if (o.held_out != nullptr && o.eval_every > 0 && (s % o.eval_every == 0 || s == last))
         log.held_out(s, evaluate(*o.held_out, o.eval_batches, B, T), o.eval_batches);
-      after(s, loss);
+      if constexpr (std::is_invocable_v<After&, int, double, bool>) after(s, loss, ends);
+      else after(s, loss);
+      if (stopping) break;
     }
     // On the host the ranks may be threads sharing one count of held bytes (memory_in_use):
     // none may leave and free its buffers before rank 0 has logged the last step.
@@ -340,6 +376,19 @@ class Trainer {
 
  private:
   static std::string model_name() { return Model::config_name(); }
+  // After an update: with skip_non_finite, a norm that is not finite (the same on every rank:
+  // the global one) means the kernels wrote nothing, and the optimizers forget the step. The
+  // loss was read already, so the norm's read waits for nothing more.
+  void count_skipped() {
+    last_skipped_ = cfg_.adamw.skip_non_finite && !std::isfinite(grad_norm());
+    if (last_skipped_) rank_->forget_skipped_step();
+  }
+  // The world's largest x (a collective).
+  double max_over_world(double x) {
+    world_->all_reduce_host(std::span<double>(&x, 1), ReduceOp::max);
+    return x;
+  }
+  bool any_rank(bool mine) { return max_over_world(mine ? 1 : 0) > 0; }
   // fit's held-out settings, before its first step rather than at its first evaluation.
   static void check_held_out(const FitOptions& o, int T) {
     const std::string where = "fived::Trainer::fit: ";
@@ -367,7 +416,7 @@ class Trainer {
     } catch (const checkpoint::ReadFailure& f) {
       worst = -static_cast<double>(f.code());
     }
-    world_->all_reduce_host(std::span<double>(&worst, 1), ReduceOp::max);
+    worst = max_over_world(worst);
     if (std::isinf(worst)) return std::nullopt;
     return static_cast<int>(-worst);
   }
@@ -390,6 +439,7 @@ class Trainer {
     virtual void want(checkpoint::Restored<Model>& restored) = 0;  // reads what load() takes
     virtual void load(const checkpoint::Restored<Model>& restored, int adam_step) = 0;
     virtual int adam_step() const = 0;
+    virtual void forget_skipped_step() = 0;
   };
 
   // Pipeline rank R: its chunks (stages shape.stage(R, c)), their trainers, the executor.
@@ -485,6 +535,9 @@ class Trainer {
     }
 
     int adam_step() const override { return std::get<0>(trainers_)->optimizer_steps(); }
+    void forget_skipped_step() override {
+      [&]<std::size_t... c>(std::index_sequence<c...>) { (std::get<c>(trainers_)->forget_skipped_step(), ...); }(chunks{});
+    }
 
     checkpoint::Shard shard() override {
       checkpoint::Shard w;
@@ -527,6 +580,7 @@ class Trainer {
   std::unique_ptr<Rank> rank_;
   std::unique_ptr<GroupComm> world_;
   double lr_ = 0;
+  bool last_skipped_ = false;
   int world_rank_ = 0;
   // save_async's communicator (a split of the world, made at its first call) and the saver,
   // last: destroyed first, it waits for a background save before the rest goes.

@@ -5,7 +5,8 @@
 //                       clip)   chunks and step (AdamWStep: the learning rate and bias corrections)
 //                       in device memory: one launch, a block per chunk, its arguments the same
 //                       at every step; the clip factor computed by each thread from the squared
-//                       norm in device memory
+//                       norm in device memory, and with clip.skip_non_finite a norm that is not
+//                       finite makes every block leave at once (nothing written)
 // Decoupled weight decay (master -= lr*wd*master), then the Adam step with
 // bias correction (step counts from 1) on grad * grad_scale; param = T(master). With
 // master == nullptr the update is done on param itself (float only). Elementwise.
@@ -75,6 +76,8 @@ __global__ void adamw_chunks_kernel(T* __restrict__ param, float* __restrict__ m
                                     float* __restrict__ m, float* __restrict__ v, const AdamWChunk* chunks,
                                     const AdamWStep* step, double beta1, double beta2, double eps,
                                     double weight_decay, GradClip clip) {
+  // A skipped step (GradClip::skip_non_finite): every block reads the same norm and leaves.
+  if (clip.skip_non_finite && clip.sum_of_squares != nullptr && !isfinite(*clip.sum_of_squares)) return;
   AdamWScalars s = adamw_scalars(*step, beta1, beta2, eps, weight_decay, 1.0);
   s.grad_scale = clip_scale_of(clip);
   const AdamWChunk c = chunks[blockIdx.x];

@@ -8,8 +8,9 @@
 //   router_backward(s, dlogits, dgate, scores, expert, gate, daux, N, E, k, renorm, sigmoid)
 //                                                              one thread per row, the host's math
 //   router_score_sums(s, sums, scores, N, E)                   column_reduce (fixed order)
-//   expert_bias_step(s, bias, loads, blocks, E, rate)          one thread per (block, expert), each
-//                                                              summing its block's loads in order
+//   expert_bias_step(s, bias, loads, blocks, E, rate[, skip])  one thread per (block, expert), each
+//                                                              summing its block's loads in order;
+//                                                              none moves where *skip is not finite
 //
 // Deterministic: every output element is written by one thread (or one block) that sums its
 // terms in a fixed order (block reductions are fixed trees, never float atomics).
@@ -137,9 +138,11 @@ struct StoreScoreSum {
 // (A template, as every kernel defined in a header: a plain __global__ would be defined again
 // in every unit that includes it.) The sums in double: exact for any step's whole rows.
 template <class S>
-__global__ void expert_bias_step_kernel(float* bias, const S* loads, int blocks, int E, double rate) {
+__global__ void expert_bias_step_kernel(float* bias, const S* loads, int blocks, int E, double rate,
+                                        const double* skip_if_non_finite) {
   const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (i >= blocks * E) return;
+  if (skip_if_non_finite != nullptr && !isfinite(*skip_if_non_finite)) return;
   const S* load = loads + i / E * E;
   double total = 0;
   for (int e = 0; e < E; ++e) total += static_cast<double>(load[e]);
@@ -200,13 +203,14 @@ inline void router_score_sums(cudaStream_t stream, float* sums, const float* sco
   column_reduce(stream, detail::ScoreColumn{scores, E}, detail::StoreScoreSum{sums}, N, E);
 }
 
-inline void expert_bias_step(cudaStream_t stream, float* bias, const float* loads, int blocks, int E, double rate) {
+inline void expert_bias_step(cudaStream_t stream, float* bias, const float* loads, int blocks, int E, double rate,
+                             const double* skip_if_non_finite = nullptr) {
   detail::require_non_negative("expert_bias_step", "blocks", blocks);
   detail::require_positive("expert_bias_step", "E", E);
   if (blocks == 0) return;
   constexpr int threads = 128;
   detail::expert_bias_step_kernel<float><<<(blocks * E + threads - 1) / threads, threads, 0, stream>>>(
-      bias, loads, blocks, E, rate);
+      bias, loads, blocks, E, rate, skip_if_non_finite);
   FIVED_CUDA_CHECK_LAUNCH("expert_bias_step_kernel");
 }
 

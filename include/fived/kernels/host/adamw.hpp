@@ -62,10 +62,13 @@ struct AdamWChunk {
 // A step's clip to the global gradient norm, as adamw_update_chunks reads it: each gradient
 // times min(1, max_norm / (sqrt(*sum_of_squares) + 1e-6)) (kernels/host/norm.hpp,
 // clip_factor), the squared norm one double in the device's memory. No clip where
-// sum_of_squares is null or max_norm is 0.
+// sum_of_squares is null or max_norm is 0. With skip_non_finite a squared norm that is not
+// finite (a nan or inf gradient anywhere) makes the update write nothing: no parameter,
+// moment or master moves (AdamWConfig::skip_non_finite).
 struct GradClip {
   const double* sum_of_squares = nullptr;
   double max_norm = 0;
+  bool skip_non_finite = false;
 };
 
 // What one AdamW step changes, as adamw_update_chunks reads it from the device's memory: the
@@ -124,6 +127,7 @@ template <class T, class S>
 void adamw_update_chunks(T* param, std::type_identity_t<S>* master, const T* grad, S* m, S* v,
                          const AdamWChunk* chunks, std::size_t count, const AdamWStep* step, double beta1, double beta2,
                          double eps, double weight_decay, GradClip clip) {
+  if (clip.skip_non_finite && clip.sum_of_squares != nullptr && !std::isfinite(*clip.sum_of_squares)) return;
   const double grad_scale =
       clip.sum_of_squares != nullptr && clip.max_norm > 0 ? clip_factor(*clip.sum_of_squares, clip.max_norm) : 1.0;
   for (const AdamWChunk& c : std::span<const AdamWChunk>(chunks, count))

@@ -29,7 +29,8 @@
 //   expert_bias_step   bias[m, e] += rate * sign(mean_e' loads[m, e'] - loads[m, e]) for each of
 //                      `blocks` MoE blocks: the selection bias of auxiliary-loss-free
 //                      balancing (DeepSeek-V3) moved towards equal loads. Loads are whole rows,
-//                      compared as sum - E * load in double (exact)
+//                      compared as sum - E * load in double (exact). With a skip value (device
+//                      memory) that is not finite, nothing moves (a skipped optimizer step)
 //
 // Scores, gates and their gradients are acc_t<T> (fp32 for bf16); rows are T.
 
@@ -223,8 +224,12 @@ void router_score_sums(A* sums, const A* scores, int N, int E) {
     for (int e = 0; e < E; ++e) sums[e] += scores[detail_moe::at(t, E) + static_cast<std::size_t>(e)];
 }
 
+// skip_if_non_finite: null, or a value in device memory (a step's squared gradient norm):
+// when it is not finite, the bias stays (a step AdamWConfig::skip_non_finite skipped).
 template <class A>
-void expert_bias_step(float* bias, const A* loads, int blocks, int E, double rate) {
+void expert_bias_step(float* bias, const A* loads, int blocks, int E, double rate,
+                      const double* skip_if_non_finite = nullptr) {
+  if (skip_if_non_finite != nullptr && !std::isfinite(*skip_if_non_finite)) return;
   for (int m = 0; m < blocks; ++m) {
     const A* load = loads + detail_moe::at(m, E);
     double total = 0;  // (exact for any step's whole rows, as the CUDA kernel's)
