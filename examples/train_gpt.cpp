@@ -545,10 +545,12 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
       .lr = WarmupCosine{.peak = opt.lr, .warmup = std::max(1, opt.steps / 20), .total = opt.steps, .floor = 0.1},
       .step_graph = opt.step_graph};
   T trainer(ctx, hp, GptInit{opt.seed, 0.02});
-  // The held-out loss on the mesh as it trains (Trainer::evaluate: forwards only, nothing
-  // gathered); a collective, every rank gets it.
+  // The held-out loss on the mesh (Trainer::evaluate: forwards only, nothing gathered), before
+  // and after training over the same 32 batches (fit's lines in between: 4); a collective,
+  // every rank gets it.
   const BatchSampler held = held_out_windows(opt, corpus);
-  auto held_out = [&](int batches = 4) { return trainer.evaluate(held, batches, B, opt.seq); };
+  const int held_batches = 32;
+  auto held_out = [&] { return trainer.evaluate(held, held_batches, B, opt.seq); };
   const std::map<std::string, std::string> record = run_record(opt, corpus);
   int first = 1;
   if (!opt.init.empty()) {  // every rank reads the file and keeps its part
@@ -613,13 +615,11 @@ int train_rank(Ctx& ctx, const Options& opt, const Corpus& corpus, const std::st
                                           : ("its checkpoint is in " + opt.checkpoints + "; --resume goes on from it").c_str());
     return 3;
   }
-  const double val_end = held_out();  // as fit printed it after the last step
-  const int final_batches = 32;
-  const double final_loss = held_out(final_batches);
+  const double val_end = held_out();
   const std::vector<float> w = trainer.serial_params();  // a collective: every rank gathers
   if (!prints) return 0;
   std::printf("trained %d steps in %.1f s\n", opt.steps - first + 1, seconds);
-  std::printf("held-out loss %.4f over %d batches\n", final_loss, final_batches);
+  std::printf("held-out loss %.4f over %d batches\n", val_end, held_batches);
   Serial eval;  // the trained weights whole, on the host: samples and completions, --save
   std::copy(w.begin(), w.end(), eval.params().begin());
   return finish(eval, opt, corpus, val_start, val_end, /*must_fall=*/first == 1 && opt.init.empty());

@@ -155,6 +155,7 @@ class Trainer {
     lr_ = cfg_.lr(step);
     rank_->set_lr(lr_);
     const double loss = rank_->step(tokens, targets, B, T);
+    norm_.reset();
     count_skipped();
     return loss;
   }
@@ -169,6 +170,7 @@ class Trainer {
   }
   void update() {
     rank_->update();
+    norm_.reset();
     count_skipped();
   }
   // Whether the last step was skipped (AdamWConfig::skip_non_finite: its gradient norm was not
@@ -241,7 +243,12 @@ class Trainer {
   }
 
   double lr() const { return lr_; }
-  double grad_norm() const { return rank_->grad_norm(); }
+  // The last update's global gradient norm, read back once (the step's skip check and fit's
+  // line share the read).
+  double grad_norm() const {
+    if (!norm_) norm_ = rank_->grad_norm();
+    return *norm_;
+  }
   // Whether a captured step is kept to replay (TrainerConfig::step_graph: after the second
   // step of a shape).
   bool step_graph_captured() { return rank_->step_graph_captured(); }
@@ -581,6 +588,7 @@ class Trainer {
   std::unique_ptr<GroupComm> world_;
   double lr_ = 0;
   bool last_skipped_ = false;
+  mutable std::optional<double> norm_;  // grad_norm(), once read after an update
   int world_rank_ = 0;
   // save_async's communicator (a split of the world, made at its first call) and the saver,
   // last: destroyed first, it waits for a background save before the rest goes.
