@@ -383,6 +383,22 @@ int main(int argc, char** argv) {
     row(tc ? "attention fwd (fived's, tensor cores)" : "attention fwd (fived's, scalar)", own_fwd, 0, attn_fwd_flops);
     row(tc ? "attention bwd (fived's, tensor cores)" : "attention bwd (fived's, scalar)", own_bwd, 0,
         2.5 * attn_fwd_flops);
+    {  // Packed documents (context/documents.hpp): 4 of 256 tokens a row, a quarter of the causal work
+      constexpr int doc = 256;
+      std::vector<int> starts(BT);
+      for (std::size_t i = 0; i < BT; ++i) starts[i] = static_cast<int>(i % T) / doc * doc;
+      Buffer<int, Cuda> first(std::span<const int>(starts), s);
+      const double packed_fwd = time_ms(s, [&] {
+        ck::attention_forward(s, out.data(), lse.data(), qkv.data(), B, T, C, NH, NH, first.data());
+      });
+      const double packed_bwd = time_ms(s, [&] {
+        ck::attention_backward(s, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH, NH,
+                               first.data());
+      });
+      const double packed_flops = attn_fwd_flops * doc / T;  // T/doc documents of doc^2/2 each
+      row("attention fwd, 4 documents a row", packed_fwd, 0, packed_flops);
+      row("attention bwd, 4 documents a row", packed_bwd, 0, 2.5 * packed_flops);
+    }
 #if defined(FIVED_WITH_CUDNN)
     ck::CudnnAttention cudnn(s);
     const double cudnn_fwd = time_ms(s, [&] { cudnn.forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, NH); });

@@ -31,24 +31,42 @@ struct tied_cfg : gpt_config {
 struct untied_cfg : tied_cfg {
   static constexpr bool tied = false;
 };
+// Documents packed into the rows (context/documents.hpp), token 2 ending each.
+struct packed_cfg : tied_cfg {
+  static constexpr int end_of_document = 2;
+};
+struct packed_gather_cfg : packed_cfg {
+  using context_attention = AllGatherContext;
+};
+struct packed_untied_cfg : untied_cfg {
+  static constexpr int end_of_document = 2;
+};
 
 constexpr int B = 4, steps = 3;
 const GptInit init{5, 0.05};
 const AdamWConfig hp{.lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.1f, .max_norm = 0.5f};
+
+// The batch of step s: random ids, or with Cfg's documents (test::packed_batch).
+template <class Cfg>
+void batch(int s, int micro, int T, std::vector<int>& tok, std::vector<int>& tgt) {
+  if constexpr (Cfg::end_of_document >= 0) test::packed_batch(s, micro, B, T, Cfg::vocab, Cfg::end_of_document, tok, tgt);
+  else test::global_batch(s, micro, B, T, Cfg::vocab, tok, tgt);
+}
 
 struct Result {
   std::vector<double> losses;
   std::vector<float> weights, grads;  // the serial layout
 };
 
-template <class Cfg>
+// Batches: whose batches (its documents, if any) the model trains on.
+template <class Cfg, class Batches = Cfg>
 Result serial_run(int T, int micro) {
   GPT<Cfg> m(init);
   DataParallel<GPT<Cfg>> dp(m, hp, micro);
   Result r;
   std::vector<int> tok, tgt;
   for (int s = 0; s < steps; ++s) {
-    test::global_batch(s, micro, B, T, Cfg::vocab, tok, tgt);
+    batch<Batches>(s, micro, T, tok, tgt);
     r.losses.push_back(dp.step(tok, tgt, B, T));
   }
   r.weights.assign(m.params().begin(), m.params().end());
@@ -68,7 +86,7 @@ Result mesh_run(int T) {
     const bool keep = ctx.rank() == 0;
     std::vector<int> tok, tgt;
     for (int s = 0; s < steps; ++s) {
-      test::global_batch(s, 1, B, T, Cfg::vocab, tok, tgt);
+      batch<Cfg>(s, 1, T, tok, tgt);
       const double loss = dp.step(tok, tgt, B, T);
       if (keep) out.losses.push_back(loss);
     }
@@ -119,28 +137,28 @@ TEST_CASE("Mesh<DP<2>, CP<2>, TP<2>> (SP): 3 steps equal the serial model, witho
 }
 
 namespace {
-template <int stage>
-using PPStage = GPT<untied_cfg, Mesh<PP<2>, CP<2>>, float, Host, NoSequenceParallel,
-                    StageLayers<GPT<untied_cfg>, 2, UniformCost>::part<stage>>;
+template <int stage, class Cfg = untied_cfg>
+using PPStage = GPT<Cfg, Mesh<PP<2>, CP<2>>, float, Host, NoSequenceParallel,
+                    typename StageLayers<GPT<Cfg>, 2, UniformCost>::template part<stage>>;
 
-template <int stage, class Ctx>
+template <int stage, class Cfg, class Ctx>
 void pp_rank(Ctx& ctx, Result& out, int T) {
   using Sched = pipeline::OneFOneB<2, 4>;
   constexpr int micro = Sched::table.micro_batches;
-  PPStage<stage> m(ctx, init);
-  DataParallel<PPStage<stage>> dp(m, ctx, hp, micro);
+  PPStage<stage, Cfg> m(ctx, init);
+  DataParallel<PPStage<stage, Cfg>> dp(m, ctx, hp, micro);
   auto exec = pipeline::make_executor(Sched::table, stage, ctx.template comm<Axis::pp>(), std::tie(m), std::tie(dp));
   std::vector<int> tok, tgt;
   const bool keep = ctx.coord()[Axis::cp] == 0;
   for (int s = 0; s < steps; ++s) {
-    test::global_batch(s, micro, B, T, untied_cfg::vocab, tok, tgt);
+    batch<Cfg>(s, micro, T, tok, tgt);
     const double loss = exec.step(tok, tgt, B, T);
     if (keep) out.losses.push_back(loss);
   }
   if (!keep) return;
   const std::vector<float> w = m.params_to_host(), g = m.grads_to_host();
-  using Serial = GPT<untied_cfg>;
-  for (const ParamInfo& t : PPStage<stage>::layout::tensors) {
+  using Serial = GPT<Cfg>;
+  for (const ParamInfo& t : PPStage<stage, Cfg>::layout::tensors) {
     const ParamInfo& to = Serial::layout::tensors[static_cast<std::size_t>(*Serial::layout::find(t.name()))];
     std::copy_n(w.begin() + static_cast<std::ptrdiff_t>(t.offset), t.size(),
                 out.weights.begin() + static_cast<std::ptrdiff_t>(to.offset));
@@ -150,20 +168,45 @@ void pp_rank(Ctx& ctx, Result& out, int T) {
 }
 }  // namespace
 
-TEST_CASE("Mesh<PP<2>, CP<2>>: 1F1B over 4 micro-batches for 3 steps equals the serial model") {
-  constexpr int T = 24;
-  const Result ref = serial_run<untied_cfg>(T, 4);
+namespace {
+template <class Cfg>
+void check_pp_cp(int T) {
+  const Result ref = serial_run<Cfg>(T, 4);
   std::vector<Result> stages(2);
   for (Result& r : stages) r.weights.assign(ref.weights.size(), 0.0f), r.grads.assign(ref.grads.size(), 0.0f);
   using M = Mesh<PP<2>, CP<2>>;
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
-    if (ctx.coord()[Axis::pp] == 0) pp_rank<0>(ctx, stages[0], T);
-    else pp_rank<1>(ctx, stages[1], T);
+    if (ctx.coord()[Axis::pp] == 0) pp_rank<0, Cfg>(ctx, stages[0], T);
+    else pp_rank<1, Cfg>(ctx, stages[1], T);
   });
   Result got = stages[0];
   for (std::size_t i = 0; i < got.weights.size(); ++i)  // each tensor on one stage, zeros on the other
     got.weights[i] += stages[1].weights[i], got.grads[i] += stages[1].grads[i];
   CHECK(stages[1].losses == stages[0].losses);
   check_equal(got, ref, true);
+}
+}  // namespace
+
+TEST_CASE("Mesh<PP<2>, CP<2>>: 1F1B over 4 micro-batches for 3 steps equals the serial model") {
+  check_pp_cp<untied_cfg>(24);
+}
+
+// Packed documents (context/documents.hpp): a document's start may lie in another rank's
+// chunk, and a past chunk may hold keys that some rows see and others do not.
+TEST_CASE("packed documents under CP 2 and 4 (ring and all-gather), DP 2 x CP 2 x TP 2 (SP) and PP 2 x CP 2: loss, "
+          "gradients and weights equal the serial model's over the same documents") {
+  for (int T : {16, 24}) {
+    CAPTURE(T);
+    const Result ref = serial_run<packed_cfg>(T, 1);
+    // The documents change the model's answer: the same ids as one sequence a row give another loss.
+    CHECK(std::abs(ref.losses[0] - serial_run<tied_cfg, packed_cfg>(T, 1).losses[0]) > 1e-4);
+    check_equal(mesh_run<packed_cfg, Mesh<CP<2>>>(T), ref, true);
+    check_equal(mesh_run<packed_cfg, Mesh<CP<4>>>(T), ref, true);
+    check_equal(mesh_run<packed_gather_cfg, Mesh<CP<2>>>(T), serial_run<packed_gather_cfg>(T, 1), true);
+    check_equal(mesh_run<packed_gather_cfg, Mesh<CP<4>>>(T), serial_run<packed_gather_cfg>(T, 1), true);
+  }
+  check_equal(mesh_run<packed_cfg, Mesh<DP<2>, CP<2>, TP<2>>, NoZeRO, SequenceParallel>(16),
+              serial_run<packed_cfg>(16, 1), true);
+  check_pp_cp<packed_untied_cfg>(24);
 }

@@ -657,3 +657,28 @@ TEST_CASE("parts chained by hand are the whole model, bit for bit: initial weigh
   same_tensors(p2, whole, true);
   CHECK_THROWS_WITH_AS(p1.backward(), "GPT::backward: call forward first (once per backward)", std::logic_error);
 }
+
+namespace {
+struct packed_tiny : tiny {
+  static constexpr int end_of_document = 4;
+};
+}  // namespace
+
+// Packed documents (context/documents.hpp): a token attends only to its own document, so a
+// document's logits cannot depend on the documents before it in the row; positions are the
+// row's (the position embedding is not reset), as torchtitan's block-causal mask.
+TEST_CASE("packed documents: a document's logits do not depend on the tokens before it in the row, bit for bit; "
+          "without end_of_document they do") {
+  constexpr int n = 8, Vp = padded_vocab<tiny>;
+  const std::vector<int> a{1, 2, 3, 4, 9, 10, 11, 12}, b{7, 8, 4, 4, 9, 10, 11, 12};  // [0, 4) or [0, 3) [3], then [4, 8)
+  auto logits = [&]<class Cfg>(const std::vector<int>& tok) {
+    GPT<Cfg, Mesh<>, double> m(GptInit{3, 0.2});
+    m.forward(tok.data(), nullptr, 1, n);
+    return std::vector<double>(m.logits().begin(), m.logits().end());
+  };
+  const auto pa = logits.template operator()<packed_tiny>(a), pb = logits.template operator()<packed_tiny>(b);
+  CHECK(std::equal(pa.begin() + 4 * Vp, pa.end(), pb.begin() + 4 * Vp));
+  CHECK(!std::equal(pa.begin(), pa.begin() + 4 * Vp, pb.begin()));
+  const auto ua = logits.template operator()<tiny>(a), ub = logits.template operator()<tiny>(b);
+  CHECK(!std::equal(ua.begin() + 4 * Vp, ua.end(), ub.begin() + 4 * Vp));
+}

@@ -522,6 +522,81 @@ TEST_CASE("attention backward: dq, dk, dv (all of dqkv; a key/value head's summe
   }
 }
 
+// Packed documents (context/documents.hpp): rows holding several documents, and each
+// document attended alone as a sequence of its own, B = 1. Row 0 ends documents at 3, 4, 7
+// and 11 (documents of 4, 1, 3 and 4 tokens), row 1 holds one.
+TEST_CASE("attention over packed documents: each document's output, lse and gradients are those of the document "
+          "alone, bit for bit; as ring blocks (a past chunk that some rows see nothing of, then the diagonal) too") {
+  constexpr int B = 2, T = 12, C = 8, NH = 4, NKV = 2, hs = C / NH, ld = C + 2 * hs * NKV, eod = 7;
+  std::vector<int> ids(B * T, 1), first(B * T);
+  for (int t : {3, 4, 7}) ids[static_cast<std::size_t>(t)] = eod;
+  ids[T - 1] = eod;  // a last token that ends its document changes nothing
+  fived::document_starts(ids, B, T, eod, first);
+  CHECK(std::vector<int>(first.begin(), first.begin() + T) == std::vector<int>{0, 0, 0, 0, 4, 5, 5, 5, 8, 8, 8, 8});
+  CHECK(std::all_of(first.begin() + T, first.end(), [](int f) { return f == 0; }));
+
+  const Vec qkv = random_vec(B * T * ld, 95, 2.0), dout = random_vec(B * T * C, 96);
+  Vec out(B * T * C), lse(B * NH * T), dqkv(qkv.size());
+  k::attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, NKV, first.data());
+  k::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH, NKV, first.data());
+  const std::vector<std::array<int, 3>> documents{{0, 0, 4}, {0, 4, 5}, {0, 5, 8}, {0, 8, 12}, {1, 0, 12}};  // row, begin, end
+  for (const auto [b, begin, end] : documents) {
+    CAPTURE(b);
+    CAPTURE(begin);
+    const int n = end - begin;
+    const auto row = static_cast<std::size_t>(b * T + begin);
+    Vec o(n * C), l(NH * n), g(n * ld);
+    k::attention_forward(o.data(), l.data(), qkv.data() + row * ld, 1, n, C, NH, NKV);
+    k::attention_backward(g.data(), dout.data() + row * C, qkv.data() + row * ld, o.data(), l.data(), 1, n, C, NH, NKV);
+    CHECK(std::equal(o.begin(), o.end(), out.begin() + static_cast<std::ptrdiff_t>(row * C)));
+    CHECK(std::equal(g.begin(), g.end(), dqkv.begin() + static_cast<std::ptrdiff_t>(row * ld)));
+    for (int h = 0; h < NH; ++h)
+      CHECK(std::equal(l.begin() + h * n, l.begin() + (h + 1) * n,
+                       lse.begin() + (b * NH + h) * T + begin));
+  }
+
+  // Row 0 as two chunks of 6: the second chunk's queries against the first chunk's keys (rows
+  // 6 and 7, of document 5..7, see key 5 only; rows 8-11 see none), then against its own.
+  constexpr int n = T / 2;
+  const double* q1 = qkv.data() + static_cast<std::size_t>(n) * ld;
+  Vec o(n * C), l(NH * n), Dd(NH * n), dq(n * C), dkv(T * 2 * hs * NKV);
+  const fived::DocumentMask past{first.data() + n, 0}, diagonal{first.data() + n, n};
+  k::attention_block_forward(o.data(), l.data(), q1, qkv.data() + C, qkv.data() + C + hs * NKV, ld, ld, 1, n, C, NH,
+                             NKV, false, past, true);
+  k::attention_block_forward(o.data(), l.data(), q1, q1 + C, q1 + C + hs * NKV, ld, ld, 1, n, C, NH, NKV, true,
+                             diagonal, false);
+  for (int r = 0; r < n; ++r)
+    for (int h = 0; h < NH; ++h) {
+      CHECK(l[static_cast<std::size_t>(h * n + r)] ==
+            doctest::Approx(lse[static_cast<std::size_t>(h * T + n + r)]).epsilon(1e-13));
+      for (int d = 0; d < hs; ++d)
+        CHECK(o[static_cast<std::size_t>(r * C + h * hs + d)] ==
+              doctest::Approx(out[static_cast<std::size_t>((n + r) * C + h * hs + d)]).epsilon(1e-13));
+    }
+  // The backward of the two blocks gives chunk 1's dq and its share of every key's d[k | v].
+  const double* dout1 = dout.data() + static_cast<std::size_t>(n) * C;
+  k::attention_row_dot(Dd.data(), dout1, out.data() + static_cast<std::size_t>(n) * C, 1, n, C, NH);
+  const int ldkv = 2 * hs * NKV;
+  Vec lse1;  // chunk 1's rows of row 0's lse, [NH, n]
+  for (int h = 0; h < NH; ++h) lse1.insert(lse1.end(), lse.begin() + h * T + n, lse.begin() + h * T + T);
+  k::attention_block_backward(dq.data(), dkv.data(), dkv.data() + hs * NKV, ldkv, dout1, Dd.data(), lse1.data(), q1,
+                              qkv.data() + C, qkv.data() + C + hs * NKV, ld, ld, 1, n, C, NH, NKV, false, past);
+  k::attention_block_backward(dq.data(), dkv.data() + n * ldkv, dkv.data() + n * ldkv + hs * NKV, ldkv, dout1,
+                              Dd.data(), lse1.data(), q1, q1 + C, q1 + C + hs * NKV, ld, ld, 1, n, C, NH, NKV, true,
+                              diagonal);
+  // Chunk 1's dq is its rows' whole; keys 6-11 are read by chunk 1's queries alone (their
+  // whole d[k | v]), keys 0-4 by none of them; key 5 also by query 5, in chunk 0.
+  for (int r = 0; r < n; ++r)
+    for (int c = 0; c < C; ++c)
+      CHECK(dq[static_cast<std::size_t>(r * C + c)] ==
+            doctest::Approx(dqkv[static_cast<std::size_t>((n + r) * ld + c)]).epsilon(1e-12));
+  for (int key = 0; key < T; ++key)
+    for (int c = 0; c < ldkv; ++c)
+      if (key != 5)
+        CHECK(dkv[static_cast<std::size_t>(key * ldkv + c)] ==
+              doctest::Approx(key < 5 ? 0.0 : dqkv[static_cast<std::size_t>(key * ld + C + c)]).epsilon(1e-12));
+}
+
 // ---------------------------------------------------------------- cross-entropy
 
 namespace {

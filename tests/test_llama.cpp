@@ -9,6 +9,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -518,4 +519,49 @@ TEST_CASE("experts padded to capacity: a Trainer step's collectives, EP's includ
           "EP 2 and DP 2 x PP 2 x TP 2 x EP 2") {
   sends_the_planned_traffic<Mesh<DP<2>, CP<2>, EP<2>>, Accumulate<2>, padded_moe_tiny>();
   sends_the_planned_traffic<Mesh<DP<2>, PP<2>, TP<2>, EP<2>>, pipeline::OneFOneB<2, 4>, padded_moe_tiny>();
+}
+
+namespace {
+struct packed_tiny : tiny {
+  static constexpr int end_of_document = 5;
+};
+}  // namespace
+
+// Packed documents (context/documents.hpp) against each document alone: rotary attention
+// scores depend on positions' differences only, so a document's rows give the same logits
+// whether it sits inside a packed row or starts its own; and the packed row's gradient is
+// the documents' gradients weighted by their share of the row's tokens. fp64.
+TEST_CASE("packed documents: each document's logits equal the document's alone (rotary positions and all), and the "
+          "row's gradient is the documents' gradients weighted by their tokens") {
+  constexpr int T = 16, eod = packed_tiny::end_of_document;
+  std::vector<int> tok, tgt;
+  test::global_batch(3, 1, 1, T, tiny::vocab, tok, tgt);
+  for (int& id : tok)
+    if (id == eod) id = 6;
+  for (int t : {2, 3, 9}) tok[static_cast<std::size_t>(t)] = eod;  // documents [0, 3), [3], [4, 10), [10, 16)
+  const GptInit init{7, 0.1};
+  Llama<packed_tiny, Mesh<>, double> packed(init);
+  Llama<tiny, Mesh<>, double> alone(init);
+  REQUIRE(std::equal(packed.params().begin(), packed.params().end(), alone.params().begin()));
+  packed.forward(tok.data(), nullptr, 1, T);
+  const std::vector<double> row(packed.logits().begin(), packed.logits().end());
+  packed.zero_grad();
+  packed.forward(tok.data(), tgt.data(), 1, T);
+  packed.backward();
+  std::vector<double> weighted(alone.grads().size(), 0.0);
+  constexpr int Vp = padded_vocab<tiny>;
+  for (const auto [begin, end] : std::vector<std::array<int, 2>>{{0, 3}, {3, 4}, {4, 10}, {10, 16}}) {
+    CAPTURE(begin);
+    const int n = end - begin;
+    alone.forward(tok.data() + begin, nullptr, 1, n);
+    for (int i = 0; i < n * Vp; ++i)
+      CHECK(alone.logits()[static_cast<std::size_t>(i)] ==
+            doctest::Approx(row[static_cast<std::size_t>(begin * Vp + i)]).epsilon(1e-12));
+    alone.zero_grad();
+    alone.forward(tok.data() + begin, tgt.data() + begin, 1, n);
+    alone.backward();
+    for (std::size_t i = 0; i < weighted.size(); ++i) weighted[i] += alone.grads()[i] * n / T;
+  }
+  const std::vector<double> got(packed.grads().begin(), packed.grads().end());
+  CHECK(test::max_rel_error(got, weighted) <= 1e-10);
 }

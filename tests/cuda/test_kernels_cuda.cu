@@ -929,6 +929,23 @@ TEST_CASE_TEMPLATE("gradient norm over chunks: a block per chunk, the sum in ord
   CHECK(down(out)[0] == 0.0);
 }
 
+namespace {
+// Packed documents (context/documents.hpp) for B rows of n queries at positions p0..: row b's
+// documents begin at 0 and at each of `begins` shifted by 7b, and first[b n + i] is the last
+// begin at or before position p0 + i.
+std::vector<int> doc_first_of(int B, int n, int p0, const std::vector<int>& begins) {
+  std::vector<int> first(static_cast<std::size_t>(B) * n);
+  for (int b = 0; b < B; ++b)
+    for (int i = 0; i < n; ++i) {
+      int f = 0;
+      for (const int x : begins)
+        if (x + 7 * b <= p0 + i) f = std::max(f, x + 7 * b);
+      first[static_cast<std::size_t>(b) * n + i] = f;
+    }
+  return first;
+}
+}  // namespace
+
 TEST_CASE_TEMPLATE("attention forward and backward (flash-style) against the reference", T, ELEMENT_TYPES) {
   struct Shape {
     int B, L, C, NH, NKV;  // L: sequence length; NKV key/value heads
@@ -937,9 +954,12 @@ TEST_CASE_TEMPLATE("attention forward and backward (flash-style) against the ref
   // (6 query heads over 2 key/value heads) and multi-query (over 1). bf16 at hs 32, 64 and 128
   // runs the tensor-core kernels: over several 64-row tiles (T = 150, 130), grouped (4 over 2),
   // multi-query at hs 128 (its 32-row steps), and a sequence inside one tile.
+  // Packed: documents of 1 to 64 tokens, some starting on a 64-row tile's edge, some inside.
+  for (const bool packed : {false, true})
   for (const Shape s : {Shape{2, 70, 96, 3, 3}, Shape{1, 33, 128, 2, 2}, Shape{2, 45, 160, 2, 2}, Shape{2, 50, 192, 6, 2},
                         Shape{1, 40, 128, 4, 1}, Shape{2, 150, 256, 4, 2}, Shape{1, 130, 256, 2, 1},
                         Shape{1, 7, 64, 2, 2}}) {
+    CAPTURE(packed);
     CAPTURE(s.L);
     CAPTURE(s.C);
     CAPTURE(s.NH);
@@ -950,8 +970,13 @@ TEST_CASE_TEMPLATE("attention forward and backward (flash-style) against the ref
     const auto qkv = rnd<T>(nqkv, 32, -1.5f, 1.5f), dout = rnd<T>(nout, 33);
     std::vector<T> out(nout), dqkv(nqkv);
     std::vector<float> lse(nlse);
-    hk::attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.L, s.C, s.NH, s.NKV);
-    hk::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.L, s.C, s.NH, s.NKV);
+    const std::vector<int> first = doc_first_of(s.B, s.L, 0, {3, 4, 20, 63, 64, 100, 129});
+    const auto d_first_buf = up(first);
+    const int* h_first = packed ? first.data() : nullptr;
+    const int* d_first = packed ? d_first_buf.data() : nullptr;
+    hk::attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.L, s.C, s.NH, s.NKV, h_first);
+    hk::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.L, s.C, s.NH, s.NKV,
+                           h_first);
     auto d_qkv = up(qkv), d_dout = up(dout);
     Buffer<T, Cuda> d_out(nout), d_dqkv(nqkv);
     Buffer<float, Cuda> d_lse(nlse);
@@ -963,14 +988,14 @@ TEST_CASE_TEMPLATE("attention forward and backward (flash-style) against the ref
     }();
     CHECK(ck::attention_on_tensor_cores<T>(s.C, s.NH, s.NKV) ==
           (std::is_same_v<T, bf16> && (hs == 32 || hs == 64 || hs == 128) && sm80));
-    ck::attention_forward(stream(), d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.L, s.C, s.NH, s.NKV);
+    ck::attention_forward(stream(), d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.L, s.C, s.NH, s.NKV, d_first);
     CHECK_CLOSE(out, down(d_out), bound<T>(fp32_sum));
     CHECK_CLOSE(lse, down(d_lse), fp32_sum);
     // The backward from the reference's out and lse, so only the backward is compared.
     auto d_out_ref = up(out);
     auto d_lse_ref = up(lse);
     ck::attention_backward(stream(), d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out_ref.data(), d_lse_ref.data(),
-                           s.B, s.L, s.C, s.NH, s.NKV);
+                           s.B, s.L, s.C, s.NH, s.NKV, d_first);
     CHECK_CLOSE(dqkv, down(d_dqkv), bound<T>(fp32_sum));
   }
   Buffer<T, Cuda> x(1024);
@@ -984,12 +1009,16 @@ TEST_CASE_TEMPLATE("attention forward and backward (flash-style) against the ref
 // and v from a packed [k | v] one (the ring's), a causal diagonal block first, then a full
 // block merged into o and lse; the backward adds to dq, dk and dv. bf16 at head sizes 64 and
 // 128 runs the tensor-core kernels (rows past one 64-row tile, grouped and multi-query heads),
-// the rest the scalar ones.
+// the rest the scalar ones. Packed: the queries are a chunk at positions n.., the diagonal's keys
+// there too and kv1's at 0..n; some rows' documents begin in kv1's chunk (one begins on a
+// 64-row tile's edge), the later rows' see none of it (o = 0, lse = -inf from that block).
 TEST_CASE_TEMPLATE("attention blocks (ring attention) against the reference", T, ELEMENT_TYPES) {
   struct Shape {
     int B, n, C, NH, NKV;
   };
+  for (const bool packed : {false, true})
   for (const Shape s : {Shape{2, 100, 256, 4, 2}, Shape{1, 70, 256, 2, 1}, Shape{2, 45, 96, 3, 3}}) {
+    CAPTURE(packed);
     CAPTURE(s.n);
     CAPTURE(s.C);
     CAPTURE(s.NH);
@@ -999,13 +1028,19 @@ TEST_CASE_TEMPLATE("attention blocks (ring attention) against the reference", T,
     const auto qkv = rnd<T>(rows * ldq, 40, -1.5f, 1.5f), kv1 = rnd<T>(rows * ldkv, 41, -1.5f, 1.5f);
     const auto dout = rnd<T>(rows * s.C, 42);
     const auto dq0 = rnd<float>(rows * s.C, 43), dkv0 = rnd<float>(rows * ldkv, 44);
+    const std::vector<int> first = doc_first_of(s.B, s.n, s.n, {64, s.n - 10, s.n + 5, s.n + 30});
+    const auto d_first_buf = up(first);
+    auto mask = [&](bool device, bool diagonal) {
+      if (!packed) return fived::DocumentMask{};
+      return fived::DocumentMask{device ? d_first_buf.data() : first.data(), diagonal ? s.n : 0};
+    };
     // host: the diagonal block from qkv's own k, v, then kv1's block merged
     std::vector<float> o(rows * s.C), lse(nlse), Dd(nlse);
     const T* k0 = qkv.data() + s.C;
     hk::attention_block_forward(o.data(), lse.data(), qkv.data(), k0, k0 + Ckv, ldq, ldq, s.B, s.n, s.C, s.NH, s.NKV,
-                                true, true);
+                                true, mask(false, true), true);
     hk::attention_block_forward(o.data(), lse.data(), qkv.data(), kv1.data(), kv1.data() + Ckv, ldq, ldkv, s.B, s.n,
-                                s.C, s.NH, s.NKV, false, false);
+                                s.C, s.NH, s.NKV, false, mask(false, false), false);
     std::vector<T> out(o.size());
     for (std::size_t i = 0; i < o.size(); ++i) out[i] = T(o[i]);
     hk::attention_row_dot(Dd.data(), dout.data(), out.data(), s.B, s.n, s.C, s.NH);
@@ -1013,15 +1048,15 @@ TEST_CASE_TEMPLATE("attention blocks (ring attention) against the reference", T,
     for (const bool causal : {true, false})
       hk::attention_block_backward(dq.data(), dkv.data(), dkv.data() + Ckv, ldkv, dout.data(), Dd.data(), lse.data(),
                                    qkv.data(), causal ? k0 : kv1.data(), (causal ? k0 : kv1.data()) + Ckv, ldq,
-                                   causal ? ldq : ldkv, s.B, s.n, s.C, s.NH, s.NKV, causal);
+                                   causal ? ldq : ldkv, s.B, s.n, s.C, s.NH, s.NKV, causal, mask(false, causal));
     // device
     auto d_qkv = up(qkv), d_kv1 = up(kv1), d_dout = up(dout), d_out = up(out);
     Buffer<float, Cuda> d_o(o.size()), d_lse(nlse), d_Dd(nlse);
     const T* dk0 = d_qkv.data() + s.C;
     ck::attention_block_forward(stream(), d_o.data(), d_lse.data(), d_qkv.data(), dk0, dk0 + Ckv, ldq, ldq, s.B, s.n,
-                                s.C, s.NH, s.NKV, true, true);
+                                s.C, s.NH, s.NKV, true, mask(true, true), true);
     ck::attention_block_forward(stream(), d_o.data(), d_lse.data(), d_qkv.data(), d_kv1.data(), d_kv1.data() + Ckv,
-                                ldq, ldkv, s.B, s.n, s.C, s.NH, s.NKV, false, false);
+                                ldq, ldkv, s.B, s.n, s.C, s.NH, s.NKV, false, mask(true, false), false);
     CHECK_CLOSE(o, down(d_o), bound<T>(fp32_sum));
     CHECK_CLOSE(lse, down(d_lse), 1e-4);
     ck::attention_row_dot(stream(), d_Dd.data(), d_dout.data(), d_out.data(), s.B, s.n, s.C, s.NH);
@@ -1031,7 +1066,7 @@ TEST_CASE_TEMPLATE("attention blocks (ring attention) against the reference", T,
       const T* kk = causal ? dk0 : d_kv1.data();
       ck::attention_block_backward(stream(), d_dq.data(), d_dkv.data(), d_dkv.data() + Ckv, ldkv, d_dout.data(),
                                    d_Dd_ref.data(), d_lse_ref.data(), d_qkv.data(), kk, kk + Ckv, ldq,
-                                   causal ? ldq : ldkv, s.B, s.n, s.C, s.NH, s.NKV, causal);
+                                   causal ? ldq : ldkv, s.B, s.n, s.C, s.NH, s.NKV, causal, mask(true, causal));
     }
     // the random starting values dominate dq0 + gradient: compare the gradients themselves
     auto minus = [](std::vector<float> a, const std::vector<float>& b) {

@@ -19,4 +19,20 @@ inline void global_batch(int step, int n, int B, int T, int vocab, std::vector<i
   for (std::size_t i = 0; i < tok.size(); ++i) tgt[i] = (tok[i] * 7 + 3) % vocab;
 }
 
+// The same with documents packed into its rows (context/documents.hpp): row i of the batch
+// ends a document at each t with (t + 2i + step) % 5 == 4 (documents of 5, the first and
+// last cut short, so they begin anywhere in a context-parallel chunk and cross chunks),
+// except every fourth row, which stays one sequence.
+inline void packed_batch(int step, int n, int B, int T, int vocab, int end_of_document, std::vector<int>& tok,
+                         std::vector<int>& tgt) {
+  global_batch(step, n, B, T, vocab, tok, tgt);
+  for (std::size_t row = 0; row < tok.size() / static_cast<std::size_t>(T); ++row) {
+    for (int t = 0; t < T; ++t) {
+      int& id = tok[row * static_cast<std::size_t>(T) + static_cast<std::size_t>(t)];
+      if (id == end_of_document) id = (id + 1) % vocab;  // the documents are only those placed here
+      if (row % 4 != 3 && (t + 2 * static_cast<int>(row) + step) % 5 == 4) id = end_of_document;
+    }
+  }
+}
+
 }  // namespace fived::test

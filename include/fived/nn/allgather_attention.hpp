@@ -57,10 +57,11 @@ struct AllGatherAttention {
     const Shape z(s, Cl);
     gather_kv(s, w, z, qkv, Cl);
     bool seen[2] = {false, false};
-    each_block(s, z, [&](int q, std::size_t k_row, bool causal) {
+    each_block(s, z, [&](int q, std::size_t k_row, bool causal, DocumentMask docs) {
       const T* k = w.kv_all.data() + k_row * z.ld_kv;
       s.ops.attention_block_forward(w.o.data() + z.chunk(q) * Cl, lse + z.stats(q), qkv + z.chunk(q) * z.ld_qkv, k,
-                                    k + z.Ckv, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, KVHeads, causal, !seen[q]);
+                                    k + z.Ckv, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, KVHeads, causal, docs,
+                                    !seen[q]);
       seen[q] = true;
     });
     s.ops.from_acc(atty, w.o.data(), z.N * static_cast<std::size_t>(Cl));
@@ -74,12 +75,12 @@ struct AllGatherAttention {
     gather_kv(s, w, z, qkv, Cl);
     ops.zero(w.dq);
     ops.zero(w.dkv_all);
-    each_block(s, z, [&](int q, std::size_t k_row, bool causal) {
+    each_block(s, z, [&](int q, std::size_t k_row, bool causal, DocumentMask docs) {
       const T* k = w.kv_all.data() + k_row * z.ld_kv;
       stat_t* dk = w.dkv_all.data() + k_row * z.ld_kv;
       ops.attention_block_backward(w.dq.data() + z.chunk(q) * Cl, dk, dk + z.Ckv, z.ld_kv, datty + z.chunk(q) * Cl,
                                    w.Dd.data() + z.stats(q), lse + z.stats(q), qkv + z.chunk(q) * z.ld_qkv, k,
-                                   k + z.Ckv, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, KVHeads, causal);
+                                   k + z.Ckv, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, KVHeads, causal, docs);
     });
     s.cp_comm.reduce_scatter(std::span<const stat_t>(w.dkv_all.data(), cp * z.N * z.ld_kv),
                              std::span<stat_t>(w.dkv.data(), z.N * z.ld_kv));
@@ -95,8 +96,9 @@ struct AllGatherAttention {
                          std::span<T>(w.kv_all.data(), cp * z.N * z.ld_kv));
   }
 
-  // block(local query chunk, first gathered row of the key chunk, causal) for every pair a
-  // causal mask lets meet: key chunks in the query's past whole, its own chunk on the diagonal.
+  // block(local query chunk, first gathered row of the key chunk, causal, the documents' mask)
+  // for every pair a causal mask lets meet: key chunks in the query's past whole, its own
+  // chunk on the diagonal.
   template <class Block>
   static void each_block(S& s, const Shape& z, Block&& block) {
     using split = typename S::split;
@@ -105,7 +107,7 @@ struct AllGatherAttention {
       for (int r = 0; r < cp; ++r)
         for (int c = 0; c < 2; ++c) {
           const int gk = split::chunks_of(r)[static_cast<std::size_t>(c)], gq = mine[static_cast<std::size_t>(q)];
-          if (gk <= gq) block(q, static_cast<std::size_t>(r) * z.N + z.chunk(c), gk == gq);
+          if (gk <= gq) block(q, static_cast<std::size_t>(r) * z.N + z.chunk(c), gk == gq, z.documents(s, q, gk));
         }
   }
 };

@@ -96,7 +96,9 @@ struct Attention {
   static void core_forward(S& s, const T* qkv, Core& core, ContextWork& ring, int C) {
     const int Cl = C / S::tp;
     if constexpr (S::cp > 1) ContextCore::forward(s, ring, core.atty.data(), core.lse.data(), qkv, Cl);
-    else s.ops.attention_forward(core.atty.data(), core.lse.data(), qkv, s.B, s.T_, Cl, local_heads, local_kv);
+    else
+      s.ops.attention_forward(core.atty.data(), core.lse.data(), qkv, s.B, s.T_, Cl, local_heads, local_kv,
+                              s.doc_first);
   }
   // dqkv [N, qkv_width] ("=") from d(core output) datty.
   static void core_backward(S& s, ContextWork& ring, T* dqkv, const T* datty, const T* qkv, const Core& core, int C) {
@@ -105,7 +107,7 @@ struct Attention {
       ContextCore::backward(s, ring, dqkv, datty, qkv, core.atty.data(), core.lse.data(), Cl);
     else
       s.ops.attention_backward(dqkv, datty, qkv, core.atty.data(), core.lse.data(), s.B, s.T_, Cl, local_heads,
-                               local_kv);
+                               local_kv, s.doc_first);
   }
 
   // The core's output as c_proj's weight gradient reads it: the slot's, or under

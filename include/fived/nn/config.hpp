@@ -57,6 +57,10 @@ struct gpt_config {
   // friendly GEMM shapes; a multiple of TP for the vocab-parallel loss later). Padded rows
   // are zero, get zero gradient and never count in the loss. 1 turns padding off.
   static constexpr int vocab_multiple = 128;
+  // Documents packed into a row (context/documents.hpp): the token id that ends a document
+  // (GPT-2's <|endoftext|> is 50256), after which attention starts afresh, block-causal as
+  // Megatron's reset_attention_mask; -1: every row is one sequence (plain causal attention).
+  static constexpr int end_of_document = -1;
 
   // Mixture of experts (nn/moe.hpp): experts > 0 replaces the MLP of every moe_every-th block
   // (blocks moe_every-1, 2*moe_every-1, ...) by `experts` MLPs of the same width, each token
@@ -89,6 +93,8 @@ struct gpt_dims {
   static constexpr bool tied = Cfg::tied;
   static constexpr int mlp_ratio = Cfg::mlp_ratio;
   static constexpr int vocab_multiple = Cfg::vocab_multiple;
+  static constexpr int end_of_document = Cfg::end_of_document;
+  static constexpr bool documents = end_of_document >= 0;  // whether rows hold packed documents
   using recompute = typename Cfg::recompute;
 
   using context_attention = typename Cfg::context_attention;
@@ -104,6 +110,9 @@ struct gpt_dims {
   static_assert(max_seq >= 1, "gpt config: max_seq must be at least 1");
   static_assert(mlp_ratio >= 1, "gpt config: mlp_ratio must be at least 1");
   static_assert(vocab_multiple >= 1, "gpt config: vocab_multiple must be at least 1 (1 means no padding)");
+  static_assert(end_of_document >= -1 && end_of_document < vocab,
+                "gpt config: end_of_document must be a token id in [0, vocab) (the token that ends a packed "
+                "document) or -1 (every row one sequence)");
 
   static constexpr int experts = Cfg::experts;
   static constexpr int top_k = Cfg::top_k;

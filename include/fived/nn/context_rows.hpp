@@ -6,6 +6,7 @@
 
 #include <cstddef>
 
+#include "fived/context/documents.hpp"
 #include "fived/device/buffer.hpp"
 
 namespace fived {
@@ -43,6 +44,12 @@ struct ContextRows {
     }
   };
   std::size_t chunk(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk; }  // its first row
+  // The documents' mask of local query chunk q against a key chunk of global chunk index
+  // key_chunk (none when the rows hold no documents).
+  DocumentMask documents(const S& s, int q, int key_chunk) const {
+    if (s.doc_first == nullptr) return {};
+    return {s.doc_first + chunk(q), static_cast<std::ptrdiff_t>(key_chunk) * static_cast<std::ptrdiff_t>(n)};
+  }
   std::size_t stats(int c) const { return static_cast<std::size_t>(c) * rows_per_chunk * Heads; }
 
   // Backward's first step: Dd = dout . out per row and head, chunk by chunk.

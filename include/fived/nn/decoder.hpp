@@ -149,6 +149,7 @@ class Decoder : public DecoderParams<Arch, M, T, Device, SP, Part> {
     a.B = B, a.T_ = Tl;
     batch_.upload(ops_, a.tokens, tokens, B, T_, cp_comm_.rank());
     if (targets != nullptr) batch_.upload(ops_, a.targets, targets, B, T_, cp_comm_.rank());
+    if constexpr (dims::documents) batch_.upload_documents(ops_, a.doc_first, tokens, B, T_, cp_comm_.rank());
     a.has_dlogits = a.loss_pending = false;
     a.loss = 0;
     step_type s = step(a);
@@ -314,7 +315,8 @@ class Decoder : public DecoderParams<Arch, M, T, Device, SP, Part> {
   using Work = DecoderWork<step_type, Block>;
   static constexpr SlotShape slot_shape{first_layer, blocks, has_head, recompute::whole_block, C,
                                         static_cast<std::size_t>(Vp),
-                                        static_cast<std::size_t>(Params::moe_index(blocks)) * balance_size};
+                                        static_cast<std::size_t>(Params::moe_index(blocks)) * balance_size,
+                                        dims::documents};
 
   typename Block::Saved& saved(Slot& a, int l) {
     if constexpr (recompute::whole_block) return work_.rerun;
@@ -401,7 +403,9 @@ class Decoder : public DecoderParams<Arch, M, T, Device, SP, Part> {
     }
   }
 
-  step_type step(const Slot& a) { return step_type{ops_, comm_, cp_comm_, a.B, a.T_, &ep_comm_}; }
+  step_type step(const Slot& a) {
+    return step_type{ops_, comm_, cp_comm_, a.B, a.T_, &ep_comm_, dims::documents ? a.doc_first.data() : nullptr};
+  }
 
   Slot& slot_at(int k) {
     if (k < 0 || k >= slots())

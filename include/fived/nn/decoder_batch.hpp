@@ -1,7 +1,8 @@
 #pragma once
 // A decoder's way in for a [B, T] batch of token ids: checked on the host against the model
 // (a kernel cannot report a bad id), then uploaded whole, or under context parallelism only
-// this rank's two zig-zag chunks of each sequence (context/zigzag.hpp).
+// this rank's two zig-zag chunks of each sequence (context/zigzag.hpp); with packed documents
+// also where each token's document begins.
 
 #include <cstddef>
 #include <span>
@@ -9,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "fived/context/documents.hpp"
 #include "fived/device/buffer.hpp"
 
 namespace fived {
@@ -37,6 +39,16 @@ class DecoderBatch {
     if (targets != nullptr) check_ids(fn, "targets", targets, n);
   }
 
+  // Where each token's document begins (packed documents: context/documents.hpp), from the
+  // whole [B, T] ids, to dst as upload lays the ids out: a start can lie in another rank's chunk.
+  template <class Ops, class Device>
+  void upload_documents(Ops& ops, Buffer<int, Device>& dst, const int* ids, int B, int T, int cp_rank) {
+    const std::size_t N = static_cast<std::size_t>(B) * static_cast<std::size_t>(T);
+    starts_.resize(N);  // grows once
+    document_starts(std::span<const int>(ids, N), B, T, Facts::dims::end_of_document, std::span<int>(starts_));
+    upload(ops, dst, starts_.data(), B, T, cp_rank);
+  }
+
   // A [B, T] batch of ids to dst: all of it, or under CP this rank's chunks (chunk-major).
   template <class Ops, class Device>
   void upload(Ops& ops, Buffer<int, Device>& dst, const int* ids, int B, int T, int cp_rank) {
@@ -58,7 +70,8 @@ class DecoderBatch {
                                     " is outside [0, vocab = " + std::to_string(Facts::V) + ")");
   }
 
-  std::vector<int> local_;  // CP: this rank's ids of a batch, on the host before upload
+  std::vector<int> local_;   // CP: this rank's ids of a batch, on the host before upload
+  std::vector<int> starts_;  // packed documents: every token's document start, before upload
 };
 
 }  // namespace fived

@@ -25,6 +25,7 @@ struct SlotShape {
   bool head = false, whole_block = false;
   std::size_t C = 0, Vp = 0;
   std::size_t balance = 0;  // the balancing statistics of the part's MoE blocks (stat_t elements)
+  bool documents = false;   // rows of packed documents: each token's document start is kept
 };
 
 template <class Step, class Block, class Norm, class Head>
@@ -34,6 +35,7 @@ struct DecoderSlot {
 
   std::size_t capacity = 0;  // B*T the buffers hold
   Buffer<int, Device> tokens, targets;
+  Buffer<int, Device> doc_first;  // packed documents: each row's document start (context/documents.hpp)
   Buffer<T, Device> encoded;
   std::vector<typename Block::Saved> blocks;  // none under FullRecompute: one shared in the Work
   std::vector<Buffer<T, Device>> out;         // each block's output: the next block's input
@@ -54,6 +56,7 @@ struct DecoderSlot {
     s.capacity = N;
     s.tokens = ops.template make_buffer<int>(N);
     s.targets = ops.template make_buffer<int>(N);
+    if (sh.documents) s.doc_first = ops.template make_buffer<int>(N);
     s.encoded = ops.template make_buffer<T>(n * sh.C);
     if (!sh.whole_block) s.blocks.resize(static_cast<std::size_t>(sh.blocks));
     if (sh.balance > 0) s.balance = ops.template make_buffer<typename Step::stat_t>(sh.balance);

@@ -23,7 +23,8 @@
 //     residual_layernorm_forward and residual_rmsnorm_forward (the residual add before a norm,
 //     fused into it), gelu_backward, swiglu_forward, swiglu_backward, rotary_forward and
 //     rotary_backward (rotary positions, in place, kernels/host/rotary.hpp),
-//     residual_forward, attention_forward, attention_backward (grouped key/value heads),
+//     residual_forward, attention_forward, attention_backward (grouped key/value heads; the
+//     rows' documents, context/documents.hpp, when given their starts),
 //     embedding_forward and embedding_backward (over a range of the vocabulary: a TP rank's
 //     shard), logits_max,
 //     crossentropy_partials, crossentropy_backward, crossentropy_fused (the three in one, for
@@ -145,15 +146,16 @@ struct Ops<T, Host> {
     queue("matmul_weight_grad", [=] { kernels::host::matmul_weight_grad(dw, db, dy, x, rows, in, out, transposed); },
           [&] { return call_hash(dw, db, dy, x, rows, in, out, transposed); });
   }
-  void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH, int NKV) {
-    queue("attention_forward", [=] { kernels::host::attention_forward(out, lse, qkv, B, T_, C, NH, NKV); },
-          [&] { return call_hash(out, lse, qkv, B, T_, C, NH, NKV); });
+  void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH, int NKV,
+                         const int* doc_first = nullptr) {
+    queue("attention_forward", [=] { kernels::host::attention_forward(out, lse, qkv, B, T_, C, NH, NKV, doc_first); },
+          [&] { return call_hash(out, lse, qkv, B, T_, C, NH, NKV, doc_first); });
   }
   void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const stat_t* lse, int B, int T_, int C,
-                          int NH, int NKV) {
+                          int NH, int NKV, const int* doc_first = nullptr) {
     queue("attention_backward",
-          [=] { kernels::host::attention_backward(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV); },
-          [&] { return call_hash(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV); });
+          [=] { kernels::host::attention_backward(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV, doc_first); },
+          [&] { return call_hash(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV, doc_first); });
   }
   template <class U>
   void regroup(U* out, const U* in, std::int64_t outer, int n, std::int64_t block, kernels::host::Blocks how) {

@@ -45,14 +45,14 @@
   X(gelu_backward, (T* dinp, const T* inp, const T* dout, std::size_t n), (dinp, inp, dout, n))                  \
   X(residual_forward, (T* out, const T* a, const T* b, std::size_t n), (out, a, b, n))                           \
   X(attention_block_forward, (stat_t* o, stat_t* lse, const T* q, const T* k, const T* v, int ldq, int ldkv,     \
-      int B, int n, int C, int NH, int NKV, bool causal, bool first),                                            \
-    (o, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal, first))                                               \
+      int B, int n, int C, int NH, int NKV, bool causal, DocumentMask docs, bool first),                         \
+    (o, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal, docs, first))                                         \
   X(attention_row_dot, (stat_t* Dd, const T* dout, const T* out, int B, int n, int C, int NH),                   \
     (Dd, dout, out, B, n, C, NH))                                                                                \
   X(attention_block_backward, (stat_t* dq, stat_t* dk, stat_t* dv, int lddkv, const T* dout, const stat_t* Dd,   \
       const stat_t* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B, int n, int C, int NH,     \
-      int NKV, bool causal),                                                                                     \
-    (dq, dk, dv, lddkv, dout, Dd, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal))                            \
+      int NKV, bool causal, DocumentMask docs),                                                                  \
+    (dq, dk, dv, lddkv, dout, Dd, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal, docs))                      \
   X(embedding_forward, (T* out, const int* tokens, const T* wte, int vocab_begin, int vocab_rows, const T* wpe,  \
       int B, int T_, int C),                                                                                     \
     (out, tokens, wte, vocab_begin, vocab_rows, wpe, B, T_, C))                                                  \

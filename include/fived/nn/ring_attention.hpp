@@ -76,10 +76,10 @@ struct RingAttention {
   static void forward(S& s, Work& w, T* atty, stat_t* lse, const T* qkv, int Cl) {
     const Shape z(s, Cl);
     bool seen[2] = {false, false};
-    walk_ring(s, w, z, qkv, Cl, [](int) { return false; }, [&](const RingBlock& b, const T* k, int) {
+    walk_ring(s, w, z, qkv, Cl, [](int) { return false; }, [&](const RingBlock& b, const T* k, int step) {
       s.ops.attention_block_forward(w.o.data() + z.chunk(b.q) * Cl, lse + z.stats(b.q), qkv + z.chunk(b.q) * z.ld_qkv,
                                     k, k + z.Ckv, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads, KVHeads, b.causal,
-                                    !seen[b.q]);
+                                    documents(s, z, b, step), !seen[b.q]);
       seen[b.q] = true;
     }, [](int) {});
     s.ops.from_acc(atty, w.o.data(), z.N * static_cast<std::size_t>(Cl));
@@ -105,7 +105,7 @@ struct RingAttention {
       ops.attention_block_backward(w.dq.data() + z.chunk(b.q) * Cl, dk, dk + z.Ckv, z.ld_kv,
                                    datty + z.chunk(b.q) * Cl, w.Dd.data() + z.stats(b.q), lse + z.stats(b.q),
                                    qkv + z.chunk(b.q) * z.ld_qkv, k, k + z.Ckv, z.ld_qkv, z.ld_kv, s.B, z.n, Cl, Heads,
-                                   KVHeads, b.causal);
+                                   KVHeads, b.causal, documents(s, z, b, step));
     }, [&](int step) {
       if (step > 0) ops.add_acc(w.dkv[step % 2].data(), w.share.data(), kv_n);
     });
@@ -115,6 +115,11 @@ struct RingAttention {
   }
 
  private:
+  // Block b's documents' mask at ring step `step`, whose keys are those of rank r - step.
+  static DocumentMask documents(const S& s, const Shape& z, const RingBlock& b, int step) {
+    const int r = s.cp_comm.rank(), owner = (r - step + S::cp) % S::cp;
+    return z.documents(s, b.q, S::split::chunks_of(owner)[static_cast<std::size_t>(b.k)]);
+  }
 
   // The ring, shared by forward and backward: this rank's [k | v] packed into kv[0], then per
   // step the block in hand passed on and begin_step(step) (which returns whether it began an

@@ -81,6 +81,9 @@ struct Step {
   AxisComm<M, Axis::cp>& cp_comm;
   int B = 0, T_ = 0;  // T_: this rank's tokens of each sequence
   ep_comm_type* ep_comm = nullptr;  // a mixture of experts' all-to-all (EP > 1)
+  // Documents packed into the rows (context/documents.hpp): each local row's document start
+  // [N] (device memory, laid out as the rows), which attention keeps within; null: none.
+  const int* doc_first = nullptr;
   // A split backward (the model's backward_input): weight gradients go on this tape and run
   // at backward_weight (nn/weight_grads.hpp). None: they run where they stand.
   WeightGradTape<ops_type>* tape = nullptr;

@@ -1,11 +1,13 @@
 #pragma once
 // Causal multi-head self-attention with grouped key/value heads, flash-style, contract of
 // fived/kernels/host/attention.hpp with a leading stream:
-//   attention_forward(s, out, lse, qkv, B, T, C, NH, NKV)
+//   attention_forward(s, out, lse, qkv, B, T, C, NH, NKV, doc_first = nullptr)
 //     qkv [B,T,C + 2Ckv] = [q | k | v], Ckv = NKV*hs; query head h uses columns
 //     [h*hs, (h+1)*hs) of q and key/value head h / (NH/NKV) of k and v, hs = C/NH <= 128;
-//     out [B,T,C]; lse [B,NH,T] = log sum_{j<=t} exp(q_t.k_j / sqrt(hs)) (natural log).
-//   attention_backward(s, dqkv, dout, qkv, out, lse, B, T, C, NH, NKV)     dqkv is overwritten
+//     out [B,T,C]; lse [B,NH,T] = log sum_{j<=t} exp(q_t.k_j / sqrt(hs)) (natural log), the
+//     sum from the token's document's first j with documents (doc_first [B,T]).
+//   attention_backward(s, dqkv, dout, qkv, out, lse, B, T, C, NH, NKV, doc_first = nullptr)
+//     dqkv is overwritten
 // Neither pass stores a T x T matrix: the forward walks key tiles of 32 with an
 // online softmax (fp32 running max, sum and output accumulators), one block per
 // (32-query tile, head, batch); K/V tiles live in shared memory. The backward
@@ -37,7 +39,8 @@ namespace detail {
 
 template <class E, int D>
 __global__ void __launch_bounds__(attn_threads)
-    attention_forward_kernel(E* out, float* lse, const E* qkv, int T, int C, int NH, int NKV, int hs, float scale) {
+    attention_forward_kernel(E* out, float* lse, const E* qkv, int T, int C, int NH, int NKV, int hs, float scale,
+                             const int* doc_first) {
   constexpr int W = D / 32;
   extern __shared__ float smem[];
   float* sQ = smem;                         // [32][D]   (broadcast reads)
@@ -53,8 +56,11 @@ __global__ void __launch_bounds__(attn_threads)
   attn_load_tile<E, D>(sQ, D, q, rs, q0, T, hs, scale);  // the 1/sqrt(hs) is folded into q
 
   float m[attn_rows], l[attn_rows], acc[attn_rows][W];
+  int from[attn_rows];  // documents: each row's first key
 #pragma unroll
   for (int i = 0; i < attn_rows; ++i) {
+    const int tq = q0 + warp * attn_rows + i;
+    from[i] = doc_first != nullptr && tq < T ? doc_first[static_cast<std::size_t>(b) * T + tq] : 0;
     m[i] = -INFINITY;
     l[i] = 0.0f;
 #pragma unroll
@@ -78,11 +84,11 @@ __global__ void __launch_bounds__(attn_threads)
 #pragma unroll
     for (int i = 0; i < attn_rows; ++i) {
       const int tq = q0 + warp * attn_rows + i;
-      const bool valid = tk <= tq && tk < T;
+      const bool valid = tk <= tq && tk < T && tk >= from[i];
       const float si = valid ? s[i] : -INFINITY;
-      const float m_new = fmaxf(m[i], warp_max(si));  // finite: key 0 of the first tile is always valid
+      const float m_new = fmaxf(m[i], warp_max(si));  // -inf until a row's document begins
       p[i] = valid ? expf(si - m_new) : 0.0f;
-      const float corr = expf(m[i] - m_new);
+      const float corr = m_new == -INFINITY ? 1.0f : expf(m[i] - m_new);
       l[i] = l[i] * corr + warp_sum(p[i]);
       m[i] = m_new;
 #pragma unroll
@@ -117,11 +123,11 @@ __global__ void __launch_bounds__(attn_threads)
 
 
 // Whole causal sequences of a [B,T,C + 2Ckv] q|k|v buffer as the tensor-core kernels' problem.
-inline flash::Operands whole_sequences(const __nv_bfloat16* qkv, int T, int C, int NH, int NKV) {
+inline flash::Operands whole_sequences(const __nv_bfloat16* qkv, int T, int C, int NH, int NKV, const int* doc_first) {
   const int hs = C / NH;
   const std::size_t ld = static_cast<std::size_t>(C) + 2 * static_cast<std::size_t>(NKV) * hs;
   return {qkv, qkv + C, qkv + C + static_cast<std::size_t>(NKV) * hs, ld, ld, T, NH, NKV, true,
-          1.0f / sqrtf(static_cast<float>(hs))};
+          1.0f / sqrtf(static_cast<float>(hs)), doc_first, 0};
 }
 
 inline int attention_check(const char* kernel, int B, int T, int C, int NH, int NKV) {
@@ -153,13 +159,14 @@ void attention_dispatch(int hs, Args&&... args) {
 
 template <class E, int D>
 struct AttentionForward {
-  static void run(cudaStream_t stream, E* out, float* lse, const E* qkv, int B, int T, int C, int NH, int NKV, int hs) {
+  static void run(cudaStream_t stream, E* out, float* lse, const E* qkv, int B, int T, int C, int NH, int NKV, int hs,
+                  const int* doc_first) {
     const std::size_t smem = sizeof(float) * (attn_tile * D * 2 + attn_tile * (D + 1));
     allow_dynamic_smem(attention_forward_kernel<E, D>, smem);
     const dim3 grid(static_cast<unsigned>((T + attn_tile - 1) / attn_tile), static_cast<unsigned>(NH),
                     static_cast<unsigned>(B));
     attention_forward_kernel<E, D><<<grid, attn_threads, smem, stream>>>(out, lse, qkv, T, C, NH, NKV, hs,
-                                                                        1.0f / sqrtf(static_cast<float>(hs)));
+                                                                        1.0f / sqrtf(static_cast<float>(hs)), doc_first);
     FIVED_CUDA_CHECK_LAUNCH("attention_forward_kernel");
   }
 };
@@ -167,20 +174,20 @@ struct AttentionForward {
 template <class E, int D>
 struct AttentionBackward {
   static void run(cudaStream_t stream, E* dqkv, const E* dout, const E* qkv, const float* lse, const float* Dd, int B,
-                  int T, int C, int NH, int NKV, int hs) {
+                  int T, int C, int NH, int NKV, int hs, const int* doc_first) {
     const float scale = 1.0f / sqrtf(static_cast<float>(hs));
     const unsigned tiles = static_cast<unsigned>((T + attn_tile - 1) / attn_tile);
     const std::size_t smem_kv = sizeof(float) * (attn_tile * D * 2 + attn_tile * (D + 1) * 2 + 2 * attn_tile);
     allow_dynamic_smem(attention_backward_kv_kernel<E, D>, smem_kv);
     attention_backward_kv_kernel<E, D>
         <<<dim3(tiles, static_cast<unsigned>(NKV), static_cast<unsigned>(B)), attn_threads, smem_kv, stream>>>(
-            dqkv, dout, qkv, lse, Dd, T, C, NH, NKV, hs, scale);
+            dqkv, dout, qkv, lse, Dd, T, C, NH, NKV, hs, scale, doc_first);
     FIVED_CUDA_CHECK_LAUNCH("attention_backward_kv_kernel");
     const std::size_t smem_q = sizeof(float) * (attn_tile * D * 2 + attn_tile * (D + 1) * 2);
     allow_dynamic_smem(attention_backward_q_kernel<E, D>, smem_q);
     attention_backward_q_kernel<E, D>
         <<<dim3(tiles, static_cast<unsigned>(NH), static_cast<unsigned>(B)), attn_threads, smem_q, stream>>>(
-            dqkv, dout, qkv, lse, Dd, T, C, NH, NKV, hs, scale);
+            dqkv, dout, qkv, lse, Dd, T, C, NH, NKV, hs, scale, doc_first);
     FIVED_CUDA_CHECK_LAUNCH("attention_backward_q_kernel");
   }
 };
@@ -188,13 +195,14 @@ struct AttentionBackward {
 }  // namespace detail
 
 template <class E>
-void attention_forward(cudaStream_t stream, E* out, float* lse, const E* qkv, int B, int T, int C, int NH, int NKV) {
+void attention_forward(cudaStream_t stream, E* out, float* lse, const E* qkv, int B, int T, int C, int NH, int NKV,
+                       const int* doc_first = nullptr) {
   static_assert(is_element_v<E>, "attention_forward: element type must be float or fived::bf16");
   const int hs = detail::attention_check("attention_forward", B, T, C, NH, NKV);
   if (B == 0 || T == 0) return;
   detail::require(lse != nullptr, "attention_forward", "lse [B,NH,T] is an output and must not be null");
   if constexpr (std::is_same_v<E, fived::bf16>) {
-    const auto a = detail::whole_sequences(dev(qkv), T, C, NH, NKV);
+    const auto a = detail::whole_sequences(dev(qkv), T, C, NH, NKV, doc_first);
     if (detail::flash::fits(hs, NH, NKV, {a.ldq, static_cast<std::size_t>(C)}, {out, qkv})) {
       detail::flash::with_head_size(hs, [&]<int D>() {
         detail::flash::forward<D>(stream, a, B, dev(out), static_cast<std::size_t>(C), lse, true);
@@ -203,12 +211,12 @@ void attention_forward(cudaStream_t stream, E* out, float* lse, const E* qkv, in
     }
   }
   detail::attention_dispatch<detail::AttentionForward, device_t<E>>(hs, stream, dev(out), lse, dev(qkv), B, T, C, NH,
-                                                                    NKV, hs);
+                                                                    NKV, hs, doc_first);
 }
 
 template <class E>
 void attention_backward(cudaStream_t stream, E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse,
-                        int B, int T, int C, int NH, int NKV) {
+                        int B, int T, int C, int NH, int NKV, const int* doc_first = nullptr) {
   static_assert(is_element_v<E>, "attention_backward: element type must be float or fived::bf16");
   const int hs = detail::attention_check("attention_backward", B, T, C, NH, NKV);
   if (B == 0 || T == 0) return;
@@ -216,7 +224,7 @@ void attention_backward(cudaStream_t stream, E* dqkv, const E* dout, const E* qk
   Scratch<float> Dd(rows, stream);
   detail::attention_dot(stream, Dd.get(), dev(dout), dev(out), B, T, C, NH, hs);
   if constexpr (std::is_same_v<E, fived::bf16>) {
-    const auto a = detail::whole_sequences(dev(qkv), T, C, NH, NKV);
+    const auto a = detail::whole_sequences(dev(qkv), T, C, NH, NKV, doc_first);
     if (detail::flash::fits(hs, NH, NKV, {a.ldq, static_cast<std::size_t>(C)}, {dqkv, dout, qkv})) {
       auto* g = dev(dqkv);
       const detail::flash::Gradients<__nv_bfloat16> gr{dev(dout), static_cast<std::size_t>(C), lse, Dd.get(), g,
@@ -227,7 +235,7 @@ void attention_backward(cudaStream_t stream, E* dqkv, const E* dout, const E* qk
   }
   detail::attention_dispatch<detail::AttentionBackward, device_t<E>>(hs, stream, dev(dqkv), dev(dout), dev(qkv), lse,
                                                                      static_cast<const float*>(Dd.get()), B, T, C, NH,
-                                                                     NKV, hs);
+                                                                     NKV, hs, doc_first);
 }
 
 // Whether attention_forward and attention_backward run on tensor cores for this shape on the

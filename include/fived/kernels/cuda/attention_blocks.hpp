@@ -1,9 +1,10 @@
 #pragma once
 // Ring attention's blocks (context parallelism), contract of the host block kernels
 // (kernels/host/attention.hpp) with a leading stream:
-//   attention_block_forward(s, o, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal, first)
+//   attention_block_forward(s, o, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal, docs, first)
 //   attention_row_dot(s, Dd, dout, out, B, n, C, NH)
-//   attention_block_backward(s, dq, dk, dv, lddkv, dout, Dd, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal)
+//   attention_block_backward(s, dq, dk, dv, lddkv, dout, Dd, lse, q, k, v, ldq, ldkv, B, n, C, NH, NKV, causal, docs)
+// docs: the packed documents' mask (context/documents.hpp; docs.first in device memory).
 // o, lse, dq, dk, dv are float. bf16 blocks that fit run on the tensor-core kernels (the
 // same ones as whole sequences, merging into the float accumulators); the rest run one warp
 // per query (or key) row walking the other side's rows with warp reductions: simple and
@@ -12,6 +13,7 @@
 #include <cmath>
 #include <cstddef>
 
+#include <fived/context/documents.hpp>
 #include <fived/kernels/cuda/attention.hpp>
 #include <fived/kernels/cuda/common.hpp>
 #include <fived/kernels/cuda/flash_attention.hpp>
@@ -46,10 +48,15 @@ __device__ __forceinline__ float row_dot(const float (&a)[block_dims], const flo
   return warp_sum(s);
 }
 
+// The first key of the block query row `row` sees (0 without documents; may be n or more).
+__device__ __forceinline__ int first_key(const DocumentMask& docs, std::size_t row) {
+  return docs.first == nullptr ? 0 : max(docs.first[row] - static_cast<int>(docs.key_position), 0);
+}
+
 template <class E>
 __global__ void attention_block_forward_kernel(float* o, float* lse, const E* q, const E* k, const E* v, int ldq,
                                                int ldkv, int B, int n, int C, int NH, int NKV, int hs, float scale,
-                                               bool causal, bool first) {
+                                               bool causal, DocumentMask docs, bool first) {
   const long long r = static_cast<long long>(blockIdx.x) * block_row_warps + threadIdx.x / 32;
   if (r >= static_cast<long long>(B) * NH * n) return;
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -58,7 +65,7 @@ __global__ void attention_block_forward_kernel(float* o, float* lse, const E* q,
   float qr[block_dims], kr[block_dims], vr[block_dims], acc[block_dims] = {};
   load_row(qr, q + (base + at.t) * ldq + static_cast<std::size_t>(at.h) * hs, hs, lane, scale);
   float m = -INFINITY, l = 0.0f;
-  for (int j = 0, keys = causal ? at.t + 1 : n; j < keys; ++j) {
+  for (int j = first_key(docs, base + at.t), keys = causal ? at.t + 1 : n; j < keys; ++j) {
     load_row(kr, k + (base + j) * ldkv + kvh, hs, lane, 1.0f);
     load_row(vr, v + (base + j) * ldkv + kvh, hs, lane, 1.0f);
     const float s = row_dot(qr, kr), m_new = fmaxf(m, s);
@@ -68,11 +75,15 @@ __global__ void attention_block_forward_kernel(float* o, float* lse, const E* q,
     for (int i = 0; i < block_dims; ++i) acc[i] = acc[i] * corr + p * vr[i];
     m = m_new;
   }
-  const float l_new = m + logf(l);
+  // A row that saw no key (documents) gives o = 0 and lse = -inf, and merges as nothing.
+  const bool any = l > 0.0f;
+  const float l_new = any ? m + logf(l) : -INFINITY;
   const std::size_t srow = (static_cast<std::size_t>(at.b) * NH + at.h) * n + at.t;
   float* out = o + (base + at.t) * C + static_cast<std::size_t>(at.h) * hs;
-  float keep = 0.0f, add = 1.0f / l, merged = l_new;
-  if (!first) {
+  float keep = 0.0f, add = any ? 1.0f / l : 0.0f, merged = l_new;
+  if (!first && !any) {
+    keep = 1.0f, merged = lse[srow];
+  } else if (!first) {
     const float lo = lse[srow], top = fmaxf(lo, l_new);
     merged = top + logf(expf(lo - top) + expf(l_new - top));
     keep = expf(lo - merged), add = expf(l_new - merged) / l;
@@ -90,7 +101,8 @@ __global__ void attention_block_forward_kernel(float* o, float* lse, const E* q,
 template <class E>
 __global__ void attention_block_backward_q_kernel(float* dq, const E* dout, const float* Dd, const float* lse,
                                                   const E* q, const E* k, const E* v, int ldq, int ldkv, int B, int n,
-                                                  int C, int NH, int NKV, int hs, float scale, bool causal) {
+                                                  int C, int NH, int NKV, int hs, float scale, bool causal,
+                                                  DocumentMask docs) {
   const long long r = static_cast<long long>(blockIdx.x) * block_row_warps + threadIdx.x / 32;
   if (r >= static_cast<long long>(B) * NH * n) return;
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -102,7 +114,7 @@ __global__ void attention_block_backward_q_kernel(float* dq, const E* dout, cons
   load_row(qr, q + (base + at.t) * ldq + head, hs, lane, 1.0f);
   load_row(gr, dout + (base + at.t) * C + head, hs, lane, 1.0f);
   const float l = lse[srow], D = Dd[srow];
-  for (int j = 0, keys = causal ? at.t + 1 : n; j < keys; ++j) {
+  for (int j = first_key(docs, base + at.t), keys = causal ? at.t + 1 : n; j < keys; ++j) {
     load_row(kr, k + (base + j) * ldkv + kvh, hs, lane, 1.0f);
     load_row(vr, v + (base + j) * ldkv + kvh, hs, lane, 1.0f);
     const float p = expf(row_dot(qr, kr) * scale - l), ds = p * (row_dot(gr, vr) - D) * scale;
@@ -121,7 +133,7 @@ template <class E>
 __global__ void attention_block_backward_kv_kernel(float* dk, float* dv, int lddkv, const E* dout, const float* Dd,
                                                    const float* lse, const E* q, const E* k, const E* v, int ldq,
                                                    int ldkv, int B, int n, int C, int NH, int NKV, int hs, float scale,
-                                                   bool causal) {
+                                                   bool causal, DocumentMask docs) {
   const long long r = static_cast<long long>(blockIdx.x) * block_row_warps + threadIdx.x / 32;
   if (r >= static_cast<long long>(B) * NKV * n) return;
   const int lane = static_cast<int>(threadIdx.x) % 32, group = NH / NKV;
@@ -133,7 +145,8 @@ __global__ void attention_block_backward_kv_kernel(float* dk, float* dv, int ldd
   for (int h = at.h * group; h < (at.h + 1) * group; ++h) {
     const std::size_t head = static_cast<std::size_t>(h) * hs;
     const std::size_t stats = (static_cast<std::size_t>(at.b) * NH + h) * n;
-    for (int i = causal ? at.t : 0; i < n; ++i) {
+    // documents: the queries' first keys never decrease, so none after the first past this key
+    for (int i = causal ? at.t : 0; i < n && first_key(docs, base + i) <= at.t; ++i) {
       load_row(qr, q + (base + i) * ldq + head, hs, lane, 1.0f);
       load_row(gr, dout + (base + i) * C + head, hs, lane, 1.0f);
       const float p = expf(row_dot(qr, kr) * scale - lse[stats + i]);
@@ -160,13 +173,15 @@ inline unsigned block_row_grid(int B, int n, int NH, const char* kernel) {
 
 template <class E>
 void attention_block_forward(cudaStream_t stream, float* o, float* lse, const E* q, const E* k, const E* v, int ldq,
-                             int ldkv, int B, int n, int C, int NH, int NKV, bool causal, bool first) {
+                             int ldkv, int B, int n, int C, int NH, int NKV, bool causal, DocumentMask docs,
+                             bool first) {
   static_assert(is_element_v<E>, "attention_block_forward: element type must be float or fived::bf16");
   const int hs = detail::attention_check("attention_block_forward", B, n, C, NH, NKV);
   if (B == 0 || n == 0) return;
   if constexpr (std::is_same_v<E, fived::bf16>) {
     const detail::flash::Operands a{dev(q), dev(k), dev(v), static_cast<std::size_t>(ldq), static_cast<std::size_t>(ldkv),
-                                    n, NH, NKV, causal, 1.0f / sqrtf(static_cast<float>(hs))};
+                                    n, NH, NKV, causal, 1.0f / sqrtf(static_cast<float>(hs)), docs.first,
+                                    static_cast<int>(docs.key_position)};
     if (detail::flash::fits(hs, NH, NKV, {a.ldq, a.ldkv, static_cast<std::size_t>(C)}, {o, q, k, v})) {
       detail::flash::with_head_size(hs, [&]<int D>() {
         detail::flash::forward<D>(stream, a, B, o, static_cast<std::size_t>(C), lse, first);
@@ -177,7 +192,7 @@ void attention_block_forward(cudaStream_t stream, float* o, float* lse, const E*
   detail::attention_block_forward_kernel<<<detail::block_row_grid(B, n, NH, "attention_block_forward"),
                                            32 * detail::block_row_warps, 0, stream>>>(
       o, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, NKV, hs, 1.0f / sqrtf(static_cast<float>(hs)), causal,
-      first);
+      docs, first);
   FIVED_CUDA_CHECK_LAUNCH("attention_block_forward_kernel");
 }
 
@@ -192,14 +207,14 @@ void attention_row_dot(cudaStream_t stream, float* Dd, const E* dout, const E* o
 template <class E>
 void attention_block_backward(cudaStream_t stream, float* dq, float* dk, float* dv, int lddkv, const E* dout,
                               const float* Dd, const float* lse, const E* q, const E* k, const E* v, int ldq, int ldkv,
-                              int B, int n, int C, int NH, int NKV, bool causal) {
+                              int B, int n, int C, int NH, int NKV, bool causal, DocumentMask docs) {
   static_assert(is_element_v<E>, "attention_block_backward: element type must be float or fived::bf16");
   const int hs = detail::attention_check("attention_block_backward", B, n, C, NH, NKV);
   if (B == 0 || n == 0) return;
   const float scale = 1.0f / sqrtf(static_cast<float>(hs));
   if constexpr (std::is_same_v<E, fived::bf16>) {
     const detail::flash::Operands a{dev(q), dev(k), dev(v), static_cast<std::size_t>(ldq), static_cast<std::size_t>(ldkv),
-                                    n, NH, NKV, causal, scale};
+                                    n, NH, NKV, causal, scale, docs.first, static_cast<int>(docs.key_position)};
     const std::size_t Cs = static_cast<std::size_t>(C), lds = static_cast<std::size_t>(lddkv);
     if (detail::flash::fits(hs, NH, NKV, {a.ldq, a.ldkv, Cs, lds}, {dq, dk, dv, dout, q, k, v})) {
       const detail::flash::Gradients<float> gr{dev(dout), Cs, lse, Dd, dq, dk, dv, Cs, lds};
@@ -209,11 +224,11 @@ void attention_block_backward(cudaStream_t stream, float* dq, float* dk, float* 
   }
   detail::attention_block_backward_q_kernel<<<detail::block_row_grid(B, n, NH, "attention_block_backward"),
                                               32 * detail::block_row_warps, 0, stream>>>(
-      dq, dev(dout), Dd, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, NKV, hs, scale, causal);
+      dq, dev(dout), Dd, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, NKV, hs, scale, causal, docs);
   FIVED_CUDA_CHECK_LAUNCH("attention_block_backward_q_kernel");
   detail::attention_block_backward_kv_kernel<<<detail::block_row_grid(B, n, NKV, "attention_block_backward"),
                                                32 * detail::block_row_warps, 0, stream>>>(
-      dk, dv, lddkv, dev(dout), Dd, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, NKV, hs, scale, causal);
+      dk, dv, lddkv, dev(dout), Dd, lse, dev(q), dev(k), dev(v), ldq, ldkv, B, n, C, NH, NKV, hs, scale, causal, docs);
   FIVED_CUDA_CHECK_LAUNCH("attention_block_backward_kv_kernel");
 }
 

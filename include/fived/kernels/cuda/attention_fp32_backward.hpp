@@ -74,7 +74,7 @@ void attention_dot(cudaStream_t stream, float* Dd, const E* dout, const E* out, 
 template <class E, int D>
 __global__ void __launch_bounds__(attn_threads)
     attention_backward_kv_kernel(E* dqkv, const E* dout, const E* qkv, const float* lse, const float* Dd, int T, int C,
-                                 int NH, int NKV, int hs, float scale) {
+                                 int NH, int NKV, int hs, float scale, const int* doc_first) {
   constexpr int W = D / 32;
   extern __shared__ float smem[];
   float* sK = smem;                          // [32][D]   (broadcast)
@@ -127,11 +127,12 @@ __global__ void __launch_bounds__(attn_threads)
         }
       }
       const int tq = qt * attn_tile + lane;
+      const int from = doc_first != nullptr && tq < T ? doc_first[static_cast<std::size_t>(b) * T + tq] : 0;
       float p[attn_rows], ds[attn_rows];
 #pragma unroll
       for (int i = 0; i < attn_rows; ++i) {
         const int tk = kt * attn_tile + warp * attn_rows + i;
-        const bool valid = tq < T && tk <= tq;
+        const bool valid = tq < T && tk <= tq && tk >= from;
         p[i] = valid ? expf(s[i] * scale - sL[lane]) : 0.0f;
         ds[i] = p[i] * (dp[i] - sD[lane]);
       }
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(attn_threads)
 template <class E, int D>
 __global__ void __launch_bounds__(attn_threads)
     attention_backward_q_kernel(E* dqkv, const E* dout, const E* qkv, const float* lse, const float* Dd, int T, int C,
-                                int NH, int NKV, int hs, float scale) {
+                                int NH, int NKV, int hs, float scale, const int* doc_first) {
   constexpr int W = D / 32;
   extern __shared__ float smem[];
   float* sQ = smem;                       // [32][D]   (broadcast)
@@ -196,11 +197,13 @@ __global__ void __launch_bounds__(attn_threads)
   attn_load_tile<E, D>(sQ, D, q, rs, q0, T, hs, 1.0f);
   attn_load_tile<E, D>(sO, D, dO, static_cast<std::size_t>(C), q0, T, hs, 1.0f);
   float rl[attn_rows], rd[attn_rows], dq[attn_rows][W];
+  int from[attn_rows];  // documents: each row's first key
 #pragma unroll
   for (int i = 0; i < attn_rows; ++i) {
     const int tq = q0 + warp * attn_rows + i;
     rl[i] = tq < T ? lse_bh[tq] : 0.0f;
     rd[i] = tq < T ? D_bh[tq] : 0.0f;
+    from[i] = doc_first != nullptr && tq < T ? doc_first[static_cast<std::size_t>(b) * T + tq] : 0;
 #pragma unroll
     for (int w = 0; w < W; ++w) dq[i][w] = 0.0f;
   }
@@ -225,7 +228,7 @@ __global__ void __launch_bounds__(attn_threads)
 #pragma unroll
     for (int i = 0; i < attn_rows; ++i) {
       const int tq = q0 + warp * attn_rows + i;
-      const bool valid = tq < T && tk <= tq;
+      const bool valid = tq < T && tk <= tq && tk >= from[i];
       const float p = valid ? expf(s[i] * scale - rl[i]) : 0.0f;
       ds[i] = p * (dp[i] - rd[i]);
     }

@@ -124,9 +124,11 @@ __device__ __forceinline__ void load_rows(bf16x* dst, const bf16x* src, std::siz
     cp_async16(dst + r * stride<D> + c * 8, src + (valid ? static_cast<std::size_t>(t) * ld + c * 8 : 0), valid);
   }
 }
-// Starts copying floats [t0, t0 + rows) of a length-T row into `dst`; zero past T.
-template <int rows>
-__device__ __forceinline__ void load_floats(float* dst, const float* src, int t0, int T) {
+// Starts copying floats (or other 4-byte words) [t0, t0 + rows) of a length-T row into
+// `dst`; zero past T.
+template <int rows, class W>
+__device__ __forceinline__ void load_floats(W* dst, const W* src, int t0, int T) {
+  static_assert(sizeof(W) == 4);
   for (int i = static_cast<int>(threadIdx.x); i < rows; i += threads) {
     const bool valid = t0 + i < T;
     cp_async4(dst + i, src + (valid ? t0 + i : 0), valid);
@@ -188,14 +190,22 @@ __device__ __forceinline__ void regs_times_tile(float (&acc)[D / 8][4], const fl
 }
 
 // One attention problem (see the top of the file). Row t of sequence b: q + (b T + t) ldq +
-// h D for query head h, k (v) + (b T + t) ldkv + j D for key/value head j.
+// h D for query head h, k (v) + (b T + t) ldkv + j D for key/value head j. Documents packed
+// into the rows (context/documents.hpp): query row (b, t) sees key u only when key_position +
+// u >= doc_first[b T + t], a bound that never decreases along t.
 struct Operands {
   const bf16x *q, *k, *v;
   std::size_t ldq, ldkv;
   int T, NH, NKV;
   bool causal;
   float scale;  // 1 / sqrt(D)
+  const int* doc_first = nullptr;
+  int key_position = 0;
   __device__ std::size_t row(int b, int t) const { return static_cast<std::size_t>(b) * T + t; }
+  // The first key query row (b, t < T) sees: 0 without documents, at most T.
+  __device__ int first_key(int b, int t) const {
+    return doc_first == nullptr ? 0 : min(max(doc_first[row(b, t)] - key_position, 0), T);
+  }
 };
 
 // Rows r0 + g and r0 + g + 8 of a warp's 16 x D accumulator into dst (row stride ld, rows

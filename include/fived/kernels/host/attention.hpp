@@ -11,7 +11,9 @@
 //   lse_t = m + log(sum_{u<=t} exp(s_tu - m)),  m = max_u s_tu   (natural log)
 //   out_t = sum_{u<=t} exp(s_tu - lse_t) v_u      -> out[b,t,h*hs:(h+1)*hs]
 // out is [B,T,C] (heads concatenated), lse is [B,NH,T] in acc_t<T>. The lse is
-// what ring attention (context parallelism) needs to merge partial results.
+// what ring attention (context parallelism) needs to merge partial results. With documents
+// packed into the rows (context/documents.hpp: first [B,T], each token's document start),
+// the sums run over first_t <= u <= t only.
 //
 // Both are written as one case of the block kernels below (ring attention's pieces): the
 // forward is the straightforward reference, one row buffer of T scores; the backward is
@@ -30,11 +32,19 @@
 #include <string>
 #include <vector>
 
+#include "fived/context/documents.hpp"
 #include "fived/device/bf16.hpp"
 
 namespace fived::kernels::host {
 
 namespace detail_attention {
+// The first of a block's `keys` keys that query row r sees: its document's first (documents),
+// clamped to [0, keys] (keys when it sees none).
+inline std::size_t seen_from(DocumentMask docs, std::size_t r, std::size_t keys) {
+  const std::ptrdiff_t f = docs.first_key(r);
+  return f <= 0 ? 0 : std::min(static_cast<std::size_t>(f), keys);
+}
+
 inline void check_sizes(const char* what, int B, int T, int C, int NH, int NKV) {
   if (B < 0 || T < 0 || C <= 0 || NH <= 0 || NKV <= 0)
     throw std::invalid_argument(std::string("fived::kernels::host::") + what +
@@ -56,15 +66,17 @@ inline void check_sizes(const char* what, int B, int T, int C, int NH, int NKV) 
 // buffer has ld = C + 2Ckv and k = qkv + C, v = qkv + C + Ckv; a packed [k | v] buffer
 // ld = 2Ckv). Query head h reads key/value head h / (NH / NKV).
 // causal: key j is seen by query i only when j <= i (the diagonal block of a causal
-// sequence); otherwise every key is seen. The results are in acc_t<T>:
+// sequence); otherwise every key is seen. docs: besides, only the keys of the query's
+// document (context/documents.hpp; none without its `first`). The results are in acc_t<T>:
 //   o [B, n, C] (row stride C) and lse [B, NH, n]: with `first` they are this block's
 //   attention and log-sum-exp; without, this block is merged into them (the rows' softmax
 //   over the union of the keys, in the stable form
 //   l = max(l1, l2) + log(exp(l1 - max) + exp(l2 - max)),  o = o1 exp(l1 - l) + o2 exp(l2 - l)).
-// A causal block gives every row at least one key, so l stays finite.
+// A row that sees no key of the block (documents) gets o = 0 and lse = -inf from it, which
+// the merge leaves out; every row sees itself on its diagonal, so its final l is finite.
 template <class T>
 void attention_block_forward(acc_t<T>* o, acc_t<T>* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B,
-                             int n, int C, int NH, int NKV, bool causal, bool first) {
+                             int n, int C, int NH, int NKV, bool causal, DocumentMask docs, bool first) {
   using A = acc_t<T>;
   detail_attention::check_sizes("attention_block_forward", B, n, C, NH, NKV);
   const std::size_t sn = static_cast<std::size_t>(n), sC = static_cast<std::size_t>(C);
@@ -72,14 +84,15 @@ void attention_block_forward(acc_t<T>* o, acc_t<T>* lse, const T* q, const T* k,
                     lkv = static_cast<std::size_t>(ldkv);
   const std::size_t group = static_cast<std::size_t>(NH / NKV);
   const A scale = static_cast<A>(1) / std::sqrt(static_cast<A>(hs));
+  using detail_attention::seen_from;
   std::vector<A> s(sn), acc(hs);
   for (std::size_t b = 0; b < static_cast<std::size_t>(B); ++b)
     for (std::size_t h = 0; h < static_cast<std::size_t>(NH); ++h)
       for (std::size_t t = 0; t < sn; ++t) {
         const T* qt = q + (b * sn + t) * lq + h * hs;
-        const std::size_t keys = causal ? t + 1 : sn, kvh = h / group * hs;
+        const std::size_t keys = causal ? t + 1 : sn, kvh = h / group * hs, from = seen_from(docs, b * sn + t, keys);
         A m = -std::numeric_limits<A>::infinity();
-        for (std::size_t j = 0; j < keys; ++j) {
+        for (std::size_t j = from; j < keys; ++j) {
           const T* kj = k + (b * sn + j) * lkv + kvh;
           A dot = 0;
           for (std::size_t d = 0; d < hs; ++d) dot += static_cast<A>(qt[d]) * static_cast<A>(kj[d]);
@@ -87,20 +100,20 @@ void attention_block_forward(acc_t<T>* o, acc_t<T>* lse, const T* q, const T* k,
           if (s[j] > m) m = s[j];
         }
         A sum = 0;
-        for (std::size_t j = 0; j < keys; ++j) sum += s[j] = std::exp(s[j] - m);
+        for (std::size_t j = from; j < keys; ++j) sum += s[j] = std::exp(s[j] - m);
         for (std::size_t d = 0; d < hs; ++d) acc[d] = 0;
-        for (std::size_t j = 0; j < keys; ++j) {  // the block's own output, normalised
+        for (std::size_t j = from; j < keys; ++j) {  // the block's own output, normalised
           const T* vj = v + (b * sn + j) * lkv + kvh;
           const A p = s[j] / sum;
           for (std::size_t d = 0; d < hs; ++d) acc[d] += p * static_cast<A>(vj[d]);
         }
-        const A l_new = m + std::log(sum);
+        const A l_new = from < keys ? m + std::log(sum) : -std::numeric_limits<A>::infinity();
         A& l = lse[(b * static_cast<std::size_t>(NH) + h) * sn + t];
         A* ot = o + (b * sn + t) * sC + h * hs;
         if (first) {
           for (std::size_t d = 0; d < hs; ++d) ot[d] = acc[d];
           l = l_new;
-        } else {
+        } else if (from < keys) {  // else nothing of this block to merge
           const A top = std::max(l, l_new), merged = top + std::log(std::exp(l - top) + std::exp(l_new - top));
           const A keep = std::exp(l - merged), add = std::exp(l_new - merged);
           for (std::size_t d = 0; d < hs; ++d) ot[d] = ot[d] * keep + acc[d] * add;
@@ -134,7 +147,7 @@ void attention_row_dot(acc_t<T>* Dd, const T* dout, const T* out, int B, int n, 
 template <class T>
 void attention_block_backward(acc_t<T>* dq, acc_t<T>* dk, acc_t<T>* dv, int lddkv, const T* dout, const acc_t<T>* Dd,
                               const acc_t<T>* lse, const T* q, const T* k, const T* v, int ldq, int ldkv, int B, int n,
-                              int C, int NH, int NKV, bool causal) {
+                              int C, int NH, int NKV, bool causal, DocumentMask docs) {
   using A = acc_t<T>;
   detail_attention::check_sizes("attention_block_backward", B, n, C, NH, NKV);
   const std::size_t sn = static_cast<std::size_t>(n), sC = static_cast<std::size_t>(C);
@@ -151,7 +164,8 @@ void attention_block_backward(acc_t<T>* dq, acc_t<T>* dk, acc_t<T>* dv, int lddk
         const std::size_t row = (b * static_cast<std::size_t>(NH) + h) * sn + t;
         const A l = lse[row], D = Dd[row];
         A* dqt = dq + (b * sn + t) * sC + h * hs;
-        for (std::size_t j = 0, keys = causal ? t + 1 : sn; j < keys; ++j) {
+        const std::size_t keys = causal ? t + 1 : sn;
+        for (std::size_t j = detail_attention::seen_from(docs, b * sn + t, keys); j < keys; ++j) {
           const T* kj = k + (b * sn + j) * lkv + kvh;
           const T* vj = v + (b * sn + j) * lkv + kvh;
           A dot = 0, dp = 0;
@@ -174,12 +188,16 @@ void attention_block_backward(acc_t<T>* dq, acc_t<T>* dk, acc_t<T>* dv, int lddk
 
 // ---- whole causal sequences: one block ----------------------------------------------------
 
+// doc_first [B,T]: each token's document start (context/documents.hpp), or null (one
+// sequence a row).
 template <class T>
-void attention_forward(T* out, acc_t<T>* lse, const T* qkv, int B, int T_, int C, int NH, int NKV) {
+void attention_forward(T* out, acc_t<T>* lse, const T* qkv, int B, int T_, int C, int NH, int NKV,
+                       const int* doc_first = nullptr) {
   detail_attention::check_sizes("attention_forward", B, T_, C, NH, NKV);
   const int Ckv = C / NH * NKV, ld = C + 2 * Ckv;
   std::vector<acc_t<T>> o(static_cast<std::size_t>(B) * static_cast<std::size_t>(T_) * static_cast<std::size_t>(C));
-  attention_block_forward(o.data(), lse, qkv, qkv + C, qkv + C + Ckv, ld, ld, B, T_, C, NH, NKV, true, true);
+  attention_block_forward(o.data(), lse, qkv, qkv + C, qkv + C + Ckv, ld, ld, B, T_, C, NH, NKV, true,
+                          DocumentMask{doc_first, 0}, true);
   for (std::size_t i = 0; i < o.size(); ++i) out[i] = static_cast<T>(o[i]);
 }
 
@@ -187,7 +205,7 @@ void attention_forward(T* out, acc_t<T>* lse, const T* qkv, int B, int T_, int C
 // rounded to T once, so bf16 keys and values are not accumulated in bf16 over t.
 template <class T>
 void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const acc_t<T>* lse, int B, int T_, int C,
-                        int NH, int NKV) {
+                        int NH, int NKV, const int* doc_first = nullptr) {
   using A = acc_t<T>;
   detail_attention::check_sizes("attention_backward", B, T_, C, NH, NKV);
   const int Ckv = C / NH * NKV, ld = C + 2 * Ckv;
@@ -196,7 +214,7 @@ void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, cons
   std::vector<A> dq(N * sC, A(0)), g(N * sld, A(0)), Dd(N * static_cast<std::size_t>(NH));  // g: d[. | k | v]
   attention_row_dot(Dd.data(), dout, out, B, T_, C, NH);
   attention_block_backward(dq.data(), g.data() + C, g.data() + C + Ckv, ld, dout, Dd.data(), lse, qkv, qkv + C,
-                           qkv + C + Ckv, ld, ld, B, T_, C, NH, NKV, true);
+                           qkv + C + Ckv, ld, ld, B, T_, C, NH, NKV, true, DocumentMask{doc_first, 0});
   for (std::size_t r = 0; r < N; ++r)
     for (std::size_t c = 0; c < sld; ++c) dqkv[r * sld + c] = static_cast<T>(c < sC ? dq[r * sC + c] : g[r * sld + c]);
 }

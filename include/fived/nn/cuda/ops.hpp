@@ -145,33 +145,38 @@ struct Ops<T, Cuda> {
   // bf16 attention runs through cuDNN's fused kernel where fived was built with it
   // (FIVED_WITH_CUDNN) and it takes the shape; fived's own kernel otherwise, or when
   // use_cudnn_attention is false.
-  void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH, int NKV) {
+  // Rows of packed documents (doc_first, context/documents.hpp) run fived's kernel: cuDNN's
+  // graph here knows whole causal rows only.
+  void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH, int NKV,
+                         const int* doc_first = nullptr) {
+    const bool cudnn = doc_first == nullptr && attention_through_cudnn(C, NH, NKV);
     queue("attention_forward",
           [&] {
 #if defined(FIVED_WITH_CUDNN)
             if constexpr (std::is_same_v<T, bf16>) {
-              if (cudnn_takes(C, NH, NKV)) return cudnn_.forward(out, lse, qkv, B, T_, C, NH, NKV);
+              if (cudnn) return cudnn_.forward(out, lse, qkv, B, T_, C, NH, NKV);
             }
 #endif
-            kernels::cuda::attention_forward(stream(), out, lse, qkv, B, T_, C, NH, NKV);
+            kernels::cuda::attention_forward(stream(), out, lse, qkv, B, T_, C, NH, NKV, doc_first);
           },
-          [&] { return call_hash(out, lse, qkv, B, T_, C, NH, NKV, attention_through_cudnn(C, NH, NKV)); });
+          [&] { return call_hash(out, lse, qkv, B, T_, C, NH, NKV, doc_first, cudnn); });
   }
   void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const stat_t* lse, int B, int T_, int C,
-                          int NH, int NKV) {
+                          int NH, int NKV, const int* doc_first = nullptr) {
+    const bool cudnn = doc_first == nullptr && attention_through_cudnn(C, NH, NKV);
     queue("attention_backward",
           [&] {
 #if defined(FIVED_WITH_CUDNN)
             if constexpr (std::is_same_v<T, bf16>) {
-              if (cudnn_takes(C, NH, NKV)) return cudnn_.backward(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV);
+              if (cudnn) return cudnn_.backward(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV);
             }
 #endif
-            kernels::cuda::attention_backward(stream(), dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV);
+            kernels::cuda::attention_backward(stream(), dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV, doc_first);
           },
-          [&] { return call_hash(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV, attention_through_cudnn(C, NH, NKV)); });
+          [&] { return call_hash(dqkv, dout, qkv, out, lse, B, T_, C, NH, NKV, doc_first, cudnn); });
   }
   bool use_cudnn_attention = true;
-  // Whether attention_forward/backward run cuDNN's kernel for this shape.
+  // Whether attention_forward/backward run cuDNN's kernel for this shape (of whole rows).
   bool attention_through_cudnn([[maybe_unused]] int C, [[maybe_unused]] int NH, [[maybe_unused]] int NKV) const {
 #if defined(FIVED_WITH_CUDNN)
     if constexpr (std::is_same_v<T, bf16>) return cudnn_takes(C, NH, NKV);
