@@ -190,7 +190,8 @@ TEST_CASE_TEMPLATE("DataParallel: steps replayed as a graph equal plain steps bi
 }
 
 // Two trainers of the same model on every rank of the mesh, one plain and one replaying a
-// graph, stepped in turn: their losses and serial weights, bit for bit.
+// graph, stepped in turn: their losses and serial weights, bit for bit. After step 3 (the
+// first replayed) each evaluates a held-out batch at the steps' shape, which keeps the graph.
 template <class Model, class Policy, class Schedule = Accumulate<accum>>
 void trainer_graph_equals_plain() {
   using M = typename Model::mesh;
@@ -200,7 +201,7 @@ void trainer_graph_equals_plain() {
   using V = typename Model::value_type;
   std::vector<double> losses[2];
   std::vector<V> weights[2];
-  bool captured = false;
+  bool captured = false, kept = false;
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
     Trainer<Model, Policy, Schedule> plain(ctx, plain_cfg, GptInit{4, 0.05}),
@@ -211,6 +212,12 @@ void trainer_graph_equals_plain() {
       test::global_batch(s, accum, B, T, Model::config::vocab, tok, tgt);
       lp.push_back(plain.step(s, tok, tgt, B, T));
       lg.push_back(graphed.step(s, tok, tgt, B, T));
+      if (s == 3) {
+        test::global_batch(100, accum, B, T, Model::config::vocab, tok, tgt);
+        lp.push_back(plain.evaluate(tok, tgt, B, T));
+        lg.push_back(graphed.evaluate(tok, tgt, B, T));
+        if (world.rank() == 0) kept = graphed.step_graph_captured();
+      }
     }
     std::vector<V> wp = plain.serial_params(), wg = graphed.serial_params();
     if (world.rank() == 0) {
@@ -218,8 +225,9 @@ void trainer_graph_equals_plain() {
       captured = graphed.step_graph_captured();
     }
   });
+  CHECK(kept);
   CHECK(captured);
-  CHECK(losses[0].size() == steps);
+  CHECK(losses[0].size() == steps + 1);
   CHECK(losses[0] == losses[1]);
   CHECK(same_bits(weights[0], weights[1]));
 }
@@ -295,6 +303,33 @@ TEST_CASE("on a mesh each graph step issues the plain step's collectives, no mor
       CHECK(per_step_tp[s] == per_step_tp[0]);
       CHECK(per_step_grad[s] == per_step_grad[0]);
     }
+  });
+}
+
+TEST_CASE("an evaluation at the steps' shape keeps the step graph; at another shape it gives it up, and the step "
+          "after runs plain, the next captures again") {
+  TrainerConfig cfg{.adamw = adamw, .lr = schedule};
+  cfg.step_graph = true;
+  host::run(1, [&](host::Comm& world) {
+    auto ctx = make_mesh_context<Mesh<>>(world);
+    Trainer<GPT<small_gpt, Mesh<>, float>, NoZeRO, Accumulate<accum>> t(ctx, cfg, GptInit{4, 0.05});
+    std::vector<int> tok, tgt, held, held_tgt;
+    auto step = [&](int s) {
+      test::global_batch(s, accum, B, T, small_gpt::vocab, tok, tgt);
+      t.step(s, tok, tgt, B, T);
+      return t.step_graph_captured();
+    };
+    CHECK_FALSE(step(1));
+    CHECK(step(2));
+    test::global_batch(100, accum, B, T, small_gpt::vocab, held, held_tgt);
+    t.evaluate(held, held_tgt, B, T);
+    CHECK(t.step_graph_captured());
+    CHECK(step(3));  // replayed
+    test::global_batch(100, accum, B, T / 2, small_gpt::vocab, held, held_tgt);
+    t.evaluate(held, held_tgt, B, T / 2);
+    CHECK_FALSE(t.step_graph_captured());
+    CHECK_FALSE(step(4));
+    CHECK(step(5));
   });
 }
 

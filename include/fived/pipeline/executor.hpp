@@ -123,6 +123,7 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   double step(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
     // Plain unless the Trainer turned the step graph on (one chunk per rank).
     GraphStep graph(std::get<0>(chunks_).ops(), frame_.graph_shape(tokens.size(), B, seq));
+    last_step_ = {tokens.size(), B, seq};
     run(tokens, targets, B, seq);
     update();
     graph.launch();
@@ -152,10 +153,12 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   // the (micro-batch, stage) pairs in the same order, so each activation sent is received next
   // on the stage after (no table needed: a chain cannot wait on itself). Nothing is kept for a
   // backward, reduced or updated, and a model with set_training keeps no training statistic
-  // (nn/decoder.hpp). Between steps: it writes over slot 0's activations, and a step graph is
-  // given up (a larger B or T would move the buffers it replays): the next step runs plain,
-  // the one after captures again: with graphs on, evaluate every many steps, not every few.
+  // (nn/decoder.hpp). Between steps: it writes over slot 0's activations, which a step
+  // writes afresh. A step graph is kept when the batch has the last step's shape (nothing is
+  // reserved anew, so no buffer the graph replays moves); another shape gives it up: the next
+  // step runs plain, the one after captures again.
   double evaluate(std::span<const int> tokens, std::span<const int> targets, int B, int seq) {
+    const bool keeps_graph = last_step_ == StepShape{tokens.size(), B, seq};
     take_batch(tokens, targets, B, seq, "evaluate");
     struct Evaluating {  // set_training(false) for the pass, on again however it ends
       Executor& e;
@@ -163,7 +166,8 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
       ~Evaluating() { e.set_training(true); }
     } evaluating(*this);
     for_each_chunk([&]<int c>(auto& model, auto&) {
-      if constexpr (requires { model.ops().abandon_graph_step(); }) model.ops().abandon_graph_step();
+      if constexpr (requires { model.ops().abandon_graph_step(); })
+        if (!keeps_graph) model.ops().abandon_graph_step();
       if constexpr (std::remove_reference_t<decltype(model)>::has_head) model.ops().begin_loss_sum();
     });
     for (int m = 0; m < M_; ++m)
@@ -480,6 +484,12 @@ class Executor<std::tuple<Models&...>, std::tuple<Trainers&...>, C> {
   std::span<const int> tokens_, targets_;
   std::size_t row0_ = 0;
   int B_ = 0, b_ = 0, T_ = 0;
+  struct StepShape {  // a step's ids, B and T: the shape its graph was captured at
+    std::size_t ids = 0;
+    int B = 0, T = 0;
+    bool operator==(const StepShape&) const = default;
+  };
+  StepShape last_step_;
 };
 
 template <class... Models, class... Trainers, Communicator C>

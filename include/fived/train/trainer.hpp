@@ -182,7 +182,8 @@ class Trainer {
   // the weights gathered), no gradient made or reduced, nothing updated, and the model keeps
   // no training statistic (set_training, where it has one): the steps after are what they
   // would have been without it. Between steps, not between reduce() and update(). A step
-  // graph is given up: the next step runs plain, the one after captures again.
+  // graph is kept when B and T are the steps' (fit's held-out losses), else given up: the
+  // next step runs plain, the one after captures again.
   double evaluate(std::span<const int> tokens, std::span<const int> targets, int B, int T) {
     return rank_->evaluate(tokens, targets, B, T);
   }

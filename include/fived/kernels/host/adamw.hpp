@@ -69,7 +69,11 @@ struct GradClip {
   const double* sum_of_squares = nullptr;
   double max_norm = 0;
   bool skip_non_finite = false;
+  // A step captured as a graph knows its calls by their arguments' bytes (util/call_hash.hpp):
+  // the padding is spelled out and zeroed, so that no stray byte makes a replay look changed.
+  char zeroed_padding_[7] = {};
 };
+static_assert(sizeof(GradClip) == 24, "fived::GradClip: every byte is a member (its bytes are hashed)");
 
 // What one AdamW step changes, as adamw_update_chunks reads it from the device's memory: the
 // learning rate and the bias corrections 1 - beta^step, in double (each kernel rounds them
