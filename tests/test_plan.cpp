@@ -295,11 +295,12 @@ TEST_CASE("a GPT-3-like layer against Korthikanti et al. 2022: 34sbh + 5as^2b le
 
 // ---- the demo GPT against fived itself ----------------------------------------------------------
 
-template <class R, bool Tied = false, class Context = RingContext>
+template <class R, bool Tied = false, class Context = RingContext, int Eod = -1>
 struct demo_cfg : gpt_config {  // examples/train_gpt's (untied); tied, as GPT-2
   static constexpr int layers = 4, d_model = 128, heads = 4, vocab = 256, max_seq = 128;
   static constexpr int vocab_multiple = 64;
   static constexpr bool tied = Tied;
+  static constexpr int end_of_document = Eod;
   using recompute = R;
   using context_attention = Context;
 };
@@ -313,10 +314,11 @@ struct demo_run : plan::layout {
   static constexpr bool sequence_parallel = true;
   static constexpr int zero = Zero, element_bytes = 4, micro_batch = demo_B / M::dp, sequence = demo_T;
 };
-template <int Zero, class R = NoRecompute, bool Tied = false, class M = DemoMesh, class Context = RingContext>
-using DemoPlan = plan::Plan<plan::from_gpt<demo_cfg<R, Tied, Context>>(), demo_run<Zero, R, M>>;
-template <class R, bool Tied = false, class M = DemoMesh, class Context = RingContext>
-using DemoModel = GPT<demo_cfg<R, Tied, Context>, M, float, Host, SequenceParallel>;
+template <int Zero, class R = NoRecompute, bool Tied = false, class M = DemoMesh, class Context = RingContext,
+          int Eod = -1>
+using DemoPlan = plan::Plan<plan::from_gpt<demo_cfg<R, Tied, Context, Eod>>(), demo_run<Zero, R, M>>;
+template <class R, bool Tied = false, class M = DemoMesh, class Context = RingContext, int Eod = -1>
+using DemoModel = GPT<demo_cfg<R, Tied, Context, Eod>, M, float, Host, SequenceParallel>;
 static_assert(plan::fits<DemoPlan<1>>(std::uint64_t{16} << 20), "the demo needs under 16 MiB per rank");
 
 void batch(std::vector<int>& tok, std::vector<int>& tgt) {
@@ -370,16 +372,17 @@ TEST_CASE("the demo's training state is DataParallel::memory(): NoZeRO, ZeRO-1, 
 // work buffers (on CP, the ring's or the all-gather's). The only buffer the plan leaves out is
 // the selection bias of a mixture of experts (E floats per MoE block; one float in a dense
 // model).
-template <class R, class M = DemoMesh, class Context = RingContext>
+// Eod: packed documents ending at that token (each slot keeps the tokens' document starts).
+template <class R, class M = DemoMesh, class Context = RingContext, int Eod = -1>
 void check_buffers_held() {
-  using P = DemoPlan<0, R, false, M, Context>;
+  using P = DemoPlan<0, R, false, M, Context, Eod>;
   std::vector<int> tok, tgt;
   batch(tok, tgt);
   const std::size_t before = buffer_bytes_held<Host>();
   std::size_t held = 0;
   host::run(M::size, [&](host::Comm& world) {
     auto ctx = make_mesh_context<M>(world);
-    DemoModel<R, false, M, Context> model(ctx, GptInit{.seed = 1});
+    DemoModel<R, false, M, Context, Eod> model(ctx, GptInit{.seed = 1});
     const std::size_t rows = static_cast<std::size_t>(ctx.coord().dp) * (demo_B / M::dp) * demo_T;
     model.forward(tok.data() + rows, tgt.data() + rows, demo_B / M::dp, demo_T);
     model.backward();
@@ -395,8 +398,10 @@ void check_buffers_held() {
   CHECK(held == M::size * (planned + sizeof(float)));
 }
 
-TEST_CASE("the demo's activation and work buffers are what the model allocates, for every recomputation") {
+TEST_CASE("the demo's activation and work buffers are what the model allocates, for every recomputation, and with "
+          "packed documents") {
   check_buffers_held<NoRecompute>();
+  check_buffers_held<NoRecompute, DemoMesh, RingContext, 10>();
   check_buffers_held<SelectiveRecompute>();
   check_buffers_held<FullRecompute>();
 }
@@ -406,6 +411,7 @@ TEST_CASE("on CP 2 x TP 2 the ring's and the all-gather's work buffers are what 
   check_buffers_held<NoRecompute, CP2, RingContext>();
   check_buffers_held<SelectiveRecompute, CP2, RingContext>();
   check_buffers_held<NoRecompute, CP2, AllGatherContext>();
+  check_buffers_held<NoRecompute, CP2, RingContext, 10>();  // packed documents (newlines end them)
 }
 
 // A split backward's snapshots (nn/weight_grads.hpp): a micro-batch's backward_input and

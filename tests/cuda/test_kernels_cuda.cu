@@ -1007,17 +1007,20 @@ TEST_CASE_TEMPLATE("attention forward and backward (flash-style) against the ref
 
 // Ring attention's blocks (context parallelism) against the host's: q from a q|k|v buffer, k
 // and v from a packed [k | v] one (the ring's), a causal diagonal block first, then a full
-// block merged into o and lse; the backward adds to dq, dk and dv. bf16 at head sizes 64 and
-// 128 runs the tensor-core kernels (rows past one 64-row tile, grouped and multi-query heads),
-// the rest the scalar ones. Packed: the queries are a chunk at positions n.., the diagonal's keys
-// there too and kv1's at 0..n; some rows' documents begin in kv1's chunk (one begins on a
-// 64-row tile's edge), the later rows' see none of it (o = 0, lse = -inf from that block).
+// block merged into o and lse; the backward adds to dq, dk and dv. bf16 at head sizes 32, 64
+// and 128 runs the tensor-core kernels (rows past one 64-row tile, grouped and multi-query
+// heads), fp32 the scalar ones. Packed: the queries are a chunk at positions n.., the
+// diagonal's keys there too and kv1's at 0..n; some rows' documents begin in kv1's chunk, the
+// later rows' see none of it (o = 0, lse = -inf from that block; at n = 128 a whole 64-row
+// query tile, which skips every key tile); and the blocks also in the ring's order at its
+// first step, kv1's first (rows with no key start at lse = -inf), then the diagonal merged.
 TEST_CASE_TEMPLATE("attention blocks (ring attention) against the reference", T, ELEMENT_TYPES) {
   struct Shape {
     int B, n, C, NH, NKV;
   };
-  for (const bool packed : {false, true})
-  for (const Shape s : {Shape{2, 100, 256, 4, 2}, Shape{1, 70, 256, 2, 1}, Shape{2, 45, 96, 3, 3}}) {
+  for (const int packed : {0, 1, 2})  // 2: packed, kv1's block first
+  for (const Shape s : {Shape{2, 100, 256, 4, 2}, Shape{1, 70, 256, 2, 1}, Shape{2, 45, 96, 3, 3},
+                        Shape{1, 128, 256, 4, 2}}) {
     CAPTURE(packed);
     CAPTURE(s.n);
     CAPTURE(s.C);
@@ -1034,13 +1037,13 @@ TEST_CASE_TEMPLATE("attention blocks (ring attention) against the reference", T,
       if (!packed) return fived::DocumentMask{};
       return fived::DocumentMask{device ? d_first_buf.data() : first.data(), diagonal ? s.n : 0};
     };
-    // host: the diagonal block from qkv's own k, v, then kv1's block merged
+    // host: the diagonal block from qkv's own k, v, then kv1's block merged (or the other way)
     std::vector<float> o(rows * s.C), lse(nlse), Dd(nlse);
     const T* k0 = qkv.data() + s.C;
-    hk::attention_block_forward(o.data(), lse.data(), qkv.data(), k0, k0 + Ckv, ldq, ldq, s.B, s.n, s.C, s.NH, s.NKV,
-                                true, mask(false, true), true);
-    hk::attention_block_forward(o.data(), lse.data(), qkv.data(), kv1.data(), kv1.data() + Ckv, ldq, ldkv, s.B, s.n,
-                                s.C, s.NH, s.NKV, false, mask(false, false), false);
+    for (const bool diagonal : packed == 2 ? std::vector<bool>{false, true} : std::vector<bool>{true, false})
+      hk::attention_block_forward(o.data(), lse.data(), qkv.data(), diagonal ? k0 : kv1.data(),
+                                  (diagonal ? k0 : kv1.data()) + Ckv, ldq, diagonal ? ldq : ldkv, s.B, s.n, s.C, s.NH,
+                                  s.NKV, diagonal, mask(false, diagonal), diagonal == (packed != 2));
     std::vector<T> out(o.size());
     for (std::size_t i = 0; i < o.size(); ++i) out[i] = T(o[i]);
     hk::attention_row_dot(Dd.data(), dout.data(), out.data(), s.B, s.n, s.C, s.NH);
@@ -1053,10 +1056,10 @@ TEST_CASE_TEMPLATE("attention blocks (ring attention) against the reference", T,
     auto d_qkv = up(qkv), d_kv1 = up(kv1), d_dout = up(dout), d_out = up(out);
     Buffer<float, Cuda> d_o(o.size()), d_lse(nlse), d_Dd(nlse);
     const T* dk0 = d_qkv.data() + s.C;
-    ck::attention_block_forward(stream(), d_o.data(), d_lse.data(), d_qkv.data(), dk0, dk0 + Ckv, ldq, ldq, s.B, s.n,
-                                s.C, s.NH, s.NKV, true, mask(true, true), true);
-    ck::attention_block_forward(stream(), d_o.data(), d_lse.data(), d_qkv.data(), d_kv1.data(), d_kv1.data() + Ckv,
-                                ldq, ldkv, s.B, s.n, s.C, s.NH, s.NKV, false, mask(true, false), false);
+    for (const bool diagonal : packed == 2 ? std::vector<bool>{false, true} : std::vector<bool>{true, false})
+      ck::attention_block_forward(stream(), d_o.data(), d_lse.data(), d_qkv.data(), diagonal ? dk0 : d_kv1.data(),
+                                  (diagonal ? dk0 : d_kv1.data()) + Ckv, ldq, diagonal ? ldq : ldkv, s.B, s.n, s.C,
+                                  s.NH, s.NKV, diagonal, mask(true, diagonal), diagonal == (packed != 2));
     CHECK_CLOSE(o, down(d_o), bound<T>(fp32_sum));
     CHECK_CLOSE(lse, down(d_lse), 1e-4);
     ck::attention_row_dot(stream(), d_Dd.data(), d_dout.data(), d_out.data(), s.B, s.n, s.C, s.NH);

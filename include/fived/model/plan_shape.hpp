@@ -56,6 +56,8 @@ struct Transformer {
   // Under context parallelism: keys and values round the CP ring, or all-gathered at once
   // (nn/allgather_attention.hpp).
   bool allgather_context = false;
+  // Packed documents (context/documents.hpp): each slot keeps every token's document start.
+  bool documents = false;
 
   // Mixture of experts: block l has one when experts > 0, l >= dense_first and
   // (l - dense_first) % moe_every == moe_every - 1 (fived: every moe_every-th block;

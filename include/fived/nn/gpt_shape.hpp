@@ -21,6 +21,7 @@ constexpr Transformer from_gpt() {
   m.gated = false, m.vocab = d::vocab, m.padded_vocab = d::padded_vocab, m.tied = d::tied, m.biases = true;
   m.norm = Norm::layer_norm, m.positions = d::max_seq;
   m.allgather_context = std::is_same_v<typename d::context_attention, AllGatherContext>;
+  m.documents = d::documents;
   m.experts = d::experts, m.top_k = d::experts > 0 ? d::top_k : 0, m.moe_every = d::moe_every, m.dense_first = 0;
   m.expert_d_ff = d::d_ff, m.shared_experts = 0, m.balancing_loss = d::experts > 0 && Cfg::aux_loss_coef > 0;
   m.capacity_factor = d::experts > 0 ? Cfg::capacity_factor : 0;

@@ -236,6 +236,7 @@ struct Llama3 {
     m.capacity_factor = d::experts > 0 ? Cfg::capacity_factor : 0;
     m.pad_to_capacity = d::experts > 0 && Cfg::pad_to_capacity;
     m.allgather_context = std::is_same_v<typename d::context_attention, AllGatherContext>;
+    m.documents = d::documents;
     return m;
   }
 };

@@ -22,7 +22,7 @@
 //                     [R, Fe/TP] (SwiGLU: 3); the balancing gradient [E] float; shared
 //                     experts as FFNs of width Fe over all N tokens
 //                res3 [n, C]
-//   per slot     token ids and targets int [N] each, the embedding output [n, C], the
+//   per slot     token ids and targets int [N] each (and packed documents' starts), the embedding output [n, C], the
 //                blocks, and with the head: ln_f out [n, C] + stats, SP's gathered input,
 //                logits [N, Vp/TP], max, sum of exp, target logit [N] stat, losses [N] float
 //   recompute    SelectiveRecompute keeps no core output or log-sum-exp per block: one
@@ -109,7 +109,7 @@ constexpr Bytes head_bytes(const Transformer& m, const Rows& a) {
 }
 // One micro-batch slot of a part (Decoder::Slot): ids, the embedding's output, the blocks, the head.
 constexpr Bytes slot_bytes(const Transformer& m, const Blocks& part, const Rows& a) {
-  Bytes s = detail::bytes(2 * a.N, 4) + detail::bytes(a.n * m.d_model, a.t);
+  Bytes s = detail::bytes((m.documents ? 3 : 2) * a.N, 4) + detail::bytes(a.n * m.d_model, a.t);
   int moe = 0;
   for (int l = part.first; l < part.first + part.count; ++l) s += block_bytes(m, l, a), moe += m.is_moe(l) ? 1 : 0;
   if (moe > 0 && m.balancing_loss) s += detail::bytes(std::int64_t{moe} * 2 * m.experts, a.st);  // their balance, kept

@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(threads) forward_kernel(Operands a, Out* o, st
   load_rows<D, tile>(sQ, a.q + a.row(b, 0) * a.ldq + static_cast<std::size_t>(h) * D, a.ldq, q0, T);
   float acc[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   const bf16x* my_q = sQ + warp * 16 * stride<D>;
-  if (last >= kfirst) pipelined(last + 1 - kfirst, load_kv, [&](int i) {
+  pipelined(last + 1 - kfirst, load_kv, [&](int i) {
     const int kt = kfirst + i;
     const bf16x* sK = stage(kt % 2);
     const bf16x* sV = sK + tile * stride<D>;
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(threads, D > 64 ? 1 : 3) backward_kv_kernel(Op
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   const bf16x* my_k = sK + warp * 16 * stride<D>;
   const bf16x* my_v = sV + warp * 16 * stride<D>;
-  if (steps > 0) pipelined(steps, load_step, [&](int i) {
+  pipelined(steps, load_step, [&](int i) {
     const bf16x* sQ = stages + (i % 2) * stage_elems;
     const bf16x* sO = sQ + BQ * stride<D>;
     const float* sL = stats + (i % 2) * 3 * BQ;
@@ -290,7 +290,7 @@ __global__ void __launch_bounds__(threads) backward_q_kernel(Operands a, Gradien
   float dq[D / 8][4] = {};
   const bf16x* my_q = sQ + warp * 16 * stride<D>;
   const bf16x* my_o = sO + warp * 16 * stride<D>;
-  if (steps > 0) pipelined(steps, load_step, [&](int i) {
+  pipelined(steps, load_step, [&](int i) {
     const bf16x* sK = stages + (i % 2) * stage_elems;
     const bf16x* sV = sK + BK * stride<D>;
     float s[BK / 8][4] = {}, dp[BK / 8][4] = {};

@@ -88,9 +88,15 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // The double-buffered loop of every kernel here: load(i) starts copying step i's tiles into
 // buffer i % 2, one step ahead; body(i) runs once they have arrived, and buffer i % 2 is free
-// again after it. Copies started before the call arrive with step 0's.
+// again after it. Copies started before the call arrive with step 0's; with no steps (a block
+// that sees nothing, packed documents) they are waited for, so none is in flight at exit.
 template <class Load, class Body>
 __device__ __forceinline__ void pipelined(int steps, Load&& load, Body&& body) {
+  if (steps <= 0) {
+    cp_async_commit();
+    cp_async_wait<0>();
+    return;
+  }
   load(0);
   cp_async_commit();
   for (int i = 0; i < steps; ++i) {
