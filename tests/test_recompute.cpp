@@ -38,6 +38,12 @@ struct moe_cfg : dense_cfg<R> {
   static constexpr double aux_loss_coef = 0.05;
 };
 
+// Packed documents (context/documents.hpp): each slot's own documents, read again in backward.
+template <class R>
+struct packed_cfg : dense_cfg<R> {
+  static constexpr int end_of_document = 2;
+};
+
 constexpr int B = 4, T = 16;
 const GptInit init{5, 0.05};
 
@@ -52,7 +58,10 @@ template <class Model>
 Run two_in_flight(Model& m) {
   Run r;
   std::vector<int> tok, tgt;
-  test::global_batch(0, 2, B, T, Model::V, tok, tgt);
+  if constexpr (Model::config::end_of_document >= 0)
+    test::packed_batch(0, 2, B, T, Model::V, Model::config::end_of_document, tok, tgt);
+  else
+    test::global_batch(0, 2, B, T, Model::V, tok, tgt);
   m.set_slots(2);
   m.zero_grad();
   const std::size_t n = static_cast<std::size_t>(B) * T;
@@ -105,14 +114,17 @@ void every_policy_equals_none() {
 
 }  // namespace
 
-TEST_CASE("recomputation changes no loss and no gradient: serial, two slots in flight") {
+TEST_CASE("recomputation changes no loss and no gradient: serial, two slots in flight, with packed documents too") {
   every_policy_equals_none<dense_cfg>();
   every_policy_equals_none<moe_cfg>();
+  every_policy_equals_none<packed_cfg>();
 }
 
-TEST_CASE("recomputation changes no gradient on Mesh<TP<2>> with SP and on Mesh<CP<2>, TP<2>> (the ring again)") {
+TEST_CASE("recomputation changes no gradient on Mesh<TP<2>> with SP and on Mesh<CP<2>, TP<2>> (the ring again, also "
+          "over packed documents)") {
   every_policy_equals_none<dense_cfg, Mesh<TP<2>>, SequenceParallel>();
   every_policy_equals_none<dense_cfg, Mesh<CP<2>, TP<2>>, SequenceParallel>();
+  every_policy_equals_none<packed_cfg, Mesh<CP<2>, TP<2>>, SequenceParallel>();
 }
 
 TEST_CASE("recomputation changes no gradient of a mixture of experts over Mesh<CP<2>, TP<2>, EP<2>> (the all-to-all again)") {
