@@ -46,11 +46,10 @@ constexpr int B = 4, steps = 3;
 const GptInit init{5, 0.05};
 const AdamWConfig hp{.lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.1f, .max_norm = 0.5f};
 
-// The batch of step s: random ids, or with Cfg's documents (test::packed_batch).
+// The batch of step s: random ids, with Cfg's documents if it has them (test::packed_batch).
 template <class Cfg>
 void batch(int s, int micro, int T, std::vector<int>& tok, std::vector<int>& tgt) {
-  if constexpr (Cfg::end_of_document >= 0) test::packed_batch(s, micro, B, T, Cfg::vocab, Cfg::end_of_document, tok, tgt);
-  else test::global_batch(s, micro, B, T, Cfg::vocab, tok, tgt);
+  test::packed_batch(s, micro, B, T, Cfg::vocab, Cfg::end_of_document, tok, tgt);
 }
 
 struct Result {

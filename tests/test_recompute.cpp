@@ -58,10 +58,7 @@ template <class Model>
 Run two_in_flight(Model& m) {
   Run r;
   std::vector<int> tok, tgt;
-  if constexpr (Model::config::end_of_document >= 0)
-    test::packed_batch(0, 2, B, T, Model::V, Model::config::end_of_document, tok, tgt);
-  else
-    test::global_batch(0, 2, B, T, Model::V, tok, tgt);
+  test::packed_batch(0, 2, B, T, Model::V, Model::config::end_of_document, tok, tgt);  // -1: no documents
   m.set_slots(2);
   m.zero_grad();
   const std::size_t n = static_cast<std::size_t>(B) * T;

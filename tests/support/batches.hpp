@@ -22,10 +22,11 @@ inline void global_batch(int step, int n, int B, int T, int vocab, std::vector<i
 // The same with documents packed into its rows (context/documents.hpp): row i of the batch
 // ends a document at each t with (t + 2i + step) % 5 == 4 (documents of 5, the first and
 // last cut short, so they begin anywhere in a context-parallel chunk and cross chunks),
-// except every fourth row, which stays one sequence.
+// except every fourth row, which stays one sequence. end_of_document -1: global_batch's.
 inline void packed_batch(int step, int n, int B, int T, int vocab, int end_of_document, std::vector<int>& tok,
                          std::vector<int>& tgt) {
   global_batch(step, n, B, T, vocab, tok, tgt);
+  if (end_of_document < 0) return;
   for (std::size_t row = 0; row < tok.size() / static_cast<std::size_t>(T); ++row) {
     for (int t = 0; t < T; ++t) {
       int& id = tok[row * static_cast<std::size_t>(T) + static_cast<std::size_t>(t)];

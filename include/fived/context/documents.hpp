@@ -43,14 +43,23 @@ inline void document_starts(std::span<const int> ids, int B, int T, int end_of_d
 
 // Which keys of an attention block each query row's document holds: query row r (rows as
 // the block's queries are laid out, [B, n]) sees key j only when key_position + j >=
-// first[r]. first == nullptr: no documents. Device memory for the device's kernels. Hashed
-// by its bytes where a step is captured (util/call_hash.hpp): no padding.
+// first[r]. first == nullptr: no documents. Device memory for the device's kernels, which
+// call first_key too. Hashed by its bytes where a step is captured (util/call_hash.hpp): no
+// padding.
 struct DocumentMask {
   const int* first = nullptr;
   std::ptrdiff_t key_position = 0;
 
-  // The first key of the block query row r sees (0 without documents; may be past the block).
-  constexpr std::ptrdiff_t first_key(std::size_t r) const { return first == nullptr ? 0 : first[r] - key_position; }
+  // The first of a block's `keys` keys that query row r sees, in [0, keys]: 0 without
+  // documents, keys when it sees none of them.
+#if defined(__CUDACC__)
+  __host__ __device__
+#endif
+  constexpr int first_key(std::size_t r, int keys) const {
+    if (first == nullptr) return 0;
+    const std::ptrdiff_t f = first[r] - key_position;
+    return f <= 0 ? 0 : f >= keys ? keys : static_cast<int>(f);
+  }
 };
 static_assert(sizeof(DocumentMask) == sizeof(const int*) + sizeof(std::ptrdiff_t));
 

@@ -127,7 +127,7 @@ inline flash::Operands whole_sequences(const __nv_bfloat16* qkv, int T, int C, i
   const int hs = C / NH;
   const std::size_t ld = static_cast<std::size_t>(C) + 2 * static_cast<std::size_t>(NKV) * hs;
   return {qkv, qkv + C, qkv + C + static_cast<std::size_t>(NKV) * hs, ld, ld, T, NH, NKV, true,
-          1.0f / sqrtf(static_cast<float>(hs)), doc_first, 0};
+          1.0f / sqrtf(static_cast<float>(hs)), DocumentMask{doc_first, 0}};
 }
 
 inline int attention_check(const char* kernel, int B, int T, int C, int NH, int NKV) {

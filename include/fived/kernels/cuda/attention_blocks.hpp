@@ -48,11 +48,6 @@ __device__ __forceinline__ float row_dot(const float (&a)[block_dims], const flo
   return warp_sum(s);
 }
 
-// The first key of the block query row `row` sees (0 without documents; may be n or more).
-__device__ __forceinline__ int first_key(const DocumentMask& docs, std::size_t row) {
-  return docs.first == nullptr ? 0 : max(docs.first[row] - static_cast<int>(docs.key_position), 0);
-}
-
 template <class E>
 __global__ void attention_block_forward_kernel(float* o, float* lse, const E* q, const E* k, const E* v, int ldq,
                                                int ldkv, int B, int n, int C, int NH, int NKV, int hs, float scale,
@@ -65,7 +60,7 @@ __global__ void attention_block_forward_kernel(float* o, float* lse, const E* q,
   float qr[block_dims], kr[block_dims], vr[block_dims], acc[block_dims] = {};
   load_row(qr, q + (base + at.t) * ldq + static_cast<std::size_t>(at.h) * hs, hs, lane, scale);
   float m = -INFINITY, l = 0.0f;
-  for (int j = first_key(docs, base + at.t), keys = causal ? at.t + 1 : n; j < keys; ++j) {
+  for (int j = docs.first_key(base + at.t, n), keys = causal ? at.t + 1 : n; j < keys; ++j) {
     load_row(kr, k + (base + j) * ldkv + kvh, hs, lane, 1.0f);
     load_row(vr, v + (base + j) * ldkv + kvh, hs, lane, 1.0f);
     const float s = row_dot(qr, kr), m_new = fmaxf(m, s);
@@ -114,7 +109,7 @@ __global__ void attention_block_backward_q_kernel(float* dq, const E* dout, cons
   load_row(qr, q + (base + at.t) * ldq + head, hs, lane, 1.0f);
   load_row(gr, dout + (base + at.t) * C + head, hs, lane, 1.0f);
   const float l = lse[srow], D = Dd[srow];
-  for (int j = first_key(docs, base + at.t), keys = causal ? at.t + 1 : n; j < keys; ++j) {
+  for (int j = docs.first_key(base + at.t, n), keys = causal ? at.t + 1 : n; j < keys; ++j) {
     load_row(kr, k + (base + j) * ldkv + kvh, hs, lane, 1.0f);
     load_row(vr, v + (base + j) * ldkv + kvh, hs, lane, 1.0f);
     const float p = expf(row_dot(qr, kr) * scale - l), ds = p * (row_dot(gr, vr) - D) * scale;
@@ -146,7 +141,7 @@ __global__ void attention_block_backward_kv_kernel(float* dk, float* dv, int ldd
     const std::size_t head = static_cast<std::size_t>(h) * hs;
     const std::size_t stats = (static_cast<std::size_t>(at.b) * NH + h) * n;
     // documents: the queries' first keys never decrease, so none after the first past this key
-    for (int i = causal ? at.t : 0; i < n && first_key(docs, base + i) <= at.t; ++i) {
+    for (int i = causal ? at.t : 0; i < n && docs.first_key(base + i, n) <= at.t; ++i) {
       load_row(qr, q + (base + i) * ldq + head, hs, lane, 1.0f);
       load_row(gr, dout + (base + i) * C + head, hs, lane, 1.0f);
       const float p = expf(row_dot(qr, kr) * scale - lse[stats + i]);
@@ -180,8 +175,7 @@ void attention_block_forward(cudaStream_t stream, float* o, float* lse, const E*
   if (B == 0 || n == 0) return;
   if constexpr (std::is_same_v<E, fived::bf16>) {
     const detail::flash::Operands a{dev(q), dev(k), dev(v), static_cast<std::size_t>(ldq), static_cast<std::size_t>(ldkv),
-                                    n, NH, NKV, causal, 1.0f / sqrtf(static_cast<float>(hs)), docs.first,
-                                    static_cast<int>(docs.key_position)};
+                                    n, NH, NKV, causal, 1.0f / sqrtf(static_cast<float>(hs)), docs};
     if (detail::flash::fits(hs, NH, NKV, {a.ldq, a.ldkv, static_cast<std::size_t>(C)}, {o, q, k, v})) {
       detail::flash::with_head_size(hs, [&]<int D>() {
         detail::flash::forward<D>(stream, a, B, o, static_cast<std::size_t>(C), lse, first);
@@ -214,7 +208,7 @@ void attention_block_backward(cudaStream_t stream, float* dq, float* dk, float* 
   const float scale = 1.0f / sqrtf(static_cast<float>(hs));
   if constexpr (std::is_same_v<E, fived::bf16>) {
     const detail::flash::Operands a{dev(q), dev(k), dev(v), static_cast<std::size_t>(ldq), static_cast<std::size_t>(ldkv),
-                                    n, NH, NKV, causal, scale, docs.first, static_cast<int>(docs.key_position)};
+                                    n, NH, NKV, causal, scale, docs};
     const std::size_t Cs = static_cast<std::size_t>(C), lds = static_cast<std::size_t>(lddkv);
     if (detail::flash::fits(hs, NH, NKV, {a.ldq, a.ldkv, Cs, lds}, {dq, dk, dv, dout, q, k, v})) {
       const detail::flash::Gradients<float> gr{dev(dout), Cs, lse, Dd, dq, dk, dv, Cs, lds};

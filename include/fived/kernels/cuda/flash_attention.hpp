@@ -173,7 +173,7 @@ __device__ __forceinline__ bool sees(const Operands& a, int query, int key, int 
 template <int rows>
 __device__ __forceinline__ int tiles_seeing(const Operands& a, int b, int end) {
   int lo = 0, hi = (a.T + rows - 1) / rows;  // the answer lies in [lo, hi]
-  if (a.doc_first == nullptr) return hi;
+  if (a.docs.first == nullptr) return hi;
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
     if (a.first_key(b, mid * rows) < end) lo = mid + 1;
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(threads, D > 64 ? 1 : 3) backward_kv_kernel(Op
     float* ss = stats + (i % 2) * 3 * BQ;
     load_floats<BQ>(ss, gr.lse + row, t0, T);
     load_floats<BQ>(ss + BQ, gr.Dd + row, t0, T);
-    if (a.doc_first != nullptr) load_floats<BQ>(reinterpret_cast<int*>(ss + 2 * BQ), a.doc_first + a.row(b, 0), t0, T);
+    if (a.docs.first != nullptr) load_floats<BQ>(reinterpret_cast<int*>(ss + 2 * BQ), a.docs.first + a.row(b, 0), t0, T);
   };
   load_rows<D, tile>(sK, a.k + a.row(b, 0) * a.ldkv + kvh, a.ldkv, k0, T);
   load_rows<D, tile>(sV, a.v + a.row(b, 0) * a.ldkv + kvh, a.ldkv, k0, T);
@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(threads, D > 64 ? 1 : 3) backward_kv_kernel(Op
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = k0 + warp * 16 + g + 8 * (e / 2), qi = 8 * n + 2 * c + e % 2;
-        const int from = a.doc_first == nullptr ? 0 : sF[qi] - a.key_position;
+        const int from = a.docs.first == nullptr ? 0 : sF[qi] - static_cast<int>(a.docs.key_position);
         const float p = sees(a, t0 + qi, key, from) ? exp2_approx(s[n][e] * sl2 - sL[qi] * log2e_f) : 0.0f;
         s[n][e] = p;
         dp[n][e] = p * (dp[n][e] - sD[qi]);

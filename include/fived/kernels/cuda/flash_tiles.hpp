@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <fived/context/documents.hpp>
 #include <fived/kernels/cuda/common.hpp>
 
 namespace fived::kernels::cuda::detail::flash {
@@ -197,21 +198,18 @@ __device__ __forceinline__ void regs_times_tile(float (&acc)[D / 8][4], const fl
 
 // One attention problem (see the top of the file). Row t of sequence b: q + (b T + t) ldq +
 // h D for query head h, k (v) + (b T + t) ldkv + j D for key/value head j. Documents packed
-// into the rows (context/documents.hpp): query row (b, t) sees key u only when key_position +
-// u >= doc_first[b T + t], a bound that never decreases along t.
+// into the rows (context/documents.hpp): query row (b, t) sees key u only when
+// docs.key_position + u >= docs.first[b T + t], a bound that never decreases along t.
 struct Operands {
   const bf16x *q, *k, *v;
   std::size_t ldq, ldkv;
   int T, NH, NKV;
   bool causal;
   float scale;  // 1 / sqrt(D)
-  const int* doc_first = nullptr;
-  int key_position = 0;
+  DocumentMask docs{};
   __device__ std::size_t row(int b, int t) const { return static_cast<std::size_t>(b) * T + t; }
   // The first key query row (b, t < T) sees: 0 without documents, at most T.
-  __device__ int first_key(int b, int t) const {
-    return doc_first == nullptr ? 0 : min(max(doc_first[row(b, t)] - key_position, 0), T);
-  }
+  __device__ int first_key(int b, int t) const { return docs.first_key(row(b, t), T); }
 };
 
 // Rows r0 + g and r0 + g + 8 of a warp's 16 x D accumulator into dst (row stride ld, rows

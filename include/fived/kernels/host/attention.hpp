@@ -38,13 +38,6 @@
 namespace fived::kernels::host {
 
 namespace detail_attention {
-// The first of a block's `keys` keys that query row r sees: its document's first (documents),
-// clamped to [0, keys] (keys when it sees none).
-inline std::size_t seen_from(DocumentMask docs, std::size_t r, std::size_t keys) {
-  const std::ptrdiff_t f = docs.first_key(r);
-  return f <= 0 ? 0 : std::min(static_cast<std::size_t>(f), keys);
-}
-
 inline void check_sizes(const char* what, int B, int T, int C, int NH, int NKV) {
   if (B < 0 || T < 0 || C <= 0 || NH <= 0 || NKV <= 0)
     throw std::invalid_argument(std::string("fived::kernels::host::") + what +
@@ -84,13 +77,13 @@ void attention_block_forward(acc_t<T>* o, acc_t<T>* lse, const T* q, const T* k,
                     lkv = static_cast<std::size_t>(ldkv);
   const std::size_t group = static_cast<std::size_t>(NH / NKV);
   const A scale = static_cast<A>(1) / std::sqrt(static_cast<A>(hs));
-  using detail_attention::seen_from;
   std::vector<A> s(sn), acc(hs);
   for (std::size_t b = 0; b < static_cast<std::size_t>(B); ++b)
     for (std::size_t h = 0; h < static_cast<std::size_t>(NH); ++h)
       for (std::size_t t = 0; t < sn; ++t) {
         const T* qt = q + (b * sn + t) * lq + h * hs;
-        const std::size_t keys = causal ? t + 1 : sn, kvh = h / group * hs, from = seen_from(docs, b * sn + t, keys);
+        const std::size_t keys = causal ? t + 1 : sn, kvh = h / group * hs;
+        const std::size_t from = static_cast<std::size_t>(docs.first_key(b * sn + t, static_cast<int>(keys)));
         A m = -std::numeric_limits<A>::infinity();
         for (std::size_t j = from; j < keys; ++j) {
           const T* kj = k + (b * sn + j) * lkv + kvh;
@@ -165,7 +158,8 @@ void attention_block_backward(acc_t<T>* dq, acc_t<T>* dk, acc_t<T>* dv, int lddk
         const A l = lse[row], D = Dd[row];
         A* dqt = dq + (b * sn + t) * sC + h * hs;
         const std::size_t keys = causal ? t + 1 : sn;
-        for (std::size_t j = detail_attention::seen_from(docs, b * sn + t, keys); j < keys; ++j) {
+        for (std::size_t j = static_cast<std::size_t>(docs.first_key(b * sn + t, static_cast<int>(keys))); j < keys;
+             ++j) {
           const T* kj = k + (b * sn + j) * lkv + kvh;
           const T* vj = v + (b * sn + j) * lkv + kvh;
           A dot = 0, dp = 0;
