@@ -258,6 +258,29 @@ int main(int argc, char** argv) {
         with_epilogue, 0, flops);
     row(out == C ? "dW [768,768], then bias_backward" : "dW [768,3072], then bias_backward", apart, 0, flops);
   }
+  // A mixture of experts padded to capacity (nn/moe.hpp): the 8192 rows split evenly over E
+  // experts, each its own fc+GELU [768,3072], as a GEMM per expert (a loop, as before) and as
+  // one strided batch. Fine-grained experts (E 32: 256 rows each) are where the loop's small
+  // GEMMs leave the GPU idle.
+  for (const int E : {8, 32}) {
+    const int n = M / E;
+    const std::int64_t in_rows = std::int64_t{n} * C, out_rows = std::int64_t{n} * 4 * C, wsize = std::int64_t{C} * 4 * C;
+    Buffer<bf16, Cuda> we(static_cast<std::size_t>(E) * wsize), be(static_cast<std::size_t>(E) * 4 * C);
+    fill(we, 7, 1.0f, s);
+    fill(be, 8, 1.0f, s);
+    const double loop = time_ms(s, [&] {
+      for (int j = 0; j < E; ++j)
+        ck::matmul(lt, h.data() + j * out_rows, x.data() + j * in_rows, we.data() + j * wsize, be.data() + j * 4 * C, n,
+                   4 * C, C, false, false, false, ck::Epilogue::gelu, hpre.data() + j * out_rows);
+    });
+    const double batched = time_ms(s, [&] {
+      ck::matmul(lt, h.data(), x.data(), we.data(), be.data(), n, 4 * C, C, false, false, false, ck::Epilogue::gelu,
+                 hpre.data(), {.count = E, .out = out_rows, .a = in_rows, .b = wsize, .bias = 4 * C, .pre_act = out_rows});
+    });
+    const double flops = 2.0 * M * 4 * C * C;
+    row(E == 8 ? "experts fc+gelu 8x1024, a GEMM each" : "experts fc+gelu 32x256, a GEMM each", loop, 0, flops);
+    row(E == 8 ? "experts fc+gelu 8x1024, one batch" : "experts fc+gelu 32x256, one batch", batched, 0, flops);
+  }
   // c_proj's dx, the gradient at the hidden units [8192,3072]: plainly (then "gelu bwd" below
   // takes it through the GELU), and with GELU's backward in the GEMM as the MLP runs it now.
   row("matmul proj dinp [..,768]x[768,3072]", time_ms(s, [&] {

@@ -231,6 +231,56 @@ TEST_CASE("matmul: K = 0 gives the bias; impossible arguments throw") {
                   std::invalid_argument);
 }
 
+TEST_CASE("a strided batch of GEMMs is its products one by one, the gaps between them untouched") {
+  // Three products a stride apart (padded experts' GEMMs, nn/moe.hpp): every operand of
+  // product i is found i strides on, a null bias stays null, and nothing between them is
+  // written. Bit for bit the single calls, for matmul (bias, GELU), matmul_dgelu and
+  // matmul_weight_grad (both layouts).
+  constexpr std::int64_t count = 3, gap = 5;
+  const int M = 7, N = 9, K = 6;
+  const std::int64_t sa = M * K + gap, sb = K * N + gap, so = M * N + gap, sbias = N + gap, sw = K * N + gap;
+  const Vec a = random_vec(count * sa, 70), b = random_vec(count * sb, 71), bias = random_vec(count * sbias, 72);
+  const Vec init = random_vec(count * so, 73), pre0 = random_vec(count * so, 74);
+  const double* none = nullptr;
+  for (const bool with_bias : {false, true}) {
+    CAPTURE(with_bias);
+    Vec out = init, pre = pre0, one = init, one_pre = pre0;
+    k::matmul(out.data(), a.data(), b.data(), with_bias ? bias.data() : none, M, N, K, false, true, false,
+              k::Epilogue::gelu, pre.data(), {.count = count, .out = so, .a = sa, .b = sb, .bias = sbias, .pre_act = so});
+    for (std::int64_t i = 0; i < count; ++i)
+      k::matmul(one.data() + i * so, a.data() + i * sa, b.data() + i * sb, with_bias ? bias.data() + i * sbias : none, M,
+                N, K, false, true, false, k::Epilogue::gelu, one_pre.data() + i * so);
+    CHECK(out == one);
+    CHECK(pre == one_pre);
+  }
+  {
+    Vec out = init, one = init;
+    k::matmul_dgelu(out.data(), a.data(), b.data(), pre0.data(), M, N, K, false, true,
+                    {.count = count, .out = so, .a = sa, .b = sb, .pre_act = so});
+    for (std::int64_t i = 0; i < count; ++i)
+      k::matmul_dgelu(one.data() + i * so, a.data() + i * sa, b.data() + i * sb, pre0.data() + i * so, M, N, K, false,
+                      true);
+    CHECK(out == one);
+  }
+  for (const bool transposed : {false, true}) {  // dW [K, N] += x^T dy over M rows, db += dy's sums
+    CAPTURE(transposed);
+    const Vec dy = random_vec(count * so, 75);
+    Vec dw = random_vec(count * sw, 76), db = random_vec(count * sbias, 77), one_dw = dw, one_db = db;
+    k::matmul_weight_grad(dw.data(), db.data(), dy.data(), a.data(), M, K, N, transposed,
+                          {.count = count, .dw = sw, .db = sbias, .dy = so, .x = sa});
+    for (std::int64_t i = 0; i < count; ++i)
+      k::matmul_weight_grad(one_dw.data() + i * sw, one_db.data() + i * sbias, dy.data() + i * so, a.data() + i * sa, M,
+                            K, N, transposed);
+    CHECK(dw == one_dw);
+    CHECK(db == one_db);
+    CHECK(dw != random_vec(count * sw, 76));  // it added something
+  }
+  Vec o(4);
+  CHECK_THROWS_AS(k::matmul(o.data(), o.data(), o.data(), none, 2, 2, 1, false, false, false, k::Epilogue::none,
+                            static_cast<double*>(nullptr), {.count = 0}),
+                  std::invalid_argument);
+}
+
 TEST_CASE("matmul backward (da, db, dbias via matmul + bias_backward) against finite differences, all transposes") {
   for (const Dims& d : all_transposes) {
     CAPTURE(d.ta);

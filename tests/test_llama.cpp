@@ -448,6 +448,45 @@ TEST_CASE("Llama's plan, from its type: its buffers after a forward and backward
   holds_the_planned_bytes<ring_tiny, Mesh<CP<2>>>("CP 2 (ring)");
 }
 
+namespace {
+// Serial steps of a Llama with experts: the losses, and the dense and expert weights and
+// gradients after the last.
+struct ExpertRun {
+  std::vector<double> losses;
+  std::vector<float> weights, grads, expert_weights, expert_grads;
+};
+template <class Cfg>
+ExpertRun expert_steps() {
+  Llama<Cfg> m(init);
+  DataParallel<Llama<Cfg>> dp(m, hp.adamw);
+  dp.optimizer().hp.lr = hp.lr(1);
+  ExpertRun r;
+  std::vector<int> tok, tgt;
+  for (int s = 1; s <= steps; ++s) {
+    test::global_batch(s, 1, B, T, tiny::vocab, tok, tgt);
+    r.losses.push_back(dp.step(tok, tgt, B, T));
+  }
+  r.weights.assign(m.params().begin(), m.params().end());
+  r.grads.assign(m.grads().begin(), m.grads().end());
+  r.expert_weights.assign(m.expert_params().begin(), m.expert_params().end());
+  r.expert_grads.assign(m.expert_grads().begin(), m.expert_grads().end());
+  return r;
+}
+}  // namespace
+
+// (On a mesh each rank's capacity counts its own tokens, so padded runs equal serial ones fed
+// the same rows per rank: tests/test_moe.cpp, for GPT-2's experts, batched the same way.)
+TEST_CASE("SwiGLU experts padded to capacity, their GEMMs one strided batch for all experts, take the capacity "
+          "path's steps (a GEMM per expert) bit for bit") {
+  const ExpertRun padded = expert_steps<padded_moe_tiny>(), capped = expert_steps<capped_moe_tiny>();
+  CHECK(padded.losses == capped.losses);
+  CHECK(padded.weights == capped.weights);
+  CHECK(padded.grads == capped.grads);
+  CHECK(padded.expert_weights == capped.expert_weights);
+  CHECK(padded.expert_grads == capped.expert_grads);
+  CHECK(padded.losses.back() < padded.losses.front());
+}
+
 TEST_CASE("experts padded to capacity: their buffers after a forward and backward are the planned bytes on "
           "Mesh<CP<2>, TP<2>, EP<2>> and Mesh<TP<2>>, with SP") {
   holds_the_planned_bytes<padded_moe_tiny, Mesh<CP<2>, TP<2>, EP<2>>>("CP 2 x TP 2 x EP 2, padded experts");

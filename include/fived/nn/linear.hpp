@@ -41,10 +41,12 @@ void apply(S& s, T* y, const T* x, const T* w, const T* b, int in, int out, Epi.
 // A linear map's weight half over `rows` rows, as Step::weight_grad runs it (now, or at W):
 // dW += x^T dy in W's storage, db += the sum of dy's rows (a null db: no bias). dy and x must
 // outlive the call: pass what backward overwrites through Step::hold. For every layer with
-// a weight of its own (the experts' slices, the router, the head) as for these below.
+// a weight of its own (the experts' slices, the router, the head) as for these below; batch:
+// several such maps of one shape at once (padded experts, nn/moe.hpp).
 template <class W, class S, class T>
-void linear_weight_grad(S& s, T* dw, T* db, const T* dy, const T* x, int rows, int in, int out) {
-  s.weight_grad([=](auto& ops) { ops.matmul_weight_grad(dw, db, dy, x, rows, in, out, W::transposed); });
+void linear_weight_grad(S& s, T* dw, T* db, const T* dy, const T* x, int rows, int in, int out,
+                        typename S::ops_type::WeightGradBatch batch = {}) {
+  s.weight_grad([=](auto& ops) { ops.matmul_weight_grad(dw, db, dy, x, rows, in, out, W::transposed, batch); });
 }
 
 namespace detail_linear {

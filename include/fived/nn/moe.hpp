@@ -244,20 +244,27 @@ struct MoE {
       to_experts(s, a, w, w.rows.data(), a.x_exp.data(), C);
     }
     T* y_exp = EP == 1 ? a.y.data() : w.y_exp.data();
-    for_each_expert(a, [&](int j, std::size_t off, int n) {
+    // Experts j .. j+count-1, n rows each from row `off`: one GEMM per weight for them all.
+    for_each_expert(a, [&](int j, int count, std::size_t off, int n) {
       const T* none = nullptr;
+      const std::int64_t r = n;
+      const std::size_t rows = static_cast<std::size_t>(count) * static_cast<std::size_t>(n);
+      constexpr auto plain = ops_type::Epilogue::none;
       if constexpr (Gated) {  // h = silu(x Wg^T) * (x Wu^T); y = h Wd^T
         T* gu = a.pre.data() + off * 2 * Fl;
-        ops.matmul(gu, a.x_exp.data() + off * C, p.fc_w + j * std::size_t(2 * Fl) * C, none, n, 2 * Fl, C, false, true);
-        ops.swiglu_forward(a.h.data() + off * Fl, gu, n, Fl);
+        ops.matmul(gu, a.x_exp.data() + off * C, p.fc_w + j * std::size_t(2 * Fl) * C, none, n, 2 * Fl, C, false, true,
+                   false, plain, nullptr, {.count = count, .out = r * 2 * Fl, .a = r * C, .b = 2 * Fl * C});
+        ops.swiglu_forward(a.h.data() + off * Fl, gu, static_cast<int>(rows), Fl);
         ops.matmul(y_exp + off * C, a.h.data() + off * Fl, p.proj_w + j * std::size_t(C) * Fl, none, n, C, Fl, false,
-                   true);
+                   true, false, plain, nullptr, {.count = count, .out = r * C, .a = r * Fl, .b = C * Fl});
       } else {
         ops.matmul(a.h.data() + off * Fl, a.x_exp.data() + off * C, p.fc_w + j * std::size_t(C) * Fl,
                    p.fc_b + j * std::size_t(Fl), n, Fl, C, false, false, false, ops_type::Epilogue::gelu,
-                   a.pre.data() + off * Fl);
+                   a.pre.data() + off * Fl,
+                   {.count = count, .out = r * Fl, .a = r * C, .b = C * Fl, .bias = Fl, .pre_act = r * Fl});
         ops.matmul(y_exp + off * C, a.h.data() + off * Fl, p.proj_w + j * std::size_t(Fl) * C,
-                   s.rank() == 0 ? p.proj_b + j * std::size_t(C) : none, n, C, Fl, false, false);
+                   s.rank() == 0 ? p.proj_b + j * std::size_t(C) : none, n, C, Fl, false, false, false, plain, nullptr,
+                   {.count = count, .out = r * C, .a = r * Fl, .b = Fl * C, .bias = C});
       }
     });
     if constexpr (EP > 1) from_experts(s, a, w, y_exp, a.y.data(), C);
@@ -285,11 +292,13 @@ struct MoE {
     // Each expert's input gradient now, its weights' as the weight half (Step::weight_grad):
     // the rows' d(y), dh and d(gate|up) are held (their buffers are reused), its rows' input
     // and activations stay in the slot.
-    for_each_expert(a, [&](int j, std::size_t off, int n) {
+    for_each_expert(a, [&](int j, int count, std::size_t off, int n) {
       T* dyj = d_exp + off * C;
       T* dh = w.dh.data() + off * Fl;
       const T* none = nullptr;
-      const std::size_t rows = static_cast<std::size_t>(n);
+      const std::int64_t r = n;
+      const std::size_t rows = static_cast<std::size_t>(count) * static_cast<std::size_t>(n);
+      constexpr auto plain = ops_type::Epilogue::none;
       const T* xj = s.hold_saved(a.x_exp.data() + off * C, rows * C);
       const T* hj = s.hold_saved(a.h.data() + off * Fl, rows * Fl);
       if constexpr (Gated) {
@@ -298,23 +307,29 @@ struct MoE {
         const T* gu = a.pre.data() + off * 2 * Fl;
         T* dgu = w.dgu.data() + off * 2 * Fl;
         T* nobias = nullptr;
-        ops.matmul(dh, dyj, wd, none, n, Fl, C, false, false);  // dh = dy Wd
+        ops.matmul(dh, dyj, wd, none, n, Fl, C, false, false, false, plain, nullptr,  // dh = dy Wd
+                   {.count = count, .out = r * Fl, .a = r * C, .b = C * Fl});
         linear_weight_grad<TorchLinear>(s, g.proj_w + j * std::size_t(C) * Fl, nobias, s.hold(dyj, rows * C), hj, n,
-                                        Fl, C);
-        ops.swiglu_backward(dgu, dh, gu, n, Fl);
+                                        Fl, C, {.count = count, .dw = C * Fl, .dy = r * C, .x = r * Fl});
+        ops.swiglu_backward(dgu, dh, gu, static_cast<int>(rows), Fl);
         linear_weight_grad<TorchLinear>(s, g.fc_w + j * std::size_t(2 * Fl) * C, nobias, s.hold(dgu, rows * 2 * Fl),
-                                        xj, n, C, 2 * Fl);
-        ops.matmul(dyj, dgu, wgu, none, n, C, 2 * Fl, false, false);  // dx of the rows
+                                        xj, n, C, 2 * Fl, {.count = count, .dw = 2 * Fl * C, .dy = r * 2 * Fl, .x = r * C});
+        ops.matmul(dyj, dgu, wgu, none, n, C, 2 * Fl, false, false, false, plain, nullptr,  // dx of the rows
+                   {.count = count, .out = r * C, .a = r * 2 * Fl, .b = 2 * Fl * C});
         return;
       }
       const T* w1 = p.fc_w + j * std::size_t(C) * Fl;
       // dh: the gradient at the GELU's input (its backward in the GEMM)
-      ops.matmul_dgelu(dh, dyj, p.proj_w + j * std::size_t(Fl) * C, a.pre.data() + off * Fl, n, Fl, C, false, true);
+      ops.matmul_dgelu(dh, dyj, p.proj_w + j * std::size_t(Fl) * C, a.pre.data() + off * Fl, n, Fl, C, false, true,
+                       {.count = count, .out = r * Fl, .a = r * C, .b = Fl * C, .pre_act = r * Fl});
       linear_weight_grad<Conv1D>(s, g.proj_w + j * std::size_t(Fl) * C, g.proj_b + j * std::size_t(C),
-                                 s.hold(dyj, rows * C), hj, n, Fl, C);
+                                 s.hold(dyj, rows * C), hj, n, Fl, C,
+                                 {.count = count, .dw = Fl * C, .db = C, .dy = r * C, .x = r * Fl});
       linear_weight_grad<Conv1D>(s, g.fc_w + j * std::size_t(C) * Fl, g.fc_b + j * std::size_t(Fl),
-                                 s.hold(dh, rows * Fl), xj, n, C, Fl);
-      ops.matmul(dyj, dh, w1, none, n, C, Fl, false, true);  // dx of the rows
+                                 s.hold(dh, rows * Fl), xj, n, C, Fl,
+                                 {.count = count, .dw = C * Fl, .db = Fl, .dy = r * Fl, .x = r * C});
+      ops.matmul(dyj, dh, w1, none, n, C, Fl, false, true, false, plain, nullptr,  // dx of the rows
+                 {.count = count, .out = r * C, .a = r * Fl, .b = C * Fl});
     });
     if constexpr (EP > 1) from_experts(s, a, w, d_exp, w.rows.data(), C);
 
@@ -339,14 +354,21 @@ struct MoE {
     if (b.size() < n) b = ops.template make_buffer<U>(n);
   }
 
-  // f(local expert j, first row, rows) for every local expert with rows ([El][EP] order).
+  // f(first local expert j, count, first row, rows each) over the local experts with rows
+  // ([El][EP] order): padded, all El at once, each EP·capacity rows (their GEMMs one strided
+  // batch, kernels/host/gemm.hpp); else one expert at a time, as many rows as it got.
   template <class F>
   static void for_each_expert(const Saved& a, F&& f) {
+    if constexpr (padded) {
+      const int n = static_cast<int>(a.received / El);  // every peer sends each expert `capacity` rows
+      if (n > 0) f(0, El, std::size_t{0}, n);
+      return;
+    }
     std::size_t off = 0;
     for (int j = 0; j < El; ++j) {
       std::int64_t n = 0;
       for (int q = 0; q < EP; ++q) n += a.from[static_cast<std::size_t>(q) * El + j];
-      if (n > 0) f(j, off, static_cast<int>(n));
+      if (n > 0) f(j, 1, off, static_cast<int>(n));
       off += static_cast<std::size_t>(n);
     }
   }

@@ -18,7 +18,8 @@
 //   template <class U> using buffer = Buffer<U, Device>;
 //   kernels (contract of /kernels, without the stream / handle argument):
 //     matmul, matmul_dgelu (a GELU's backward fused into the GEMM before it),
-//     matmul_weight_grad (a linear layer's dW and db, the bias summed in the GEMM),
+//     matmul_weight_grad (a linear layer's dW and db, the bias summed in the GEMM), each
+//     with an optional strided batch last (Batch, WeightGradBatch: padded experts' GEMMs),
 //     layernorm_forward, layernorm_backward, rmsnorm_forward, rmsnorm_backward,
 //     residual_layernorm_forward and residual_rmsnorm_forward (the residual add before a norm,
 //     fused into it), gelu_backward, swiglu_forward, swiglu_backward, rotary_forward and
@@ -120,6 +121,8 @@ struct Ops<T, Host> {
   template <class U>
   using buffer = Buffer<U, Host>;
   using Epilogue = kernels::host::Epilogue;
+  using Batch = kernels::host::Batch;
+  using WeightGradBatch = kernels::host::WeightGradBatch;
 
   // ---- kernels ------------------------------------------------------------------------------
 
@@ -130,21 +133,26 @@ struct Ops<T, Host> {
   FIVED_OPS_KERNELS(FIVED_HOST_KERNEL)
 #undef FIVED_HOST_KERNEL
 
+  // Each GEMM takes a strided batch last (kernels/host/gemm.hpp): padded experts' products.
   void matmul(T* out, const T* a, const T* b, const T* bias, int M, int N, int K, bool trans_a, bool trans_b,
-              bool accumulate = false, Epilogue ep = Epilogue::none, T* pre_act = nullptr) {
-    queue("matmul", [=] { kernels::host::matmul(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act); },
-          [&] { return call_hash(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act); });
+              bool accumulate = false, Epilogue ep = Epilogue::none, T* pre_act = nullptr, Batch batch = {}) {
+    queue("matmul",
+          [=] { kernels::host::matmul(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act, batch); },
+          [&] { return call_hash(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act, batch); });
   }
   // out = gelu'(pre_act) * op(a) op(b): the gradient at a GELU's input from the GEMM that
   // gives its output's (kernels/host/gemm.hpp).
-  void matmul_dgelu(T* out, const T* a, const T* b, const T* pre_act, int M, int N, int K, bool trans_a, bool trans_b) {
-    queue("matmul_dgelu", [=] { kernels::host::matmul_dgelu(out, a, b, pre_act, M, N, K, trans_a, trans_b); },
-          [&] { return call_hash(out, a, b, pre_act, M, N, K, trans_a, trans_b); });
+  void matmul_dgelu(T* out, const T* a, const T* b, const T* pre_act, int M, int N, int K, bool trans_a, bool trans_b,
+                    Batch batch = {}) {
+    queue("matmul_dgelu", [=] { kernels::host::matmul_dgelu(out, a, b, pre_act, M, N, K, trans_a, trans_b, batch); },
+          [&] { return call_hash(out, a, b, pre_act, M, N, K, trans_a, trans_b, batch); });
   }
   // A linear layer's weight half: dW += x^T dy (transposed: dy^T x), db += dy's row sums.
-  void matmul_weight_grad(T* dw, T* db, const T* dy, const T* x, int rows, int in, int out, bool transposed) {
-    queue("matmul_weight_grad", [=] { kernels::host::matmul_weight_grad(dw, db, dy, x, rows, in, out, transposed); },
-          [&] { return call_hash(dw, db, dy, x, rows, in, out, transposed); });
+  void matmul_weight_grad(T* dw, T* db, const T* dy, const T* x, int rows, int in, int out, bool transposed,
+                          WeightGradBatch batch = {}) {
+    queue("matmul_weight_grad",
+          [=] { kernels::host::matmul_weight_grad(dw, db, dy, x, rows, in, out, transposed, batch); },
+          [&] { return call_hash(dw, db, dy, x, rows, in, out, transposed, batch); });
   }
   void attention_forward(T* out, stat_t* lse, const T* qkv, int B, int T_, int C, int NH, int NKV,
                          const int* doc_first = nullptr) {

@@ -39,10 +39,17 @@
 //     into W [in, out] (transposed: dW += dy^T x into W [out, in], torch.nn.Linear's), and
 //     db += the sum of dy's rows (a null db: no bias). Here the GEMM, then bias_backward; a
 //     device sums dy for the bias inside the GEMM that reads it anyway (kernels/cuda/gemm.hpp).
+//
+// Each of the three takes a strided batch last (Batch, WeightGradBatch): `count` products of
+// one shape, the i-th with every operand i strides (elements) after the first's, as a mixture
+// of experts padded to capacity has, one per expert (nn/moe.hpp). Here they run one after
+// another, each exactly as the plain call; a device runs them as one GEMM (cuBLASLt's strided
+// batch). The default is one product.
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -56,6 +63,33 @@
 namespace fived::kernels::host {
 
 enum class Epilogue { none, gelu };
+
+// A strided batch for matmul and matmul_dgelu: product i reads a + i·a, b + i·b, bias + i·bias
+// and writes out + i·out (and pre_act + i·pre_act), in elements. All int64: no padding, so a
+// call's bytes hash alike (util/call_hash.hpp).
+struct Batch {
+  std::int64_t count = 1;
+  std::int64_t out = 0, a = 0, b = 0, bias = 0, pre_act = 0;
+};
+// ... and for matmul_weight_grad: product i adds into dw + i·dw and db + i·db from dy + i·dy
+// and x + i·x.
+struct WeightGradBatch {
+  std::int64_t count = 1;
+  std::int64_t dw = 0, db = 0, dy = 0, x = 0;
+};
+
+namespace detail_gemm {
+// Product i's operand: p advanced by i strides, a null pointer left null (no bias).
+template <class P>
+P* nth(P* p, std::int64_t stride, std::int64_t i) {
+  return p == nullptr ? p : p + stride * i;
+}
+inline void require_batch(const char* fn, std::int64_t count) {
+  if (count < 1)
+    throw std::invalid_argument(std::string("fived::kernels::host::") + fn +
+                                ": a batch holds at least one product (count=" + std::to_string(count) + ")");
+}
+}  // namespace detail_gemm
 
 namespace detail_gemm {
 
@@ -194,10 +228,10 @@ void pack_panels(A* __restrict dst, const T* __restrict src, std::size_t ks, std
 
 }  // namespace detail_gemm
 
+namespace detail_gemm {
 template <class T>
-void matmul(T* out, const T* a, const T* b, const std::type_identity_t<T>* bias, int M, int N, int K, bool trans_a,
-            bool trans_b, bool accumulate = false, Epilogue ep = Epilogue::none,
-            std::type_identity_t<T>* pre_act = nullptr) {
+void product(T* out, const T* a, const T* b, const std::type_identity_t<T>* bias, int M, int N, int K, bool trans_a,
+             bool trans_b, bool accumulate, Epilogue ep, std::type_identity_t<T>* pre_act) {
   using A = acc_t<T>;
   using namespace detail_gemm;
   constexpr std::size_t nr = NR<A>;
@@ -271,13 +305,31 @@ void matmul(T* out, const T* a, const T* b, const std::type_identity_t<T>* bias,
   }
 }
 
+}  // namespace detail_gemm
+
+template <class T>
+void matmul(T* out, const T* a, const T* b, const std::type_identity_t<T>* bias, int M, int N, int K, bool trans_a,
+            bool trans_b, bool accumulate = false, Epilogue ep = Epilogue::none,
+            std::type_identity_t<T>* pre_act = nullptr, Batch batch = {}) {
+  using detail_gemm::nth;
+  detail_gemm::require_batch("matmul", batch.count);
+  for (std::int64_t i = 0; i < batch.count; ++i)
+    detail_gemm::product(nth(out, batch.out, i), nth(a, batch.a, i), nth(b, batch.b, i), nth(bias, batch.bias, i), M,
+                         N, K, trans_a, trans_b, accumulate, ep, nth(pre_act, batch.pre_act, i));
+}
+
 template <class T>
 void matmul_dgelu(T* out, const T* a, const T* b, const std::type_identity_t<T>* pre_act, int M, int N, int K,
-                  bool trans_a, bool trans_b) {
+                  bool trans_a, bool trans_b, Batch batch = {}) {
+  using detail_gemm::nth;
   if (pre_act == nullptr && M > 0 && N > 0)
     throw std::invalid_argument("fived::kernels::host::matmul_dgelu: needs pre_act[M,N], the GELU's input");
-  matmul(out, a, b, static_cast<const T*>(nullptr), M, N, K, trans_a, trans_b);
-  gelu_backward(out, pre_act, out, static_cast<std::size_t>(M) * static_cast<std::size_t>(N));
+  detail_gemm::require_batch("matmul_dgelu", batch.count);
+  for (std::int64_t i = 0; i < batch.count; ++i) {
+    T* o = nth(out, batch.out, i);
+    matmul(o, nth(a, batch.a, i), nth(b, batch.b, i), static_cast<const T*>(nullptr), M, N, K, trans_a, trans_b);
+    gelu_backward(o, nth(pre_act, batch.pre_act, i), o, static_cast<std::size_t>(M) * static_cast<std::size_t>(N));
+  }
 }
 
 // dbias[N] += column sums of dout[M,N] (accumulated in acc_t<T>, rounded once).
@@ -297,11 +349,18 @@ void bias_backward(T* dbias, const T* dout, int M, int N) {
 }
 
 template <class T>
-void matmul_weight_grad(T* dw, T* db, const T* dy, const T* x, int rows, int in, int out, bool transposed) {
+void matmul_weight_grad(T* dw, T* db, const T* dy, const T* x, int rows, int in, int out, bool transposed,
+                        WeightGradBatch batch = {}) {
+  using detail_gemm::nth;
   const T* none = nullptr;
-  if (transposed) matmul(dw, dy, x, none, out, in, rows, true, false, true);
-  else matmul(dw, x, dy, none, in, out, rows, true, false, true);
-  if (db != nullptr) bias_backward(db, dy, rows, out);
+  detail_gemm::require_batch("matmul_weight_grad", batch.count);
+  for (std::int64_t i = 0; i < batch.count; ++i) {
+    T *dwi = nth(dw, batch.dw, i), *dbi = nth(db, batch.db, i);
+    const T *dyi = nth(dy, batch.dy, i), *xi = nth(x, batch.x, i);
+    if (transposed) matmul(dwi, dyi, xi, none, out, in, rows, true, false, true);
+    else matmul(dwi, xi, dyi, none, in, out, rows, true, false, true);
+    if (dbi != nullptr) bias_backward(dbi, dyi, rows, out);
+  }
 }
 
 }  // namespace fived::kernels::host

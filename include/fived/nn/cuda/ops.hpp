@@ -104,6 +104,8 @@ struct Ops<T, Cuda> {
   template <class U>
   using buffer = Buffer<U, Cuda>;
   using Epilogue = kernels::cuda::Epilogue;
+  using Batch = kernels::cuda::Batch;
+  using WeightGradBatch = kernels::cuda::WeightGradBatch;
 
   Ops() : lt_(stream_.get()), loss_sum_(1) {
     kernels::cuda::keep_scratch_pool();
@@ -126,21 +128,29 @@ struct Ops<T, Cuda> {
   FIVED_OPS_KERNELS(FIVED_CUDA_KERNEL)
 #undef FIVED_CUDA_KERNEL
 
+  // Each GEMM takes a strided batch last (kernels/host/gemm.hpp): one cuBLASLt call for
+  // padded experts' products.
   void matmul(T* out, const T* a, const T* b, const T* bias, int M, int N, int K, bool trans_a, bool trans_b,
-              bool accumulate = false, Epilogue ep = Epilogue::none, T* pre_act = nullptr) {
+              bool accumulate = false, Epilogue ep = Epilogue::none, T* pre_act = nullptr, Batch batch = {}) {
     queue("matmul",
-          [&] { kernels::cuda::matmul(lt_, out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act); },
-          [&] { return call_hash(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act); });
+          [&] {
+            kernels::cuda::matmul(lt_, out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act, batch);
+          },
+          [&] { return call_hash(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, ep, pre_act, batch); });
   }
   // out = gelu'(pre_act) * op(a) op(b): the gradient at a GELU's input from the GEMM that
   // gives its output's (kernels/host/gemm.hpp).
-  void matmul_dgelu(T* out, const T* a, const T* b, const T* pre_act, int M, int N, int K, bool trans_a, bool trans_b) {
-    queue("matmul_dgelu", [&] { kernels::cuda::matmul_dgelu(lt_, out, a, b, pre_act, M, N, K, trans_a, trans_b); },
-          [&] { return call_hash(out, a, b, pre_act, M, N, K, trans_a, trans_b); });
+  void matmul_dgelu(T* out, const T* a, const T* b, const T* pre_act, int M, int N, int K, bool trans_a, bool trans_b,
+                    Batch batch = {}) {
+    queue("matmul_dgelu",
+          [&] { kernels::cuda::matmul_dgelu(lt_, out, a, b, pre_act, M, N, K, trans_a, trans_b, batch); },
+          [&] { return call_hash(out, a, b, pre_act, M, N, K, trans_a, trans_b, batch); });
   }
-  void matmul_weight_grad(T* dw, T* db, const T* dy, const T* x, int rows, int in, int out, bool transposed) {
-    queue("matmul_weight_grad", [&] { kernels::cuda::matmul_weight_grad(lt_, dw, db, dy, x, rows, in, out, transposed); },
-          [&] { return call_hash(dw, db, dy, x, rows, in, out, transposed); });
+  void matmul_weight_grad(T* dw, T* db, const T* dy, const T* x, int rows, int in, int out, bool transposed,
+                          WeightGradBatch batch = {}) {
+    queue("matmul_weight_grad",
+          [&] { kernels::cuda::matmul_weight_grad(lt_, dw, db, dy, x, rows, in, out, transposed, batch); },
+          [&] { return call_hash(dw, db, dy, x, rows, in, out, transposed, batch); });
   }
   // bf16 attention runs through cuDNN's fused kernel where fived was built with it
   // (FIVED_WITH_CUDNN) and it takes the shape; fived's own kernel otherwise, or when
