@@ -273,7 +273,7 @@ bench() {
 
 # The whole device session in one call, on the programs `pack` carried (see the top).
 # memcheck's default cases: the kernels changed since the last GPU run (3f586e5).
-memcheck_changed='matmul_weight_grad*,layernorm*,residual add*,embedding*,cross-entropy*,AdamW over chunks*,gradient norm over chunks*,mixture of experts*'
+memcheck_changed='matmul_weight_grad*,a strided batch*,layernorm*,residual add*,embedding*,cross-entropy*,AdamW over chunks*,gradient norm over chunks*,attention forward and backward*,attention blocks*,mixture of experts*'
 check() {
   mkdir -p "$out"
   deadline=$(($(date +%s) + ${FIVED_GPU_BUDGET_S:-540}))

@@ -356,7 +356,7 @@ struct MoE {
 
   // f(first local expert j, count, first row, rows each) over the local experts with rows
   // ([El][EP] order): padded, all El at once, each EP·capacity rows (their GEMMs one strided
-  // batch, kernels/host/gemm.hpp); else one expert at a time, as many rows as it got.
+  // batch: Ops::Batch); else one expert at a time, as many rows as it got.
   template <class F>
   static void for_each_expert(const Saved& a, F&& f) {
     if constexpr (padded) {
