@@ -252,66 +252,84 @@ TEST_CASE_TEMPLATE("matmul_weight_grad: a linear layer's dW and db (the bias sum
 TEST_CASE_TEMPLATE("a strided batch of GEMMs (padded experts) against the host, every epilogue", T, ELEMENT_TYPES) {
   // Three products of one shape whose operands lie a stride apart with gaps between them (the
   // gaps must keep what they held), as a mixture of experts padded to capacity runs them
-  // (nn/moe.hpp): the forward with bias and GELU (its pre-activation as the aux matrix), the
-  // plain and accumulating product, GELU's backward, and the weight half with and without the
-  // bias summed in the GEMM. The host runs them one after another (its batch is a loop, tested
-  // in test_kernels_host). N = 50: an aux matrix cuBLASLt takes no epilogue for, one product
-  // at a time.
+  // (nn/moe.hpp): the forward in all four transposes with bias and GELU (its pre-activation
+  // as the aux matrix), the plain and accumulating product, GELU's backward, and the weight
+  // half with and without the bias summed in the GEMM. The host runs them one after another
+  // (its batch is a loop, tested in test_kernels_host). Strides of whole 16 bytes take
+  // cuBLASLt's batched call; odd strides (a later product less aligned than the first) one
+  // product at a time, as does N = 50 for the aux matrix. Which epilogues ran batched is
+  // printed; that the plain product did is checked.
   ck::CublasLt lt(stream());
   const double tol = bound<T>(fp32_sum);
-  constexpr std::int64_t count = 3, gap = 8;
+  constexpr std::int64_t count = 3;
   const int M = 37, K = 45;
-  for (const int N : {72, 50}) {
-    CAPTURE(N);
-    const std::int64_t sa = M * K + gap, sb = K * N + gap, so = M * N + gap, sbias = N + gap;
-    const auto a = rnd<T>(count * sa, 60), b = rnd<T>(count * sb, 61), bias = rnd<T>(count * sbias, 62);
-    const auto init = rnd<T>(count * so, 63), pre_init = rnd<T>(count * so, 64, -3.0f, 3.0f);
-    const auto da = up(a), db = up(b), dbias = up(bias);
-    for (const bool with_bias : {false, true})
-      for (const bool acc : {false, true})
-        for (const bool gelu : {false, true}) {
-          if (gelu && acc) continue;
-          CAPTURE(with_bias);
-          CAPTURE(acc);
-          CAPTURE(gelu);
-          const hk::Batch batch{.count = count, .out = so, .a = sa, .b = sb, .bias = sbias, .pre_act = so};
-          auto ref = init, pre = pre_init;
-          hk::matmul(ref.data(), a.data(), b.data(), with_bias ? bias.data() : nullptr, M, N, K, false, true, acc,
-                     gelu ? hk::Epilogue::gelu : hk::Epilogue::none, gelu ? pre.data() : nullptr, batch);
-          auto dout = up(init), dpre = up(pre_init);
-          ck::matmul(lt, dout.data(), da.data(), db.data(), with_bias ? dbias.data() : nullptr, M, N, K, false, true, acc,
-                     gelu ? ck::Epilogue::gelu : ck::Epilogue::none, gelu ? dpre.data() : nullptr, batch);
-          CHECK_CLOSE(ref, down(dout), tol);
-          CHECK_CLOSE(pre, down(dpre), tol);
-        }
-    {  // GELU's backward: dh = gelu'(pre) * dy w^T, pre the aux matrix
-      const hk::Batch batch{.count = count, .out = so, .a = sa, .b = sb, .pre_act = so};
-      auto ref = init;
-      hk::matmul_dgelu(ref.data(), a.data(), b.data(), pre_init.data(), M, N, K, false, true, batch);
-      auto dout = up(init);
-      const auto dpre = up(pre_init);
-      ck::matmul_dgelu(lt, dout.data(), da.data(), db.data(), dpre.data(), M, N, K, false, true, batch);
-      CHECK_CLOSE(ref, down(dout), tol);
-    }
-    for (const bool transposed : {false, true})
-      for (const bool with_bias : {true, false}) {  // dW [K, N] += x^T dy over M rows (transposed: [N, K])
-        CAPTURE(transposed);
-        CAPTURE(with_bias);
-        const std::int64_t sdw = K * N + gap;
-        const hk::WeightGradBatch batch{.count = count, .dw = sdw, .db = sbias, .dy = so, .x = sa};
-        const auto dy = rnd<T>(count * so, 65), x = a;
-        auto dw = rnd<T>(count * sdw, 66), dbv = rnd<T>(count * sbias, 67);
-        auto d_dw = up(dw), d_db = up(dbv);
-        const auto d_dy = up(dy), d_x = up(x);
-        hk::matmul_weight_grad(dw.data(), with_bias ? dbv.data() : nullptr, dy.data(), x.data(), M, K, N, transposed,
-                               batch);
-        const bool fused = ck::matmul_weight_grad(lt, d_dw.data(), with_bias ? d_db.data() : nullptr, d_dy.data(),
-                                                  d_x.data(), M, K, N, transposed, batch);
-        CHECK_CLOSE(dw, down(d_dw), tol);
-        CHECK_CLOSE(dbv, down(d_db), tol);
-        if (with_bias) MESSAGE("batched weight gradient, N=" << N << (fused ? ": bias in the epilogue" : ": bias apart"));
+  for (const bool aligned : {true, false})
+    for (const int N : {72, 50}) {
+      CAPTURE(aligned);
+      CAPTURE(N);
+      // n elements and a gap, rounded up to 16 bytes' worth (8 elements) when aligned
+      const auto stride = [aligned](std::int64_t n) { return aligned ? (n + 8 + 7) / 8 * 8 : n + 3; };
+      const std::int64_t sa = stride(M * K), sb = stride(K * N), so = stride(M * N), sbias = stride(N);
+      const auto a = rnd<T>(count * sa, 60), b = rnd<T>(count * sb, 61), bias = rnd<T>(count * sbias, 62);
+      const auto init = rnd<T>(count * so, 63), pre_init = rnd<T>(count * so, 64, -3.0f, 3.0f);
+      const auto da = up(a), db = up(b), dbias = up(bias);
+      for (const bool ta : {false, true})
+        for (const bool tb : {false, true})
+          for (const bool with_bias : {false, true})
+            for (const bool acc : {false, true})
+              for (const bool gelu : {false, true}) {
+                if (gelu && acc) continue;
+                CAPTURE(ta);
+                CAPTURE(tb);
+                CAPTURE(with_bias);
+                CAPTURE(acc);
+                CAPTURE(gelu);
+                const hk::Batch batch{.count = count, .out = so, .a = sa, .b = sb, .bias = sbias, .pre_act = so};
+                auto ref = init, pre = pre_init;
+                hk::matmul(ref.data(), a.data(), b.data(), with_bias ? bias.data() : nullptr, M, N, K, ta, tb, acc,
+                           gelu ? hk::Epilogue::gelu : hk::Epilogue::none, gelu ? pre.data() : nullptr, batch);
+                auto dout = up(init), dpre = up(pre_init);
+                ck::matmul(lt, dout.data(), da.data(), db.data(), with_bias ? dbias.data() : nullptr, M, N, K, ta, tb,
+                           acc, gelu ? ck::Epilogue::gelu : ck::Epilogue::none, gelu ? dpre.data() : nullptr, batch);
+                CHECK_CLOSE(ref, down(dout), tol);
+                CHECK_CLOSE(pre, down(dpre), tol);
+              }
+      {  // GELU's backward: dh = gelu'(pre) * dy w^T, pre the aux matrix
+        const hk::Batch batch{.count = count, .out = so, .a = sa, .b = sb, .pre_act = so};
+        auto ref = init;
+        hk::matmul_dgelu(ref.data(), a.data(), b.data(), pre_init.data(), M, N, K, false, true, batch);
+        auto dout = up(init);
+        const auto dpre = up(pre_init);
+        ck::matmul_dgelu(lt, dout.data(), da.data(), db.data(), dpre.data(), M, N, K, false, true, batch);
+        CHECK_CLOSE(ref, down(dout), tol);
       }
-  }
+      for (const bool transposed : {false, true})
+        for (const bool with_bias : {true, false}) {  // dW [K, N] += x^T dy over M rows (transposed: [N, K])
+          CAPTURE(transposed);
+          CAPTURE(with_bias);
+          const std::int64_t sdw = stride(K * N);
+          const hk::WeightGradBatch batch{.count = count, .dw = sdw, .db = sbias, .dy = so, .x = sa};
+          const auto dy = rnd<T>(count * so, 65), x = a;
+          auto dw = rnd<T>(count * sdw, 66), dbv = rnd<T>(count * sbias, 67);
+          auto d_dw = up(dw), d_db = up(dbv);
+          const auto d_dy = up(dy), d_x = up(x);
+          hk::matmul_weight_grad(dw.data(), with_bias ? dbv.data() : nullptr, dy.data(), x.data(), M, K, N, transposed,
+                                 batch);
+          ck::matmul_weight_grad(lt, d_dw.data(), with_bias ? d_db.data() : nullptr, d_dy.data(), d_x.data(), M, K, N,
+                                 transposed, batch);
+          CHECK_CLOSE(dw, down(d_dw), tol);
+          CHECK_CLOSE(dbv, down(d_db), tol);
+        }
+    }
+  // What ran as one call: cuBLASLt's cache holds each batched configuration it was asked for,
+  // ok where it had an algorithm. The plain product (a strided batched GEMM) must have one.
+  int plain = 0;
+  for (const auto& [key, entry] : lt.algo_cache())
+    if (key.count == count) {
+      MESSAGE("batched, epilogue " << key.epilogue << (entry.ok ? ": one call" : ": one product at a time"));
+      if (key.epilogue == CUBLASLT_EPILOGUE_DEFAULT && entry.ok) ++plain;
+    }
+  CHECK(plain > 0);
   Buffer<T, Cuda> o(4);
   CHECK_THROWS_AS(ck::matmul(lt, o.data(), o.data(), o.data(), nullptr, 2, 2, 1, false, false, false,
                              ck::Epilogue::none, nullptr, hk::Batch{.count = 0}),

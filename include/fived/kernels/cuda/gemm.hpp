@@ -112,10 +112,10 @@ class CublasLt {
   // with ok == false records that no algorithm exists for that configuration.
   struct AlgoKey {
     int dtype, compute, epilogue, m, n, k, ta, tb, align_a, align_b, align_c, align_bias, align_aux;
-    std::int64_t count = 1, stride_a = 0, stride_b = 0, stride_c = 0;  // a strided batch
+    std::int64_t count = 1, stride_a = 0, stride_b = 0, stride_c = 0, stride_bias = 0, stride_aux = 0;  // a batch
     auto tie() const {
       return std::tie(dtype, compute, epilogue, m, n, k, ta, tb, align_a, align_b, align_c, align_bias, align_aux, count,
-                      stride_a, stride_b, stride_c);
+                      stride_a, stride_b, stride_c, stride_bias, stride_aux);
     }
     bool operator<(const AlgoKey& o) const { return tie() < o.tie(); }
   };
@@ -199,10 +199,11 @@ __global__ void bias_gelu_kernel(T* out, const T* bias, T* pre_act, int M, int N
 // bias-gradient epilogue wrote.
 template <class T>
 __global__ void add_sums_kernel(T* dbias, const float* sums, int n, std::int64_t count, std::int64_t stride) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= count * n) return;
-  T* d = dbias + i / n * stride + i % n;
-  *d = from_float<T>(to_float(*d) + sums[i]);
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count * n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    T* d = dbias + i / n * stride + i % n;
+    *d = from_float<T>(to_float(*d) + sums[i]);
+  }
 }
 
 // dbias[c] += s.x
@@ -262,6 +263,13 @@ bool lt_matmul(CublasLt& lt, T* out, const T* a, const T* b, const std::type_ide
   const bool has_aux = e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ||
                        e == CUBLASLT_EPILOGUE_DGELU;
   const bool grads_bias = e == CUBLASLT_EPILOGUE_BGRADA || e == CUBLASLT_EPILOGUE_BGRADB;
+  // cuBLASLt's heuristic sees the first product's bias and aux matrix only: a batch whose
+  // strides would leave a later product's less aligned (16 bytes) runs one product at a time.
+  if (count > 1) {
+    const std::size_t bias_bytes = grads_bias ? sizeof(float) : sizeof(T);
+    if ((has_bias || grads_bias) && batch.bias * static_cast<std::int64_t>(bias_bytes) % 16 != 0) return false;
+    if (has_aux && batch.pre_act * static_cast<std::int64_t>(sizeof(T)) % 16 != 0) return false;
+  }
   if (has_bias) {
     const void* bp = bias;
     FIVED_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(raw, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
@@ -298,7 +306,12 @@ bool lt_matmul(CublasLt& lt, T* out, const T* a, const T* b, const std::type_ide
                               : grads_bias ? static_cast<int>(alignment_of(bias_grad, bytes(batch.bias, sizeof(float))))
                                            : 0,
                               has_aux ? static_cast<int>(alignment_of(aux, bytes(batch.pre_act, sizeof(T)))) : 0,
-                              count, count > 1 ? batch.a : 0, count > 1 ? batch.b : 0, count > 1 ? batch.out : 0};
+                              count,
+                              count > 1 ? batch.a : 0,
+                              count > 1 ? batch.b : 0,
+                              count > 1 ? batch.out : 0,
+                              count > 1 && (has_bias || grads_bias) ? batch.bias : 0,
+                              count > 1 && has_aux ? batch.pre_act : 0};
   auto& cache = lt.algo_cache();
   auto it = cache.find(key);
   if (it == cache.end()) {
